@@ -1,0 +1,20 @@
+"""prefix-sharing: compute every shared token prefix of a micro-batch once, with unchanged results.
+
+The core - config, planner, plan, attention and log-probs - is pure torch and numpy. Framework
+adapters (``prefix_sharing.megatron_ext``, ``.npu``, ``.fsdp_compat``) import their framework
+only when they are imported themselves.
+"""
+
+from .config import PrefixSharingConfig
+from .plan import SharingPlan
+from .planner import PromptGroup, build_plan, prompt_groups
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PrefixSharingConfig",
+    "PromptGroup",
+    "SharingPlan",
+    "build_plan",
+    "prompt_groups",
+]

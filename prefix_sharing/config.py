@@ -1,0 +1,117 @@
+"""What to share, and with which attention kernel.
+
+The config is deliberately small: it decides *which* prefixes are computed once (``mode``,
+``min_prefix_len``, ``min_group_size``) and *which kernel* runs the attention (``backend``).
+Everything else (the plan, the kernels' arguments) is derived from the token ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Literal
+
+__all__ = ["PrefixSharingConfig", "MODES", "BACKENDS"]
+
+Mode = Literal["arbitrary_prefix", "prompt_only", "off"]
+Backend = Literal["auto", "torch", "flash_attn", "te", "npu"]
+
+MODES: tuple[str, ...] = ("arbitrary_prefix", "prompt_only", "off")
+BACKENDS: tuple[str, ...] = ("auto", "torch", "flash_attn", "te", "npu")
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixSharingConfig:
+    """Which prefixes a micro-batch computes once.
+
+    Attributes:
+        mode: ``"arbitrary_prefix"`` shares every common prefix of any two sequences (GRPO
+            prompts, step-wise chains, trees, agent turns); ``"prompt_only"`` shares only the
+            prompt of explicit groups (verl's ``uid``), as PrefixGrouper does; ``"off"`` computes
+            every token of every sequence (the identity plan).
+        min_prefix_len: a prefix shorter than this is recomputed rather than shared. The default
+            of 8 keeps one-token coincidences (a shared BOS, a chat-template header) from
+            fragmenting the layout into many tiny segments that cost more than they save.
+        min_group_size: a prefix is shared only when at least this many sequences hold it
+            (the provider included). 2 shares every repeat.
+        backend: attention kernel. ``"auto"`` picks flash-attn or TE on CUDA, the fused NPU
+            kernel on Ascend, and the torch reference elsewhere.
+    """
+
+    mode: Mode = "arbitrary_prefix"
+    min_prefix_len: int = 8
+    min_group_size: int = 2
+    backend: Backend = "auto"
+
+    def __post_init__(self) -> None:
+        _check_choice("mode", self.mode, MODES)
+        _check_int("min_prefix_len", self.min_prefix_len, minimum=1)
+        _check_int("min_group_size", self.min_group_size, minimum=2)
+        _check_choice("backend", self.backend, BACKENDS)
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+    @classmethod
+    def from_verl(cls, actor_config: Mapping[str, Any] | Any) -> PrefixSharingConfig:
+        """Builds the config from a verl actor config (a dict, OmegaConf node or dataclass).
+
+        Reads ``use_prefix_grouper`` and the optional ``prefix_grouper`` block::
+
+            actor_rollout_ref.actor:
+              use_prefix_grouper: true
+              prefix_grouper: {mode: arbitrary_prefix, min_prefix_len: 8, min_group_size: 2}
+
+        ``use_prefix_grouper: true`` without a ``mode`` means ``"prompt_only"``, which is what
+        verl's flag does on its own today. ``use_prefix_grouper: false`` (or absent) means
+        ``"off"``. A whole trainer config is accepted too: its ``actor_rollout_ref.actor`` is read.
+        """
+        actor = _get(actor_config, "actor_rollout_ref")
+        actor = _get(actor, "actor") if actor is not None else actor_config
+        if actor is None:
+            raise ValueError("from_verl: the config has actor_rollout_ref but no actor section")
+        enabled = _get(actor, "use_prefix_grouper", False)
+        if not isinstance(enabled, bool):
+            raise ValueError(f"use_prefix_grouper must be true or false; got {enabled!r}")
+        block = _get(actor, "prefix_grouper") or {}
+        options = {key: _get(block, key) for key in _keys(block)}
+        unknown = sorted(set(options) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            allowed = ", ".join(f.name for f in dataclasses.fields(cls))
+            raise ValueError(f"prefix_grouper has unknown key(s) {unknown}; allowed: {allowed}")
+        if not enabled:
+            options["mode"] = "off"
+        else:
+            options.setdefault("mode", "prompt_only")
+        return cls(**options)
+
+
+def _check_choice(field: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        choices = ", ".join(repr(a) for a in allowed)
+        raise ValueError(f"PrefixSharingConfig.{field} must be one of {choices}; got {value!r}")
+
+
+def _check_int(field: str, value: object, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(
+            f"PrefixSharingConfig.{field} must be an integer >= {minimum}; got {value!r}"
+        )
+
+
+def _get(node: Any, key: str, default: Any = None) -> Any:
+    """Reads ``key`` from a mapping, an OmegaConf node or an attribute container."""
+    if node is None:
+        return default
+    if isinstance(node, Mapping) or hasattr(node, "get"):
+        return node.get(key, default)
+    return getattr(node, key, default)
+
+
+def _keys(node: Any) -> list[str]:
+    if isinstance(node, Mapping) or hasattr(node, "keys"):
+        return list(node.keys())
+    if dataclasses.is_dataclass(node):
+        return [f.name for f in dataclasses.fields(node)]
+    return [k for k in vars(node) if not k.startswith("_")]

@@ -1,0 +1,332 @@
+"""Builds the :class:`~prefix_sharing.plan.SharingPlan` of a micro-batch from its token ids.
+
+How sharing is found (``mode="arbitrary_prefix"``): sort the sequences lexicographically. The
+longest prefix a sequence shares with *any* sequence before it in that order is its longest
+common prefix (LCP) with its immediate predecessor, so one sort and one adjacent-LCP pass find
+every shareable prefix of every length - chains, trees, duplicates and strict prefixes alike.
+Each sequence then takes ``prefix_len`` tokens from its predecessor and owns a contiguous tail.
+
+The sort key ends every sequence with a terminator larger than any token, so a sequence that is
+a strict prefix of another sorts *after* it and owns no token at all (as does a duplicate).
+
+Everything here is numpy on the host: the plan depends on token ids and the config alone, is
+deterministic, and every rank that needs it builds the same one locally.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from typing import NamedTuple, Union
+
+import numpy as np
+import torch
+
+from .config import PrefixSharingConfig
+from .plan import SharingPlan
+
+__all__ = ["build_plan", "PromptGroup", "prompt_groups"]
+
+TokenSequence = Union[torch.Tensor, np.ndarray, Sequence[int]]
+
+# Token ids are compared as big-endian uint32 bytes; this terminator sorts after every id.
+_MAX_TOKEN_ID = 2**31 - 1
+_TERMINATOR = b"\xff\xff\xff\xff"
+
+
+class PromptGroup(NamedTuple):
+    """Sequences (indices into the batch) that start with the same ``prompt_len`` tokens."""
+
+    prompt_len: int
+    members: Sequence[int]
+
+
+def build_plan(
+    sequences: Sequence[TokenSequence],
+    config: PrefixSharingConfig | None = None,
+    *,
+    groups: Sequence[PromptGroup | tuple[int, Sequence[int]]] | None = None,
+    pad_to_multiple_of: int = 1,
+) -> SharingPlan:
+    """Plans one micro-batch: which tokens are computed, and which rows every token reads.
+
+    Args:
+        sequences: the micro-batch, one 1-D integer token-id sequence each (torch tensors on any
+            device, numpy arrays or lists), unpadded, in the order the caller wants its outputs.
+        config: what to share; ``PrefixSharingConfig()`` (arbitrary prefixes of >= 8 tokens)
+            when omitted.
+        groups: for ``mode="prompt_only"`` only: ``(prompt_len, members)`` pairs, e.g. one per
+            verl ``uid``. Members must start with identical ``prompt_len`` tokens; the first
+            member computes the prompt, the others reuse it. Sequences in no group share nothing.
+        pad_to_multiple_of: pad the flat layout to a multiple of this many rows (tensor- or
+            sequence-parallel size). Pad rows form their own causal segment, so they never
+            change a real token's result.
+
+    Returns:
+        The :class:`SharingPlan`, its tensors on the CPU (``plan.to(device)`` moves them).
+    """
+    config = PrefixSharingConfig() if config is None else config
+    if not isinstance(config, PrefixSharingConfig):
+        raise TypeError(f"config must be a PrefixSharingConfig; got {type(config).__name__}")
+    if isinstance(pad_to_multiple_of, bool) or not isinstance(pad_to_multiple_of, int) or (
+        pad_to_multiple_of < 1
+    ):
+        raise ValueError(f"pad_to_multiple_of must be an integer >= 1; got {pad_to_multiple_of!r}")
+
+    tokens, lengths = _as_token_array(sequences)
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+
+    if groups is not None and config.mode != "prompt_only":
+        raise ValueError(f"groups= is only used by mode='prompt_only'; mode is {config.mode!r}")
+    if config.mode == "off":
+        prefix_lens, sources, order = _no_sharing(len(lengths))
+    elif config.mode == "prompt_only":
+        if groups is None:
+            raise ValueError("mode='prompt_only' needs groups=[(prompt_len, members), ...]")
+        prefix_lens, sources, order = _prompt_sharing(tokens, offsets, groups, config)
+    else:
+        prefix_lens, sources, order = _prefix_sharing(tokens, offsets, config)
+    return _layout(tokens, offsets, prefix_lens, sources, order, pad_to_multiple_of)
+
+
+def prompt_groups(uids: Sequence[object], prompt_lens: Sequence[int]) -> list[PromptGroup]:
+    """Groups a batch by verl-style ``uid``: one :class:`PromptGroup` per distinct uid.
+
+    Members of a uid must have the same prompt length (they were sampled from one prompt).
+    """
+    if len(uids) != len(prompt_lens):
+        raise ValueError(f"{len(uids)} uids but {len(prompt_lens)} prompt lengths")
+    members: dict[object, list[int]] = {}
+    for i, uid in enumerate(uids):
+        members.setdefault(uid, []).append(i)
+    out = []
+    for uid, idx in members.items():
+        lens = {int(prompt_lens[i]) for i in idx}
+        if len(lens) != 1:
+            raise ValueError(f"uid {uid!r} has members with different prompt lengths {sorted(lens)}")
+        out.append(PromptGroup(lens.pop(), idx))
+    return out
+
+
+# --------------------------------------------------------------------------- input checking
+def _as_token_array(sequences: Sequence[TokenSequence]) -> tuple[np.ndarray, np.ndarray]:
+    """Validates the batch; returns all tokens concatenated (int64) and the lengths."""
+    if isinstance(sequences, (torch.Tensor, np.ndarray)):
+        raise TypeError(
+            f"sequences must be a list of 1-D token-id sequences; got a {sequences.ndim}-D "
+            f"{type(sequences).__name__} (unpad it into a list, e.g. [row[mask] for ...])"
+        )
+    if len(sequences) == 0:
+        raise ValueError("build_plan needs at least one sequence; got an empty batch")
+    parts = []
+    for i, seq in enumerate(sequences):
+        if isinstance(seq, torch.Tensor):
+            arr = seq.detach().cpu().numpy()
+        else:
+            arr = np.asarray(seq)
+        if arr.ndim != 1:
+            raise ValueError(f"sequence {i} must be 1-D token ids; got shape {tuple(arr.shape)}")
+        if arr.size == 0:
+            raise ValueError(f"sequence {i} is empty; every sequence needs at least one token")
+        if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"sequence {i} has non-integer token ids (dtype {arr.dtype})")
+        parts.append(arr)
+    tokens = np.concatenate(parts).astype(np.int64, copy=False)
+    if tokens.min() < 0 or tokens.max() > _MAX_TOKEN_ID:
+        bad = int(tokens.min()) if tokens.min() < 0 else int(tokens.max())
+        raise ValueError(f"token ids must lie in [0, {_MAX_TOKEN_ID}]; found {bad}")
+    lengths = np.fromiter((p.size for p in parts), dtype=np.int64, count=len(parts))
+    return tokens, lengths
+
+
+# --------------------------------------------------------------------------- sharing rules
+# Each rule returns (prefix_lens, sources, order): sequence r takes its first prefix_lens[r]
+# tokens from sequence sources[r]; `order` lists the sequences so that every source comes
+# before the sequences that read from it.
+Sharing = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+def _no_sharing(n: int) -> Sharing:
+    return np.zeros(n, dtype=np.int64), np.arange(n), np.arange(n)
+
+
+def _prefix_sharing(tokens: np.ndarray, offsets: np.ndarray, config: PrefixSharingConfig) -> Sharing:
+    prefix_lens, sources, order = _no_sharing(len(offsets) - 1)
+    big_endian = tokens.astype(">u4")
+    candidates = _candidates(big_endian, offsets, config)
+    if candidates.size < config.min_group_size:
+        return prefix_lens, sources, order
+
+    keys = [big_endian[offsets[r] : offsets[r + 1]].tobytes() + _TERMINATOR for r in candidates]
+    ranked = candidates[sorted(range(candidates.size), key=keys.__getitem__)]
+    lcp = np.zeros(ranked.size, dtype=np.int64)
+    for i in range(1, ranked.size):
+        lcp[i] = _common_prefix_len(tokens, offsets, ranked[i - 1], ranked[i])
+    shared = _enforce_group_size(lcp, config.min_group_size)
+    shared[shared < config.min_prefix_len] = 0
+
+    prefix_lens[ranked] = shared
+    sources[ranked[1:]] = ranked[:-1]
+    order = np.concatenate([np.setdiff1d(order, ranked, assume_unique=True), ranked])
+    return prefix_lens, sources, order
+
+
+def _candidates(big_endian: np.ndarray, offsets: np.ndarray, config: PrefixSharingConfig) -> np.ndarray:
+    """Sequences whose first ``min_prefix_len`` tokens occur in >= ``min_group_size`` sequences.
+
+    No other sequence can share anything, and in a batch without sharing this cheap check
+    (one short bytes key per sequence) is the only work done.
+    """
+    head = config.min_prefix_len
+    starts = offsets[:-1]
+    long_enough = np.flatnonzero(np.diff(offsets) >= head)
+    heads = [big_endian[starts[r] : starts[r] + head].tobytes() for r in long_enough]
+    counts = Counter(heads)
+    keep = [counts[h] >= config.min_group_size for h in heads]
+    return long_enough[np.asarray(keep, dtype=bool)] if heads else long_enough
+
+
+def _common_prefix_len(tokens: np.ndarray, offsets: np.ndarray, a: int, b: int) -> int:
+    m = min(offsets[a + 1] - offsets[a], offsets[b + 1] - offsets[b])
+    differ = np.flatnonzero(tokens[offsets[a] : offsets[a] + m] != tokens[offsets[b] : offsets[b] + m])
+    return int(differ[0]) if differ.size else int(m)
+
+
+def _enforce_group_size(lcp: np.ndarray, group_size: int) -> np.ndarray:
+    """Shortens each adjacent LCP to the longest prefix held by >= ``group_size`` sequences.
+
+    In sorted order, the sequences holding a prefix of length ``L`` form a run whose adjacent
+    LCPs are all >= ``L``. So a window of ``group_size`` consecutive sequences shares
+    ``min(lcp over the window)`` tokens, and sequence ``i`` may share the largest such value over
+    the windows that contain it (never more than its own LCP with its predecessor).
+    """
+    n = lcp.size
+    if group_size <= 2:
+        return lcp.copy()
+    if n < group_size:
+        return np.zeros_like(lcp)
+    window = np.lib.stride_tricks.sliding_window_view
+    shared_by_window = window(lcp[1:], group_size - 1).min(axis=1)  # window start a: a..a+g-1
+    padded = np.pad(shared_by_window, group_size - 1)
+    best = window(padded, group_size).max(axis=1)  # over the g windows containing i
+    return np.minimum(lcp, best)
+
+
+def _prompt_sharing(
+    tokens: np.ndarray,
+    offsets: np.ndarray,
+    groups: Sequence[PromptGroup | tuple[int, Sequence[int]]],
+    config: PrefixSharingConfig,
+) -> Sharing:
+    n = len(offsets) - 1
+    prefix_lens, sources, _ = _no_sharing(n)
+    readers = []
+    owner = np.full(n, -1, dtype=np.int64)
+    for g, group in enumerate(groups):
+        prompt_len, members = _check_group(g, group, n)
+        for m in members:
+            if owner[m] >= 0:
+                raise ValueError(f"groups {owner[m]} and {g} both contain sequence {m}")
+            owner[m] = g
+            if offsets[m + 1] - offsets[m] < prompt_len:
+                raise ValueError(
+                    f"group {g}: sequence {m} has {offsets[m + 1] - offsets[m]} tokens, "
+                    f"fewer than the group's prompt_len {prompt_len}"
+                )
+        first = members[0]
+        prompt = tokens[offsets[first] : offsets[first] + prompt_len]
+        for m in members[1:]:
+            if not np.array_equal(tokens[offsets[m] : offsets[m] + prompt_len], prompt):
+                raise ValueError(
+                    f"group {g}: sequence {m} does not start with the same {prompt_len} prompt "
+                    f"tokens as sequence {first}"
+                )
+        if len(members) >= config.min_group_size and prompt_len >= config.min_prefix_len:
+            prefix_lens[members[1:]] = prompt_len
+            sources[members[1:]] = first
+            readers.extend(members[1:])
+    readers = np.asarray(readers, dtype=np.int64)
+    order = np.concatenate([np.setdiff1d(np.arange(n), readers), readers])
+    return prefix_lens, sources, order
+
+
+def _check_group(g: int, group: object, n: int) -> tuple[int, list[int]]:
+    try:
+        prompt_len, members = group  # type: ignore[misc]
+        members = [int(m) for m in members]
+    except (TypeError, ValueError):
+        raise ValueError(f"group {g} must be a (prompt_len, members) pair; got {group!r}") from None
+    if isinstance(prompt_len, bool) or not isinstance(prompt_len, (int, np.integer)) or prompt_len < 0:
+        raise ValueError(f"group {g}: prompt_len must be an integer >= 0; got {prompt_len!r}")
+    if not members:
+        raise ValueError(f"group {g} has no members")
+    if len(set(members)) != len(members):
+        raise ValueError(f"group {g} lists a member twice: {members}")
+    bad = [m for m in members if not 0 <= m < n]
+    if bad:
+        raise ValueError(f"group {g}: member index {bad[0]} is outside the batch of {n} sequences")
+    return int(prompt_len), members
+
+
+# --------------------------------------------------------------------------- flat layout
+def _layout(
+    tokens: np.ndarray,
+    offsets: np.ndarray,
+    prefix_lens: np.ndarray,
+    sources: np.ndarray,
+    order: np.ndarray,
+    pad_to_multiple_of: int,
+) -> SharingPlan:
+    """Lays out the owned tails contiguously (given order) and resolves every token's row."""
+    lengths = np.diff(offsets)
+    n_total = int(offsets[-1])
+    seq_of_token = np.repeat(np.arange(lengths.size), lengths)
+    position = np.arange(n_total, dtype=np.int64) - offsets[seq_of_token]
+    owned = position >= prefix_lens[seq_of_token]
+    n_unique = int(np.count_nonzero(owned))
+
+    # Own tokens are the flat layout, in packed order; reused tokens copy their source's rows.
+    kv_index = np.empty(n_total, dtype=np.int64)
+    kv_index[owned] = np.arange(n_unique, dtype=np.int64)
+    for r in order:
+        p = prefix_lens[r]
+        if p:
+            s = sources[r]
+            kv_index[offsets[r] : offsets[r] + p] = kv_index[offsets[s] : offsets[s] + p]
+
+    has_segment = lengths > prefix_lens
+    q_lens = (lengths - prefix_lens)[has_segment]
+    kv_lens = lengths[has_segment]
+    kv_gather = kv_index[has_segment[seq_of_token]] if n_unique < n_total else kv_index
+    input_ids = tokens[owned]
+    position_ids = position[owned]
+
+    num_padding = -n_unique % pad_to_multiple_of
+    if num_padding:
+        pad_rows = np.arange(n_unique, n_unique + num_padding, dtype=np.int64)
+        input_ids = np.concatenate([input_ids, np.zeros(num_padding, dtype=np.int64)])
+        position_ids = np.concatenate([position_ids, pad_rows - n_unique])
+        kv_gather = np.concatenate([kv_gather, pad_rows])
+        q_lens = np.append(q_lens, num_padding)
+        kv_lens = np.append(kv_lens, num_padding)
+
+    return SharingPlan(
+        input_ids=torch.from_numpy(np.ascontiguousarray(input_ids)),
+        position_ids=torch.from_numpy(np.ascontiguousarray(position_ids)),
+        cu_seqlens_q=_cumsum_int32(q_lens),
+        cu_seqlens_kv=_cumsum_int32(kv_lens),
+        max_seqlen_q=int(q_lens.max()),
+        max_seqlen_kv=int(kv_lens.max()),
+        kv_gather_index=torch.from_numpy(np.ascontiguousarray(kv_gather)),
+        kv_index=torch.from_numpy(kv_index),
+        seq_lens=tuple(lengths.tolist()),
+        prefix_lens=tuple(prefix_lens.tolist()),
+        num_padding=num_padding,
+    )
+
+
+def _cumsum_int32(lens: np.ndarray) -> torch.Tensor:
+    out = np.zeros(lens.size + 1, dtype=np.int32)
+    np.cumsum(lens, out=out[1:])
+    return torch.from_numpy(out)
