@@ -119,25 +119,34 @@ def _as_token_array(sequences: Sequence[TokenSequence]) -> tuple[np.ndarray, np.
         )
     if len(sequences) == 0:
         raise ValueError("build_plan needs at least one sequence; got an empty batch")
-    parts = []
-    for i, seq in enumerate(sequences):
-        if isinstance(seq, torch.Tensor):
-            arr = seq.detach().cpu().numpy()
-        else:
-            arr = np.asarray(seq)
-        if arr.ndim != 1:
-            raise ValueError(f"sequence {i} must be 1-D token ids; got shape {tuple(arr.shape)}")
-        if arr.size == 0:
+    parts = [_as_tensor(i, s) for i, s in enumerate(sequences)]
+    for i, part in enumerate(parts):
+        if part.dim() != 1:
+            raise ValueError(f"sequence {i} must be 1-D token ids; got shape {tuple(part.shape)}")
+        if part.numel() == 0:
             raise ValueError(f"sequence {i} is empty; every sequence needs at least one token")
-        if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
-            raise ValueError(f"sequence {i} has non-integer token ids (dtype {arr.dtype})")
-        parts.append(arr)
-    tokens = np.concatenate(parts).astype(np.int64, copy=False)
-    if tokens.min() < 0 or tokens.max() > _MAX_TOKEN_ID:
-        bad = int(tokens.min()) if tokens.min() < 0 else int(tokens.max())
+        if part.dtype == torch.bool or part.is_floating_point() or part.is_complex():
+            raise ValueError(f"sequence {i} has non-integer token ids (dtype {part.dtype})")
+    # One device-to-host copy for the whole batch, whatever device the ids live on.
+    tokens = torch.cat(parts).to("cpu", torch.int64)
+    low, high = torch.aminmax(tokens)
+    if low < 0 or high > _MAX_TOKEN_ID:
+        bad = int(low) if low < 0 else int(high)
         raise ValueError(f"token ids must lie in [0, {_MAX_TOKEN_ID}]; found {bad}")
-    lengths = np.fromiter((p.size for p in parts), dtype=np.int64, count=len(parts))
-    return tokens, lengths
+    lengths = np.fromiter((p.numel() for p in parts), dtype=np.int64, count=len(parts))
+    return tokens.numpy(), lengths
+
+
+def _as_tensor(i: int, seq: TokenSequence) -> torch.Tensor:
+    if isinstance(seq, torch.Tensor):
+        return seq
+    try:
+        arr = np.asarray(seq)
+    except ValueError:  # ragged nesting
+        arr = np.empty(0, dtype=object)
+    if arr.dtype.kind not in "biuf":  # ragged lists and strings become object/str arrays
+        raise ValueError(f"sequence {i} is not a flat list of integer token ids")
+    return torch.from_numpy(arr)
 
 
 # --------------------------------------------------------------------------- sharing rules
@@ -153,12 +162,11 @@ def _no_sharing(n: int) -> Sharing:
 
 def _prefix_sharing(tokens: np.ndarray, offsets: np.ndarray, config: PrefixSharingConfig) -> Sharing:
     prefix_lens, sources, order = _no_sharing(len(offsets) - 1)
-    big_endian = tokens.astype(">u4")
-    candidates = _candidates(big_endian, offsets, config)
+    candidates = _candidates(tokens, offsets, config)
     if candidates.size < config.min_group_size:
         return prefix_lens, sources, order
 
-    keys = [big_endian[offsets[r] : offsets[r + 1]].tobytes() + _TERMINATOR for r in candidates]
+    keys = [_sort_key(tokens[offsets[r] : offsets[r + 1]]) for r in candidates]
     ranked = candidates[sorted(range(candidates.size), key=keys.__getitem__)]
     lcp = np.zeros(ranked.size, dtype=np.int64)
     for i in range(1, ranked.size):
@@ -172,7 +180,12 @@ def _prefix_sharing(tokens: np.ndarray, offsets: np.ndarray, config: PrefixShari
     return prefix_lens, sources, order
 
 
-def _candidates(big_endian: np.ndarray, offsets: np.ndarray, config: PrefixSharingConfig) -> np.ndarray:
+def _sort_key(ids: np.ndarray) -> bytes:
+    """Bytes that sort like the token sequence, strict prefixes after their extensions."""
+    return ids.astype(">u4").tobytes() + _TERMINATOR
+
+
+def _candidates(tokens: np.ndarray, offsets: np.ndarray, config: PrefixSharingConfig) -> np.ndarray:
     """Sequences whose first ``min_prefix_len`` tokens occur in >= ``min_group_size`` sequences.
 
     No other sequence can share anything, and in a batch without sharing this cheap check
@@ -181,16 +194,17 @@ def _candidates(big_endian: np.ndarray, offsets: np.ndarray, config: PrefixShari
     head = config.min_prefix_len
     starts = offsets[:-1]
     long_enough = np.flatnonzero(np.diff(offsets) >= head)
-    heads = [big_endian[starts[r] : starts[r] + head].tobytes() for r in long_enough]
+    heads = [tokens[starts[r] : starts[r] + head].tobytes() for r in long_enough]
     counts = Counter(heads)
-    keep = [counts[h] >= config.min_group_size for h in heads]
-    return long_enough[np.asarray(keep, dtype=bool)] if heads else long_enough
+    keep = np.fromiter((counts[h] >= config.min_group_size for h in heads), bool, len(heads))
+    return long_enough[keep]
 
 
 def _common_prefix_len(tokens: np.ndarray, offsets: np.ndarray, a: int, b: int) -> int:
     m = min(offsets[a + 1] - offsets[a], offsets[b + 1] - offsets[b])
-    differ = np.flatnonzero(tokens[offsets[a] : offsets[a] + m] != tokens[offsets[b] : offsets[b] + m])
-    return int(differ[0]) if differ.size else int(m)
+    differ = tokens[offsets[a] : offsets[a] + m] != tokens[offsets[b] : offsets[b] + m]
+    first = int(differ.argmax())  # argmax stops at the first True
+    return first if differ[first] else int(m)
 
 
 def _enforce_group_size(lcp: np.ndarray, group_size: int) -> np.ndarray:
@@ -280,28 +294,34 @@ def _layout(
 ) -> SharingPlan:
     """Lays out the owned tails contiguously (given order) and resolves every token's row."""
     lengths = np.diff(offsets)
-    n_total = int(offsets[-1])
-    seq_of_token = np.repeat(np.arange(lengths.size), lengths)
-    position = np.arange(n_total, dtype=np.int64) - offsets[seq_of_token]
-    owned = position >= prefix_lens[seq_of_token]
-    n_unique = int(np.count_nonzero(owned))
+    own = lengths - prefix_lens
+    owners = np.flatnonzero(own)
+    n_unique = int(own.sum())
+    ramp = np.arange(lengths.max(), dtype=np.int64)
 
-    # Own tokens are the flat layout, in packed order; reused tokens copy their source's rows.
-    kv_index = np.empty(n_total, dtype=np.int64)
-    kv_index[owned] = np.arange(n_unique, dtype=np.int64)
-    for r in order:
-        p = prefix_lens[r]
-        if p:
-            s = sources[r]
+    if n_unique == tokens.size:  # nothing shared: the plain packed (THD) layout
+        kv_index = np.arange(tokens.size, dtype=np.int64)
+        input_ids, kv_gather = tokens, kv_index
+        position_ids = np.concatenate([ramp[:n] for n in lengths])
+    else:
+        # Owned tails take consecutive flat rows; a reused prefix copies its source's rows,
+        # sources first (``order``), so a chain of reuse resolves to the computing rows.
+        kv_index = np.empty(tokens.size, dtype=np.int64)
+        row = 0
+        for r in owners:
+            np.add(ramp[: own[r]], row, out=kv_index[offsets[r] + prefix_lens[r] : offsets[r + 1]])
+            row += own[r]
+        for r in order[prefix_lens[order] > 0]:
+            p, s = prefix_lens[r], sources[r]
             kv_index[offsets[r] : offsets[r] + p] = kv_index[offsets[s] : offsets[s] + p]
+        input_ids = np.concatenate([tokens[offsets[r] + prefix_lens[r] : offsets[r + 1]] for r in owners])
+        position_ids = np.concatenate([ramp[prefix_lens[r] : lengths[r]] for r in owners])
+        if owners.size == lengths.size:  # every sequence has a segment: same rows, same order
+            kv_gather = kv_index
+        else:
+            kv_gather = np.concatenate([kv_index[offsets[r] : offsets[r + 1]] for r in owners])
 
-    has_segment = lengths > prefix_lens
-    q_lens = (lengths - prefix_lens)[has_segment]
-    kv_lens = lengths[has_segment]
-    kv_gather = kv_index[has_segment[seq_of_token]] if n_unique < n_total else kv_index
-    input_ids = tokens[owned]
-    position_ids = position[owned]
-
+    q_lens, kv_lens = own[owners], lengths[owners]
     num_padding = -n_unique % pad_to_multiple_of
     if num_padding:
         pad_rows = np.arange(n_unique, n_unique + num_padding, dtype=np.int64)
@@ -312,13 +332,13 @@ def _layout(
         kv_lens = np.append(kv_lens, num_padding)
 
     return SharingPlan(
-        input_ids=torch.from_numpy(np.ascontiguousarray(input_ids)),
-        position_ids=torch.from_numpy(np.ascontiguousarray(position_ids)),
+        input_ids=torch.from_numpy(input_ids),
+        position_ids=torch.from_numpy(position_ids),
         cu_seqlens_q=_cumsum_int32(q_lens),
         cu_seqlens_kv=_cumsum_int32(kv_lens),
         max_seqlen_q=int(q_lens.max()),
         max_seqlen_kv=int(kv_lens.max()),
-        kv_gather_index=torch.from_numpy(np.ascontiguousarray(kv_gather)),
+        kv_gather_index=torch.from_numpy(kv_gather),
         kv_index=torch.from_numpy(kv_index),
         seq_lens=tuple(lengths.tolist()),
         prefix_lens=tuple(prefix_lens.tolist()),

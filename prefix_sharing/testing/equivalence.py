@@ -1,0 +1,140 @@
+"""Runs a model plain and with a sharing plan and measures how far apart the results are.
+
+What is compared: logits (restored to every token), per-token log-probs, entropy, a
+policy-gradient-style loss that uses both, and every parameter gradient. The plain side is
+computed without the planner, the plan or this package's log-prob code, so it is an independent
+reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+__all__ = [
+    "RunOutputs",
+    "Comparison",
+    "compare_runs",
+    "within_tolerance",
+    "FP32_RTOL",
+    "plain_token_log_probs",
+    "pg_loss",
+    "max_rel_diff",
+    "max_abs_diff",
+]
+
+QUANTITIES = ("logits", "log_probs", "entropy", "loss", "grads")
+
+# fp32: the shared run may differ from the plain fp32 run by this much, relative to its scale.
+FP32_RTOL = 1e-5
+# Low precision (flash-attn's rule): the shared run may be this many times as far from the
+# fp32 plain run as the plain run in the same dtype is; gradients accumulate more rounding.
+LOW_PRECISION_FACTOR = {"grads": 3.0}
+DEFAULT_LOW_PRECISION_FACTOR = 2.0
+# ...plus this floor, for a quantity the low-precision plain run happens to get exactly right.
+LOW_PRECISION_FLOOR = 1e-5
+
+
+@dataclasses.dataclass
+class RunOutputs:
+    """One forward+backward: packed ``(T_total, ...)`` outputs and gradients by parameter name."""
+
+    logits: torch.Tensor
+    log_probs: torch.Tensor
+    entropy: torch.Tensor
+    loss: torch.Tensor
+    grads: dict[str, torch.Tensor]
+
+    @classmethod
+    def collect(
+        cls,
+        model: nn.Module,
+        forward: Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+        weights: torch.Tensor,
+    ) -> RunOutputs:
+        """Runs ``forward() -> (logits, log_probs, entropy)``, the loss and its backward."""
+        model.zero_grad(set_to_none=True)
+        logits, log_probs, entropy = forward()
+        loss = pg_loss(log_probs, entropy, weights)
+        loss.backward()
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        return cls(logits.detach(), log_probs.detach(), entropy.detach(), loss.detach(), grads)
+
+    def get(self, name: str) -> torch.Tensor | dict[str, torch.Tensor]:
+        return getattr(self, name)
+
+
+@dataclasses.dataclass
+class Comparison:
+    """Largest differences of a candidate run from a reference run, per quantity."""
+
+    max_abs_diff: dict[str, float]
+    max_rel_diff: dict[str, float]
+
+    def worst(self) -> float:
+        return max(self.max_rel_diff.values())
+
+
+def compare_runs(candidate: RunOutputs, reference: RunOutputs) -> Comparison:
+    if candidate.grads.keys() != reference.grads.keys():
+        missing = sorted(candidate.grads.keys() ^ reference.grads.keys())
+        raise AssertionError(f"the runs have gradients for different parameters: {missing}")
+    abs_d, rel_d = {}, {}
+    for name in QUANTITIES:
+        a, b = candidate.get(name), reference.get(name)
+        if isinstance(a, dict):
+            abs_d[name] = max(max_abs_diff(a[k], b[k]) for k in b)
+            rel_d[name] = max(max_rel_diff(a[k], b[k]) for k in b)
+        else:
+            abs_d[name], rel_d[name] = max_abs_diff(a, b), max_rel_diff(a, b)
+    return Comparison(abs_d, rel_d)
+
+
+def within_tolerance(shared: Comparison, plain_low: Comparison | None = None) -> dict[str, bool]:
+    """Per quantity: is the shared run close enough to the fp32 plain run?
+
+    Args:
+        shared: the shared run against the fp32 plain run.
+        plain_low: for a low-precision shared run, the plain run in that same precision against
+            the fp32 plain run; ``None`` when the shared run itself is fp32.
+    """
+    if plain_low is None:
+        return {q: d <= FP32_RTOL for q, d in shared.max_rel_diff.items()}
+    return {
+        q: d <= LOW_PRECISION_FACTOR.get(q, DEFAULT_LOW_PRECISION_FACTOR) * plain_low.max_rel_diff[q]
+        + LOW_PRECISION_FLOOR
+        for q, d in shared.max_rel_diff.items()
+    }
+
+
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.shape != b.shape:
+        raise AssertionError(f"shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}")
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+
+
+def max_rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``max|a - b| / max|b|``: relative to the reference's scale, robust to entries near 0."""
+    scale = b.double().abs().max().item() if b.numel() else 0.0
+    return max_abs_diff(a, b) / scale if scale > 0 else max_abs_diff(a, b)
+
+
+def plain_token_log_probs(
+    logits: torch.Tensor, sequences: list[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference log-probs and entropy from packed ``(T_total, vocab)`` logits, one sequence at a time."""
+    log_probs, entropy = [], []
+    for seq, lg in zip(sequences, torch.split(logits, [s.numel() for s in sequences])):
+        logp = torch.log_softmax(lg.float(), dim=-1)
+        picked = logp[:-1].gather(1, seq[1:, None].to(logits.device)).squeeze(1)
+        log_probs.append(torch.cat([picked, picked.new_zeros(1)]))
+        entropy.append(-(logp.exp() * logp).sum(-1))
+    return torch.cat(log_probs), torch.cat(entropy)
+
+
+def pg_loss(log_probs: torch.Tensor, entropy: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """A policy-gradient-shaped loss: per-token advantages times log-prob, minus an entropy bonus."""
+    return -(weights * log_probs).sum() / weights.numel() - 0.01 * entropy.mean()
