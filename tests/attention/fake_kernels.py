@@ -1,0 +1,248 @@
+"""Pure-torch stand-ins for the accelerator kernels, written from their documentation.
+
+Each fake checks the arguments the way its documentation states them, then computes the
+documented attention in float64, one segment at a time with einsum. They are independent of
+``varlen_attention_torch``, which the tests compare them against.
+
+Sources:
+- flash-attn: ``flash_attn_varlen_func`` docstring, Dao-AILab/flash-attention
+  ``flash_attn/flash_attn_interface.py`` (causal=True aligned bottom-right since 2.1; GQA).
+- Transformer Engine: ``DotProductAttention`` docstrings, NVIDIA/TransformerEngine
+  ``transformer_engine/pytorch/attention/dot_product_attention/dot_product_attention.py``
+  (thd format, int32 cu_seqlens of equal shape, ``padding_causal_bottom_right``, output
+  ``[t, h*d]``).
+- torch_npu: Ascend/op-plugin ``docs/context/torch_npu-npu_fusion_attention.md`` (TND layout,
+  cumulative ``actual_seq_qlen``/``actual_seq_kvlen`` without a leading 0, sparse_mode 3 =
+  rightDownCausal with the compressed 2048x2048 mask, Nq a multiple of Nkv).
+
+``install_*`` put a fake into ``sys.modules`` through pytest's ``monkeypatch`` (so it is removed
+when the test ends) with a ``__spec__``, so ``importlib.util.find_spec`` reports it installed;
+``hide`` makes a package look absent even where it is installed.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import sys
+import types
+
+import pytest
+import torch
+
+__all__ = ["hide", "install_flash_attn", "install_torch_npu", "install_transformer_engine"]
+
+
+def hide(monkeypatch: pytest.MonkeyPatch, *packages: str) -> None:
+    """Make ``packages`` unimportable (``find_spec`` returns None) for the current test."""
+    for name in packages:
+        monkeypatch.setitem(sys.modules, name, None)
+
+
+def _module(name: str, *, package: bool = False) -> types.ModuleType:
+    module = types.ModuleType(name)
+    module.__spec__ = importlib.machinery.ModuleSpec(name, loader=None, is_package=package)
+    return module
+
+
+def _segment_attention(q, k, v, bounds_q, bounds_k, scale):
+    """Bottom-right causal attention per segment in float64: the documented semantics of all
+    three kernels. q [Tq, h, d], k/v [Tk, hk, d]; query head j reads key head j // (h // hk)."""
+    group = q.size(1) // k.size(1)
+    out = []
+    for qs, qe, ks, ke in zip(bounds_q[:-1], bounds_q[1:], bounds_k[:-1], bounds_k[1:]):
+        s, L = qe - qs, ke - ks
+        assert 0 < s <= L, f"segment with {s} queries over {L} keys: outside what this fake models"
+        qi = q[qs:qe].double()
+        ki = k[ks:ke].double().repeat_interleave(group, dim=1)
+        vi = v[ks:ke].double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", qi, ki) * scale
+        allowed = torch.arange(L)[None, :] <= torch.arange(s)[:, None] + (L - s)
+        probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+        out.append(torch.einsum("hqk,khd->qhd", probs, vi))
+    return torch.cat(out).to(q.dtype)
+
+
+def _check_qkv(q, k, v):
+    assert q.dim() == k.dim() == v.dim() == 3, "q, k, v must be (tokens, heads, headdim)"
+    assert q.dtype == k.dtype == v.dtype, "q, k, v must share a dtype"
+    assert k.shape == v.shape, "k and v must have the same shape"
+    assert q.size(-1) == k.size(-1), "q and k must have the same head dim"
+    assert q.size(1) % k.size(1) == 0, "query heads must be a multiple of key/value heads"
+
+
+def _check_cu_seqlens(cu_q, cu_k, q, k):
+    for name, cu, x in (("cu_seqlens_q", cu_q, q), ("cu_seqlens_k", cu_k, k)):
+        assert isinstance(cu, torch.Tensor) and cu.dim() == 1, f"{name} must be a 1-D tensor"
+        assert cu.dtype == torch.int32, f"{name} must be int32, got {cu.dtype}"
+        assert cu.device == q.device, f"{name} must be on q's device"
+        assert cu[0] == 0 and cu[-1] == x.size(0), f"{name} must run from 0 to the token count"
+        assert bool((cu[1:] >= cu[:-1]).all()), f"{name} must be non-decreasing"
+    assert cu_q.shape == cu_k.shape, "cu_seqlens_q and cu_seqlens_k must have the same shape"
+
+
+# ---------------------------------------------------------------- flash-attn
+
+
+class _FlashAttn:
+    def __init__(self):
+        self.calls: list[dict] = []
+
+    def flash_attn_varlen_func(
+        self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+        alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None,
+    ):
+        self.calls.append(dict(causal=causal, dropout_p=dropout_p, softmax_scale=softmax_scale))
+        _check_qkv(q, k, v)
+        assert q.dtype in (torch.float16, torch.bfloat16), f"flash-attn has no {q.dtype} kernel"
+        _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k)
+        for name, bound, cu in (("max_seqlen_q", max_seqlen_q, cu_seqlens_q),
+                                ("max_seqlen_k", max_seqlen_k, cu_seqlens_k)):
+            assert isinstance(bound, int), f"{name} must be a Python int"
+            assert bound >= int((cu[1:] - cu[:-1]).max()), f"{name} is below the longest segment"
+        assert causal is True, "expected causal=True (bottom-right since flash-attn 2.1)"
+        assert dropout_p == 0.0, "expected dropout_p=0.0"
+        assert window_size == (-1, -1) and softcap == 0.0 and alibi_slopes is None
+        assert block_table is None and not return_attn_probs
+        scale = q.size(-1) ** -0.5 if softmax_scale is None else softmax_scale
+        return _segment_attention(q, k, v, cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), scale)
+
+
+def install_flash_attn(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
+    """A fake ``flash_attn`` package; its ``calls`` list records each call's keyword arguments."""
+    kernel = _FlashAttn()
+    module = _module("flash_attn", package=True)
+    module.flash_attn_varlen_func = kernel.flash_attn_varlen_func
+    module.calls = kernel.calls
+    monkeypatch.setitem(sys.modules, "flash_attn", module)
+    return module
+
+
+# ---------------------------------------------------------------- Transformer Engine
+
+_TE_MASK_TYPES = {
+    "no_mask", "padding", "causal", "padding_causal", "causal_bottom_right",
+    "padding_causal_bottom_right", "arbitrary",
+}
+
+
+class _DotProductAttention(torch.nn.Module):
+    """Constructor and forward keywords as in ``transformer_engine.pytorch.DotProductAttention``
+    (the subset a caller of the thd path uses; an unknown keyword is a TypeError, as there)."""
+
+    instances: list[_DotProductAttention] = []
+
+    def __init__(
+        self, num_attention_heads, kv_channels, num_gqa_groups=None, attention_dropout=0.0,
+        qkv_format="sbhd", attn_mask_type="causal", window_size=None, sequence_parallel=False,
+        tp_size=1, get_rng_state_tracker=None, tp_group=None, layer_number=None,
+        attention_type="self", softmax_scale=None,
+    ):
+        super().__init__()
+        self.num_attention_heads = num_attention_heads
+        self.kv_channels = kv_channels
+        self.num_gqa_groups = num_attention_heads if num_gqa_groups is None else num_gqa_groups
+        assert num_attention_heads % self.num_gqa_groups == 0, (
+            "The number of attention heads must be divisible by the number of GQA groups"
+        )
+        self.attention_dropout = attention_dropout
+        self.qkv_format = qkv_format
+        self.attn_mask_type = attn_mask_type.replace(",", "_")
+        assert tp_size == 1 and attention_type == "self"
+        self.softmax_scale = kv_channels**-0.5 if softmax_scale is None else softmax_scale
+        type(self).instances.append(self)
+
+    def forward(
+        self, query_layer, key_layer, value_layer, attention_mask=None, qkv_format=None,
+        cu_seqlens_q=None, cu_seqlens_kv=None, cu_seqlens_q_padded=None,
+        cu_seqlens_kv_padded=None, max_seqlen_q=None, max_seqlen_kv=None, attn_mask_type=None,
+        window_size=None, checkpoint_core_attention=False, core_attention_bias_type="no_bias",
+        core_attention_bias=None, alibi_slopes=None,
+    ):
+        q, k, v = query_layer, key_layer, value_layer
+        _check_qkv(q, k, v)
+        assert q.size(1) == self.num_attention_heads, "q must have num_attention_heads heads"
+        assert k.size(1) == self.num_gqa_groups, "k/v must have num_gqa_groups heads"
+        assert q.size(-1) == self.kv_channels, "head dim must equal kv_channels"
+        assert self.attention_dropout == 0.0, "expected attention_dropout=0.0"
+        qkv_format = self.qkv_format if qkv_format is None else qkv_format
+        attn_mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        assert attn_mask_type in _TE_MASK_TYPES, f"unknown attn_mask_type {attn_mask_type!r}"
+        assert qkv_format == "thd", f"expected qkv_format='thd', got {qkv_format!r}"
+        assert attn_mask_type == "padding_causal_bottom_right", (
+            f"expected attn_mask_type='padding_causal_bottom_right', got {attn_mask_type!r}"
+        )
+        assert attention_mask is None and window_size is None and alibi_slopes is None
+        assert core_attention_bias_type == "no_bias" and core_attention_bias is None
+        assert cu_seqlens_q_padded is None and cu_seqlens_kv_padded is None
+        _check_cu_seqlens(cu_seqlens_q, cu_seqlens_kv, q, k)
+        for bound, cu in ((max_seqlen_q, cu_seqlens_q), (max_seqlen_kv, cu_seqlens_kv)):
+            assert bound is None or bound >= int((cu[1:] - cu[:-1]).max())
+        out = _segment_attention(
+            q, k, v, cu_seqlens_q.tolist(), cu_seqlens_kv.tolist(), self.softmax_scale
+        )
+        return out.view(*out.shape[:-2], -1)  # thd output: [t, h*d]
+
+
+def install_transformer_engine(monkeypatch: pytest.MonkeyPatch) -> type[_DotProductAttention]:
+    """Fake ``transformer_engine`` and ``transformer_engine.pytorch``; returns the
+    ``DotProductAttention`` class, whose ``instances`` lists the modules built in this test."""
+    cls = type("DotProductAttention", (_DotProductAttention,), {"instances": []})
+    package = _module("transformer_engine", package=True)
+    package.pytorch = _module("transformer_engine.pytorch", package=True)
+    package.pytorch.DotProductAttention = cls
+    monkeypatch.setitem(sys.modules, "transformer_engine", package)
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", package.pytorch)
+    return cls
+
+
+# ---------------------------------------------------------------- torch_npu
+
+
+class _TorchNpu:
+    def __init__(self):
+        self.calls: list[dict] = []
+
+    def npu_fusion_attention(
+        self, query, key, value, head_num, input_layout, pse=None, padding_mask=None,
+        atten_mask=None, scale=1.0, keep_prob=1.0, pre_tockens=2147483647,
+        next_tockens=2147483647, inner_precise=0, prefix=None, actual_seq_qlen=None,
+        actual_seq_kvlen=None, sparse_mode=0, gen_mask_parallel=True, sync=False,
+    ):
+        self.calls.append(dict(atten_mask=atten_mask, actual_seq_qlen=actual_seq_qlen,
+                               actual_seq_kvlen=actual_seq_kvlen, scale=scale))
+        _check_qkv(query, key, value)
+        assert input_layout == "TND", f"expected input_layout='TND', got {input_layout!r}"
+        assert head_num == query.size(1), "head_num must be the number of query heads"
+        assert sparse_mode == 3, f"expected sparse_mode=3 (rightDownCausal), got {sparse_mode}"
+        assert isinstance(atten_mask, torch.Tensor) and atten_mask.dtype == torch.bool
+        assert atten_mask.device == query.device, "atten_mask must be on the device"
+        assert torch.equal(atten_mask, torch.ones(2048, 2048, dtype=torch.bool).triu(1).to(
+            atten_mask.device)), "sparse_mode 3 takes the compressed 2048x2048 causal mask"
+        assert keep_prob == 1.0, "expected keep_prob=1.0"
+        assert pse is None and padding_mask is None and prefix is None
+        for name, lens, x in (("actual_seq_qlen", actual_seq_qlen, query),
+                              ("actual_seq_kvlen", actual_seq_kvlen, key)):
+            assert isinstance(lens, list) and all(type(n) is int for n in lens), (
+                f"{name} must be a host list of Python ints, got {type(lens).__name__}"
+            )
+            assert lens and lens[0] != 0, f"{name} holds cumulative ends without a leading 0"
+            assert lens == sorted(lens) and lens[-1] == x.size(0), (
+                f"{name} must be cumulative and end at the token count"
+            )
+        assert len(actual_seq_qlen) == len(actual_seq_kvlen), "one length per segment, q and kv"
+        out = _segment_attention(
+            query, key, value, [0, *actual_seq_qlen], [0, *actual_seq_kvlen], scale
+        )
+        # documented outputs: attention_out, softmax_max, softmax_sum, reserved, seed, offset, numel
+        return out, torch.empty(0), torch.empty(0), torch.empty(0), 0, 0, 0
+
+
+def install_torch_npu(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
+    """A fake ``torch_npu``; its ``calls`` list records each call's mask, lengths and scale."""
+    kernel = _TorchNpu()
+    module = _module("torch_npu", package=True)
+    module.npu_fusion_attention = kernel.npu_fusion_attention
+    module.calls = kernel.calls
+    monkeypatch.setitem(sys.modules, "torch_npu", module)
+    return module
