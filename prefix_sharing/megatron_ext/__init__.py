@@ -1,0 +1,45 @@
+"""Megatron-core adapter: a GPT layer spec whose attention shares prefixes, and its inputs.
+
+    from prefix_sharing.megatron_ext import get_gpt_layer_local_spec, prepare_micro_batch
+
+    model = GPTModel(config, transformer_layer_spec=get_gpt_layer_local_spec(), ...)
+    mb = prepare_micro_batch(sequences, PrefixSharingConfig())
+    stats = forward_token_stats(model, mb)          # log-probs + entropy, packed per sequence
+
+Importing this package imports megatron-core (and fails with a clear message without it).
+On Ascend, import ``mindspeed.megatron_adaptor`` first: it replaces classes this package
+subclasses.
+"""
+
+import importlib.util
+
+if importlib.util.find_spec("megatron.core") is None:
+    raise ImportError(
+        "prefix_sharing.megatron_ext needs megatron-core (pip install 'prefix-sharing[megatron]')"
+    )
+
+from .checks import UnsupportedSetupError, assert_same_plan  # noqa: E402
+from .core_attention import PrefixSharingCoreAttention  # noqa: E402
+from .layer_specs import (  # noqa: E402
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+    with_prefix_sharing,
+)
+from .logprobs import forward_token_stats, token_stats  # noqa: E402
+from .packed_seq import MicroBatch, PlanPackedSeqParams, prepare_micro_batch  # noqa: E402
+from .self_attention import PrefixSharingSelfAttention  # noqa: E402
+
+__all__ = [
+    "MicroBatch",
+    "PlanPackedSeqParams",
+    "PrefixSharingCoreAttention",
+    "PrefixSharingSelfAttention",
+    "UnsupportedSetupError",
+    "assert_same_plan",
+    "forward_token_stats",
+    "get_gpt_layer_local_spec",
+    "get_gpt_layer_with_transformer_engine_spec",
+    "prepare_micro_batch",
+    "token_stats",
+    "with_prefix_sharing",
+]

@@ -1,0 +1,86 @@
+"""Setups where sharing would change the results, refused with the setting that causes it.
+
+Two kinds: *structural* settings the prefix-sharing attention cannot serve at all (checked when
+the layer is built), and settings that are harmless on the plain layout but not once a prefix is
+shared (checked per micro-batch, only when the plan shares something).
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from ..plan import SharingPlan
+
+__all__ = ["UnsupportedSetupError", "check_layer_config", "check_sharing_allowed", "assert_same_plan"]
+
+
+class UnsupportedSetupError(RuntimeError):
+    """A model or parallel setting under which prefix sharing would not give the plain results."""
+
+
+def check_layer_config(config: TransformerConfig) -> None:
+    """Refuses settings the prefix-sharing core attention cannot serve."""
+    problems = []
+    if config.context_parallel_size > 1:
+        problems.append(
+            f"context_parallel_size={config.context_parallel_size}: a reused prefix would have to "
+            "be gathered across context-parallel ranks; use context_parallel_size=1"
+        )
+    if config.multi_latent_attention:
+        problems.append("multi_latent_attention=True: MLA applies RoPE inside its own projection")
+    if getattr(config, "mrope_section", None) is not None:
+        problems.append("mrope_section is set: multimodal RoPE positions are not per-token 1-D")
+    if config.window_size is not None:
+        problems.append(f"window_size={config.window_size}: sliding-window attention")
+    if config.softmax_type != "vanilla":
+        problems.append(f"softmax_type={config.softmax_type!r}: only the vanilla softmax")
+    if config.apply_rope_fusion:
+        problems.append(
+            "apply_rope_fusion=True: the fused THD RoPE restarts positions per segment, but a "
+            "reuser's tail starts at its prefix length; set apply_rope_fusion=False"
+        )
+    if problems:
+        raise UnsupportedSetupError("prefix sharing does not support " + "; ".join(problems))
+
+
+def check_sharing_allowed(config: TransformerConfig, plan: SharingPlan, training: bool) -> None:
+    """Refuses settings under which a *shared* prefix would change the results."""
+    if not plan.has_sharing:
+        return
+    problems = []
+    if training and config.hidden_dropout > 0:
+        problems.append(
+            f"hidden_dropout={config.hidden_dropout} in training: every reuser would get its "
+            "provider's dropout mask on the shared prefix; set hidden_dropout=0"
+        )
+    if config.num_moe_experts:
+        if config.moe_expert_capacity_factor is not None:
+            problems.append(
+                f"moe_expert_capacity_factor={config.moe_expert_capacity_factor}: which tokens an "
+                "expert drops depends on the other tokens of the batch"
+            )
+        aux = config.moe_aux_loss_coeff
+        if (sum(aux) if isinstance(aux, list) else aux) > 0 or (config.moe_z_loss_coeff or 0) > 0:
+            problems.append(
+                "MoE auxiliary or z-loss: router statistics would count each shared token once; "
+                "set moe_aux_loss_coeff=0 and moe_z_loss_coeff=None, or mode='off'"
+            )
+    if problems:
+        raise UnsupportedSetupError("prefix sharing is active but " + "; ".join(problems))
+
+
+def assert_same_plan(plan: SharingPlan, group: torch.distributed.ProcessGroup) -> None:
+    """Raises unless every rank of ``group`` (e.g. the pipeline group) holds the same plan.
+
+    Stages exchange only activations, so a stage that planned a different micro-batch would
+    silently mix layouts; a mismatch in size is caught by the attention anyway, this catches the
+    rest at the cost of one small all-gather.
+    """
+    digests: list[str | None] = [None] * torch.distributed.get_world_size(group)
+    torch.distributed.all_gather_object(digests, plan.digest(), group=group)
+    if len(set(digests)) != 1:
+        raise UnsupportedSetupError(
+            f"ranks built different sharing plans for the same micro-batch: {digests}; every "
+            "stage and tensor-parallel rank must plan the same sequences with the same config"
+        )

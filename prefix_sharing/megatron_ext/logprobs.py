@@ -1,0 +1,91 @@
+"""Token log-probs and entropy from a ``GPTModel``'s vocab-parallel logits.
+
+Under tensor parallelism each rank holds a slice of the vocabulary; the per-row softmax
+denominator and the picked target logit are reduced across the tensor-parallel group with
+Megatron's autograd-aware all-reduce. Rows are still read through the plan's ``kv_index``, so
+nothing of size ``(T_total, vocab)`` is built on any rank.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+from megatron.core.utils import get_attr_wrapped_model
+
+from ..logprobs import TokenStats, token_log_probs
+from .packed_seq import MicroBatch
+
+__all__ = ["MegatronVocabShard", "token_stats", "forward_token_stats"]
+
+
+class MegatronVocabShard:
+    """This tensor-parallel rank's vocabulary slice, as :class:`prefix_sharing.logprobs.VocabShard`."""
+
+    def __init__(self, vocab_per_rank: int, group: torch.distributed.ProcessGroup) -> None:
+        self.group = group
+        self.vocab_start = torch.distributed.get_rank(group) * vocab_per_rank
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        return reduce_from_tensor_model_parallel_region(x, group=self.group)
+
+    def max(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.detach().clone()
+        torch.distributed.all_reduce(x, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        return x
+
+
+def token_stats(
+    logits: torch.Tensor,
+    batch: MicroBatch,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = True,
+    vocab_parallel: bool = True,
+) -> TokenStats:
+    """Per-token log-probs and entropy of every sequence of ``batch`` (packed, given order).
+
+    Args:
+        logits: ``GPTModel``'s output on the last pipeline stage, ``[1, T_flat, V_local]``.
+        batch: the micro-batch the logits were computed for.
+        temperature: logits are divided by it first (verl's rollout temperature).
+        with_entropy: also compute the entropy.
+        vocab_parallel: the logits are split over the tensor-parallel group (``GPTModel``'s
+            default ``parallel_output=True``); ignored when that group has one rank.
+    """
+    if logits.dim() == 3:
+        if logits.size(0) != 1:
+            raise ValueError(f"THD logits have batch size 1; got shape {tuple(logits.shape)}")
+        logits = logits[0]  # [1, T, V] -> [T, V]
+    shard = None
+    if vocab_parallel and parallel_state.model_parallel_is_initialized():
+        group = parallel_state.get_tensor_model_parallel_group()
+        if torch.distributed.get_world_size(group) > 1:
+            shard = MegatronVocabShard(logits.size(-1), group)
+    return token_log_probs(
+        logits, batch.plan, temperature=temperature, with_entropy=with_entropy, vocab_shard=shard
+    )
+
+
+def forward_token_stats(
+    model: torch.nn.Module,
+    batch: MicroBatch,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = True,
+) -> TokenStats:
+    """Runs a micro-batch through a whole (single-stage) ``GPTModel`` and returns its token stats.
+
+    With pipeline parallelism, call the model in your ``forward_step_func`` and
+    :func:`token_stats` in its loss function on the last stage.
+    """
+    max_len = get_attr_wrapped_model(model, "max_sequence_length")
+    longest = max(batch.plan.seq_lens)
+    if max_len is not None and longest > max_len:
+        raise ValueError(
+            f"a sequence of {longest} tokens is longer than the model allows "
+            f"(max_sequence_length={max_len})"
+        )
+    logits = model(batch.input_ids, batch.position_ids, None,
+                   packed_seq_params=batch.packed_seq_params)
+    return token_stats(logits, batch, temperature=temperature, with_entropy=with_entropy)
