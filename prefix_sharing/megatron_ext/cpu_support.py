@@ -1,0 +1,134 @@
+"""Run megatron-core 0.16.1 on a CPU-only torch with the gloo backend (tests, CI, laptops).
+
+megatron-core hard-codes CUDA in the code paths that a forward/backward, a pipeline schedule and
+an optimizer step go through. :func:`enable_cpu_megatron` redirects those to the CPU at runtime
+(the installed package is never edited). Each redirection below names the megatron code that
+needs it; each was checked to be needed by removing it and watching a GPTModel forward/backward
+(TP=2, PP=2) or an optimizer step fail.
+
+Nothing happens at import time, and megatron is imported only inside the functions, so this
+module imports without megatron installed.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from types import ModuleType
+from typing import Any, Callable
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["enable_cpu_megatron"]
+
+_enabled = False
+
+
+def enable_cpu_megatron() -> None:
+    """Redirect megatron-core's hard-coded CUDA uses to the CPU, once per process.
+
+    Safe to call any number of times. Call it in every process that runs megatron (each spawned
+    rank), from the thread that runs megatron (torch function modes are per thread), before
+    building models or calling ``model_parallel_cuda_manual_seed``. The redirections are
+    process-wide (``torch.cuda.manual_seed`` then seeds the CPU generator, for instance) and
+    cannot be undone: call it only in processes meant to run megatron on CPU.
+
+    Raises:
+        RuntimeError: if ``torch.cuda.is_available()``: these redirections would silently move a
+            CUDA machine's work to the CPU, so they must never run there.
+        ImportError: if megatron-core is not installed.
+    """
+    global _enabled
+    if torch.cuda.is_available():
+        raise RuntimeError(
+            "enable_cpu_megatron() is for CPU-only torch; CUDA is available here, so megatron-core "
+            "must run on the GPU unpatched."
+        )
+    if _enabled:
+        return
+    # Imported before anything is patched, so that without megatron nothing changes.
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    _redirect_current_device()
+    _redirect_cuda_rng(megatron_random)
+    _redirect_cuda_synchronize()
+    _redirect_megatron_cuda_tensors()
+    _enabled = True
+
+
+def _redirect_current_device() -> None:
+    # tensor_parallel/layers.py + mappings.py, rotary_pos_embedding.py, p2p_communication.py and
+    # more allocate with `device=torch.cuda.current_device()`, which raises without CUDA.
+    torch.cuda.current_device = lambda: torch.device("cpu")
+
+
+def _redirect_cuda_rng(megatron_random: ModuleType) -> None:
+    # tensor_parallel/random.py CudaRNGStatesTracker.fork(), entered by every
+    # DotProductAttention.forward and by weight init, swaps generator states through these two
+    # helpers; on CPU, random ops draw from the CPU generator, so that is the one to swap.
+    megatron_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    megatron_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
+    # fork() warns "CPU RNG state changed within GPU RNG context" when random ops ran inside it:
+    # with the CPU generator standing in for the CUDA one, that is what forking is for.
+    logging.getLogger(megatron_random.__name__).addFilter(
+        lambda record: "CPU RNG state changed" not in record.getMessage()
+    )
+    # CudaRNGStatesTracker.add() and model_parallel_cuda_manual_seed() seed through torch.cuda:
+    # get_rng_state raises on CPU, and manual_seed is silently dropped (every tracker state
+    # would be the same and ignore the seed).
+    torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    torch.cuda.manual_seed = torch.manual_seed
+
+
+def _redirect_cuda_synchronize() -> None:
+    # pipeline_parallel/p2p_communication.py calls torch.cuda.synchronize() after batched
+    # send/recv; CPU collectives are complete once their wait() returns.
+    torch.cuda.synchronize = lambda device=None: None
+
+
+def _redirect_megatron_cuda_tensors() -> None:
+    # device="cuda" tensors: pipeline_parallel/schedules.py (every forward_backward_* starts with
+    # `torch.zeros(..., device="cuda")`), transformer/utils.get_default_causal_mask (when
+    # attention_mask is None), optimizer/optimizer.py buffers, optimizer/clip_grads.py buffers;
+    # and clip_grads.py asserts `param.grad.type() == 'torch.cuda.FloatTensor'`.
+    _MegatronCudaOnCpu().__enter__()
+
+
+class _MegatronCudaOnCpu(TorchFunctionMode):
+    """For torch calls made directly from megatron's code: device "cuda" is the CPU, and
+    ``Tensor.type()`` names CPU tensors as CUDA ones.
+
+    Pushed once and never popped, so that every megatron entry point (schedules, DDP buffers,
+    optimizer, clip_grads, ...) is covered without the caller scoping each one. It is limited to
+    calls whose caller is a ``megatron.*`` module: this project's own code (which also runs on
+    Ascend NPUs, where "cuda" is wrong) and other libraries keep failing loudly on a hard-coded
+    "cuda" and never see the ``Tensor.type()`` pretence. Its cost is one Python call per torch
+    call in this thread (within run-to-run noise on the tiny test models).
+    """
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        device_is_cuda = str(kwargs.get("device")).startswith("cuda")
+        asks_type_name = func is torch.Tensor.type and len(args) == 1 and not kwargs
+        asks_type_name = asks_type_name and args[0].device.type == "cpu"
+        if not (device_is_cuda or asks_type_name) or not _called_from_megatron():
+            return func(*args, **kwargs)
+        if device_is_cuda:
+            return func(*args, **{**kwargs, "device": "cpu"})
+        return func(*args).replace("torch.", "torch.cuda.", 1)
+
+
+def _called_from_megatron() -> bool:
+    """Whether the torch call being intercepted was made by a ``megatron.*`` module.
+
+    Frame 1 is ``__torch_function__``; the factory functions and ``Tensor.type`` are C code
+    without a Python frame, so frame 2 is the code that called them.
+    """
+    return sys._getframe(2).f_globals.get("__name__", "").startswith("megatron.")

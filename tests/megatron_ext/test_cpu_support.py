@@ -1,0 +1,188 @@
+"""megatron-core 0.16.1 runs on CPU/gloo after enable_cpu_megatron(), and TP/PP match TP=1.
+
+One TP=1 single-process run (the reference) does forward+backward of the stock local-spec
+GPTModel (SwiGLU, RMSNorm, RoPE) over a few micro-batches through ``get_forward_backward_func``; the TP=2 and PP=2 runs
+load its weights into their shards/stages and must give the same per-micro-batch losses and the
+same gradients. Copying weights is needed for PP: megatron's deterministic CPU initialization
+(``use_cpu_initialization=True``) reproduces the TP=1 weights under TP=2 but not on a second
+pipeline stage, whose first layer draws from a freshly seeded generator.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import multiprocessing
+import sys
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from prefix_sharing.megatron_ext import cpu_support
+from prefix_sharing.megatron_ext.cpu_support import enable_cpu_megatron
+
+from ._distributed import full_grads, load_full_state, run_distributed, tiny_gpt
+
+MICRO_BATCHES, BATCH, SEQ, VOCAB = 4, 2, 16, 128
+RTOL = 1e-5
+# Llama-style: SwiGLU's fc1 is sharded in [gate; up] halves (partition_stride 2), the layout
+# that load_full_state / full_grads must get right.
+MODEL = dict(
+    gated_linear_unit=True, activation_func=torch.nn.functional.silu, normalization="RMSNorm"
+)
+
+
+def _micro_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Token ids and next-token labels, [BATCH, SEQ] each, identical on every rank."""
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, VOCAB, (MICRO_BATCHES, BATCH, SEQ + 1), generator=generator)
+    return [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
+
+
+def _train_step(rank: int, full_state: dict[str, torch.Tensor] | None) -> dict[str, Any]:
+    """Forward+backward over all micro-batches, bshd input, attention_mask None (causal).
+
+    The loss of a micro-batch is its mean token cross-entropy. With ``full_state`` None the
+    model keeps megatron's seeded initialization, which is returned as ``state``.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    _, model = tiny_gpt(**MODEL)
+    if full_state is None:
+        full_state = {name: p.detach().clone() for name, p in model.named_parameters()}
+    else:
+        load_full_state(model, full_state)
+    position_ids = torch.arange(SEQ).expand(BATCH, SEQ)
+
+    def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
+        tokens, labels = next(data_iterator)
+        output = model(tokens, position_ids, None, labels=labels)
+
+        def loss_func(per_token_loss: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+            loss = per_token_loss.mean()
+            # clone: the schedule divides `loss` by num_microbatches in place.
+            return loss, {"loss": loss.detach().clone()}
+
+        return output, loss_func
+
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(_micro_batches()),
+        model=[model],
+        num_microbatches=MICRO_BATCHES,
+        seq_length=SEQ,
+        micro_batch_size=BATCH,
+    )
+    last_stage = parallel_state.is_pipeline_last_stage()
+    return {
+        "state": full_state,
+        "losses": [d["loss"] for d in losses] if last_stage else None,
+        "grads": full_grads(model),
+    }
+
+
+def _reference_step(rank: int) -> dict[str, Any]:
+    """Enable twice more (the harness enabled once), then :func:`_train_step` from scratch.
+
+    ``reenable_kept_patches``: the redirected objects are unchanged and the CUDA-to-CPU mode is
+    on the stack once, i.e. nothing was wrapped or pushed twice.
+    """
+    def redirected() -> list[Any]:
+        modes = torch.overrides._get_current_function_mode_stack()
+        return [torch.cuda.current_device, torch.cuda.manual_seed, len(modes)]
+
+    before = redirected()
+    enable_cpu_megatron()
+    enable_cpu_megatron()
+    return {"reenable_kept_patches": redirected() == before, **_train_step(rank, None)}
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, Any]:
+    """The TP=1, PP=1 single-process run."""
+    return run_distributed(_reference_step, 1)[0]
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """Max absolute difference over the largest expected magnitude is at most RTOL."""
+    assert actual.shape == expected.shape, what
+    rel = ((actual - expected).abs().max() / expected.abs().max()).item()
+    assert rel <= RTOL, f"{what}: max relative difference {rel:.2e}"
+
+
+def _assert_matches_reference(
+    reference: dict[str, Any], losses: list[torch.Tensor], grads: dict[str, torch.Tensor]
+) -> None:
+    _assert_close(torch.stack(losses), torch.stack(reference["losses"]), "losses")
+    assert grads.keys() == reference["grads"].keys()
+    for name, grad in grads.items():
+        _assert_close(grad, reference["grads"][name], name)
+
+
+def test_module_imports_without_megatron(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cpu_support itself imports megatron only when enabling (loaded from its file, so that
+    the package ``__init__`` is not part of the check)."""
+    for name in [n for n in sys.modules if n.split(".")[0] == "megatron"]:
+        monkeypatch.setitem(sys.modules, name, None)
+    spec = importlib.util.spec_from_file_location("cpu_support_alone", cpu_support.__file__)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    current_device = torch.cuda.current_device
+    with pytest.raises(ImportError):
+        module.enable_cpu_megatron()
+    assert torch.cuda.current_device is current_device  # failed before patching anything
+
+
+def test_refuses_on_cuda_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(RuntimeError, match="CUDA is available"):
+        enable_cpu_megatron()
+
+
+def test_enable_is_idempotent(reference: dict[str, Any]) -> None:
+    assert reference["reenable_kept_patches"]
+
+
+def test_tp1_forward_backward_runs(reference: dict[str, Any]) -> None:
+    losses = torch.stack(reference["losses"])
+    # Untrained model: about ln(VOCAB) per token.
+    assert torch.allclose(losses, torch.full_like(losses, torch.log(torch.tensor(VOCAB))), atol=0.2)
+    assert all(grad.abs().sum() > 0 for grad in reference["grads"].values())
+
+
+def test_tp2_matches_tp1(reference: dict[str, Any]) -> None:
+    for result in run_distributed(_train_step, 2, reference["state"], tp=2):
+        _assert_matches_reference(reference, result["losses"], result["grads"])
+
+
+def test_pp2_matches_tp1(reference: dict[str, Any]) -> None:
+    first_stage, last_stage = run_distributed(_train_step, 2, reference["state"], pp=2)
+    grads = {**first_stage["grads"], **last_stage["grads"]}
+    _assert_matches_reference(reference, last_stage["losses"], grads)
+
+
+def _fail_on_rank_1(rank: int) -> int:
+    if rank == 1:
+        raise ValueError("rank 1 breaks on purpose")
+    torch.distributed.barrier()  # blocks: rank 1 never arrives; the parent must kill rank 0
+    return rank
+
+
+def test_child_exception_fails_parent_with_its_traceback() -> None:
+    with pytest.raises(RuntimeError, match=r"(?s)rank 1 failed.*ValueError: rank 1 breaks"):
+        run_distributed(_fail_on_rank_1, 2)
+    assert not multiprocessing.active_children()
+
+
+def _sleep_forever(rank: int) -> None:
+    time.sleep(3600)
+
+
+def test_hang_is_ended_by_timeout() -> None:
+    start = time.monotonic()
+    with pytest.raises(TimeoutError):
+        run_distributed(_sleep_forever, 1, timeout=1)
+    assert time.monotonic() - start < 30
+    assert not multiprocessing.active_children()
