@@ -1,0 +1,64 @@
+"""Forward+backward FLOPs of a micro-batch, plain and shared: the physical limit of the saving.
+
+Counted: every linear layer (QKV, output projection, MLP, LM head) at 2 FLOPs per
+multiply-add per computed token, and attention at 4 * heads * head_dim FLOPs per (query, key)
+pair the causal mask allows (scores and the weighted sum). The backward pass costs twice the
+forward. Norms, rotary embedding, softmax and the K/V gather are not counted: they are memory-
+bound and small beside the products.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from .plan import SharingPlan
+from .presets import ModelPreset
+
+__all__ = ["FlopCount", "count_flops"]
+
+_FORWARD_AND_BACKWARD = 3
+
+
+class FlopCount(NamedTuple):
+    plain: float
+    shared: float
+
+    @property
+    def ratio(self) -> float:
+        """plain / shared: the largest speedup sharing can give."""
+        return self.plain / self.shared
+
+
+def count_flops(plan: SharingPlan, model: ModelPreset) -> FlopCount:
+    """Forward+backward FLOPs of the plain forward of ``plan``'s sequences and of the plan."""
+    per_token = _linear_flops_per_token(model)
+    per_pair = 4 * model.num_attention_heads * model.head_dim * model.num_layers
+    plain_pairs = sum(n * (n + 1) // 2 for n in plan.seq_lens)
+    shared_pairs = _plan_pairs(plan)
+    plain = per_token * plan.num_tokens_total + per_pair * plain_pairs
+    shared = per_token * plan.num_tokens_unique + per_pair * shared_pairs
+    return FlopCount(_FORWARD_AND_BACKWARD * plain, _FORWARD_AND_BACKWARD * shared)
+
+
+def _linear_flops_per_token(model: ModelPreset) -> int:
+    h, d = model.hidden_size, model.head_dim
+    qkv = h * (model.num_attention_heads + 2 * model.num_query_groups) * d
+    proj = model.num_attention_heads * d * h
+    mlp = 3 * h * model.ffn_hidden_size  # SwiGLU: gate, up, down
+    return 2 * (model.num_layers * (qkv + proj + mlp) + h * model.vocab_size)
+
+
+def _plan_pairs(plan: SharingPlan) -> int:
+    """Allowed (query, key) pairs of the plan's segments, padding excluded.
+
+    A tail of ``s`` queries over ``L`` keys, bottom-right causal: query ``i`` sees
+    ``L - s + i + 1`` keys, ``s * (L - s) + s * (s + 1) / 2`` in all.
+    """
+    q = plan.cu_seqlens_q.tolist()
+    kv = plan.cu_seqlens_kv.tolist()
+    segments = len(q) - 1 - (1 if plan.num_padding else 0)
+    total = 0
+    for i in range(segments):
+        s, L = q[i + 1] - q[i], kv[i + 1] - kv[i]
+        total += s * (L - s) + s * (s + 1) // 2
+    return total
