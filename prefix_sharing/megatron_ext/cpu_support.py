@@ -48,11 +48,13 @@ def enable_cpu_megatron() -> None:
     if _enabled:
         return
     # Imported before anything is patched, so that without megatron nothing changes.
+    from megatron.core.fusions import fused_softmax
     from megatron.core.tensor_parallel import random as megatron_random
 
     _redirect_current_device()
     _redirect_cuda_rng(megatron_random)
     _redirect_cuda_synchronize()
+    _redirect_default_causal_mask(fused_softmax)
     _redirect_megatron_cuda_tensors()
     _enabled = True
 
@@ -85,6 +87,14 @@ def _redirect_cuda_synchronize() -> None:
     # pipeline_parallel/p2p_communication.py calls torch.cuda.synchronize() after batched
     # send/recv; CPU collectives are complete once their wait() returns.
     torch.cuda.synchronize = lambda device=None: None
+
+
+def _redirect_default_causal_mask(fused_softmax: ModuleType) -> None:
+    # fusions/fused_softmax.py builds the causal mask with transformer/utils.py's
+    # get_default_causal_mask (device="cuda") when attention_mask is None. The mode below covers
+    # the forward, but not a recomputation inside backward (activation checkpointing), where
+    # torch function modes are not active.
+    fused_softmax.get_default_causal_mask = lambda sq: torch.ones(sq, sq).triu_(1).bool()
 
 
 def _redirect_megatron_cuda_tensors() -> None:
