@@ -85,11 +85,6 @@ class PrefixSharingCoreAttention(DotProductAttention):
             )
         if isinstance(packed_seq_params, PlanPackedSeqParams):
             plan = packed_seq_params.plan
-            if query.size(0) != plan.num_tokens_flat:
-                raise UnsupportedSetupError(
-                    f"this layer received {query.size(0)} tokens but the micro-batch's plan lays "
-                    f"out {plan.num_tokens_flat}: were the pipeline stages given different plans?"
-                )
             check_sharing_allowed(self.config, plan, self.training)
             out = prefix_attention(
                 query, key, value, plan, softmax_scale=self.net_softmax_scale,

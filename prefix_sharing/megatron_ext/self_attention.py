@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from megatron.core.transformer.attention import SelfAttention
 
+from .checks import UnsupportedSetupError
 from .packed_seq import PlanPackedSeqParams
 
 __all__ = ["PrefixSharingSelfAttention"]
@@ -30,6 +31,8 @@ class PrefixSharingSelfAttention(SelfAttention):
         packed_seq_params: Any = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if isinstance(packed_seq_params, PlanPackedSeqParams):
+            self._check_layout(hidden_states, packed_seq_params)
         if rotary_pos_emb is not None and isinstance(packed_seq_params, PlanPackedSeqParams):
             if isinstance(rotary_pos_emb, tuple):  # separate query / key tables
                 rotary_pos_emb = tuple(
@@ -42,3 +45,15 @@ class PrefixSharingSelfAttention(SelfAttention):
             hidden_states, *args, rotary_pos_emb=rotary_pos_emb,
             packed_seq_params=packed_seq_params, **kwargs,
         )
+
+    def _check_layout(self, hidden_states: torch.Tensor, params: PlanPackedSeqParams) -> None:
+        """Stages exchange only activations: a stage that planned another micro-batch would
+        read them in the wrong layout. A different token count shows it at the first layer."""
+        tokens = hidden_states.size(0)  # [s, b, h]; s is split across TP ranks under SP
+        if self.config.sequence_parallel:
+            tokens *= self.config.tensor_model_parallel_size
+        if tokens != params.plan.num_tokens_flat:
+            raise UnsupportedSetupError(
+                f"this layer received {tokens} tokens but the micro-batch's plan lays out "
+                f"{params.plan.num_tokens_flat}: were the pipeline stages given different plans?"
+            )
