@@ -1,0 +1,115 @@
+"""Setups where sharing would change the results are refused, naming the setting."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import pytest
+import torch
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from prefix_sharing import PrefixSharingConfig, build_plan
+from prefix_sharing.megatron_ext import PrefixSharingCoreAttention, UnsupportedSetupError
+from prefix_sharing.megatron_ext.checks import check_layer_config, check_sharing_allowed
+
+from ._distributed import run_distributed
+from ._equivalence import build, micro_batches
+
+BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, hidden_dropout=0.0,
+            attention_dropout=0.0)
+SHARED = build_plan([[1, 2, 3, 4], [1, 2, 3, 5]], PrefixSharingConfig(min_prefix_len=1))
+PLAIN = build_plan([[1, 2, 3, 4], [1, 2, 3, 5]], PrefixSharingConfig(mode="off"))
+
+
+class _OneRank:
+    def size(self) -> int:
+        return 1
+
+    def rank(self) -> int:
+        return 0
+
+
+def core_attention(config: TransformerConfig) -> PrefixSharingCoreAttention:
+    return PrefixSharingCoreAttention(config, 1, AttnMaskType.causal, "self",
+                                      pg_collection=types.SimpleNamespace(tp=_OneRank()))
+
+
+@pytest.mark.parametrize("setting, message", [
+    (dict(context_parallel_size=2), "context_parallel_size=2"),
+    (dict(window_size=(8, 0)), r"window_size=\(8, 0\): sliding-window attention"),
+    (dict(softmax_type="off-by-one"), "softmax_type='off-by-one'"),
+    (dict(multi_latent_attention=True), "multi_latent_attention=True"),
+    (dict(mrope_section=[2, 2, 2]), "mrope_section is set"),
+])
+def test_layer_refuses_settings_it_cannot_serve(setting, message):
+    with pytest.raises(UnsupportedSetupError, match=message):
+        core_attention(TransformerConfig(**BASE, **setting))
+
+
+def test_fused_rope_is_refused():
+    config = TransformerConfig(**BASE)
+    config.apply_rope_fusion = True  # needs TE to construct; the check reads the flag
+    with pytest.raises(UnsupportedSetupError, match="apply_rope_fusion=True.*set apply_rope_fusion=False"):
+        check_layer_config(config)
+
+
+@pytest.mark.parametrize("setting, message", [
+    (dict(hidden_dropout=0.1), "hidden_dropout=0.1 in training"),
+    (dict(num_moe_experts=4, moe_expert_capacity_factor=1.0, moe_aux_loss_coeff=0.0,
+          moe_token_dispatcher_type="alltoall"), "moe_expert_capacity_factor=1.0"),
+    (dict(num_moe_experts=4, moe_aux_loss_coeff=0.01), "MoE auxiliary or z-loss"),
+])
+def test_sharing_refuses_settings_that_would_change_the_results(setting, message):
+    config = TransformerConfig(**{**BASE, **setting})
+    with pytest.raises(UnsupportedSetupError, match=message):
+        check_sharing_allowed(config, SHARED, training=True)
+    check_sharing_allowed(config, PLAIN, training=True)  # the plain layout is always fine
+
+
+def test_dropout_is_fine_outside_training():
+    check_sharing_allowed(TransformerConfig(**{**BASE, "hidden_dropout": 0.1}), SHARED, training=False)
+
+
+def _model_level_job(rank: int) -> dict:
+    """Errors raised by a real forward: dropout, and stages given different micro-batches."""
+    from megatron.core import parallel_state
+
+    from prefix_sharing.megatron_ext import assert_same_plan, prepare_micro_batch
+
+    def error_of(fn):
+        try:
+            fn()
+        except UnsupportedSetupError as e:
+            return str(e)
+        return None
+
+    seqs = micro_batches(["grpo"])[0]
+    errors = {}
+    dropout_model = build("ours", attention_dropout=0.1)
+    mb = prepare_micro_batch(seqs, PrefixSharingConfig(min_prefix_len=1), device="cpu")
+    forward = lambda: dropout_model(mb.input_ids, mb.position_ids, None,  # noqa: E731
+                                    packed_seq_params=mb.packed_seq_params)
+    if parallel_state.is_pipeline_first_stage():
+        errors["attention_dropout"] = error_of(forward)
+    # every stage plans its own copy; here stage 1 was handed a different micro-batch
+    other = micro_batches(["tree"])[0] if rank == 1 else seqs
+    mine = prepare_micro_batch(other, PrefixSharingConfig(min_prefix_len=1), device="cpu")
+    errors["different_plans"] = error_of(
+        lambda: assert_same_plan(mine.plan, parallel_state.get_pipeline_model_parallel_group()))
+    model = build("ours")
+    if not parallel_state.is_pipeline_first_stage():  # a stage receiving the wrong activations
+        hidden = torch.zeros(mb.plan.num_tokens_flat, 1, 64)
+        model.set_input_tensor(hidden)
+        errors["wrong_layout"] = error_of(lambda: model(
+            mine.input_ids, mine.position_ids, None, packed_seq_params=mine.packed_seq_params))
+    return errors
+
+
+def test_forward_refuses_dropout_and_stages_with_different_plans():
+    first, second = run_distributed(_model_level_job, 2, pp=2, timeout=300)
+    assert "attention_dropout=0.1 in training" in first["attention_dropout"]
+    for stage in (first, second):
+        assert "ranks built different sharing plans" in stage["different_plans"]
+    assert "were the pipeline stages given different plans?" in second["wrong_layout"]

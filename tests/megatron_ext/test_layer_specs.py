@@ -1,0 +1,90 @@
+"""The layer specs are megatron-core's own, with exactly two submodules swapped."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from megatron.core.models.gpt import gpt_layer_specs as stock
+from megatron.core.transformer.attention import SelfAttention
+
+from prefix_sharing.megatron_ext import (
+    PrefixSharingCoreAttention,
+    PrefixSharingSelfAttention,
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+    with_prefix_sharing,
+)
+
+
+def undo_swap(spec):
+    """The spec with the two prefix-sharing submodules put back to the stock ones."""
+    attention = spec.submodules.self_attention
+    assert attention.module is PrefixSharingSelfAttention
+    assert attention.submodules.core_attention.module is PrefixSharingCoreAttention
+    attention.module = SelfAttention
+    return attention
+
+
+@pytest.mark.parametrize("kwargs", [
+    {},
+    dict(normalization="RMSNorm", qk_layernorm=True),
+    dict(num_experts=4, moe_grouped_gemm=False),
+])
+def test_local_spec_is_the_stock_spec_but_for_attention(kwargs):
+    ours, theirs = get_gpt_layer_local_spec(**kwargs), stock.get_gpt_layer_local_spec(**kwargs)
+    attention = undo_swap(ours)
+    attention.submodules.core_attention = theirs.submodules.self_attention.submodules.core_attention
+    assert ours == theirs
+
+
+def test_with_prefix_sharing_copies_and_leaves_the_input_alone():
+    base = stock.get_gpt_layer_local_spec()
+    shared = with_prefix_sharing(base)
+    assert base.submodules.self_attention.module is SelfAttention
+    assert shared.submodules.self_attention.module is PrefixSharingSelfAttention
+
+
+def test_multi_latent_attention_spec_is_refused():
+    mla = stock.get_gpt_layer_local_spec(multi_latent_attention=True)
+    with pytest.raises(ValueError, match="self_attention is a SelfAttention ModuleSpec"):
+        with_prefix_sharing(mla)
+
+
+@pytest.mark.skipif(stock.HAVE_TE, reason="checks the message shown without Transformer Engine")
+def test_te_spec_without_transformer_engine_says_what_is_missing():
+    with pytest.raises(ImportError, match=r"needs transformer-engine \(pip install"):
+        get_gpt_layer_with_transformer_engine_spec()
+
+
+def _spec_from_megatron_lm(args: str) -> str:
+    """Imports the --spec module in a fresh interpreter, optionally under Megatron-LM args."""
+    code = textwrap.dedent(f"""
+        import sys, types, argparse
+        args = {args}
+        if args is not None:
+            training = types.ModuleType("megatron.training")
+            training.get_args = lambda: argparse.Namespace(**args)
+            sys.modules["megatron.training"] = training
+        from megatron.core.transformer.spec_utils import import_module
+        from prefix_sharing.megatron_ext import get_gpt_layer_local_spec
+        spec = import_module(("prefix_sharing.megatron_ext.megatron_lm_spec", "layer_spec"))
+        kwargs = {{}} if args is None else dict(qk_layernorm=args["qk_layernorm"],
+                                               normalization=args["normalization"])
+        print(spec == get_gpt_layer_local_spec(**kwargs))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_spec_argument_outside_megatron_lm_is_the_default_local_spec():
+    assert _spec_from_megatron_lm("None") == "True"
+
+
+def test_spec_argument_follows_megatron_lm_arguments():
+    args = dict(transformer_impl="local", num_experts=None, moe_grouped_gemm=False,
+                qk_layernorm=True, multi_latent_attention=False, normalization="RMSNorm")
+    assert _spec_from_megatron_lm(repr(args)) == "True"
