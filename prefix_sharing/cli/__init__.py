@@ -1,8 +1,8 @@
 """The ``prefix-sharing`` command.
 
 Each subcommand lives in its own module with an ``add_parser(subparsers)`` that registers it
-and sets ``run(args) -> int``. Errors a user can fix (a missing file, a bad option) are printed
-as one line on stderr with exit status 2, never as a traceback.
+and sets ``run(args) -> int``. Errors a user can fix (a missing file or package, a bad file or
+option) are printed as one line on stderr with exit status 2, never as a traceback.
 """
 
 from __future__ import annotations
@@ -11,15 +11,17 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from . import demo
-
 __all__ = ["main", "UsageError"]
-
-COMMANDS = (demo,)
 
 
 class UsageError(Exception):
     """A problem with the user's input or setup, reported as one line."""
+
+
+# Imported after UsageError, which the subcommands raise.
+from . import analyze, demo  # noqa: E402
+
+COMMANDS = (demo, analyze)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -33,6 +35,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.run(args)
-    except (UsageError, ValueError, FileNotFoundError) as error:
-        print(f"prefix-sharing {args.command}: error: {error}", file=sys.stderr)
+    except (UsageError, ValueError, OSError, ImportError) as error:
+        message = " ".join(str(error).split())  # one line, whatever the message holds
+        print(f"prefix-sharing {args.command}: error: {message}", file=sys.stderr)
         return 2
