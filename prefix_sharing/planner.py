@@ -31,7 +31,7 @@ TokenSequence = Union[torch.Tensor, np.ndarray, Sequence[int]]
 
 # Token ids are compared as big-endian uint32 bytes; this terminator sorts after every id.
 _MAX_TOKEN_ID = 2**31 - 1
-_TERMINATOR = b"\xff\xff\xff\xff"
+_TERMINATOR = 2**32 - 1
 
 
 class PromptGroup(NamedTuple):
@@ -182,7 +182,10 @@ def _prefix_sharing(tokens: np.ndarray, offsets: np.ndarray, config: PrefixShari
 
 def _sort_key(ids: np.ndarray) -> bytes:
     """Bytes that sort like the token sequence, strict prefixes after their extensions."""
-    return ids.astype(">u4").tobytes() + _TERMINATOR
+    key = np.empty(ids.size + 1, dtype=">u4")
+    key[:-1] = ids
+    key[-1] = _TERMINATOR
+    return key.tobytes()
 
 
 def _candidates(tokens: np.ndarray, offsets: np.ndarray, config: PrefixSharingConfig) -> np.ndarray:
