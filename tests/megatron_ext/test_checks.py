@@ -14,8 +14,8 @@ from prefix_sharing import PrefixSharingConfig, build_plan
 from prefix_sharing.megatron_ext import PrefixSharingCoreAttention, UnsupportedSetupError
 from prefix_sharing.megatron_ext.checks import check_layer_config, check_sharing_allowed
 
-from ._distributed import run_distributed
-from ._equivalence import build, micro_batches
+from ._distributed import run_distributed, tiny_gpt
+from ._equivalence import micro_batches
 
 BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, hidden_dropout=0.0,
             attention_dropout=0.0)
@@ -87,7 +87,7 @@ def _model_level_job(rank: int) -> dict:
 
     seqs = micro_batches(["grpo"])[0]
     errors = {}
-    dropout_model = build("ours", attention_dropout=0.1)
+    dropout_model = tiny_gpt(attention_dropout=0.1)
     mb = prepare_micro_batch(seqs, PrefixSharingConfig(min_prefix_len=1), device="cpu")
     forward = lambda: dropout_model(mb.input_ids, mb.position_ids, None,  # noqa: E731
                                     packed_seq_params=mb.packed_seq_params)
@@ -98,7 +98,7 @@ def _model_level_job(rank: int) -> dict:
     mine = prepare_micro_batch(other, PrefixSharingConfig(min_prefix_len=1), device="cpu")
     errors["different_plans"] = error_of(
         lambda: assert_same_plan(mine.plan, parallel_state.get_pipeline_model_parallel_group()))
-    model = build("ours")
+    model = tiny_gpt()
     if not parallel_state.is_pipeline_first_stage():  # a stage receiving the wrong activations
         hidden = torch.zeros(mb.plan.num_tokens_flat, 1, 64)
         model.set_input_tensor(hidden)

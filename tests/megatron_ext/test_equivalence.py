@@ -13,10 +13,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from prefix_sharing.engines.megatron import compare, forward_backward
 from prefix_sharing.testing.equivalence import FP32_RTOL, within_tolerance
 
-from ._distributed import run_distributed
-from ._equivalence import build, compare, micro_batches, run
+from ._distributed import run_distributed, tiny_gpt
+from ._equivalence import SHARE_EVERY_PREFIX, micro_batches
 
 LLAMA: dict = {}  # RMSNorm, SwiGLU, RoPE, 4 query heads over 2 K/V groups
 VARIANTS = {
@@ -41,16 +42,16 @@ def _equivalence_job(rank: int, variants: list[str]) -> dict:
     batches = micro_batches()
     report = {}
     for name in variants:
-        ours, stock = build("ours", **VARIANTS[name]), build("stock", **VARIANTS[name])
-        shared, identity, plain = run(ours, batches, "shared"), run(ours, batches, "identity"), \
-            run(stock, batches, "stock")
+        ours, stock = tiny_gpt("shared", **VARIANTS[name]), tiny_gpt("padded", **VARIANTS[name])
+        shared = forward_backward(ours, batches, "shared", SHARE_EVERY_PREFIX)
+        packed = forward_backward(ours, batches, "packed")
+        padded = forward_backward(stock, batches, "padded")
         report[name] = {
-            "shared_vs_stock": compare(shared, plain),
-            "shared_vs_identity": compare(shared, identity),
-            "identity_vs_stock": compare(identity, plain),
-            "outputs": len(shared["outputs"]),
-            "digests": shared["digests"],
-            "tokens": [(sum(len(s) for s in b)) for b in batches],
+            "shared_vs_padded": compare(shared, padded).max_rel_diff,
+            "shared_vs_packed": compare(shared, packed).max_rel_diff,
+            "packed_vs_padded": compare(packed, padded).max_rel_diff,
+            "outputs": len(shared.outputs),
+            "digests": shared.digests,
         }
     return report
 
@@ -66,7 +67,7 @@ def test_shared_equals_plain_for_every_model_variant(layout):
     name, pp, ranks = layout
     for rank, report in enumerate(ranks):
         for variant, r in report.items():
-            for pair in ("shared_vs_stock", "shared_vs_identity", "identity_vs_stock"):
+            for pair in ("shared_vs_padded", "shared_vs_packed", "packed_vs_padded"):
                 worst = {q: d for q, d in r[pair].items() if d > FP32_RTOL}
                 assert not worst, f"{name} rank {rank} {variant} {pair}: {worst}"
 
@@ -90,29 +91,21 @@ def test_every_rank_builds_the_same_plans(layout):
 # ----------------------------------------------------------------------------- bf16
 def _bf16_job(rank: int) -> dict:
     batches = micro_batches()
-    bf16 = dict(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
-    ours, stock = build("ours", **bf16), build("stock", **bf16)
-    stock32 = build("stock")
+    ours = tiny_gpt("shared", dtype=torch.bfloat16)
+    stock16, stock32 = tiny_gpt("padded", dtype=torch.bfloat16), tiny_gpt("padded")
     with torch.no_grad():  # the fp32 reference computes with the same (rounded) weights
-        for p32, p16 in zip(stock32.parameters(), stock.parameters(), strict=True):
+        for p32, p16 in zip(stock32.parameters(), stock16.parameters(), strict=True):
             p32.copy_(p16)
-    shared, plain16, plain32 = run(ours, batches, "shared"), run(stock, batches, "stock"), \
-        run(stock32, batches, "stock")
-    for result in (shared, plain16):
-        result["grads"] = {k: g.float() for k, g in result["grads"].items()}
-        for out in result["outputs"]:
-            out.update({k: v.float() for k, v in out.items()})
+    shared = forward_backward(ours, batches, "shared", SHARE_EVERY_PREFIX)
+    plain16, plain32 = forward_backward(stock16, batches, "padded"), \
+        forward_backward(stock32, batches, "padded")
     return {"shared": compare(shared, plain32), "plain": compare(plain16, plain32)}
 
 
 def test_bf16_is_as_close_to_fp32_as_the_plain_bf16_model():
     """flash-attn's rule: the shared bf16 run may be 2x (grads 3x) as far from the fp32 plain
     run as megatron's own bf16 run is. The plain bf16 error is measured, not assumed."""
-    from prefix_sharing.testing.equivalence import Comparison
-
     result = run_distributed(_bf16_job, 1, timeout=600)[0]
-    shared = Comparison(max_abs_diff={}, max_rel_diff=result["shared"])
-    plain = Comparison(max_abs_diff={}, max_rel_diff=result["plain"])
-    assert plain.max_rel_diff["logits"] > 1e-3  # bf16 really is noisy here
-    verdict = within_tolerance(shared, plain)
+    assert result["plain"].max_rel_diff["logits"] > 1e-3  # bf16 really is noisy here
+    verdict = within_tolerance(result["shared"], result["plain"])
     assert all(verdict.values()), (result["shared"], result["plain"])

@@ -15,30 +15,31 @@ from __future__ import annotations
 
 import torch
 
-from ._distributed import run_distributed
-from ._equivalence import build, micro_batches, run
+from prefix_sharing.engines.megatron import forward_backward
+
+from ._distributed import run_distributed, tiny_gpt
+from ._equivalence import micro_batches
 
 STEPS = 20
 SPEC_ARG = ("prefix_sharing.megatron_ext.megatron_lm_spec", "layer_spec")
 
 
 def _train_job(rank: int) -> dict:
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import import_module
 
     batch = micro_batches(["grpo"])
     # outside Megatron-LM the --spec object is the default local spec: LayerNorm
     models = {
-        "shared": build(import_module(SPEC_ARG), normalization="LayerNorm"),
-        "stock": build(get_gpt_layer_local_spec(), normalization="LayerNorm"),
+        "shared": tiny_gpt(layer_spec=import_module(SPEC_ARG), normalization="LayerNorm"),
+        "padded": tiny_gpt("padded", normalization="LayerNorm"),
     }
-    initial = {n: p.detach().clone() for n, p in models["stock"].named_parameters()}
+    initial = {n: p.detach().clone() for n, p in models["padded"].named_parameters()}
     losses = {name: [] for name in models}
     for name, model in models.items():
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
         for _ in range(STEPS):
-            result = run(model, batch, name)
-            losses[name].append(result["outputs"][0]["loss"].item())
+            result = forward_backward(model, batch, name)
+            losses[name].append(result.outputs[0].loss.item())
             optimizer.step()
     params = {name: {n: p.detach() for n, p in m.named_parameters()} for name, m in models.items()}
     return {"losses": losses, "params": params, "initial": initial}
@@ -46,10 +47,10 @@ def _train_job(rank: int) -> dict:
 
 def test_spec_argument_model_trains_like_the_plain_model():
     result = run_distributed(_train_job, 1, timeout=600)[0]
-    shared, stock = result["losses"]["shared"], result["losses"]["stock"]
+    shared, stock = result["losses"]["shared"], result["losses"]["padded"]
     assert len(shared) == STEPS and stock[-1] < stock[0] - 0.1  # it really trained
     for step, (a, b) in enumerate(zip(shared, stock)):
         assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: loss {a} vs {b}"
-    for name, plain in result["params"]["stock"].items():
+    for name, plain in result["params"]["padded"].items():
         assert not torch.equal(plain, result["initial"][name]), f"{name} did not move"
         torch.testing.assert_close(result["params"]["shared"][name], plain, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,152 @@
+"""Runs a function on N ranks with megatron-core's model parallelism set up, on CPU or GPU.
+
+Every rank is a freshly spawned process (``torch.multiprocessing`` spawn context), so megatron's
+global state (parallel groups, the RNG tracker, the CPU redirections) never leaks into the
+caller. Without CUDA, ranks talk over gloo and run :func:`enable_cpu_megatron` first.
+
+The function must be importable by name (a module's top level): the child unpickles it by
+reference.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.multiprocessing as mp
+
+__all__ = ["run_distributed", "init_megatron"]
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    tp: int = 1,
+    pp: int = 1,
+    seed: int = 1234,
+    timeout: float = 120.0,
+) -> list[Any]:
+    """Run ``fn(rank, *args)`` on ``world_size`` spawned gloo ranks; return each rank's result.
+
+    Each rank calls ``enable_cpu_megatron()``, ``initialize_model_parallel(tp, pp)`` and
+    ``model_parallel_cuda_manual_seed(seed)`` before ``fn``. Arguments and results travel
+    pickled by value, so they must be picklable (CPU tensors are).
+
+    Raises:
+        RuntimeError: a rank raised or died; the message holds that rank's traceback.
+        TimeoutError: the ranks had not all returned after ``timeout`` seconds (a hang); all
+            ranks are killed first.
+    """
+    ctx = mp.get_context("spawn")
+    results_queue = ctx.Queue()
+    payload = pickle.dumps((fn, args))
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(rank, world_size, port, tp, pp, seed, payload, results_queue),
+            name=f"megatron-rank-{rank}",
+        )
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        results = _collect(procs, results_queue, timeout)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join()
+    return [results[rank] for rank in range(world_size)]
+
+
+def _collect(procs: list[Any], results_queue: Any, timeout: float) -> dict[int, Any]:
+    """Wait for one message per rank; fail on the first error, a dead rank or the deadline."""
+    deadline = time.monotonic() + timeout
+    results: dict[int, Any] = {}
+    while len(results) < len(procs):
+        try:
+            rank, ok, data = results_queue.get(timeout=0.2)
+        except queue.Empty:
+            # A rank flushes its message before it exits, so an exited rank with nothing left
+            # in the queue died without reporting (a crash, os._exit, a kill).
+            gone = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in results]
+            if gone and results_queue.empty():
+                raise RuntimeError(
+                    f"rank {gone[0]} exited with code {procs[gone[0]].exitcode} without a result"
+                ) from None
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(len(procs))) - set(results))
+                raise TimeoutError(
+                    f"ranks {missing} did not finish within {timeout:.0f} s; killed"
+                ) from None
+            continue
+        if not ok:
+            raise RuntimeError(f"rank {rank} failed:\n{data}")
+        results[rank] = pickle.loads(data)
+    return results
+
+
+def _rank_main(
+    rank: int,
+    world_size: int,
+    port: int,
+    tp: int,
+    pp: int,
+    seed: int,
+    payload: bytes,
+    results_queue: Any,
+) -> None:
+    """Body of one spawned rank: set up gloo + megatron, run the function, report back."""
+    try:
+        # Share the cores between the ranks instead of oversubscribing them.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        init_megatron(rank, world_size, port, tp=tp, pp=pp, seed=seed)
+        fn, args = pickle.loads(payload)
+        message = (rank, True, pickle.dumps(fn(rank, *args)))
+        # No rank exits (closing its sockets, and rank 0 the TCPStore) while others still
+        # communicate. A failed rank skips this; the parent then kills the waiting ones.
+        torch.distributed.barrier()
+    except BaseException:
+        message = (rank, False, traceback.format_exc())
+    results_queue.put(message)
+    # The process group is left alone on purpose: destroying it waits for peers that may be
+    # dead, and the process exits right after this anyway.
+
+
+def init_megatron(rank: int, world_size: int, port: int, *, tp: int = 1, pp: int = 1,
+                  seed: int = 1234) -> None:
+    """Process group (NCCL on CUDA, else gloo + :func:`enable_cpu_megatron`) and megatron's
+    model-parallel state and RNG tracker, for this rank."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    torch.distributed.init_process_group(
+        "nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        world_size=world_size,
+    )
+    if not cuda:
+        from ..megatron_ext.cpu_support import enable_cpu_megatron
+
+        enable_cpu_megatron()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def free_port() -> int:
+    """A localhost TCP port that was free a moment ago (for the TCPStore)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

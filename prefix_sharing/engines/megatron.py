@@ -1,0 +1,297 @@
+"""The Megatron engine: a GPTModel of a preset's shape, run plain and shared on the same weights.
+
+Three ways to compute the same micro-batches, all through megatron's own schedule
+(``get_forward_backward_func``, so pipeline parallelism runs exactly as in training):
+
+- ``"shared"``: the prefix-sharing layer spec on the plan's flat layout;
+- ``"packed"``: the same model on the plain packed layout (``mode="off"``: nothing shared) -
+  what a THD training step computes today, and the baseline ``bench`` times;
+- ``"padded"``: megatron's stock local spec on right-padded ``[b, s]`` input, log-probs from
+  the gathered full-vocabulary logits one sequence at a time - no code of this package involved,
+  the reference ``verify`` checks against.
+
+Weights are seeded by parameter name, so every tensor- and pipeline-parallel layout of a preset
+holds the same model. Call these inside a rank set up by :mod:`prefix_sharing.engines.launch`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..config import PrefixSharingConfig
+from ..planner import PromptGroup
+from ..presets import ModelPreset
+from ..testing.equivalence import (
+    QUANTITIES,
+    Comparison,
+    RunOutputs,
+    max_abs_diff,
+    max_rel_diff,
+    pg_loss,
+    plain_token_log_probs,
+)
+
+__all__ = [
+    "LAYOUTS",
+    "gpt_model",
+    "seed_weights",
+    "full_grads",
+    "MicroBatchRun",
+    "forward_backward",
+    "compare",
+    "loss_weights",
+]
+
+LAYOUTS = ("shared", "packed", "padded")
+PLAIN = PrefixSharingConfig(mode="off")
+
+
+# ----------------------------------------------------------------------------- models
+def gpt_model(
+    preset: ModelPreset,
+    *,
+    layout: str = "shared",
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    layer_spec: Any = None,
+    **config_overrides: Any,
+) -> torch.nn.Module:
+    """This rank's stage of a ``preset``-shaped GPTModel with seeded weights.
+
+    Args:
+        preset: the model's shape (Llama/Qwen style: RMSNorm, SwiGLU, RoPE, GQA).
+        layout: ``"padded"`` builds megatron's stock local spec, anything else the
+            prefix-sharing one.
+        dtype: parameter and activation dtype (float32 or bfloat16).
+        seed: weight seed; the same seed gives the same model under every parallel layout.
+        layer_spec: a layer ModuleSpec to use instead (e.g. the ``--spec`` object).
+        config_overrides: TransformerConfig fields (``qk_layernorm``, ``recompute_*``, ...).
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec as stock_spec
+    from megatron.core.transformer import TransformerConfig
+
+    from ..megatron_ext import get_gpt_layer_local_spec as shared_spec
+
+    settings = dict(
+        num_layers=preset.num_layers,
+        hidden_size=preset.hidden_size,
+        num_attention_heads=preset.num_attention_heads,
+        num_query_groups=preset.num_query_groups,
+        ffn_hidden_size=preset.ffn_hidden_size,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=preset.add_qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        # the flat layout's length changes from one micro-batch to the next
+        variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall",
+        use_cpu_initialization=True,
+    )
+    settings.update(config_overrides)
+    config = TransformerConfig(**settings)
+    if layer_spec is None:
+        spec_fn = stock_spec if layout == "padded" else shared_spec
+        layer_spec = spec_fn(normalization=config.normalization, qk_layernorm=config.qk_layernorm)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec,
+        vocab_size=preset.vocab_size,
+        max_sequence_length=preset.max_sequence_length,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=preset.tie_embeddings,
+        position_embedding_type="rope",
+        rotary_base=preset.rotary_base,
+    )
+    if torch.cuda.is_available():
+        model.cuda()
+    seed_weights(model, seed)
+    return model
+
+
+def seed_weights(model: torch.nn.Module, seed: int) -> None:
+    """Fills every parameter from a generator seeded by its global name and ``seed``.
+
+    The full (TP=1) tensor is drawn, then this rank's shard is cut from it the way megatron
+    shards it (``partition_stride`` chunks dealt round-robin), so every layout gets the same
+    model. Norm weights near 1, everything else small.
+    """
+    from megatron.core import parallel_state
+
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            shape = list(param.shape)
+            sharded = getattr(param, "tensor_model_parallel", False)
+            if sharded:
+                shape[param.partition_dim] *= tp_size
+            global_name = _global_name(model, name)
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(global_name.encode()))
+            full = torch.randn(shape, generator=gen)
+            is_norm = "norm" in global_name and global_name.endswith("weight")
+            full = 1 + 0.1 * full if is_norm else 0.05 * full
+            if sharded:
+                chunks = full.chunk(tp_size * param.partition_stride, dim=param.partition_dim)
+                full = torch.cat(chunks[tp_rank::tp_size], dim=param.partition_dim)
+            param.copy_(full)
+
+
+def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """This stage's gradients, tensor-parallel shards gathered to TP=1 shape, by global name.
+
+    Collective over the tensor-parallel group: every TP rank must call it.
+    """
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    grads = {}
+    for name, param in model.named_parameters():
+        grad = param.grad.detach().clone()
+        if getattr(param, "tensor_model_parallel", False):
+            dim, stride = param.partition_dim, param.partition_stride
+            shards = [torch.empty_like(grad) for _ in range(tp_size)]
+            torch.distributed.all_gather(shards, grad, group=group)
+            per_shard = [shard.chunk(stride, dim=dim) for shard in shards]
+            grad = torch.cat([chunks[s] for s in range(stride) for chunks in per_shard], dim=dim)
+        grads[_global_name(model, name)] = grad.cpu()
+    return grads
+
+
+def _global_name(model: torch.nn.Module, name: str) -> str:
+    """``name`` with a stage-local ``decoder.layers.<i>`` renumbered to the global layer."""
+    prefix = "decoder.layers."
+    if not name.startswith(prefix):
+        return name
+    local, rest = name[len(prefix):].split(".", 1)
+    return f"{prefix}{model.decoder.layers[int(local)].layer_number - 1}.{rest}"
+
+
+# ----------------------------------------------------------------------------- running
+@dataclasses.dataclass
+class MicroBatchRun:
+    """One pass over the micro-batches: per micro-batch packed outputs (last stage only) and
+    this stage's gradients; ``digests`` are the plans' fingerprints (empty for ``padded``)."""
+
+    outputs: list[RunOutputs]
+    grads: dict[str, torch.Tensor]
+    digests: list[str]
+
+
+def loss_weights(num_tokens: int, seed: int) -> torch.Tensor:
+    """Per-token advantages, as a GRPO loss weighs the log-probs (seeded per micro-batch)."""
+    return torch.randn(num_tokens, generator=torch.Generator().manual_seed(seed))
+
+
+def forward_backward(
+    model: torch.nn.Module,
+    batches: Sequence[Sequence[torch.Tensor]],
+    layout: str,
+    config: PrefixSharingConfig = PrefixSharingConfig(),
+    groups: Sequence[Sequence[PromptGroup] | None] | None = None,
+) -> MicroBatchRun:
+    """Forward+backward of every micro-batch through megatron's schedule (see the module doc).
+
+    The loss of a micro-batch is :func:`pg_loss` of its log-probs and entropy with seeded
+    per-token weights, so every quantity the comparison reads gets a gradient.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from ..megatron_ext import prepare_micro_batch, token_stats
+
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}; got {layout!r}")
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    groups = list(groups) if groups is not None else [None] * len(batches)
+    if layout == "padded":
+        inputs = [_padded(seqs, device) for seqs in batches]
+    else:
+        inputs = [prepare_micro_batch(seqs, config if layout == "shared" else PLAIN,
+                                      groups=g if layout == "shared" else None, device=device)
+                  for seqs, g in zip(batches, groups)]
+    model.zero_grad(set_to_none=True)
+    outputs: list[RunOutputs] = []
+    order = iter(range(len(batches)))
+
+    def forward_step(data_iterator, model):
+        i = next(order)
+        seqs, mb = batches[i], next(data_iterator)
+        if layout == "padded":
+            output = model(mb[0], mb[1], None)
+        else:
+            output = model(mb.input_ids, mb.position_ids, None,
+                           packed_seq_params=mb.packed_seq_params)
+
+        def loss_func(logits):
+            if layout == "padded":
+                packed = _unpad(_gather_vocab(logits), seqs)
+                log_probs, entropy = plain_token_log_probs(packed, [s.to(packed.device) for s in seqs])
+            else:
+                stats = token_stats(logits, mb)
+                packed = mb.plan.restore(_gather_vocab(logits)[0])
+                log_probs, entropy = stats.log_probs, stats.entropy
+            loss = pg_loss(log_probs, entropy, loss_weights(log_probs.numel(), i).to(log_probs.device))
+            outputs.append(RunOutputs(packed.detach().float().cpu(), log_probs.detach().cpu(),
+                                      entropy.detach().cpu(), loss.detach().clone().cpu(), {}))
+            return loss, {}
+
+        return output, loss_func
+
+    get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter(inputs), model=[model],
+        num_microbatches=len(inputs), seq_length=max(len(s) for b in batches for s in b),
+        micro_batch_size=1,
+    )
+    digests = [] if layout == "padded" else [mb.plan.digest() for mb in inputs]
+    return MicroBatchRun(outputs, full_grads(model), digests)
+
+
+def compare(candidate: MicroBatchRun, reference: MicroBatchRun) -> Comparison:
+    """Largest differences over all micro-batches (outputs) and this stage's gradients."""
+    if candidate.grads.keys() != reference.grads.keys():
+        raise AssertionError("the runs have gradients for different parameters")
+    pairs = {q: [(getattr(c, q), getattr(r, q)) for c, r in zip(candidate.outputs, reference.outputs)]
+             for q in QUANTITIES if q != "grads"}
+    pairs["grads"] = [(candidate.grads[k], g) for k, g in reference.grads.items()]
+    return Comparison(
+        {q: max((max_abs_diff(a, b) for a, b in p), default=0.0) for q, p in pairs.items()},
+        {q: max((max_rel_diff(a, b) for a, b in p), default=0.0) for q, p in pairs.items()},
+    )
+
+
+def _padded(seqs: Sequence[torch.Tensor], device: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ``[b, s]`` tokens and positions; causal attention keeps pads out of reach."""
+    longest = max(len(s) for s in seqs)
+    tokens = torch.zeros(len(seqs), longest, dtype=torch.long)
+    for row, s in enumerate(seqs):
+        tokens[row, : len(s)] = s
+    positions = torch.arange(longest).expand(len(seqs), longest)
+    return tokens.to(device), positions.to(device)
+
+
+def _unpad(logits: torch.Tensor, seqs: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([logits[row, : len(s)] for row, s in enumerate(seqs)])
+
+
+def _gather_vocab(logits: torch.Tensor) -> torch.Tensor:
+    """Full-vocabulary logits from this tensor-parallel rank's slice (differentiable)."""
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+    return gather_from_tensor_model_parallel_region(logits)
