@@ -49,7 +49,6 @@ __all__ = [
 ]
 
 LAYOUTS = ("shared", "packed", "padded")
-PLAIN = PrefixSharingConfig(mode="off")
 
 
 # ----------------------------------------------------------------------------- models
@@ -223,7 +222,9 @@ def forward_backward(
     if layout == "padded":
         inputs = [_padded(seqs, device) for seqs in batches]
     else:
-        inputs = [prepare_micro_batch(seqs, config if layout == "shared" else PLAIN,
+        # "packed" keeps the config's attention backend: the same kernel, nothing shared
+        plain = dataclasses.replace(config, mode="off")
+        inputs = [prepare_micro_batch(seqs, config if layout == "shared" else plain,
                                       groups=g if layout == "shared" else None, device=device)
                   for seqs, g in zip(batches, groups)]
     model.zero_grad(set_to_none=True)
