@@ -19,9 +19,9 @@ class UsageError(Exception):
 
 
 # Imported after UsageError, which the subcommands raise.
-from . import analyze, demo  # noqa: E402
+from . import analyze, bench, demo, verify  # noqa: E402
 
-COMMANDS = (demo, analyze)
+COMMANDS = (demo, analyze, verify, bench)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

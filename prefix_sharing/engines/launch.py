@@ -16,6 +16,7 @@ import queue
 import socket
 import time
 import traceback
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -106,6 +107,9 @@ def _rank_main(
     results_queue: Any,
 ) -> None:
     """Body of one spawned rank: set up gloo + megatron, run the function, report back."""
+    # megatron-core announces each optional CUDA package it falls back from, in every rank
+    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
+    warnings.filterwarnings("ignore", message="full scope is deprecated")
     try:
         # Share the cores between the ranks instead of oversubscribing them.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))

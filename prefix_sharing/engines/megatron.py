@@ -31,6 +31,7 @@ from ..testing.equivalence import (
     QUANTITIES,
     Comparison,
     RunOutputs,
+    advantages,
     max_abs_diff,
     max_rel_diff,
     pg_loss,
@@ -45,7 +46,6 @@ __all__ = [
     "MicroBatchRun",
     "forward_backward",
     "compare",
-    "loss_weights",
 ]
 
 LAYOUTS = ("shared", "packed", "padded")
@@ -194,11 +194,6 @@ class MicroBatchRun:
     digests: list[str]
 
 
-def loss_weights(num_tokens: int, seed: int) -> torch.Tensor:
-    """Per-token advantages, as a GRPO loss weighs the log-probs (seeded per micro-batch)."""
-    return torch.randn(num_tokens, generator=torch.Generator().manual_seed(seed))
-
-
 def forward_backward(
     model: torch.nn.Module,
     batches: Sequence[Sequence[torch.Tensor]],
@@ -209,7 +204,7 @@ def forward_backward(
     """Forward+backward of every micro-batch through megatron's schedule (see the module doc).
 
     The loss of a micro-batch is :func:`pg_loss` of its log-probs and entropy with seeded
-    per-token weights, so every quantity the comparison reads gets a gradient.
+    per-token :func:`advantages`, so every quantity the comparison reads gets a gradient.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -248,7 +243,8 @@ def forward_backward(
                 stats = token_stats(logits, mb)
                 packed = mb.plan.restore(_gather_vocab(logits)[0])
                 log_probs, entropy = stats.log_probs, stats.entropy
-            loss = pg_loss(log_probs, entropy, loss_weights(log_probs.numel(), i).to(log_probs.device))
+            weights = advantages(log_probs.numel(), seed=i).to(log_probs.device)
+            loss = pg_loss(log_probs, entropy, weights)
             outputs.append(RunOutputs(packed.detach().float().cpu(), log_probs.detach().cpu(),
                                       entropy.detach().cpu(), loss.detach().clone().cpu(), {}))
             return loss, {}

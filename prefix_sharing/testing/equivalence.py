@@ -22,6 +22,7 @@ __all__ = [
     "FP32_RTOL",
     "plain_token_log_probs",
     "pg_loss",
+    "advantages",
     "max_rel_diff",
     "max_abs_diff",
 ]
@@ -133,6 +134,16 @@ def plain_token_log_probs(
         log_probs.append(torch.cat([picked, picked.new_zeros(1)]))
         entropy.append(-(logp.exp() * logp).sum(-1))
     return torch.cat(log_probs), torch.cat(entropy)
+
+
+def advantages(num_tokens: int, seed: int) -> torch.Tensor:
+    """Seeded per-token weights for :func:`pg_loss`, in ``[0.5, 1.5)``.
+
+    Positive on purpose: with advantages of both signs the loss sums terms that cancel, and a
+    near-zero loss makes its *relative* difference meaningless (a coin toss under bf16). Every
+    gradient path is exercised whatever the signs.
+    """
+    return 0.5 + torch.rand(num_tokens, generator=torch.Generator().manual_seed(seed))
 
 
 def pg_loss(log_probs: torch.Tensor, entropy: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ from ..config import PrefixSharingConfig
 from ..logprobs import token_log_probs
 from ..plan import SharingPlan
 from ..planner import PromptGroup, build_plan
-from .equivalence import Comparison, RunOutputs, compare_runs, plain_token_log_probs
+from .equivalence import Comparison, RunOutputs, advantages, compare_runs, plain_token_log_probs
 from .tiny_decoder import TinyDecoder, TinyDecoderConfig
 
 __all__ = ["TinyCheck", "check_tiny_decoder", "plain_run", "shared_run"]
@@ -70,8 +70,7 @@ def check_tiny_decoder(
     model = TinyDecoder(model_config).to(dtype)
     reference = copy.deepcopy(model).float()  # same (rounded) weights, computed in fp32
     plan = build_plan(sequences, config, groups=groups, pad_to_multiple_of=pad_to_multiple_of)
-    weights = torch.randn(plan.num_tokens_total, generator=torch.Generator().manual_seed(seed))
-    weights = weights.masked_fill(plan.is_last_token, 0.0)
+    weights = advantages(plan.num_tokens_total, seed).masked_fill(plan.is_last_token, 0.0)
 
     ref32 = plain_run(reference, sequences, weights)
     shared = shared_run(model, plan, weights)

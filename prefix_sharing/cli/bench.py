@@ -1,0 +1,116 @@
+"""``prefix-sharing bench``: time and memory of a training step, plain vs shared.
+
+For each micro-batch: the plain packed step and the shared step (plus ``prompt_only`` where the
+batch has prompt groups), timed interleaved in one process, medians; the FLOP ratio of the plan
+is the physical limit of the speedup. ``--plot`` draws speedup against FLOP ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+
+from ..engines import ENGINES, get_engine
+from ..engines.bench import BenchRequest, BenchWorkload
+from ..presets import get_preset
+from . import UsageError
+from .options import (add_input_options, add_model_option, add_sharing_options, load_batches,
+                      sharing_config)
+
+# Built-in micro-batch sizes for the bench: ~1-2k tokens, so that on the "small" preset a CPU
+# step takes about a second and matrix products dominate it, as they do on real models.
+BENCH_SIZES = {
+    "grpo": dict(num_prompts=2, group_size=4, prompt_len=(160, 200), response_len=(48, 96)),
+    "steprl": dict(num_chains=2, num_steps=4, prompt_len=(96, 128), step_len=(32, 64)),
+    "tree": dict(depth=3, branching=2, prompt_len=(96, 128), node_len=(24, 48)),
+    "agent": dict(num_tasks=2, num_turns=3, branching=2, system_len=96, task_len=(16, 32),
+                  turn_len=(16, 32)),
+    "none": dict(num_sequences=8, seq_len=(160, 224)),
+}
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "bench", help="time a training step plain vs shared, and its peak memory",
+        description=__doc__.split("\n\n")[1].replace("\n", " "))
+    add_input_options(parser, many_workloads=True)
+    parser.add_argument("--engine", default="megatron", help=f"{', '.join(ENGINES)} (default: %(default)s)")
+    add_model_option(parser, "small", "model shape (random weights)")
+    add_sharing_options(parser)
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="timed steps per mode, after one warm-up (default: 5)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--plot", metavar="FILE.png", help="draw speedup against FLOP ratio")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be at least 1; got {args.repeats}")
+    engine, model, config = get_engine(args.engine), get_preset(args.model), sharing_config(args)
+    if config.mode != "arbitrary_prefix":
+        raise UsageError("bench compares arbitrary_prefix sharing (and prompt_only where the "
+                         f"batch has prompt groups) with the plain step; got --mode {config.mode}")
+    if args.plot:
+        _check_plotting()
+    workloads = [BenchWorkload(name, seqs, groups)
+                 for name, seqs, groups in load_batches(args, model, BENCH_SIZES)]
+    results = engine.bench(BenchRequest(workloads, config, model, repeats=args.repeats))
+    report = {"engine": engine.name, "model": model.name, "repeats": args.repeats,
+              "results": results}
+    if args.plot:
+        plot(results, args.plot, title=f"{engine.name} engine, {model.name} model")
+        report["plot"] = args.plot
+    print(json.dumps(report) if args.json else table(results))
+    return 0
+
+
+def table(results: list[dict]) -> str:
+    header = (f"{'workload':<10} {'mode':<12} {'tokens':>7} {'unique':>7} {'flop x':>7} "
+              f"{'plain ms':>9} {'shared ms':>9} {'speedup':>8} {'of flop':>8} {'memory x':>9} "
+              f"{'plan ms':>8}")
+    lines = [header]
+    for r in results:
+        for mode, entry in (("arbitrary", r), ("prompt_only", r.get("prompt_only"))):
+            if entry is None:
+                continue
+            lines.append(
+                f"{r['workload']:<10} {mode:<12} {entry['tokens_total']:>7} "
+                f"{entry['tokens_unique']:>7} {entry['flop_ratio']:>7.2f} {r['plain_ms']:>9.0f} "
+                f"{entry['shared_ms']:>9.0f} {entry['speedup']:>8.2f} "
+                f"{entry['speedup_vs_flop_ratio']:>8.2f} {entry['memory_ratio']:>9.2f} "
+                f"{entry['planner_ms']:>8.2f}")
+    lines += ["", "flop x: plain/shared FLOPs (the limit); speedup: plain/shared step time "
+              "(median); of flop: speedup/flop x; memory x: plain/shared peak memory"]
+    return "\n".join(lines)
+
+
+def _check_plotting() -> None:
+    if importlib.util.find_spec("matplotlib") is None:
+        raise UsageError("--plot needs matplotlib (pip install 'prefix-sharing[bench]')")
+
+
+def plot(results: list[dict], path: str, title: str) -> None:
+    """Speedup against FLOP ratio, one point per workload and mode, with the y = x limit."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 4.5))
+    points = [(r["workload"], r) for r in results]
+    points += [(f"{r['workload']} (prompt only)", r["prompt_only"]) for r in results
+               if "prompt_only" in r]
+    limit = max(max(e["flop_ratio"], e["speedup"]) for _, e in points) * 1.1
+    ax.plot([1, limit], [1, limit], "--", color="gray", label="speedup = FLOP ratio")
+    for label, e in points:
+        ax.scatter(e["flop_ratio"], e["speedup"], s=40)
+        ax.annotate(label, (e["flop_ratio"], e["speedup"]), textcoords="offset points",
+                    xytext=(5, -10), fontsize=8)
+    ax.set(xlabel="FLOP ratio (plain / shared)", ylabel="speedup (plain / shared time)",
+           title=title, xlim=(0.9, limit), ylim=(0.9, limit))
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,186 @@
+"""``bench``: the time and memory of one training step, plain vs shared, in one process.
+
+A step is what a trainer does per micro-batch: plan it (``prepare_micro_batch``), forward,
+per-token log-probs and entropy, a policy-gradient loss, backward. The plain step is the same
+model on the plain packed layout (``mode="off"``: the THD step verl runs today); the shared
+step uses the plan. Steps are timed interleaved (plain, shared, plain, shared, ...) after a
+warm-up, so machine noise falls on both alike; medians are reported. Peak memory is measured
+in separate runs (see :func:`peak_memory_bytes`), as the profiler slows the step down.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+from ..config import PrefixSharingConfig
+from ..flops import count_flops
+from ..planner import PromptGroup, build_plan
+from ..presets import ModelPreset
+
+__all__ = ["BenchRequest", "BenchWorkload", "bench_job", "time_workload", "peak_memory_bytes"]
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchWorkload:
+    name: str
+    sequences: list[torch.Tensor]
+    groups: list[PromptGroup] | None  # prompt groups: also time mode="prompt_only"
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchRequest:
+    workloads: list[BenchWorkload]
+    config: PrefixSharingConfig
+    preset: ModelPreset
+    repeats: int = 5
+    warmup: int = 1
+    dtype: torch.dtype = torch.float32
+    progress: bool = True
+
+
+def bench_job(rank: int, request: BenchRequest) -> list[dict]:
+    """Runs in one rank (see :mod:`prefix_sharing.engines.launch`); one result per workload."""
+    from .megatron import gpt_model
+
+    model = gpt_model(request.preset, layout="shared", dtype=request.dtype)
+    progress = _Progress(sum(_steps(request, w) for w in request.workloads), request.progress)
+    results = [time_workload(model, w, request, progress) for w in request.workloads]
+    progress.close()
+    return results
+
+
+def time_workload(model: torch.nn.Module, workload: BenchWorkload, request: BenchRequest,
+                  progress: _Progress | None = None) -> dict:
+    """Times the plain, shared (and prompt-only) steps of one workload on ``model``."""
+    configs = {"plain": dataclasses.replace(request.config, mode="off"), "shared": request.config}
+    if workload.groups is not None:
+        configs["prompt_only"] = dataclasses.replace(request.config, mode="prompt_only")
+    steps = {name: _step(model, workload, cfg) for name, cfg in configs.items()}
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for i in range(request.warmup + request.repeats):
+        for name, step in steps.items():  # interleaved: plain, shared, prompt_only, plain, ...
+            if progress is not None:
+                progress.advance(f"{workload.name} {name}")
+            elapsed = _timed(step)
+            if i >= request.warmup:
+                times[name].append(elapsed)
+    peaks = {name: peak_memory_bytes(step) for name, step in steps.items()}
+    return _report(workload, request, configs, times, peaks)
+
+
+def _steps(request: BenchRequest, workload: BenchWorkload) -> int:
+    return (request.warmup + request.repeats) * (2 + (workload.groups is not None))
+
+
+def _step(model: torch.nn.Module, workload: BenchWorkload,
+          config: PrefixSharingConfig) -> Callable[[], None]:
+    from ..megatron_ext import forward_token_stats, prepare_micro_batch
+    from ..testing.equivalence import advantages, pg_loss
+
+    groups = workload.groups if config.mode == "prompt_only" else None
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        batch = prepare_micro_batch(workload.sequences, config, groups=groups)
+        stats = forward_token_stats(model, batch)
+        weights = advantages(stats.log_probs.numel(), seed=0).to(stats.log_probs.device)
+        pg_loss(stats.log_probs, stats.entropy, weights).backward()
+
+    return step
+
+
+def _timed(step: Callable[[], None]) -> float:
+    _synchronize()
+    start = time.perf_counter()
+    step()
+    _synchronize()
+    return time.perf_counter() - start
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def peak_memory_bytes(step: Callable[[], None]) -> int:
+    """The most bytes the step holds allocated at once, above what existed before it.
+
+    On CUDA, the allocator's peak. On CPU, torch keeps no such counter, so the profiler's
+    allocation and free events are replayed in time order (op granularity).
+    """
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    current = peak = 0
+    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
+        current += event.cpu_memory_usage if event.name == "[memory]" else event.self_cpu_memory_usage
+        peak = max(peak, current)
+    return peak
+
+
+def _report(workload: BenchWorkload, request: BenchRequest, configs: dict,
+            times: dict[str, list[float]], peaks: dict[str, int]) -> dict:
+    plain_s = statistics.median(times["plain"])
+    result = {"workload": workload.name, "sequences": len(workload.sequences),
+              "plain_ms": plain_s * 1e3, "plain_peak_mb": peaks["plain"] / 2**20}
+    for name, config in configs.items():
+        if name == "plain":
+            continue
+        plan_start = time.perf_counter()
+        plan = build_plan(workload.sequences, config,
+                          groups=workload.groups if name == "prompt_only" else None)
+        planner_ms = (time.perf_counter() - plan_start) * 1e3
+        shared_s = statistics.median(times[name])
+        entry = {
+            "tokens_total": plan.num_tokens_total,
+            "tokens_unique": plan.num_tokens_unique,
+            "token_ratio": plan.token_ratio,
+            "flop_ratio": count_flops(plan, request.preset).ratio,
+            "shared_ms": shared_s * 1e3,
+            "speedup": plain_s / shared_s,
+            "shared_peak_mb": peaks[name] / 2**20,
+            "memory_ratio": peaks["plain"] / peaks[name],
+            "planner_ms": planner_ms,
+        }
+        entry["speedup_vs_flop_ratio"] = entry["speedup"] / entry["flop_ratio"]
+        if name == "shared":
+            result.update(entry)
+        else:
+            result[name] = entry
+    return result
+
+
+class _Progress:
+    """A one-line progress bar on stderr (stdout stays clean for ``--json``)."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.done, self.enabled = total, 0, enabled
+
+    def advance(self, label: str) -> None:
+        if not self.enabled:
+            return
+        width = 30
+        filled = width * self.done // max(self.total, 1)
+        sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] "
+                         f"{self.done}/{self.total} {label:<24}")
+        sys.stderr.flush()
+        self.done += 1
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write(f"\r[{'#' * 30}] {self.total}/{self.total} done{' ' * 24}\n")
+            sys.stderr.flush()

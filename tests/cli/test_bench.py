@@ -1,0 +1,67 @@
+"""prefix-sharing bench: the JSON contract, the plot, and one-line errors for bad input.
+
+Timings here are smoke values (tiny model, one repeat on a shared CI machine): the tests pin
+the report's shape and its exact ratios (tokens, FLOPs), never a speed.
+"""
+
+import json
+
+import pytest
+
+from prefix_sharing import PrefixSharingConfig, build_plan
+from prefix_sharing.cli import main
+from prefix_sharing.flops import count_flops
+from prefix_sharing.presets import get_preset
+from prefix_sharing.testing.workloads import make_workload
+
+RESULT_KEYS = {"workload", "token_ratio", "flop_ratio", "speedup", "memory_ratio", "planner_ms",
+               "plain_ms", "shared_ms", "plain_peak_mb", "shared_peak_mb", "tokens_total",
+               "tokens_unique", "speedup_vs_flop_ratio", "sequences"}
+
+
+def bench(capfd, *argv):
+    code = main(["bench", "--model", "tiny", "--repeats", "1", *map(str, argv)])
+    out, err = capfd.readouterr()
+    return code, out, err
+
+
+def test_json_report_and_plot(capfd, tmp_path):
+    plot = tmp_path / "speedup.png"
+    code, out, err = bench(capfd, "--workload", "grpo", "--workload", "none", "--json",
+                           "--plot", plot)
+    assert code == 0
+    report = json.loads(out)  # the progress bar went to stderr
+    grpo, none = report["results"]
+    assert RESULT_KEYS <= set(grpo) and RESULT_KEYS <= set(none)
+    assert "prompt_only" in grpo  # GRPO batches are also timed with prompt-only sharing
+    tiny = get_preset("tiny")
+    w = make_workload("grpo", vocab_size=tiny.vocab_size, num_prompts=2, group_size=4,
+                      prompt_len=(160, 200), response_len=(48, 96))
+    plan = build_plan(w.sequences, PrefixSharingConfig())
+    assert grpo["tokens_unique"] == plan.num_tokens_unique
+    assert grpo["flop_ratio"] == pytest.approx(count_flops(plan, tiny).ratio)
+    assert none["token_ratio"] == 1.0 and none["flop_ratio"] == 1.0
+    for entry in (grpo, grpo["prompt_only"], none):
+        assert entry["shared_ms"] > 0 and entry["speedup"] > 0 and entry["memory_ratio"] > 0
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "[" in err  # progress bar
+
+
+def test_text_table(capfd):
+    code, out, _ = bench(capfd, "--workload", "tree")
+    assert code == 0
+    assert out.splitlines()[0].split()[:4] == ["workload", "mode", "tokens", "unique"]
+    assert any(line.startswith("tree") for line in out.splitlines())
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--repeats", "0"], "--repeats must be at least 1"),
+    (["--workload", "forest"], "unknown workload 'forest'"),
+    (["--mode", "off"], "bench compares arbitrary_prefix sharing"),
+    (["--sequences", "/nonexistent.parquet"], "nonexistent.parquet"),
+])
+def test_bad_input_is_one_line_on_stderr(capfd, argv, message):
+    code, out, err = bench(capfd, *argv)
+    assert code != 0 and out == ""
+    assert err.startswith("prefix-sharing bench: error:") and message in err
+    assert len(err.strip().splitlines()) == 1

@@ -1,0 +1,70 @@
+"""prefix-sharing verify: the JSON contract, the verdict, and one-line errors for bad input."""
+
+import json
+
+import pytest
+
+from prefix_sharing.cli import main
+
+QUANTITIES = {"logits", "log_probs", "entropy", "loss", "grads"}
+
+
+def verify(capsys, *argv):
+    code = main(["verify", *map(str, argv)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_json_report_of_a_shared_grpo_batch(capsys):
+    code, out, _ = verify(capsys, "--workload", "grpo", "--json")
+    report = json.loads(out)  # exactly one JSON object on stdout
+    assert code == 0 and report["passed"] is True
+    assert set(report["max_rel_diff"]) == set(report["max_abs_diff"]) == QUANTITIES
+    assert all(d <= 1e-5 for d in report["max_rel_diff"].values())
+    assert report["tokens_unique"] < report["tokens_total"]  # something was shared
+    assert report["same_plan_on_every_rank"] and report["plain_max_rel_diff"] is None
+
+
+def test_file_input_under_tensor_parallelism_in_bf16(capsys, tmp_path):
+    prompt = list(range(1, 20))
+    rows = [{"input_ids": prompt + [30 + i, 40 + i, 50]} for i in range(4)]
+    path = tmp_path / "rollouts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code, out, _ = verify(capsys, "--sequences", path, "--tp", "2", "--dtype", "bfloat16", "--json")
+    report = json.loads(out)
+    assert code == 0 and report["passed"], report
+    assert report["tp"] == 2 and report["dtype"] == "bfloat16"
+    assert report["plain_max_rel_diff"]["logits"] > 0  # judged against the plain bf16 error
+    assert (report["tokens_total"], report["tokens_unique"]) == (88, 19 + 4 * 3)
+
+
+def test_text_report_names_every_quantity(capsys):
+    code, out, _ = verify(capsys, "--workload", "tree", "--pp", "2", "--steps", "2")
+    assert code == 0
+    assert "PASSED" in out and all(q in out for q in QUANTITIES)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tp", "3"], "--tp 3 does not divide the tiny preset"),
+    (["--pp", "3"], "--pp 3 does not divide the tiny preset's 2 layers"),
+    (["--tp", "8", "--pp", "8"], "tp x pp = 64 ranks, but at most"),
+    (["--tp", "0"], "--tp and --pp must be at least 1"),
+    (["--dtype", "fp16"], "--dtype must be one of float32, bfloat16"),
+    (["--model", "gpt5"], "unknown model preset 'gpt5'"),
+    (["--workload", "forest"], "unknown workload 'forest'"),
+    (["--engine", "deepspeed"], "unknown engine 'deepspeed'"),
+    (["--steps", "0"], "--steps must be at least 1"),
+    (["--sequences", "/nonexistent/rollouts.jsonl"], "rollouts.jsonl"),
+])
+def test_bad_input_is_one_line_on_stderr(capsys, argv, message):
+    code, out, err = verify(capsys, *argv)
+    assert code != 0 and out == ""
+    assert err.startswith("prefix-sharing verify: error:") and message in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_token_ids_outside_the_model_vocabulary_are_refused(capsys, tmp_path):
+    path = tmp_path / "big.jsonl"
+    path.write_text(json.dumps({"input_ids": [1, 2, 100000]}) + "\n")
+    code, _, err = verify(capsys, "--sequences", path)
+    assert code != 0 and "token id 100000 is outside the tiny preset's vocabulary of 512" in err
