@@ -67,7 +67,7 @@ def test_timing_rows_have_positive_times(run):
     assert {r["workload"] for r in rows} == {"grpo", "tree", "agent", "none"}
     for row in rows:
         assert row["result"] == "ok", row
-        assert row["plain_ms"] > 0 and row["shared_ms"] > 0 and row["plan_ms"] > 0
+        assert row["plain_ms"] > 0 and row["shared_ms"] > 0 and row["planner_ms"] > 0
         assert row["flop_ratio"] >= 1 and row["speedup"] > 0
         assert len(row["plain_steps_ms"]) == len(row["shared_steps_ms"]) == 1
     by_name = {r["workload"]: r for r in rows}
