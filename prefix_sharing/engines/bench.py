@@ -136,7 +136,8 @@ def _report(workload: BenchWorkload, request: BenchRequest, configs: dict,
             times: dict[str, list[float]], peaks: dict[str, int]) -> dict:
     plain_s = statistics.median(times["plain"])
     result = {"workload": workload.name, "sequences": len(workload.sequences),
-              "plain_ms": plain_s * 1e3, "plain_peak_mb": peaks["plain"] / 2**20}
+              "plain_ms": plain_s * 1e3, "plain_steps_ms": [t * 1e3 for t in times["plain"]],
+              "plain_peak_mb": peaks["plain"] / 2**20}
     for name, config in configs.items():
         if name == "plain":
             continue
@@ -151,6 +152,7 @@ def _report(workload: BenchWorkload, request: BenchRequest, configs: dict,
             "token_ratio": plan.token_ratio,
             "flop_ratio": count_flops(plan, request.preset).ratio,
             "shared_ms": shared_s * 1e3,
+            "shared_steps_ms": [t * 1e3 for t in times[name]],
             "speedup": plain_s / shared_s,
             "shared_peak_mb": peaks[name] / 2**20,
             "memory_ratio": peaks["plain"] / peaks[name],
