@@ -70,7 +70,10 @@ def time_workload(model: torch.nn.Module, workload: BenchWorkload, request: Benc
             elapsed = _timed(step)
             if i >= request.warmup:
                 times[name].append(elapsed)
-    peaks = {name: peak_memory_bytes(step) for name, step in steps.items()}
+    peaks = {}
+    for name, step in steps.items():
+        model.zero_grad(set_to_none=True)  # every measured step starts without gradients
+        peaks[name] = peak_memory_bytes(step)
     return _report(workload, request, configs, times, peaks)
 
 
