@@ -82,7 +82,9 @@ def token_log_probs(
             f"got {tuple(flat_logits.shape)}"
         )
     shard = _WholeVocab() if vocab_shard is None else vocab_shard
-    logits = flat_logits.float() / temperature  # [T_flat, V_local]
+    logits = flat_logits.float()  # [T_flat, V_local]
+    if temperature != 1.0:
+        logits = logits / temperature
     shift = shard.max(logits.detach().amax(dim=-1))  # [T_flat]
     shifted = logits - shift[:, None]
     exp = shifted.exp()

@@ -265,3 +265,19 @@ def test_padding_never_changes_the_real_rows(seqs, multiple):
     assert torch.equal(padded.kv_index, plain.kv_index)
     assert torch.equal(padded.input_ids[: plain.num_tokens_flat], plain.input_ids)
     check_plan_invariants(seqs, padded, EVERY_PREFIX)
+
+
+@pytest.mark.parametrize("workload", ["grpo", "steprl", "agent"])
+def test_prompt_only_computes_what_prefix_grouper_computes(workload):
+    """PrefixGrouper (the peer this mode follows) lays a group out as its prompt once plus every
+    response; the prompt-only plan computes exactly those tokens."""
+    from prefix_grouper import PrefixGrouper
+
+    from prefix_sharing.testing.workloads import make_workload
+
+    w = make_workload(workload)
+    group_info = [[g.prompt_len] + [len(w.sequences[m]) - g.prompt_len for m in g.members]
+                  for g in w.groups]
+    grouped_tokens = int(PrefixGrouper(group_info, device="cpu").total_lens.sum())
+    config = PrefixSharingConfig(mode="prompt_only", min_prefix_len=1)
+    assert build_plan(w.sequences, config, groups=w.groups).num_tokens_unique == grouped_tokens
