@@ -17,7 +17,6 @@ cost without that effect.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import resource
 import statistics
@@ -26,6 +25,7 @@ import time
 import torch
 
 from prefix_sharing import PrefixSharingConfig, build_plan
+from prefix_sharing.engines.bench import keep_freed_memory_in_heap
 from prefix_sharing.testing.workloads import make_workload
 
 VOCAB = 151_936  # Qwen2.5's vocabulary
@@ -51,7 +51,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)  # the planner is host code; keep torch's pool out of the timing
     if args.warm_heap:
-        _keep_freed_memory_in_heap()
+        keep_freed_memory_in_heap()
 
     batches = {name: make_workload(name, vocab_size=VOCAB, **kw).sequences
                for name, kw in WORKLOADS.items()}
@@ -88,13 +88,6 @@ def main() -> None:
     for r in results:
         print(f"{r['workload']:<8} {r['sequences']:>5} {r['tokens_total']:>9} {r['tokens_unique']:>9} "
               f"{r['median_ms']:>10.2f} {r['p10_ms']:>5.2f}-{r['p90_ms']:<6.2f} {r['page_faults']:>7.0f}")
-
-
-def _keep_freed_memory_in_heap() -> None:
-    libc = ctypes.CDLL("libc.so.6")
-    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's mallopt parameter numbers
-    libc.mallopt(m_mmap_threshold, 256 << 20)
-    libc.mallopt(m_trim_threshold, 1 << 30)
 
 
 if __name__ == "__main__":

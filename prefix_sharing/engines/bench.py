@@ -10,6 +10,7 @@ in separate runs (see :func:`peak_memory_bytes`), as the profiler slows the step
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import statistics
 import sys
@@ -23,7 +24,10 @@ from ..flops import count_flops
 from ..planner import PromptGroup, build_plan
 from ..presets import ModelPreset
 
-__all__ = ["BenchRequest", "BenchWorkload", "bench_job", "time_workload", "peak_memory_bytes"]
+__all__ = [
+    "BenchRequest", "BenchWorkload", "bench_job", "time_workload", "peak_memory_bytes",
+    "keep_freed_memory_in_heap",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +52,8 @@ def bench_job(rank: int, request: BenchRequest) -> list[dict]:
     """Runs in one rank (see :mod:`prefix_sharing.engines.launch`); one result per workload."""
     from .megatron import gpt_model
 
+    if not torch.cuda.is_available():
+        keep_freed_memory_in_heap()
     model = gpt_model(request.preset, layout="shared", dtype=request.dtype)
     progress = _Progress(sum(_steps(request, w) for w in request.workloads), request.progress)
     results = [time_workload(model, w, request, progress) for w in request.workloads]
@@ -75,6 +81,20 @@ def time_workload(model: torch.nn.Module, workload: BenchWorkload, request: Benc
         model.zero_grad(set_to_none=True)  # every measured step starts without gradients
         peaks[name] = peak_memory_bytes(step)
     return _report(workload, request, configs, times, peaks)
+
+
+def keep_freed_memory_in_heap() -> None:
+    """Makes glibc keep freed blocks for reuse instead of returning them to the kernel.
+
+    Torch's CPU allocator is plain malloc: every step's activations are fresh blocks whose
+    pages fault in on first touch, at a cost (microseconds a page on a virtual machine) that
+    varies from step to step and has no counterpart on a GPU, where the caching allocator
+    reuses blocks. Keeping the heap warm measures the step's own work, and steadies it.
+    """
+    libc = ctypes.CDLL("libc.so.6")
+    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's mallopt parameter numbers
+    libc.mallopt(m_mmap_threshold, 256 << 20)
+    libc.mallopt(m_trim_threshold, 1 << 30)
 
 
 def _steps(request: BenchRequest, workload: BenchWorkload) -> int:
