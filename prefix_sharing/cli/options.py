@@ -46,10 +46,14 @@ def add_input_options(parser: argparse.ArgumentParser, *, many_workloads: bool) 
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--sequences", metavar="FILE",
                         help="rollouts (.jsonl or .parquet, as for analyze) as one micro-batch")
-    source.add_argument("--workload", metavar="NAME", action="append" if many_workloads else None,
-                        help=f"a built-in micro-batch: {', '.join(WORKLOADS)}"
-                        + (" (repeatable; default: all)" if many_workloads else
-                           " (default: grpo)"))
+    if many_workloads:
+        source.add_argument("--workload", metavar="NAME", action="append",
+                            help=f"a built-in micro-batch: {', '.join(WORKLOADS)} "
+                            "(repeatable; default: all)")
+    else:
+        source.add_argument("--workload", metavar="NAME", default="grpo",
+                            help=f"a built-in micro-batch: {', '.join(WORKLOADS)} "
+                            "(default: %(default)s)")
 
 
 def load_batches(args: argparse.Namespace, model: ModelPreset,

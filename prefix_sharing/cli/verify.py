@@ -50,8 +50,6 @@ def run(args: argparse.Namespace) -> int:
     engine, model, config = get_engine(args.engine), get_preset(args.model), sharing_config(args)
     engine.check_installed()
     engine.check_layout(model, args.tp, args.pp)
-    if args.workload is None and not args.sequences:
-        args.workload = "grpo"
     (name, sequences, groups), = load_batches(args, model)
     if config.mode == "prompt_only" and groups is None:
         raise ValueError(f"--mode prompt_only needs prompt groups, but {name} has input_ids only")

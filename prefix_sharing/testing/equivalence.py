@@ -75,9 +75,6 @@ class Comparison:
     max_abs_diff: dict[str, float]
     max_rel_diff: dict[str, float]
 
-    def worst(self) -> float:
-        return max(self.max_rel_diff.values())
-
 
 def compare_runs(candidate: RunOutputs, reference: RunOutputs) -> Comparison:
     if candidate.grads.keys() != reference.grads.keys():

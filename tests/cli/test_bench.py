@@ -10,6 +10,7 @@ import pytest
 
 from prefix_sharing import PrefixSharingConfig, build_plan
 from prefix_sharing.cli import main
+from prefix_sharing.cli.bench import BENCH_SIZES
 from prefix_sharing.flops import count_flops
 from prefix_sharing.presets import get_preset
 from prefix_sharing.testing.workloads import make_workload
@@ -35,8 +36,7 @@ def test_json_report_and_plot(capfd, tmp_path):
     assert RESULT_KEYS <= set(grpo) and RESULT_KEYS <= set(none)
     assert "prompt_only" in grpo  # GRPO batches are also timed with prompt-only sharing
     tiny = get_preset("tiny")
-    w = make_workload("grpo", vocab_size=tiny.vocab_size, num_prompts=2, group_size=4,
-                      prompt_len=(160, 200), response_len=(48, 96))
+    w = make_workload("grpo", vocab_size=tiny.vocab_size, **BENCH_SIZES["grpo"])
     plan = build_plan(w.sequences, PrefixSharingConfig())
     assert grpo["tokens_unique"] == plan.num_tokens_unique
     assert grpo["flop_ratio"] == pytest.approx(count_flops(plan, tiny).ratio)
