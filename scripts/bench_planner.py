@@ -26,7 +26,7 @@ import torch
 
 from prefix_sharing import PrefixSharingConfig, build_plan
 from prefix_sharing.engines.bench import keep_freed_memory_in_heap
-from prefix_sharing.testing.workloads import make_workload
+from prefix_sharing.workloads import make_workload
 
 VOCAB = 151_936  # Qwen2.5's vocabulary
 SEQ_LEN = 4096

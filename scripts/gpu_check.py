@@ -48,8 +48,8 @@ from prefix_sharing.engines.megatron import (
     gpt_model,
 )
 from prefix_sharing.presets import PRESETS, ModelPreset, get_preset
-from prefix_sharing.testing.equivalence import QUANTITIES, Comparison, within_tolerance
-from prefix_sharing.testing.workloads import make_workload
+from prefix_sharing.equivalence import QUANTITIES, Comparison, within_tolerance
+from prefix_sharing.workloads import make_workload
 
 BACKENDS = ("flash_attn", "te", "torch")
 # flash-attn and TE compute in half precision only; the torch reference kernel runs both.

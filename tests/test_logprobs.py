@@ -7,7 +7,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from prefix_sharing import PrefixSharingConfig, build_plan
 from prefix_sharing.logprobs import token_log_probs
-from prefix_sharing.testing.equivalence import plain_token_log_probs
+from prefix_sharing.equivalence import plain_token_log_probs
 from tests.strategies import forests
 
 VOCAB = 11

@@ -188,14 +188,14 @@ def test_padding_adds_an_isolated_causal_segment():
 
 def test_plan_is_identical_in_another_process():
     code = (
-        "from prefix_sharing.testing.workloads import make_workload as m;"
+        "from prefix_sharing.workloads import make_workload as m;"
         "from prefix_sharing import build_plan;"
         "print(build_plan(m('tree').sequences).digest())"
     )
     env = dict(os.environ, PYTHONHASHSEED="123")
     other = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert other.returncode == 0, other.stderr
-    from prefix_sharing.testing.workloads import make_workload
+    from prefix_sharing.workloads import make_workload
 
     assert other.stdout.strip() == build_plan(make_workload("tree").sequences).digest()
 
@@ -273,7 +273,7 @@ def test_prompt_only_computes_what_prefix_grouper_computes(workload):
     response; the prompt-only plan computes exactly those tokens."""
     from prefix_grouper import PrefixGrouper
 
-    from prefix_sharing.testing.workloads import make_workload
+    from prefix_sharing.workloads import make_workload
 
     w = make_workload(workload)
     group_info = [[g.prompt_len] + [len(w.sequences[m]) - g.prompt_len for m in g.members]

@@ -17,8 +17,8 @@ from ..engines.bench import BenchRequest, BenchWorkload
 from ..engines.verify import VerifyRequest
 from ..planner import build_plan
 from ..presets import get_preset
-from ..testing.equivalence import QUANTITIES
-from ..testing.workloads import WORKLOADS, make_workload
+from ..equivalence import QUANTITIES
+from ..workloads import WORKLOADS, make_workload
 from .bench import table
 
 CONFIG = PrefixSharingConfig(min_prefix_len=4)

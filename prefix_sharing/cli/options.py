@@ -11,7 +11,7 @@ from ..config import MODES, PrefixSharingConfig
 from ..planner import PromptGroup
 from ..presets import PRESETS, ModelPreset
 from ..rollouts import load_rollouts
-from ..testing.workloads import WORKLOADS, make_workload
+from ..workloads import WORKLOADS, make_workload
 from . import UsageError
 
 __all__ = ["add_sharing_options", "add_model_option", "add_input_options", "sharing_config",

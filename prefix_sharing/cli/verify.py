@@ -17,7 +17,7 @@ from ..engines import ENGINES, get_engine
 from ..engines.verify import VerifyRequest
 from ..planner import build_plan
 from ..presets import get_preset
-from ..testing.equivalence import FP32_RTOL, QUANTITIES
+from ..equivalence import FP32_RTOL, QUANTITIES
 from .options import (add_input_options, add_model_option, add_sharing_options, load_batches,
                       sharing_config)
 

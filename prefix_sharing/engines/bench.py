@@ -104,7 +104,7 @@ def _steps(request: BenchRequest, workload: BenchWorkload) -> int:
 def _step(model: torch.nn.Module, workload: BenchWorkload,
           config: PrefixSharingConfig) -> Callable[[], None]:
     from ..megatron_ext import forward_token_stats, prepare_micro_batch
-    from ..testing.equivalence import advantages, pg_loss
+    from ..equivalence import advantages, pg_loss
 
     groups = workload.groups if config.mode == "prompt_only" else None
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from ..config import PrefixSharingConfig
 from ..planner import PromptGroup
 from ..presets import ModelPreset
-from ..testing.equivalence import (
+from ..equivalence import (
     QUANTITIES,
     Comparison,
     RunOutputs,

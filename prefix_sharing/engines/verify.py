@@ -19,7 +19,7 @@ import torch
 from ..config import PrefixSharingConfig
 from ..planner import PromptGroup
 from ..presets import ModelPreset
-from ..testing.equivalence import QUANTITIES, Comparison, within_tolerance
+from ..equivalence import QUANTITIES, Comparison, within_tolerance
 
 __all__ = ["VerifyRequest", "verify_job", "summarize"]
 

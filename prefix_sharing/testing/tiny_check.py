@@ -13,7 +13,7 @@ from ..config import PrefixSharingConfig
 from ..logprobs import token_log_probs
 from ..plan import SharingPlan
 from ..planner import PromptGroup, build_plan
-from .equivalence import Comparison, RunOutputs, advantages, compare_runs, plain_token_log_probs
+from ..equivalence import Comparison, RunOutputs, advantages, compare_runs, plain_token_log_probs
 from .tiny_decoder import TinyDecoder, TinyDecoderConfig
 
 __all__ = ["TinyCheck", "check_tiny_decoder", "plain_run", "shared_run"]

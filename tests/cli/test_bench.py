@@ -13,7 +13,7 @@ from prefix_sharing.cli import main
 from prefix_sharing.cli.bench import BENCH_SIZES
 from prefix_sharing.flops import count_flops
 from prefix_sharing.presets import get_preset
-from prefix_sharing.testing.workloads import make_workload
+from prefix_sharing.workloads import make_workload
 
 RESULT_KEYS = {"workload", "token_ratio", "flop_ratio", "speedup", "memory_ratio", "planner_ms",
                "plain_ms", "shared_ms", "plain_peak_mb", "shared_peak_mb", "tokens_total",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from prefix_sharing import PrefixSharingConfig
-from prefix_sharing.testing.workloads import make_workload
+from prefix_sharing.workloads import make_workload
 
 from ._distributed import PRESET
 

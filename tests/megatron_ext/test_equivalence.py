@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from prefix_sharing.engines.megatron import compare, forward_backward
-from prefix_sharing.testing.equivalence import FP32_RTOL, within_tolerance
+from prefix_sharing.equivalence import FP32_RTOL, within_tolerance
 
 from ._distributed import run_distributed, tiny_gpt
 from ._equivalence import SHARE_EVERY_PREFIX, micro_batches

@@ -13,9 +13,9 @@ import torch
 from hypothesis import given, settings
 
 from prefix_sharing import PrefixSharingConfig
-from prefix_sharing.testing.equivalence import within_tolerance
+from prefix_sharing.equivalence import within_tolerance
 from prefix_sharing.testing.tiny_check import check_tiny_decoder
-from prefix_sharing.testing.workloads import WORKLOADS, make_workload
+from prefix_sharing.workloads import WORKLOADS, make_workload
 from tests.strategies import forests
 
 MODES = ["arbitrary_prefix", "prompt_only", "off"]

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..planner import PromptGroup
+from .planner import PromptGroup
 
 __all__ = ["Workload", "WORKLOADS", "make_workload", "grpo", "steprl", "tree", "agent", "none"]
 

@@ -3,7 +3,7 @@
 import pytest
 
 from prefix_sharing import PrefixSharingConfig, build_plan
-from prefix_sharing.testing.workloads import WORKLOADS, make_workload
+from prefix_sharing.workloads import WORKLOADS, make_workload
 
 EVERY_PREFIX = PrefixSharingConfig(min_prefix_len=1)
 
