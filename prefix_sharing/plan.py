@@ -28,6 +28,8 @@ class SharingPlan:
         position_ids  = [0 1 2 3 | 3 4]        b's tail starts at its prefix length, 3
         cu_seqlens_q  = [0 4 6]                one query segment per sequence that owns tokens
         cu_seqlens_kv = [0 4 9]                the same segments' full lengths (4 and 5)
+        cu_seqlens_q_host = (0, 4, 6)          the same boundaries as host ints
+        cu_seqlens_kv_host = (0, 4, 9)
         kv_gather_index = [0 1 2 3 | 0 1 2 4 5]  rows to gather K/V from, segment by segment
         kv_index      = [0 1 2 3 | 0 1 2 4 5 | 0 1]  every token of a, b, c (given order)
         prefix_lens   = (0, 3, 2)
@@ -42,6 +44,9 @@ class SharingPlan:
         cu_seqlens_q: ``(M + 1,)`` int32, query segment boundaries in the flat layout.
         cu_seqlens_kv: ``(M + 1,)`` int32, key/value segment boundaries in the gathered K/V.
         max_seqlen_q, max_seqlen_kv: longest query / key segment.
+        cu_seqlens_q_host, cu_seqlens_kv_host: ``cu_seqlens_q`` / ``cu_seqlens_kv`` as python
+            ints, computed by the planner on the host: kernels that take host boundaries
+            (torch, Ascend) read them without a device-to-host copy in every layer.
         kv_gather_index: ``(cu_seqlens_kv[-1],)`` int64, for each key segment the flat rows that
             hold its keys: ``k_segments = k_flat.index_select(0, kv_gather_index)``.
         kv_index: ``(T_total,)`` int64, for every token of every sequence (packed, given order)
@@ -58,6 +63,8 @@ class SharingPlan:
     cu_seqlens_kv: torch.Tensor
     max_seqlen_q: int
     max_seqlen_kv: int
+    cu_seqlens_q_host: tuple[int, ...]
+    cu_seqlens_kv_host: tuple[int, ...]
     kv_gather_index: torch.Tensor
     kv_index: torch.Tensor
     seq_lens: tuple[int, ...]

@@ -334,13 +334,16 @@ def _layout(
         q_lens = np.append(q_lens, num_padding)
         kv_lens = np.append(kv_lens, num_padding)
 
+    cu_q, cu_kv = _cumsum_int32(q_lens), _cumsum_int32(kv_lens)
     return SharingPlan(
         input_ids=torch.from_numpy(input_ids),
         position_ids=torch.from_numpy(position_ids),
-        cu_seqlens_q=_cumsum_int32(q_lens),
-        cu_seqlens_kv=_cumsum_int32(kv_lens),
+        cu_seqlens_q=torch.from_numpy(cu_q),
+        cu_seqlens_kv=torch.from_numpy(cu_kv),
         max_seqlen_q=int(q_lens.max()),
         max_seqlen_kv=int(kv_lens.max()),
+        cu_seqlens_q_host=tuple(cu_q.tolist()),
+        cu_seqlens_kv_host=tuple(cu_kv.tolist()),
         kv_gather_index=torch.from_numpy(kv_gather),
         kv_index=torch.from_numpy(kv_index),
         seq_lens=tuple(lengths.tolist()),
@@ -349,7 +352,7 @@ def _layout(
     )
 
 
-def _cumsum_int32(lens: np.ndarray) -> torch.Tensor:
+def _cumsum_int32(lens: np.ndarray) -> np.ndarray:
     out = np.zeros(lens.size + 1, dtype=np.int32)
     np.cumsum(lens, out=out[1:])
-    return torch.from_numpy(out)
+    return out

@@ -50,6 +50,7 @@ def test_to_moves_every_tensor_and_keeps_the_layout(plan):
     assert all(t.device.type == "meta" for t in (moved.input_ids, moved.kv_index,
                                                  moved.cu_seqlens_q, moved.kv_gather_index))
     assert moved.prefix_lens == plan.prefix_lens and moved.max_seqlen_kv == plan.max_seqlen_kv
+    assert moved.cu_seqlens_q_host == plan.cu_seqlens_q_host  # host ints stay on the host
 
 
 def test_digest_tells_layouts_apart(plan):

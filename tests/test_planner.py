@@ -27,6 +27,8 @@ def test_worked_example_of_the_plan_docstring():
     assert plan.cu_seqlens_q.tolist() == [0, 4, 6]
     assert plan.cu_seqlens_kv.tolist() == [0, 4, 9]
     assert plan.cu_seqlens_q.dtype == plan.cu_seqlens_kv.dtype == torch.int32
+    assert (plan.cu_seqlens_q_host, plan.cu_seqlens_kv_host) == ((0, 4, 6), (0, 4, 9))
+    assert all(type(b) is int for b in plan.cu_seqlens_q_host + plan.cu_seqlens_kv_host)
     assert plan.kv_gather_index.tolist() == [0, 1, 2, 3, 0, 1, 2, 4, 5]
     assert plan.kv_index.tolist() == [0, 1, 2, 3, 0, 1, 2, 4, 5, 0, 1]
     assert plan.prefix_lens == (0, 3, 2)
@@ -203,6 +205,9 @@ def test_plan_is_identical_in_another_process():
 # ------------------------------------------------------------------ properties of every plan
 def check_plan_invariants(seqs: list[list[int]], plan, config: PrefixSharingConfig) -> None:
     lengths = [len(s) for s in seqs]
+    # the host boundaries are the tensors' (padding segment included)
+    assert plan.cu_seqlens_q_host == tuple(plan.cu_seqlens_q.tolist())
+    assert plan.cu_seqlens_kv_host == tuple(plan.cu_seqlens_kv.tolist())
     flat = plan.input_ids.tolist()
     rows = plan.kv_index.tolist()
     positions = plan.position_ids.tolist()

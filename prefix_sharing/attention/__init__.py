@@ -1,10 +1,14 @@
 """Attention over the flat layout with K/V injection, and the kernels that compute it.
 
 Every backend implements one signature, that of ``flash_attn_varlen_func(causal=True)``:
-``fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale)``.
+``fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale)``, plus
+optional keywords (host boundaries, a per-layer kernel cache) that only some kernels read.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -26,12 +30,30 @@ def varlen_attention(
     softmax_scale: float | None = None,
     *,
     backend: str = "auto",
+    cu_seqlens_q_host: Sequence[int] | None = None,
+    cu_seqlens_k_host: Sequence[int] | None = None,
+    kernel_cache: dict[Any, Any] | None = None,
 ) -> torch.Tensor:
-    """Causal (bottom-right) varlen attention on the chosen kernel; see ``varlen_attention_torch``
-    for the arguments. ``backend``: ``"auto"``, ``"torch"``, ``"flash_attn"``, ``"te"``, ``"npu"``.
+    """Causal (bottom-right) varlen attention on the chosen kernel.
+
+    Args:
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale: as in
+            :func:`varlen_attention_torch`.
+        backend: ``"auto"``, ``"torch"``, ``"flash_attn"``, ``"te"``, ``"npu"``; ``"auto"``
+            chooses by q's device and dtype (see :func:`~.backends.resolve_backend`).
+        cu_seqlens_q_host, cu_seqlens_k_host: the same boundaries as host ints, for the kernels
+            that need them on the host (torch, npu); computed from the tensors when omitted,
+            which reads the device.
+        kernel_cache: where a stateful kernel keeps its state between calls (Transformer
+            Engine's attention module): pass one dict per layer. A process-wide cache when
+            omitted.
     """
-    fn = get_backend(resolve_backend(backend, q.device))
-    return fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale)
+    fn = get_backend(resolve_backend(backend, q.device, q.dtype))
+    return fn(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+        cu_seqlens_q_host=cu_seqlens_q_host, cu_seqlens_k_host=cu_seqlens_k_host,
+        kernel_cache=kernel_cache,
+    )
 
 
 def prefix_attention(
@@ -42,6 +64,7 @@ def prefix_attention(
     *,
     softmax_scale: float | None = None,
     backend: str = "auto",
+    kernel_cache: dict[Any, Any] | None = None,
 ) -> torch.Tensor:
     """Causal self-attention of a plan's flat layout, reusers reading their provider's K/V.
 
@@ -51,10 +74,12 @@ def prefix_attention(
         plan: the micro-batch's :class:`SharingPlan`, on the tensors' device.
         softmax_scale: defaults to ``headdim ** -0.5``.
         backend: the kernel, as in :func:`varlen_attention`.
+        kernel_cache: as in :func:`varlen_attention` (one dict per layer).
 
     Returns:
         ``(T_flat, nheads, headdim)``: for every computed token, attention over all earlier
-        tokens of its own sequence - exactly what the plain forward gives that token.
+        tokens of its own sequence - exactly what the plain forward gives that token. No
+        device-to-host read: the host boundaries come from the plan.
     """
     if q.size(0) != plan.num_tokens_flat:
         raise ValueError(
@@ -68,5 +93,6 @@ def prefix_attention(
         v = v.index_select(0, plan.kv_gather_index)
     return varlen_attention(
         q, k, v, plan.cu_seqlens_q, plan.cu_seqlens_kv, plan.max_seqlen_q, plan.max_seqlen_kv,
-        softmax_scale, backend=backend,
+        softmax_scale, backend=backend, cu_seqlens_q_host=plan.cu_seqlens_q_host,
+        cu_seqlens_k_host=plan.cu_seqlens_kv_host, kernel_cache=kernel_cache,
     )

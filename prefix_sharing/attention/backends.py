@@ -1,8 +1,10 @@
 """Which kernel computes the varlen attention: resolving ``"auto"`` and importing lazily.
 
-Each backend is one function with ``flash_attn_varlen_func(causal=True)``'s signature::
+Each backend is one function with ``flash_attn_varlen_func(causal=True)``'s signature plus
+optional keywords that the kernels needing them read (the others ignore them)::
 
-    fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale) -> out
+    fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, *,
+       cu_seqlens_q_host=None, cu_seqlens_k_host=None, kernel_cache=None) -> out
 
 and lives in its own module, which imports its kernel package only when called for.
 """
@@ -15,7 +17,14 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["BackendFn", "BACKEND_FUNCTIONS", "get_backend", "resolve_backend"]
+__all__ = [
+    "BackendFn",
+    "BACKEND_FUNCTIONS",
+    "KERNEL_DTYPES",
+    "READS_HOST_BOUNDARIES",
+    "get_backend",
+    "resolve_backend",
+]
 
 BackendFn = Callable[..., torch.Tensor]
 
@@ -26,27 +35,64 @@ BACKEND_FUNCTIONS: dict[str, tuple[str, str, str | None, str | None]] = {
     "te": ("te_backend", "varlen_attention_te", "transformer_engine", "cuda"),
     "npu": ("npu_backend", "varlen_attention_npu", "torch_npu", "npu"),
 }
+# Kernels that take the segment boundaries as host ints (``cu_seqlens_*_host``): without them
+# they copy ``cu_seqlens`` to the host themselves, a device sync in every call.
+READS_HOST_BOUNDARIES = frozenset({"torch", "npu"})
+
+_HALF = (torch.float16, torch.bfloat16)
+# The q/k/v dtypes each kernel computes in (None: any floating dtype). flash-attn has no float32
+# kernel, and Transformer Engine (2.9, 2.10) has no float32 THD kernel; torch_npu's fused
+# attention takes float32 too.
+KERNEL_DTYPES: dict[str, tuple[torch.dtype, ...] | None] = {
+    "torch": None,
+    "flash_attn": _HALF,
+    "te": _HALF,
+    "npu": (*_HALF, torch.float32),
+}
 
 
-def resolve_backend(name: str, device: torch.device) -> str:
-    """The concrete backend for ``name`` on ``device``; ``"auto"`` picks the fastest installed.
+def resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The concrete backend for ``name`` with q/k/v of ``dtype`` on ``device``.
 
-    ``"auto"``: on CUDA flash-attn, else Transformer Engine, else torch; on Ascend (``npu``)
-    the fused NPU kernel; elsewhere torch.
+    ``"auto"`` picks the fastest kernel installed that computes in ``dtype``: on CUDA, float16
+    and bfloat16 go to flash-attn, else Transformer Engine, else torch, and float32 to torch;
+    on Ascend (``npu``) the fused NPU kernel; elsewhere torch.
+
+    Raises:
+        ValueError: an unknown name, or a named kernel that does not compute in ``dtype``.
     """
-    if name != "auto":
-        if name not in BACKEND_FUNCTIONS:
-            raise ValueError(f"unknown attention backend {name!r}; choose from "
-                             f"{', '.join(['auto', *BACKEND_FUNCTIONS])}")
-        return name
-    if device.type == "cuda":
-        for candidate in ("flash_attn", "te"):
-            if _installed(BACKEND_FUNCTIONS[candidate][2]):
-                return candidate
-        return "torch"
+    if name == "auto":
+        return _auto(device, dtype)
+    if name not in BACKEND_FUNCTIONS:
+        raise ValueError(f"unknown attention backend {name!r}; choose from "
+                         f"{', '.join(['auto', *BACKEND_FUNCTIONS])}")
+    if not _computes_in(name, dtype):
+        kinds = ", ".join(str(d) for d in KERNEL_DTYPES[name])
+        raise ValueError(
+            f"attention backend {name!r} computes in {kinds} only, but q is {dtype}: run the "
+            "model in one of those dtypes, or choose backend='torch' (or 'auto')"
+        )
+    return name
+
+
+def _auto(device: torch.device, dtype: torch.dtype) -> str:
     if device.type == "npu":
-        return "npu"
+        candidates: tuple[str, ...] = ("npu",)
+    elif device.type == "cuda":
+        candidates = ("flash_attn", "te")
+    else:
+        candidates = ()
+    for candidate in candidates:
+        if _computes_in(candidate, dtype) and (
+            device.type == "npu" or _installed(BACKEND_FUNCTIONS[candidate][2])
+        ):
+            return candidate
     return "torch"
+
+
+def _computes_in(name: str, dtype: torch.dtype) -> bool:
+    kinds = KERNEL_DTYPES[name]
+    return kinds is None or dtype in kinds
 
 
 def get_backend(name: str) -> BackendFn:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 
 __all__ = ["varlen_attention_flash"]
-
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def varlen_attention_flash(
@@ -18,6 +19,10 @@ def varlen_attention_flash(
     max_seqlen_q: int,
     max_seqlen_k: int,
     softmax_scale: float | None = None,
+    *,
+    cu_seqlens_q_host: Sequence[int] | None = None,
+    cu_seqlens_k_host: Sequence[int] | None = None,
+    kernel_cache: dict[Any, Any] | None = None,
 ) -> torch.Tensor:
     """Causal varlen attention on flash-attn's kernel (flash-attn >= 2.1, CUDA tensors).
 
@@ -25,8 +30,9 @@ def varlen_attention_flash(
     segment pair: the queries are the last ``s`` of the segment's ``L`` keys, exactly our
     layout. GQA is native (query head ``h`` reads key head ``h // (nheads // nheads_k)``).
 
-    The kernel requires float16 or bfloat16 q/k/v and int32 ``cu_seqlens`` on q's device
-    (converted here if needed); ``max_seqlen_*`` must be at least the longest segment.
+    The kernel requires float16 or bfloat16 q/k/v (``resolve_backend`` refuses other dtypes
+    before the call) and int32 ``cu_seqlens`` on q's device (converted here if needed);
+    ``max_seqlen_*`` must be at least the longest segment.
 
     Args:
         q: ``(total_q, nheads, headdim)``, float16 or bfloat16.
@@ -34,18 +40,13 @@ def varlen_attention_flash(
         cu_seqlens_q, cu_seqlens_k: ``(num_segments + 1,)`` segment boundaries.
         max_seqlen_q, max_seqlen_k: longest query / key segment.
         softmax_scale: defaults to ``headdim ** -0.5``.
+        cu_seqlens_q_host, cu_seqlens_k_host, kernel_cache: unused (the kernel reads the
+            boundaries on the device and keeps no state).
 
     Returns:
         ``(total_q, nheads, headdim)`` in q's dtype, differentiable.
-
-    Raises:
-        ValueError: q is not float16/bfloat16 (flash-attn has no float32 kernel).
     """
-    if q.dtype not in _KERNEL_DTYPES:
-        raise ValueError(
-            f"flash-attn computes in float16 or bfloat16 only, but q is {q.dtype}: run the model "
-            "in half precision, or choose backend='torch'"
-        )
+    del cu_seqlens_q_host, cu_seqlens_k_host, kernel_cache
     from flash_attn import flash_attn_varlen_func
 
     return flash_attn_varlen_func(

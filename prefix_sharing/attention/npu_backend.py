@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 
 __all__ = ["varlen_attention_npu"]
@@ -21,6 +24,10 @@ def varlen_attention_npu(
     max_seqlen_q: int,
     max_seqlen_k: int,
     softmax_scale: float | None = None,
+    *,
+    cu_seqlens_q_host: Sequence[int] | None = None,
+    cu_seqlens_k_host: Sequence[int] | None = None,
+    kernel_cache: dict[Any, Any] | None = None,
 ) -> torch.Tensor:
     """Causal varlen attention on Ascend's fused attention kernel (torch_npu, Atlas A2).
 
@@ -32,8 +39,9 @@ def varlen_attention_npu(
     0``).
 
     The kernel takes float16 or bfloat16 q/k/v (recent torch_npu also float32) and segments
-    with ``s <= L`` (a longer query segment would have fully masked rows). Converting
-    ``cu_seqlens`` to host lists synchronizes with the device once per call.
+    with ``s <= L`` (a longer query segment would have fully masked rows). The lists come from
+    ``cu_seqlens_*_host`` when given; otherwise ``cu_seqlens`` is read back from the device, a
+    synchronization in every call.
 
     Args:
         q: ``(total_q, nheads, headdim)``.
@@ -41,12 +49,17 @@ def varlen_attention_npu(
         cu_seqlens_q, cu_seqlens_k: ``(num_segments + 1,)`` segment boundaries.
         max_seqlen_q, max_seqlen_k: unused (the kernel reads the lengths from the lists).
         softmax_scale: defaults to ``headdim ** -0.5``.
+        cu_seqlens_q_host, cu_seqlens_k_host: the same boundaries as host ints.
+        kernel_cache: unused (the mask is shared by every layer on a device).
 
     Returns:
         ``(total_q, nheads, headdim)`` in q's dtype, differentiable.
     """
-    del max_seqlen_q, max_seqlen_k
+    del max_seqlen_q, max_seqlen_k, kernel_cache
     import torch_npu
+
+    ends_q = cu_seqlens_q[1:].tolist() if cu_seqlens_q_host is None else list(cu_seqlens_q_host[1:])
+    ends_k = cu_seqlens_k[1:].tolist() if cu_seqlens_k_host is None else list(cu_seqlens_k_host[1:])
 
     scale = q.size(-1) ** -0.5 if softmax_scale is None else softmax_scale
     return torch_npu.npu_fusion_attention(
@@ -58,8 +71,8 @@ def varlen_attention_npu(
         atten_mask=_compressed_causal_mask(q.device),
         scale=scale,
         keep_prob=1.0,
-        actual_seq_qlen=cu_seqlens_q[1:].tolist(),
-        actual_seq_kvlen=cu_seqlens_k[1:].tolist(),
+        actual_seq_qlen=ends_q,
+        actual_seq_kvlen=ends_k,
         sparse_mode=3,
     )[0]
 

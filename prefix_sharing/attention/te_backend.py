@@ -3,16 +3,20 @@ causal padding mask (CUDA)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 
 __all__ = ["varlen_attention_te"]
 
-# One DotProductAttention per constructor configuration, built on first use. The module holds
-# no weights (vanilla softmax, no dropout) but keeps state across calls (its chosen kernel,
-# FP8 metadata), so it is built once like a layer's, not per call. The activation dtype is not a
-# constructor argument: TE reads it from the inputs at every forward.
-# key: (num_attention_heads, num_gqa_groups, kv_channels, softmax_scale)
-_MODULES: dict[tuple[int, int, int, float], torch.nn.Module] = {}
+# TE's DotProductAttention holds no weights here (vanilla softmax, no dropout) but keeps state
+# across calls (its chosen kernel, FP8 metadata), so it is built once per layer, like
+# megatron's own TE attention, and kept in the caller's ``kernel_cache`` (one dict per layer).
+# Direct calls without one share this process-wide cache. The key is the constructor
+# configuration; the activation dtype is not one: TE reads it from the inputs at every forward.
+# key: ("te", num_attention_heads, num_gqa_groups, kv_channels, softmax_scale)
+_MODULES: dict[Any, torch.nn.Module] = {}
 
 
 def varlen_attention_te(
@@ -24,6 +28,10 @@ def varlen_attention_te(
     max_seqlen_q: int,
     max_seqlen_k: int,
     softmax_scale: float | None = None,
+    *,
+    cu_seqlens_q_host: Sequence[int] | None = None,
+    cu_seqlens_k_host: Sequence[int] | None = None,
+    kernel_cache: dict[Any, Any] | None = None,
 ) -> torch.Tensor:
     """Causal varlen attention on Transformer Engine (>= 2.0, CUDA tensors).
 
@@ -32,9 +40,9 @@ def varlen_attention_te(
     and the causal mask is aligned to the bottom-right corner, so the queries are the last
     ``s`` of the segment's ``L`` keys. GQA through ``num_gqa_groups = nheads_k``.
 
-    TE's fused kernels (cuDNN, flash-attn) need float16 or bfloat16 q/k/v; other dtypes fall to
-    its unfused path where TE allows it. ``cu_seqlens`` must be int32 on q's device (converted
-    here if needed). Context parallelism disables bottom-right masks in TE.
+    TE's THD kernels (cuDNN, flash-attn) need float16 or bfloat16 q/k/v (``resolve_backend``
+    refuses other dtypes before the call); ``cu_seqlens`` must be int32 on q's device
+    (converted here if needed). Context parallelism disables bottom-right masks in TE.
 
     Args:
         q: ``(total_q, nheads, headdim)``.
@@ -42,19 +50,24 @@ def varlen_attention_te(
         cu_seqlens_q, cu_seqlens_k: ``(num_segments + 1,)`` segment boundaries.
         max_seqlen_q, max_seqlen_k: longest query / key segment.
         softmax_scale: defaults to ``headdim ** -0.5``.
+        cu_seqlens_q_host, cu_seqlens_k_host: unused (TE reads the boundaries on the device).
+        kernel_cache: the calling layer's dict, where its ``DotProductAttention`` is kept;
+            a process-wide cache when omitted.
 
     Returns:
         ``(total_q, nheads, headdim)`` in q's dtype, differentiable.
     """
+    del cu_seqlens_q_host, cu_seqlens_k_host
     from transformer_engine.pytorch import DotProductAttention
 
     total_q, nheads, headdim = q.shape
     nheads_k = k.size(1)
     scale = headdim**-0.5 if softmax_scale is None else float(softmax_scale)
-    key = (nheads, nheads_k, headdim, scale)
-    attention = _MODULES.get(key)
+    cache = _MODULES if kernel_cache is None else kernel_cache
+    key = ("te", nheads, nheads_k, headdim, scale)
+    attention = cache.get(key)
     if attention is None:
-        attention = _MODULES[key] = DotProductAttention(
+        attention = cache[key] = DotProductAttention(
             nheads,
             headdim,
             num_gqa_groups=nheads_k,

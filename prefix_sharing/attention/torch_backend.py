@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -17,6 +20,10 @@ def varlen_attention_torch(
     max_seqlen_q: int,
     max_seqlen_k: int,
     softmax_scale: float | None = None,
+    *,
+    cu_seqlens_q_host: Sequence[int] | None = None,
+    cu_seqlens_k_host: Sequence[int] | None = None,
+    kernel_cache: dict[Any, Any] | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed query segments over packed key/value segments.
 
@@ -37,13 +44,16 @@ def varlen_attention_torch(
         max_seqlen_q, max_seqlen_k: longest segment lengths (kept for the kernels' signature;
             unused here).
         softmax_scale: defaults to ``headdim ** -0.5``.
+        cu_seqlens_q_host, cu_seqlens_k_host: the same boundaries as host ints. The segments are
+            sliced on the host, so without them the tensors are read back once per call.
+        kernel_cache: unused (this kernel keeps no state).
 
     Returns:
         ``(total_q, nheads, headdim)``, differentiable with respect to ``q``, ``k`` and ``v``.
     """
-    del max_seqlen_q, max_seqlen_k
-    bounds_q = cu_seqlens_q.tolist()
-    bounds_k = cu_seqlens_k.tolist()
+    del max_seqlen_q, max_seqlen_k, kernel_cache
+    bounds_q = cu_seqlens_q.tolist() if cu_seqlens_q_host is None else cu_seqlens_q_host
+    bounds_k = cu_seqlens_k.tolist() if cu_seqlens_k_host is None else cu_seqlens_k_host
     gqa = q.size(1) != k.size(1)
     out = []
     for qs, qe, ks, ke in zip(bounds_q[:-1], bounds_q[1:], bounds_k[:-1], bounds_k[1:]):

@@ -161,6 +161,7 @@ class _DotProductAttention(torch.nn.Module):
     ):
         q, k, v = query_layer, key_layer, value_layer
         _check_qkv(q, k, v)
+        assert q.dtype in (torch.float16, torch.bfloat16), f"TE has no {q.dtype} THD kernel"
         assert q.size(1) == self.num_attention_heads, "q must have num_attention_heads heads"
         assert k.size(1) == self.num_gqa_groups, "k/v must have num_gqa_groups heads"
         assert q.size(-1) == self.kv_channels, "head dim must equal kv_channels"

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from prefix_sharing.attention import varlen_attention_torch
+from tests.attention.host_reads import count_host_reads
 
 
 def padded_reference(q, k, v, q_lens, k_lens, scale):
@@ -51,3 +52,22 @@ def test_single_segment_returns_a_contiguous_tensor():
     q = torch.randn(5, 2, 4)
     out = varlen_attention_torch(q, q, q, cu([5]), cu([5]), 5, 5)
     assert out.shape == (5, 2, 4) and out.is_contiguous()
+
+
+def test_host_boundaries_spare_the_device_reads():
+    q_lens, k_lens = [3, 1, 4], [3, 5, 4]
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(sum(q_lens), 2, 4, generator=g)
+    k, v = torch.randn(2, sum(k_lens), 2, 4, generator=g)
+    args = (q, k, v, cu(q_lens), cu(k_lens), max(q_lens), max(k_lens))
+    host = dict(cu_seqlens_q_host=tuple(cu(q_lens).tolist()),
+                cu_seqlens_k_host=tuple(cu(k_lens).tolist()))
+    reads, out = {}, {}
+    for name, kwargs in (("device", {}), ("host", host)):
+        def step(name=name, kwargs=kwargs):
+            out[name] = varlen_attention_torch(*args, **kwargs)
+
+        reads[name] = count_host_reads(step)
+    assert reads == {"device": {"value_reads": 2, "syncing_ops": 0},
+                     "host": {"value_reads": 0, "syncing_ops": 0}}
+    torch.testing.assert_close(out["host"], out["device"], rtol=0, atol=0)
