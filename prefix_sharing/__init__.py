@@ -11,6 +11,10 @@ from .planner import PromptGroup, build_plan, prompt_groups
 
 __version__ = "0.1.0"
 
+from .verl_ext.activation import activate as _activate_verl  # noqa: E402
+
+_activate_verl()  # patches verl when (if ever) it is imported; ENABLE_PREFIX_SHARING=0 skips it
+
 __all__ = [
     "PrefixSharingConfig",
     "PromptGroup",

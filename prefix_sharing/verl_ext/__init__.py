@@ -1,0 +1,38 @@
+"""verl integration: ``prefix_grouper.mode`` in verl's actor config, in verl's own engines.
+
+``import prefix_sharing`` activates it (see :mod:`.activation`): every patch set that targets
+the installed verl release is applied when verl imports the modules it changes, in the driver
+and in every Ray worker that imports ``prefix_sharing`` (verl's
+``actor_rollout_ref.model.external_lib: prefix_sharing``). Nothing here imports verl eagerly.
+
+Switches (environment): ``ENABLE_PREFIX_SHARING=0`` leaves verl untouched;
+``PREFIX_SHARING_PATCHSET=verl091_mcore[,...]`` applies only the named sets (and forces them on
+an untested verl release).
+
+API, for patch-set modules and for explicit use:
+
+- :func:`install` (``patchsets=None``): activate now; names force specific sets.
+- :func:`installed`: the patch sets applied so far in this process.
+- :class:`PatchSet` / :func:`register`: declare a patch set (name, verl releases,
+  ``{verl module: hook}``); list the module in ``patchsets.BUILTIN_MODULES``.
+- :func:`accept_prefix_grouper` (``.config``): make a verl actor-config dataclass accept
+  ``prefix_grouper`` and carry the validated config to its engine config;
+  :func:`sharing_config` reads it back in the engine.
+- ``.mcore``: the version-neutral Megatron pieces (``shared_forward``, ``check_engine_setup``,
+  ``micro_batch_groups``, ``SharingMetrics``) a patch set wires into its release's engine.
+"""
+
+from .activation import UnsupportedVerlVersion, install, installed
+from .config import accept_prefix_grouper, sharing_config
+from .patchsets import PatchSet, register, registered
+
+__all__ = [
+    "PatchSet",
+    "UnsupportedVerlVersion",
+    "accept_prefix_grouper",
+    "install",
+    "installed",
+    "register",
+    "registered",
+    "sharing_config",
+]

@@ -1,0 +1,61 @@
+"""The ``prefix_grouper`` block in verl's actor config, and its way to the engine.
+
+verl converts the actor section into a strict dataclass (``McoreActorConfig`` in 0.9.1) that
+rejects unknown keys, so :func:`accept_prefix_grouper` replaces that class, in its module, by a
+subclass with a ``prefix_grouper`` field. The subclass validates the block through
+:meth:`PrefixSharingConfig.from_verl` when verl builds it (a typo fails the run at start-up, in
+the worker that reads it), and attaches the result to the engine config
+(``actor_config.engine``): verl builds the engine from the engine config alone, so that is the
+only object the engine's forward can read it from (:func:`sharing_config`).
+
+The reference model reads the ``ref`` section, which has no ``prefix_grouper`` of its own: the
+overlays in ``configs/verl/`` point it at the actor's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import ModuleType
+from typing import Any, Dict, Optional
+
+from ..config import PrefixSharingConfig
+
+__all__ = ["accept_prefix_grouper", "sharing_config", "ATTRIBUTE"]
+
+# Where the validated config rides on verl's engine config (an attribute, not a field).
+ATTRIBUTE = "prefix_sharing"
+
+
+def accept_prefix_grouper(module: ModuleType, class_name: str) -> None:
+    """Replaces ``module.<class_name>`` (a verl actor-config dataclass) by a subclass that
+    accepts ``prefix_grouper`` and carries the sharing config to its ``engine``."""
+    base = getattr(module, class_name)
+    if getattr(base, "_prefix_sharing_base", None) is not None:
+        return  # already replaced
+
+    def __post_init__(self) -> None:
+        base.__post_init__(self)
+        setattr(self.engine, ATTRIBUTE, PrefixSharingConfig.from_verl(self))
+
+    namespace = {
+        "__annotations__": {"prefix_grouper": Optional[Dict[str, Any]]},
+        "prefix_grouper": dataclasses.field(default_factory=dict),
+        "__post_init__": __post_init__,
+        "__doc__": f"{base.__doc__ or ''}\n    prefix_grouper: prefix-sharing options "
+                   "(mode, min_prefix_len, min_group_size, backend).\n",
+        "_prefix_sharing_base": base,
+        "__module__": base.__module__,
+        "__qualname__": base.__qualname__,
+    }
+    cls = dataclasses.dataclass(type(class_name, (base,), namespace))
+    setattr(module, class_name, cls)
+    package = __import__(module.__name__.rpartition(".")[0], fromlist=["_"])
+    if getattr(package, class_name, None) is base:
+        setattr(package, class_name, cls)
+
+
+def sharing_config(engine_config: Any) -> PrefixSharingConfig:
+    """The sharing config verl's actor config attached to ``engine_config`` (``mode="off"``
+    when there is none: the reference model without an overlay, or a hand-built engine)."""
+    found = getattr(engine_config, ATTRIBUTE, None)
+    return found if found is not None else PrefixSharingConfig(mode="off")

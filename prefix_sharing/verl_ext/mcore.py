@@ -1,0 +1,181 @@
+"""verl's Megatron engine forward, with each micro-batch's shared prefixes computed once.
+
+Version-neutral pieces that a verl patch set wires into its release's engine:
+
+- :func:`check_engine_setup`: the engine settings sharing cannot honour raise one clear error;
+- :func:`shared_forward`: a drop-in for verl's ``gptmodel_forward_model_engine`` (same
+  arguments) that plans the micro-batch from its token ids, runs the model on the flat layout
+  and returns log-probs / entropy in verl's output contract: a dict of jagged nested tensors,
+  one row per sample with its original length, in micro-batch order, the value at ``t`` scoring
+  token ``t + 1`` (verl's label roll). The last position of each sample predicts nothing: verl
+  fills it from a wrapped-around label, here it is 0; verl reads only
+  ``[len - response - 1, len - 1)``.
+- :func:`micro_batch_groups`: verl's ``uid`` and prompt lengths as prompt groups
+  (``mode="prompt_only"``);
+- :class:`SharingMetrics`: per-step token counts, reported through verl's metrics dict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from ..config import PrefixSharingConfig
+from ..planner import PromptGroup, prompt_groups
+
+__all__ = [
+    "PrefixSharingSetupError",
+    "SharingMetrics",
+    "check_engine_setup",
+    "micro_batch_groups",
+    "shared_forward",
+]
+
+
+class PrefixSharingSetupError(ValueError):
+    """An engine setting that prefix sharing cannot run with."""
+
+
+def check_engine_setup(engine_config: Any, model_config: Any | None = None) -> None:
+    """Raises :class:`PrefixSharingSetupError` for settings that sharing cannot honour.
+
+    - ``context_parallel_size > 1`` / dynamic CP: a context-parallel rank would hold part of a
+      provider's prefix that its reusers on other ranks attend to;
+    - ``use_remove_padding=False``: sharing needs the packed (THD) layout;
+    - ``use_fused_kernels=True``: the fused kernel computes log-probs from labels laid out per
+      sample, which a shared row cannot give (one row serves several next tokens);
+    - MTP training: its labels are laid out per sample as well.
+    """
+    problems = []
+    if getattr(engine_config, "context_parallel_size", 1) > 1:
+        problems.append(f"context_parallel_size={engine_config.context_parallel_size} (must be 1)")
+    if getattr(engine_config, "dynamic_context_parallel", False):
+        problems.append("dynamic_context_parallel=True")
+    if getattr(engine_config, "use_remove_padding", True) is False:
+        problems.append("use_remove_padding=False (sharing needs the packed THD layout)")
+    if getattr(engine_config, "use_fused_kernels", False):
+        problems.append("use_fused_kernels=True (set actor_rollout_ref.model.use_fused_kernels=false)")
+    mtp = getattr(model_config, "mtp", None)
+    if mtp is not None and getattr(mtp, "enable", False) and getattr(mtp, "enable_train", False):
+        problems.append("MTP training (model.mtp.enable_train=True)")
+    if problems:
+        raise PrefixSharingSetupError(
+            "prefix sharing (actor.prefix_grouper) cannot run with " + "; ".join(problems)
+            + ". Change the setting, or turn sharing off (use_prefix_grouper: false)."
+        )
+
+
+def micro_batch_groups(batch: Any, num_sequences: int) -> list[PromptGroup]:
+    """Prompt groups of a verl micro-batch: samples with the same ``uid`` share their prompt,
+    whose length is the left part of the sample's attention mask (left-right padded layout)."""
+    from verl.utils import tensordict_utils as tu
+
+    uids = tu.get_non_tensor_data(batch, key="uid", default=None)
+    if uids is None:
+        raise PrefixSharingSetupError(
+            "prefix_grouper.mode=prompt_only needs each sample's uid in the batch; "
+            "use mode=arbitrary_prefix, which reads only the token ids"
+        )
+    attention_mask, response_mask = batch.get("attention_mask", None), batch.get("response_mask", None)
+    if attention_mask is None or response_mask is None or attention_mask.is_nested:
+        raise PrefixSharingSetupError(
+            "prefix_grouper.mode=prompt_only needs the padded attention_mask and response_mask "
+            "to find each prompt's length; use mode=arbitrary_prefix"
+        )
+    prompt_lens = attention_mask[:, : attention_mask.size(1) - response_mask.size(1)].sum(-1)
+    uids = list(uids)
+    if len(uids) != num_sequences:
+        raise ValueError(f"{len(uids)} uids for a micro-batch of {num_sequences} samples")
+    return prompt_groups(uids, prompt_lens.tolist())
+
+
+@dataclasses.dataclass
+class SharingMetrics:
+    """Tokens of the step: as packed (``total``) and as computed after sharing (``computed``)."""
+
+    total: int = 0
+    computed: int = 0
+    micro_batches: int = 0
+
+    def add(self, plan) -> None:
+        self.total += plan.num_tokens_total
+        self.computed += plan.num_tokens_flat
+        self.micro_batches += 1
+
+    def as_verl_metrics(self) -> dict[str, float]:
+        """``prefix_sharing/token_ratio`` = computed / total (1.0 when nothing is shared)."""
+        return {
+            "prefix_sharing/token_ratio": self.computed / max(self.total, 1),
+            "prefix_sharing/tokens_total": float(self.total),
+            "prefix_sharing/tokens_computed": float(self.computed),
+        }
+
+
+def shared_forward(
+    model,
+    input_ids: torch.Tensor,
+    multi_modal_inputs: dict,
+    logits_processor=None,
+    logits_processor_args: dict | None = None,
+    value_model: bool = False,
+    vision_model: bool = False,
+    *,
+    sharing: PrefixSharingConfig,
+    groups: list[PromptGroup] | None,
+    calculate_entropy: bool,
+    metrics: SharingMetrics | None = None,
+    **_verl_kwargs: Any,
+) -> Any:
+    """verl's ``gptmodel_forward_model_engine`` for one micro-batch, computing shared prefixes once.
+
+    Arguments as verl passes them (``input_ids``: jagged nested ``(bsz, j1)``), plus the
+    sharing config, the micro-batch's prompt groups (``prompt_only``), whether to return the
+    entropy, and where to count tokens. verl's own ``logits_processor`` is not called: its
+    labels are laid out per sample, the flat layout has one row per computed token.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.utils import unwrap_model
+
+    from ..megatron_ext import prepare_micro_batch, token_stats
+
+    if value_model or vision_model or multi_modal_inputs:
+        raise PrefixSharingSetupError("prefix sharing supports text-only language models (no value "
+                                      "head, no vision inputs)")
+    sequences = list(input_ids.unbind())
+    mb = prepare_micro_batch(
+        sequences, sharing, groups=groups,
+        pad_to_multiple_of=parallel_state.get_tensor_model_parallel_world_size(),
+        device=input_ids.device,
+    )
+    if metrics is not None:
+        metrics.add(mb.plan)
+    output = model(input_ids=mb.input_ids, attention_mask=None, position_ids=mb.position_ids,
+                   packed_seq_params=mb.packed_seq_params)
+    if not unwrap_model(model).post_process or logits_processor is None:
+        return output  # an inner pipeline stage: activations for the next one
+    stats = token_stats(output, mb, temperature=_one_temperature(logits_processor_args),
+                        with_entropy=calculate_entropy)
+    result = {"log_probs": stats.log_probs}
+    if calculate_entropy:
+        result["entropy"] = stats.entropy
+    return {key: torch.nested.as_nested_tensor(mb.plan.split(value), layout=torch.jagged)
+            for key, value in result.items()}
+
+
+def _one_temperature(logits_processor_args: dict | None) -> float:
+    """The micro-batch's sampling temperature: a shared row serves several samples, so they
+    must all have the same one."""
+    temperature = (logits_processor_args or {}).get("temperature")
+    if temperature is None:
+        return 1.0
+    values = temperature.values() if temperature.is_nested else temperature.reshape(-1)
+    values = values.float().unique()
+    if values.numel() != 1:
+        raise PrefixSharingSetupError(
+            f"samples of one micro-batch have different temperatures {values.tolist()}; prefix "
+            "sharing needs one temperature per micro-batch"
+        )
+    value = float(values[0])
+    return value if value > 0 else 1e-8  # verl's guard against non-positive temperatures
