@@ -1,47 +1,135 @@
-"""token_log_probs: the plain per-sequence log-probs and entropy, read from flat logits."""
+"""token_log_probs: the plain per-sequence log-probs and entropy, read from flat logits in
+bounded memory, over the whole vocabulary or a vocabulary split into shards."""
+
+import importlib.util
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from prefix_sharing import PrefixSharingConfig, build_plan
-from prefix_sharing.logprobs import token_log_probs
+from prefix_sharing import PrefixSharingConfig, build_plan, logprobs
 from prefix_sharing.equivalence import plain_token_log_probs
+from prefix_sharing.logprobs import token_log_probs
 from tests.strategies import forests
 
 VOCAB = 11
+SHARE_EVERY_PREFIX = PrefixSharingConfig(min_prefix_len=1)
+# a shared prompt, a duplicate, a strict prefix, targets in every part of the vocabulary, a pad row
+SEQS = [[1, 2, 3, 4, 9], [1, 2, 3, 7, 10, 0], [1, 2, 3, 4, 9], [1, 2], [5, 6, 8]]
+LOSSES = {"log_probs": (1.0, 0.0), "entropy": (0.0, 1.0), "both": (1.0, 1.0)}
 
 
-def flat_logits(plan, seed=0):
+def flat_logits(plan, seed=0, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(plan.num_tokens_flat, VOCAB, generator=g, dtype=torch.float64) * 3
+    return (torch.randn(plan.num_tokens_flat, VOCAB, generator=g, dtype=torch.float64) * 3).to(dtype)
 
 
-@given(forests())
-def test_equal_to_plain_log_probs_of_the_restored_logits(seqs):
-    plan = build_plan(seqs, PrefixSharingConfig(min_prefix_len=1), pad_to_multiple_of=3)
+def weighted_sum(log_probs, entropy, used, seed=1):
+    """``sum(w * log_probs) [+ sum(v * entropy)]``: every output that ``used`` names gets a
+    gradient, the other none."""
+    g = torch.Generator().manual_seed(seed)
+    w_lp, w_ent = (torch.rand(log_probs.numel(), generator=g, dtype=torch.float64) * s
+                   for s in LOSSES[used])
+    loss = (w_lp.to(log_probs.dtype) * log_probs).sum()
+    return loss + (w_ent.to(entropy.dtype) * entropy).sum() if LOSSES[used][1] else loss
+
+
+@contextmanager
+def chunks_of(rows: int):
+    with mock.patch.object(logprobs, "CHUNK_ELEMENTS", rows * VOCAB):
+        yield
+
+
+def plain(flat, plan, temperature=1.0):
+    """The reference: every sequence's own rows, restored, through ``log_softmax``."""
+    return plain_token_log_probs(plan.restore(flat) / temperature, plan.split(plan.token_ids))
+
+
+# ------------------------------------------------------------------- whole vocabulary
+@settings(deadline=None)
+@given(forests(), st.sampled_from([1, 2, 1000]), st.sampled_from(list(LOSSES)))
+def test_equal_to_plain_log_probs_of_the_restored_logits(seqs, chunk_rows, used):
+    plan = build_plan(seqs, SHARE_EVERY_PREFIX, pad_to_multiple_of=3)
     flat = flat_logits(plan).requires_grad_()
-    stats = token_log_probs(flat, plan)
-    ref_lp, ref_ent = plain_token_log_probs(plan.restore(flat), [torch.tensor(s) for s in seqs])
-    torch.testing.assert_close(stats.log_probs, ref_lp.float(), rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(stats.entropy, ref_ent.float(), rtol=1e-6, atol=1e-6)
-    assert stats.log_probs[plan.is_last_token].eq(0).all()
-
-    weights = torch.randn(plan.num_tokens_total, dtype=torch.float32)
-    got = torch.autograd.grad((weights * stats.log_probs).sum() + stats.entropy.sum(), flat)[0]
-    want = torch.autograd.grad((weights * ref_lp).sum() + ref_ent.sum(), flat)[0]
+    with chunks_of(chunk_rows):
+        stats = token_log_probs(flat, plan)
+        got = torch.autograd.grad(weighted_sum(*stats, used), flat)[0]
+    ref_lp, ref_ent = plain(flat, plan)
+    want = torch.autograd.grad(weighted_sum(ref_lp, ref_ent, used), flat)[0]
+    torch.testing.assert_close(stats.log_probs, ref_lp, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(stats.entropy, ref_ent, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_temperature_divides_the_logits():
-    plan = build_plan([[1, 2, 3, 4], [1, 2, 3, 5]], PrefixSharingConfig(min_prefix_len=1))
-    flat = flat_logits(plan)
-    hot = token_log_probs(flat, plan, temperature=2.0)
-    ref = token_log_probs(flat / 2.0, plan)
-    torch.testing.assert_close(hot.log_probs, ref.log_probs)
-    torch.testing.assert_close(hot.entropy, ref.entropy)
-    assert token_log_probs(flat, plan, with_entropy=False).entropy is None
+def test_last_positions_score_nothing_and_pad_rows_get_no_gradient():
+    plan = build_plan(SEQS, SHARE_EVERY_PREFIX, pad_to_multiple_of=4)
+    assert plan.num_padding > 0
+    flat = flat_logits(plan).requires_grad_()
+    stats = token_log_probs(flat, plan)
+    weighted_sum(*stats, "both").backward()
+    assert stats.log_probs[plan.is_last_token].eq(0).all()
+    assert flat.grad[plan.num_tokens_flat - plan.num_padding:].eq(0).all()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_gradients_pass_gradcheck_in_float64(temperature):
+    """Each output alone and both together (gradcheck takes one output at a time, then all)."""
+    plan = build_plan(SEQS, SHARE_EVERY_PREFIX, pad_to_multiple_of=4)
+    flat = flat_logits(plan, dtype=torch.float64).requires_grad_()
+    with chunks_of(3):
+        assert torch.autograd.gradcheck(
+            lambda x: tuple(token_log_probs(x, plan, temperature=temperature)), flat)
+        assert torch.autograd.gradcheck(
+            lambda x: token_log_probs(x, plan, temperature=temperature, with_entropy=False)[0],
+            flat)
+    stats = token_log_probs(flat, plan, temperature=temperature)
+    assert stats.log_probs.dtype == stats.entropy.dtype == torch.float64
+
+
+@pytest.mark.parametrize("temperature", [2.0, 0.7])
+def test_temperature_divides_the_logits(temperature):
+    plan = build_plan(SEQS, SHARE_EVERY_PREFIX)
+    flat = flat_logits(plan).requires_grad_()
+    with chunks_of(2):
+        hot = token_log_probs(flat, plan, temperature=temperature)
+        got = torch.autograd.grad(weighted_sum(*hot, "both"), flat)[0]
+    ref_lp, ref_ent = plain(flat, plan, temperature)
+    torch.testing.assert_close(hot.log_probs, ref_lp, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(hot.entropy, ref_ent, rtol=1e-6, atol=1e-6)
+    want = torch.autograd.grad(weighted_sum(ref_lp, ref_ent, "both"), flat)[0]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_without_entropy_the_log_probs_and_their_gradient_are_unchanged():
+    plan = build_plan(SEQS, SHARE_EVERY_PREFIX)
+    flat = flat_logits(plan).requires_grad_()
+    alone = token_log_probs(flat, plan, with_entropy=False)
+    both = token_log_probs(flat, plan)
+    assert alone.entropy is None
+    assert torch.equal(alone.log_probs, both.log_probs)
+    assert torch.equal(torch.autograd.grad(weighted_sum(*alone, "log_probs"), flat)[0],
+                       torch.autograd.grad(weighted_sum(*both, "log_probs"), flat)[0])
+
+
+def test_bf16_logits_are_computed_in_fp32_and_get_a_bf16_gradient_rounded_once():
+    plan = build_plan(SEQS, SHARE_EVERY_PREFIX)
+    low = flat_logits(plan, dtype=torch.bfloat16).requires_grad_()
+    upcast = low.detach().float().requires_grad_()
+    with chunks_of(2):
+        stats_low, stats_up = token_log_probs(low, plan), token_log_probs(upcast, plan)
+        weighted_sum(*stats_low, "both").backward()
+        weighted_sum(*stats_up, "both").backward()
+    assert stats_low.log_probs.dtype == torch.float32
+    assert torch.equal(stats_low.log_probs, stats_up.log_probs)
+    assert torch.equal(stats_low.entropy, stats_up.entropy)
+    assert low.grad.dtype == torch.bfloat16
+    assert torch.equal(low.grad, upcast.grad.bfloat16())
 
 
 class _Shapes(TorchDispatchMode):
@@ -72,3 +160,114 @@ def test_refuses_logits_of_another_layout():
     plan = build_plan([[1, 2, 3]])
     with pytest.raises(ValueError, match=r"flat_logits must be \(T_flat=3, vocab\); got \(4, 11\)"):
         token_log_probs(torch.zeros(4, 11), plan)
+
+
+def test_refuses_a_temperature_that_is_not_positive():
+    plan = build_plan([[1, 2, 3]])
+    with pytest.raises(ValueError, match="temperature must be positive; got 0"):
+        token_log_probs(torch.zeros(3, 11), plan, temperature=0)
+
+
+# ----------------------------------------------------------------------------- memory
+def _load_bench():
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_logprob_memory.py"
+    spec = importlib.util.spec_from_file_location("bench_logprob_memory", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_memory_beyond_the_logits_is_their_gradient_and_two_chunks(dtype):
+    """Nothing of the logits' size is held for the backward; the peak is the gradient itself
+    plus two fp32 chunks of rows (and a few per-token vectors)."""
+    bench = _load_bench()
+    tokens, vocab, chunk_rows = 256, 4096, 8
+    plan = bench.grpo_plan(tokens, vocab)
+    with mock.patch.object(logprobs, "CHUNK_ELEMENTS", chunk_rows * vocab):
+        peak = bench.measure(token_log_probs, plan, vocab, dtype)
+    gradient = plan.num_tokens_flat * vocab * dtype.itemsize
+    chunk = chunk_rows * vocab * 4
+    vectors = 8 * 8 * (plan.num_tokens_flat + plan.num_tokens_total)  # 8 int64 vectors
+    assert vectors < chunk / 2  # so that a third chunk would not fit in the bounds below
+    assert peak["held"] <= vectors
+    assert peak["forward"] <= 2 * chunk + vectors
+    assert peak["total"] <= gradient + 2 * chunk + vectors
+    assert peak["total"] >= gradient  # the accounting sees the gradient
+
+
+# ------------------------------------------------------------------- split vocabulary
+class _Exchange:
+    """In-process all-reduce for shards that run in threads: each deposits, all combine."""
+
+    def __init__(self, shards: int) -> None:
+        self.barrier = threading.Barrier(shards, timeout=60)
+        self.slots: list[torch.Tensor | None] = [None] * shards
+
+    def reduce(self, rank, x, combine):
+        self.slots[rank] = x.clone()
+        self.barrier.wait()
+        out = combine(torch.stack(self.slots))
+        self.barrier.wait()  # every shard has read the slots before they are reused
+        return out
+
+
+class _ThreadShard:
+    def __init__(self, exchange: _Exchange, rank: int, vocab_start: int) -> None:
+        self.exchange, self.rank, self.vocab_start = exchange, rank, vocab_start
+
+    def sum(self, x):
+        return self.exchange.reduce(self.rank, x, lambda s: s.sum(0))
+
+    def max(self, x):
+        return self.exchange.reduce(self.rank, x, lambda s: s.amax(0))
+
+
+def split_run(flat, plan, bounds, used, **kwargs):
+    """Each vocabulary slice ``[a, b)`` in its own thread, as a tensor-parallel rank would run
+    it; returns each shard's stats and the slices' gradients put back together."""
+    exchange = _Exchange(len(bounds))
+    results: list = [None] * len(bounds)
+
+    def rank_main(rank, start, stop):
+        try:
+            local = flat.detach()[:, start:stop].clone().requires_grad_()
+            stats = token_log_probs(local, plan, vocab_shard=_ThreadShard(exchange, rank, start),
+                                    **kwargs)
+            grad = torch.autograd.grad(weighted_sum(*stats, used), local)[0]
+            results[rank] = (stats, grad)
+        except BaseException as error:  # noqa: BLE001 - re-raised in the caller
+            exchange.barrier.abort()
+            results[rank] = error
+
+    threads = [threading.Thread(target=rank_main, args=(r, a, b)) for r, (a, b) in enumerate(bounds)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return [s for s, _ in results], torch.cat([g for _, g in results], dim=1)
+
+
+@pytest.mark.parametrize("bounds", [[(0, 6), (6, 11)], [(0, 3), (3, 4), (4, 11)]])
+@pytest.mark.parametrize("temperature,with_entropy,used", [
+    (1.0, True, "both"), (0.7, True, "entropy"), (0.7, True, "log_probs"), (2.0, False, "log_probs"),
+])
+def test_a_split_vocabulary_gives_the_whole_vocabulary_results(bounds, temperature, with_entropy,
+                                                                 used):
+    plan = build_plan(SEQS, SHARE_EVERY_PREFIX, pad_to_multiple_of=4)
+    flat = flat_logits(plan).requires_grad_()
+    kwargs = dict(temperature=temperature, with_entropy=with_entropy)
+    with chunks_of(3):
+        shards, got = split_run(flat, plan, bounds, used, **kwargs)
+        whole = token_log_probs(flat, plan, **kwargs)
+        want = torch.autograd.grad(weighted_sum(*whole, used), flat)[0]
+    for stats in shards:
+        torch.testing.assert_close(stats.log_probs, whole.log_probs, rtol=1e-6, atol=1e-6)
+        if with_entropy:
+            torch.testing.assert_close(stats.entropy, whole.entropy, rtol=1e-6, atol=1e-6)
+        else:
+            assert stats.entropy is None
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

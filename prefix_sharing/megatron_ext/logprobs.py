@@ -1,8 +1,9 @@
 """Token log-probs and entropy from a ``GPTModel``'s vocab-parallel logits.
 
-Under tensor parallelism each rank holds a slice of the vocabulary; the per-row softmax
-denominator and the picked target logit are reduced across the tensor-parallel group with
-Megatron's autograd-aware all-reduce. Rows are still read through the plan's ``kv_index``, so
+Under tensor parallelism each rank holds a slice of the vocabulary; the per-row shift, softmax
+denominator, expected logit and picked target logit are all-reduced across the tensor-parallel
+group in the forward (two all-reduces per call). The backward needs no communication (see
+:mod:`prefix_sharing.logprobs`). Rows are still read through the plan's ``kv_index``, so
 nothing of size ``(T_total, vocab)`` is built on any rank.
 """
 
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import torch
 from megatron.core import parallel_state
-from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 from megatron.core.utils import get_attr_wrapped_model
 
 from ..logprobs import TokenStats, token_log_probs
@@ -20,18 +20,25 @@ __all__ = ["MegatronVocabShard", "token_stats", "forward_token_stats"]
 
 
 class MegatronVocabShard:
-    """This tensor-parallel rank's vocabulary slice, as :class:`prefix_sharing.logprobs.VocabShard`."""
+    """This tensor-parallel rank's vocabulary slice, as :class:`prefix_sharing.logprobs.VocabShard`.
+
+    Plain all-reduces: ``token_log_probs`` reduces outside autograd and derives its backward
+    from the reduced statistics, so Megatron's autograd-aware region mappings are not needed.
+    """
 
     def __init__(self, vocab_per_rank: int, group: torch.distributed.ProcessGroup) -> None:
         self.group = group
         self.vocab_start = torch.distributed.get_rank(group) * vocab_per_rank
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:
-        return reduce_from_tensor_model_parallel_region(x, group=self.group)
+        return self._all_reduce(x, torch.distributed.ReduceOp.SUM)
 
     def max(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.detach().clone()
-        torch.distributed.all_reduce(x, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        return self._all_reduce(x, torch.distributed.ReduceOp.MAX)
+
+    def _all_reduce(self, x: torch.Tensor, op: torch.distributed.ReduceOp) -> torch.Tensor:
+        x = x.detach().clone(memory_format=torch.contiguous_format)
+        torch.distributed.all_reduce(x, op=op, group=self.group)
         return x
 
 
