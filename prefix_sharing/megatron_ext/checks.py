@@ -55,19 +55,36 @@ def check_sharing_allowed(config: TransformerConfig, plan: SharingPlan, training
             "provider's dropout mask on the shared prefix; set hidden_dropout=0"
         )
     if config.num_moe_experts:
-        if config.moe_expert_capacity_factor is not None:
-            problems.append(
-                f"moe_expert_capacity_factor={config.moe_expert_capacity_factor}: which tokens an "
-                "expert drops depends on the other tokens of the batch"
-            )
-        aux = config.moe_aux_loss_coeff
-        if (sum(aux) if isinstance(aux, list) else aux) > 0 or (config.moe_z_loss_coeff or 0) > 0:
-            problems.append(
-                "MoE auxiliary or z-loss: router statistics would count each shared token once; "
-                "set moe_aux_loss_coeff=0 and moe_z_loss_coeff=None, or mode='off'"
-            )
+        problems += _moe_problems(config, training)
     if problems:
         raise UnsupportedSetupError("prefix sharing is active but " + "; ".join(problems))
+
+
+def _moe_problems(config: TransformerConfig, training: bool) -> list[str]:
+    """MoE settings that depend on which other tokens share the batch, or on randomness per
+    token; the router's losses and counts are reweighted (see :mod:`.moe`), these are not."""
+    problems = []
+    if config.moe_expert_capacity_factor is not None:
+        problems.append(
+            f"moe_expert_capacity_factor={config.moe_expert_capacity_factor}: which tokens an "
+            "expert drops depends on the other tokens of the batch; use dropless MoE "
+            "(moe_expert_capacity_factor=None)"
+        )
+    if config.moe_router_load_balancing_type == "sinkhorn":
+        problems.append(
+            "moe_router_load_balancing_type='sinkhorn': Sinkhorn routing normalizes over the "
+            "batch's tokens"
+        )
+    if training and config.moe_input_jitter_eps is not None:
+        problems.append(
+            f"moe_input_jitter_eps={config.moe_input_jitter_eps} in training: every reuser "
+            "would get its provider's router noise on the shared prefix"
+        )
+    if config.moe_enable_routing_replay:
+        problems.append(
+            "moe_enable_routing_replay=True: replayed routing is recorded per plain token"
+        )
+    return problems
 
 
 def assert_same_plan(plan: SharingPlan, group: torch.distributed.ProcessGroup) -> None:

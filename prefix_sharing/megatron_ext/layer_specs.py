@@ -3,7 +3,8 @@
 Composition the megatron-core way: take the stock layer spec, copy it, replace
 ``self_attention.module`` (absolute rotary positions) and
 ``self_attention.submodules.core_attention`` (K/V injection), keep everything else - norms,
-linear layers, MLP or MoE, TE or local flavour.
+linear layers, MLP or MoE, TE or local flavour. In an MoE layer the router and the layer class
+are swapped too, so the router's batch statistics count the plain batch (see :mod:`.moe`).
 """
 
 from __future__ import annotations
@@ -13,9 +14,12 @@ from typing import Any
 
 from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from .core_attention import PrefixSharingCoreAttention
+from .moe import PrefixSharingRouter, PrefixSharingTransformerLayer
 from .self_attention import PrefixSharingSelfAttention
 
 __all__ = [
@@ -45,6 +49,16 @@ def with_prefix_sharing(layer_spec: ModuleSpec) -> ModuleSpec:
     spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
         module=PrefixSharingCoreAttention
     )
+    mlp = spec.submodules.mlp
+    is_moe = isinstance(mlp, ModuleSpec) and isinstance(mlp.module, type) \
+        and issubclass(mlp.module, MoELayer)
+    if is_moe:
+        if spec.module is not TransformerLayer:
+            raise ValueError(
+                f"with_prefix_sharing supports MoE in a plain TransformerLayer; got {spec.module!r}"
+            )
+        spec.module = PrefixSharingTransformerLayer
+        mlp.submodules.router = PrefixSharingRouter
     return spec
 
 

@@ -58,13 +58,25 @@ def test_fused_rope_is_refused():
     (dict(hidden_dropout=0.1), "hidden_dropout=0.1 in training"),
     (dict(num_moe_experts=4, moe_expert_capacity_factor=1.0, moe_aux_loss_coeff=0.0,
           moe_token_dispatcher_type="alltoall"), "moe_expert_capacity_factor=1.0"),
-    (dict(num_moe_experts=4, moe_aux_loss_coeff=0.01), "MoE auxiliary or z-loss"),
+    (dict(num_moe_experts=4, moe_router_load_balancing_type="sinkhorn", moe_aux_loss_coeff=0.0,
+          moe_router_topk=1), "moe_router_load_balancing_type='sinkhorn'"),
+    (dict(num_moe_experts=4, moe_input_jitter_eps=0.01), "moe_input_jitter_eps=0.01 in training"),
+    (dict(num_moe_experts=4, moe_enable_routing_replay=True), "moe_enable_routing_replay=True"),
 ])
 def test_sharing_refuses_settings_that_would_change_the_results(setting, message):
     config = TransformerConfig(**{**BASE, **setting})
     with pytest.raises(UnsupportedSetupError, match=message):
         check_sharing_allowed(config, SHARED, training=True)
     check_sharing_allowed(config, PLAIN, training=True)  # the plain layout is always fine
+
+
+def test_moe_router_losses_and_expert_bias_are_allowed_while_sharing():
+    """The router reweights them by token multiplicity (tests/megatron_ext/test_moe.py)."""
+    config = TransformerConfig(**BASE, num_moe_experts=4, moe_router_score_function="sigmoid",
+                               moe_router_load_balancing_type=["aux_loss", "seq_aux_loss"],
+                               moe_aux_loss_coeff=[0.01, 0.01], moe_z_loss_coeff=0.001,
+                               moe_router_enable_expert_bias=True)
+    check_sharing_allowed(config, SHARED, training=True)
 
 
 def test_dropout_is_fine_outside_training():
