@@ -1,0 +1,36 @@
+"""Prefix sharing for HuggingFace transformers models, plain or under FSDP2.
+
+Usage::
+
+    from prefix_sharing.fsdp_compat import enable_prefix_sharing, shared_forward
+
+    enable_prefix_sharing(model)            # before fully_shard / gradient checkpointing
+    out = shared_forward(model, sequences, PrefixSharingConfig())
+    loss = pg_loss(out.stats.log_probs, out.stats.entropy, advantages)
+
+Modules: :mod:`.attention` (the attention function transformers calls), :mod:`.forward` (the
+model call and the log-probs), :mod:`.moe` (the exact router loss), :mod:`.models` (families,
+seeded models, what is refused), :mod:`.fsdp` (FSDP2 wrapping), :mod:`.prefix_grouper_peer`
+(the PrefixGrouper reference). transformers is imported only when a function needs it.
+"""
+
+from .attention import ATTENTION_NAME, prefix_sharing_attention, register_attention
+from .forward import SharedForward, enable_prefix_sharing, model_kwargs, shared_forward
+from .models import FAMILIES, build_model, check_supported, hf_config
+from .moe import router_aux_loss, row_multiplicity
+
+__all__ = [
+    "ATTENTION_NAME",
+    "FAMILIES",
+    "SharedForward",
+    "build_model",
+    "check_supported",
+    "enable_prefix_sharing",
+    "hf_config",
+    "model_kwargs",
+    "prefix_sharing_attention",
+    "register_attention",
+    "router_aux_loss",
+    "row_multiplicity",
+    "shared_forward",
+]

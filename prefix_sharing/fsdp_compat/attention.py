@@ -1,0 +1,92 @@
+"""The transformers attention function that reads the sharing plan: K/V injection in HF models.
+
+Registered under :data:`ATTENTION_NAME` through ``transformers.AttentionInterface``. The model's
+forward carries the plan as a keyword (``sharing_plan=``), which transformers hands unchanged to
+every layer's attention function; each layer then gathers its provider K/V through the plan and
+runs the project's varlen kernel (torch on CPU, flash-attn on CUDA, the fused kernel on Ascend).
+
+No mask function is registered on purpose: for an attention name unknown to
+``AttentionMaskInterface``, transformers skips mask creation and passes ``attention_mask=None``.
+The plan's segments already say which keys each query sees, and the ``(T, T)`` mask that
+``eager``/``sdpa`` would build over the flat layout (``T`` can be tens of thousands) is never
+materialised.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..attention import prefix_attention
+from ..plan import SharingPlan
+
+__all__ = ["ATTENTION_NAME", "PLAN_KWARG", "BACKEND_KWARG", "register_attention",
+           "prefix_sharing_attention"]
+
+ATTENTION_NAME = "prefix_sharing"
+PLAN_KWARG = "sharing_plan"  # the forward keyword carrying the SharingPlan
+BACKEND_KWARG = "sharing_backend"  # the forward keyword naming the kernel ("auto" when absent)
+
+
+def register_attention() -> None:
+    """Makes ``attn_implementation="prefix_sharing"`` available to every transformers model."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, prefix_sharing_attention)
+
+
+def prefix_sharing_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Attention of the plan's flat layout, with transformers' attention-function signature.
+
+    Args:
+        module: the calling attention layer (read for its sliding window).
+        query: ``(1, nheads, T_flat, headdim)``, positions already applied.
+        key, value: ``(1, nheads_k, T_flat, headdim)``.
+        attention_mask: must be ``None`` (see the module doc; a padding mask has no meaning
+            in the flat layout, which holds no padding the plan does not place itself).
+        dropout: must be 0: the kernels run without attention dropout.
+        scaling: the softmax scale (``headdim ** -0.5`` when ``None``).
+        kwargs: the forward's keywords; ``sharing_plan`` is required, ``sharing_backend``
+            optional.
+
+    Returns:
+        ``((1, T_flat, nheads, headdim), None)``: no attention weights are ever built.
+    """
+    plan = kwargs.get(PLAN_KWARG)
+    if not isinstance(plan, SharingPlan):
+        raise ValueError(
+            f"attn_implementation={ATTENTION_NAME!r} needs the micro-batch's plan: call the model "
+            f"with {PLAN_KWARG}=plan (prefix_sharing.fsdp_compat.shared_forward does)"
+        )
+    if attention_mask is not None:
+        raise ValueError(
+            f"the {ATTENTION_NAME!r} attention takes no attention_mask: the plan lays out "
+            "unpadded sequences; pass sequences to build_plan instead of a padded batch"
+        )
+    if dropout:
+        raise ValueError(f"the {ATTENTION_NAME!r} attention has no attention dropout "
+                         f"(got {dropout}); set the config's attention_dropout to 0")
+    if query.size(0) != 1:
+        raise ValueError(f"the flat layout is one row of tokens; got a batch of {query.size(0)}")
+    window = getattr(module, "sliding_window", None)
+    if window is not None and plan.max_seqlen_kv > window:
+        raise ValueError(
+            f"layer {getattr(module, 'layer_idx', '?')} uses a sliding window of {window} tokens "
+            f"and a sequence of this micro-batch has {plan.max_seqlen_kv}: the window would "
+            "change the result, and the shared kernels attend to the whole prefix"
+        )
+    # [1, h, T, d] -> [T, h, d]: the varlen kernels' token-major layout
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
+    out = prefix_attention(q, k, v, plan, softmax_scale=scaling,
+                           backend=kwargs.get(BACKEND_KWARG) or "auto")
+    return out.unsqueeze(0), None  # [1, T, h, d], as transformers' attention functions return

@@ -1,0 +1,123 @@
+"""One shared forward of a HuggingFace causal LM: sequences -> plan -> model -> log-probs.
+
+The model runs once on the plan's flat layout, a batch of one row
+(``input_ids=plan.input_ids[None]``, ``position_ids=plan.position_ids[None]``), with the plan in
+its keywords for the sharing attention (:mod:`.attention`). Per-token log-probs and entropy
+come from the flat logits through :func:`prefix_sharing.logprobs.token_log_probs`, so nothing
+of size ``(T_total, vocab)`` is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+from ..config import PrefixSharingConfig
+from ..logprobs import TokenStats, token_log_probs
+from ..plan import SharingPlan
+from ..planner import PromptGroup, build_plan
+from .attention import ATTENTION_NAME, BACKEND_KWARG, PLAN_KWARG, register_attention
+from .models import check_supported
+from .moe import router_aux_loss
+
+__all__ = ["enable_prefix_sharing", "SharedForward", "shared_forward", "model_kwargs"]
+
+
+def enable_prefix_sharing(model: torch.nn.Module) -> torch.nn.Module:
+    """Switches ``model`` (in place) to the sharing attention; returns it.
+
+    Call it before wrapping the model (FSDP, gradient checkpointing). From then on every
+    forward needs a plan: use :func:`shared_forward`, or pass :func:`model_kwargs`.
+    """
+    check_supported(model)
+    register_attention()
+    model.set_attn_implementation(ATTENTION_NAME)
+    return model
+
+
+@dataclasses.dataclass
+class SharedForward:
+    """The result of :func:`shared_forward`.
+
+    Attributes:
+        plan: the micro-batch's plan (on the model's device).
+        logits: ``(T_flat, vocab)`` logits of the computed tokens; ``plan.restore`` gives every
+            sequence's ``(T_total, vocab)`` rows when a caller truly needs them.
+        stats: ``(T_total,)`` log-probs and entropy, packed per sequence in the given order.
+        aux_loss: for an MoE model, the router load-balancing loss the plain forward would
+            give (see :mod:`.moe`); ``None`` otherwise.
+    """
+
+    plan: SharingPlan
+    logits: torch.Tensor
+    stats: TokenStats
+    aux_loss: torch.Tensor | None
+
+
+def model_kwargs(plan: SharingPlan, backend: str = "auto") -> dict:
+    """The keywords a model switched by :func:`enable_prefix_sharing` needs for ``plan``.
+
+    Besides the plan, the segment boundaries go in explicitly (``cu_seq_lens_q/k``,
+    ``max_length_q/k``): transformers otherwise infers packed segments from position resets,
+    and a reuser's tail starts at its prefix length, not at 0.
+    """
+    return {
+        "input_ids": plan.input_ids[None],
+        "position_ids": plan.position_ids[None],
+        "cu_seq_lens_q": plan.cu_seqlens_q,
+        "cu_seq_lens_k": plan.cu_seqlens_kv,
+        "max_length_q": plan.max_seqlen_q,
+        "max_length_k": plan.max_seqlen_kv,
+        "use_cache": False,
+        PLAN_KWARG: plan,
+        BACKEND_KWARG: backend,
+    }
+
+
+def shared_forward(
+    model: torch.nn.Module,
+    sequences: Sequence[torch.Tensor],
+    config: PrefixSharingConfig | None = None,
+    *,
+    groups: Sequence[PromptGroup] | None = None,
+    plan: SharingPlan | None = None,
+    temperature: float = 1.0,
+    with_entropy: bool = True,
+) -> SharedForward:
+    """Plans ``sequences`` (unless ``plan`` is given) and runs ``model`` once on the plan.
+
+    Args:
+        model: a causal LM switched by :func:`enable_prefix_sharing` (FSDP-wrapped or not).
+        sequences: the micro-batch, unpadded 1-D token-id tensors, in the order the outputs
+            should have.
+        config: what to share (``PrefixSharingConfig()`` when omitted); its ``backend`` picks
+            the attention kernel.
+        groups: prompt groups, for ``mode="prompt_only"``.
+        plan: a plan already built for these sequences (e.g. once per micro-batch, reused
+            across the actor and reference forwards).
+        temperature, with_entropy: as in :func:`~prefix_sharing.logprobs.token_log_probs`.
+    """
+    config = PrefixSharingConfig() if config is None else config
+    if getattr(model.config, "_attn_implementation", None) != ATTENTION_NAME:
+        raise ValueError("the model does not use the sharing attention: call "
+                         "enable_prefix_sharing(model) first (before wrapping it)")
+    if plan is None:
+        plan = build_plan(sequences, config, groups=groups)
+    plan = plan.to(model.get_input_embeddings().weight.device)
+    moe = _is_moe(model)
+    extra = {"output_router_logits": True} if moe else {}
+    output = model(**model_kwargs(plan, config.backend), **extra)
+    logits = output.logits[0]  # [T_flat, vocab]
+    stats = token_log_probs(logits, plan, temperature=temperature, with_entropy=with_entropy)
+    aux_loss = None
+    if moe:
+        aux_loss = router_aux_loss(output.router_logits, plan, model.config.num_experts,
+                                   model.config.num_experts_per_tok)
+    return SharedForward(plan, logits, stats, aux_loss)
+
+
+def _is_moe(model: torch.nn.Module) -> bool:
+    """A routed-experts model whose forward reports a load-balancing loss."""
+    return hasattr(model.config, "router_aux_loss_coef") and hasattr(model.config, "num_experts")

@@ -1,0 +1,57 @@
+"""FSDP2 wrapping of a HuggingFace causal LM that uses the sharing attention.
+
+Sharing changes nothing FSDP sees: parameters are gathered per decoder layer as usual, and the
+plan travels in the forward's keywords, which ``fully_shard``'s hooks pass through. Every rank
+plans its own micro-batch; no communication is added.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["shard_model", "full_gradients"]
+
+
+def shard_model(
+    model: torch.nn.Module,
+    *,
+    mesh: Any = None,
+    gradient_checkpointing: bool = False,
+    reshard_after_forward: bool = True,
+) -> torch.nn.Module:
+    """Shards ``model`` in place with ``fully_shard``: each decoder layer, then the root.
+
+    Args:
+        model: a transformers causal LM (call ``enable_prefix_sharing`` on it first).
+        mesh: a 1-D device mesh; the whole default process group when ``None``.
+        gradient_checkpointing: recompute each decoder layer in backward (transformers'
+            non-reentrant checkpointing, which replays the layer with the same keywords,
+            the plan included).
+        reshard_after_forward: as in ``fully_shard``.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    if gradient_checkpointing:
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__} has no model.layers to shard per decoder layer")
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    return model
+
+
+def full_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's whole gradient by name (sharded ones gathered: collective on all ranks)."""
+    from torch.distributed.tensor import DTensor
+
+    grads = {}
+    for name, param in model.named_parameters():
+        if param.grad is None:
+            continue
+        grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+        grads[name] = grad.detach().clone()
+    return grads

@@ -1,0 +1,61 @@
+"""The plain and the shared forward+backward of a HuggingFace model, as comparable runs.
+
+The plain run is transformers' own attention (``eager`` or ``sdpa``) on the right-padded batch
+with its padding mask, log-probs from the full logits one sequence at a time: no code of this
+package on its path. (One forward per micro-batch, as the shared run: FSDP ranks must issue the
+same collectives.)
+The shared run is :func:`~prefix_sharing.fsdp_compat.shared_forward` on the plan. Both return
+:class:`~prefix_sharing.equivalence.RunOutputs` (gradients gathered whole under FSDP2), which
+``compare_runs`` and ``within_tolerance`` judge.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+from ..config import PrefixSharingConfig
+from ..equivalence import RunOutputs, plain_token_log_probs
+from ..planner import PromptGroup
+from .forward import shared_forward
+from .fsdp import full_gradients
+
+__all__ = ["plain_run", "shared_run"]
+
+
+def plain_run(model: torch.nn.Module, sequences: Sequence[torch.Tensor],
+              weights: torch.Tensor) -> RunOutputs:
+    """The padded batch through ``model``; packed logits, log-probs, entropy, loss, grads."""
+    device = model.get_input_embeddings().weight.device
+    lengths = [len(s) for s in sequences]
+    input_ids = torch.zeros(len(sequences), max(lengths), dtype=torch.long)
+    for row, s in enumerate(sequences):
+        input_ids[row, : len(s)] = s
+    mask = torch.arange(max(lengths))[None] < torch.tensor(lengths)[:, None]  # [b, s]
+    input_ids, mask = input_ids.to(device), mask.to(device)
+
+    def forward():
+        logits = model(input_ids=input_ids, attention_mask=mask.long(), use_cache=False).logits
+        packed = logits[mask]  # [T_total, vocab]: the real tokens, sequence by sequence
+        return (packed, *plain_token_log_probs(packed, [s.to(device) for s in sequences]))
+
+    return _with_full_gradients(model, RunOutputs.collect(model, forward, weights.to(device)))
+
+
+def shared_run(model: torch.nn.Module, sequences: Sequence[torch.Tensor], weights: torch.Tensor,
+               config: PrefixSharingConfig, groups: Sequence[PromptGroup] | None = None
+               ) -> RunOutputs:
+    """The micro-batch through the sharing model (see :func:`shared_forward`), restored per token."""
+    device = model.get_input_embeddings().weight.device
+
+    def forward():
+        out = shared_forward(model, sequences, config, groups=groups)
+        return out.plan.restore(out.logits), out.stats.log_probs, out.stats.entropy
+
+    return _with_full_gradients(model, RunOutputs.collect(model, forward, weights.to(device)))
+
+
+def _with_full_gradients(model: torch.nn.Module, run: RunOutputs) -> RunOutputs:
+    return dataclasses.replace(run, grads=full_gradients(model))

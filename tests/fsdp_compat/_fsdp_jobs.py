@@ -1,0 +1,42 @@
+"""Jobs that run inside spawned gloo ranks (importable by name, as the launcher requires)."""
+
+from __future__ import annotations
+
+import copy
+
+from prefix_sharing.config import PrefixSharingConfig
+from prefix_sharing.equivalence import Comparison, advantages, compare_runs
+from prefix_sharing.fsdp_compat import build_model, enable_prefix_sharing
+from prefix_sharing.fsdp_compat.fsdp import shard_model
+from prefix_sharing.fsdp_compat.runs import plain_run, shared_run
+from prefix_sharing.presets import PRESETS
+from prefix_sharing.workloads import make_workload
+
+# Each rank trains on its own micro-batch, as data parallelism does.
+RANK_WORKLOADS = ("grpo", "tree")
+
+
+def fsdp_equivalence_job(rank: int, family: str) -> dict[bool, tuple[Comparison, int]]:
+    """Plain and shared FSDP2 models on this rank's micro-batch, without and with gradient
+    checkpointing; per setting, the shared run against the plain one, and how many times the
+    shared model's attention layers ran (twice per layer when checkpointing recomputes them).
+
+    Gradients are reduced over both ranks, so they compare the whole data-parallel step.
+    """
+    preset = PRESETS["tiny"]
+    workload = make_workload(RANK_WORKLOADS[rank], vocab_size=preset.vocab_size)
+    weights = advantages(workload.num_tokens, seed=rank)
+    config = PrefixSharingConfig(min_prefix_len=1)
+    results = {}
+    for checkpointing in (False, True):
+        plain = build_model(family, preset, attn_implementation="sdpa")
+        shared = enable_prefix_sharing(copy.deepcopy(plain))
+        for model in (plain, shared):
+            shard_model(model, gradient_checkpointing=checkpointing).train()
+        calls = []
+        for layer in shared.model.layers:
+            layer.self_attn.register_forward_hook(lambda *_: calls.append(1))
+        comparison = compare_runs(shared_run(shared, workload.sequences, weights, config),
+                                  plain_run(plain, workload.sequences, weights))
+        results[checkpointing] = (comparison, len(calls))
+    return results
