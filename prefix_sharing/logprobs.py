@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple, Protocol
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .plan import SharingPlan
 
@@ -129,6 +130,7 @@ class _TokenStatsFunction(torch.autograd.Function):
     and ``d/dlogits = (d/dz) / T``. Summed over a row's readers, the gradient of a row is
     ``onehot terms - p * (g_lp + g_ent * (z - E_p[z]))`` with ``g_lp`` / ``g_ent`` the summed
     upstream gradients of its readers (``g_lp`` without last positions, which predict nothing).
+    The backward itself is not differentiable (a second derivative raises).
     """
 
     @staticmethod
@@ -167,6 +169,7 @@ class _TokenStatsFunction(torch.autograd.Function):
         return log_probs, entropy
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, grad_log_probs: torch.Tensor | None, grad_entropy: torch.Tensor | None):
         logits, rows, targets, picks, is_last, shift, log_denominator, expected = ctx.saved_tensors
         temperature = ctx.temperature
