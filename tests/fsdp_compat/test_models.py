@@ -1,0 +1,60 @@
+"""Seeded HF models of a preset's shape, and the attention setups the shim refuses."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from prefix_sharing.fsdp_compat import FAMILIES, build_model, check_supported, enable_prefix_sharing
+
+from ._models import PRESET
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_same_seed_gives_the_same_weights_and_the_preset_shape(family):
+    a, b = (build_model(family, PRESET, seed=3) for _ in range(2))
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), name
+    assert a.config.num_hidden_layers == PRESET.num_layers
+    assert a.config.hidden_size == PRESET.hidden_size
+    assert a.model.layers[0].self_attn.head_dim == PRESET.head_dim
+
+
+def test_different_seeds_give_different_weights():
+    a, b = build_model("llama", PRESET, seed=0), build_model("llama", PRESET, seed=1)
+    assert not torch.equal(a.model.embed_tokens.weight, b.model.embed_tokens.weight)
+
+
+def test_an_unknown_family_is_refused():
+    with pytest.raises(ValueError, match="unknown model family 'gpt2'"):
+        build_model("gpt2", PRESET)
+
+
+def _stub(**config):
+    return SimpleNamespace(config=SimpleNamespace(**config), _supports_attention_backend=True)
+
+
+@pytest.mark.parametrize("model_type", ["bloom", "mpt"])
+def test_alibi_models_are_refused(model_type):
+    with pytest.raises(ValueError, match="alibi"):
+        check_supported(_stub(model_type=model_type))
+
+
+def test_multimodal_models_are_refused():
+    with pytest.raises(ValueError, match="multimodal"):
+        check_supported(_stub(model_type="qwen2_vl", vision_config={"depth": 2}))
+
+
+def test_models_outside_the_attention_interface_are_refused():
+    model = _stub(model_type="custom")
+    model._supports_attention_backend = False
+    with pytest.raises(ValueError, match="AttentionInterface"):
+        check_supported(model)
+
+
+def test_enabling_switches_the_attention_in_place():
+    model = build_model("qwen3", PRESET)
+    assert enable_prefix_sharing(model) is model
+    assert model.config._attn_implementation == "prefix_sharing"
