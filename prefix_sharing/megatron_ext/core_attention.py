@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Optional
+import dataclasses
+from typing import Any, Optional
 
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
@@ -12,6 +13,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ..attention import prefix_attention, varlen_attention
+from ..attention.backends import READS_HOST_BOUNDARIES, resolve_backend
 from .checks import UnsupportedSetupError, check_layer_config, check_sharing_allowed
 from .packed_seq import PlanPackedSeqParams
 
@@ -31,6 +33,10 @@ class PrefixSharingCoreAttention(DotProductAttention):
 
     Constructed by ``build_module`` with megatron-core's core-attention keywords; register it
     through :func:`prefix_sharing.megatron_ext.with_prefix_sharing`.
+
+    Each layer keeps its own kernel state (``kernel_cache``: Transformer Engine's attention
+    module, built at the first call), as megatron's own TE attention does. FP8 attention
+    (``config.fp8``) is refused with the TE kernel: this package has not validated it.
     """
 
     def __init__(
@@ -60,6 +66,8 @@ class PrefixSharingCoreAttention(DotProductAttention):
         self.net_softmax_scale = self.softmax_scale * (
             self.layer_number if config.apply_query_key_layer_scaling else 1
         )
+        # A plain dict, not a submodule: the layer's state_dict stays that of the stock layer.
+        self.kernel_cache: dict[Any, Any] = {}
 
     def forward(
         self,
@@ -83,19 +91,34 @@ class PrefixSharingCoreAttention(DotProductAttention):
                 f"attention_dropout={self.attention_dropout.p} in training: the varlen kernels "
                 "here run without dropout; set attention_dropout=0"
             )
+        backend = self._resolve_backend(packed_seq_params, query)
         if isinstance(packed_seq_params, PlanPackedSeqParams):
             plan = packed_seq_params.plan
             check_sharing_allowed(self.config, plan, self.training)
             out = prefix_attention(
                 query, key, value, plan, softmax_scale=self.net_softmax_scale,
-                backend=packed_seq_params.backend,
+                backend=backend, kernel_cache=self.kernel_cache,
             )
         else:
-            out = self._plain_thd(query, key, value, packed_seq_params)
+            out = self._plain_thd(query, key, value, packed_seq_params, backend)
         return out.reshape(out.size(0), -1)  # [T, np, hn] -> [T, np * hn]
 
+    def _resolve_backend(self, params: PackedSeqParams, query: torch.Tensor) -> str:
+        backend = resolve_backend(getattr(params, "backend", "auto"), query.device, query.dtype)
+        if backend == "te" and self.config.fp8:
+            raise UnsupportedSetupError(
+                "FP8 attention (config.fp8) with the Transformer Engine kernel is not validated "
+                "by prefix sharing; choose backend='flash_attn', or train without fp8"
+            )
+        return backend
+
     def _plain_thd(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: PackedSeqParams
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        params: PackedSeqParams,
+        backend: str,
     ) -> torch.Tensor:
         """Megatron's own THD layout (e.g. verl's): segments as laid out in the tensors.
 
@@ -104,8 +127,45 @@ class PrefixSharingCoreAttention(DotProductAttention):
         """
         cu_q = params.cu_seqlens_q if params.cu_seqlens_q_padded is None else params.cu_seqlens_q_padded
         cu_kv = params.cu_seqlens_kv if params.cu_seqlens_kv_padded is None else params.cu_seqlens_kv_padded
+        host = _host_boundaries(params, cu_q, cu_kv, backend in READS_HOST_BOUNDARIES)
         return varlen_attention(
-            query, key, value, cu_q, cu_kv,
-            int((cu_q[1:] - cu_q[:-1]).max()), int((cu_kv[1:] - cu_kv[:-1]).max()),
-            self.net_softmax_scale,
+            query, key, value, cu_q, cu_kv, host.max_seqlen_q, host.max_seqlen_kv,
+            self.net_softmax_scale, backend=backend, cu_seqlens_q_host=host.cu_seqlens_q,
+            cu_seqlens_k_host=host.cu_seqlens_kv, kernel_cache=self.kernel_cache,
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class _HostBoundaries:
+    max_seqlen_q: int
+    max_seqlen_kv: int
+    cu_seqlens_q: tuple[int, ...] | None
+    cu_seqlens_kv: tuple[int, ...] | None
+
+
+_HOST_ATTR = "_prefix_sharing_host_boundaries"
+
+
+def _host_boundaries(
+    params: PackedSeqParams, cu_q: torch.Tensor, cu_kv: torch.Tensor, need_lists: bool
+) -> _HostBoundaries:
+    """What the kernels need on the host, read from the device at most once per micro-batch.
+
+    The same ``params`` object reaches every layer, so the first layer caches the result on it.
+    ``max_seqlen_*`` come from the params when set (megatron's contract: the longest segment,
+    padding included); the boundary lists only when the kernel reads them (torch, npu).
+    """
+    cached = getattr(params, _HOST_ATTR, None)
+    if cached is not None and (cached.cu_seqlens_q is not None or not need_lists):
+        return cached
+    lists = (tuple(cu_q.tolist()), tuple(cu_kv.tolist())) if need_lists else (None, None)
+    if params.max_seqlen_q is not None and params.max_seqlen_kv is not None:
+        max_q, max_kv = int(params.max_seqlen_q), int(params.max_seqlen_kv)
+    elif need_lists:
+        max_q = max(b - a for a, b in zip(lists[0][:-1], lists[0][1:]))
+        max_kv = max(b - a for a, b in zip(lists[1][:-1], lists[1][1:]))
+    else:  # one read for both
+        max_q, max_kv = torch.stack([(cu[1:] - cu[:-1]).max() for cu in (cu_q, cu_kv)]).tolist()
+    cached = _HostBoundaries(max_q, max_kv, *lists)
+    setattr(params, _HOST_ATTR, cached)
+    return cached

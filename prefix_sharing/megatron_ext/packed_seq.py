@@ -20,11 +20,19 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 
+import numpy as np
+
 from ..config import PrefixSharingConfig
 from ..plan import SharingPlan
 from ..planner import PromptGroup, TokenSequence, build_plan
 
-__all__ = ["PlanPackedSeqParams", "MicroBatch", "prepare_micro_batch"]
+__all__ = [
+    "PlanPackedSeqParams",
+    "MicroBatch",
+    "prepare_micro_batch",
+    "PlainMicroBatch",
+    "plain_micro_batch",
+]
 
 
 @dataclasses.dataclass
@@ -39,6 +47,9 @@ class PlanPackedSeqParams(PackedSeqParams):
 
     plan: SharingPlan | None = None
     backend: str = "auto"
+    _rotary_cache: tuple[torch.Tensor, torch.Tensor] | None = dataclasses.field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     @classmethod
     def from_plan(cls, plan: SharingPlan, backend: str = "auto") -> PlanPackedSeqParams:
@@ -58,16 +69,21 @@ class PlanPackedSeqParams(PackedSeqParams):
         """Rotary frequencies of each flat token at its absolute position: ``[T_flat, 1, 1, d]``.
 
         Megatron's THD RoPE restarts positions at 0 per segment, which is wrong for a reuser's
-        tail (it starts at its prefix length). Given one row per packed token, it applies them
-        token by token instead.
+        tail (it starts at its prefix length); with one row per flat token the rotation is
+        elementwise. Every layer receives the same table, so the rows are gathered once per
+        micro-batch (the last table's result is kept on this object).
         """
-        positions = self.plan.position_ids
-        if int(self.plan.max_seqlen_kv) > table.size(0):
+        cached = self._rotary_cache
+        if cached is not None and cached[0] is table:
+            return cached[1]
+        if self.plan.max_seqlen_kv > table.size(0):
             raise ValueError(
                 f"a sequence of {self.plan.max_seqlen_kv} tokens is longer than the rotary table "
                 f"({table.size(0)} positions)"
             )
-        return table.index_select(0, positions)
+        rows = table.index_select(0, self.plan.position_ids)
+        self._rotary_cache = (table, rows)
+        return rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +133,70 @@ def prepare_micro_batch(
         input_ids=plan.input_ids.unsqueeze(0),  # [1, T_flat]: THD is batch 1
         position_ids=plan.position_ids.unsqueeze(0),
         packed_seq_params=PlanPackedSeqParams.from_plan(plan, config.backend),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class PlainMicroBatch:
+    """Megatron's stock THD inputs for a micro-batch, nothing shared: what verl runs today.
+
+    Attributes:
+        input_ids, position_ids: ``[1, T]``, every sequence followed by its own pad tokens.
+        packed_seq_params: megatron's plain ``PackedSeqParams`` (``qkv_format="thd"``), so the
+            model takes megatron's own THD RoPE and the core attention's plain THD path.
+        token_rows: ``(T_total,)`` the row of every real token, sequences packed in the given
+            order: ``logits[0].index_select(0, token_rows)`` drops the padding.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    packed_seq_params: PackedSeqParams
+    token_rows: torch.Tensor
+
+
+def plain_micro_batch(
+    sequences: Sequence[TokenSequence],
+    *,
+    pad_to_multiple_of: int | None = None,
+    device: torch.device | str | None = None,
+) -> PlainMicroBatch:
+    """Packs a micro-batch the way verl's ``preprocess_packed_seqs`` does, for the plain run.
+
+    Each sequence is padded on its own to a multiple of ``pad_to_multiple_of`` (pad id 0),
+    one THD segment per padded sequence: ``cu_seqlens_q = cu_seqlens_kv`` and both ``*_padded``
+    are the padded boundaries, ``max_seqlen_*`` the longest padded sequence. A sequence's pad
+    tokens come after its real ones, so causal attention leaves the real tokens unchanged.
+
+    Args:
+        sequences: the micro-batch's token ids, one unpadded 1-D sequence each.
+        pad_to_multiple_of: defaults to the tensor-parallel size (sequence parallelism splits
+            the tokens across it).
+        device: where the model runs; defaults to the current CUDA device, else CPU.
+    """
+    if pad_to_multiple_of is None:
+        pad_to_multiple_of = _tensor_parallel_size()
+    if device is None:
+        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    # the planner validates the batch; with nothing shared its flat layout is the plain packing
+    packed = build_plan(sequences, PrefixSharingConfig(mode="off"))
+    lens = np.asarray(packed.seq_lens, dtype=np.int64)
+    padded = lens + (-lens % pad_to_multiple_of)
+    starts = np.concatenate([[0], np.cumsum(padded)])
+    rows = np.concatenate([np.arange(n) + s for n, s in zip(lens, starts)])
+    input_ids = np.zeros(starts[-1], dtype=np.int64)
+    input_ids[rows] = packed.input_ids.numpy()
+    positions = np.concatenate([np.arange(n) for n in padded])
+    cu = torch.from_numpy(starts.astype(np.int32)).to(device)
+    longest = int(padded.max())
+    params = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
+        cu_seqlens_kv_padded=cu, max_seqlen_q=longest, max_seqlen_kv=longest,
+    )
+    return PlainMicroBatch(
+        input_ids=torch.from_numpy(input_ids).unsqueeze(0).to(device),
+        position_ids=torch.from_numpy(positions).unsqueeze(0).to(device),
+        packed_seq_params=params,
+        token_rows=torch.from_numpy(rows).to(device),
     )
 
 

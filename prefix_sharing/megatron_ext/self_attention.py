@@ -2,49 +2,85 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
-from megatron.core.transformer.attention import SelfAttention
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+    _yarn_get_concentration_factor_from_config,
+)
+from megatron.core.transformer.attention import Attention, SelfAttention
 
 from .checks import UnsupportedSetupError
 from .packed_seq import PlanPackedSeqParams
 
 __all__ = ["PrefixSharingSelfAttention"]
 
+_FORWARD_SIGNATURE = inspect.signature(Attention.forward)
+RotaryTables = tuple[torch.Tensor | None, torch.Tensor | None]
+
 
 class PrefixSharingSelfAttention(SelfAttention):
     """``SelfAttention`` that rotates every flat token at its true position.
 
-    RoPE is applied here, before core attention, from a table indexed by position. Megatron's
-    THD path restarts that index at 0 in every segment, but a reuser's tail starts at its prefix
-    length; so for a planned micro-batch the table is replaced by one row per flat token
-    (``plan.position_ids``), which Megatron's RoPE then applies token by token. Everything else
-    is the stock ``SelfAttention``.
+    Megatron's THD RoPE restarts the position at 0 in every segment, but a reuser's tail starts
+    at its prefix length. So for a planned micro-batch this layer applies RoPE itself, right
+    where megatron would (after the QKV projection and any Q/K norms, before core attention):
+    the table becomes one row per flat token (``plan.position_ids``), and megatron's own
+    ``apply_rotary_pos_emb`` rotates ``[T, 1, heads, dim]`` as one BSHD batch - the same math
+    (``rotary_interleaved``, partial ``rotary_percent``, YaRN ``mscale``, TE's fused kernel
+    under ``apply_rope_fusion``) with no per-segment loop and no device-to-host read. Megatron
+    then runs with ``rotary_pos_emb=None``. Without a plan everything is the stock
+    ``SelfAttention``.
     """
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        *args: Any,
-        rotary_pos_emb: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
-        packed_seq_params: Any = None,
-        **kwargs: Any,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if isinstance(packed_seq_params, PlanPackedSeqParams):
-            self._check_layout(hidden_states, packed_seq_params)
-        if rotary_pos_emb is not None and isinstance(packed_seq_params, PlanPackedSeqParams):
-            if isinstance(rotary_pos_emb, tuple):  # separate query / key tables
-                rotary_pos_emb = tuple(
-                    None if t is None else packed_seq_params.per_token_rotary(t)
-                    for t in rotary_pos_emb
-                )
-            else:
-                rotary_pos_emb = packed_seq_params.per_token_rotary(rotary_pos_emb)
-        return super().forward(
-            hidden_states, *args, rotary_pos_emb=rotary_pos_emb,
-            packed_seq_params=packed_seq_params, **kwargs,
-        )
+    _token_rotary: RotaryTables | None = None
+
+    def forward(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        call = _FORWARD_SIGNATURE.bind(self, *args, **kwargs)
+        params = call.arguments.get("packed_seq_params")
+        if not isinstance(params, PlanPackedSeqParams):
+            return super().forward(*args, **kwargs)
+        self._check_layout(call.arguments["hidden_states"], params)
+        inference = (call.arguments.get(n) for n in ("inference_context", "inference_params"))
+        if any(i is not None for i in inference):
+            raise UnsupportedSetupError(
+                "prefix sharing is for training and scoring forwards; it does not support an "
+                "inference_context (KV cache)"
+            )
+        tables = call.arguments.get("rotary_pos_emb")
+        if tables is not None and not self._rope_skipped():
+            self._token_rotary = _per_token_tables(params, tables)
+        call.arguments["rotary_pos_emb"] = None
+        try:
+            return super().forward(*call.args[1:], **call.kwargs)
+        finally:
+            self._token_rotary = None
+
+    def get_query_key_value_tensors(self, *args: Any, **kwargs: Any) -> Any:
+        """Megatron's Q/K/V, rotated at the tokens' absolute positions for a planned batch.
+
+        Packed batches always take the split path (``[T, 1, heads, dim]`` q, k, v, and the
+        output gate when configured), so only that shape is handled.
+        """
+        qkv = super().get_query_key_value_tensors(*args, **kwargs)
+        if self._token_rotary is None:
+            return qkv
+        query, key, *rest = qkv
+        q_table, k_table = self._token_rotary
+        rope = dict(config=self.config, mscale=_yarn_get_concentration_factor_from_config(self.config),
+                    cp_group=self.pg_collection.cp)  # no cu_seqlens: the BSHD path
+        if q_table is not None:
+            query = apply_rotary_pos_emb(query, q_table, **rope)
+        if k_table is not None:
+            key = apply_rotary_pos_emb(key, k_table, **rope)
+        return (query, key, *rest)
+
+    def _rope_skipped(self) -> bool:
+        """Megatron's ``no_rope_freq``: layers that take no rotary embedding at all."""
+        no_rope = self.config.no_rope_freq
+        return bool(no_rope and no_rope[self.layer_number - 1])
 
     def _check_layout(self, hidden_states: torch.Tensor, params: PlanPackedSeqParams) -> None:
         """Stages exchange only activations: a stage that planned another micro-batch would
@@ -57,3 +93,15 @@ class PrefixSharingSelfAttention(SelfAttention):
                 f"this layer received {tokens} tokens but the micro-batch's plan lays out "
                 f"{params.plan.num_tokens_flat}: were the pipeline stages given different plans?"
             )
+
+
+def _per_token_tables(
+    params: PlanPackedSeqParams, tables: torch.Tensor | tuple[torch.Tensor | None, ...]
+) -> RotaryTables:
+    """The query and key tables, one row per flat token (megatron passes one table for both
+    or a ``(query, key)`` pair)."""
+    q_table, k_table = tables if isinstance(tables, tuple) else (tables, tables)
+    return (
+        None if q_table is None else params.per_token_rotary(q_table),
+        None if k_table is None else params.per_token_rotary(k_table),
+    )
