@@ -1,0 +1,155 @@
+"""Keeps prefix sharing in force under MindSpeed, Ascend's patch layer for megatron-core.
+
+Importing ``mindspeed.megatron_adaptor`` patches megatron-core in place: every MindSpeed
+*feature* in ``MindSpeedFeaturesManager.FEATURES_LIST`` registers replacements with
+``MindSpeedPatchesManager.register_patch``, which sets them on the target and on every loaded
+module holding the original object. ``megatron_adaptor.repatch(args)`` (verl's MindSpeed engine
+calls it) removes *every* registered patch and wrapper, then asks the features again - so a
+patch registered on its own does not survive a repatch, a feature in that list does.
+
+What MindSpeed's patches do to the prefix-sharing layers (MindSpeed branch ``core_r0.16.0``):
+
+- ``DotProductAttention.forward`` becomes MindSpeed's fused attention (TND with ``sparse_mode``
+  0 or 2, top-left causal; a reuser's tail needs bottom-right). ``PrefixSharingCoreAttention``
+  overrides ``forward`` and runs its own kernels on a planned micro-batch, so it is unaffected;
+  but a layer spec that is *not* the prefix-sharing one would compute a plan with the wrong mask.
+- RoPE (``rope_utils.apply_rotary_pos_emb`` / ``_apply_rotary_pos_emb_bshd``) becomes MindSpeed's
+  fused rotary: the same rotation, which the per-token RoPE of ``PrefixSharingSelfAttention`` may
+  use; its THD branch restarts positions per segment and is never used for a plan.
+- ``--reset-attention-mask`` (end-of-document reset) wraps ``GPTModel.forward`` and *replaces* the
+  ``packed_seq_params`` argument with its own segments: the plan would be silently dropped.
+- ``--tp-2d`` replaces ``SelfAttention.__init__`` and the rotary embedding class; a context
+  parallel size above 1 and ALiBi replace the ``DotProductAttention`` class itself.
+
+:func:`enable_mindspeed` adds one feature, ``prefix-sharing``, to MindSpeed's list. It refuses
+the options above with the option named, and wraps ``DotProductAttention.forward`` so that a
+planned micro-batch reaching MindSpeed's attention raises instead of being computed wrong. Being a
+feature, it is registered again by every ``repatch``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import sys
+from typing import Any, Callable
+
+__all__ = ["FEATURE_NAME", "enable_mindspeed", "incompatible_options"]
+
+FEATURE_NAME = "prefix-sharing"
+DOT_PRODUCT_ATTENTION_FORWARD = (
+    "megatron.core.transformer.dot_product_attention.DotProductAttention.forward"
+)
+
+
+def enable_mindspeed() -> None:
+    """Registers the ``prefix-sharing`` feature with MindSpeed and applies it; idempotent.
+
+    Imports ``mindspeed.megatron_adaptor`` if it is not imported yet (which patches megatron-core,
+    as on any Ascend run), so it may be called before or after that import and before or after
+    ``prefix_sharing.megatron_ext``. Call it before building the model.
+
+    Raises:
+        ImportError: MindSpeed is not installed.
+        UnsupportedSetupError: MindSpeed runs with an option that defeats prefix sharing.
+    """
+    if importlib.util.find_spec("mindspeed") is None:
+        raise ImportError(
+            "enable_mindspeed needs MindSpeed (Ascend/MindSpeed, branch core_r0.16.0 for "
+            "megatron-core 0.16); see docs/npu.md"
+        )
+    importlib.import_module("mindspeed.megatron_adaptor")
+    from mindspeed.args_utils import get_full_args
+    from mindspeed.features_manager.features_manager import MindSpeedFeaturesManager
+    from mindspeed.patch_utils import MindSpeedPatchesManager
+
+    features = MindSpeedFeaturesManager.FEATURES_LIST
+    feature = next((f for f in features if getattr(f, "feature_name", None) == _feature_key()), None)
+    if feature is None:
+        feature = _feature_class()()
+        features.append(feature)  # after MindSpeed's own: its wrapper sees their replacements
+    feature.register_patches(MindSpeedPatchesManager, get_full_args())
+    MindSpeedPatchesManager.apply_patches()
+
+
+def incompatible_options(args: Any) -> list[str]:
+    """The MindSpeed / Megatron-LM options in ``args`` under which sharing would be wrong."""
+    problems = []
+    if getattr(args, "reset_attention_mask", False):
+        problems.append(
+            "--reset-attention-mask: MindSpeed's GPTModel.forward wrapper replaces "
+            "packed_seq_params with its own end-of-document segments, dropping the plan"
+        )
+    if getattr(args, "tp_2d", False):
+        problems.append("--tp-2d: MindSpeed replaces SelfAttention.__init__ and the rotary class")
+    if getattr(args, "position_embedding_type", None) == "alibi":
+        problems.append("--position-embedding-type alibi: MindSpeed replaces DotProductAttention")
+    if int(getattr(args, "context_parallel_size", 1) or 1) > 1:
+        problems.append(
+            f"--context-parallel-size {args.context_parallel_size}: MindSpeed replaces "
+            "DotProductAttention with its context-parallel class"
+        )
+    return problems
+
+
+def _feature_key() -> str:
+    """``FEATURE_NAME`` as MindSpeedFeature stores it (lower case, ``-`` -> ``_``)."""
+    return FEATURE_NAME.replace("-", "_")
+
+
+@functools.cache
+def _feature_class() -> type:
+    """The feature class, defined once MindSpeed is importable (its base class lives there)."""
+    from mindspeed.features_manager.feature import MindSpeedFeature
+
+    class PrefixSharingFeature(MindSpeedFeature):
+        """Always applied (optimization level 0), so every ``repatch`` registers it again."""
+
+        def __init__(self) -> None:
+            super().__init__(FEATURE_NAME, optimization_level=0)
+
+        def validate_args(self, args: Any) -> None:
+            from ..megatron_ext.checks import UnsupportedSetupError
+
+            problems = incompatible_options(args)
+            if problems:
+                raise UnsupportedSetupError(
+                    "prefix sharing under MindSpeed does not support " + "; ".join(problems)
+                )
+
+        def register_patches(self, patch_manager: Any, args: Any) -> None:
+            self.validate_args(args)  # MindSpeed validates before this feature may be listed
+            patch_manager.register_patch(DOT_PRODUCT_ATTENTION_FORWARD, plan_guard_wrapper)
+
+    return PrefixSharingFeature
+
+
+def plan_guard_wrapper(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """Wraps ``DotProductAttention.forward`` (MindSpeed stacks functions named ``*wrapper``).
+
+    Only core attention that is not ``PrefixSharingCoreAttention`` gets here with a plan (that
+    class overrides ``forward``); MindSpeed's fused attention would give a reuser's tail the
+    top-left causal mask, so it raises instead.
+    """
+
+    @functools.wraps(forward)
+    def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
+        # forward(query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params)
+        packed = kwargs.get("packed_seq_params", args[6] if len(args) > 6 else None)
+        if _is_plan(packed):
+            from ..megatron_ext.checks import UnsupportedSetupError
+
+            raise UnsupportedSetupError(
+                f"a prefix-sharing plan reached {type(self).__name__}.forward (MindSpeed's fused "
+                "attention, which cannot inject shared prefixes): build the model with a "
+                "prefix-sharing layer spec (prefix_sharing.megatron_ext.with_prefix_sharing)"
+            )
+        return forward(self, *args, **kwargs)
+
+    return guarded
+
+
+def _is_plan(packed_seq_params: Any) -> bool:
+    module = sys.modules.get("prefix_sharing.megatron_ext.packed_seq")
+    return module is not None and isinstance(packed_seq_params, module.PlanPackedSeqParams)

@@ -1,0 +1,177 @@
+"""Under MindSpeed's patches the prefix-sharing GPTModel still computes the plain results.
+
+MindSpeed is emulated by ``fake_mindspeed`` (written from MindSpeed's source, see its doc): its
+import replaces ``DotProductAttention.forward`` with a top-left-causal fused attention, RoPE
+with a fused rotary whose THD branch restarts positions per segment, and the class
+``TEDotProductAttention``; ``repatch`` removes and re-applies everything. Every case runs in a
+spawned rank (patches outlive a test), in both import orders, before and after a repatch, and
+compares logits, log-probs, entropy, loss and every gradient with the plain model (fp32: 1e-5).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+import pytest
+
+from prefix_sharing.engines.megatron import compare, forward_backward
+from prefix_sharing.equivalence import FP32_RTOL
+from prefix_sharing.npu import incompatible_options
+
+from ..megatron_ext._distributed import run_distributed, tiny_gpt
+from ..megatron_ext._equivalence import SHARE_EVERY_PREFIX, micro_batches
+from . import fake_mindspeed
+
+WORKLOADS = ["grpo", "tree"]  # shared prompts; a tree with a duplicate and a strict prefix
+ORDERS = ("mindspeed_first", "prefix_sharing_first")
+
+
+def _mindspeed_job(rank: int, order: str) -> dict:
+    from prefix_sharing.npu import enable_mindspeed
+
+    fake_mindspeed.install(pytest.MonkeyPatch())
+    batches = micro_batches(WORKLOADS)
+    report: dict = {}
+    if order == "prefix_sharing_first":  # the rank's setup has imported megatron_ext already
+        report["unpatched_plain"] = forward_backward(tiny_gpt("padded"), batches, "padded")
+        adaptor = importlib.import_module("mindspeed.megatron_adaptor")
+    else:
+        _forget_megatron_ext()  # so its classes are defined on the patched megatron-core
+        adaptor = importlib.import_module("mindspeed.megatron_adaptor")
+        report["unguarded_stock_fed_a_plan"] = _stock_fed_a_plan(batches)
+    enable_mindspeed()
+    report["before_repatch"] = _run(batches)
+    adaptor.repatch({"optimization_level": 2})
+    report["after_repatch"] = _run(batches)
+    report["guarded_stock_fed_a_plan"] = _stock_fed_a_plan(batches)
+    try:
+        adaptor.repatch({"reset_attention_mask": True})
+    except Exception as err:  # noqa: BLE001 - the type is checked by the test
+        report["repatch_with_reset_attention_mask"] = (type(err).__name__, str(err))
+    return report
+
+
+def _forget_megatron_ext() -> None:
+    for name in [n for n in sys.modules if n.startswith("prefix_sharing.megatron_ext")]:
+        del sys.modules[name]
+    sys.modules["prefix_sharing"].__dict__.pop("megatron_ext", None)
+
+
+def _patches_in_force() -> dict:
+    from megatron.core.extensions import transformer_engine
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    return {
+        # under the prefix-sharing feature's guard, MindSpeed's forward is the wrapped function
+        "attention": DotProductAttention.forward.__wrapped__ is fake_mindspeed.fused_attention_forward,
+        "rope": rope_utils.apply_rotary_pos_emb is fake_mindspeed.fused_apply_rotary_pos_emb,
+        "te_class": transformer_engine.TEDotProductAttention
+        is fake_mindspeed.TEDotProductAttentionStandIn,
+    }
+
+
+def _run(batches) -> dict:
+    from prefix_sharing.megatron_ext import PrefixSharingCoreAttention, PrefixSharingSelfAttention
+
+    ours, plain = tiny_gpt("shared"), tiny_gpt("padded")
+    attention = ours.decoder.layers[0].self_attention
+    fake_mindspeed.CALLS.clear()
+    shared = forward_backward(ours, batches, "shared", SHARE_EVERY_PREFIX)
+    calls_shared = dict(fake_mindspeed.CALLS)
+    fake_mindspeed.CALLS.clear()
+    reference = forward_backward(plain, batches, "padded")
+    return {
+        "ours_in_place": isinstance(attention, PrefixSharingSelfAttention)
+        and isinstance(attention.core_attention, PrefixSharingCoreAttention),
+        "patches": _patches_in_force(),
+        "calls_shared": calls_shared,
+        "calls_plain": dict(fake_mindspeed.CALLS),
+        "shared": shared,
+        "plain": reference,
+    }
+
+
+def _stock_fed_a_plan(batches):
+    """megatron's stock spec given a plan: MindSpeed's kernels compute it (wrongly) unless the
+    prefix-sharing feature stops it. Returns the run, or the error raised."""
+    try:
+        return forward_backward(tiny_gpt("padded"), batches, "shared", SHARE_EVERY_PREFIX)
+    except Exception as err:  # noqa: BLE001 - the type is checked by the test
+        return type(err).__name__, str(err)
+
+
+@pytest.fixture(scope="module")
+def reports():
+    return {order: run_distributed(_mindspeed_job, 1, order, timeout=600)[0] for order in ORDERS}
+
+
+@pytest.mark.parametrize("stage", ["before_repatch", "after_repatch"])
+@pytest.mark.parametrize("order", ORDERS)
+def test_shared_model_equals_plain_model_under_mindspeed(reports, order, stage):
+    run = reports[order][stage]
+    assert run["ours_in_place"]
+    worst = {q: d for q, d in compare(run["shared"], run["plain"]).max_rel_diff.items()
+             if d > FP32_RTOL}
+    assert not worst, f"{order} {stage}: {worst}"
+
+
+@pytest.mark.parametrize("stage", ["before_repatch", "after_repatch"])
+@pytest.mark.parametrize("order", ORDERS)
+def test_mindspeed_patches_were_in_force(reports, order, stage):
+    """The emulation bites: the plain model ran MindSpeed's attention and rotary; the shared
+    model rotated through MindSpeed's fused rotary (bshd) but never its attention or THD RoPE."""
+    run = reports[order][stage]
+    assert all(run["patches"].values()), run["patches"]
+    layer_calls = len(run["plain"].outputs) * 2  # tiny preset: 2 layers
+    assert run["calls_plain"]["attention"] == layer_calls
+    assert run["calls_plain"]["rope_bshd"] == 2 * layer_calls  # query and key
+    assert run["calls_shared"]["rope_bshd"] == 2 * layer_calls
+    assert run["calls_shared"].get("attention", 0) == 0
+    assert run["calls_shared"].get("rope_thd", 0) == 0
+
+
+def test_the_stand_ins_compute_what_megatron_computes(reports):
+    """The plain model gives the same results with and without the emulated patches."""
+    report = reports["prefix_sharing_first"]
+    diffs = compare(report["before_repatch"]["plain"], report["unpatched_plain"]).max_rel_diff
+    assert all(d <= FP32_RTOL for d in diffs.values()), diffs
+
+
+def test_without_the_feature_mindspeeds_attention_gets_a_plan_wrong(reports):
+    report = reports["mindspeed_first"]
+    wrong = compare(report["unguarded_stock_fed_a_plan"], report["before_repatch"]["plain"])
+    assert wrong.max_rel_diff["logits"] > 1e-2
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_the_feature_refuses_a_plan_reaching_mindspeeds_attention(reports, order):
+    kind, message = reports[order]["guarded_stock_fed_a_plan"]
+    assert kind == "UnsupportedSetupError"
+    assert "prefix-sharing layer spec" in message
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_repatch_with_reset_attention_mask_is_refused(reports, order):
+    kind, message = reports[order]["repatch_with_reset_attention_mask"]
+    assert kind == "UnsupportedSetupError"
+    assert "--reset-attention-mask" in message and "dropping the plan" in message
+
+
+def test_incompatible_options_name_each_option():
+    args = argparse.Namespace(reset_attention_mask=True, tp_2d=True,
+                              position_embedding_type="alibi", context_parallel_size=2)
+    problems = incompatible_options(args)
+    for option in ("--reset-attention-mask", "--tp-2d", "alibi", "--context-parallel-size 2"):
+        assert sum(option in p for p in problems) == 1, (option, problems)
+    assert incompatible_options(argparse.Namespace(context_parallel_size=1)) == []
+
+
+def test_enable_without_mindspeed_names_what_is_missing(monkeypatch):
+    from prefix_sharing.npu import enable_mindspeed
+
+    monkeypatch.setitem(sys.modules, "mindspeed", None)
+    with pytest.raises(ImportError, match="MindSpeed.*core_r0.16.0"):
+        enable_mindspeed()
