@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from prefix_sharing import PrefixSharingConfig, build_plan
 from prefix_sharing.engines.megatron import forward_backward
 
 from ._distributed import run_distributed, tiny_gpt
@@ -25,6 +26,7 @@ from ._equivalence import micro_batches
 
 STEPS = 20
 SPEC_ARG = ("prefix_sharing.megatron_ext.megatron_lm_spec", "layer_spec")
+SHARING = PrefixSharingConfig()  # the defaults: prefixes of >= 8 tokens
 
 
 def _train_job(rank: int) -> dict:
@@ -39,18 +41,25 @@ def _train_job(rank: int) -> dict:
     }
     initial = {n: p.detach().clone() for n, p in models["padded"].named_parameters()}
     losses = {name: [] for name in models}
+    digests = set()
     for name, model in models.items():
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
         for _ in range(STEPS):
-            result = forward_backward(model, batch, name)
+            result = forward_backward(model, batch, name, SHARING)
             losses[name].append(result.outputs[0].loss.item())
             optimizer.step()
+            if name == "shared":
+                digests.update(result.digests)
     params = {name: {n: p.detach() for n, p in m.named_parameters()} for name, m in models.items()}
-    return {"losses": losses, "params": params, "initial": initial}
+    return {"losses": losses, "params": params, "initial": initial, "shared_digests": digests}
 
 
 def test_spec_argument_model_trains_like_the_plain_model():
     result = run_distributed(_train_job, 1, timeout=600)[0]
+    # the shared run computed the plan of this batch (same digest), and that plan shares
+    plan = build_plan(micro_batches(["grpo"])[0], SHARING)
+    assert result["shared_digests"] == {plan.digest()}
+    assert plan.has_sharing and plan.num_tokens_unique < 0.6 * plan.num_tokens_total
     shared, stock = result["losses"]["shared"], result["losses"]["padded"]
     assert len(shared) == STEPS and stock[-1] < stock[0] - 0.1  # it really trained
     for step, (a, b) in enumerate(zip(shared, stock)):
