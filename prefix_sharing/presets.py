@@ -22,6 +22,11 @@ class ModelPreset:
     add_qkv_bias: bool = False
     tie_embeddings: bool = False
     rotary_base: float = 10000.0
+    # Mixture of experts (dropless, top-k): every MLP becomes num_experts experts of
+    # moe_ffn_hidden_size each; None keeps the dense MLP.
+    num_experts: int | None = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int | None = None
 
     @property
     def head_dim(self) -> int:
@@ -35,6 +40,10 @@ PRESETS: dict[str, ModelPreset] = {
         ModelPreset("tiny", num_layers=2, hidden_size=64, num_attention_heads=4,
                     num_query_groups=2, ffn_hidden_size=128, vocab_size=512,
                     max_sequence_length=4096),
+        # the tiny shape with 8 experts, top-2 (verify checks the router's losses on it too)
+        ModelPreset("tiny-moe", num_layers=2, hidden_size=64, num_attention_heads=4,
+                    num_query_groups=2, ffn_hidden_size=128, vocab_size=512,
+                    max_sequence_length=4096, num_experts=8, moe_ffn_hidden_size=64),
         # big enough that matrix products dominate, as on a real model; minutes on CPU
         ModelPreset("small", num_layers=4, hidden_size=512, num_attention_heads=8,
                     num_query_groups=2, ffn_hidden_size=1408, vocab_size=8192,

@@ -102,11 +102,15 @@ def gpt_model(
         moe_token_dispatcher_type="alltoall",
         use_cpu_initialization=True,
     )
+    if preset.num_experts:
+        settings.update(_moe_settings(preset))
     settings.update(config_overrides)
     config = TransformerConfig(**settings)
     if layer_spec is None:
         spec_fn = stock_spec if layout == "padded" else shared_spec
-        layer_spec = spec_fn(normalization=config.normalization, qk_layernorm=config.qk_layernorm)
+        layer_spec = spec_fn(num_experts=config.num_moe_experts,
+                             moe_grouped_gemm=config.moe_grouped_gemm,
+                             normalization=config.normalization, qk_layernorm=config.qk_layernorm)
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,
@@ -122,6 +126,23 @@ def gpt_model(
         model.cuda()
     seed_weights(model, seed)
     return model
+
+
+def _moe_settings(preset: ModelPreset) -> dict[str, Any]:
+    """A dropless top-k MoE that keeps every router statistic megatron has - the three
+    load-balancing losses, the z-loss, the expert bias (sigmoid scores) - so that a run checks
+    them all; experts as SequentialMLP (no grouped GEMM, which needs a GPU)."""
+    return dict(
+        num_moe_experts=preset.num_experts,
+        moe_router_topk=preset.moe_router_topk,
+        moe_ffn_hidden_size=preset.moe_ffn_hidden_size,
+        moe_grouped_gemm=False,
+        moe_router_load_balancing_type=["aux_loss", "seq_aux_loss", "global_aux_loss"],
+        moe_aux_loss_coeff=[0.1, 0.1, 0.1],
+        moe_z_loss_coeff=0.01,
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+    )
 
 
 def seed_weights(model: torch.nn.Module, seed: int) -> None:
@@ -229,8 +250,8 @@ def forward_backward(
     def forward_step(data_iterator, model):
         i = next(order)
         seqs, mb = batches[i], next(data_iterator)
-        if layout == "padded":
-            output = model(mb[0], mb[1], None)
+        if layout == "padded":  # the mask keeps pads out of MoE router statistics
+            output = model(mb[0], mb[1], None, padding_mask=mb[2])
         else:
             output = model(mb.input_ids, mb.position_ids, None,
                            packed_seq_params=mb.packed_seq_params)
@@ -273,14 +294,17 @@ def compare(candidate: MicroBatchRun, reference: MicroBatchRun) -> Comparison:
     )
 
 
-def _padded(seqs: Sequence[torch.Tensor], device: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded ``[b, s]`` tokens and positions; causal attention keeps pads out of reach."""
+def _padded(seqs: Sequence[torch.Tensor], device: Any) -> tuple[torch.Tensor, ...]:
+    """Right-padded ``[b, s]`` tokens, positions and padding mask (True at pads); causal
+    attention keeps pads out of reach."""
     longest = max(len(s) for s in seqs)
     tokens = torch.zeros(len(seqs), longest, dtype=torch.long)
+    padding = torch.ones(len(seqs), longest, dtype=torch.bool)
     for row, s in enumerate(seqs):
         tokens[row, : len(s)] = s
+        padding[row, : len(s)] = False
     positions = torch.arange(longest).expand(len(seqs), longest)
-    return tokens.to(device), positions.to(device)
+    return tokens.to(device), positions.to(device), padding.to(device)
 
 
 def _unpad(logits: torch.Tensor, seqs: Sequence[torch.Tensor]) -> torch.Tensor:

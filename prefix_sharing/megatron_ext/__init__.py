@@ -26,6 +26,7 @@ from .layer_specs import (  # noqa: E402
     with_prefix_sharing,
 )
 from .logprobs import forward_token_stats, token_stats  # noqa: E402
+from .moe import PrefixSharingRouter, PrefixSharingTransformerLayer  # noqa: E402
 from .packed_seq import MicroBatch, PlanPackedSeqParams, prepare_micro_batch  # noqa: E402
 from .self_attention import PrefixSharingSelfAttention  # noqa: E402
 
@@ -33,7 +34,9 @@ __all__ = [
     "MicroBatch",
     "PlanPackedSeqParams",
     "PrefixSharingCoreAttention",
+    "PrefixSharingRouter",
     "PrefixSharingSelfAttention",
+    "PrefixSharingTransformerLayer",
     "UnsupportedSetupError",
     "assert_same_plan",
     "forward_token_stats",

@@ -12,6 +12,7 @@ module imports without megatron installed.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 from types import ModuleType
@@ -50,10 +51,14 @@ def enable_cpu_megatron() -> None:
     # Imported before anything is patched, so that without megatron nothing changes.
     from megatron.core.fusions import fused_softmax
     from megatron.core.tensor_parallel import random as megatron_random
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
     _redirect_current_device()
     _redirect_cuda_rng(megatron_random)
     _redirect_cuda_synchronize()
+    _redirect_cuda_streams()
+    _define_missing_te_gemm(moe_utils)
+    _host_split_sizes(token_dispatcher)
     _redirect_default_causal_mask(fused_softmax)
     _redirect_megatron_cuda_tensors()
     _enabled = True
@@ -87,6 +92,51 @@ def _redirect_cuda_synchronize() -> None:
     # pipeline_parallel/p2p_communication.py calls torch.cuda.synchronize() after batched
     # send/recv; CPU collectives are complete once their wait() returns.
     torch.cuda.synchronize = lambda device=None: None
+
+
+class _HostStream:
+    """The CPU's one stream: waiting on it or synchronizing it is a no-op."""
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def record_event(self) -> _HostStream:  # an event on it is as complete as the stream
+        return self
+
+
+def _redirect_cuda_streams() -> None:
+    # transformer/moe/token_dispatcher.py's all-to-all dispatcher creates a torch.cuda.Stream
+    # and moves its split sizes to the host on it (current_stream, wait_stream, cuda.stream,
+    # record_event().synchronize()).
+    host = _HostStream()
+    torch.cuda.Stream = lambda *args, **kwargs: host
+    torch.cuda.current_stream = lambda device=None: host
+    torch.cuda.stream = lambda stream: contextlib.nullcontext()
+
+
+def _define_missing_te_gemm(moe_utils: ModuleType) -> None:
+    # transformer/moe/moe_utils.py's router_gating_linear tests `te_general_gemm is not None`,
+    # a name only its Transformer Engine import defines: without TE the router's gate raises
+    # NameError instead of taking its torch.mm path.
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def _host_split_sizes(token_dispatcher: ModuleType) -> None:
+    # transformer/moe/token_dispatcher.py turns its all-to-all split sizes into host lists with
+    # maybe_move_tensor_to_cpu(as_numpy=True), which converts only CUDA tensors; gloo's
+    # all_to_all_single refuses the CPU tensors it returns as they are.
+    move = token_dispatcher.maybe_move_tensor_to_cpu
+
+    def to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if as_numpy and torch.is_tensor(tensor):
+            return tensor.numpy()
+        return move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = to_host
 
 
 def _redirect_default_causal_mask(fused_softmax: ModuleType) -> None:

@@ -1,0 +1,188 @@
+"""A mixture-of-experts GPTModel under prefix sharing computes what megatron's stock spec does.
+
+The router's batch statistics - the three load-balancing losses, the z-loss, the expert-bias
+token counts and the logged losses - must count every shared token as often as the plain batch
+holds it. Each case runs GRPO, tree, agent and unshared micro-batches through megatron's schedule
+two ways: shared, and megatron's stock local spec on the padded batch with its
+``padding_mask``; it compares logits, log-probs, entropy, loss and
+every gradient (router included, which carries the aux and z-loss terms), the expert-bias counts
+and the bias update they give, and the aux-loss tracker. fp32: within 1e-5 relative.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prefix_sharing import PrefixSharingConfig
+from prefix_sharing.engines.megatron import compare, forward_backward, gpt_model
+from prefix_sharing.equivalence import FP32_RTOL, max_rel_diff
+from prefix_sharing.presets import PRESETS
+from prefix_sharing.workloads import make_workload
+
+from ._distributed import run_distributed
+
+PRESET = PRESETS["tiny-moe"]  # the tiny shape, 8 experts of width 64, top-2
+SHARE_EVERY_PREFIX = PrefixSharingConfig(min_prefix_len=1)
+WORKLOADS = {
+    "grpo": dict(num_prompts=2, group_size=3),
+    "tree": dict(depth=2, branching=2),
+    "agent": dict(num_tasks=1, num_turns=2, branching=2, system_len=6, task_len=(2, 4),
+                  turn_len=(2, 4)),
+    "none": dict(num_sequences=3),
+}
+VARIANTS = {
+    # the preset: aux + seq aux + global aux losses, z-loss, expert bias, sigmoid scores
+    "every_statistic": {},
+    # Qwen3-MoE style: softmax scores, aux + seq aux losses, z-loss, no expert bias
+    "softmax_aux": dict(moe_router_score_function="softmax", moe_router_enable_expert_bias=False,
+                        moe_router_load_balancing_type=["aux_loss", "seq_aux_loss"],
+                        moe_aux_loss_coeff=[0.1, 0.1]),
+    # full recomputation replays each layer's forward, with its plan
+    "recompute_full": dict(recompute_granularity="full", recompute_method="uniform",
+                           recompute_num_layers=1),
+}
+LAYOUTS = {  # name: (world size, expert parallel, variants)
+    "ep1": (1, 1, list(VARIANTS)),
+    "ep2": (2, 2, ["every_statistic"]),
+}
+
+
+def stock_spec_with_masked_bias_counts(config):
+    """Megatron's stock local MoE spec, its router's expert-bias count fixed for a padding mask
+    (0.16.1 masks ``[tokens, experts]`` with ``[tokens]``, which raises); nothing else changed."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    class MaskedBiasCountRouter(TopKRouter):
+        def _apply_expert_bias(self, routing_map, padding_mask=None):
+            if self.enable_expert_bias and torch.is_grad_enabled():
+                with torch.no_grad():
+                    self.local_tokens_per_expert += (routing_map & ~padding_mask[:, None]).sum(0)
+
+    spec = get_gpt_layer_local_spec(num_experts=config["num_moe_experts"],
+                                    normalization="RMSNorm")
+    spec.submodules.mlp.submodules.router = MaskedBiasCountRouter
+    return spec
+
+
+def micro_batches(rank: int) -> list[list[torch.Tensor]]:
+    """Every sharing shape; each data-parallel rank gets its own tokens."""
+    return [make_workload(name, vocab_size=PRESET.vocab_size, seed=10 * rank + i, **size).sequences
+            for i, (name, size) in enumerate(WORKLOADS.items())]
+
+
+def _routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [layer.mlp.router for layer in model.decoder.layers]
+
+
+def _statistics_run(model, batches, layout, config=PrefixSharingConfig()):
+    """One pass, plus what the routers kept: expert-bias counts, the bias update they give,
+    the global aux loss's token counts and the aux-loss tracker (the logged metrics)."""
+    from megatron.core.transformer.moe.moe_utils import (
+        clear_aux_losses_tracker,
+        get_moe_layer_wise_logging_tracker,
+        get_updated_expert_bias,
+    )
+
+    clear_aux_losses_tracker()
+    for router in _routers(model):
+        router.reset_global_aux_loss_tracker()
+        if router.local_tokens_per_expert is not None:
+            router.local_tokens_per_expert.zero_()
+    run = forward_backward(model, batches, layout, config)
+    stats = {f"tracker.{name}": entry["values"].clone()
+             for name, entry in get_moe_layer_wise_logging_tracker().items()}
+    for i, router in enumerate(_routers(model)):
+        if router.local_tokens_per_expert is not None:
+            counts = router.local_tokens_per_expert.clone()
+            stats[f"layer{i}.tokens_per_expert"] = counts
+            stats[f"layer{i}.expert_bias_update"] = get_updated_expert_bias(
+                counts.clone(), router.expert_bias, 1e-3)
+        if router.global_tokens_per_expert is not None:
+            stats[f"layer{i}.global_tokens_per_expert"] = router.global_tokens_per_expert.clone()
+    return run, stats
+
+
+def _moe_job(rank: int, variants: list[str], ep: int) -> dict:
+    from megatron.core import parallel_state
+
+    if ep > 1:  # the launcher sets up tp/pp only; experts split over the data-parallel ranks
+        parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(expert_model_parallel_size=ep)
+    batches = micro_batches(rank)
+    report = {}
+    for name in variants:
+        ours = gpt_model(PRESET, layout="shared", **VARIANTS[name])
+        stock = gpt_model(PRESET, layout="padded", **VARIANTS[name],
+                          layer_spec=stock_spec_with_masked_bias_counts(dict(
+                              num_moe_experts=PRESET.num_experts)))
+        shared, shared_stats = _statistics_run(ours, batches, "shared", SHARE_EVERY_PREFIX)
+        padded, padded_stats = _statistics_run(stock, batches, "padded")
+        report[name] = {
+            "shared_vs_padded": compare(shared, padded).max_rel_diff,
+            "statistics_vs_padded": {k: max_rel_diff(v, padded_stats[k])
+                                     for k, v in shared_stats.items()},
+            "statistic_names": sorted(padded_stats),
+            "tracker": {k: v for k, v in padded_stats.items() if k.startswith("tracker.")},
+            "router_grads": [k for k in padded.grads if k.endswith("router.weight")],
+        }
+    return report
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def layout(request):
+    world, ep, variants = LAYOUTS[request.param]
+    return request.param, run_distributed(_moe_job, world, variants, ep, timeout=600)
+
+
+def test_shared_moe_equals_megatron_stock_spec(layout):
+    name, ranks = layout
+    for rank, report in enumerate(ranks):
+        for variant, r in report.items():
+            for pair in ("shared_vs_padded", "statistics_vs_padded"):
+                worst = {q: d for q, d in r[pair].items() if d > FP32_RTOL}
+                assert not worst, f"{name} rank {rank} {variant} {pair}: {worst}"
+
+
+def test_every_router_statistic_is_compared(layout):
+    """The comparison above covers each statistic the variant keeps, and they are not zero."""
+    _, ranks = layout
+    expected = {
+        "every_statistic": {"tracker.load_balancing_loss", "tracker.seq_load_balancing_loss",
+                            "tracker.global_load_balancing_loss", "tracker.z_loss",
+                            "layer0.tokens_per_expert", "layer0.expert_bias_update",
+                            "layer0.global_tokens_per_expert"},
+        "softmax_aux": {"tracker.load_balancing_loss", "tracker.seq_load_balancing_loss",
+                        "tracker.z_loss"},
+    }
+    for report in ranks:
+        for variant, r in report.items():
+            names = expected.get(variant, set())
+            assert names <= set(r["statistic_names"]), variant
+            assert all(r["tracker"][k].abs().min() > 0 for k in names if k.startswith("tracker."))
+            assert len(r["router_grads"]) == PRESET.num_layers
+
+
+def _refusals_job(rank: int) -> dict:
+    from prefix_sharing.megatron_ext import UnsupportedSetupError
+
+    batches = micro_batches(0)[:1]
+    errors = {}
+    for name, overrides in {
+        "capacity": dict(moe_expert_capacity_factor=1.0),
+        "moe_recompute": dict(recompute_granularity="selective", recompute_modules=["moe"]),
+    }.items():
+        try:
+            model = gpt_model(PRESET, layout="shared", **overrides)
+            forward_backward(model, batches, "shared", SHARE_EVERY_PREFIX)
+            forward_backward(model, batches, "packed")  # nothing shared: fine
+        except UnsupportedSetupError as e:
+            errors[name] = str(e)
+    return errors
+
+
+def test_settings_that_depend_on_the_batch_are_refused_while_sharing():
+    errors = run_distributed(_refusals_job, 1, timeout=300)[0]
+    assert "moe_expert_capacity_factor=1.0: which tokens an expert drops" in errors["capacity"]
+    assert "recompute_modules contains 'moe'" in errors["moe_recompute"]
