@@ -4,9 +4,9 @@ The flat logits hold one row per *computed* token. Every packed position ``(r, t
 row through ``plan.kv_index``; a row that several sequences share is normalised once and then
 gathered at each sequence's own next token. Nothing of size ``(T_total, vocab)`` is built.
 
-Memory. Traced by autograd, the softmax arithmetic would keep several fp32 copies of the
-``(T_flat, vocab)`` logits alive for the backward (about 40 GB for 16k tokens of a 150k
-vocabulary). Instead one autograd function walks the rows in chunks of at most
+Memory. Traced by autograd, the softmax arithmetic keeps two fp32 ``(T_flat, vocab)`` tensors
+for the backward and peaks at five (``scripts/bench_logprob_memory.py``): about 50 GB for 16k
+tokens of a 150k vocabulary. Instead one autograd function walks the rows in chunks of at most
 :data:`CHUNK_ELEMENTS` logits, keeps only per-row statistics (shift, log-denominator, expected
 logit) and, in the backward, recomputes each chunk's softmax and writes its gradient straight
 into the result. Beyond the logits and their gradient, the working set is two fp32 chunks and a

@@ -27,7 +27,8 @@ LOSSES = {"log_probs": (1.0, 0.0), "entropy": (0.0, 1.0), "both": (1.0, 1.0)}
 
 def flat_logits(plan, seed=0, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(plan.num_tokens_flat, VOCAB, generator=g, dtype=torch.float64) * 3).to(dtype)
+    logits = torch.randn(plan.num_tokens_flat, VOCAB, generator=g, dtype=torch.float64) * 3
+    return logits.to(dtype)
 
 
 def weighted_sum(log_probs, entropy, used, seed=1):
@@ -240,7 +241,8 @@ def split_run(flat, plan, bounds, used, **kwargs):
             exchange.barrier.abort()
             results[rank] = error
 
-    threads = [threading.Thread(target=rank_main, args=(r, a, b)) for r, (a, b) in enumerate(bounds)]
+    threads = [threading.Thread(target=rank_main, args=(rank, start, stop))
+               for rank, (start, stop) in enumerate(bounds)]
     for t in threads:
         t.start()
     for t in threads:
@@ -253,7 +255,10 @@ def split_run(flat, plan, bounds, used, **kwargs):
 
 @pytest.mark.parametrize("bounds", [[(0, 6), (6, 11)], [(0, 3), (3, 4), (4, 11)]])
 @pytest.mark.parametrize("temperature,with_entropy,used", [
-    (1.0, True, "both"), (0.7, True, "entropy"), (0.7, True, "log_probs"), (2.0, False, "log_probs"),
+    (1.0, True, "both"),
+    (0.7, True, "entropy"),
+    (0.7, True, "log_probs"),
+    (2.0, False, "log_probs"),
 ])
 def test_a_split_vocabulary_gives_the_whole_vocabulary_results(bounds, temperature, with_entropy,
                                                                  used):

@@ -46,7 +46,9 @@ def _job(rank: int) -> list[dict]:
         whole = full.clone().requires_grad_()
         ref_lp, ref_ent = plain_token_log_probs(mb.plan.restore(whole).double() / temperature,
                                                 mb.plan.split(mb.plan.token_ids))
-        ref_loss = (weights * ref_lp).sum() + ((weights.flip(0) * ref_ent).sum() if with_entropy else 0)
+        ref_loss = (weights * ref_lp).sum()
+        if with_entropy:
+            ref_loss = ref_loss + (weights.flip(0) * ref_ent).sum()
         ref_loss.backward()
         results.append({
             "log_probs": (stats.log_probs.detach(), ref_lp.detach()),
