@@ -13,6 +13,7 @@ module imports without megatron installed.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import sys
 from types import ModuleType
@@ -51,6 +52,7 @@ def enable_cpu_megatron() -> None:
     # Imported before anything is patched, so that without megatron nothing changes.
     from megatron.core.fusions import fused_softmax
     from megatron.core.tensor_parallel import random as megatron_random
+    from megatron.core.transformer import torch_norm
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
     _redirect_current_device()
@@ -61,6 +63,7 @@ def enable_cpu_megatron() -> None:
     _host_split_sizes(token_dispatcher)
     _redirect_default_causal_mask(fused_softmax)
     _redirect_megatron_cuda_tensors()
+    _allow_sequence_parallel_torch_norm(torch_norm)
     _enabled = True
 
 
@@ -145,6 +148,29 @@ def _redirect_default_causal_mask(fused_softmax: ModuleType) -> None:
     # the forward, but not a recomputation inside backward (activation checkpointing), where
     # torch function modes are not active.
     fused_softmax.get_default_causal_mask = lambda sq: torch.ones(sq, sq).triu_(1).bool()
+
+
+def _allow_sequence_parallel_torch_norm(torch_norm: ModuleType) -> None:
+    # transformer/torch_norm.py: WrappedTorchNorm, the local spec's norm without apex (always on
+    # CPU), asserts `not config.sequence_parallel`; megatron's sequence-parallel norms are TE's
+    # and apex's, both CUDA-only. A per-token norm computes the same on a sequence shard; what
+    # those norms add is the `sequence_parallel` mark on their parameters, by which
+    # finalize_model_grads all-reduces their gradients over the tensor-parallel group (each
+    # rank saw only its shard of the tokens). So: build the norm as without sequence
+    # parallelism, then mark its parameters.
+    build = torch_norm.WrappedTorchNorm.__new__
+
+    def build_sequence_parallel(cls: type, config: Any, *args: Any, **kwargs: Any) -> Any:
+        if not config.sequence_parallel:
+            return build(cls, config, *args, **kwargs)
+        unsplit = copy.copy(config)  # no __post_init__: only the flag differs
+        unsplit.sequence_parallel = False
+        norm = build(cls, unsplit, *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = staticmethod(build_sequence_parallel)
 
 
 def _redirect_megatron_cuda_tensors() -> None:
