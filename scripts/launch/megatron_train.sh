@@ -89,13 +89,15 @@ positive_int "$PP" --pp
 split_nodes "${NODES_ARG:-$(hostname -s 2>/dev/null || hostname)}"
 MASTER_ADDR=${MASTER_ADDR:-${NODES[0]}}
 
-# Ascend: MindSpeed must patch megatron-core first (pretrain_gpt.py imports
-# mindspeed.megatron_adaptor, see docs/npu.md); this spec module then registers the
-# prefix-sharing MindSpeed feature and builds the spec from MindSpeed's classes.
+# Ascend: MindSpeed must patch megatron-core before Megatron-LM starts; run_megatron_lm imports
+# it and registers the prefix-sharing MindSpeed feature, then runs pretrain_gpt.py unchanged,
+# and the spec module builds the spec from MindSpeed's classes.
 if [[ $DEVICE == ascend ]]; then
+    ENTRY=(-m prefix_sharing.npu.run_megatron_lm "$MEGATRON_LM/pretrain_gpt.py")
     SPEC_MODULE=prefix_sharing.npu.megatron_lm_spec
     TRANSFORMER_IMPL=local
 else
+    ENTRY=("$MEGATRON_LM/pretrain_gpt.py")
     SPEC_MODULE=prefix_sharing.megatron_ext.megatron_lm_spec
     TRANSFORMER_IMPL=transformer_engine
 fi
@@ -107,7 +109,7 @@ node_command() {
     NODE_CMD=(
         torchrun --nnodes "${#NODES[@]}" --node-rank "$1" --nproc-per-node "$NPROC_PER_NODE"
         --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"
-        "$MEGATRON_LM/pretrain_gpt.py"
+        "${ENTRY[@]}"
         --spec "$SPEC_MODULE" layer_spec
         --transformer-impl "$TRANSFORMER_IMPL"
         --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"

@@ -65,13 +65,16 @@ def test_megatron_dry_run_prints_one_torchrun_per_node(device):
         assert argv[-4:] == ["--num-layers", "28", "--hidden-size", "3584"]
         assert "--no-rope-fusion" in argv  # prefix sharing refuses the fused THD rotary
         assert env["PYTHONPATH"] == "/opt/Megatron-LM"
-        if device == "ascend":
+        if device == "ascend":  # MindSpeed imported before Megatron-LM starts
+            assert option(argv, "-m", 2) == ["prefix_sharing.npu.run_megatron_lm",
+                                             "/opt/Megatron-LM/pretrain_gpt.py"]
             assert option(argv, "--spec", 2) == ["prefix_sharing.npu.megatron_lm_spec", "layer_spec"]
             assert env["ASCEND_RT_VISIBLE_DEVICES"] == "0,1,2,3"
             assert "HCCL_CONNECT_TIMEOUT" in env and "CUDA_VISIBLE_DEVICES" not in env
         else:
             assert option(argv, "--spec", 2) == ["prefix_sharing.megatron_ext.megatron_lm_spec",
                                                  "layer_spec"]
+            assert "-m" not in argv
             assert env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
             assert "ASCEND_RT_VISIBLE_DEVICES" not in env and "NCCL_DEBUG" in env
 
