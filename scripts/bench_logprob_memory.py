@@ -91,8 +91,12 @@ def measure(log_probs_fn: Callable, plan: SharingPlan, vocab: int, dtype: torch.
 
 def before_implementation() -> Callable:
     """``token_log_probs`` as of :data:`BEFORE`, loaded from git into a throwaway module."""
-    source = subprocess.run(["git", "show", f"{BEFORE}:prefix_sharing/logprobs.py"], cwd=ROOT,
-                            check=True, capture_output=True, text=True).stdout
+    shown = subprocess.run(["git", "show", f"{BEFORE}:prefix_sharing/logprobs.py"], cwd=ROOT,
+                           capture_output=True, text=True)
+    if shown.returncode != 0:
+        raise SystemExit(f"cannot read the 'before' implementation from git "
+                         f"({shown.stderr.strip()}); run with --after-only, or in a full clone")
+    source = shown.stdout
     module = types.ModuleType("prefix_sharing._logprobs_before")
     module.__package__ = "prefix_sharing"
     exec(compile(source, f"{BEFORE[:8]}:prefix_sharing/logprobs.py", "exec"), module.__dict__)
