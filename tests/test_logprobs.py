@@ -214,29 +214,37 @@ class _Exchange:
 
 
 class _ThreadShard:
+    """A :class:`~prefix_sharing.logprobs.VocabShard` over an :class:`_Exchange`; it records
+    the reductions it is asked for."""
+
     def __init__(self, exchange: _Exchange, rank: int, vocab_start: int) -> None:
         self.exchange, self.rank, self.vocab_start = exchange, rank, vocab_start
+        self.calls: list[str] = []
 
     def sum(self, x):
+        self.calls.append("sum")
         return self.exchange.reduce(self.rank, x, lambda s: s.sum(0))
 
     def max(self, x):
+        self.calls.append("max")
         return self.exchange.reduce(self.rank, x, lambda s: s.amax(0))
 
 
 def split_run(flat, plan, bounds, used, **kwargs):
     """Each vocabulary slice ``[a, b)`` in its own thread, as a tensor-parallel rank would run
-    it; returns each shard's stats and the slices' gradients put back together."""
+    it; returns each shard's stats, the slices' gradients put back together, and each shard's
+    reductions in the forward and in the backward."""
     exchange = _Exchange(len(bounds))
     results: list = [None] * len(bounds)
 
     def rank_main(rank, start, stop):
         try:
             local = flat.detach()[:, start:stop].clone().requires_grad_()
-            stats = token_log_probs(local, plan, vocab_shard=_ThreadShard(exchange, rank, start),
-                                    **kwargs)
+            shard = _ThreadShard(exchange, rank, start)
+            stats = token_log_probs(local, plan, vocab_shard=shard, **kwargs)
+            forward_calls = list(shard.calls)
             grad = torch.autograd.grad(weighted_sum(*stats, used), local)[0]
-            results[rank] = (stats, grad)
+            results[rank] = (stats, grad, (forward_calls, shard.calls[len(forward_calls):]))
         except BaseException as error:  # noqa: BLE001 - re-raised in the caller
             exchange.barrier.abort()
             results[rank] = error
@@ -250,7 +258,8 @@ def split_run(flat, plan, bounds, used, **kwargs):
     for r in results:
         if isinstance(r, BaseException):
             raise r
-    return [s for s, _ in results], torch.cat([g for _, g in results], dim=1)
+    stats, grads, calls = zip(*results)
+    return stats, torch.cat(grads, dim=1), calls
 
 
 @pytest.mark.parametrize("bounds", [[(0, 6), (6, 11)], [(0, 3), (3, 4), (4, 11)]])
@@ -266,7 +275,7 @@ def test_a_split_vocabulary_gives_the_whole_vocabulary_results(bounds, temperatu
     flat = flat_logits(plan).requires_grad_()
     kwargs = dict(temperature=temperature, with_entropy=with_entropy)
     with chunks_of(3):
-        shards, got = split_run(flat, plan, bounds, used, **kwargs)
+        shards, got, calls = split_run(flat, plan, bounds, used, **kwargs)
         whole = token_log_probs(flat, plan, **kwargs)
         want = torch.autograd.grad(weighted_sum(*whole, used), flat)[0]
     for stats in shards:
@@ -276,3 +285,5 @@ def test_a_split_vocabulary_gives_the_whole_vocabulary_results(bounds, temperatu
         else:
             assert stats.entropy is None
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # a shift and one sum of all the per-row and per-token statistics; the backward needs none
+    assert all(c == (["max", "sum"], []) for c in calls), calls

@@ -32,12 +32,15 @@ def _job(rank: int) -> list[dict]:
     full = torch.randn(mb.plan.num_tokens_flat, VOCAB, generator=g, dtype=torch.float64) * 3
     weights = torch.rand(mb.plan.num_tokens_total, generator=g)
     half = VOCAB // 2
+    all_reduces = _count_all_reduces()
     results = []
     for temperature, with_entropy, chunk_rows in CASES:
         if chunk_rows is not None:
             logprobs.CHUNK_ELEMENTS = chunk_rows * half
         local = full[:, rank * half:(rank + 1) * half].float().requires_grad_()
+        all_reduces.clear()
         stats = token_stats(local[None], mb, temperature=temperature, with_entropy=with_entropy)
+        forward_all_reduces = len(all_reduces)
         loss = (weights * stats.log_probs).sum()
         if with_entropy:
             loss = loss + (weights.flip(0) * stats.entropy).sum()
@@ -55,8 +58,21 @@ def _job(rank: int) -> list[dict]:
             "entropy": (stats.entropy, ref_ent.detach()),
             "grad": (local.grad, whole.grad[:, rank * half:(rank + 1) * half]),
             "padding": mb.plan.num_padding,
+            "all_reduces": (forward_all_reduces, len(all_reduces) - forward_all_reduces),
         })
     return results
+
+
+def _count_all_reduces() -> list:
+    """Makes ``torch.distributed.all_reduce`` (in this spawned rank only) note every call."""
+    calls, real = [], torch.distributed.all_reduce
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs.get("op"))
+        return real(*args, **kwargs)
+
+    torch.distributed.all_reduce = counting
+    return calls
 
 
 def test_split_vocabulary_equals_the_whole_vocabulary_on_two_ranks():
@@ -74,4 +90,5 @@ def test_split_vocabulary_equals_the_whole_vocabulary_on_two_ranks():
             got, want = r["grad"]
             assert got.abs().sum() > 0, case
             torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6, msg=case)
+            assert r["all_reduces"] == (2, 0), case  # max and sum forward, nothing backward
     assert ranks[0][0]["padding"] > 0  # the pad segment is in the plan
