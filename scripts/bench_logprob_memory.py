@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 import subprocess
-import types
+from types import ModuleType
 from collections.abc import Callable
 from pathlib import Path
 
@@ -97,7 +97,7 @@ def before_implementation() -> Callable:
         raise SystemExit(f"cannot read the 'before' implementation from git "
                          f"({shown.stderr.strip()}); run with --after-only, or in a full clone")
     source = shown.stdout
-    module = types.ModuleType("prefix_sharing._logprobs_before")
+    module = ModuleType("prefix_sharing._logprobs_before")
     module.__package__ = "prefix_sharing"
     exec(compile(source, f"{BEFORE[:8]}:prefix_sharing/logprobs.py", "exec"), module.__dict__)
     return module.token_log_probs
