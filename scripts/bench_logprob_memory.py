@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import argparse
 import subprocess
-from types import ModuleType
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -116,7 +116,7 @@ def main() -> None:
     if not args.after_only:
         impls = {"before": before_implementation(), **impls}
     print(f"T_flat={plan.num_tokens_flat} T_total={plan.num_tokens_total} V={args.vocab}: "
-          f"one (T_flat, V) fp32 buffer = {buffer / 2**20:.0f} MiB; peaks in buffers")
+          f"one (T_flat, V) fp32 buffer = {buffer / 2**20:.1f} MiB; peaks in buffers")
     print(f"{'impl':<7} {'logits':<9} {'forward':>8} {'held':>8} {'fwd+bwd':>8}")
     for dtype in (torch.float32, torch.bfloat16):
         for name, fn in impls.items():
