@@ -27,8 +27,9 @@ _MULTIMODAL_SUBCONFIGS = ("vision_config", "audio_config", "text_config", "speec
 def hf_config(family: str, preset: ModelPreset, **overrides: Any) -> Any:
     """The transformers config of ``family`` with ``preset``'s shape.
 
-    Qwen3-MoE keeps the preset's width per expert split over 4 experts, 2 of them per token,
-    every layer sparse.
+    Qwen3-MoE takes the preset's experts (``num_experts``, ``moe_router_topk``,
+    ``moe_ffn_hidden_size``); a dense preset gets 4 experts of half its MLP width, 2 per token.
+    Every layer is sparse.
     """
     import transformers
 
@@ -56,8 +57,10 @@ def hf_config(family: str, preset: ModelPreset, **overrides: Any) -> Any:
         shape.update(head_dim=preset.head_dim, attention_bias=preset.add_qkv_bias)
     else:
         config_cls = transformers.Qwen3MoeConfig
-        shape.update(head_dim=preset.head_dim, num_experts=4, num_experts_per_tok=2,
-                     moe_intermediate_size=max(1, preset.ffn_hidden_size // 2),
+        shape.update(head_dim=preset.head_dim, num_experts=preset.num_experts or 4,
+                     num_experts_per_tok=preset.moe_router_topk,
+                     moe_intermediate_size=preset.moe_ffn_hidden_size
+                     or max(1, preset.ffn_hidden_size // 2),
                      decoder_sparse_step=1, norm_topk_prob=True)
     shape.update(overrides)
     return config_cls(**shape)
