@@ -1,0 +1,93 @@
+"""How the verl patches switch on: at import, in either import order, narrowed, or not at all.
+
+Each case runs in a fresh interpreter: activation is process-wide and happens at import.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.verl_ext._requires import require_verl
+
+require_verl("0.9.1")
+
+# What a process reports about verl's state: which patch sets ran, which engine class is
+# registered, whether the actor config accepts prefix_grouper, whose forward-fn lookup runs.
+PROBE = """
+import json
+from verl.workers.engine.base import EngineRegistry
+import verl.workers.engine.megatron.transformer_impl as ti
+import verl.models.mcore as mcore
+from verl.workers.config import McoreActorConfig
+import prefix_sharing.verl_ext as ve
+engine = EngineRegistry._engines["language_model"]["megatron"]["cuda"]
+print(json.dumps(dict(
+    installed=ve.installed(), engine=engine.__name__,
+    accepts=any(f == "prefix_grouper" for f in McoreActorConfig.__dataclass_fields__),
+    lookup=mcore.get_mcore_engine_forward_fn.__module__)))
+"""
+
+
+def _run(code: str, **env: str) -> subprocess.CompletedProcess:
+    environ = {k: v for k, v in os.environ.items()
+               if k not in ("ENABLE_PREFIX_SHARING", "PREFIX_SHARING_PATCHSET")}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**environ, "OMP_NUM_THREADS": "1", **env}, timeout=300)
+
+
+def _probe(first: str, **env: str) -> dict:
+    out = _run(first + "\n" + PROBE, **env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+PATCHED = dict(installed=["verl091_mcore"], engine="PrefixSharingMegatronEngine", accepts=True,
+               lookup="verl.models.mcore")
+
+
+def test_importing_prefix_sharing_before_verl_patches_it():
+    got = _probe("import prefix_sharing")
+    assert got == PATCHED | {"lookup": got["lookup"]}
+    assert got["lookup"] != "verl.models.mcore.registry"  # the stock lookup's module
+
+
+def test_importing_prefix_sharing_after_verl_patches_it_too():
+    before = "import verl.workers.engine.megatron.transformer_impl, verl.workers.config\nimport prefix_sharing"
+    assert _probe(before) == _probe("import prefix_sharing")
+
+
+def test_enable_prefix_sharing_0_leaves_verl_exactly_stock():
+    got = _probe("import prefix_sharing", ENABLE_PREFIX_SHARING="0")
+    assert got == dict(installed=[], engine="MegatronEngineWithLMHead", accepts=False,
+                       lookup="verl.models.mcore.registry")
+
+
+def test_patchset_variable_narrows_and_rejects_unknown_names():
+    assert _probe("import prefix_sharing", PREFIX_SHARING_PATCHSET="verl091_mcore")["installed"] == [
+        "verl091_mcore"]
+    out = _run("import prefix_sharing\nimport verl.workers.config",
+               PREFIX_SHARING_PATCHSET="verl999_nothing")
+    assert out.returncode != 0
+    assert "unknown verl patch set(s) ['verl999_nothing']" in out.stderr
+
+
+def test_an_unsupported_verl_release_is_refused_with_the_override_named():
+    code = ("import prefix_sharing.verl_ext.activation as a\n"
+            "a._verl_version = lambda: '0.7.1'\n"
+            "a.install()\n"
+            "import verl.workers.config")
+    out = _run(code, ENABLE_PREFIX_SHARING="0")
+    assert out.returncode != 0
+    last = out.stderr.strip().splitlines()[-1]
+    assert "UnsupportedVerlVersion: prefix-sharing supports verl" in last
+    assert "0.9.1" in last and "verl 0.7.1 is installed" in last
+    assert "PREFIX_SHARING_PATCHSET=<name>" in last and "ENABLE_PREFIX_SHARING=0" in last
+
+
+def test_install_is_idempotent_and_verls_plugin_route_activates():
+    # verl's worker imports model.external_lib by name after verl itself.
+    code = ("import verl\nfrom verl.utils.import_utils import import_external_libs\n"
+            "import_external_libs('prefix_sharing')\n"
+            "import prefix_sharing.verl_ext as ve\nve.install(); ve.install()")
+    assert _probe(code) == _probe("import prefix_sharing")

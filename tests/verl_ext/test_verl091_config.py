@@ -1,0 +1,47 @@
+"""The ``prefix_grouper`` block through verl 0.9.1's own config conversion, and the engine
+settings sharing refuses."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from tests.verl_ext._requires import require_verl
+
+require_verl("0.9.1")
+
+import prefix_sharing  # noqa: E402,F401  (activates the patches)
+from prefix_sharing import PrefixSharingConfig  # noqa: E402
+from prefix_sharing.verl_ext.mcore import PrefixSharingSetupError  # noqa: E402
+from tests.verl_ext._engine import actor_config  # noqa: E402
+
+
+def test_the_issue_yaml_reaches_the_engine_config():
+    config = actor_config({"mode": "arbitrary_prefix", "min_prefix_len": 8, "min_group_size": 2})
+    assert config.engine.prefix_sharing == PrefixSharingConfig("arbitrary_prefix", 8, 2)
+
+
+def test_bare_use_prefix_grouper_means_prompt_only_and_absent_means_off():
+    assert actor_config({}).engine.prefix_sharing.mode == "prompt_only"
+    assert actor_config(None).engine.prefix_sharing.mode == "off"
+
+
+def test_a_typo_in_the_block_fails_at_config_time():
+    with pytest.raises(Exception, match=r"unknown key\(s\) \['min_prefix'\]"):
+        actor_config({"mode": "arbitrary_prefix", "min_prefix": 8})
+
+
+@pytest.mark.parametrize("setting, message", [
+    (dict(context_parallel_size=2), "context_parallel_size=2"),
+    (dict(use_remove_padding=False), "use_remove_padding=False"),
+    (dict(use_fused_kernels=True), "use_fused_kernels=True"),
+])
+def test_settings_sharing_cannot_honour_raise_one_clear_error(setting, message):
+    from verl.workers.engine.base import EngineRegistry
+
+    config = actor_config({"mode": "arbitrary_prefix"})
+    for key, value in setting.items():
+        object.__setattr__(config.engine, key, value)
+    engine_cls = EngineRegistry._engines["language_model"]["megatron"]["cuda"]
+    model_config = SimpleNamespace(mtp=SimpleNamespace(enable=False, enable_train=False))
+    with pytest.raises(PrefixSharingSetupError, match=message):
+        engine_cls(model_config, config.engine, config.optim, config.checkpoint)

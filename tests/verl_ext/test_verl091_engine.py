@@ -1,0 +1,73 @@
+"""verl 0.9.1's real Megatron engine with ``prefix_grouper`` on gives what it gives with it off.
+
+Old log-probs and entropy (``infer_batch``), verl's ``ppo_loss`` (with entropy and KL terms) and
+every gradient (``forward_backward_batch``), on GRPO, step-wise, tree and agent batches, one
+process and tensor-parallel 2 (gloo). The last position of each sample predicts nothing (verl
+fills it from a wrapped-around label; downstream reads stop before it) and is not compared for
+log-probs.
+"""
+
+import pytest
+
+from tests.verl_ext._requires import require_verl
+
+require_verl("0.9.1")
+
+from prefix_sharing.engines.launch import run_distributed  # noqa: E402
+from tests.verl_ext._engine import WORKLOADS, run  # noqa: E402
+
+RTOL = 1e-5
+MODES = {
+    "off": None,
+    "arbitrary_prefix": {"mode": "arbitrary_prefix", "min_prefix_len": 1},
+    "prompt_only": {"mode": "prompt_only", "min_prefix_len": 1},
+}
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def results(request):
+    tp = request.param
+    workloads = list(WORKLOADS) if tp == 1 else ["grpo", "tree"]
+    modes = MODES if tp == 1 else {k: MODES[k] for k in ("off", "arbitrary_prefix")}
+    return tp, workloads, modes, run_distributed(run, tp, workloads, modes, tp=tp, timeout=400)
+
+
+def _close(shared, plain, what):
+    scale = plain.abs().max().clamp(min=1e-6)
+    err = (shared - plain).abs().max() / scale
+    assert err <= RTOL, f"{what}: relative error {float(err):.2e}"
+
+
+def test_log_probs_entropy_loss_and_gradients_match_the_feature_off(results):
+    tp, workloads, modes, per_rank = results
+    for rank_result in per_rank:
+        for workload in workloads:
+            plain = rank_result[workload, "off"]
+            for mode in modes:
+                if mode == "off":
+                    continue
+                shared = rank_result[workload, mode]
+                where = f"tp{tp} {workload} {mode}"
+                for key in ("log_probs", "entropy"):
+                    for i, (s, p) in enumerate(zip(shared["infer"]["model_output"][key],
+                                                   plain["infer"]["model_output"][key], strict=True)):
+                        assert s.shape == p.shape, f"{where} {key}[{i}] shape"
+                        upto = -1 if key == "log_probs" else None
+                        _close(s[:upto], p[:upto], f"{where} {key}[{i}]")
+                assert len(shared["train"]["loss"]) == len(plain["train"]["loss"])
+                for s, p in zip(shared["train"]["loss"], plain["train"]["loss"]):
+                    assert abs(s - p) <= RTOL * max(abs(p), 1e-6), f"{where} loss {s} vs {p}"
+                for name, grad in plain["grads"].items():
+                    _close(shared["grads"][name], grad, f"{where} grad {name}")
+
+
+def test_sharing_metrics_reach_verls_metrics_dict(results):
+    tp, workloads, modes, per_rank = results
+    for workload in workloads:
+        plain = per_rank[0][workload, "off"]["train"]["metrics"]
+        shared = per_rank[0][workload, "arbitrary_prefix"]["train"]["metrics"]
+        assert not any(k.startswith("prefix_sharing/") for k in plain)
+        total = shared["prefix_sharing/tokens_total"][0]
+        computed = shared["prefix_sharing/tokens_computed"][0]
+        assert computed < total, f"{workload}: nothing shared"
+        assert shared["prefix_sharing/token_ratio"][0] == pytest.approx(computed / total)
