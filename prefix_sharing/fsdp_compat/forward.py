@@ -21,6 +21,7 @@ from ..planner import PromptGroup, build_plan
 from .attention import ATTENTION_NAME, BACKEND_KWARG, PLAN_KWARG, register_attention
 from .models import check_supported
 from .moe import router_aux_loss
+from .response_rows import ResponseRows, response_rows
 
 __all__ = ["enable_prefix_sharing", "SharedForward", "shared_forward", "model_kwargs"]
 
@@ -44,16 +45,21 @@ class SharedForward:
     Attributes:
         plan: the micro-batch's plan (on the model's device).
         logits: ``(T_flat, vocab)`` logits of the computed tokens; ``plan.restore`` gives every
-            sequence's ``(T_total, vocab)`` rows when a caller truly needs them.
-        stats: ``(T_total,)`` log-probs and entropy, packed per sequence in the given order.
+            sequence's ``(T_total, vocab)`` rows when a caller truly needs them. With
+            ``response_starts``: ``(R, vocab)``, the rows of ``response.rows`` only.
+        stats: ``(T_total,)`` log-probs and entropy, packed per sequence in the given order;
+            with ``response_starts``, per sequence its response positions plus its last one
+            (``response.split`` separates them).
         aux_loss: for an MoE model, the router load-balancing loss the plain forward would
             give (see :mod:`.moe`); ``None`` otherwise.
+        response: the kept LM-head rows when ``response_starts`` was given, else ``None``.
     """
 
     plan: SharingPlan
     logits: torch.Tensor
     stats: TokenStats
     aux_loss: torch.Tensor | None
+    response: ResponseRows | None = None
 
 
 def model_kwargs(plan: SharingPlan, backend: str = "auto") -> dict:
@@ -85,6 +91,7 @@ def shared_forward(
     plan: SharingPlan | None = None,
     temperature: float = 1.0,
     with_entropy: bool = True,
+    response_starts: Sequence[int] | None = None,
 ) -> SharedForward:
     """Plans ``sequences`` (unless ``plan`` is given) and runs ``model`` once on the plan.
 
@@ -98,6 +105,9 @@ def shared_forward(
         plan: a plan already built for these sequences (e.g. once per micro-batch, reused
             across the actor and reference forwards).
         temperature, with_entropy: as in :func:`~prefix_sharing.logprobs.token_log_probs`.
+        response_starts: per sequence, its first response token's index (its prompt length):
+            then the LM head runs only on the rows that predict response tokens
+            (:mod:`.response_rows`), and the stats cover those positions only.
     """
     config = PrefixSharingConfig() if config is None else config
     if getattr(model.config, "_attn_implementation", None) != ATTENTION_NAME:
@@ -108,14 +118,18 @@ def shared_forward(
     plan = plan.to(model.get_input_embeddings().weight.device)
     moe = _is_moe(model)
     extra = {"output_router_logits": True} if moe else {}
+    response = None if response_starts is None else response_rows(plan, response_starts)
+    if response is not None:
+        extra["logits_to_keep"] = response.rows
     output = model(**model_kwargs(plan, config.backend), **extra)
-    logits = output.logits[0]  # [T_flat, vocab]
-    stats = token_log_probs(logits, plan, temperature=temperature, with_entropy=with_entropy)
+    logits = output.logits[0]  # [T_flat or R, vocab]
+    layout = plan if response is None else response
+    stats = token_log_probs(logits, layout, temperature=temperature, with_entropy=with_entropy)
     aux_loss = None
     if moe:
         aux_loss = router_aux_loss(output.router_logits, plan, model.config.num_experts,
                                    model.config.num_experts_per_tok)
-    return SharedForward(plan, logits, stats, aux_loss)
+    return SharedForward(plan, logits, stats, aux_loss, response)
 
 
 def _is_moe(model: torch.nn.Module) -> bool:
