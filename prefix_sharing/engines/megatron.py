@@ -129,9 +129,10 @@ def gpt_model(
 
 
 def _moe_settings(preset: ModelPreset) -> dict[str, Any]:
-    """A dropless top-k MoE that keeps every router statistic megatron has - the three
-    load-balancing losses, the z-loss, the expert bias (sigmoid scores) - so that a run checks
-    them all; experts as SequentialMLP (no grouped GEMM, which needs a GPU)."""
+    """A dropless top-k MoE (softmax scores) with the router losses megatron has - the three
+    load-balancing losses and the z-loss - so that a run checks them all; experts as
+    SequentialMLP (grouped GEMM needs a GPU). No expert bias: megatron-core 0.16.1's stock
+    router cannot count it with the padding mask the plain reference needs."""
     return dict(
         num_moe_experts=preset.num_experts,
         moe_router_topk=preset.moe_router_topk,
@@ -140,8 +141,6 @@ def _moe_settings(preset: ModelPreset) -> dict[str, Any]:
         moe_router_load_balancing_type=["aux_loss", "seq_aux_loss", "global_aux_loss"],
         moe_aux_loss_coeff=[0.1, 0.1, 0.1],
         moe_z_loss_coeff=0.01,
-        moe_router_score_function="sigmoid",
-        moe_router_enable_expert_bias=True,
     )
 
 

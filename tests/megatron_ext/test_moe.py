@@ -3,10 +3,10 @@
 The router's batch statistics - the three load-balancing losses, the z-loss, the expert-bias
 token counts and the logged losses - must count every shared token as often as the plain batch
 holds it. Each case runs GRPO, tree, agent and unshared micro-batches through megatron's schedule
-two ways: shared, and megatron's stock local spec on the padded batch with its
-``padding_mask``; it compares logits, log-probs, entropy, loss and
-every gradient (router included, which carries the aux and z-loss terms), the expert-bias counts
-and the bias update they give, and the aux-loss tracker. fp32: within 1e-5 relative.
+two ways - shared, and megatron's stock local spec on the padded batch with its
+``padding_mask`` - and compares logits, log-probs, entropy, loss and every gradient (router
+included, which carries the aux and z-loss terms), the expert-bias counts and the bias update
+they give, the global aux loss's counts and the aux-loss tracker. fp32: within 1e-5 relative.
 """
 
 from __future__ import annotations
@@ -32,19 +32,17 @@ WORKLOADS = {
     "none": dict(num_sequences=3),
 }
 VARIANTS = {
-    # the preset: aux + seq aux + global aux losses, z-loss, expert bias, sigmoid scores
-    "every_statistic": {},
-    # Qwen3-MoE style: softmax scores, aux + seq aux losses, z-loss, no expert bias
-    "softmax_aux": dict(moe_router_score_function="softmax", moe_router_enable_expert_bias=False,
-                        moe_router_load_balancing_type=["aux_loss", "seq_aux_loss"],
-                        moe_aux_loss_coeff=[0.1, 0.1]),
+    # the preset: softmax scores, aux + seq aux + global aux losses, z-loss
+    "preset": {},
+    # DeepSeek-V3 style on top: sigmoid scores and the expert bias
+    "expert_bias": dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True),
     # full recomputation replays each layer's forward, with its plan
     "recompute_full": dict(recompute_granularity="full", recompute_method="uniform",
                            recompute_num_layers=1),
 }
 LAYOUTS = {  # name: (world size, expert parallel, variants)
     "ep1": (1, 1, list(VARIANTS)),
-    "ep2": (2, 2, ["every_statistic"]),
+    "ep2": (2, 2, ["expert_bias"]),
 }
 
 
@@ -148,17 +146,14 @@ def test_shared_moe_equals_megatron_stock_spec(layout):
 def test_every_router_statistic_is_compared(layout):
     """The comparison above covers each statistic the variant keeps, and they are not zero."""
     _, ranks = layout
-    expected = {
-        "every_statistic": {"tracker.load_balancing_loss", "tracker.seq_load_balancing_loss",
-                            "tracker.global_load_balancing_loss", "tracker.z_loss",
-                            "layer0.tokens_per_expert", "layer0.expert_bias_update",
-                            "layer0.global_tokens_per_expert"},
-        "softmax_aux": {"tracker.load_balancing_loss", "tracker.seq_load_balancing_loss",
-                        "tracker.z_loss"},
-    }
+    losses = {"tracker.load_balancing_loss", "tracker.seq_load_balancing_loss",
+              "tracker.global_load_balancing_loss", "tracker.z_loss",
+              "layer0.global_tokens_per_expert"}
+    expected = {"preset": losses, "recompute_full": losses,
+                "expert_bias": losses | {"layer0.tokens_per_expert", "layer0.expert_bias_update"}}
     for report in ranks:
         for variant, r in report.items():
-            names = expected.get(variant, set())
+            names = expected[variant]
             assert names <= set(r["statistic_names"]), variant
             assert all(r["tracker"][k].abs().min() > 0 for k in names if k.startswith("tracker."))
             assert len(r["router_grads"]) == PRESET.num_layers
