@@ -72,7 +72,7 @@ def micro_batch_groups(batch: Any, num_sequences: int) -> list[PromptGroup]:
     whose length is the left part of the sample's attention mask (left-right padded layout)."""
     from verl.utils import tensordict_utils as tu
 
-    uids = tu.get_non_tensor_data(batch, key="uid", default=None)
+    uids = tu.get(batch, "uid")  # a plain list (get_non_tensor_data keeps NonTensorData items)
     if uids is None:
         raise PrefixSharingSetupError(
             "prefix_grouper.mode=prompt_only needs each sample's uid in the batch; "

@@ -26,6 +26,7 @@ from types import ModuleType
 from typing import Any, Callable
 
 from .config import accept_prefix_grouper
+from .microbatch import add_split_metrics, patch_prepare_micro_batches, sharing_split
 from .patchsets import PatchSet, register
 
 __all__ = ["PATCHSET", "share_layer_spec"]
@@ -116,9 +117,11 @@ def _patch_engine(module: ModuleType) -> None:
             if not self.prefix_sharing.enabled:
                 return super().forward_backward_batch(data, loss_function, forward_only)
             self._sharing_metrics = SharingMetrics()
-            output = super().forward_backward_batch(data, loss_function, forward_only)
+            with sharing_split(self.prefix_sharing) as split:  # dynamic bsz keeps groups together
+                output = super().forward_backward_batch(data, loss_function, forward_only)
             if output:  # the last pipeline stage
                 output.setdefault("metrics", {}).update(self._sharing_metrics.as_verl_metrics())
+                add_split_metrics(output, split)
             return output
 
         def forward_step(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func):
@@ -168,6 +171,7 @@ PATCHSET = register(PatchSet(
         "verl.workers.config.actor": lambda m: accept_prefix_grouper(m, "McoreActorConfig"),
         "verl.models.mcore": _patch_forward_fn_lookup,
         "verl.workers.engine.megatron.transformer_impl": _patch_engine,
+        "verl.workers.engine.utils": patch_prepare_micro_batches,
     },
     summary="verl 0.9.1 Megatron engine: actor config, layer spec, forward, metrics",
 ))

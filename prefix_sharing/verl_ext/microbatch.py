@@ -1,0 +1,183 @@
+"""verl's dynamic-batch-size split, replaced by one that keeps sharing groups together.
+
+verl's engines split a batch with ``verl.workers.engine.utils.prepare_micro_batches``, which
+calls ``rearrange_micro_batches`` (``verl/utils/seqlen_balancing.py``): it balances by total
+tokens and interleaves, so GRPO groups and tree branches land in different micro-batches and
+their prefixes are computed again. :func:`patch_prepare_micro_batches` swaps that name in
+``verl.workers.engine.utils`` for :func:`rearrange_micro_batches` below, which splits with
+:func:`prefix_sharing.batching.split_micro_batches` - while an engine's step runs inside
+:func:`sharing_split` with sharing on. Outside it (the feature off, another engine, the
+reference model without an overlay) verl's own function runs, unchanged.
+
+verl's contract is kept (0.8.0 and 0.9.1 alike): ``max_token_len`` is the budget (here of the
+tokens a micro-batch computes), the micro-batch count is at least ``min_num_micro_batch``, the
+same on every data-parallel rank (all-reduced MAX over ``dp_group``) and a multiple of
+``num_batches_divided_by``; the result is ``(micro_batches, index lists)``, which verl's
+``restore_dynamic_batch`` turns back into the batch order; with ``use_dynamic_bsz_balance``
+the lighter micro-batches go to both ends, as verl orders them. Samples group by ``uid`` when
+the batch carries it, else by the prefixes the planner finds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+from collections.abc import Callable, Iterator
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from ..batching import MicroBatchSplit, split_micro_batches
+from ..config import PrefixSharingConfig
+
+__all__ = ["SplitRecord", "sharing_split", "rearrange_micro_batches", "patch_prepare_micro_batches",
+           "add_split_metrics", "METRIC_PREFIX"]
+
+METRIC_PREFIX = "prefix_sharing/"
+
+
+@dataclasses.dataclass
+class SplitRecord:
+    """What one engine step's split did; filled by :func:`rearrange_micro_batches`."""
+
+    config: PrefixSharingConfig
+    split: MicroBatchSplit | None = None
+
+    def metrics(self) -> dict[str, float]:
+        return {} if self.split is None else self.split.metrics(METRIC_PREFIX)
+
+
+_ACTIVE: contextvars.ContextVar[SplitRecord | None] = contextvars.ContextVar(
+    "prefix_sharing_split", default=None)
+
+
+@contextlib.contextmanager
+def sharing_split(config: PrefixSharingConfig) -> Iterator[SplitRecord]:
+    """Within this block, verl's dynamic-bsz split keeps ``config``'s sharing groups together.
+
+    An engine wraps its ``forward_backward_batch`` in it; the yielded record holds the split
+    afterwards (for :func:`add_split_metrics`). With ``mode="off"`` verl's split runs as is.
+    """
+    record = SplitRecord(config)
+    token = _ACTIVE.set(record if config.enabled else None)
+    try:
+        yield record
+    finally:
+        _ACTIVE.reset(token)
+
+
+def add_split_metrics(output: dict, record: SplitRecord) -> None:
+    """Adds the split's figures to an engine output's ``metrics``, without replacing a figure
+    the engine measured itself. One value per step, as a one-element list like verl's
+    per-micro-batch metrics: the worker all-gathers each metric over DP ranks and then
+    flattens the lists (a bare number there would fail)."""
+    metrics = output.setdefault("metrics", {})
+    for key, value in record.metrics().items():
+        metrics.setdefault(key, [value])
+
+
+def rearrange_micro_batches(
+    stock: Callable[..., Any],
+    batch: Any,
+    max_token_len: int,
+    dp_group: Any = None,
+    num_batches_divided_by: int | None = None,
+    same_micro_num_in_dp: bool = True,
+    min_num_micro_batch: int | None = None,
+    use_dynamic_bsz_balance: bool = True,
+    force_group_size: int = 1,
+    **kwargs: Any,
+) -> tuple[list, list[list[int]]]:
+    """verl's ``rearrange_micro_batches`` with sharing groups kept together (see module doc).
+
+    ``stock`` is verl's own function: it runs when no :func:`sharing_split` is active, and when
+    ``force_group_size > 1`` (verl's fixed blocks, used for reward-model pairs, which the
+    sharing split does not know about).
+    """
+    record = _ACTIVE.get()
+    if record is None or force_group_size > 1:
+        return stock(batch, max_token_len, dp_group=dp_group,
+                     num_batches_divided_by=num_batches_divided_by,
+                     same_micro_num_in_dp=same_micro_num_in_dp,
+                     min_num_micro_batch=min_num_micro_batch,
+                     use_dynamic_bsz_balance=use_dynamic_bsz_balance,
+                     force_group_size=force_group_size, **kwargs)
+    from verl.utils import tensordict_utils as tu
+
+    sequences, uids, prompt_lens = _samples(batch, record.config, tu)
+    split = functools.partial(split_micro_batches, sequences, max_token_len, record.config,
+                              uids=uids, prompt_lens=prompt_lens)
+    result = split(min_micro_batches=min_num_micro_batch or 1)
+    count = _agreed_count(len(result.micro_batches), dp_group, same_micro_num_in_dp,
+                          num_batches_divided_by, len(sequences))
+    if count > len(result.micro_batches):
+        result = split(min_micro_batches=count)
+    record.split = result
+
+    order = list(range(len(result.micro_batches)))
+    if use_dynamic_bsz_balance:  # verl's order: heaviest in the middle, lighter at both ends
+        order.sort(key=lambda m: (result.tokens_computed[m], result.micro_batches[m][0]), reverse=True)
+        order = order[::2][::-1] + order[1::2]
+    index_lists = [list(result.micro_batches[m]) for m in order]
+    return [tu.index_select_tensor_dict(batch, idx) for idx in index_lists], index_lists
+
+
+def _samples(batch: Any, config: PrefixSharingConfig, tu: ModuleType) -> tuple[list, list | None,
+                                                                                  list | None]:
+    """Per-sample token ids, uids (when the batch has them) and prompt lengths (prompt_only)."""
+    input_ids = batch["input_ids"]
+    if input_ids.is_nested:
+        sequences = list(input_ids.unbind())
+    else:
+        mask = batch["attention_mask"].bool()
+        sequences = [row[m] for row, m in zip(input_ids, mask)]
+    uids = tu.get(batch, "uid", default=None)
+    prompt_lens = None
+    if config.mode == "prompt_only":
+        if uids is None:
+            raise ValueError("prefix_grouper.mode=prompt_only shares each uid's prompt, but the "
+                             "batch has no 'uid' field")
+        prompt_lens = _prompt_lens(batch, tu)
+    return sequences, uids, prompt_lens
+
+
+def _prompt_lens(batch: Any, tu: ModuleType) -> list[int]:
+    """Prompt lengths from the left-padded prompt part of ``attention_mask``."""
+    mask = batch.get("attention_mask", None)
+    max_response_len = tu.get(batch, "max_response_len", default=None)
+    if mask is None or mask.is_nested or max_response_len is None:
+        raise ValueError("prefix_grouper.mode=prompt_only needs the batch's attention_mask and "
+                         "max_response_len to find each prompt's length")
+    return mask[:, : mask.shape[1] - int(max_response_len)].sum(1).tolist()
+
+
+def _agreed_count(count: int, dp_group: Any, same_micro_num_in_dp: bool,
+                  num_batches_divided_by: int | None, num_samples: int) -> int:
+    """The micro-batch count verl's contract asks for: the max over DP ranks, rounded up to a
+    multiple of the virtual-pipeline group size."""
+    if same_micro_num_in_dp and dp_group is not None and torch.distributed.is_initialized():
+        from verl.utils.device import get_device_name
+
+        agreed = torch.tensor([count], device=get_device_name())
+        torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX, group=dp_group)
+        count = int(agreed.item())
+    if num_batches_divided_by:
+        count = -(-count // num_batches_divided_by) * num_batches_divided_by
+    if count > num_samples:
+        raise ValueError(f"{count} micro-batches are needed (data-parallel agreement / virtual "
+                         f"pipeline multiple) but this rank holds only {num_samples} samples")
+    return count
+
+
+def patch_prepare_micro_batches(engine_utils: ModuleType) -> None:
+    """Points ``verl.workers.engine.utils.rearrange_micro_batches`` (the name its
+    ``prepare_micro_batches`` calls) at :func:`rearrange_micro_batches`. Idempotent."""
+    current = engine_utils.rearrange_micro_batches
+    if getattr(current, "_prefix_sharing_stock", None) is not None:
+        return
+    patched = functools.wraps(current)(functools.partial(rearrange_micro_batches, current))
+    patched._prefix_sharing_stock = current
+    engine_utils.rearrange_micro_batches = patched
