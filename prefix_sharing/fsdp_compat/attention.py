@@ -88,5 +88,14 @@ def prefix_sharing_attention(
     # [1, h, T, d] -> [T, h, d]: the varlen kernels' token-major layout
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
     out = prefix_attention(q, k, v, plan, softmax_scale=scaling,
-                           backend=kwargs.get(BACKEND_KWARG) or "auto")
+                           backend=kwargs.get(BACKEND_KWARG) or "auto",
+                           kernel_cache=_kernel_cache(module))
     return out.unsqueeze(0), None  # [1, T, h, d], as transformers' attention functions return
+
+
+def _kernel_cache(module: torch.nn.Module) -> dict:
+    """The layer's own kernel state (Transformer Engine keeps an attention module per layer)."""
+    cache = module.__dict__.get("_prefix_sharing_kernel_cache")
+    if cache is None:
+        cache = module.__dict__["_prefix_sharing_kernel_cache"] = {}
+    return cache

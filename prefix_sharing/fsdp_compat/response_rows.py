@@ -14,6 +14,7 @@ contiguous and :func:`~prefix_sharing.logprobs.token_log_probs` reads it as it r
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 from functools import cached_property
 
@@ -78,13 +79,11 @@ def response_rows(plan: SharingPlan, response_starts: Sequence[int]) -> Response
         i = bad[0]
         raise ValueError(f"sequence {i} has {plan.seq_lens[i]} tokens; its response cannot start "
                          f"at {response_starts[i]} (needs 1 <= start <= length)")
-    device = plan.kv_index.device
-    starts = torch.tensor(response_starts, dtype=torch.int64, device=device)
-    lens = torch.tensor(plan.seq_lens, dtype=torch.int64, device=device) - starts + 1
-    first = plan.cu_seqlens[:-1] + starts - 1  # packed position predicting each first response token
-    offsets = torch.arange(int(lens.sum()), device=device) - (lens.cumsum(0) - lens).repeat_interleave(lens)
-    positions = first.repeat_interleave(lens) + offsets
-    flat = plan.kv_index.index_select(0, positions)
+    # Host ints from the host-side lengths: one copy of the positions to the device, no read back.
+    spans = [(n - s + 1) for s, n in zip(response_starts, plan.seq_lens)]
+    offsets = itertools.accumulate(plan.seq_lens, initial=0)  # each sequence's first packed position
+    firsts = [o + s - 1 for o, s in zip(offsets, response_starts)]
+    positions = torch.cat([torch.arange(f, f + n) for f, n in zip(firsts, spans)])
+    flat = plan.kv_index.index_select(0, positions.to(plan.kv_index.device))
     rows, kv_index = torch.unique(flat, sorted=True, return_inverse=True)
-    return ResponseRows(rows, plan.input_ids.index_select(0, flat), kv_index,
-                        tuple((n - s + 1) for s, n in zip(response_starts, plan.seq_lens)))
+    return ResponseRows(rows, plan.input_ids.index_select(0, flat), kv_index, tuple(spans))
