@@ -106,11 +106,13 @@ def _resolve(name: str) -> tuple[Any, str]:
 
 
 def _replace_everywhere(owner: Any, attr: str, old: Any, new: Any) -> None:
+    """MindSpeed probes every module with ``hasattr``; the module's own namespace here, so a
+    lazy module (transformers) is not made to import its submodules."""
     setattr(owner, attr, new)
     for name, module in list(sys.modules.items()):
         if module is None or name.startswith(_MODULE_PREFIX):
             continue
-        if getattr(module, attr, None) is old and old is not None:
+        if vars(module).get(attr) is old and old is not None:
             setattr(module, attr, new)
 
 
