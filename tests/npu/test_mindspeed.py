@@ -42,10 +42,12 @@ def _mindspeed_job(rank: int, order: str) -> dict:
         adaptor = importlib.import_module("mindspeed.megatron_adaptor")
         report["unguarded_stock_fed_a_plan"] = _stock_fed_a_plan(batches)
     enable_mindspeed()
+    enable_mindspeed()  # idempotent: one feature, one guard
     report["before_repatch"] = _run(batches)
     adaptor.repatch({"optimization_level": 2})
     report["after_repatch"] = _run(batches)
     report["guarded_stock_fed_a_plan"] = _stock_fed_a_plan(batches)
+    report["spec_module"] = _megatron_lm_spec_layers()
     try:
         adaptor.repatch({"reset_attention_mask": True})
     except Exception as err:  # noqa: BLE001 - the type is checked by the test
@@ -63,8 +65,11 @@ def _patches_in_force() -> dict:
     from megatron.core.extensions import transformer_engine
     from megatron.core.models.common.embeddings import rope_utils
     from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from mindspeed.features_manager.features_manager import MindSpeedFeaturesManager
 
+    names = [f.feature_name for f in MindSpeedFeaturesManager.FEATURES_LIST]
     return {
+        "one_prefix_sharing_feature": names.count("prefix_sharing") == 1,
         # under the prefix-sharing feature's guard, MindSpeed's forward is the wrapped function
         "attention": DotProductAttention.forward.__wrapped__ is fake_mindspeed.fused_attention_forward,
         "rope": rope_utils.apply_rotary_pos_emb is fake_mindspeed.fused_apply_rotary_pos_emb,
@@ -92,6 +97,14 @@ def _run(batches) -> dict:
         "shared": shared,
         "plain": reference,
     }
+
+
+def _megatron_lm_spec_layers() -> tuple[str, str]:
+    """The classes ``--spec prefix_sharing.npu.megatron_lm_spec layer_spec`` puts in the layer."""
+    from prefix_sharing.npu.megatron_lm_spec import layer_spec
+
+    attention = layer_spec.submodules.self_attention
+    return attention.module.__name__, attention.submodules.core_attention.module.__name__
 
 
 def _stock_fed_a_plan(batches):
@@ -151,6 +164,19 @@ def test_the_feature_refuses_a_plan_reaching_mindspeeds_attention(reports, order
     kind, message = reports[order]["guarded_stock_fed_a_plan"]
     assert kind == "UnsupportedSetupError"
     assert "prefix-sharing layer spec" in message
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_the_ascend_megatron_lm_spec_is_the_prefix_sharing_spec(reports, order):
+    assert reports[order]["spec_module"] == ("PrefixSharingSelfAttention",
+                                             "PrefixSharingCoreAttention")
+
+
+def test_enabling_twice_registers_one_feature(reports):
+    patches = reports["mindspeed_first"]["before_repatch"]["patches"]
+    assert patches["one_prefix_sharing_feature"]
+    # a second guard would wrap the first: __wrapped__ would not be MindSpeed's forward
+    assert patches["attention"]
 
 
 @pytest.mark.parametrize("order", ORDERS)
