@@ -75,3 +75,12 @@ def test_a_sliding_window_no_sequence_reaches_changes_nothing_and_runs():
     reference = plain(input_ids=sequences[0][None]).logits[0]
     rows = plan.kv_index[: len(sequences[0])]
     torch.testing.assert_close(out.logits[rows], reference, rtol=1e-5, atol=1e-6)
+
+
+def test_the_configs_kernel_is_the_one_that_runs():
+    """The config's backend travels in the forward's keywords to every layer: flash-attn,
+    asked for on a float32 model, refuses in the first layer."""
+    _, shared = plain_and_shared()
+    sequences, _ = _batch()
+    with pytest.raises(ValueError, match="'flash_attn' computes in"):
+        shared_forward(shared, sequences, PrefixSharingConfig(backend="flash_attn"))
