@@ -65,7 +65,8 @@ def enable_mindspeed() -> None:
     from mindspeed.patch_utils import MindSpeedPatchesManager
 
     features = MindSpeedFeaturesManager.FEATURES_LIST
-    feature = next((f for f in features if getattr(f, "feature_name", None) == _feature_key()), None)
+    key = _feature_key()
+    feature = next((f for f in features if getattr(f, "feature_name", None) == key), None)
     if feature is None:
         feature = _feature_class()()
         features.append(feature)  # after MindSpeed's own: its wrapper sees their replacements
@@ -135,7 +136,8 @@ def plan_guard_wrapper(forward: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(forward)
     def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
-        # forward(query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params)
+        # forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
+        #         packed_seq_params)
         packed = kwargs.get("packed_seq_params", args[6] if len(args) > 6 else None)
         if _is_plan(packed):
             from ..megatron_ext.checks import UnsupportedSetupError

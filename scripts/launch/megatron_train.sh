@@ -105,7 +105,11 @@ fi
 # node_command RANK: fills NODE_ENV and NODE_CMD for node RANK.
 node_command() {
     NODE_ENV=("PYTHONPATH=$MEGATRON_LM${PYTHONPATH:+:$PYTHONPATH}")
-    if [[ $DEVICE == ascend ]]; then ascend_env "$NPROC_PER_NODE"; else cuda_env "$NPROC_PER_NODE"; fi
+    if [[ $DEVICE == ascend ]]; then
+        ascend_env "$NPROC_PER_NODE"
+    else
+        cuda_env "$NPROC_PER_NODE"
+    fi
     NODE_CMD=(
         torchrun --nnodes "${#NODES[@]}" --node-rank "$1" --nproc-per-node "$NPROC_PER_NODE"
         --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"

@@ -103,7 +103,11 @@ HEAD=${NODES[0]}
 # The devices a node offers Ray: Ascend NPUs are Ray's "NPU" resource, GPUs its --num-gpus.
 device_env() {
     NODE_ENV=()
-    if [[ $DEVICE == ascend ]]; then ascend_env "$NPROC_PER_NODE"; else cuda_env "$NPROC_PER_NODE"; fi
+    if [[ $DEVICE == ascend ]]; then
+        ascend_env "$NPROC_PER_NODE"
+    else
+        cuda_env "$NPROC_PER_NODE"
+    fi
 }
 
 ray_devices() {

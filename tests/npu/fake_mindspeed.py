@@ -122,8 +122,8 @@ class MindSpeedPatchesManager:
     @staticmethod
     def register_patch(orig_func_name: str, new_func: Callable | None = None,
                        force_patch: bool = False, create_dummy: bool = False) -> None:
-        patch = MindSpeedPatchesManager.patches_info.setdefault(orig_func_name, _Patch(orig_func_name))
-        patch.add(new_func, force_patch)
+        patches = MindSpeedPatchesManager.patches_info
+        patches.setdefault(orig_func_name, _Patch(orig_func_name)).add(new_func, force_patch)
 
     @staticmethod
     def apply_patches() -> None:

@@ -71,7 +71,8 @@ def _patches_in_force() -> dict:
     return {
         "one_prefix_sharing_feature": names.count("prefix_sharing") == 1,
         # under the prefix-sharing feature's guard, MindSpeed's forward is the wrapped function
-        "attention": DotProductAttention.forward.__wrapped__ is fake_mindspeed.fused_attention_forward,
+        "attention": DotProductAttention.forward.__wrapped__
+        is fake_mindspeed.fused_attention_forward,
         "rope": rope_utils.apply_rotary_pos_emb is fake_mindspeed.fused_apply_rotary_pos_emb,
         "te_class": transformer_engine.TEDotProductAttention
         is fake_mindspeed.TEDotProductAttentionStandIn,

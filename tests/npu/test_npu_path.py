@@ -49,7 +49,8 @@ def _npu_job(rank: int) -> dict:
         .max_rel_diff,
         "calls": [(c["actual_seq_qlen"], c["actual_seq_kvlen"]) for c in npu.calls],
         "heads": model.decoder.layers[0].self_attention.num_attention_heads_per_partition,
-        "segments": [(list(p.cu_seqlens_q_host[1:]), list(p.cu_seqlens_kv_host[1:])) for p in plans],
+        "segments": [(list(p.cu_seqlens_q_host[1:]), list(p.cu_seqlens_kv_host[1:]))
+                     for p in plans],
         # sequences that compute nothing (duplicates, strict prefixes) have no segment
         "sequences_without_segment": sum(
             len(seqs) - (len(p.cu_seqlens_q_host) - 1 - (p.num_padding > 0))

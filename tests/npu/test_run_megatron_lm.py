@@ -21,7 +21,8 @@ def test_script_runs_as_main_with_its_arguments_after_mindspeed(monkeypatch, tmp
         "import json, sys\n"
         f"json.dump({{'name': __name__, 'argv': sys.argv}}, open({str(record)!r}, 'w'))\n"
     )
-    monkeypatch.setattr(run_megatron_lm.runpy, "run_path", _after(events, run_megatron_lm.runpy.run_path))
+    run_path = run_megatron_lm.runpy.run_path
+    monkeypatch.setattr(run_megatron_lm.runpy, "run_path", _after(events, run_path))
     run_megatron_lm.main([str(script), "--num-layers", "2"])
     assert events == ["enabled", "ran"]
     assert json.loads(record.read_text()) == {

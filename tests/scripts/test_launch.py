@@ -68,7 +68,8 @@ def test_megatron_dry_run_prints_one_torchrun_per_node(device):
         if device == "ascend":  # MindSpeed imported before Megatron-LM starts
             assert option(argv, "-m", 2) == ["prefix_sharing.npu.run_megatron_lm",
                                              "/opt/Megatron-LM/pretrain_gpt.py"]
-            assert option(argv, "--spec", 2) == ["prefix_sharing.npu.megatron_lm_spec", "layer_spec"]
+            assert option(argv, "--spec", 2) == ["prefix_sharing.npu.megatron_lm_spec",
+                                                 "layer_spec"]
             assert env["ASCEND_RT_VISIBLE_DEVICES"] == "0,1,2,3"
             assert "HCCL_CONNECT_TIMEOUT" in env and "CUDA_VISIBLE_DEVICES" not in env
         else:
@@ -95,7 +96,8 @@ def test_megatron_paths_with_spaces_survive_quoting():
     result = run("megatron_train.sh", "--nodes", "n0", "--megatron-lm", "/opt/my megatron",
                  "--data-path", "/data/it's", "--tokenizer-model", "/t", "--dry-run")
     (_, env, argv), = blocks(result.stdout)
-    assert "/opt/my megatron/pretrain_gpt.py" in argv and option(argv, "--data-path") == "/data/it's"
+    assert "/opt/my megatron/pretrain_gpt.py" in argv
+    assert option(argv, "--data-path") == "/data/it's"
     assert env["PYTHONPATH"] == "/opt/my megatron"
 
 
@@ -103,7 +105,8 @@ def test_megatron_paths_with_spaces_survive_quoting():
     (["--device", "tpu", *MEGATRON], "--device must be ascend or cuda"),
     (["--data-path", "/d", "--tokenizer-model", "/t"], "--megatron-lm is required"),
     (["--tp", "0", *MEGATRON], "--tp must be a positive integer"),
-    (["--device", "cuda", "--rank-table", "/r.json", *MEGATRON], "--rank-table is for --device ascend"),
+    (["--device", "cuda", "--rank-table", "/r.json", *MEGATRON],
+     "--rank-table is for --device ascend"),
     (["--nodes", "no-such-host.invalid", *MEGATRON], "not in --nodes"),
     (["--bogus", *MEGATRON], "unknown option --bogus"),
 ])
