@@ -4,6 +4,7 @@ with one message; every shell script passes shellcheck."""
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
@@ -170,6 +171,33 @@ def test_verl_bad_arguments_stop_with_one_message(args, message):
     result = run("verl_grpo.sh", *args)
     assert result.returncode == 2 and result.stdout == ""
     assert message in result.stderr
+
+
+# ----------------------------------------------------------------- running for real
+FAKE = """#!/usr/bin/env bash
+python3 -c 'import json, os, sys; json.dump({"argv": sys.argv[1:], "env": dict(os.environ)},
+    open(os.environ["RECORD"], "w"))' "$(basename "$0")" "$@"
+"""
+
+
+@pytest.mark.parametrize("script, args, node", [
+    ("megatron_train.sh", ["--device", "ascend", "--node-rank", "1", *MEGATRON], 1),
+    ("verl_grpo.sh", ["--device", "cuda", "--role", "worker", *VERL], 1),
+    ("verl_grpo.sh", ["--device", "ascend", "--role", "submit", *VERL], 3),
+])
+def test_without_dry_run_a_node_runs_what_the_dry_run_printed_for_it(tmp_path, script, args,
+                                                                      node):
+    for tool in ("torchrun", "ray"):  # stand-ins that record their arguments and environment
+        (tmp_path / tool).write_text(FAKE)
+        (tmp_path / tool).chmod(0o755)
+    record = tmp_path / "record.json"
+    env = {"PATH": f"{tmp_path}:{os.environ['PATH']}", "RECORD": str(record)}
+    assert run(script, "--nodes", NODES, *args, env=env).returncode == 0
+    seen = json.loads(record.read_text())
+    printed = blocks(run(script, "--nodes", NODES, *args, "--dry-run").stdout)
+    _, printed_env, printed_argv = printed[node]
+    assert seen["argv"] == printed_argv
+    assert {k: seen["env"].get(k) for k in printed_env} == printed_env
 
 
 # ----------------------------------------------------------------- shellcheck
