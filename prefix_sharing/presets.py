@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["ModelPreset", "PRESETS", "get_preset"]
+from .errors import InputError
+
+__all__ = ["ModelPreset", "PRESETS", "get_preset", "VOCAB_MULTIPLE"]
+
+VOCAB_MULTIPLE = 128  # Megatron-LM's default make_vocab_size_divisible_by
+MAX_RANDOM_VOCAB = 1 << 20  # real tokenizers stay below 300k
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,6 +27,9 @@ class ModelPreset:
     add_qkv_bias: bool = False
     tie_embeddings: bool = False
     rotary_base: float = 10000.0
+    # A real model's vocabulary (its tokenizer's): token ids beyond it are the user's error.
+    # Otherwise the vocabulary is a free choice of the random model, sized to the data.
+    real_vocabulary: bool = False
     # Mixture of experts (dropless, top-k): every MLP becomes num_experts experts of
     # moe_ffn_hidden_size each; None keeps the dense MLP.
     num_experts: int | None = None
@@ -31,6 +39,23 @@ class ModelPreset:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    def fitted_to(self, max_token_id: int, tensor_parallel: int = 1) -> ModelPreset:
+        """This shape with a vocabulary that holds ``max_token_id``.
+
+        With random weights the vocabulary is only the embedding's and LM head's size, so a
+        preset without a real vocabulary grows to ``max_token_id + 1``, rounded up to a multiple
+        of ``128 * tensor_parallel`` (as Megatron-LM's ``make_vocab_size_divisible_by`` pads
+        it, so that every tensor-parallel rank holds an equal slice). A preset with a real
+        vocabulary is returned unchanged: ids beyond it do not belong to that model.
+        """
+        if self.real_vocabulary or max_token_id < self.vocab_size:
+            return self
+        if max_token_id >= MAX_RANDOM_VOCAB:
+            raise InputError(f"token id {max_token_id} would need a vocabulary of more than "
+                             f"{MAX_RANDOM_VOCAB} entries; no tokenizer has one")
+        multiple = VOCAB_MULTIPLE * tensor_parallel
+        return dataclasses.replace(self, vocab_size=-(-(max_token_id + 1) // multiple) * multiple)
 
 
 PRESETS: dict[str, ModelPreset] = {
@@ -52,12 +77,12 @@ PRESETS: dict[str, ModelPreset] = {
         ModelPreset("qwen2.5-0.5b", num_layers=24, hidden_size=896, num_attention_heads=14,
                     num_query_groups=2, ffn_hidden_size=4864, vocab_size=151936,
                     max_sequence_length=32768, add_qkv_bias=True, tie_embeddings=True,
-                    rotary_base=1_000_000.0),
+                    rotary_base=1_000_000.0, real_vocabulary=True),
     )
 }
 
 
 def get_preset(name: str) -> ModelPreset:
     if name not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; choose from {', '.join(PRESETS)}")
+        raise InputError(f"unknown model preset {name!r}; choose from {', '.join(PRESETS)}")
     return PRESETS[name]

@@ -1,8 +1,10 @@
 """The ``prefix-sharing`` command.
 
 Each subcommand lives in its own module with an ``add_parser(subparsers)`` that registers it
-and sets ``run(args) -> int``. Errors a user can fix (a missing file or package, a bad file or
-option) are printed as one line on stderr with exit status 2, never as a traceback.
+and sets ``run(args) -> int``. Bad input - an option, a file, a model, a missing package, also
+when a spawned rank finds it - raises :class:`prefix_sharing.errors.InputError` and is printed as
+one line on stderr with exit status 2. Anything else is a bug and keeps its traceback (a failed
+rank's included); ``--debug`` shows the traceback of input errors too.
 """
 
 from __future__ import annotations
@@ -11,15 +13,10 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-__all__ = ["main", "UsageError"]
+from ..errors import InputError
+from . import analyze, bench, demo, verify
 
-
-class UsageError(Exception):
-    """A problem with the user's input or setup, reported as one line."""
-
-
-# Imported after UsageError, which the subcommands raise.
-from . import analyze, bench, demo, verify  # noqa: E402
+__all__ = ["main"]
 
 COMMANDS = (demo, analyze, verify, bench)
 
@@ -29,13 +26,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="prefix-sharing",
         description="Compute shared token prefixes once in RL training - and check nothing changed.",
     )
+    parser.add_argument("--debug", action="store_true",
+                        help="show the full traceback of every error, bad input included")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
         command.add_parser(subparsers)
     args = parser.parse_args(argv)
     try:
         return args.run(args)
-    except (UsageError, ValueError, OSError, ImportError) as error:
+    except InputError as error:
+        if args.debug:
+            raise
         message = " ".join(str(error).split())  # one line, whatever the message holds
         print(f"prefix-sharing {args.command}: error: {message}", file=sys.stderr)
         return 2

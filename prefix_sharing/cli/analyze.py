@@ -46,8 +46,9 @@ from ..flops import count_flops
 from ..plan import SharingPlan
 from ..planner import PromptGroup, build_plan
 from ..presets import PRESETS, get_preset
-from ..rollouts import Rollouts, load_rollouts
-from . import UsageError
+from ..rollouts import Rollouts
+from ..errors import InputError
+from .options import read_rollouts, sharing_config, user_input
 
 __all__ = ["TREE_LIMIT", "sharing_structure", "prefix_tree"]
 
@@ -87,11 +88,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = PrefixSharingConfig(
-        mode=args.mode, min_prefix_len=args.min_prefix_len, min_group_size=args.min_group_size
-    )
+    config = sharing_config(args)
     model = get_preset(args.model)  # before reading: a typo should not wait for a big file
-    rollouts = load_rollouts(args.file)
+    rollouts = read_rollouts(args.file)
     plan, planner_ms = _timed_plan(rollouts, config, args.file)
     report = {
         "file": args.file,
@@ -120,7 +119,8 @@ def _timed_plan(
     pays once, so it is left out of the timing.
     """
     groups = _groups(rollouts, config, path)
-    plan = build_plan(rollouts.sequences, config, groups=groups)
+    with user_input(ValueError):  # what the planner refuses in the file (ids out of range)
+        plan = build_plan(rollouts.sequences, config, groups=groups)
     times = []
     for _ in range(_TIMED_RUNS):
         start = time.perf_counter()
@@ -134,7 +134,7 @@ def _groups(rollouts: Rollouts, config: PrefixSharingConfig, path: str) -> list[
     if config.mode != "prompt_only":
         return None
     if rollouts.groups is None:
-        raise UsageError(
+        raise InputError(
             f"--mode prompt_only shares prompts, but {path} has input_ids only: "
             "give prompt_ids and response_ids (and uid) to say where prompts end"
         )

@@ -14,9 +14,9 @@ import json
 from ..engines import ENGINES, get_engine
 from ..engines.bench import BenchRequest, BenchWorkload
 from ..presets import get_preset
-from . import UsageError
-from .options import (add_input_options, add_model_option, add_sharing_options, load_batches,
-                      sharing_config)
+from ..errors import InputError, MissingPackageError
+from .options import (add_backend_option, add_dtype_option, add_input_options, add_model_option,
+                      add_sharing_options, load_batches, run_dtype, sharing_config)
 
 # Built-in micro-batch sizes for the bench: ~1-2k tokens, so that on the "small" preset a CPU
 # step takes about a second and matrix products dominate it, as they do on real models.
@@ -37,7 +37,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_input_options(parser, many_workloads=True)
     parser.add_argument("--engine", default="megatron", help=f"{', '.join(ENGINES)} (default: %(default)s)")
     add_model_option(parser, "small", "model shape (random weights)")
+    add_dtype_option(parser)
     add_sharing_options(parser)
+    add_backend_option(parser)
     parser.add_argument("--repeats", type=int, default=5,
                         help="timed steps per mode, after one warm-up (default: 5)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -47,17 +49,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.repeats < 1:
-        raise ValueError(f"--repeats must be at least 1; got {args.repeats}")
-    engine, model, config = get_engine(args.engine), get_preset(args.model), sharing_config(args)
+        raise InputError(f"--repeats must be at least 1; got {args.repeats}")
+    dtype = run_dtype(args)
+    engine, config = get_engine(args.engine), sharing_config(args)
     if config.mode != "arbitrary_prefix":
-        raise UsageError("bench compares arbitrary_prefix sharing (and prompt_only where the "
+        raise InputError("bench compares arbitrary_prefix sharing (and prompt_only where the "
                          f"batch has prompt groups) with the plain step; got --mode {config.mode}")
     if args.plot:
         _check_plotting()
-    workloads = [BenchWorkload(name, seqs, groups)
-                 for name, seqs, groups in load_batches(args, model, BENCH_SIZES)]
-    results = engine.bench(BenchRequest(workloads, config, model, repeats=args.repeats))
-    report = {"engine": engine.name, "model": model.name, "repeats": args.repeats,
+    model, batches = load_batches(args, get_preset(args.model), BENCH_SIZES)
+    workloads = [BenchWorkload(name, seqs, groups) for name, seqs, groups in batches]
+    results = engine.bench(BenchRequest(workloads, config, model, repeats=args.repeats,
+                                        dtype=dtype))
+    report = {"engine": engine.name, "model": model.name, "vocab_size": model.vocab_size,
+              "dtype": args.dtype, "backend": config.backend, "repeats": args.repeats,
               "results": results}
     if args.plot:
         plot(results, args.plot, title=f"{engine.name} engine, {model.name} model")
@@ -88,7 +93,7 @@ def table(results: list[dict]) -> str:
 
 def _check_plotting() -> None:
     if importlib.util.find_spec("matplotlib") is None:
-        raise UsageError("--plot needs matplotlib (pip install 'prefix-sharing[bench]')")
+        raise MissingPackageError("--plot needs matplotlib (pip install 'prefix-sharing[bench]')")
 
 
 def plot(results: list[dict], path: str, title: str) -> None:

@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
 
-from ..config import MODES, PrefixSharingConfig
+from ..config import BACKENDS, MODES, PrefixSharingConfig
 from ..planner import PromptGroup
 from ..presets import PRESETS, ModelPreset
-from ..rollouts import load_rollouts
+from ..rollouts import Rollouts, RolloutError, load_rollouts
 from ..workloads import WORKLOADS, make_workload
-from . import UsageError
+from ..errors import InputError, MissingPackageError
 
-__all__ = ["add_sharing_options", "add_model_option", "add_input_options", "sharing_config",
-           "Batch", "load_batches"]
+__all__ = ["add_sharing_options", "add_backend_option", "add_dtype_option", "run_dtype",
+           "DTYPES", "add_model_option", "add_input_options", "sharing_config",
+           "Batch", "load_batches", "read_rollouts", "user_input"]
 
 Batch = tuple[str, list[torch.Tensor], list[PromptGroup] | None]  # name, sequences, groups
 
@@ -32,9 +34,59 @@ def add_sharing_options(parser: argparse.ArgumentParser) -> None:
                         "sequences (default: %(default)s)")
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def add_dtype_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dtype", default="float32",
+                        help=f"parameter and activation dtype: {', '.join(DTYPES)} "
+                        "(default: %(default)s)")
+
+
+def run_dtype(args: argparse.Namespace) -> torch.dtype:
+    if args.dtype not in DTYPES:
+        raise InputError(f"--dtype must be one of {', '.join(DTYPES)}; got {args.dtype!r}")
+    return DTYPES[args.dtype]
+
+
+def add_backend_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", default=PrefixSharingConfig().backend,
+                        help=f"attention kernel: {', '.join(BACKENDS)}; auto picks by device and "
+                        "dtype (default: %(default)s)")
+
+
 def sharing_config(args: argparse.Namespace) -> PrefixSharingConfig:
-    return PrefixSharingConfig(mode=args.mode, min_prefix_len=args.min_prefix_len,
-                               min_group_size=args.min_group_size)
+    """The config the sharing options (and ``--backend``, where the command has it) give."""
+    with user_input(ValueError):
+        return PrefixSharingConfig(mode=args.mode, min_prefix_len=args.min_prefix_len,
+                                   min_group_size=args.min_group_size,
+                                   backend=getattr(args, "backend", PrefixSharingConfig().backend))
+
+
+@contextlib.contextmanager
+def user_input(*errors: type[Exception]) -> Iterator[None]:
+    """Turns ``errors`` raised while the user's input is parsed into :class:`InputError`.
+
+    The library raises ``ValueError`` for bad arguments wherever they come from; only the
+    command knows that these came straight from the user's options or file, so it re-raises
+    them here, and any other ``ValueError`` stays a bug with its traceback.
+    """
+    try:
+        yield
+    except InputError:
+        raise
+    except errors as error:
+        raise InputError(str(error)) from error
+
+
+def read_rollouts(path: str) -> Rollouts:
+    """:func:`load_rollouts`, with its errors (a missing or bad file, no pyarrow for Parquet)
+    as input errors."""
+    try:
+        with user_input(RolloutError, OSError):
+            return load_rollouts(path)
+    except ImportError as error:  # load_rollouts' one ImportError: Parquet without pyarrow
+        raise MissingPackageError(str(error)) from error
 
 
 def add_model_option(parser: argparse.ArgumentParser, default: str, purpose: str) -> None:
@@ -57,32 +109,40 @@ def add_input_options(parser: argparse.ArgumentParser, *, many_workloads: bool) 
 
 
 def load_batches(args: argparse.Namespace, model: ModelPreset,
-                 sizes: dict[str, dict] | None = None) -> list[Batch]:
-    """The micro-batches named by ``--sequences`` / ``--workload``, checked against the model.
+                 sizes: dict[str, dict] | None = None,
+                 tensor_parallel: int = 1) -> tuple[ModelPreset, list[Batch]]:
+    """The micro-batches named by ``--sequences`` / ``--workload``, and the model to run them.
 
-    ``sizes``: keyword arguments per built-in workload (their defaults when omitted).
+    The model is ``model`` with its vocabulary grown to hold the file's token ids when it is a
+    random-weight shape (:meth:`ModelPreset.fitted_to`); a preset with a real vocabulary
+    refuses ids beyond it. ``sizes``: keyword arguments per built-in workload (their defaults
+    when omitted).
     """
     if args.sequences:
-        rollouts = load_rollouts(args.sequences)
+        rollouts = read_rollouts(args.sequences)
         batches = [(args.sequences, rollouts.sequences, rollouts.groups)]
+        largest = max(int(s.max()) for s in rollouts.sequences)
+        model = model.fitted_to(largest, tensor_parallel)
     else:
         names = args.workload or list(WORKLOADS)
         names = [names] if isinstance(names, str) else names
         batches = []
         for name in names:
-            w = make_workload(name, vocab_size=model.vocab_size, **(sizes or {}).get(name, {}))
+            with user_input(ValueError):  # an unknown name
+                w = make_workload(name, vocab_size=model.vocab_size, **(sizes or {}).get(name, {}))
             batches.append((name, w.sequences, w.groups))
     for name, seqs, _ in batches:
         _check_fits(name, seqs, model)
-    return batches
+    return model, batches
 
 
 def _check_fits(name: str, sequences: Sequence[torch.Tensor], model: ModelPreset) -> None:
     largest = max(int(s.max()) for s in sequences)
     if largest >= model.vocab_size:
-        raise UsageError(f"{name}: token id {largest} is outside the {model.name} preset's "
-                         f"vocabulary of {model.vocab_size}")
+        raise InputError(f"{name}: token id {largest} is outside the {model.name} preset's "
+                         f"vocabulary of {model.vocab_size} (a real model's: use a preset "
+                         "without one, e.g. tiny or small, to size it to the data)")
     longest = max(len(s) for s in sequences)
     if longest > model.max_sequence_length:
-        raise UsageError(f"{name}: a sequence of {longest} tokens is longer than the "
+        raise InputError(f"{name}: a sequence of {longest} tokens is longer than the "
                          f"{model.name} preset allows ({model.max_sequence_length})")

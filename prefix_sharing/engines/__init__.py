@@ -14,6 +14,7 @@ import os
 
 import torch
 
+from ..errors import InputError, MissingPackageError
 from ..presets import ModelPreset
 from .bench import BenchRequest, bench_job
 from .launch import run_distributed
@@ -31,13 +32,13 @@ class Engine:
     def check_layout(self, model: ModelPreset, tp: int, pp: int) -> None:
         """Refuses tensor/pipeline sizes this model or this machine cannot run."""
         if tp < 1 or pp < 1:
-            raise ValueError(f"--tp and --pp must be at least 1; got tp={tp}, pp={pp}")
+            raise InputError(f"--tp and --pp must be at least 1; got tp={tp}, pp={pp}")
         if torch.cuda.is_available():
             limit, unit = torch.cuda.device_count(), "GPUs"
         else:
             limit, unit = 2 * (os.cpu_count() or 1), "processes on this machine's CPU cores"
         if tp * pp > limit:
-            raise ValueError(f"tp x pp = {tp * pp} ranks, but at most {limit} {unit} can run here")
+            raise InputError(f"tp x pp = {tp * pp} ranks, but at most {limit} {unit} can run here")
         problems = []
         if model.num_attention_heads % tp:
             problems.append(f"its {model.num_attention_heads} attention heads")
@@ -47,15 +48,15 @@ class Engine:
         if model.vocab_size % tp or model.ffn_hidden_size % tp:
             problems.append("its vocabulary or MLP width")
         if problems:
-            raise ValueError(f"--tp {tp} does not divide the {model.name} preset: "
+            raise InputError(f"--tp {tp} does not divide the {model.name} preset: "
                              + ", ".join(problems))
         if model.num_layers % pp:
-            raise ValueError(f"--pp {pp} does not divide the {model.name} preset's "
+            raise InputError(f"--pp {pp} does not divide the {model.name} preset's "
                              f"{model.num_layers} layers")
 
     def check_installed(self) -> None:
         if importlib.util.find_spec(self.package) is None:
-            raise ImportError(f"the {self.name} engine needs {self.package} "
+            raise MissingPackageError(f"the {self.name} engine needs {self.package} "
                               f"(pip install 'prefix-sharing[{self.pip_extra}]')")
 
     def verify(self, request: VerifyRequest, tp: int = 1, pp: int = 1) -> list[dict]:
@@ -63,7 +64,7 @@ class Engine:
         self.check_installed()
         self.check_layout(request.preset, tp, pp)
         ranks = run_distributed(verify_job, tp * pp, request, tp=tp, pp=pp, timeout=3600)
-        return [summarize(ranks, i) for i in range(len(request.batches))]
+        return [summarize(ranks, i, request.dtype) for i in range(len(request.batches))]
 
     def bench(self, request: BenchRequest) -> list[dict]:
         self.check_installed()
@@ -75,5 +76,5 @@ ENGINES: dict[str, Engine] = {"megatron": Engine("megatron", "megatron.core", "m
 
 def get_engine(name: str) -> Engine:
     if name not in ENGINES:
-        raise ValueError(f"unknown engine {name!r}; choose from {', '.join(ENGINES)}")
+        raise InputError(f"unknown engine {name!r}; choose from {', '.join(ENGINES)}")
     return ENGINES[name]

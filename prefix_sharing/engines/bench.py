@@ -10,12 +10,16 @@ in separate runs (see :func:`peak_memory_bytes`), as the profiler slows the step
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
+import os
+import re
 import statistics
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -26,7 +30,7 @@ from ..presets import ModelPreset
 
 __all__ = [
     "BenchRequest", "BenchWorkload", "bench_job", "time_workload", "peak_memory_bytes",
-    "keep_freed_memory_in_heap",
+    "keep_freed_memory_in_heap", "without_profiler_chatter",
 ]
 
 
@@ -146,13 +150,40 @@ def peak_memory_bytes(step: Callable[[], None]) -> int:
         return torch.cuda.max_memory_allocated() - base
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with without_profiler_chatter(), profile(activities=[ProfilerActivity.CPU],
+                                             profile_memory=True) as prof:
         step()
     current = peak = 0
     for event in sorted(prof.events(), key=lambda e: e.time_range.start):
         current += event.cpu_memory_usage if event.name == "[memory]" else event.self_cpu_memory_usage
         peak = max(peak, current)
     return peak
+
+
+# Lines kineto (the profiler's C++ side) writes straight to file descriptor 2 at every start and
+# stop, whatever KINETO_LOG_LEVEL says: "USDT:<date> <pid>:<tid> <file>:<line>] profiler_start".
+_PROFILER_CHATTER = re.compile(r"^(USDT|STAGE):\S+ \S+ \d+:\d+ \S+:\d+\] ")
+
+
+@contextlib.contextmanager
+def without_profiler_chatter() -> Iterator[None]:
+    """Keeps kineto's start/stop lines out of the user's terminal; everything else written to
+    stderr meanwhile (a warning, a crash report) is passed on once the block ends."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            kept = [line for line in captured.read().decode(errors="replace").splitlines(True)
+                    if not _PROFILER_CHATTER.match(line)]
+            sys.stderr.write("".join(kept))
+            sys.stderr.flush()
 
 
 def _report(workload: BenchWorkload, request: BenchRequest, configs: dict,

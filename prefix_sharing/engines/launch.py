@@ -22,7 +22,20 @@ from typing import Any, Callable
 import torch
 import torch.multiprocessing as mp
 
-__all__ = ["run_distributed", "init_megatron"]
+from ..errors import InputError
+
+__all__ = ["run_distributed", "init_megatron", "RankError", "RemoteTraceback"]
+
+
+class RankError(RuntimeError):
+    """A spawned rank failed with a bug (not bad input) or died."""
+
+
+class RemoteTraceback(Exception):
+    """A spawned rank's traceback, chained as the cause of the error raised here."""
+
+    def __str__(self) -> str:
+        return "\n" + self.args[0]
 
 
 def run_distributed(
@@ -41,7 +54,10 @@ def run_distributed(
     pickled by value, so they must be picklable (CPU tensors are).
 
     Raises:
-        RuntimeError: a rank raised or died; the message holds that rank's traceback.
+        InputError: a rank found bad input (an :class:`~prefix_sharing.errors.InputError`):
+            one line naming the rank and the error; the rank's traceback is its cause.
+        RankError: a rank raised anything else, or died; the message holds that rank's
+            traceback.
         TimeoutError: the ranks had not all returned after ``timeout`` seconds (a hang); all
             ranks are killed first.
     """
@@ -81,7 +97,7 @@ def _collect(procs: list[Any], results_queue: Any, timeout: float) -> dict[int, 
             # in the queue died without reporting (a crash, os._exit, a kill).
             gone = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in results]
             if gone and results_queue.empty():
-                raise RuntimeError(
+                raise RankError(
                     f"rank {gone[0]} exited with code {procs[gone[0]].exitcode} without a result"
                 ) from None
             if time.monotonic() > deadline:
@@ -91,7 +107,10 @@ def _collect(procs: list[Any], results_queue: Any, timeout: float) -> dict[int, 
                 ) from None
             continue
         if not ok:
-            raise RuntimeError(f"rank {rank} failed:\n{data}")
+            input_error, message, remote = data
+            if input_error:
+                raise InputError(f"rank {rank}: {message}") from RemoteTraceback(remote)
+            raise RankError(f"rank {rank} failed:\n{remote}")
         results[rank] = pickle.loads(data)
     return results
 
@@ -119,8 +138,9 @@ def _rank_main(
         # No rank exits (closing its sockets, and rank 0 the TCPStore) while others still
         # communicate. A failed rank skips this; the parent then kills the waiting ones.
         torch.distributed.barrier()
-    except BaseException:
-        message = (rank, False, traceback.format_exc())
+    except BaseException as error:
+        failure = (isinstance(error, InputError), str(error), traceback.format_exc())
+        message = (rank, False, failure)
     results_queue.put(message)
     # The process group is left alone on purpose: destroying it waits for peers that may be
     # dead, and the process exits right after this anyway.

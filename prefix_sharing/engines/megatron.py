@@ -32,6 +32,7 @@ from ..equivalence import (
     Comparison,
     RunOutputs,
     advantages,
+    at_least_fp32,
     max_abs_diff,
     max_rel_diff,
     pg_loss,
@@ -67,7 +68,8 @@ def gpt_model(
         preset: the model's shape (Llama/Qwen style: RMSNorm, SwiGLU, RoPE, GQA).
         layout: ``"padded"`` builds megatron's stock local spec, anything else the
             prefix-sharing one.
-        dtype: parameter and activation dtype (float32 or bfloat16).
+        dtype: parameter and activation dtype: float32 or bfloat16, or float64 for the
+            reference ``verify`` judges a float32 run against (norm weights included).
         seed: weight seed; the same seed gives the same model under every parallel layout.
         layer_spec: a layer ModuleSpec to use instead (e.g. the ``--spec`` object).
         config_overrides: TransformerConfig fields (``qk_layernorm``, ``recompute_*``, ...).
@@ -122,6 +124,8 @@ def gpt_model(
         position_embedding_type="rope",
         rotary_base=preset.rotary_base,
     )
+    if dtype == torch.float64:
+        model.double()  # megatron's torch norms are built float32 whatever params_dtype says
     if torch.cuda.is_available():
         model.cuda()
     seed_weights(model, seed)
@@ -265,7 +269,7 @@ def forward_backward(
                 log_probs, entropy = stats.log_probs, stats.entropy
             weights = advantages(log_probs.numel(), seed=i).to(log_probs.device)
             loss = pg_loss(log_probs, entropy, weights)
-            outputs.append(RunOutputs(packed.detach().float().cpu(), log_probs.detach().cpu(),
+            outputs.append(RunOutputs(at_least_fp32(packed.detach()).cpu(), log_probs.detach().cpu(),
                                       entropy.detach().cpu(), loss.detach().clone().cpu(), {}))
             return loss, {}
 

@@ -14,7 +14,7 @@ from prefix_sharing import PrefixSharingConfig, build_plan
 from prefix_sharing.cli import main
 from prefix_sharing.cli.analyze import TREE_LIMIT, prefix_tree, sharing_structure
 from prefix_sharing.flops import count_flops
-from prefix_sharing.presets import get_preset
+from prefix_sharing.presets import PRESETS, get_preset
 from tests.strategies import forests
 
 EVERY_PREFIX = PrefixSharingConfig(min_prefix_len=1)
@@ -239,7 +239,7 @@ BAD_INPUT = [
     ("r.jsonl", "", [], "no rollouts (the file is empty)"),
     ("r.jsonl", jsonl({"input_ids": []}), [], "line 1: the sequence is empty"),
     ("r.jsonl", jsonl({"input_ids": [1]}), ["--model", "gpt-9"],
-     "unknown model preset 'gpt-9'; choose from tiny, small, qwen2.5-0.5b"),
+     f"unknown model preset 'gpt-9'; choose from {', '.join(PRESETS)}"),
     ("r.jsonl", jsonl({"input_ids": [1]}), ["--mode", "prompt"], "PrefixSharingConfig.mode must be one of"),
     ("r.jsonl", jsonl({"input_ids": [1]}), ["--min-prefix-len", "0"], "min_prefix_len must be an integer >= 1"),
     ("r.jsonl", jsonl({"input_ids": [1]}), ["--mode", "prompt_only"],

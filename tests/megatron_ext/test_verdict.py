@@ -1,0 +1,119 @@
+"""``verify``'s verdict on the Megatron engine: quiet on correct code at scale, loud on bugs.
+
+The shared fp32 run is judged against megatron's stock model run again in float64 on the same
+weights: it may be no further from that than 2x (grads 3x) the plain fp32 run is. Correct code
+passes on a large batch with many reusers; three small bugs of the kind prefix sharing invites
+- a reuser's rotary offset one position off, the gathered K/V cut from the graph (reusers'
+gradients never reach the prefix), a softmax scale off by 1e-3 - fail, even on a small batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from prefix_sharing import PrefixSharingConfig
+from prefix_sharing.engines.verify import VerifyRequest, summarize, verify_job
+from prefix_sharing.plan import SharingPlan
+from prefix_sharing.workloads import make_workload
+
+from ._distributed import PRESET, run_distributed
+
+CONFIG = PrefixSharingConfig(min_prefix_len=1)
+# 18 agent episodes (2 tasks x 3 turns x 3 branches) under one 128-token system prompt: 9.9k
+# tokens, 5.5k computed; every turn's prefix is read by up to 9 episodes.
+LARGE_AGENT = dict(num_tasks=2, num_turns=3, branching=3, system_len=128, task_len=(16, 64),
+                   turn_len=(32, 96))
+
+
+# ----------------------------------------------------------------------------- the bugs
+def _reusers(plan: SharingPlan) -> np.ndarray:
+    """Per flat row: does it belong to a segment that reads a prefix from another sequence?"""
+    q, kv = plan.cu_seqlens_q.cpu().numpy(), plan.cu_seqlens_kv.cpu().numpy()
+    reads = (kv[1:] - kv[:-1]) > (q[1:] - q[:-1])
+    return np.repeat(reads, q[1:] - q[:-1])
+
+
+def _rope_off_by_one() -> None:
+    """Reusers' tails rotated one position early (their tail starting at ``prefix_len - 1``;
+    one late would run past the rotary table on the longest sequence)."""
+    from prefix_sharing.megatron_ext import packed_seq
+
+    build_plan = packed_seq.build_plan
+
+    def shifted(*args, **kwargs):
+        plan = build_plan(*args, **kwargs)
+        offset = torch.from_numpy(_reusers(plan).astype(np.int64))
+        return dataclasses.replace(plan, position_ids=plan.position_ids - offset)
+
+    packed_seq.build_plan = shifted
+
+
+def _kv_gradient_dropped() -> None:
+    """The prefix rows a reuser reads are detached: its gradient never reaches the provider."""
+    from prefix_sharing.attention import varlen_attention
+    from prefix_sharing.megatron_ext import core_attention
+
+    def attention(q, k, v, plan, *, softmax_scale=None, **kernel_options):
+        cu_q, cu_kv = plan.cu_seqlens_q.cpu().numpy(), plan.cu_seqlens_kv.cpu().numpy()
+        tails, keys = cu_q[1:] - cu_q[:-1], cu_kv[1:] - cu_kv[:-1]
+        own = np.concatenate([np.arange(n) >= n - s for n, s in zip(keys, tails)])
+        own = torch.from_numpy(own)[:, None, None]
+        index = plan.kv_gather_index
+        k = torch.where(own, k.index_select(0, index), k.detach().index_select(0, index))
+        v = torch.where(own, v.index_select(0, index), v.detach().index_select(0, index))
+        return varlen_attention(q, k, v, plan.cu_seqlens_q, plan.cu_seqlens_kv,
+                                plan.max_seqlen_q, plan.max_seqlen_kv, softmax_scale,
+                                **kernel_options)
+
+    core_attention.prefix_attention = attention
+
+
+def _softmax_scale_off() -> None:
+    """The shared path's softmax scale 1e-3 too large."""
+    from prefix_sharing.megatron_ext import core_attention
+
+    prefix_attention = core_attention.prefix_attention
+
+    def attention(q, k, v, plan, *, softmax_scale=None, **kernel_options):
+        scale = q.size(-1) ** -0.5 if softmax_scale is None else softmax_scale
+        return prefix_attention(q, k, v, plan, softmax_scale=scale * (1 + 1e-3), **kernel_options)
+
+    core_attention.prefix_attention = attention
+
+
+BUGS = {"rope_off_by_one": _rope_off_by_one, "kv_gradient_dropped": _kv_gradient_dropped,
+        "softmax_scale_off": _softmax_scale_off}
+
+
+# ----------------------------------------------------------------------------- jobs
+def _verify(rank: int, bug: str | None, request: VerifyRequest) -> list:
+    if bug is not None:
+        BUGS[bug]()  # in this spawned rank only
+    return verify_job(rank, request)
+
+
+def _verdict(workload: dict, bug: str | None = None, steps: int = 1) -> dict:
+    w = make_workload("agent", vocab_size=PRESET.vocab_size, **workload)
+    request = VerifyRequest([(w.sequences, None)], CONFIG, PRESET, steps=steps)
+    return summarize(run_distributed(_verify, 1, bug, request, timeout=600), 0, torch.float32)
+
+
+def test_a_large_batch_with_many_reusers_passes():
+    report = _verdict(LARGE_AGENT)
+    assert report["passed"], report
+    assert report["reference_dtype"] == "float64"
+    # the plain fp32 run's own error is measured, and is what the allowance scales
+    assert all(report["plain_max_rel_diff"][q] > 0 for q in ("logits", "grads"))
+    assert all(report["max_rel_diff"][q] <= report["allowed_rel_diff"][q]
+               for q in report["max_rel_diff"])
+
+
+@pytest.mark.parametrize("bug", list(BUGS))
+def test_a_bug_fails_the_verdict(bug):
+    report = _verdict({}, bug)
+    failed = [q for q, ok in report["within_tolerance"].items() if not ok]
+    assert not report["passed"] and "grads" in failed, report
