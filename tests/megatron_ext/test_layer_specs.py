@@ -67,14 +67,18 @@ def test_te_spec_without_transformer_engine_says_what_is_missing():
         get_gpt_layer_with_transformer_engine_spec()
 
 
-def _spec_from_megatron_lm(args: str) -> str:
-    """Imports the --spec module in a fresh interpreter, optionally under Megatron-LM args."""
+def _import_spec_module(args: str) -> subprocess.CompletedProcess:
+    """Imports the --spec module in a fresh interpreter: outside Megatron-LM (``None``), under
+    Megatron-LM args (a dict), or under Megatron-LM before it parsed them (``"unparsed"``)."""
     code = textwrap.dedent(f"""
         import sys, types, argparse
         args = {args}
         if args is not None:
+            def get_args():
+                assert args != "unparsed", "args is not initialized."  # as Megatron-LM does
+                return argparse.Namespace(**args)
             training = types.ModuleType("megatron.training")
-            training.get_args = lambda: argparse.Namespace(**args)
+            training.get_args = get_args
             sys.modules["megatron.training"] = training
         from megatron.core.transformer.spec_utils import import_module
         from prefix_sharing.megatron_ext import get_gpt_layer_local_spec
@@ -83,7 +87,11 @@ def _spec_from_megatron_lm(args: str) -> str:
                                                normalization=args["normalization"])
         print(spec == get_gpt_layer_local_spec(**kwargs))
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+
+
+def _spec_from_megatron_lm(args: str) -> str:
+    out = _import_spec_module(args)
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
 
@@ -96,3 +104,10 @@ def test_spec_argument_follows_megatron_lm_arguments():
     args = dict(transformer_impl="local", num_experts=None, moe_grouped_gemm=False,
                 qk_layernorm=True, multi_latent_attention=False, normalization="RMSNorm")
     assert _spec_from_megatron_lm(repr(args)) == "True"
+
+
+def test_spec_argument_before_megatron_lm_parsed_its_arguments_is_refused():
+    out = _import_spec_module(repr("unparsed"))
+    assert out.returncode != 0
+    assert "RuntimeError: prefix_sharing.megatron_ext.megatron_lm_spec was imported before " \
+        "Megatron-LM parsed its arguments" in out.stderr
