@@ -3,14 +3,15 @@
 MindSpeed is emulated by ``fake_mindspeed`` (written from MindSpeed's source, see its doc): its
 import replaces ``DotProductAttention.forward`` with a top-left-causal fused attention, RoPE
 with a fused rotary whose THD branch restarts positions per segment, and the class
-``TEDotProductAttention``; ``repatch`` removes and re-applies everything. Every case runs in a
-spawned rank (patches outlive a test), in both import orders, before and after a repatch, and
+``TEDotProductAttention``; ``repatch`` removes and re-applies everything. The shared model runs
+``backend="npu"`` on the ``torch_npu`` stand-in, as on Ascend. Every case runs in a spawned rank (patches outlive a test), in both import orders, before and after a repatch, and
 compares logits, log-probs, entropy, loss and every gradient with the plain model (fp32: 1e-5).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import sys
 
@@ -20,18 +21,22 @@ from prefix_sharing.engines.megatron import compare, forward_backward
 from prefix_sharing.equivalence import FP32_RTOL
 from prefix_sharing.npu import incompatible_options
 
+from ..attention import fake_kernels
 from ..megatron_ext._distributed import run_distributed, tiny_gpt
 from ..megatron_ext._equivalence import SHARE_EVERY_PREFIX, micro_batches
 from . import fake_mindspeed
 
 WORKLOADS = ["grpo", "tree"]  # shared prompts; a tree with a duplicate and a strict prefix
+ON_NPU = dataclasses.replace(SHARE_EVERY_PREFIX, backend="npu")
 ORDERS = ("mindspeed_first", "prefix_sharing_first")
 
 
 def _mindspeed_job(rank: int, order: str) -> dict:
     from prefix_sharing.npu import enable_mindspeed
 
-    fake_mindspeed.install(pytest.MonkeyPatch())
+    monkeypatch = pytest.MonkeyPatch()
+    npu = fake_kernels.install_torch_npu(monkeypatch)  # MindSpeed runs on torch_npu
+    fake_mindspeed.install(monkeypatch)
     batches = micro_batches(WORKLOADS)
     report: dict = {}
     if order == "prefix_sharing_first":  # the rank's setup has imported megatron_ext already
@@ -43,9 +48,9 @@ def _mindspeed_job(rank: int, order: str) -> dict:
         report["unguarded_stock_fed_a_plan"] = _stock_fed_a_plan(batches)
     enable_mindspeed()
     enable_mindspeed()  # idempotent: one feature, one guard
-    report["before_repatch"] = _run(batches)
+    report["before_repatch"] = _run(batches, npu)
     adaptor.repatch({"optimization_level": 2})
-    report["after_repatch"] = _run(batches)
+    report["after_repatch"] = _run(batches, npu)
     report["guarded_stock_fed_a_plan"] = _stock_fed_a_plan(batches)
     report["spec_module"] = _megatron_lm_spec_layers()
     try:
@@ -79,14 +84,15 @@ def _patches_in_force() -> dict:
     }
 
 
-def _run(batches) -> dict:
+def _run(batches, npu) -> dict:
     from prefix_sharing.megatron_ext import PrefixSharingCoreAttention, PrefixSharingSelfAttention
 
     ours, plain = tiny_gpt("shared"), tiny_gpt("padded")
     attention = ours.decoder.layers[0].self_attention
     fake_mindspeed.CALLS.clear()
-    shared = forward_backward(ours, batches, "shared", SHARE_EVERY_PREFIX)
-    calls_shared = dict(fake_mindspeed.CALLS)
+    npu.calls.clear()
+    shared = forward_backward(ours, batches, "shared", ON_NPU)
+    calls_shared = dict(fake_mindspeed.CALLS, npu_fusion_attention=len(npu.calls))
     fake_mindspeed.CALLS.clear()
     reference = forward_backward(plain, batches, "padded")
     return {
@@ -136,13 +142,15 @@ def test_shared_model_equals_plain_model_under_mindspeed(reports, order, stage):
 @pytest.mark.parametrize("order", ORDERS)
 def test_mindspeed_patches_were_in_force(reports, order, stage):
     """The emulation bites: the plain model ran MindSpeed's attention and rotary; the shared
-    model rotated through MindSpeed's fused rotary (bshd) but never its attention or THD RoPE."""
+    model rotated through MindSpeed's fused rotary (bshd) and attended with
+    ``npu_fusion_attention`` (sparse_mode 3), never MindSpeed's attention or THD RoPE."""
     run = reports[order][stage]
     assert all(run["patches"].values()), run["patches"]
     layer_calls = len(run["plain"].outputs) * 2  # tiny preset: 2 layers
     assert run["calls_plain"]["attention"] == layer_calls
     assert run["calls_plain"]["rope_bshd"] == 2 * layer_calls  # query and key
     assert run["calls_shared"]["rope_bshd"] == 2 * layer_calls
+    assert run["calls_shared"]["npu_fusion_attention"] == layer_calls  # backend="npu"
     assert run["calls_shared"].get("attention", 0) == 0
     assert run["calls_shared"].get("rope_thd", 0) == 0
 
