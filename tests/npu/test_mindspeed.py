@@ -4,8 +4,9 @@ MindSpeed is emulated by ``fake_mindspeed`` (written from MindSpeed's source, se
 import replaces ``DotProductAttention.forward`` with a top-left-causal fused attention, RoPE
 with a fused rotary whose THD branch restarts positions per segment, and the class
 ``TEDotProductAttention``; ``repatch`` removes and re-applies everything. The shared model runs
-``backend="npu"`` on the ``torch_npu`` stand-in, as on Ascend. Every case runs in a spawned rank (patches outlive a test), in both import orders, before and after a repatch, and
-compares logits, log-probs, entropy, loss and every gradient with the plain model (fp32: 1e-5).
+``backend="npu"`` on the ``torch_npu`` stand-in, as on Ascend. Every case runs in a spawned
+rank (patches outlive a test), in both import orders, before and after a repatch, and compares
+logits, log-probs, entropy, loss and every gradient with the plain model (fp32: 1e-5).
 """
 
 from __future__ import annotations
