@@ -13,6 +13,7 @@ import json
 
 from ..engines import ENGINES, get_engine
 from ..engines.bench import BenchRequest, BenchWorkload
+from ..engines.throughput import bench_throughput
 from ..presets import get_preset
 from ..errors import InputError, MissingPackageError
 from .options import (add_backend_option, add_dtype_option, add_input_options, add_model_option,
@@ -44,6 +45,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="timed steps per mode, after one warm-up (default: 5)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--plot", metavar="FILE.png", help="draw speedup against FLOP ratio")
+    parser.add_argument("--token-budget", type=int, metavar="N",
+                        help="throughput view: sequences/s when each micro-batch holds N tokens "
+                             "(plain: all its tokens; shared: the tokens it computes)")
     parser.set_defaults(run=run)
 
 
@@ -59,6 +63,8 @@ def run(args: argparse.Namespace) -> int:
         _check_plotting()
     model, batches = load_batches(args, get_preset(args.model), BENCH_SIZES)
     workloads = [BenchWorkload(name, seqs, groups) for name, seqs, groups in batches]
+    if args.token_budget is not None:
+        return bench_throughput(args, engine, model, config, workloads, dtype)
     results = engine.bench(BenchRequest(workloads, config, model, repeats=args.repeats,
                                         dtype=dtype))
     report = {"engine": engine.name, "model": model.name, "vocab_size": model.vocab_size,

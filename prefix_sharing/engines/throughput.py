@@ -1,0 +1,154 @@
+"""``bench --token-budget``: sequences per second when every micro-batch has the same token budget.
+
+A trainer with dynamic batch size fills each micro-batch up to a token budget (verl's
+``max_token_len_per_gpu``); its step time follows the number and size of those micro-batches.
+Plain, the budget counts every token; shared, it counts the tokens the plan computes, so one
+micro-batch carries more sequences (:func:`~prefix_sharing.batching.split_micro_batches` keeps
+sharing groups together). Both splits of a workload are timed as whole batches - every
+micro-batch's step in turn - interleaved (plain, shared, plain, ...) after a warm-up; medians.
+This is the figure that small shared micro-batches, too short to keep a GPU busy, no longer
+pull down: under the same budget shared and plain micro-batches do the same amount of work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+
+import torch
+
+from ..batching import MicroBatchSplit, split_micro_batches
+from ..config import PrefixSharingConfig
+from ..errors import InputError
+from ..presets import ModelPreset
+from .bench import BenchWorkload, _Progress, _step, _timed, keep_freed_memory_in_heap
+from .launch import run_distributed
+
+__all__ = ["ThroughputRequest", "run_throughput", "throughput_job", "time_split", "table",
+           "bench_throughput"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ThroughputRequest:
+    workloads: list[BenchWorkload]
+    config: PrefixSharingConfig
+    preset: ModelPreset
+    token_budget: int
+    repeats: int = 5
+    warmup: int = 1
+    dtype: torch.dtype = torch.float32
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.token_budget < 1:
+            raise InputError(f"--token-budget must be at least 1; got {self.token_budget}")
+        for w in self.workloads:
+            longest = max(len(s) for s in w.sequences)
+            if longest > self.token_budget:
+                raise InputError(f"--token-budget {self.token_budget} is below the longest "
+                                 f"sequence of workload {w.name!r} ({longest} tokens)")
+
+
+def run_throughput(engine, request: ThroughputRequest) -> list[dict]:
+    """Runs :func:`throughput_job` in one rank of ``engine``; one result per workload."""
+    if engine.name != "megatron":
+        raise InputError(f"--token-budget runs on the megatron engine; got --engine {engine.name}")
+    engine.check_installed()
+    return run_distributed(throughput_job, 1, request, timeout=3600)[0]
+
+
+def bench_throughput(args, engine, model: ModelPreset, config: PrefixSharingConfig,
+                     workloads: list[BenchWorkload], dtype: torch.dtype) -> int:
+    """``prefix-sharing bench --token-budget N``: runs the view, prints its table (``--json``:
+    one JSON object)."""
+    if args.plot:
+        raise InputError("--plot draws the step bench (speedup against FLOP ratio); "
+                         "leave it out with --token-budget")
+    request = ThroughputRequest(workloads, config, model, args.token_budget,
+                                repeats=args.repeats, dtype=dtype)
+    results = run_throughput(engine, request)
+    report = {"engine": engine.name, "model": model.name, "dtype": args.dtype,
+              "token_budget": args.token_budget, "repeats": args.repeats, "results": results}
+    print(json.dumps(report) if args.json else table(results))
+    return 0
+
+
+def throughput_job(rank: int, request: ThroughputRequest) -> list[dict]:
+    """Runs in one rank (see :mod:`prefix_sharing.engines.launch`)."""
+    from .megatron import gpt_model
+
+    if not torch.cuda.is_available():
+        keep_freed_memory_in_heap()
+    model = gpt_model(request.preset, layout="shared", dtype=request.dtype)
+    splits = [_splits(w, request) for w in request.workloads]
+    steps = sum(len(s.micro_batches) for pair in splits for s in pair.values())
+    progress = _Progress(steps * (request.warmup + request.repeats), request.progress)
+    results = [time_split(model, w, s, request, progress) for w, s in zip(request.workloads, splits)]
+    progress.close()
+    return results
+
+
+def _splits(workload: BenchWorkload, request: ThroughputRequest) -> dict[str, MicroBatchSplit]:
+    plain = dataclasses.replace(request.config, mode="off")
+    return {"plain": split_micro_batches(workload.sequences, request.token_budget, plain),
+            "shared": split_micro_batches(workload.sequences, request.token_budget, request.config)}
+
+
+def time_split(model: torch.nn.Module, workload: BenchWorkload,
+               splits: dict[str, MicroBatchSplit], request: ThroughputRequest,
+               progress: _Progress | None = None) -> dict:
+    """Times one batch through each split's micro-batches; the report of one workload."""
+    configs = {"plain": dataclasses.replace(request.config, mode="off"), "shared": request.config}
+    steps = {
+        mode: [_step(model, BenchWorkload(workload.name, [workload.sequences[i] for i in mb], None),
+                     configs[mode]) for mb in split.micro_batches]
+        for mode, split in splits.items()
+    }
+    times: dict[str, list[float]] = {mode: [] for mode in steps}
+    for i in range(request.warmup + request.repeats):
+        for mode, micro_steps in steps.items():  # interleaved: plain batch, shared batch, ...
+            elapsed = 0.0
+            for step in micro_steps:
+                if progress is not None:
+                    progress.advance(f"{workload.name} {mode}")
+                elapsed += _timed(step)
+            if i >= request.warmup:
+                times[mode].append(elapsed)
+    n = len(workload.sequences)
+    result: dict = {"workload": workload.name, "sequences": n, "token_budget": request.token_budget}
+    for mode, split in splits.items():
+        batch_s = statistics.median(times[mode])
+        result[mode] = {
+            "micro_batches": len(split.micro_batches),
+            "sequences_per_micro_batch": n / len(split.micro_batches),
+            "max_tokens_total": max(split.tokens_total),
+            "max_tokens_computed": max(split.tokens_computed),
+            "groups_split": split.groups_split,
+            "token_ratio": split.token_ratio,
+            "batch_ms": batch_s * 1e3,
+            "batch_steps_ms": [t * 1e3 for t in times[mode]],
+            "sequences_per_s": n / batch_s,
+        }
+    result["throughput_ratio"] = (result["shared"]["sequences_per_s"]
+                                  / result["plain"]["sequences_per_s"])
+    return result
+
+
+def table(results: list[dict]) -> str:
+    """The text view of :func:`throughput_job`'s results."""
+    header = (f"{'workload':<10} {'budget':>7} {'mode':<7} {'micro-b':>7} {'seq/mb':>7} "
+              f"{'max tok':>8} {'split':>6} {'batch ms':>9} {'seq/s':>8} {'seq/s x':>8}")
+    lines = [header]
+    for r in results:
+        for mode in ("plain", "shared"):
+            e = r[mode]
+            ratio = f"{r['throughput_ratio']:>8.2f}" if mode == "shared" else f"{'':>8}"
+            lines.append(
+                f"{r['workload']:<10} {r['token_budget']:>7} {mode:<7} {e['micro_batches']:>7} "
+                f"{e['sequences_per_micro_batch']:>7.2f} {e['max_tokens_computed']:>8} "
+                f"{e['groups_split']:>6} {e['batch_ms']:>9.0f} {e['sequences_per_s']:>8.1f} {ratio}")
+    lines += ["", "budget: tokens a micro-batch may compute (plain: all its tokens; shared: after "
+              "sharing); max tok: the fullest micro-batch; split: groups cut across micro-batches; "
+              "seq/s x: shared/plain sequences per second (median batch time)"]
+    return "\n".join(lines)
