@@ -85,14 +85,12 @@ class PlainBatchView:
             padding_mask = rows == sentinel
         else:
             rows, padding_mask = kv_index.unsqueeze(1), None  # [T_total, 1]
-        flat_rows = rows.reshape(-1)
-        readers = torch.arange(flat_rows.numel(), device=kv_index.device)
-        if padding_mask is not None:
-            real = ~padding_mask.reshape(-1)
-            flat_rows, readers = flat_rows[real], readers[real]
-        first_reader = torch.zeros(plan.num_tokens_flat, dtype=torch.int64, device=kv_index.device)
-        first_reader.scatter_reduce_(0, flat_rows, readers, "amin", include_self=False)
-        return cls(rows, padding_mask, first_reader)
+        readers = torch.arange(rows.numel(), device=kv_index.device)
+        # one slot more, for the sentinel: padding positions land there and are dropped
+        first_reader = torch.zeros(plan.num_tokens_flat + 1, dtype=torch.int64,
+                                   device=kv_index.device)
+        first_reader.scatter_reduce_(0, rows.reshape(-1), readers, "amin", include_self=False)
+        return cls(rows, padding_mask, first_reader[:-1])
 
     def gather(self, flat: torch.Tensor) -> torch.Tensor:
         """``[s, b, E]`` plain-batch rows of a flat ``[T_flat, E]`` tensor (zeros at padding)."""

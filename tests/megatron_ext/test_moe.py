@@ -14,9 +14,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prefix_sharing import PrefixSharingConfig
+from prefix_sharing import PrefixSharingConfig, build_plan
 from prefix_sharing.engines.megatron import compare, forward_backward, gpt_model
 from prefix_sharing.equivalence import FP32_RTOL, max_rel_diff
+from prefix_sharing.megatron_ext.moe import PlainBatchView
 from prefix_sharing.presets import PRESETS
 from prefix_sharing.workloads import make_workload
 
@@ -46,6 +47,40 @@ LAYOUTS = {  # name: (world size, expert parallel, variants)
 }
 
 
+# ----------------------------------------------------------------------------- the plain view
+EXAMPLE = [[5, 6, 7, 8], [5, 6, 7, 9, 9], [5, 6]]  # SharingPlan's worked example
+
+
+def test_plain_view_is_the_padded_plain_batch_per_sequence():
+    plan = build_plan([torch.tensor(s) for s in EXAMPLE], SHARE_EVERY_PREFIX, pad_to_multiple_of=4)
+    view = PlainBatchView.of(plan, per_sequence=True)
+    sentinel = plan.num_tokens_flat  # 6 rows + 2 pad rows
+    assert view.rows.T.tolist() == [[0, 1, 2, 3, sentinel], [0, 1, 2, 4, 5],
+                                    [0, 1, sentinel, sentinel, sentinel]]
+    assert torch.equal(view.padding_mask, view.rows == sentinel)
+    assert view.first_reader.tolist() == [0, 3, 6, 9, 10, 13, 0, 0]  # pad rows: position 0
+
+
+def test_plain_view_without_sequences_is_the_packed_plain_batch():
+    plan = build_plan([torch.tensor(s) for s in EXAMPLE], SHARE_EVERY_PREFIX)
+    view = PlainBatchView.of(plan, per_sequence=False)
+    assert torch.equal(view.rows[:, 0], plan.kv_index) and view.padding_mask is None
+    assert view.first_reader.tolist() == [0, 1, 2, 3, 7, 8]
+
+
+@pytest.mark.parametrize("per_sequence", [True, False])
+def test_every_flat_row_reads_back_its_own_values(per_sequence):
+    plan = build_plan([torch.tensor(s) for s in EXAMPLE], SHARE_EVERY_PREFIX, pad_to_multiple_of=4)
+    view = PlainBatchView.of(plan, per_sequence)
+    flat = torch.randn(plan.num_tokens_flat, 3)
+    plain = view.gather(flat)  # [s, b, 3]
+    real = plan.num_tokens_unique
+    assert torch.equal(view.select(plain.reshape(-1, 3))[:real], flat[:real])
+    if per_sequence:
+        assert not plain[view.padding_mask].any()  # padding reads the zero row
+
+
+# ----------------------------------------------------------------------------- the model
 def stock_spec_with_masked_bias_counts(config):
     """Megatron's stock local MoE spec, its router's expert-bias count fixed for a padding mask
     (0.16.1 masks ``[tokens, experts]`` with ``[tokens]``, which raises); nothing else changed."""
