@@ -106,7 +106,7 @@ def actor_config(prefix_grouper: dict | None, **overrides: Any):
     return config
 
 
-def build_engine(config, *, seed: int = 0):
+def build_engine(config, *, seed: int = 0, preset=PRESET):
     """The registered megatron language-model engine for ``config``, tiny model injected."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from verl.workers.engine.base import EngineRegistry
@@ -132,18 +132,21 @@ def build_engine(config, *, seed: int = 0):
         spec = engine.bridge._get_transformer_layer_spec()
     else:
         spec = shared_spec()
-    model = gpt_model(PRESET, seed=seed, layer_spec=spec)
+    model = gpt_model(preset, seed=seed, layer_spec=spec)
     engine.module, engine.tf_config, engine.is_value_model = [model], model.config, False
     return engine
 
 
-def make_batch(workload: str, *, seed: int = 0):
-    """A verl no-padding batch of the workload: prompt = the sample's group prompt."""
+def make_batch(workload: str, *, seed: int = 0, micro_batch_size: int = 2, vocab_size: int | None = None,
+               **sizes: Any):
+    """A verl no-padding batch of the workload (sizes: :data:`WORKLOADS`, or ``sizes``);
+    a sample's prompt is its group's prompt."""
     from tensordict import TensorDict
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import left_right_2_no_padding
 
-    wl = make_workload(workload, vocab_size=PRESET.vocab_size, seed=seed, **WORKLOADS[workload])
+    wl = make_workload(workload, vocab_size=vocab_size or PRESET.vocab_size, seed=seed,
+                       **(sizes or WORKLOADS[workload]))
     prompt_len = {m: g.prompt_len for g in wl.groups for m in g.members}
     uid = {m: f"u{i}" for i, g in enumerate(wl.groups) for m in g.members}
     n = len(wl.sequences)
@@ -169,7 +172,7 @@ def make_batch(workload: str, *, seed: int = 0):
     ), batch_size=[n])
     data = left_right_2_no_padding(data)
     tu.assign_non_tensor(data, uid=[uid[i] for i in range(n)], calculate_entropy=True,
-                         use_dynamic_bsz=False, micro_batch_size_per_gpu=2,
+                         use_dynamic_bsz=False, micro_batch_size_per_gpu=micro_batch_size,
                          global_batch_size=n)
     return data
 

@@ -13,7 +13,7 @@ from tests.verl_ext._requires import require_verl
 require_verl("0.9.1")
 
 # What a process reports about verl's state: which patch sets ran, which engine class is
-# registered, whether the actor config accepts prefix_grouper, whose forward-fn lookup runs.
+# registered, whether the actor config accepts prefix_grouper, whether the forward-fn lookup is wrapped.
 PROBE = """
 import json
 from verl.workers.engine.base import EngineRegistry
@@ -25,7 +25,7 @@ engine = EngineRegistry._engines["language_model"]["megatron"]["cuda"]
 print(json.dumps(dict(
     installed=ve.installed(), engine=engine.__name__,
     accepts=any(f == "prefix_grouper" for f in McoreActorConfig.__dataclass_fields__),
-    lookup=mcore.get_mcore_engine_forward_fn.__module__)))
+    wrapped=getattr(mcore.get_mcore_engine_forward_fn, "_prefix_sharing", False))))
 """
 
 
@@ -42,30 +42,36 @@ def _probe(first: str, **env: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-PATCHED = dict(installed=["verl091_mcore"], engine="PrefixSharingMegatronEngine", accepts=True,
-               lookup="verl.models.mcore")
+def _patched(got: dict) -> bool:
+    return (got["engine"] == "PrefixSharingMegatronEngine" and got["accepts"] and got["wrapped"]
+            and "verl091_mcore" in got["installed"])
 
 
 def test_importing_prefix_sharing_before_verl_patches_it():
-    got = _probe("import prefix_sharing")
-    assert got == PATCHED | {"lookup": got["lookup"]}
-    assert got["lookup"] != "verl.models.mcore.registry"  # the stock lookup's module
+    assert _patched(_probe("import prefix_sharing"))
 
 
-def test_importing_prefix_sharing_after_verl_patches_it_too():
-    before = "import verl.workers.engine.megatron.transformer_impl, verl.workers.config\nimport prefix_sharing"
-    assert _probe(before) == _probe("import prefix_sharing")
+def test_importing_it_after_verl_through_verls_plugin_route_patches_it_once():
+    # verl's worker imports model.external_lib by name, after verl itself; install() again is a
+    # no-op.
+    code = ("import verl.workers.engine.megatron.transformer_impl, verl.workers.config\n"
+            "from verl.utils.import_utils import import_external_libs\n"
+            "import_external_libs('prefix_sharing')\n"
+            "import prefix_sharing.verl_ext as ve\nve.install(); ve.install()")
+    assert _patched(_probe(code))
 
 
 def test_enable_prefix_sharing_0_leaves_verl_exactly_stock():
     got = _probe("import prefix_sharing", ENABLE_PREFIX_SHARING="0")
-    assert got == dict(installed=[], engine="MegatronEngineWithLMHead", accepts=False,
-                       lookup="verl.models.mcore.registry")
+    assert got == dict(installed=[], engine="MegatronEngineWithLMHead", accepts=False, wrapped=False)
 
 
-def test_patchset_variable_narrows_and_rejects_unknown_names():
-    assert _probe("import prefix_sharing", PREFIX_SHARING_PATCHSET="verl091_mcore")["installed"] == [
-        "verl091_mcore"]
+def test_patchset_variable_narrows_to_the_named_sets():
+    got = _probe("import prefix_sharing", PREFIX_SHARING_PATCHSET="verl091_mcore")
+    assert _patched(got) and got["installed"] == ["verl091_mcore"]
+
+
+def test_an_unknown_patchset_name_is_refused():
     out = _run("import prefix_sharing\nimport verl.workers.config",
                PREFIX_SHARING_PATCHSET="verl999_nothing")
     assert out.returncode != 0
@@ -83,11 +89,3 @@ def test_an_unsupported_verl_release_is_refused_with_the_override_named():
     assert "UnsupportedVerlVersion: prefix-sharing supports verl" in last
     assert "0.9.1" in last and "verl 0.7.1 is installed" in last
     assert "PREFIX_SHARING_PATCHSET=<name>" in last and "ENABLE_PREFIX_SHARING=0" in last
-
-
-def test_install_is_idempotent_and_verls_plugin_route_activates():
-    # verl's worker imports model.external_lib by name after verl itself.
-    code = ("import verl\nfrom verl.utils.import_utils import import_external_libs\n"
-            "import_external_libs('prefix_sharing')\n"
-            "import prefix_sharing.verl_ext as ve\nve.install(); ve.install()")
-    assert _probe(code) == _probe("import prefix_sharing")

@@ -2,7 +2,7 @@
 
 Old log-probs and entropy (``infer_batch``), verl's ``ppo_loss`` (with entropy and KL terms) and
 every gradient (``forward_backward_batch``), on GRPO, step-wise, tree and agent batches, one
-process and tensor-parallel 2 (gloo). The last position of each sample predicts nothing (verl
+process, tensor-parallel 2 and pipeline-parallel 2 (gloo; every rank plans the micro-batch). The last position of each sample predicts nothing (verl
 fills it from a wrapped-around label; downstream reads stop before it) and is not compared for
 log-probs.
 """
@@ -24,12 +24,13 @@ MODES = {
 }
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+@pytest.fixture(scope="module", params=[(1, 1), (2, 1), (1, 2)], ids=["tp1", "tp2", "pp2"])
 def results(request):
-    tp = request.param
-    workloads = list(WORKLOADS) if tp == 1 else ["grpo", "tree"]
-    modes = MODES if tp == 1 else {k: MODES[k] for k in ("off", "arbitrary_prefix")}
-    return tp, workloads, modes, run_distributed(run, tp, workloads, modes, tp=tp, timeout=400)
+    tp, pp = request.param
+    workloads = list(WORKLOADS) if tp * pp == 1 else ["grpo", "tree"]
+    modes = MODES if tp * pp == 1 else {k: MODES[k] for k in ("off", "arbitrary_prefix")}
+    per_rank = run_distributed(run, tp * pp, workloads, modes, tp=tp, pp=pp, timeout=400)
+    return f"tp{tp}pp{pp}", workloads, modes, per_rank
 
 
 def _close(shared, plain, what):
@@ -39,7 +40,7 @@ def _close(shared, plain, what):
 
 
 def test_log_probs_entropy_loss_and_gradients_match_the_feature_off(results):
-    tp, workloads, modes, per_rank = results
+    layout, workloads, modes, per_rank = results
     for rank_result in per_rank:
         for workload in workloads:
             plain = rank_result[workload, "off"]
@@ -47,7 +48,11 @@ def test_log_probs_entropy_loss_and_gradients_match_the_feature_off(results):
                 if mode == "off":
                     continue
                 shared = rank_result[workload, mode]
-                where = f"tp{tp} {workload} {mode}"
+                where = f"{layout} {workload} {mode}"
+                for name, grad in plain["grads"].items():
+                    _close(shared["grads"][name], grad, f"{where} grad {name}")
+                if not plain["infer"]:
+                    continue  # an inner pipeline stage returns no outputs
                 for key in ("log_probs", "entropy"):
                     for i, (s, p) in enumerate(zip(shared["infer"]["model_output"][key],
                                                    plain["infer"]["model_output"][key], strict=True)):
@@ -57,15 +62,14 @@ def test_log_probs_entropy_loss_and_gradients_match_the_feature_off(results):
                 assert len(shared["train"]["loss"]) == len(plain["train"]["loss"])
                 for s, p in zip(shared["train"]["loss"], plain["train"]["loss"]):
                     assert abs(s - p) <= RTOL * max(abs(p), 1e-6), f"{where} loss {s} vs {p}"
-                for name, grad in plain["grads"].items():
-                    _close(shared["grads"][name], grad, f"{where} grad {name}")
 
 
 def test_sharing_metrics_reach_verls_metrics_dict(results):
-    tp, workloads, modes, per_rank = results
+    layout, workloads, modes, per_rank = results
+    last_stage = per_rank[-1]
     for workload in workloads:
-        plain = per_rank[0][workload, "off"]["train"]["metrics"]
-        shared = per_rank[0][workload, "arbitrary_prefix"]["train"]["metrics"]
+        plain = last_stage[workload, "off"]["train"]["metrics"]
+        shared = last_stage[workload, "arbitrary_prefix"]["train"]["metrics"]
         assert not any(k.startswith("prefix_sharing/") for k in plain)
         total = shared["prefix_sharing/tokens_total"][0]
         computed = shared["prefix_sharing/tokens_computed"][0]
