@@ -158,3 +158,27 @@ def test_split_metrics_join_verls_metrics_without_replacing_measured_ones(verl):
     assert output["metrics"]["prefix_sharing/token_ratio"] == [0.5]
     assert output["metrics"]["prefix_sharing/groups_split"] == [0.0]
     assert all(isinstance(v, list) for v in output["metrics"].values())  # verl flattens lists
+
+
+def _count_on_rank(rank: int, budgets: list[int]) -> list[list[int]]:
+    """One data-parallel rank's split (its own batch size budget), inside a sharing step."""
+    from megatron.core import parallel_state
+
+    use_cpu_platform()
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.engine import utils as engine_utils
+
+    batch = dynamic(make_batch("grpo"), tu, budget=budgets[rank])
+    with sharing_split(ARBITRARY):
+        _, index_lists = engine_utils.prepare_micro_batches(
+            batch, dp_group=parallel_state.get_data_parallel_group())
+    return index_lists
+
+
+def test_data_parallel_ranks_agree_on_the_micro_batch_count():
+    from prefix_sharing.engines.launch import run_distributed
+
+    # rank 0 needs two micro-batches, rank 1 one: both run two (verl's same_micro_num_in_dp)
+    ranks = run_distributed(_count_on_rank, 2, [70, 10_000], timeout=300)
+    assert [len(r) for r in ranks] == [2, 2]
+    assert all(sorted(i for mb in r for i in mb) == list(range(6)) for r in ranks)
