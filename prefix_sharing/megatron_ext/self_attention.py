@@ -69,8 +69,9 @@ class PrefixSharingSelfAttention(SelfAttention):
             return qkv
         query, key, *rest = qkv
         q_table, k_table = self._token_rotary
-        rope = dict(config=self.config, mscale=_yarn_get_concentration_factor_from_config(self.config),
-                    cp_group=self.pg_collection.cp)  # no cu_seqlens: the BSHD path
+        mscale = _yarn_get_concentration_factor_from_config(self.config)
+        # no cu_seqlens: megatron's BSHD path, one elementwise rotation
+        rope = dict(config=self.config, mscale=mscale, cp_group=self.pg_collection.cp)
         if q_table is not None:
             query = apply_rotary_pos_emb(query, q_table, **rope)
         if k_table is not None:

@@ -2,8 +2,9 @@
 
 On a GPU every such read (``.item()``, ``.tolist()``, ``bool(t)``, ``nonzero`` ...) stalls the
 host until the device catches up; one per micro-batch is noise, one per layer or per segment
-is not. CPU tensors never stall, so the reads are counted instead (``tests/attention/host_reads.py``:
-Python-level value reads, and operators that read values back, forward and backward).
+is not. CPU tensors never stall, so the reads are counted instead
+(``tests/attention/host_reads.py``: Python-level value reads, and operators that read values
+back, forward and backward).
 
 Counted over ``model(...)`` and ``backward()`` of a planned micro-batch (GRPO: each prompt's
 first answer computes the prompt, the others reuse it), for 4 and 8 layers and for 2 and 4

@@ -92,7 +92,8 @@ def _plain_thd_job(rank: int) -> dict:
         (logits * weights).sum().backward()
         runs[name] = {"logits": logits.detach(),
                       **{n: p.grad.clone() for n, p in model.named_parameters()}}
-    diffs = {k: ((runs["plain"][k] - v).norm() / v.norm()).item() for k, v in runs["shared"].items()}
+    diffs = {k: ((runs["plain"][k] - v).norm() / v.norm()).item()
+             for k, v in runs["shared"].items()}
 
     # the plain path reads the boundaries from the device at its first layer only
     attention = model.decoder.layers[0].self_attention.core_attention
@@ -101,7 +102,8 @@ def _plain_thd_job(rank: int) -> dict:
     params = plain_micro_batch(seqs).packed_seq_params
     reads = [count_host_reads(lambda: attention(q, q, q, None, packed_seq_params=params))
              for _ in range(2)]
-    return {"diffs": diffs, "reads": reads, "padding": plain.input_ids.size(1) - sum(map(len, seqs))}
+    padding = plain.input_ids.size(1) - sum(map(len, seqs))
+    return {"diffs": diffs, "reads": reads, "padding": padding}
 
 
 def test_stock_thd_batch_computes_what_the_shared_batch_computes():

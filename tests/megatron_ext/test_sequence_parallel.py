@@ -46,7 +46,7 @@ def _sequence_parallel_job(rank: int) -> dict:
     sp_model = tiny_gpt("shared", sequence_parallel=True)
     tokens_seen = []
     sp_model.decoder.layers[0].self_attention.register_forward_pre_hook(
-        lambda module, args, kwargs: tokens_seen.append(kwargs.get("hidden_states", args[0]).size(0)),
+        lambda module, args, kwargs: tokens_seen.append(args[0].size(0)),  # [s, b, h]
         with_kwargs=True,
     )
     runs = {
@@ -55,7 +55,8 @@ def _sequence_parallel_job(rank: int) -> dict:
         "shared": _run(tiny_gpt("shared"), batches, "shared"),
         "padded": _run(tiny_gpt("padded"), batches, "padded"),
     }
-    marked = sorted(n for n, p in sp_model.named_parameters() if getattr(p, "sequence_parallel", False))
+    marked = sorted(n for n, p in sp_model.named_parameters()
+                    if getattr(p, "sequence_parallel", False))
     pairs = [("shared_sp", "padded"), ("shared_sp", "shared"), ("packed_sp", "padded")]
     return {
         "diffs": {f"{a}_vs_{b}": compare(runs[a], runs[b]).max_rel_diff for a, b in pairs},
