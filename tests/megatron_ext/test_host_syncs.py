@@ -8,12 +8,13 @@ back, forward and backward).
 
 Counted over ``model(...)`` and ``backward()`` of a planned micro-batch (GRPO: each prompt's
 first answer computes the prompt, the others reuse it), for 4 and 8 layers and for 2 and 4
-prompts (6 and 12 attention segments).
+prompts (6 and 12 attention segments); and, for comparison, of megatron's stock THD batch of
+the same sequences. ``pytest -s`` prints the counts.
 """
 
 from __future__ import annotations
 
-import torch
+import pytest
 
 from prefix_sharing import PrefixSharingConfig
 from prefix_sharing.workloads import make_workload
@@ -24,14 +25,20 @@ from ._distributed import PRESET, run_distributed, tiny_gpt
 SHARE_PROMPTS = PrefixSharingConfig(min_prefix_len=1, backend="torch")
 
 
-def _shared_step(num_layers: int, num_prompts: int) -> dict[str, int]:
+def _step(layout: str, num_layers: int, num_prompts: int) -> dict[str, int]:
+    """Host reads of one forward+backward: ``"shared"`` a planned micro-batch, ``"stock"``
+    megatron's plain THD batch of the same sequences (megatron's own RoPE, no plan)."""
     from prefix_sharing.megatron_ext import prepare_micro_batch
+    from prefix_sharing.megatron_ext.packed_seq import plain_micro_batch
 
     model = tiny_gpt(num_layers=num_layers)
     sequences = make_workload("grpo", vocab_size=PRESET.vocab_size, seed=0,
                               num_prompts=num_prompts, group_size=3).sequences
-    mb = prepare_micro_batch(sequences, SHARE_PROMPTS, device="cpu")
-    assert mb.plan.has_sharing and mb.plan.cu_seqlens_q.numel() - 1 == 3 * num_prompts
+    if layout == "shared":
+        mb = prepare_micro_batch(sequences, SHARE_PROMPTS, device="cpu")
+        assert mb.plan.has_sharing and mb.plan.cu_seqlens_q.numel() - 1 == 3 * num_prompts
+    else:
+        mb = plain_micro_batch(sequences, device="cpu")
 
     def step() -> None:
         logits = model(mb.input_ids, mb.position_ids, None, packed_seq_params=mb.packed_seq_params)
@@ -40,14 +47,31 @@ def _shared_step(num_layers: int, num_prompts: int) -> dict[str, int]:
     return count_host_reads(step)
 
 
+SIZES = ((4, 2), (8, 2), (4, 4))  # (layers, prompts): base, layers doubled, segments doubled
+
+
 def _counts_job(rank: int) -> dict:
-    return {(layers, prompts): _shared_step(layers, prompts)
-            for layers, prompts in ((4, 2), (8, 2), (4, 4))}
+    return {layout: {size: _step(layout, *size) for size in SIZES}
+            for layout in ("shared", "stock")}
 
 
-def test_host_reads_do_not_grow_with_layers_or_segments():
+@pytest.fixture(scope="module")
+def counts() -> dict:
     counts = run_distributed(_counts_job, 1, timeout=300)[0]
-    print("host reads per forward+backward (layers, prompts):", counts)
-    base = counts[(4, 2)]
-    assert counts[(8, 2)] == base, f"doubling the layers: {base} -> {counts[(8, 2)]}"
-    assert counts[(4, 4)] == base, f"doubling the segments: {base} -> {counts[(4, 4)]}"
+    print("host reads per forward+backward, by (layers, prompts):", counts)
+    return counts
+
+
+def test_shared_step_reads_do_not_grow_with_layers_or_segments(counts):
+    shared = counts["shared"]
+    base = shared[(4, 2)]
+    assert shared[(8, 2)] == base, f"doubling the layers: {base} -> {shared[(8, 2)]}"
+    assert shared[(4, 4)] == base, f"doubling the segments: {base} -> {shared[(4, 4)]}"
+
+
+def test_stock_thd_step_reads_do_not_grow_with_segments(counts):
+    """The plain baseline: megatron's own THD RoPE reads the boundaries in every layer (its
+    code, what users run today), but the core attention adds nothing per segment."""
+    stock = counts["stock"]
+    assert stock[(4, 4)] == stock[(4, 2)]
+    assert all(stock[s]["value_reads"] >= counts["shared"][s]["value_reads"] for s in SIZES)
