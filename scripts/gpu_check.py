@@ -6,12 +6,19 @@ H100 with the default ``small`` preset)::
 
     python scripts/gpu_check.py --markdown docs/gpu_check.md --json docs/gpu_check.json
 
-1. Equivalence, per backend (``flash_attn``, ``te``, ``torch``; a backend whose package does not
-   import is reported as such, never as passed): the shared run of a GPTModel against megatron's
-   stock local spec on padded input, same weights, on GRPO, step-wise, tree, agent and unshared
-   micro-batches. fp32 (torch only: flash-attn has no fp32 kernel) within 1e-5 relative; bf16 by
-   flash-attn's rule, against an fp32 reference holding the same rounded weights.
-2. Timing, per backend, bf16: forward+backward of the plain packed (THD) layout - today's
+0. Probe, per backend (``flash_attn``, ``te``, ``torch``): the kernel's module imports
+   (``transformer_engine.pytorch``, not just ``transformer_engine``, which imports without its
+   PyTorch extension) and one small prefix-shaped call runs forward and backward and matches
+   the torch kernel (THD, GQA, bottom-right causal, fewer queries than keys: TE needs cuDNN
+   >= 9.6 for it, 9.7 with unpadded max lengths, or a flash-attn it accepts). A backend that
+   fails is reported with the reason as a skipped row, never as passed, and never runs.
+1. Equivalence, per runnable backend: the shared run of a GPTModel against megatron's stock
+   local spec on padded input, same weights, on GRPO, step-wise, tree, agent and unshared
+   micro-batches, judged by flash-attn's rule: no further from the plain run in higher
+   precision (float64 for fp32 - torch only: flash-attn has no fp32 kernel -, fp32 holding the
+   same rounded weights for bf16) than 2x (grads 3x) megatron's own run is. With TE, also
+   the Transformer Engine layer spec (TE linears and norms) against megatron's stock TE spec.
+2. Timing, per backend, bf16: forward+backward of megatron's stock THD step - today's
    training step - and of the shared layout on the same model, interleaved, medians; speedup
    against the FLOP ratio, peak memory and planning time.
 
@@ -130,6 +137,8 @@ def _result(row: dict[str, Any]) -> str:
     """ok / ref / FAILED and the quantities out of tolerance / ERROR and the exception type."""
     if row["result"] == "ERROR":
         return f"ERROR ({row['error'].split(':')[0]})"
+    if row["result"] == "skipped":
+        return f"skipped: {row['status']}"
     return " ".join([row["result"], *row.get("failed", [])])
 
 
@@ -162,16 +171,17 @@ TIMING_COLUMNS = [
     Column("result", 6, _result, "<"),
 ]
 CHECK_LEGEND = (
-    "Columns: largest difference of each quantity from the fp32 plain run, relative to its scale "
-    "(logits restored to every token, per-token log-probs and entropy, a policy-gradient loss, "
-    "every parameter gradient). fp32 passes within 1e-5; bf16 within 2x (grads 3x) the error of "
-    "megatron's own bf16 run, shown in the `stock` rows."
+    "Columns: largest difference of each quantity from the plain run in higher precision (float64 "
+    "for fp32 rows, fp32 for bf16 rows), relative to its scale (logits restored to every token, "
+    "per-token log-probs and entropy, a policy-gradient loss, every parameter gradient). A row "
+    "passes within 2x (grads 3x) the error of megatron's own run in its dtype, plus a floor of "
+    "a few ulps; the `stock` rows show megatron's own bf16 error."
 )
 TIMING_LEGEND = (
     "Forward+backward (log-probs, entropy, loss, backward) of one micro-batch in bf16: `plain` is "
-    "the packed THD layout with nothing shared, `shared` the prefix-sharing layout, same model and "
-    "attention kernel. Medians of interleaved steps. `flops`: FLOP ratio plain/shared (the "
-    "physical limit); `speedup`: plain_ms/shared_ms; `of_flops`: speedup/flops; `*_MiB`: the "
+    "megatron's stock THD step (plain PackedSeqParams, verl's packing, nothing shared), `shared` "
+    "the prefix-sharing layout, same model and attention kernel. Medians of interleaved steps. "
+    "`flops`: FLOP ratio plain/shared (the physical limit); `speedup`: plain_ms/shared_ms; `of_flops`: speedup/flops; `*_MiB`: the "
     "most memory the step held at once beyond what was held before it; `mem`: "
     "plain_MiB/shared_MiB; `plan_ms`: the planner alone (each step plans, so shared_ms "
     "includes it). The JSON also holds the prompt-only sharing of each workload's prompt groups."
@@ -195,26 +205,94 @@ def say(line: str) -> None:
 
 
 # ----------------------------------------------------------------------------- environment
-def probe_backends(device: torch.device) -> dict[str, dict[str, str | None]]:
+# The module each kernel is called from. transformer_engine itself imports even when its
+# PyTorch extension (transformer_engine.pytorch) cannot load, so that is what is probed.
+KERNEL_MODULES = {"flash_attn": "flash_attn", "te": "transformer_engine.pytorch"}
+TE_CUDNN_HINT = ("TE's THD attention with GQA and a bottom-right causal mask needs cuDNN >= 9.6 "
+                 "(9.7 with unpadded max lengths) or a flash-attn version TE accepts")
+
+
+def probe_backends(device: torch.device,
+                   smoke: Callable[[str, torch.device], str | None] | None = None,
+                   import_module: Callable[[str], Any] = importlib.import_module,
+                   ) -> dict[str, dict[str, str | None]]:
     """Per backend: ``status`` ("available", "not installed", "import failed: ...", "needs
-    CUDA") and the kernel package's ``version`` (None when it does not import)."""
+    CUDA", "cannot run: ...") and the kernel package's ``version`` (None when it does not
+    import). ``smoke(name, device)`` runs the kernel once and returns why it cannot run (None
+    when it can): :func:`kernel_smoke_test` unless given."""
+    smoke = kernel_smoke_test if smoke is None else smoke
     found = {}
     for name in BACKENDS:
         package = BACKEND_FUNCTIONS[name][2]  # the kernel package; None for torch
+        if package is None:
+            found[name] = {"status": "available", "version": torch.__version__}
+            continue
         try:
-            module = torch if package is None else importlib.import_module(package)
+            top = import_module(package)
         except ModuleNotFoundError as error:
             status = "not installed" if error.name == package else f"import failed: {error}"
             found[name] = {"status": status, "version": None}
             continue
         except Exception as error:  # a wheel built against another torch fails in many ways
-            found[name] = {"status": f"import failed: {type(error).__name__}: {error}",
-                           "version": None}
+            found[name] = {"status": f"import failed: {_reason(error)}", "version": None}
             continue
-        needs_cuda = package is not None and device.type != "cuda"
-        found[name] = {"status": "needs CUDA" if needs_cuda else "available",
-                       "version": getattr(module, "__version__", "?")}
+        version = getattr(top, "__version__", "?")
+        try:
+            import_module(KERNEL_MODULES.get(name, package))
+        except Exception as error:
+            found[name] = {"status": f"import failed: {KERNEL_MODULES[name]}: {_reason(error)}",
+                           "version": version}
+            continue
+        if device.type != "cuda":
+            found[name] = {"status": "needs CUDA", "version": version}
+            continue
+        reason = smoke(name, device)
+        found[name] = {"status": "available" if reason is None else f"cannot run: {reason}",
+                       "version": version}
     return found
+
+
+def kernel_smoke_test(name: str, device: torch.device) -> str | None:
+    """Why ``name``'s kernel cannot compute a small prefix-shaped bf16 attention on ``device``
+    (forward and backward, against the torch kernel), or None when it can."""
+    from prefix_sharing.attention import varlen_attention
+
+    gen = torch.Generator().manual_seed(0)
+    # two segments reading 4 and 0 keys of prefix: 3 queries over 7 keys, 5 over 5; GQA 4:2
+    cu_q, cu_k = torch.tensor([0, 3, 8], dtype=torch.int32), torch.tensor([0, 7, 12], dtype=torch.int32)
+    q, k, v = (torch.randn(n, h, 64, generator=gen) for n, h in ((8, 4), (12, 2), (12, 2)))
+    outs = {}
+    try:
+        for backend in (name, "torch"):
+            leaves = [t.to(device, torch.bfloat16).requires_grad_() for t in (q, k, v)]
+            out = varlen_attention(*leaves, cu_q.to(device), cu_k.to(device), 5, 7,
+                                   backend=backend)
+            out.float().square().sum().backward()
+            outs[backend] = [out.detach().float(), *(t.grad.float() for t in leaves)]
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    except Exception as error:
+        hint = f" ({TE_CUDNN_HINT}; torch has cuDNN {_cudnn_version()})" if name == "te" else ""
+        return f"{_reason(error)}{hint}"
+    worst = max(((a - b).abs().max() / b.abs().max()).item()
+                for a, b in zip(outs[name], outs["torch"]))
+    if worst > SMOKE_RTOL:
+        return f"differs from the torch kernel by {worst:.1e} relative (allowed {SMOKE_RTOL})"
+    return None
+
+
+SMOKE_RTOL = 5e-2  # bf16 inputs, bf16 outputs: a few ulps on an unscaled tensor
+
+
+def _cudnn_version() -> str:
+    version = torch.backends.cudnn.version()
+    return "none" if version is None else f"{version // 10000}.{version // 100 % 100}.{version % 100}"
+
+
+def _reason(error: BaseException) -> str:
+    """``Type: first line of the message``: a table cell, not a traceback."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}".rstrip(": ")
 
 
 def describe_backends(backends: dict[str, dict[str, str | None]]) -> str:
@@ -244,44 +322,73 @@ def environment(device: torch.device, preset: ModelPreset,
 @dataclasses.dataclass
 class Models:
     """The prefix-sharing GPTModel in both dtypes and megatron's stock one on padded input;
-    ``stock_rounded`` is fp32 holding the bf16 weights, the bf16 runs' reference."""
+    ``stock_rounded`` is fp32 holding the bf16 weights, the bf16 runs' reference, and
+    ``stock_fp64`` the fp32 runs' (None where only bf16 is checked)."""
 
     shared_fp32: torch.nn.Module
     shared_bf16: torch.nn.Module
     stock_fp32: torch.nn.Module
     stock_bf16: torch.nn.Module
     stock_rounded: torch.nn.Module
+    stock_fp64: torch.nn.Module | None
 
 
-def build_models(preset: ModelPreset) -> Models:
-    stock_bf16, stock_rounded = (gpt_model(preset, layout="padded", dtype=torch.bfloat16),
-                                 gpt_model(preset, layout="padded"))
+def build_models(preset: ModelPreset, stock_spec: Any = None, shared_spec: Any = None,
+                 float64: bool = True) -> Models:
+    """The models, on megatron's local specs unless given layer specs (the same parameter
+    names on both sides, so the seeded weights agree); ``float64``: also the fp32 checks'
+    reference."""
+    stock = dict(layout="padded", layer_spec=stock_spec)
+    shared = dict(layout="shared", layer_spec=shared_spec)
+    stock_bf16, stock_rounded = (gpt_model(preset, dtype=torch.bfloat16, **stock),
+                                 gpt_model(preset, **stock))
     with torch.no_grad():
         for p32, p16 in zip(stock_rounded.parameters(), stock_bf16.parameters(), strict=True):
             p32.copy_(p16)
     return Models(
-        shared_fp32=gpt_model(preset, layout="shared"),
-        shared_bf16=gpt_model(preset, layout="shared", dtype=torch.bfloat16),
-        stock_fp32=gpt_model(preset, layout="padded"),
+        shared_fp32=gpt_model(preset, **shared),
+        shared_bf16=gpt_model(preset, dtype=torch.bfloat16, **shared),
+        stock_fp32=gpt_model(preset, **stock),
         stock_bf16=stock_bf16,
         stock_rounded=stock_rounded,
+        stock_fp64=gpt_model(preset, dtype=torch.float64, **stock) if float64 else None,
     )
+
+
+def build_te_spec_models(preset: ModelPreset) -> Models:
+    """The models on Transformer Engine layer specs: megatron's stock one, and the
+    prefix-sharing one (TE linears with fused norms, the prefix-sharing attention)."""
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_with_transformer_engine_spec as stock_te_spec,
+    )
+
+    from prefix_sharing.megatron_ext import get_gpt_layer_with_transformer_engine_spec
+
+    return build_models(preset, stock_te_spec(), get_gpt_layer_with_transformer_engine_spec(),
+                        float64=False)  # TE's kernels check bf16 only
 
 
 @dataclasses.dataclass
 class References:
-    """One workload's plain runs: fp32 (the fp32 check's reference), fp32 with the rounded bf16
+    """One workload's plain runs, each judged against a higher-precision one on the same
+    weights (flash-attn's rule, see ``within_tolerance``): float64 (the fp32 checks'
+    reference) and how far megatron's own fp32 run is from it; fp32 with the rounded bf16
     weights (the bf16 checks' reference) and how far megatron's own bf16 run is from it."""
 
-    fp32: MicroBatchRun
+    fp64: MicroBatchRun | None
+    plain_fp32: Comparison | None
     rounded: MicroBatchRun
     plain_bf16: Comparison
 
 
 def plain_references(models: Models, batches: list[list[torch.Tensor]]) -> References:
     rounded = forward_backward(models.stock_rounded, batches, "padded")
+    fp64 = None if models.stock_fp64 is None else forward_backward(models.stock_fp64, batches,
+                                                                   "padded")
     return References(
-        fp32=forward_backward(models.stock_fp32, batches, "padded"),
+        fp64=fp64,
+        plain_fp32=None if fp64 is None else compare(
+            forward_backward(models.stock_fp32, batches, "padded"), fp64),
         rounded=rounded,
         plain_bf16=compare(forward_backward(models.stock_bf16, batches, "padded"), rounded),
     )
@@ -294,18 +401,20 @@ def equivalence_check(models: Models, refs: References, batches: list[list[torch
     model = models.shared_fp32 if fp32 else models.shared_bf16
     config = dataclasses.replace(CHECK_CONFIG, backend=backend)
     comparison = compare(forward_backward(model, batches, "shared", config),
-                         refs.fp32 if fp32 else refs.rounded)
-    verdict = within_tolerance(comparison, None if fp32 else refs.plain_bf16)
+                         refs.fp64 if fp32 else refs.rounded)
+    plain = refs.plain_fp32 if fp32 else refs.plain_bf16
+    verdict = within_tolerance(comparison, plain, dtype)
     failed = [q for q, ok in verdict.items() if not ok]
     return {"max_rel_diff": comparison.max_rel_diff, "max_abs_diff": comparison.max_abs_diff,
-            "plain_bf16_max_rel_diff": None if fp32 else refs.plain_bf16.max_rel_diff,
+            "plain_max_rel_diff": plain.max_rel_diff,
             "within_tolerance": verdict, "result": "FAILED" if failed else "ok",
             "failed": failed}
 
 
 def run_checks(models: Models, preset: ModelPreset, workloads: dict[str, dict[str, Any]],
-               backends: list[str]) -> list[dict[str, Any]]:
-    """Per workload: the stock bf16 reference row, then one row per (backend, dtype)."""
+               backends: list[str], spec: str = "local") -> list[dict[str, Any]]:
+    """Per workload: the stock bf16 reference row, then one row per (backend, dtype).
+    ``spec``: the layer spec the models were built on ("local" or "te")."""
     say(text_line(CHECK_COLUMNS))
     rows = []
     for seed, (name, sizes) in enumerate(workloads.items()):
@@ -315,20 +424,45 @@ def run_checks(models: Models, preset: ModelPreset, workloads: dict[str, dict[st
                  "tokens_total": plan.num_tokens_total, "tokens_unique": plan.num_tokens_unique}
         start = time.perf_counter()
         refs = plain_references(models, [sequences])
-        reference_row = {**about, "backend": "stock", "dtype": "bfloat16", "result": "ref",
+        reference_row = {**about, "backend": _label("stock", spec), "dtype": "bfloat16", "result": "ref",
                          "max_rel_diff": refs.plain_bf16.max_rel_diff,
                          "seconds": time.perf_counter() - start}
         rows.append(reference_row)
         say(text_line(CHECK_COLUMNS, reference_row))
         for backend in backends:
             for dtype in CHECK_DTYPES[backend]:
-                row = {**about, "backend": backend, "dtype": str(dtype).removeprefix("torch.")}
+                row = {**about, "backend": _label(backend, spec),
+                       "dtype": str(dtype).removeprefix("torch.")}
                 start = time.perf_counter()
                 row.update(guarded(equivalence_check, models, refs, [sequences], backend, dtype))
                 row["seconds"] = time.perf_counter() - start
                 rows.append(row)
                 say(text_line(CHECK_COLUMNS, row))
     return rows
+
+
+def _label(backend: str, spec: str) -> str:
+    return backend if spec == "local" else f"{backend}/{spec}-spec"
+
+
+def skipped_rows(backends: dict[str, dict[str, str | None]]) -> list[dict[str, Any]]:
+    """One row per backend that cannot run here, with the reason: reported, never passed."""
+    rows = [{"backend": name, "status": info["status"]} for name, info in backends.items()
+            if info["status"] != "available"]
+    te = backends["te"]["status"]
+    if te != "available":  # the TE layer spec needs Transformer Engine's kernels
+        rows.append({"backend": _label("te", "te"), "status": te})
+    return [{**row, "dtype": "-", "workload": "-", "result": "skipped"} for row in rows]
+
+
+def guarded_models(build: Callable[[ModelPreset], Models], preset: ModelPreset) -> Models | dict:
+    """``build(preset)``, or an ERROR row naming the TE spec when building it fails."""
+    try:
+        return build(preset)
+    except Exception as error:
+        traceback.print_exc()
+        return {"backend": _label("te", "te"), "dtype": "bfloat16", "workload": "-",
+                "result": "ERROR", "error": f"{type(error).__name__}: {error}"}
 
 
 def guarded(step: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
@@ -400,10 +534,10 @@ def markdown_report(report: dict[str, Any]) -> str:
 
 def summary(checks: list[dict[str, Any]], timing: list[dict[str, Any]],
             backends: dict[str, dict[str, str | None]]) -> tuple[bool, str]:
-    checks = [r for r in checks if r["result"] != "ref"]
+    skipped = [f"{r['backend']} ({r['status']})" for r in checks if r["result"] == "skipped"]
+    checks = [r for r in checks if r["result"] not in ("ref", "skipped")]
     passed = sum(r["result"] == "ok" for r in checks)
     errors = sum(r["result"] == "ERROR" for r in checks + timing)
-    skipped = [f"{n} ({b['status']})" for n, b in backends.items() if b["status"] != "available"]
     ok = passed == len(checks) and errors == 0
     text = (f"{passed}/{len(checks)} equivalence checks passed, {errors} errors; "
             f"skipped: {', '.join(skipped) or 'none'}")
@@ -453,7 +587,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     models = build_models(preset)
     say("\n== equivalence: shared vs megatron's stock spec on padded input, same weights")
     checks = run_checks(models, preset, profile.checks, runnable)
-    say(f"\n== timing: bf16, plain packed vs shared, median of {args.repeats} interleaved steps")
+    if "te" in runnable:  # the TE layer spec, which only runs with Transformer Engine's kernels
+        say("\n== equivalence on Transformer Engine layer specs (TE linears and norms)")
+        te_models = guarded_models(build_te_spec_models, preset)
+        if isinstance(te_models, Models):
+            checks += run_checks(te_models, preset, profile.checks, ["te"], spec="te")
+        else:
+            checks.append(te_models)
+            say(text_line(CHECK_COLUMNS, te_models))
+    skipped = skipped_rows(backends)
+    for row in skipped:
+        say(text_line(CHECK_COLUMNS, row))
+    checks += skipped
+    say(f"\n== timing: bf16, megatron's stock THD step vs shared, median of {args.repeats} "
+        "interleaved steps")
     timing = run_timing(models.shared_bf16, preset, profile.timing, runnable, args.repeats)
     ok, text = summary(checks, timing, backends)
     elapsed = time.perf_counter() - started

@@ -2,8 +2,8 @@
 
 A step is what a trainer does per micro-batch: plan it (``prepare_micro_batch``), forward,
 per-token log-probs and entropy, a policy-gradient loss, backward. The plain step is the same
-model on the plain packed layout (``mode="off"``: the THD step verl runs today); the shared
-step uses the plan. Steps are timed interleaved (plain, shared, plain, shared, ...) after a
+model on megatron's stock THD layout (plain ``PackedSeqParams``, megatron's own THD RoPE, verl's
+packing: the step verl runs today), the same attention kernel; the shared step uses the plan. Steps are timed interleaved (plain, shared, plain, shared, ...) after a
 warm-up, so machine noise falls on both alike; medians are reported. Peak memory is measured
 in separate runs (see :func:`peak_memory_bytes`), as the profiler slows the step down.
 """
@@ -109,13 +109,20 @@ def _step(model: torch.nn.Module, workload: BenchWorkload,
           config: PrefixSharingConfig) -> Callable[[], None]:
     from ..megatron_ext import forward_token_stats, prepare_micro_batch
     from ..equivalence import advantages, pg_loss
+    from .megatron import stock_thd_batch, stock_thd_token_stats
 
     groups = workload.groups if config.mode == "prompt_only" else None
 
     def step() -> None:
         model.zero_grad(set_to_none=True)
-        batch = prepare_micro_batch(workload.sequences, config, groups=groups)
-        stats = forward_token_stats(model, batch)
+        if config.mode == "off":  # megatron's own THD step
+            inputs, stats_batch = stock_thd_batch(workload.sequences, backend=config.backend)
+            logits = model(inputs.input_ids, inputs.position_ids, None,
+                           packed_seq_params=inputs.packed_seq_params)
+            stats = stock_thd_token_stats(logits, inputs, stats_batch)
+        else:
+            batch = prepare_micro_batch(workload.sequences, config, groups=groups)
+            stats = forward_token_stats(model, batch)
         weights = advantages(stats.log_probs.numel(), seed=0).to(stats.log_probs.device)
         pg_loss(stats.log_probs, stats.entropy, weights).backward()
 

@@ -4,8 +4,9 @@ Three ways to compute the same micro-batches, all through megatron's own schedul
 (``get_forward_backward_func``, so pipeline parallelism runs exactly as in training):
 
 - ``"shared"``: the prefix-sharing layer spec on the plan's flat layout;
-- ``"packed"``: the same model on the plain packed layout (``mode="off"``: nothing shared) -
-  what a THD training step computes today, and the baseline ``bench`` times;
+- ``"packed"``: the same model on megatron's stock THD layout (plain ``PackedSeqParams``,
+  verl's packing: nothing shared, megatron's own THD RoPE) - what a training step computes
+  today, and the baseline ``bench`` times;
 - ``"padded"``: megatron's stock local spec on right-padded ``[b, s]`` input, log-probs from
   the gathered full-vocabulary logits one sequence at a time - no code of this package involved,
   the reference ``verify`` checks against.
@@ -41,6 +42,8 @@ from ..equivalence import (
 
 __all__ = [
     "LAYOUTS",
+    "stock_thd_batch",
+    "stock_thd_token_stats",
     "gpt_model",
     "seed_weights",
     "full_grads",
@@ -207,11 +210,43 @@ def _global_name(model: torch.nn.Module, name: str) -> str:
     return f"{prefix}{model.decoder.layers[int(local)].layer_number - 1}.{rest}"
 
 
+# ----------------------------------------------------------------------------- plain THD
+def stock_thd_batch(sequences: Sequence[torch.Tensor], device: Any = None,
+                    backend: str = "auto") -> tuple[Any, Any]:
+    """Megatron's stock THD inputs for a micro-batch, and what its log-probs are read with.
+
+    Returns ``(inputs, stats_batch)``: ``inputs`` is
+    :func:`~prefix_sharing.megatron_ext.packed_seq.plain_micro_batch` (plain ``PackedSeqParams``,
+    each sequence padded to the tensor-parallel size), ``stats_batch`` a ``MicroBatch`` of the
+    nothing-shared plan, whose flat layout is exactly the real tokens ``inputs.token_rows``
+    picks: :func:`stock_thd_token_stats` reads the log-probs with the same code as the shared
+    step, so the two steps differ only in what sharing changes. ``backend``: the attention
+    kernel (the core attention reads a ``backend`` attribute of plain ``PackedSeqParams`` too).
+    """
+    from ..megatron_ext import prepare_micro_batch
+    from ..megatron_ext.packed_seq import plain_micro_batch
+
+    inputs = plain_micro_batch(sequences, device=device)
+    inputs.packed_seq_params.backend = backend
+    stats_batch = prepare_micro_batch(sequences, PrefixSharingConfig(mode="off"),
+                                      pad_to_multiple_of=1, device=device)
+    return inputs, stats_batch
+
+
+def stock_thd_token_stats(logits: torch.Tensor, inputs: Any, stats_batch: Any) -> Any:
+    """Per-token log-probs and entropy from the stock THD logits ``[1, T_padded, V_local]``."""
+    from ..megatron_ext import token_stats
+
+    if logits.size(1) != inputs.token_rows.numel():  # drop each sequence's pad rows
+        logits = logits.index_select(1, inputs.token_rows)
+    return token_stats(logits, stats_batch)
+
+
 # ----------------------------------------------------------------------------- running
 @dataclasses.dataclass
 class MicroBatchRun:
     """One pass over the micro-batches: per micro-batch packed outputs (last stage only) and
-    this stage's gradients; ``digests`` are the plans' fingerprints (empty for ``padded``)."""
+    this stage's gradients; ``digests`` are the plans' fingerprints (``shared`` only)."""
 
     outputs: list[RunOutputs]
     grads: dict[str, torch.Tensor]
@@ -240,11 +275,10 @@ def forward_backward(
     groups = list(groups) if groups is not None else [None] * len(batches)
     if layout == "padded":
         inputs = [_padded(seqs, device) for seqs in batches]
+    elif layout == "packed":
+        inputs = [stock_thd_batch(seqs, device, config.backend) for seqs in batches]
     else:
-        # "packed" keeps the config's attention backend: the same kernel, nothing shared
-        plain = dataclasses.replace(config, mode="off")
-        inputs = [prepare_micro_batch(seqs, config if layout == "shared" else plain,
-                                      groups=g if layout == "shared" else None, device=device)
+        inputs = [prepare_micro_batch(seqs, config, groups=g, device=device)
                   for seqs, g in zip(batches, groups)]
     model.zero_grad(set_to_none=True)
     outputs: list[RunOutputs] = []
@@ -256,13 +290,17 @@ def forward_backward(
         if layout == "padded":  # the mask keeps pads out of MoE router statistics
             output = model(mb[0], mb[1], None, padding_mask=mb[2])
         else:
-            output = model(mb.input_ids, mb.position_ids, None,
-                           packed_seq_params=mb.packed_seq_params)
+            thd = mb[0] if layout == "packed" else mb
+            output = model(thd.input_ids, thd.position_ids, None,
+                           packed_seq_params=thd.packed_seq_params)
 
         def loss_func(logits):
             if layout == "padded":
                 packed = _unpad(_gather_vocab(logits), seqs)
                 log_probs, entropy = plain_token_log_probs(packed, [s.to(packed.device) for s in seqs])
+            elif layout == "packed":
+                log_probs, entropy = stock_thd_token_stats(logits, *mb)
+                packed = _gather_vocab(logits)[0].index_select(0, mb[0].token_rows)
             else:
                 stats = token_stats(logits, mb)
                 packed = mb.plan.restore(_gather_vocab(logits)[0])
@@ -280,7 +318,7 @@ def forward_backward(
         num_microbatches=len(inputs), seq_length=max(len(s) for b in batches for s in b),
         micro_batch_size=1,
     )
-    digests = [] if layout == "padded" else [mb.plan.digest() for mb in inputs]
+    digests = [mb.plan.digest() for mb in inputs] if layout == "shared" else []
     return MicroBatchRun(outputs, full_grads(model), digests)
 
 
