@@ -10,8 +10,8 @@ sequences than a plain one - that is what turns the FLOP ratio into throughput.
 
 A group that alone exceeds the budget is cut in lexicographic order, between sub-trees
 (at its shallowest branch points where that needs no more pieces), so deep shared prefixes stay
-whole; every such group is counted in ``groups_split``. A single sequence longer than the budget gets a micro-batch of its
-own and is listed in ``oversized``. The split is deterministic: it depends on token ids, uids
+whole; every such group is counted in ``groups_split``. A single sequence longer than the
+budget gets a micro-batch of its own and is listed in ``oversized``. The split is deterministic: it depends on token ids, uids
 and the budget alone, so every rank that sees the same batch builds the same one.
 """
 
@@ -116,7 +116,7 @@ def split_micro_batches(
     for members in groups:
         units += [(cost(piece), piece) for piece in _cut(members, token_budget, sequences, cost)]
     bins = _pack(units, token_budget, min_micro_batches)
-    _fill_empty(bins, token_budget, sequences, cost)
+    _fill_empty(bins, sequences, cost)
 
     micro_batches = sorted(tuple(sorted(i for _, members in b for i in members)) for b in bins)
     where = np.empty(n, dtype=np.int64)
@@ -280,8 +280,8 @@ def _pack(units: list[tuple[int, list[int]]], token_budget: int,
     return used + [[] for _ in range(min_micro_batches - len(used))]
 
 
-def _fill_empty(bins: list[list[tuple[int, list[int]]]], token_budget: int,
-                sequences: Sequence[TokenSequence], cost: _Cost) -> None:
+def _fill_empty(bins: list[list[tuple[int, list[int]]]], sequences: Sequence[TokenSequence],
+                cost: _Cost) -> None:
     """Gives every empty micro-batch (asked for by ``min_micro_batches``) some samples.
 
     Moves the smallest unit of the micro-batch with the most units; when every non-empty
