@@ -12,8 +12,15 @@ per sequence, a flat row repeated wherever a sequence reads it, padding flagged 
 ``padding_mask``), megatron-core's ``TopKRouter.routing`` runs unchanged on that, and every flat row
 then takes the probabilities and expert choice of one of its copies (all copies are equal). Every
 statistic is therefore megatron's own, computed on exactly what megatron's stock spec sees for the
-plain padded batch with its ``padding_mask``; the gradients follow through the gather. Router
-logits are ``num_experts`` numbers per token, so this costs little next to the experts; without
+plain padded batch with its ``padding_mask``; the gradients follow through the gather. Without
+``seq_aux_loss`` the view is the packed plain batch (no padding), which gives the same statistics.
+
+"Sequence" in ``seq_aux_loss`` is a sequence of the micro-batch, as in megatron's padded
+``[s, b]`` input. (On a plain THD batch megatron-core 0.16.1 does not read ``cu_seqlens`` there:
+its ``[T, 1]`` input makes the whole micro-batch one sequence.)
+
+Cost: the router's tensors (``num_experts`` numbers per token) are the plain batch's size, not the
+flat layout's - small next to the hidden states and the experts, which stay flat. Without
 statistics (evaluation, no aux/z-loss, no expert bias) the flat rows are routed directly.
 
 The plan reaches the router through the layer spec: :class:`PrefixSharingTransformerLayer`
