@@ -77,6 +77,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+PEER_LABELS = {"prefix_grouper": "PG (peer)"}
+
+
 def table(results: list[dict]) -> str:
     header = (f"{'workload':<10} {'mode':<12} {'tokens':>7} {'unique':>7} {'flop x':>7} "
               f"{'plain ms':>9} {'shared ms':>9} {'speedup':>8} {'of flop':>8} {'memory x':>9} "
@@ -92,8 +95,16 @@ def table(results: list[dict]) -> str:
                 f"{entry['shared_ms']:>9.0f} {entry['speedup']:>8.2f} "
                 f"{entry['speedup_vs_flop_ratio']:>8.2f} {entry['memory_ratio']:>9.2f} "
                 f"{entry['planner_ms']:>8.2f}")
+        for name, peer in r.get("peers", {}).items():  # another implementation, same model
+            lines.append(
+                f"{r['workload']:<10} {PEER_LABELS.get(name, name):<12} {r['tokens_total']:>7} "
+                f"{peer['tokens_computed']:>7} {'-':>7} {r['plain_ms']:>9.0f} {peer['ms']:>9.0f} "
+                f"{peer['speedup']:>8.2f} {'-':>8} {peer['memory_ratio']:>9.2f} {'-':>8}")
     lines += ["", "flop x: plain/shared FLOPs (the limit); speedup: plain/shared step time "
               "(median); of flop: speedup/flop x; memory x: plain/shared peak memory"]
+    if any("peers" in r for r in results):
+        lines.append("PG (peer): PrefixGrouper's step on the same model and weights; its unique "
+                     "tokens are its padded grid (groups x longest group)")
     return "\n".join(lines)
 
 

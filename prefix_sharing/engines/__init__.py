@@ -17,6 +17,7 @@ import torch
 from ..errors import InputError, MissingPackageError
 from ..presets import ModelPreset
 from .bench import BenchRequest, bench_job
+from .hf import HFEngine
 from .launch import run_distributed
 from .verify import VerifyRequest, summarize, verify_job
 
@@ -71,7 +72,8 @@ class Engine:
         return run_distributed(bench_job, 1, request, timeout=3600)[0]
 
 
-ENGINES: dict[str, Engine] = {"megatron": Engine("megatron", "megatron.core", "megatron")}
+ENGINES: dict[str, Engine | HFEngine] = {"megatron": Engine("megatron", "megatron.core", "megatron"),
+                                       "hf": HFEngine()}
 
 
 def get_engine(name: str) -> Engine:

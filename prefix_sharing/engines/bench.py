@@ -66,12 +66,21 @@ def bench_job(rank: int, request: BenchRequest) -> list[dict]:
 
 
 def time_workload(model: torch.nn.Module, workload: BenchWorkload, request: BenchRequest,
-                  progress: _Progress | None = None) -> dict:
-    """Times the plain, shared (and prompt-only) steps of one workload on ``model``."""
+                  progress: _Progress | None = None, *,
+                  make_step: Callable[..., Callable[[], None]] | None = None,
+                  peers: dict[str, tuple[Callable[[], None], int]] | None = None) -> dict:
+    """Times the plain, shared (and prompt-only) steps of one workload on ``model``.
+
+    ``make_step(model, workload, config) -> step`` builds the engine's training step (megatron's
+    when omitted). ``peers``: other implementations' steps on the same model and batch, by name,
+    each with the tokens it computes; timed and measured beside ours (``result["peers"]``).
+    """
     configs = {"plain": dataclasses.replace(request.config, mode="off"), "shared": request.config}
     if workload.groups is not None:
         configs["prompt_only"] = dataclasses.replace(request.config, mode="prompt_only")
-    steps = {name: _step(model, workload, cfg) for name, cfg in configs.items()}
+    make_step = _step if make_step is None else make_step
+    steps = {name: make_step(model, workload, cfg) for name, cfg in configs.items()}
+    steps.update({name: step for name, (step, _) in (peers or {}).items()})
     times: dict[str, list[float]] = {name: [] for name in steps}
     for i in range(request.warmup + request.repeats):
         for name, step in steps.items():  # interleaved: plain, shared, prompt_only, plain, ...
@@ -84,7 +93,15 @@ def time_workload(model: torch.nn.Module, workload: BenchWorkload, request: Benc
     for name, step in steps.items():
         model.zero_grad(set_to_none=True)  # every measured step starts without gradients
         peaks[name] = peak_memory_bytes(step)
-    return _report(workload, request, configs, times, peaks)
+    result = _report(workload, request, configs, times, peaks)
+    for name, (_, tokens) in (peers or {}).items():
+        peer_s = statistics.median(times[name])
+        result.setdefault("peers", {})[name] = {
+            "tokens_computed": tokens, "ms": peer_s * 1e3,
+            "steps_ms": [t * 1e3 for t in times[name]], "peak_mb": peaks[name] / 2**20,
+            "speedup": statistics.median(times["plain"]) / peer_s,
+            "memory_ratio": peaks["plain"] / peaks[name]}
+    return result
 
 
 def keep_freed_memory_in_heap() -> None:
