@@ -127,13 +127,15 @@ def rearrange_micro_batches(
 
 def _samples(batch: Any, config: PrefixSharingConfig, tu: ModuleType) -> tuple[list, list | None,
                                                                                   list | None]:
-    """Per-sample token ids, uids (when the batch has them) and prompt lengths (prompt_only)."""
+    """Per-sample token ids (on the host: one device-to-host copy for the batch, as the split
+    plans many subsets), uids (when the batch has them) and prompt lengths (prompt_only)."""
     input_ids = batch["input_ids"]
     if input_ids.is_nested:
-        sequences = list(input_ids.unbind())
+        lengths = input_ids.offsets().diff().tolist()
+        sequences = list(input_ids.values().cpu().split(lengths))
     else:
-        mask = batch["attention_mask"].bool()
-        sequences = [row[m] for row, m in zip(input_ids, mask)]
+        mask = batch["attention_mask"].bool().cpu()
+        sequences = [row[m] for row, m in zip(input_ids.cpu(), mask)]
     uids = tu.get(batch, "uid", default=None)
     prompt_lens = None
     if config.mode == "prompt_only":
