@@ -14,8 +14,9 @@ tokens a micro-batch computes), the micro-batch count is at least ``min_num_micr
 same on every data-parallel rank (all-reduced MAX over ``dp_group``) and a multiple of
 ``num_batches_divided_by``; the result is ``(micro_batches, index lists)``, which verl's
 ``restore_dynamic_batch`` turns back into the batch order; with ``use_dynamic_bsz_balance``
-the lighter micro-batches go to both ends, as verl orders them. Samples group by ``uid`` when
-the batch carries it, else by the prefixes the planner finds.
+the lighter micro-batches go to both ends, as verl orders them; a sequence longer than the
+budget is refused, as verl refuses it. Samples group by ``uid`` when the batch carries it, else
+by the prefixes the planner finds.
 """
 
 from __future__ import annotations
@@ -111,6 +112,10 @@ def rearrange_micro_batches(
     split = functools.partial(split_micro_batches, sequences, max_token_len, record.config,
                               uids=uids, prompt_lens=prompt_lens)
     result = split(min_micro_batches=min_num_micro_batch or 1)
+    if result.oversized:  # as verl's own split refuses it: one sequence alone breaks the budget
+        longest = max(len(sequences[i]) for i in result.oversized)
+        raise ValueError(f"max_token_len ({max_token_len}) must be at least the longest sequence "
+                         f"({longest} tokens): raise max_token_len_per_gpu")
     count = _agreed_count(len(result.micro_batches), dp_group, same_micro_num_in_dp,
                           num_batches_divided_by, len(sequences))
     if count > len(result.micro_batches):

@@ -122,6 +122,9 @@ def test_the_micro_batch_count_follows_verls_contract(verl):
     assert sorted(i for mb in index_lists for i in mb) == list(range(6))
     with sharing_split(ARBITRARY), pytest.raises(ValueError, match="holds only 6 samples"):
         engine_utils.prepare_micro_batches(batch, min_num_micro_batch=5, num_batches_divided_by=4)
+    longest = max(map(len, sequences(batch)))
+    with sharing_split(ARBITRARY), pytest.raises(ValueError, match=f"longest sequence .{longest} "):
+        engine_utils.prepare_micro_batches(dynamic(batch, tu, budget=longest - 1))
 
 
 def test_prompt_only_budgets_each_uid_prompt_once(verl):
