@@ -181,7 +181,8 @@ TIMING_LEGEND = (
     "Forward+backward (log-probs, entropy, loss, backward) of one micro-batch in bf16: `plain` is "
     "megatron's stock THD step (plain PackedSeqParams, verl's packing, nothing shared), `shared` "
     "the prefix-sharing layout, same model and attention kernel. Medians of interleaved steps. "
-    "`flops`: FLOP ratio plain/shared (the physical limit); `speedup`: plain_ms/shared_ms; `of_flops`: speedup/flops; `*_MiB`: the "
+    "`flops`: FLOP ratio plain/shared (the physical limit); `speedup`: plain_ms/shared_ms; "
+    "`of_flops`: speedup/flops; `*_MiB`: the "
     "most memory the step held at once beyond what was held before it; `mem`: "
     "plain_MiB/shared_MiB; `plan_ms`: the planner alone (each step plans, so shared_ms "
     "includes it). The JSON also holds the prompt-only sharing of each workload's prompt groups."
@@ -259,7 +260,7 @@ def kernel_smoke_test(name: str, device: torch.device) -> str | None:
 
     gen = torch.Generator().manual_seed(0)
     # two segments reading 4 and 0 keys of prefix: 3 queries over 7 keys, 5 over 5; GQA 4:2
-    cu_q, cu_k = torch.tensor([0, 3, 8], dtype=torch.int32), torch.tensor([0, 7, 12], dtype=torch.int32)
+    cu_q, cu_k = (torch.tensor(b, dtype=torch.int32) for b in ([0, 3, 8], [0, 7, 12]))
     q, k, v = (torch.randn(n, h, 64, generator=gen) for n, h in ((8, 4), (12, 2), (12, 2)))
     outs = {}
     try:
@@ -286,7 +287,9 @@ SMOKE_RTOL = 5e-2  # bf16 inputs, bf16 outputs: a few ulps on an unscaled tensor
 
 def _cudnn_version() -> str:
     version = torch.backends.cudnn.version()
-    return "none" if version is None else f"{version // 10000}.{version // 100 % 100}.{version % 100}"
+    if version is None:
+        return "none"
+    return f"{version // 10000}.{version // 100 % 100}.{version % 100}"
 
 
 def _reason(error: BaseException) -> str:
@@ -424,7 +427,8 @@ def run_checks(models: Models, preset: ModelPreset, workloads: dict[str, dict[st
                  "tokens_total": plan.num_tokens_total, "tokens_unique": plan.num_tokens_unique}
         start = time.perf_counter()
         refs = plain_references(models, [sequences])
-        reference_row = {**about, "backend": _label("stock", spec), "dtype": "bfloat16", "result": "ref",
+        reference_row = {**about, "backend": _label("stock", spec), "dtype": "bfloat16",
+                         "result": "ref",
                          "max_rel_diff": refs.plain_bf16.max_rel_diff,
                          "seconds": time.perf_counter() - start}
         rows.append(reference_row)

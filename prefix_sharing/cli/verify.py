@@ -76,8 +76,9 @@ def _text(r: dict) -> str:
     ]
     for q in QUANTITIES:
         ok = "ok" if r["within_tolerance"][q] else "FAILED"
-        lines.append(f"{q:<10} {r['max_rel_diff'][q]:>9.2e} {r['plain_max_rel_diff'][q]:>9.2e} "
-                     f"{r['allowed_rel_diff'][q]:>9.2e} {r['vs_plain_max_rel_diff'][q]:>9.2e}  {ok}")
+        figures = (r[key][q] for key in ("max_rel_diff", "plain_max_rel_diff", "allowed_rel_diff",
+                                         "vs_plain_max_rel_diff"))
+        lines.append(f"{q:<10} " + " ".join(f"{x:>9.2e}" for x in figures) + f"  {ok}")
     lines += ["", f"vs plain: the shared run against the plain {r['dtype']} run"
               + (f" (within {FP32_RTOL:.0e}: {'yes' if r['vs_plain_within_fp32_rtol'] else 'no'})"
                  if r["dtype"] == "float32" else ""), ""]

@@ -3,9 +3,9 @@
 A step is what a trainer does per micro-batch: plan it (``prepare_micro_batch``), forward,
 per-token log-probs and entropy, a policy-gradient loss, backward. The plain step is the same
 model on megatron's stock THD layout (plain ``PackedSeqParams``, megatron's own THD RoPE, verl's
-packing: the step verl runs today), the same attention kernel; the shared step uses the plan. Steps are timed interleaved (plain, shared, plain, shared, ...) after a
-warm-up, so machine noise falls on both alike; medians are reported. Peak memory is measured
-in separate runs (see :func:`peak_memory_bytes`), as the profiler slows the step down.
+packing: the step verl runs today), the same attention kernel; the shared step uses the plan.
+Steps are timed interleaved (plain, shared, plain, shared, ...) after a warm-up, so machine
+noise falls on both alike; medians are reported. Peak memory is measured in separate runs (see :func:`peak_memory_bytes`), as the profiler slows the step down.
 """
 
 from __future__ import annotations

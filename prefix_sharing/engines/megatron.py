@@ -307,7 +307,8 @@ def forward_backward(
                 log_probs, entropy = stats.log_probs, stats.entropy
             weights = advantages(log_probs.numel(), seed=i).to(log_probs.device)
             loss = pg_loss(log_probs, entropy, weights)
-            outputs.append(RunOutputs(at_least_fp32(packed.detach()).cpu(), log_probs.detach().cpu(),
+            outputs.append(RunOutputs(at_least_fp32(packed.detach()).cpu(),
+                                      log_probs.detach().cpu(),
                                       entropy.detach().cpu(), loss.detach().clone().cpu(), {}))
             return loss, {}
 

@@ -95,7 +95,8 @@ def summarize(ranks: list[list[list[dict]]], batch: int, dtype: torch.dtype) -> 
     steps = [s for r in ranks for s in r[batch]]
     verdicts = [within_tolerance(s["shared"], s["plain"], dtype) for s in steps]
     verdict = {q: all(v[q] for v in verdicts) for q in QUANTITIES}
-    shared, plain, vs_plain = (_worst([s[k] for s in steps]) for k in ("shared", "plain", "vs_plain"))
+    shared, plain, vs_plain = (_worst([s[key] for s in steps])
+                               for key in ("shared", "plain", "vs_plain"))
     same_plan = len({s["digest"] for s in steps}) == 1
     return {
         "passed": all(verdict.values()) and same_plan,

@@ -81,7 +81,8 @@ def test_a_random_weight_preset_grows_its_vocabulary_to_the_data(capsys, tmp_pat
     the vocabulary is free, so it is sized to the data (rounded up to 128 x tp, as
     Megatron-LM pads it)."""
     path = tmp_path / "big.jsonl"
-    path.write_text("".join(json.dumps({"input_ids": [1, 2, 3, 3997 + i]}) + "\n" for i in range(3)))
+    rows = [{"input_ids": [1, 2, 3, 3997 + i]} for i in range(3)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     code, out, err = verify(capsys, "--sequences", path, "--tp", "2", "--json")
     report = json.loads(out)
     assert code == 0 and report["passed"], err
