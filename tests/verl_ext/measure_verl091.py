@@ -57,9 +57,9 @@ def main() -> None:
     result = run_distributed(measure, 1, args, timeout=1800)[0]
     off, shared = result["off"]["seconds"], result["arbitrary_prefix"]["seconds"]
     tokens = result["arbitrary_prefix"]["metrics"]
-    print(f"tokens: {tokens['prefix_sharing/tokens_total'][0]:.0f} total, "
-          f"{tokens['prefix_sharing/tokens_computed'][0]:.0f} computed "
-          f"(token_ratio {tokens['prefix_sharing/token_ratio'][0]:.3f})")
+    print(f"tokens: {tokens['prefix_sharing/tokens_total']:.0f} total, "
+          f"{tokens['prefix_sharing/tokens_computed']:.0f} computed "
+          f"(token_ratio {tokens['prefix_sharing/token_ratio']:.3f})")
     print(f"forward_backward_batch: off {off:.3f} s, arbitrary_prefix {shared:.3f} s "
           f"({off / shared:.2f}x)")
 

@@ -61,6 +61,11 @@ def test_importing_it_after_verl_through_verls_plugin_route_patches_it_once():
     assert _patched(_probe(code))
 
 
+def test_verls_external_modules_variable_reaches_every_process_that_imports_verl():
+    # VERL_USE_EXTERNAL_MODULES is read in verl/__init__, in the driver and each Ray worker.
+    assert _patched(_probe("import verl", VERL_USE_EXTERNAL_MODULES="prefix_sharing"))
+
+
 def test_enable_prefix_sharing_0_leaves_verl_exactly_stock():
     got = _probe("import prefix_sharing", ENABLE_PREFIX_SHARING="0")
     assert got == dict(installed=[], engine="MegatronEngineWithLMHead", accepts=False, wrapped=False)
