@@ -61,11 +61,15 @@ def _sharing_spec_factory(factory: Callable[..., Any]) -> Callable[..., Any]:
 def install_layer_spec(engine: Any) -> None:
     """Makes ``engine`` build its model with the prefix-sharing layer spec (after
     ``_build_tf_config``: the model itself is built later, in ``_build_megatron_module``)."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
     provider = getattr(engine, "provider", None)
-    if provider is not None:  # Megatron-Bridge (verl 0.9's default)
+    if provider is not None:  # Megatron-Bridge (verl 0.9's default): a spec or a spec factory
         spec = provider.transformer_layer_spec
+        is_spec = isinstance(spec, (ModuleSpec, TransformerBlockSubmodules))
         provider.transformer_layer_spec = (
-            _sharing_spec_factory(spec) if callable(spec) else share_layer_spec(spec))
+            share_layer_spec(spec) if is_spec else _sharing_spec_factory(spec))
     else:  # vanilla mbridge: the spec is built lazily in bridge.get_model; patch this instance
         bridge = engine.bridge
         bridge._get_transformer_layer_spec = _sharing_spec_factory(bridge._get_transformer_layer_spec)
