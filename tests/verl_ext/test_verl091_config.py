@@ -45,3 +45,27 @@ def test_settings_sharing_cannot_honour_raise_one_clear_error(setting, message):
     model_config = SimpleNamespace(mtp=SimpleNamespace(enable=False, enable_train=False))
     with pytest.raises(PrefixSharingSetupError, match=message):
         engine_cls(model_config, config.engine, config.optim, config.checkpoint)
+
+
+@pytest.mark.parametrize("overlay, mode", [
+    ("grpo_arbitrary_prefix.yaml", "arbitrary_prefix"),
+    ("grpo_prompt_only.yaml", "prompt_only"),
+    ("tree_agent.yaml", "arbitrary_prefix"),
+])
+def test_each_overlay_configures_the_actor_and_the_reference_model(overlay, mode):
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+    from verl.utils.config import omega_conf_to_dataclass
+
+    base = OmegaConf.create({"actor_rollout_ref": {section: dict(
+        _target_="verl.workers.config.McoreActorConfig", rollout_n=2, ppo_mini_batch_size=4,
+        ppo_micro_batch_size_per_gpu=2,
+        megatron={"_target_": "verl.workers.config.McoreEngineConfig"},
+    ) for section in ("actor", "ref")}})
+    path = Path(__file__).parents[2] / "configs" / "verl" / overlay
+    merged = OmegaConf.merge(base, OmegaConf.load(path))
+    assert merged.actor_rollout_ref.model.external_lib == "prefix_sharing"
+    for section in ("actor", "ref"):
+        config = omega_conf_to_dataclass(merged.actor_rollout_ref[section])
+        assert config.engine.prefix_sharing.mode == mode, section
