@@ -34,7 +34,7 @@ def shard_model(
     from torch.distributed.fsdp import fully_shard
 
     if gradient_checkpointing:
-        model.activation_checkpointing_enable({"use_reentrant": False})
+        _enable_checkpointing(model)
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
         raise ValueError(f"{type(model).__name__} has no model.layers to shard per decoder layer")
@@ -42,6 +42,15 @@ def shard_model(
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
     return model
+
+
+def _enable_checkpointing(model: torch.nn.Module) -> None:
+    """Non-reentrant checkpointing of every decoder layer (transformers 5 renamed the method)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable({"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def full_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:

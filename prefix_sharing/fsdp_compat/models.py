@@ -44,7 +44,7 @@ def hf_config(family: str, preset: ModelPreset, **overrides: Any) -> Any:
         num_key_value_heads=preset.num_query_groups,
         max_position_embeddings=preset.max_sequence_length,
         tie_word_embeddings=preset.tie_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": preset.rotary_base},
+        rope_theta=preset.rotary_base,  # transformers 5 files it under rope_parameters
         use_cache=False,
     )
     if family == "llama":
