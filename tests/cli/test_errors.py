@@ -26,7 +26,8 @@ def _bug_in_rank(rank: int) -> None:
 def test_input_errors_stay_value_errors():
     """Callers that catch ValueError (config, planner, rollouts) keep working."""
     assert issubclass(InputError, ValueError)
-    assert issubclass(MissingPackageError, InputError) and issubclass(MissingPackageError, ImportError)
+    assert issubclass(MissingPackageError, InputError)
+    assert issubclass(MissingPackageError, ImportError)
 
 
 def test_bad_input_found_in_a_rank_names_the_rank_and_carries_its_traceback():
