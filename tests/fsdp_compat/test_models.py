@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -58,3 +59,11 @@ def test_enabling_switches_the_attention_in_place():
     model = build_model("qwen3", PRESET)
     assert enable_prefix_sharing(model) is model
     assert model.config._attn_implementation == "prefix_sharing"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_rotary_base_is_the_presets(family):
+    preset = dataclasses.replace(PRESET, rotary_base=1_000_000.0)
+    model = build_model(family, preset)
+    dims = torch.arange(0, preset.head_dim, 2, dtype=torch.float32) / preset.head_dim
+    torch.testing.assert_close(model.model.rotary_emb.inv_freq, 1.0 / (1_000_000.0 ** dims))
