@@ -3,13 +3,10 @@
 The same engine drive as the 0.9.1 tests (``_engine.run``: old log-probs and entropy from
 ``infer_batch``, verl's ``ppo_loss`` and every gradient from ``forward_backward_batch``), on GRPO,
 step-wise, tree and agent batches, one process and tensor-parallel 2 (gloo). Then what is
-particular to 0.8.0 and to the split: the layer spec reaches the model through the real vanilla
-mbridge (``_build_tf_config`` -> ``bridge.get_model``), per engine instance; and with dynamic
-batch size the group-keeping split gives the same loss, log-probs and gradients as verl's own
-split with the feature off, in fewer micro-batches.
+particular to 0.8.0: the layer spec reaches the model through the real vanilla mbridge
+(``_build_tf_config`` -> ``bridge.get_model``), per engine instance. (The group-keeping split in
+the engine: test_microbatch_engine.py, for both verl releases.)
 """
-
-from functools import partial
 
 import pytest
 
@@ -19,8 +16,7 @@ require_verl("0.8.0")
 
 from prefix_sharing.engines.launch import run_distributed  # noqa: E402
 from prefix_sharing.verl_ext import installed  # noqa: E402
-from tests.verl_ext._engine import (WORKLOADS, _plain, actor_config, build_engine,  # noqa: E402
-                                    make_batch, run, use_cpu_platform)
+from tests.verl_ext._engine import WORKLOADS, actor_config, run, use_cpu_platform  # noqa: E402
 
 RTOL = 1e-5
 MODES = {
@@ -28,36 +24,16 @@ MODES = {
     "arbitrary_prefix": {"mode": "arbitrary_prefix", "min_prefix_len": 1},
     "prompt_only": {"mode": "prompt_only", "min_prefix_len": 1},
 }
-DYNAMIC_BUDGET = 110  # the GRPO batch: 138 tokens, 107 computed with sharing
 
 
 def run_080(rank: int, tp: int) -> dict:
-    """One rank: the equivalence runs, then (one process only) the dynamic-bsz and spec runs."""
+    """One rank: the equivalence runs, then (one process only) the layer-spec run."""
     workloads = list(WORKLOADS) if tp == 1 else ["grpo", "tree"]
     modes = MODES if tp == 1 else {k: MODES[k] for k in ("off", "arbitrary_prefix")}
     results = {"equivalence": run(rank, workloads, modes)}
     if tp == 1:
-        results["dynamic"] = {name: _dynamic_bsz_step(MODES[mode])
-                              for name, mode in (("off", "off"), ("on", "arbitrary_prefix"))}
         results["spec"] = _mbridge_layer_spec()
     return results
-
-
-def _dynamic_bsz_step(prefix_grouper: dict | None) -> dict:
-    from verl.utils import tensordict_utils as tu
-    from verl.workers.utils.losses import ppo_loss
-
-    def batch():
-        data = make_batch("grpo")
-        tu.assign_non_tensor(data, use_dynamic_bsz=True, max_token_len_per_gpu=DYNAMIC_BUDGET)
-        return data
-
-    config = actor_config(prefix_grouper)
-    engine = build_engine(config)
-    infer = engine.infer_batch(batch())
-    train = engine.forward_backward_batch(batch(), partial(ppo_loss, config=config))
-    grads = {n: p.grad.clone() for n, p in engine.module[0].named_parameters()}
-    return {"infer": _plain(infer), "train": _plain(train), "grads": grads}
 
 
 def _mbridge_layer_spec() -> dict:
@@ -161,15 +137,6 @@ def test_sharing_metrics_reach_verls_metrics_dict(results):
         else:
             [computed], [total] = (metrics[f"prefix_sharing/tokens_{k}"] for k in ("computed", "total"))
             assert computed < total, f"{workload} {mode}: nothing shared"
-
-
-def test_dynamic_bsz_keeps_groups_together_and_changes_no_result(one_process):
-    dynamic = one_process["dynamic"]
-    _same_outputs(dynamic["on"], dynamic["off"], "dynamic bsz")
-    assert len(dynamic["off"]["train"]["loss"]) == 2  # verl's split: 138 tokens over 110
-    metrics = dynamic["on"]["train"]["metrics"]
-    assert metrics["prefix_sharing/num_micro_batches"] == [1.0]  # 107 computed tokens fit
-    assert metrics["prefix_sharing/groups_split"] == [0.0]
 
 
 def test_the_layer_spec_reaches_the_model_through_mbridge_for_the_sharing_engine_only(one_process):
