@@ -75,7 +75,8 @@ def test_a_scalar_the_plain_bf16_run_got_exactly_right_may_still_be_a_few_ulps_o
 
 def test_a_tensor_the_plain_run_got_exactly_right_allows_only_a_sliver():
     plain = comparison()  # every difference 0
-    fp32_ulp = torch.finfo(torch.float32).eps
-    verdict = within_tolerance(comparison(logits=fp32_ulp), plain, torch.float32)
-    assert not verdict["logits"]
-    assert within_tolerance(comparison(logits=fp32_ulp / 10), plain, torch.float32)["logits"]
+    for dtype in (torch.float32, torch.bfloat16):
+        sliver = TENSOR_FLOOR_ULPS * torch.finfo(dtype).eps
+        assert sliver <= 1e-5  # no looser than the fixed bf16 floor it replaced
+        assert within_tolerance(comparison(logits=sliver), plain, dtype)["logits"]
+        assert not within_tolerance(comparison(logits=2 * sliver), plain, dtype)["logits"]
