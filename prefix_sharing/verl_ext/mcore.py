@@ -105,9 +105,10 @@ class SharingMetrics:
         self.micro_batches += 1
 
     def as_verl_metrics(self) -> dict[str, float]:
-        """``prefix_sharing/token_ratio`` = computed / total (1.0 when nothing is shared)."""
+        """``prefix_sharing/token_ratio`` = total / computed tokens, as ``SharingPlan.token_ratio``
+        and the batch split report it (1.0 when nothing is shared)."""
         return {
-            "prefix_sharing/token_ratio": self.computed / max(self.total, 1),
+            "prefix_sharing/token_ratio": self.total / max(self.computed, 1),
             "prefix_sharing/tokens_total": float(self.total),
             "prefix_sharing/tokens_computed": float(self.computed),
         }
