@@ -30,7 +30,8 @@ from ..presets import ModelPreset
 
 __all__ = [
     "BenchRequest", "BenchWorkload", "bench_job", "time_workload", "peak_memory_bytes",
-    "keep_freed_memory_in_heap", "without_profiler_chatter",
+    "keep_freed_memory_in_heap", "without_profiler_chatter", "megatron_training_step",
+    "timed", "Progress",
 ]
 
 
@@ -59,14 +60,14 @@ def bench_job(rank: int, request: BenchRequest) -> list[dict]:
     if not torch.cuda.is_available():
         keep_freed_memory_in_heap()
     model = gpt_model(request.preset, layout="shared", dtype=request.dtype)
-    progress = _Progress(sum(_steps(request, w) for w in request.workloads), request.progress)
+    progress = Progress(sum(_steps(request, w) for w in request.workloads), request.progress)
     results = [time_workload(model, w, request, progress) for w in request.workloads]
     progress.close()
     return results
 
 
 def time_workload(model: torch.nn.Module, workload: BenchWorkload, request: BenchRequest,
-                  progress: _Progress | None = None, *,
+                  progress: Progress | None = None, *,
                   make_step: Callable[..., Callable[[], None]] | None = None,
                   peers: dict[str, tuple[Callable[[], None], int]] | None = None) -> dict:
     """Times the plain, shared (and prompt-only) steps of one workload on ``model``.
@@ -78,7 +79,7 @@ def time_workload(model: torch.nn.Module, workload: BenchWorkload, request: Benc
     configs = {"plain": dataclasses.replace(request.config, mode="off"), "shared": request.config}
     if workload.groups is not None:
         configs["prompt_only"] = dataclasses.replace(request.config, mode="prompt_only")
-    make_step = _step if make_step is None else make_step
+    make_step = megatron_training_step if make_step is None else make_step
     steps = {name: make_step(model, workload, cfg) for name, cfg in configs.items()}
     steps.update({name: step for name, (step, _) in (peers or {}).items()})
     times: dict[str, list[float]] = {name: [] for name in steps}
@@ -86,7 +87,7 @@ def time_workload(model: torch.nn.Module, workload: BenchWorkload, request: Benc
         for name, step in steps.items():  # interleaved: plain, shared, prompt_only, plain, ...
             if progress is not None:
                 progress.advance(f"{workload.name} {name}")
-            elapsed = _timed(step)
+            elapsed = timed(step)
             if i >= request.warmup:
                 times[name].append(elapsed)
     peaks = {}
@@ -122,8 +123,10 @@ def _steps(request: BenchRequest, workload: BenchWorkload) -> int:
     return (request.warmup + request.repeats) * (2 + (workload.groups is not None))
 
 
-def _step(model: torch.nn.Module, workload: BenchWorkload,
-          config: PrefixSharingConfig) -> Callable[[], None]:
+def megatron_training_step(model: torch.nn.Module, workload: BenchWorkload,
+                           config: PrefixSharingConfig) -> Callable[[], None]:
+    """One trainer step on ``workload`` (forward, log-probs, policy-gradient loss, backward):
+    megatron's stock THD step for ``mode="off"``, the shared step otherwise."""
     from ..megatron_ext import forward_token_stats, prepare_micro_batch
     from ..equivalence import advantages, pg_loss
     from .megatron import stock_thd_batch, stock_thd_token_stats
@@ -146,7 +149,8 @@ def _step(model: torch.nn.Module, workload: BenchWorkload,
     return step
 
 
-def _timed(step: Callable[[], None]) -> float:
+def timed(step: Callable[[], None]) -> float:
+    """Wall seconds of ``step()``, device work included."""
     _synchronize()
     start = time.perf_counter()
     step()
@@ -244,7 +248,7 @@ def _report(workload: BenchWorkload, request: BenchRequest, configs: dict,
     return result
 
 
-class _Progress:
+class Progress:
     """A one-line progress bar on stderr (stdout stays clean for ``--json``)."""
 
     def __init__(self, total: int, enabled: bool) -> None:

@@ -25,7 +25,7 @@ from ..config import PrefixSharingConfig
 from ..equivalence import advantages, compare_runs, pg_loss
 from ..errors import InputError, MissingPackageError
 from ..presets import ModelPreset
-from .bench import (BenchRequest, BenchWorkload, _Progress, keep_freed_memory_in_heap,
+from .bench import (BenchRequest, BenchWorkload, Progress, keep_freed_memory_in_heap,
                     time_workload)
 from .verify import VerifyRequest, reference_dtype, summarize
 
@@ -117,7 +117,7 @@ def _bench(request: BenchRequest) -> list[dict]:
     register_peer_attention()
     per_step = request.warmup + request.repeats
     total = sum(per_step * (2 + 2 * (w.groups is not None)) for w in request.workloads)
-    progress = _Progress(total, request.progress)
+    progress = Progress(total, request.progress)
     results = [time_workload(model, w, request, progress, make_step=_step,
                              peers=_prefix_grouper_peer(model, w)) for w in request.workloads]
     progress.close()

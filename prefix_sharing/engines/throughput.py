@@ -22,7 +22,8 @@ from ..batching import MicroBatchSplit, split_micro_batches
 from ..config import PrefixSharingConfig
 from ..errors import InputError
 from ..presets import ModelPreset
-from .bench import BenchWorkload, _Progress, _step, _timed, keep_freed_memory_in_heap
+from .bench import (BenchWorkload, Progress, keep_freed_memory_in_heap,
+                    megatron_training_step, timed)
 from .launch import run_distributed
 
 __all__ = ["ThroughputRequest", "run_throughput", "throughput_job", "time_split", "table",
@@ -83,7 +84,7 @@ def throughput_job(rank: int, request: ThroughputRequest) -> list[dict]:
     model = gpt_model(request.preset, layout="shared", dtype=request.dtype)
     splits = [_splits(w, request) for w in request.workloads]
     steps = sum(len(s.micro_batches) for pair in splits for s in pair.values())
-    progress = _Progress(steps * (request.warmup + request.repeats), request.progress)
+    progress = Progress(steps * (request.warmup + request.repeats), request.progress)
     results = [time_split(model, w, s, request, progress) for w, s in zip(request.workloads, splits)]
     progress.close()
     return results
@@ -97,12 +98,12 @@ def _splits(workload: BenchWorkload, request: ThroughputRequest) -> dict[str, Mi
 
 def time_split(model: torch.nn.Module, workload: BenchWorkload,
                splits: dict[str, MicroBatchSplit], request: ThroughputRequest,
-               progress: _Progress | None = None) -> dict:
+               progress: Progress | None = None) -> dict:
     """Times one batch through each split's micro-batches; the report of one workload."""
     configs = {"plain": dataclasses.replace(request.config, mode="off"), "shared": request.config}
     steps = {
-        mode: [_step(model, BenchWorkload(workload.name, [workload.sequences[i] for i in mb], None),
-                     configs[mode]) for mb in split.micro_batches]
+        mode: [megatron_training_step(model, _subset(workload, mb), configs[mode])
+               for mb in split.micro_batches]
         for mode, split in splits.items()
     }
     times: dict[str, list[float]] = {mode: [] for mode in steps}
@@ -112,7 +113,7 @@ def time_split(model: torch.nn.Module, workload: BenchWorkload,
             for step in micro_steps:
                 if progress is not None:
                     progress.advance(f"{workload.name} {mode}")
-                elapsed += _timed(step)
+                elapsed += timed(step)
             if i >= request.warmup:
                 times[mode].append(elapsed)
     n = len(workload.sequences)
@@ -152,3 +153,8 @@ def table(results: list[dict]) -> str:
               "sharing); max tok: the fullest micro-batch; split: groups cut across micro-batches; "
               "seq/s x: shared/plain sequences per second (median batch time)"]
     return "\n".join(lines)
+
+
+def _subset(workload: BenchWorkload, indices: list[int]) -> BenchWorkload:
+    """The sequences of one micro-batch (no prompt groups: the split already grouped them)."""
+    return BenchWorkload(workload.name, [workload.sequences[i] for i in indices], None)
