@@ -338,8 +338,13 @@ def compare(candidate: MicroBatchRun, reference: MicroBatchRun) -> Comparison:
 
 def _padded(seqs: Sequence[torch.Tensor], device: Any) -> tuple[torch.Tensor, ...]:
     """Right-padded ``[b, s]`` tokens, positions and padding mask (True at pads); causal
-    attention keeps pads out of reach."""
+    attention keeps pads out of reach. ``s`` is the longest sequence rounded up to a multiple
+    of the tensor-parallel size, which sequence parallelism splits ``s`` by."""
+    from megatron.core import parallel_state
+
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
     longest = max(len(s) for s in seqs)
+    longest += -longest % tp_size
     tokens = torch.zeros(len(seqs), longest, dtype=torch.long)
     padding = torch.ones(len(seqs), longest, dtype=torch.bool)
     for row, s in enumerate(seqs):

@@ -13,14 +13,27 @@ per sequence, a flat row repeated wherever a sequence reads it, padding flagged 
 then takes the probabilities and expert choice of one of its copies (all copies are equal). Every
 statistic is therefore megatron's own, computed on exactly what megatron's stock spec sees for the
 plain padded batch with its ``padding_mask``; the gradients follow through the gather. Without
-``seq_aux_loss`` the view is the packed plain batch (no padding), which gives the same statistics.
+``seq_aux_loss`` the view is the packed plain batch (no padding), which gives the same statistics
+when one rank routes the whole batch.
+
+Under tensor parallelism megatron-core's MoE needs sequence parallelism, and its stock spec
+then routes on each rank a slice of the plain ``[s, b]`` batch along ``s`` (``s`` a multiple of
+the tensor-parallel size), with per-rank statistics: the z-loss is this slice's mean divided by
+the tensor-parallel size, the load-balancing losses combine this slice's probabilities with the
+counts all-reduced over the group, the expert-bias counts are this slice's. So each rank gathers
+the flat router logits of the whole group (``gather_from_sequence_parallel_region``: its
+backward reduce-scatters, so the router weight's per-rank gradients are the stock ones), routes
+its own slice of the padded plain batch exactly as the stock router does, and all-gathers the
+slices' probabilities and expert choices: the copy a flat row takes may lie in another rank's
+slice. The plain view is then always the padded one, since the slices decide the statistics.
 
 "Sequence" in ``seq_aux_loss`` is a sequence of the micro-batch, as in megatron's padded
 ``[s, b]`` input. (On a plain THD batch megatron-core 0.16.1 does not read ``cu_seqlens`` there:
 its ``[T, 1]`` input makes the whole micro-batch one sequence.)
 
 Cost: the router's tensors (``num_experts`` numbers per token) are the plain batch's size, not the
-flat layout's - small next to the hidden states and the experts, which stay flat. Without
+flat layout's - small next to the hidden states and the experts, which stay flat; under sequence
+parallelism, three all-gathers of them per layer (logits, probabilities, expert choices). Without
 statistics (evaluation, no aux/z-loss, no expert bias) the flat rows are routed directly.
 
 The plan reaches the router through the layer spec: :class:`PrefixSharingTransformerLayer`
@@ -37,6 +50,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
@@ -52,7 +66,7 @@ class PlainBatchView:
     """Where each position of the plain micro-batch reads its flat row, for the router.
 
     Worked example, the plan of :class:`~prefix_sharing.plan.SharingPlan` (``a = [5 6 7 8]``,
-    ``b = [5 6 7 9 9]``, ``c = [5 6]``; 6 flat rows, sentinel 6), per sequence::
+    ``b = [5 6 7 9 9]``, ``c = [5 6]``; 6 flat rows, sentinel 6), per sequence, one shard::
 
         rows = [[0 0 0]       one column per sequence, one row per position ([s, b])
                 [1 1 1]
@@ -60,66 +74,92 @@ class PlainBatchView:
                 [3 4 6]
                 [6 5 6]]
         padding_mask = rows == 6
-        first_reader = [0 3 6 9 10 13]   a flat row's first position in rows.view(-1)
+        readers = [0 3 6 9 10 13]   a flat row's first position in the plain batch, rows.view(-1)
 
-    Without per-sequence statistics the view is the plain batch as one packed sequence,
-    ``rows = kv_index[:, None]`` (no padding), which is smaller when lengths differ a lot.
+    Under sequence parallelism with 2 shards, ``s`` is rounded up to 6 (a padding row of 6s
+    appended) and split like megatron splits the plain ``[s, b]`` batch: rank 0 routes
+    ``rows[:3]``, rank 1 ``rows[3:]``; each rank's ``readers`` are those of its own half of the
+    flat rows, as positions of the whole plain batch (``[0 3 6]`` on rank 0, ``[9 10 13]`` on
+    rank 1), since a flat row's readers may sit in the other rank's half.
+
+    Without per-sequence statistics and sequence parallelism the view is the plain batch as one
+    packed sequence, ``rows = kv_index[:, None]`` (no padding), which is smaller when lengths
+    differ a lot.
 
     Attributes:
-        rows: ``[s, b]`` int64, the flat row of every plain position; ``num_tokens_flat`` (the
-            sentinel, a row of zeros) where a sequence is shorter than ``s``.
-        padding_mask: ``[s, b]`` bool, True at the sentinel (megatron's convention), or None.
-        first_reader: ``(T_flat,)`` int64, for each flat row one position of ``rows.view(-1)``
-            that reads it; the plan's pad rows, which no sequence reads, take position 0.
+        rows: ``[s / shards, b]`` int64, the flat row of every plain position of this shard;
+            ``num_tokens_flat`` (the sentinel, a row of zeros) where a sequence is shorter
+            than ``s``.
+        padding_mask: ``[s / shards, b]`` bool, True at the sentinel (megatron's convention), or
+            None.
+        readers: ``(T_flat / shards,)`` int64, for each flat row of this shard one position of
+            the whole plain batch (all shards' ``rows.view(-1)`` concatenated) that reads it; the
+            plan's pad rows, which no sequence reads, take position 0.
     """
 
     rows: torch.Tensor
     padding_mask: torch.Tensor | None
-    first_reader: torch.Tensor
+    readers: torch.Tensor
 
     @classmethod
-    def of(cls, plan: SharingPlan, per_sequence: bool) -> PlainBatchView:
-        """The view of ``plan``: padded per sequence, or the packed plain batch."""
+    def of(cls, plan: SharingPlan, per_sequence: bool, shards: int = 1,
+           shard: int = 0) -> PlainBatchView:
+        """Shard ``shard`` of ``shards`` of the view of ``plan``: padded per sequence, or the
+        packed plain batch (one shard only)."""
+        if plan.num_tokens_flat % shards:
+            raise ValueError(f"the flat layout's {plan.num_tokens_flat} rows do not split into "
+                             f"{shards} sequence-parallel shards; plan with pad_to_multiple_of="
+                             f"{shards}")
+        if shards > 1 and not per_sequence:
+            raise ValueError("the packed plain batch has one shard; shard it per sequence")
         kv_index = plan.kv_index
         if per_sequence:
             sentinel = plan.num_tokens_flat
             packed = torch.arange(plan.num_tokens_total, device=kv_index.device)
             seq = torch.searchsorted(plan.cu_seqlens[1:], packed, right=True)
             pos = packed - plan.cu_seqlens.index_select(0, seq)
-            rows = torch.full((max(plan.seq_lens), plan.num_sequences), sentinel,
+            length = max(plan.seq_lens)
+            length += -length % shards  # megatron splits the padded s evenly
+            rows = torch.full((length, plan.num_sequences), sentinel,
                               dtype=torch.int64, device=kv_index.device)
             rows[pos, seq] = kv_index  # [s, b]
-            padding_mask = rows == sentinel
         else:
-            rows, padding_mask = kv_index.unsqueeze(1), None  # [T_total, 1]
-        readers = torch.arange(rows.numel(), device=kv_index.device)
+            rows = kv_index.unsqueeze(1)  # [T_total, 1]
+        positions = torch.arange(rows.numel(), device=kv_index.device)
         # one slot more, for the sentinel: padding positions land there and are dropped
-        first_reader = torch.zeros(plan.num_tokens_flat + 1, dtype=torch.int64,
-                                   device=kv_index.device)
-        first_reader.scatter_reduce_(0, rows.reshape(-1), readers, "amin", include_self=False)
-        return cls(rows, padding_mask, first_reader[:-1])
+        readers = torch.zeros(plan.num_tokens_flat + 1, dtype=torch.int64,
+                              device=kv_index.device)
+        readers.scatter_reduce_(0, rows.reshape(-1), positions, "amin", include_self=False)
+        rows = rows.chunk(shards)[shard]
+        return cls(rows, rows == plan.num_tokens_flat if per_sequence else None,
+                   readers[:-1].chunk(shards)[shard])
 
     def gather(self, flat: torch.Tensor) -> torch.Tensor:
-        """``[s, b, E]`` plain-batch rows of a flat ``[T_flat, E]`` tensor (zeros at padding)."""
+        """``[s / shards, b, E]`` this shard's plain-batch rows of all flat rows ``[T_flat, E]``
+        (zeros at padding)."""
         with_sentinel = torch.cat([flat, flat.new_zeros(1, flat.size(1))])  # [T_flat + 1, E]
         return with_sentinel.index_select(0, self.rows.reshape(-1)).view(*self.rows.shape, -1)
 
     def select(self, plain: torch.Tensor) -> torch.Tensor:
-        """Flat ``[T_flat, E]`` rows of a plain ``[s * b, E]`` tensor: each row's first reader."""
-        return plain.index_select(0, self.first_reader)
+        """This shard's flat ``[T_flat / shards, E]`` rows of the whole plain batch
+        ``[s * b, E]``: each row's first reader."""
+        return plain.index_select(0, self.readers)
 
 
 # A plan's views, built once per micro-batch and shared by every MoE layer (the plan is frozen).
-_VIEWS: weakref.WeakKeyDictionary[SharingPlan, dict[bool, PlainBatchView]] = (
+_VIEWS: weakref.WeakKeyDictionary[SharingPlan, dict[tuple[bool, int, int], PlainBatchView]] = (
     weakref.WeakKeyDictionary()
 )
 
 
-def plain_batch_view(plan: SharingPlan, per_sequence: bool) -> PlainBatchView:
+def plain_batch_view(plan: SharingPlan, per_sequence: bool, shards: int = 1,
+                     shard: int = 0) -> PlainBatchView:
+    """:meth:`PlainBatchView.of`, cached per plan."""
     views = _VIEWS.setdefault(plan, {})
-    if per_sequence not in views:
-        views[per_sequence] = PlainBatchView.of(plan, per_sequence)
-    return views[per_sequence]
+    key = (per_sequence, shards, shard)
+    if key not in views:
+        views[key] = PlainBatchView.of(plan, per_sequence, shards, shard)
+    return views[key]
 
 
 class PrefixSharingRouter(TopKRouter):
@@ -129,18 +169,12 @@ class PrefixSharingRouter(TopKRouter):
     (see the module doc) whenever megatron would keep a statistic, so ``aux_loss``,
     ``seq_aux_loss`` (each sequence is a column, as in megatron's padded ``[s, b]`` layout),
     ``global_aux_loss``, the z-loss, the expert-bias counts and the aux-loss tracker are
-    megatron's own on the plain batch.
+    megatron's own on the plain batch - under sequence parallelism, each rank's are the stock
+    router's on that rank's slice of it.
     """
 
     def __init__(self, config: Any, pg_collection: Any = None) -> None:
         super().__init__(config=config, pg_collection=pg_collection)
-        if self._keeps_statistics() and config.tensor_model_parallel_size > 1:
-            raise UnsupportedSetupError(
-                f"tensor_model_parallel_size={config.tensor_model_parallel_size} with MoE "
-                "auxiliary losses, z-loss or expert bias: under sequence parallelism each rank "
-                "routes a slice of the flat layout, whose statistics prefix sharing does not "
-                "reweight yet; use tensor_model_parallel_size=1 (expert parallelism is fine)"
-            )
         self._plan: SharingPlan | None = None
 
     @contextlib.contextmanager
@@ -160,10 +194,21 @@ class PrefixSharingRouter(TopKRouter):
                 "a padding_mask was passed with a sharing plan: the plan already says which "
                 "rows are padding; drop the padding_mask"
             )
-        view = plain_batch_view(self._plan, self.get_aux_loss_coeff("seq_aux_loss") > 0)
-        plain_logits = view.gather(logits.reshape(-1, self.num_experts))  # [s, b, E]
+        # Under sequence parallelism this rank holds a 1/shards slice of the flat rows, and
+        # megatron's stock spec routes a 1/shards slice (along s) of the plain [s, b] batch.
+        shards = self.tp_group.size() if self.config.sequence_parallel else 1
+        view = plain_batch_view(self._plan,
+                                self.get_aux_loss_coeff("seq_aux_loss") > 0 or shards > 1,
+                                shards, self.tp_group.rank() if shards > 1 else 0)
+        flat_logits = logits.reshape(-1, self.num_experts)  # [T_flat / shards, E]
+        if shards > 1:  # backward: reduce-scatter, each rank's uses of every row summed
+            flat_logits = gather_from_sequence_parallel_region(flat_logits, group=self.tp_group)
+        plain_logits = view.gather(flat_logits)  # [s / shards, b, E]
         probs, routing_map = super().routing(plain_logits, padding_mask=view.padding_mask)
-        return view.select(probs), view.select(routing_map)  # [T_flat, E] each
+        if shards > 1:  # this rank's flat rows may be read in another rank's slice
+            probs = gather_from_sequence_parallel_region(probs, group=self.tp_group)
+            routing_map = gather_from_sequence_parallel_region(routing_map, group=self.tp_group)
+        return view.select(probs), view.select(routing_map)  # [T_flat / shards, E] each
 
     def _apply_expert_bias(self, routing_map: torch.Tensor,
                            padding_mask: torch.Tensor | None = None) -> None:

@@ -15,13 +15,14 @@ import pytest
 import torch
 
 from prefix_sharing import PrefixSharingConfig, build_plan
-from prefix_sharing.engines.megatron import compare, forward_backward, gpt_model
+from prefix_sharing.engines.megatron import compare, forward_backward, full_grads, gpt_model
 from prefix_sharing.equivalence import FP32_RTOL, max_rel_diff
 from prefix_sharing.megatron_ext.moe import PlainBatchView
 from prefix_sharing.presets import PRESETS
 from prefix_sharing.workloads import make_workload
 
 from ._distributed import run_distributed
+from .test_sequence_parallel import _finalize_sequence_parallel_grads
 
 PRESET = PRESETS["tiny-moe"]  # the tiny shape, 8 experts of width 64, top-2
 SHARE_EVERY_PREFIX = PrefixSharingConfig(min_prefix_len=1)
@@ -41,10 +42,12 @@ VARIANTS = {
     "recompute_full": dict(recompute_granularity="full", recompute_method="uniform",
                            recompute_num_layers=1),
 }
-LAYOUTS = {  # name: (world size, expert parallel, pipeline parallel, variants)
-    "ep1": (1, 1, 1, list(VARIANTS)),
-    "ep2": (2, 2, 1, ["expert_bias"]),
-    "pp2": (2, 1, 2, ["preset"]),  # each stage hands its own layers the plan
+LAYOUTS = {  # name: (world size, tensor parallel, expert parallel, pipeline parallel, variants)
+    "ep1": (1, 1, 1, 1, list(VARIANTS)),
+    "ep2": (2, 1, 2, 1, ["expert_bias"]),
+    "pp2": (2, 1, 1, 2, ["preset"]),  # each stage hands its own layers the plan
+    # sequence parallel (megatron's MoE needs it under TP): each rank routes its slice of [s, b]
+    "tp2": (2, 2, 1, 1, ["preset", "expert_bias"]),
 }
 
 
@@ -59,14 +62,35 @@ def test_plain_view_is_the_padded_plain_batch_per_sequence():
     assert view.rows.T.tolist() == [[0, 1, 2, 3, sentinel], [0, 1, 2, 4, 5],
                                     [0, 1, sentinel, sentinel, sentinel]]
     assert torch.equal(view.padding_mask, view.rows == sentinel)
-    assert view.first_reader.tolist() == [0, 3, 6, 9, 10, 13, 0, 0]  # pad rows: position 0
+    assert view.readers.tolist() == [0, 3, 6, 9, 10, 13, 0, 0]  # pad rows: position 0
 
 
 def test_plain_view_without_sequences_is_the_packed_plain_batch():
     plan = build_plan([torch.tensor(s) for s in EXAMPLE], SHARE_EVERY_PREFIX)
     view = PlainBatchView.of(plan, per_sequence=False)
     assert torch.equal(view.rows[:, 0], plan.kv_index) and view.padding_mask is None
-    assert view.first_reader.tolist() == [0, 1, 2, 3, 7, 8]
+    assert view.readers.tolist() == [0, 1, 2, 3, 7, 8]
+
+
+def test_sequence_parallel_shards_split_the_padded_batch_along_s():
+    """As megatron splits the plain ``[s, b]`` batch: ``s`` padded to a multiple of the shards,
+    each shard a run of positions; each shard's flat rows read anywhere in the whole batch."""
+    plan = build_plan([torch.tensor(s) for s in EXAMPLE], SHARE_EVERY_PREFIX, pad_to_multiple_of=2)
+    whole = PlainBatchView.of(plan, per_sequence=True)
+    shards = [PlainBatchView.of(plan, per_sequence=True, shards=2, shard=r) for r in range(2)]
+    sentinel = plan.num_tokens_flat
+    assert torch.equal(torch.cat([v.rows for v in shards]),
+                       torch.cat([whole.rows, torch.full((1, 3), sentinel)]))  # s: 5 -> 6
+    assert [v.readers.tolist() for v in shards] == [[0, 3, 6], [9, 10, 13]]
+    flat = torch.randn(plan.num_tokens_flat, 3)
+    plain = torch.cat([v.gather(flat) for v in shards]).reshape(-1, 3)  # what ranks all-gather
+    assert torch.equal(torch.cat([v.select(plain) for v in shards]), flat)
+
+
+def test_a_flat_layout_that_does_not_split_into_the_shards_is_refused():
+    plan = build_plan([torch.tensor(s) for s in EXAMPLE], SHARE_EVERY_PREFIX)  # 6 rows
+    with pytest.raises(ValueError, match="6 rows do not split into 4 sequence-parallel shards"):
+        PlainBatchView.of(plan, per_sequence=True, shards=4)
 
 
 @pytest.mark.parametrize("per_sequence", [True, False])
@@ -126,6 +150,9 @@ def _statistics_run(model, batches, layout, config=PrefixSharingConfig()):
         if router.local_tokens_per_expert is not None:
             router.local_tokens_per_expert.zero_()
     run = forward_backward(model, batches, layout, config)
+    if model.config.sequence_parallel:
+        _finalize_sequence_parallel_grads(model)
+        run.grads = full_grads(model)
     stats = {f"tracker.{name}": entry["values"].clone()
              for name, entry in get_moe_layer_wise_logging_tracker().items()}
     for i, router in enumerate(_routers(model)):
@@ -146,10 +173,13 @@ def _moe_job(rank: int, variants: list[str], ep: int) -> dict:
         parallel_state.destroy_model_parallel()
         parallel_state.initialize_model_parallel(expert_model_parallel_size=ep)
     batches = micro_batches(parallel_state.get_data_parallel_rank())  # the same on every stage
+    # megatron-core refuses MoE under tensor parallelism without sequence parallelism
+    sequence_parallel = parallel_state.get_tensor_model_parallel_world_size() > 1
     report = {}
     for name in variants:
-        ours = gpt_model(PRESET, layout="shared", **VARIANTS[name])
-        stock = gpt_model(PRESET, layout="padded", **VARIANTS[name],
+        settings = dict(VARIANTS[name], sequence_parallel=sequence_parallel)
+        ours = gpt_model(PRESET, layout="shared", **settings)
+        stock = gpt_model(PRESET, layout="padded", **settings,
                           layer_spec=stock_spec_with_masked_bias_counts(dict(
                               num_moe_experts=PRESET.num_experts)))
         shared, shared_stats = _statistics_run(ours, batches, "shared", SHARE_EVERY_PREFIX)
@@ -168,8 +198,9 @@ def _moe_job(rank: int, variants: list[str], ep: int) -> dict:
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def layout(request):
-    world, ep, pp, variants = LAYOUTS[request.param]
-    return request.param, run_distributed(_moe_job, world, variants, ep, pp=pp, timeout=600)
+    world, tp, ep, pp, variants = LAYOUTS[request.param]
+    return request.param, run_distributed(_moe_job, world, variants, ep, tp=tp, pp=pp,
+                                          timeout=600)
 
 
 def test_shared_moe_equals_megatron_stock_spec(layout):
