@@ -11,12 +11,13 @@ import argparse
 import importlib.util
 import json
 
-from ..engines import ENGINES, get_engine
+from ..engines import get_engine
 from ..engines.bench import BenchRequest, BenchWorkload
 from ..engines.throughput import bench_throughput
 from ..presets import get_preset
 from ..errors import InputError, MissingPackageError
-from .options import (add_backend_option, add_dtype_option, add_input_options, add_model_option,
+from .options import (add_backend_option, add_dtype_option, add_engine_option,
+                      add_input_options, add_model_option,
                       add_sharing_options, load_batches, run_dtype, sharing_config)
 
 # Built-in micro-batch sizes for the bench: ~1-2k tokens, so that on the "small" preset a CPU
@@ -36,7 +37,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "bench", help="time a training step plain vs shared, and its peak memory",
         description=__doc__.split("\n\n")[1].replace("\n", " "))
     add_input_options(parser, many_workloads=True)
-    parser.add_argument("--engine", default="megatron", help=f"{', '.join(ENGINES)} (default: %(default)s)")
+    add_engine_option(parser)
     add_model_option(parser, "small", "model shape (random weights)")
     add_dtype_option(parser)
     add_sharing_options(parser)

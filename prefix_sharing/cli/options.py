@@ -16,7 +16,7 @@ from ..workloads import WORKLOADS, make_workload
 from ..errors import InputError, MissingPackageError
 
 __all__ = ["add_sharing_options", "add_backend_option", "add_dtype_option", "run_dtype",
-           "DTYPES", "add_model_option", "add_input_options", "sharing_config",
+           "DTYPES", "add_engine_option", "add_model_option", "add_input_options", "sharing_config",
            "Batch", "load_batches", "read_rollouts", "user_input"]
 
 Batch = tuple[str, list[torch.Tensor], list[PromptGroup] | None]  # name, sequences, groups
@@ -87,6 +87,13 @@ def read_rollouts(path: str) -> Rollouts:
             return load_rollouts(path)
     except ImportError as error:  # load_rollouts' one ImportError: Parquet without pyarrow
         raise MissingPackageError(str(error)) from error
+
+
+def add_engine_option(parser: argparse.ArgumentParser) -> None:
+    from ..engines import ENGINES
+
+    parser.add_argument("--engine", default="megatron",
+                        help=f"{', '.join(ENGINES)} (default: %(default)s)")
 
 
 def add_model_option(parser: argparse.ArgumentParser, default: str, purpose: str) -> None:

@@ -11,13 +11,14 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..engines import ENGINES, get_engine
+from ..engines import get_engine
 from ..errors import InputError
 from ..engines.verify import VerifyRequest
 from ..planner import build_plan
 from ..presets import get_preset
 from ..equivalence import FP32_RTOL, QUANTITIES
-from .options import (add_backend_option, add_dtype_option, add_input_options, add_model_option,
+from .options import (add_backend_option, add_dtype_option, add_engine_option,
+                      add_input_options, add_model_option,
                       add_sharing_options, load_batches, run_dtype, sharing_config)
 
 
@@ -26,7 +27,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "verify", help="prove the shared forward+backward equals the plain one",
         description=__doc__.split("\n\n")[1].replace("\n", " "))
     add_input_options(parser, many_workloads=False)
-    parser.add_argument("--engine", default="megatron", help=f"{', '.join(ENGINES)} (default: %(default)s)")
+    add_engine_option(parser)
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default: 1)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default: 1)")
     add_dtype_option(parser)
