@@ -11,13 +11,15 @@ Three ways to compute the same micro-batches, all through megatron's own schedul
   the gathered full-vocabulary logits one sequence at a time - no code of this package involved,
   the reference ``verify`` checks against.
 
-Weights are seeded by parameter name, so every tensor- and pipeline-parallel layout of a preset
-holds the same model. Call these inside a rank set up by :mod:`prefix_sharing.engines.launch`.
+Weights are seeded by global parameter name, so every tensor-, pipeline- and expert-parallel
+layout of a preset holds the same model. Call these inside a rank set up by
+:mod:`prefix_sharing.engines.launch`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import zlib
 from collections.abc import Sequence
 from typing import Any
@@ -139,8 +141,12 @@ def _moe_settings(preset: ModelPreset) -> dict[str, Any]:
     """A dropless top-k MoE (softmax scores) with the router losses megatron has - the three
     load-balancing losses and the z-loss - so that a run checks them all; experts as
     SequentialMLP (grouped GEMM needs a GPU). No expert bias: megatron-core 0.16.1's stock
-    router cannot count it with the padding mask the plain reference needs."""
+    router cannot count it with the padding mask the plain reference needs. Sequence
+    parallelism under tensor parallelism, without which megatron-core refuses to train MoE."""
+    from megatron.core import parallel_state
+
     return dict(
+        sequence_parallel=parallel_state.get_tensor_model_parallel_world_size() > 1,
         num_moe_experts=preset.num_experts,
         moe_router_topk=preset.moe_router_topk,
         moe_ffn_hidden_size=preset.moe_ffn_hidden_size,
@@ -179,8 +185,15 @@ def seed_weights(model: torch.nn.Module, seed: int) -> None:
             param.copy_(full)
 
 
-def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """This stage's gradients, tensor-parallel shards gathered to TP=1 shape, by global name.
+def full_grads(model: torch.nn.Module, *, finalize: bool = False) -> dict[str, torch.Tensor]:
+    """This stage's gradients, tensor-parallel shards gathered to TP=1 shape, by global name
+    (experts by their global index, so an expert-parallel rank holds its own experts' only).
+
+    Args:
+        finalize: also sum the per-rank partial gradients of sequence-parallel parameters
+            (norms, the MoE router: each rank saw only its slice of the tokens) over the
+            tensor-parallel group, as megatron's ``finalize_model_grads`` does in training;
+            the parameters' own ``.grad`` stay as they are.
 
     Collective over the tensor-parallel group: every TP rank must call it.
     """
@@ -191,6 +204,8 @@ def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     grads = {}
     for name, param in model.named_parameters():
         grad = param.grad.detach().clone()
+        if finalize and getattr(param, "sequence_parallel", False):
+            torch.distributed.all_reduce(grad, group=group)
         if getattr(param, "tensor_model_parallel", False):
             dim, stride = param.partition_dim, param.partition_stride
             shards = [torch.empty_like(grad) for _ in range(tp_size)]
@@ -201,12 +216,29 @@ def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return grads
 
 
+# an expert's local index: SequentialMLP's ``local_experts.<i>.``, TEGroupedMLP's ``weight<i>``
+_LOCAL_EXPERT = re.compile(r"(?<=\.experts\.local_experts\.)\d+(?=\.)"
+                           r"|(?<=\.experts\.linear_fc[12]\.weight)\d+$"
+                           r"|(?<=\.experts\.linear_fc[12]\.bias)\d+$")
+
+
 def _global_name(model: torch.nn.Module, name: str) -> str:
-    """``name`` with a stage-local ``decoder.layers.<i>`` renumbered to the global layer."""
+    """``name`` with its stage- and rank-local numbers made global: ``decoder.layers.<i>`` the
+    layer's number in the whole model, an expert's local index ``i`` the global
+    ``ep_rank * num_local_experts + i``; so every pipeline- and expert-parallel layout names,
+    and seeds, a parameter alike. (Legacy ``GroupedMLP`` holds all local experts in one
+    ``weight1`` / ``weight2`` and keeps its name.)"""
     prefix = "decoder.layers."
     if not name.startswith(prefix):
         return name
     local, rest = name[len(prefix):].split(".", 1)
+    if _LOCAL_EXPERT.search(rest):
+        from megatron.core import parallel_state
+
+        ep_size = parallel_state.get_expert_model_parallel_world_size()
+        offset = parallel_state.get_expert_model_parallel_rank() * (
+            model.config.num_moe_experts // ep_size)
+        rest = _LOCAL_EXPERT.sub(lambda m: str(offset + int(m.group())), rest)
     return f"{prefix}{model.decoder.layers[int(local)].layer_number - 1}.{rest}"
 
 
@@ -246,7 +278,8 @@ def stock_thd_token_stats(logits: torch.Tensor, inputs: Any, stats_batch: Any) -
 @dataclasses.dataclass
 class MicroBatchRun:
     """One pass over the micro-batches: per micro-batch packed outputs (last stage only) and
-    this stage's gradients; ``digests`` are the plans' fingerprints (``shared`` only)."""
+    this stage's gradients (``full_grads(finalize=True)``); ``digests`` are the plans'
+    fingerprints (``shared`` only)."""
 
     outputs: list[RunOutputs]
     grads: dict[str, torch.Tensor]
@@ -320,7 +353,7 @@ def forward_backward(
         micro_batch_size=1,
     )
     digests = [mb.plan.digest() for mb in inputs] if layout == "shared" else []
-    return MicroBatchRun(outputs, full_grads(model), digests)
+    return MicroBatchRun(outputs, full_grads(model, finalize=True), digests)
 
 
 def compare(candidate: MicroBatchRun, reference: MicroBatchRun) -> Comparison:

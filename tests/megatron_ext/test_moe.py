@@ -7,6 +7,12 @@ two ways - shared, and megatron's stock local spec on the padded batch with its
 ``padding_mask`` - and compares logits, log-probs, entropy, loss and every gradient (router
 included, which carries the aux and z-loss terms), the expert-bias counts and the bias update
 they give, the global aux loss's counts and the aux-loss tracker. fp32: within 1e-5 relative.
+
+Layouts: one rank; expert parallel (EP=2); pipeline parallel (PP=2); tensor parallel (TP=2, with
+the sequence parallelism megatron's MoE needs there: each rank's statistics are the stock
+router's on its slice of the padded batch, and sequence-parallel gradients are summed over the
+group as ``finalize_model_grads`` does). And across layouts: ours at EP=2 equals megatron's
+stock spec at EP=1, gradients matched by global expert index.
 """
 
 from __future__ import annotations
@@ -15,14 +21,13 @@ import pytest
 import torch
 
 from prefix_sharing import PrefixSharingConfig, build_plan
-from prefix_sharing.engines.megatron import compare, forward_backward, full_grads, gpt_model
+from prefix_sharing.engines.megatron import compare, forward_backward, gpt_model
 from prefix_sharing.equivalence import FP32_RTOL, max_rel_diff
 from prefix_sharing.megatron_ext.moe import PlainBatchView
 from prefix_sharing.presets import PRESETS
 from prefix_sharing.workloads import make_workload
 
 from ._distributed import run_distributed
-from .test_sequence_parallel import _finalize_sequence_parallel_grads
 
 PRESET = PRESETS["tiny-moe"]  # the tiny shape, 8 experts of width 64, top-2
 SHARE_EVERY_PREFIX = PrefixSharingConfig(min_prefix_len=1)
@@ -149,10 +154,7 @@ def _statistics_run(model, batches, layout, config=PrefixSharingConfig()):
         router.reset_global_aux_loss_tracker()
         if router.local_tokens_per_expert is not None:
             router.local_tokens_per_expert.zero_()
-    run = forward_backward(model, batches, layout, config)
-    if model.config.sequence_parallel:
-        _finalize_sequence_parallel_grads(model)
-        run.grads = full_grads(model)
+    run = forward_backward(model, batches, layout, config)  # grads summed over SP ranks
     stats = {f"tracker.{name}": entry["values"].clone()
              for name, entry in get_moe_layer_wise_logging_tracker().items()}
     for i, router in enumerate(_routers(model)):
@@ -227,6 +229,40 @@ def test_every_router_statistic_is_compared(layout):
             for k in (k for k in names if k.startswith("tracker.")):  # this stage's layers
                 assert all(r["tracker"][k][n - 1] != 0 for n in r["layer_numbers"]), k
             assert len(r["router_grads"]) == len(r["layer_numbers"])
+
+
+def _expert_parallel_job(rank: int) -> dict:
+    """Megatron's stock spec at EP=1 (two data-parallel ranks), then ours at EP=2 on the same
+    ranks, data and seed: weights are seeded by global expert index, so the models are one."""
+    from megatron.core import parallel_state
+
+    batches = micro_batches(parallel_state.get_data_parallel_rank())
+    stock = gpt_model(PRESET, layout="padded", **VARIANTS["expert_bias"],
+                      layer_spec=stock_spec_with_masked_bias_counts(dict(
+                          num_moe_experts=PRESET.num_experts)))
+    ep1, ep1_stats = _statistics_run(stock, batches, "padded")
+    for name, grad in ep1.grads.items():  # under EP=2 an expert computes every rank's tokens
+        if ".experts." in name:
+            torch.distributed.all_reduce(grad, group=parallel_state.get_data_parallel_group())
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=2)
+    ours = gpt_model(PRESET, layout="shared", **VARIANTS["expert_bias"])
+    ep2, ep2_stats = _statistics_run(ours, batches, "shared", SHARE_EVERY_PREFIX)
+    ep1.grads = {name: ep1.grads[name] for name in ep2.grads}  # this rank's experts only
+    return {
+        "shared_ep2_vs_padded_ep1": compare(ep2, ep1).max_rel_diff,
+        "statistics": {k: max_rel_diff(v, ep1_stats[k]) for k, v in ep2_stats.items()},
+        "experts": sorted({int(name.split("local_experts.")[1].split(".")[0])
+                           for name in ep2.grads if "local_experts." in name}),
+    }
+
+
+def test_expert_parallel_shared_run_equals_the_stock_run_without_expert_parallelism():
+    for rank, report in enumerate(run_distributed(_expert_parallel_job, 2, timeout=600)):
+        assert report["experts"] == [4 * rank + i for i in range(4)]  # global expert indices
+        for pair in ("shared_ep2_vs_padded_ep1", "statistics"):
+            worst = {q: d for q, d in report[pair].items() if d > FP32_RTOL}
+            assert not worst, f"rank {rank} {pair}: {worst}"
 
 
 def _refusals_job(rank: int) -> dict:
