@@ -3,12 +3,13 @@
 Everything else that goes wrong inside the library is a bug (or a broken installation) and keeps
 its traceback: the ``prefix-sharing`` command prints one line for an :class:`InputError` and the
 full traceback for anything else (``--debug`` shows it for both). Input errors stay
-``ValueError``s, so callers that catch ``ValueError`` keep working.
+``ValueError``s, so callers that catch ``ValueError`` keep working. A setup that prefix sharing
+refuses (:class:`UnsupportedSetup`) is bad input too: the user changes the setting it names.
 """
 
 from __future__ import annotations
 
-__all__ = ["InputError", "MissingPackageError"]
+__all__ = ["InputError", "MissingPackageError", "UnsupportedSetup"]
 
 
 class InputError(ValueError):
@@ -18,3 +19,10 @@ class InputError(ValueError):
 class MissingPackageError(InputError, ImportError):
     """An optional package the requested run needs is not installed (the message says which
     ``pip install`` fixes it)."""
+
+
+class UnsupportedSetup(InputError):
+    """A model or parallel setting under which prefix sharing would not give the plain results;
+    the message names the setting and what to use instead. Megatron's refusals raise
+    :class:`prefix_sharing.megatron_ext.UnsupportedSetupError`, which is also a
+    ``RuntimeError``."""

@@ -1,9 +1,10 @@
 """The ``prefix-sharing`` command.
 
 Each subcommand lives in its own module with an ``add_parser(subparsers)`` that registers it
-and sets ``run(args) -> int``. Bad input - an option, a file, a model, a missing package, also
-when a spawned rank finds it - raises :class:`prefix_sharing.errors.InputError` and is printed as
-one line on stderr with exit status 2. Anything else is a bug and keeps its traceback (a failed
+and sets ``run(args) -> int``. Bad input - an option, a file, a model, a missing package, a setup
+prefix sharing refuses (:class:`prefix_sharing.errors.UnsupportedSetup`), also when a spawned
+rank finds it - raises :class:`prefix_sharing.errors.InputError` and is printed as one line on
+stderr with exit status 2. Anything else is a bug and keeps its traceback (a failed
 rank's included); ``--debug`` shows the traceback of input errors too.
 """
 

@@ -10,13 +10,19 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from ..errors import UnsupportedSetup
 from ..plan import SharingPlan
 
 __all__ = ["UnsupportedSetupError", "check_layer_config", "check_sharing_allowed", "assert_same_plan"]
 
 
-class UnsupportedSetupError(RuntimeError):
-    """A model or parallel setting under which prefix sharing would not give the plain results."""
+class UnsupportedSetupError(UnsupportedSetup, RuntimeError):
+    """A model or parallel setting under which prefix sharing would not give the plain results.
+
+    An :class:`~prefix_sharing.errors.UnsupportedSetup` (bad input: one line in the
+    ``prefix-sharing`` command, also from a spawned rank) and, as it always was, a
+    ``RuntimeError``.
+    """
 
 
 def check_layer_config(config: TransformerConfig) -> None:

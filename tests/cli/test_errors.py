@@ -12,7 +12,7 @@ import pytest
 from prefix_sharing import engines
 from prefix_sharing.cli import main
 from prefix_sharing.engines.launch import RankError, RemoteTraceback, run_distributed
-from prefix_sharing.errors import InputError, MissingPackageError
+from prefix_sharing.errors import InputError, MissingPackageError, UnsupportedSetup
 
 
 def _bad_input_in_rank(rank: int) -> None:
@@ -28,6 +28,15 @@ def test_input_errors_stay_value_errors():
     assert issubclass(InputError, ValueError)
     assert issubclass(MissingPackageError, InputError)
     assert issubclass(MissingPackageError, ImportError)
+
+
+def test_a_refused_setup_is_bad_input_and_stays_a_runtime_error():
+    """Megatron's refusals are the user's to fix; callers catching RuntimeError keep working."""
+    from prefix_sharing.megatron_ext import UnsupportedSetupError
+
+    assert issubclass(UnsupportedSetup, InputError)
+    assert issubclass(UnsupportedSetupError, UnsupportedSetup)
+    assert issubclass(UnsupportedSetupError, RuntimeError)
 
 
 def test_bad_input_found_in_a_rank_names_the_rank_and_carries_its_traceback():
@@ -83,3 +92,24 @@ def test_a_missing_package_is_bad_input(capsys, monkeypatch):
     monkeypatch.setattr(engines.Engine, "check_installed", not_installed)
     assert main(["verify"]) == 2
     assert "needs megatron.core" in capsys.readouterr().err
+
+
+def _shared_step_with_capacity_factor(rank: int, request) -> None:
+    """The shared step of ``request``'s model, with a capacity factor (token dropping)."""
+    from prefix_sharing.engines.megatron import forward_backward, gpt_model
+
+    model = gpt_model(request.preset, moe_expert_capacity_factor=1.0)
+    forward_backward(model, [request.batches[0][0]], "shared", request.config)
+
+
+def test_the_command_prints_a_setup_refused_in_a_rank_as_one_line(capsys, monkeypatch):
+    """``verify --model tiny-moe`` with token dropping: megatron_ext refuses it in the rank."""
+    def verify_with_capacity_factor(self, request, tp=1, pp=1):
+        return run_distributed(_shared_step_with_capacity_factor, 1, request, timeout=300)
+
+    monkeypatch.setattr(engines.Engine, "verify", verify_with_capacity_factor)
+    assert main(["verify", "--model", "tiny-moe"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1, err
+    assert err.startswith("prefix-sharing verify: error: rank 0: prefix sharing is active but "
+                          "moe_expert_capacity_factor=1.0: which tokens an expert drops"), err
