@@ -321,7 +321,7 @@ def forward_backward(
         i = next(order)
         seqs, mb = batches[i], next(data_iterator)
         if layout == "padded":  # the mask keeps pads out of MoE router statistics
-            output = model(mb[0], mb[1], None, padding_mask=mb[2])
+            output = model(mb[0], mb[1], None, padding_mask=_stage_padding_mask(model, mb[2]))
         else:
             thd = mb[0] if layout == "packed" else mb
             output = model(thd.input_ids, thd.position_ids, None,
@@ -385,6 +385,21 @@ def _padded(seqs: Sequence[torch.Tensor], device: Any) -> tuple[torch.Tensor, ..
         padding[row, : len(s)] = False
     positions = torch.arange(longest).expand(len(seqs), longest)
     return tokens.to(device), positions.to(device), padding.to(device)
+
+
+def _stage_padding_mask(model: torch.nn.Module, padding: torch.Tensor) -> torch.Tensor:
+    """The ``[b, s]`` padding mask as this stage's MoE layers need it.
+
+    Under sequence parallelism megatron-core 0.16.1's ``GPTModel.forward`` cuts this rank's
+    ``s / TP`` slice of the mask with the embedding, on the first pipeline stage only; a later
+    stage would hand its routers the whole mask for a slice of the tokens. So later stages get
+    the slice here.
+    """
+    from megatron.core.tensor_parallel.mappings import scatter_to_sequence_parallel_region
+
+    if model.pre_process or not model.config.sequence_parallel:
+        return padding
+    return scatter_to_sequence_parallel_region(padding.transpose(0, 1).contiguous()).transpose(0, 1)
 
 
 def _unpad(logits: torch.Tensor, seqs: Sequence[torch.Tensor]) -> torch.Tensor:
