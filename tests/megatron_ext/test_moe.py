@@ -8,10 +8,10 @@ two ways - shared, and megatron's stock local spec on the padded batch with its
 included, which carries the aux and z-loss terms), the expert-bias counts and the bias update
 they give, the global aux loss's counts and the aux-loss tracker. fp32: within 1e-5 relative.
 
-Layouts: one rank; expert parallel (EP=2); pipeline parallel (PP=2); tensor parallel (TP=2, with
+Layouts: one rank; pipeline parallel (PP=2); tensor parallel (TP=2, with
 the sequence parallelism megatron's MoE needs there: each rank's statistics are the stock
 router's on its slice of the padded batch, and sequence-parallel gradients are summed over the
-group as ``finalize_model_grads`` does). And across layouts: ours at EP=2 equals megatron's
+group as ``finalize_model_grads`` does); and expert parallel: ours at EP=2 equals megatron's
 stock spec at EP=1, gradients matched by global expert index.
 """
 
@@ -47,13 +47,12 @@ VARIANTS = {
     "recompute_full": dict(recompute_granularity="full", recompute_method="uniform",
                            recompute_num_layers=1),
 }
-LAYOUTS = {  # name: (world size, tensor parallel, expert parallel, pipeline parallel, variants)
-    "ep1": (1, 1, 1, 1, list(VARIANTS)),
-    "ep2": (2, 1, 2, 1, ["expert_bias"]),
-    "pp2": (2, 1, 1, 2, ["preset"]),  # each stage hands its own layers the plan
+LAYOUTS = {  # name: (world size, tensor parallel, pipeline parallel, variants)
+    "one_rank": (1, 1, 1, list(VARIANTS)),
+    "pp2": (2, 1, 2, ["preset"]),  # each stage hands its own layers the plan
     # sequence parallel (megatron's MoE needs it under TP): each rank routes its slice of [s, b]
-    "tp2": (2, 2, 1, 1, ["preset", "expert_bias"]),
-}
+    "tp2": (2, 2, 1, ["preset", "expert_bias"]),
+}  # expert parallel 2: against the stock spec at EP=1, further down
 
 
 # ----------------------------------------------------------------------------- the plain view
@@ -168,12 +167,9 @@ def _statistics_run(model, batches, layout, config=PrefixSharingConfig()):
     return run, stats
 
 
-def _moe_job(rank: int, variants: list[str], ep: int) -> dict:
+def _moe_job(rank: int, variants: list[str]) -> dict:
     from megatron.core import parallel_state
 
-    if ep > 1:  # the launcher sets up tp/pp only; experts split over the data-parallel ranks
-        parallel_state.destroy_model_parallel()
-        parallel_state.initialize_model_parallel(expert_model_parallel_size=ep)
     batches = micro_batches(parallel_state.get_data_parallel_rank())  # the same on every stage
     # megatron-core refuses MoE under tensor parallelism without sequence parallelism
     sequence_parallel = parallel_state.get_tensor_model_parallel_world_size() > 1
@@ -200,9 +196,8 @@ def _moe_job(rank: int, variants: list[str], ep: int) -> dict:
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def layout(request):
-    world, tp, ep, pp, variants = LAYOUTS[request.param]
-    return request.param, run_distributed(_moe_job, world, variants, ep, tp=tp, pp=pp,
-                                          timeout=600)
+    world, tp, pp, variants = LAYOUTS[request.param]
+    return request.param, run_distributed(_moe_job, world, variants, tp=tp, pp=pp, timeout=600)
 
 
 def test_shared_moe_equals_megatron_stock_spec(layout):
@@ -214,17 +209,21 @@ def test_shared_moe_equals_megatron_stock_spec(layout):
                 assert not worst, f"{name} rank {rank} {variant} {pair}: {worst}"
 
 
+_LOSSES = {"tracker.load_balancing_loss", "tracker.seq_load_balancing_loss",
+           "tracker.global_load_balancing_loss", "tracker.z_loss",
+           "layer0.global_tokens_per_expert"}
+STATISTICS = {  # what each variant keeps (at least)
+    "preset": _LOSSES, "recompute_full": _LOSSES,
+    "expert_bias": _LOSSES | {"layer0.tokens_per_expert", "layer0.expert_bias_update"},
+}
+
+
 def test_every_router_statistic_is_compared(layout):
     """The comparison above covers each statistic the variant keeps, and they are not zero."""
     _, ranks = layout
-    losses = {"tracker.load_balancing_loss", "tracker.seq_load_balancing_loss",
-              "tracker.global_load_balancing_loss", "tracker.z_loss",
-              "layer0.global_tokens_per_expert"}
-    expected = {"preset": losses, "recompute_full": losses,
-                "expert_bias": losses | {"layer0.tokens_per_expert", "layer0.expert_bias_update"}}
     for report in ranks:
         for variant, r in report.items():
-            names = expected[variant]
+            names = STATISTICS[variant]
             assert names <= set(r["statistic_names"]), variant
             for k in (k for k in names if k.startswith("tracker.")):  # this stage's layers
                 assert all(r["tracker"][k][n - 1] != 0 for n in r["layer_numbers"]), k
@@ -233,7 +232,8 @@ def test_every_router_statistic_is_compared(layout):
 
 def _expert_parallel_job(rank: int) -> dict:
     """Megatron's stock spec at EP=1 (two data-parallel ranks), then ours at EP=2 on the same
-    ranks, data and seed: weights are seeded by global expert index, so the models are one."""
+    ranks, data and seed: weights are seeded by global expert index, so the models are one.
+    The launcher sets up EP=1; experts then split over the two data-parallel ranks."""
     from megatron.core import parallel_state
 
     batches = micro_batches(parallel_state.get_data_parallel_rank())
@@ -249,6 +249,7 @@ def _expert_parallel_job(rank: int) -> dict:
     ours = gpt_model(PRESET, layout="shared", **VARIANTS["expert_bias"])
     ep2, ep2_stats = _statistics_run(ours, batches, "shared", SHARE_EVERY_PREFIX)
     ep1.grads = {name: ep1.grads[name] for name in ep2.grads}  # this rank's experts only
+    assert ep1_stats.keys() == ep2_stats.keys()
     return {
         "shared_ep2_vs_padded_ep1": compare(ep2, ep1).max_rel_diff,
         "statistics": {k: max_rel_diff(v, ep1_stats[k]) for k, v in ep2_stats.items()},
@@ -260,6 +261,7 @@ def _expert_parallel_job(rank: int) -> dict:
 def test_expert_parallel_shared_run_equals_the_stock_run_without_expert_parallelism():
     for rank, report in enumerate(run_distributed(_expert_parallel_job, 2, timeout=600)):
         assert report["experts"] == [4 * rank + i for i in range(4)]  # global expert indices
+        assert STATISTICS["expert_bias"] <= set(report["statistics"])
         for pair in ("shared_ep2_vs_padded_ep1", "statistics"):
             worst = {q: d for q, d in report[pair].items() if d > FP32_RTOL}
             assert not worst, f"rank {rank} {pair}: {worst}"
