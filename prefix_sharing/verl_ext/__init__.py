@@ -19,7 +19,9 @@ API, for patch-set modules and for explicit use:
   ``prefix_grouper`` and carry the validated config to its engine config;
   :func:`sharing_config` reads it back in the engine.
 - ``.mcore``: the version-neutral Megatron pieces (``shared_forward``, ``check_engine_setup``,
-  ``micro_batch_groups``, ``SharingMetrics``) a patch set wires into its release's engine.
+  ``micro_batch_groups``, ``SharingMetrics``); ``.mcore_engine``: the hooks that wire them into
+  verl's Megatron engine (layer spec, forward-fn lookup, engine subclass), which the
+  ``verl*_mcore`` patch sets register per release.
 """
 
 from .activation import UnsupportedVerlVersion, install, installed

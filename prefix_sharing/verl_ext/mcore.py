@@ -10,8 +10,8 @@ Version-neutral pieces that a verl patch set wires into its release's engine:
   token ``t + 1`` (verl's label roll). The last position of each sample predicts nothing: verl
   fills it from a wrapped-around label, here it is 0; verl reads only
   ``[len - response - 1, len - 1)``.
-- :func:`micro_batch_groups`: verl's ``uid`` and prompt lengths as prompt groups
-  (``mode="prompt_only"``);
+- :func:`micro_batch_groups`: verl's ``uid`` and prompt lengths (:func:`prompt_lengths`) as
+  prompt groups (``mode="prompt_only"``);
 - :class:`SharingMetrics`: per-step token counts, reported through verl's metrics dict.
 """
 
@@ -30,6 +30,8 @@ __all__ = [
     "SharingMetrics",
     "check_engine_setup",
     "micro_batch_groups",
+    "micro_batch_temperature",
+    "prompt_lengths",
     "shared_forward",
 ]
 
@@ -39,27 +41,40 @@ class PrefixSharingSetupError(ValueError):
 
 
 def check_engine_setup(engine_config: Any, model_config: Any | None = None) -> None:
-    """Raises :class:`PrefixSharingSetupError` for settings that sharing cannot honour.
+    """Raises :class:`PrefixSharingSetupError` for settings that sharing cannot honour, in
+    either verl engine (Megatron or FSDP: each reads the settings it has).
 
-    - ``context_parallel_size > 1`` / dynamic CP: a context-parallel rank would hold part of a
-      provider's prefix that its reusers on other ranks attend to;
-    - ``use_remove_padding=False``: sharing needs the packed (THD) layout;
+    - ``context_parallel_size > 1`` / dynamic CP (Megatron), ``ulysses_sequence_parallel_size
+      > 1`` (FSDP): a sequence-parallel rank would hold part of a provider's prefix that its
+      reusers on other ranks attend to;
+    - ``use_remove_padding=False`` (in the engine or the model config; the FSDP engine reads the
+      model's): sharing needs the packed layout;
     - ``use_fused_kernels=True``: the fused kernel computes log-probs from labels laid out per
       sample, which a shared row cannot give (one row serves several next tokens);
-    - MTP training: its labels are laid out per sample as well.
+    - MTP training: its labels are laid out per sample as well;
+    - a value model or a multimodal model: sharing covers text-only language models.
     """
     problems = []
     if getattr(engine_config, "context_parallel_size", 1) > 1:
         problems.append(f"context_parallel_size={engine_config.context_parallel_size} (must be 1)")
     if getattr(engine_config, "dynamic_context_parallel", False):
         problems.append("dynamic_context_parallel=True")
-    if getattr(engine_config, "use_remove_padding", True) is False:
-        problems.append("use_remove_padding=False (sharing needs the packed THD layout)")
-    if getattr(engine_config, "use_fused_kernels", False):
-        problems.append("use_fused_kernels=True (set actor_rollout_ref.model.use_fused_kernels=false)")
+    if getattr(engine_config, "ulysses_sequence_parallel_size", 1) > 1:
+        problems.append("ulysses_sequence_parallel_size="
+                        f"{engine_config.ulysses_sequence_parallel_size} (must be 1)")
+    if any(getattr(c, "use_remove_padding", True) is False for c in (engine_config, model_config)):
+        problems.append("use_remove_padding=False (sharing needs the packed layout)")
+    if any(getattr(c, "use_fused_kernels", False) for c in (engine_config, model_config)):
+        problems.append("use_fused_kernels=True "
+                        "(set actor_rollout_ref.model.use_fused_kernels=false)")
     mtp = getattr(model_config, "mtp", None)
     if mtp is not None and getattr(mtp, "enable", False) and getattr(mtp, "enable_train", False):
         problems.append("MTP training (model.mtp.enable_train=True)")
+    model_type = getattr(model_config, "model_type", "language_model")
+    if model_type != "language_model":
+        problems.append(f"model_type={model_type!r} (a language model only)")
+    if getattr(getattr(model_config, "hf_config", None), "vision_config", None) is not None:
+        problems.append("a multimodal model (text-only language models only)")
     if problems:
         raise PrefixSharingSetupError(
             "prefix sharing (actor.prefix_grouper) cannot run with " + "; ".join(problems)
@@ -67,9 +82,23 @@ def check_engine_setup(engine_config: Any, model_config: Any | None = None) -> N
         )
 
 
+def prompt_lengths(batch: Any) -> list[int]:
+    """Each sample's prompt length in a verl batch (whole or one micro-batch): the left part of
+    its attention mask, whose padded ``(bsz, prompt + response)`` layout verl keeps beside the
+    nested token ids (the right part is ``response_mask``'s width)."""
+    attention_mask = batch.get("attention_mask", None)
+    response_mask = batch.get("response_mask", None)
+    if attention_mask is None or response_mask is None or attention_mask.is_nested:
+        raise PrefixSharingSetupError(
+            "prefix_grouper.mode=prompt_only needs the padded attention_mask and response_mask "
+            "to find each prompt's length; use mode=arbitrary_prefix"
+        )
+    return attention_mask[:, : attention_mask.size(1) - response_mask.size(1)].sum(-1).tolist()
+
+
 def micro_batch_groups(batch: Any, num_sequences: int) -> list[PromptGroup]:
-    """Prompt groups of a verl micro-batch: samples with the same ``uid`` share their prompt,
-    whose length is the left part of the sample's attention mask (left-right padded layout)."""
+    """Prompt groups of a verl micro-batch: samples with the same ``uid`` share their prompt
+    (:func:`prompt_lengths`)."""
     from verl.utils import tensordict_utils as tu
 
     uids = tu.get(batch, "uid")  # a plain list (get_non_tensor_data keeps NonTensorData items)
@@ -78,17 +107,10 @@ def micro_batch_groups(batch: Any, num_sequences: int) -> list[PromptGroup]:
             "prefix_grouper.mode=prompt_only needs each sample's uid in the batch; "
             "use mode=arbitrary_prefix, which reads only the token ids"
         )
-    attention_mask, response_mask = batch.get("attention_mask", None), batch.get("response_mask", None)
-    if attention_mask is None or response_mask is None or attention_mask.is_nested:
-        raise PrefixSharingSetupError(
-            "prefix_grouper.mode=prompt_only needs the padded attention_mask and response_mask "
-            "to find each prompt's length; use mode=arbitrary_prefix"
-        )
-    prompt_lens = attention_mask[:, : attention_mask.size(1) - response_mask.size(1)].sum(-1)
     uids = list(uids)
     if len(uids) != num_sequences:
         raise ValueError(f"{len(uids)} uids for a micro-batch of {num_sequences} samples")
-    return prompt_groups(uids, prompt_lens.tolist())
+    return prompt_groups(uids, prompt_lengths(batch))
 
 
 @dataclasses.dataclass
@@ -156,7 +178,8 @@ def shared_forward(
                    packed_seq_params=mb.packed_seq_params)
     if not unwrap_model(model).post_process or logits_processor is None:
         return output  # an inner pipeline stage: activations for the next one
-    stats = token_stats(output, mb, temperature=_one_temperature(logits_processor_args),
+    temperature = micro_batch_temperature((logits_processor_args or {}).get("temperature"))
+    stats = token_stats(output, mb, temperature=temperature,
                         with_entropy=calculate_entropy)
     result = {"log_probs": stats.log_probs}
     if calculate_entropy:
@@ -165,18 +188,20 @@ def shared_forward(
             for key, value in result.items()}
 
 
-def _one_temperature(logits_processor_args: dict | None) -> float:
-    """The micro-batch's sampling temperature: a shared row serves several samples, so they
-    must all have the same one."""
-    temperature = (logits_processor_args or {}).get("temperature")
+def micro_batch_temperature(temperature: Any) -> float:
+    """The micro-batch's sampling temperature (verl's per-sample tensor, nested or not, a
+    number, or ``None`` for 1): a shared row serves several samples, so they must all have the
+    same one. Non-positive values become 1e-8, as verl clamps them."""
     if temperature is None:
         return 1.0
-    values = temperature.values() if temperature.is_nested else temperature.reshape(-1)
-    values = values.float().unique()
-    if values.numel() != 1:
-        raise PrefixSharingSetupError(
-            f"samples of one micro-batch have different temperatures {values.tolist()}; prefix "
-            "sharing needs one temperature per micro-batch"
-        )
-    value = float(values[0])
-    return value if value > 0 else 1e-8  # verl's guard against non-positive temperatures
+    if isinstance(temperature, torch.Tensor):
+        values = temperature.values() if temperature.is_nested else temperature.reshape(-1)
+        values = values.float().unique()
+        if values.numel() != 1:
+            raise PrefixSharingSetupError(
+                f"samples of one micro-batch have different temperatures {values.tolist()}; "
+                "prefix sharing needs one temperature per micro-batch"
+            )
+        temperature = values[0]
+    value = float(temperature)
+    return value if value > 0 else 1e-8

@@ -33,6 +33,7 @@ import torch
 
 from ..batching import MicroBatchSplit, split_micro_batches
 from ..config import PrefixSharingConfig
+from .mcore import prompt_lengths
 
 __all__ = ["SplitRecord", "sharing_split", "rearrange_micro_batches", "patch_prepare_micro_batches",
            "add_split_metrics", "METRIC_PREFIX"]
@@ -147,18 +148,8 @@ def _samples(batch: Any, config: PrefixSharingConfig, tu: ModuleType) -> tuple[l
         if uids is None:
             raise ValueError("prefix_grouper.mode=prompt_only shares each uid's prompt, but the "
                              "batch has no 'uid' field")
-        prompt_lens = _prompt_lens(batch, tu)
+        prompt_lens = prompt_lengths(batch)
     return sequences, uids, prompt_lens
-
-
-def _prompt_lens(batch: Any, tu: ModuleType) -> list[int]:
-    """Prompt lengths from the left-padded prompt part of ``attention_mask``."""
-    mask = batch.get("attention_mask", None)
-    max_response_len = tu.get(batch, "max_response_len", default=None)
-    if mask is None or mask.is_nested or max_response_len is None:
-        raise ValueError("prefix_grouper.mode=prompt_only needs the batch's attention_mask and "
-                         "max_response_len to find each prompt's length")
-    return mask[:, : mask.shape[1] - int(max_response_len)].sum(1).tolist()
 
 
 def _agreed_count(count: int, dp_group: Any, same_micro_num_in_dp: bool,

@@ -1,181 +1,40 @@
 """Patch set ``verl091_mcore``: prefix sharing in verl 0.9.1's Megatron engine.
 
-Hooks (each runs when verl imports the module):
+Hooks (each runs when verl imports the module; the glue is :mod:`.mcore_engine`'s):
 
 - ``verl.workers.config.actor``: ``McoreActorConfig`` accepts ``prefix_grouper`` and hands the
   validated config to its engine config (:mod:`.config`);
 - ``verl.models.mcore``: ``get_mcore_engine_forward_fn`` returns :func:`.mcore.shared_forward`
   while a sharing engine runs a micro-batch, verl's own forward otherwise;
 - ``verl.workers.engine.megatron.transformer_impl``: the registered language-model engine
-  becomes :class:`PrefixSharingMegatronEngine` for every device it was registered for.
+  becomes ``PrefixSharingMegatronEngine`` for every device it was registered for;
+- ``verl.workers.engine.utils``: the dynamic-batch-size split keeps sharing groups together
+  (:mod:`.microbatch`).
 
-The engine subclass builds its model with the prefix-sharing layer spec (Megatron-Bridge's
-``provider.transformer_layer_spec``, or the vanilla mbridge's ``_get_transformer_layer_spec``),
-reads each micro-batch (with its ``uid``) in ``forward_step`` and reports the step's token
-counts in verl's metrics. With sharing off (``mode: off``, or the reference model without an
-overlay) every method is verl's own.
+What is particular to 0.9.1: Megatron-Bridge is the default bridge; the sharing engine sets the
+layer spec on its ``provider.transformer_layer_spec`` (a spec, or a factory whose signature
+Megatron-Bridge inspects), where verl itself sets it for QAT. The deprecated vanilla mbridge
+(``megatron.vanilla_mbridge=True``) is hooked as in 0.8.0.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import copy
-import functools
-from types import ModuleType
-from typing import Any, Callable
-
 from .config import accept_prefix_grouper
-from .microbatch import add_split_metrics, patch_prepare_micro_batches, sharing_split
+from .mcore_engine import patch_engine, patch_forward_fn_lookup
+from .microbatch import patch_prepare_micro_batches
 from .patchsets import PatchSet, register
 
-__all__ = ["PATCHSET", "share_layer_spec"]
-
-# (sharing config, prompt groups, calculate_entropy, metrics) of the micro-batch being run.
-_CURRENT: contextvars.ContextVar[dict | None] = contextvars.ContextVar("prefix_sharing_mb", default=None)
-
-
-def share_layer_spec(spec: Any) -> Any:
-    """The prefix-sharing version of a GPT layer spec or of a decoder block spec (all layers)."""
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
-
-    from ..megatron_ext import with_prefix_sharing
-
-    if isinstance(spec, TransformerBlockSubmodules):
-        block = copy.copy(spec)
-        block.layer_specs = [with_prefix_sharing(layer) for layer in spec.layer_specs]
-        return block
-    return with_prefix_sharing(spec)
-
-
-def _sharing_spec_factory(factory: Callable[..., Any]) -> Callable[..., Any]:
-    """Wraps a spec factory (keeps its signature: Megatron-Bridge inspects it for ``vp_stage``)."""
-
-    @functools.wraps(factory)
-    def shared(*args: Any, **kwargs: Any) -> Any:
-        return share_layer_spec(factory(*args, **kwargs))
-
-    return shared
-
-
-def install_layer_spec(engine: Any) -> None:
-    """Makes ``engine`` build its model with the prefix-sharing layer spec (after
-    ``_build_tf_config``: the model itself is built later, in ``_build_megatron_module``)."""
-    from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
-
-    provider = getattr(engine, "provider", None)
-    if provider is not None:  # Megatron-Bridge (verl 0.9's default): a spec or a spec factory
-        spec = provider.transformer_layer_spec
-        is_spec = isinstance(spec, (ModuleSpec, TransformerBlockSubmodules))
-        provider.transformer_layer_spec = (
-            share_layer_spec(spec) if is_spec else _sharing_spec_factory(spec))
-    else:  # vanilla mbridge: the spec is built lazily in bridge.get_model; patch this instance
-        bridge = engine.bridge
-        bridge._get_transformer_layer_spec = _sharing_spec_factory(bridge._get_transformer_layer_spec)
-
-
-def _patch_forward_fn_lookup(module: ModuleType) -> None:
-    from .mcore import shared_forward
-
-    stock = module.get_mcore_engine_forward_fn
-    if getattr(stock, "_prefix_sharing", False):
-        return
-
-    @functools.wraps(stock)
-    def get_mcore_engine_forward_fn(hf_config):
-        current = _CURRENT.get()
-        if current is None:
-            return stock(hf_config)
-        return functools.partial(shared_forward, **current)
-
-    get_mcore_engine_forward_fn._prefix_sharing = True
-    module.get_mcore_engine_forward_fn = get_mcore_engine_forward_fn
-
-
-def _patch_engine(module: ModuleType) -> None:
-    from verl.utils import tensordict_utils as tu
-    from verl.workers.engine.base import EngineRegistry
-
-    from .config import sharing_config
-    from .mcore import SharingMetrics, check_engine_setup, micro_batch_groups
-
-    stock = module.MegatronEngineWithLMHead
-
-    class PrefixSharingMegatronEngine(stock):
-        """verl's ``MegatronEngineWithLMHead``, computing each micro-batch's shared prefixes once."""
-
-        def __init__(self, model_config, engine_config, *args: Any, **kwargs: Any) -> None:
-            self.prefix_sharing = sharing_config(engine_config)
-            if self.prefix_sharing.enabled:
-                check_engine_setup(engine_config, model_config)
-            self._sharing_metrics = SharingMetrics()
-            super().__init__(model_config, engine_config, *args, **kwargs)
-
-        def _build_tf_config(self) -> None:
-            super()._build_tf_config()
-            if self.prefix_sharing.enabled:
-                install_layer_spec(self)
-
-        def forward_backward_batch(self, data, loss_function, forward_only=False):
-            if not self.prefix_sharing.enabled:
-                return super().forward_backward_batch(data, loss_function, forward_only)
-            self._sharing_metrics = SharingMetrics()
-            with sharing_split(self.prefix_sharing) as split:  # dynamic bsz keeps groups together
-                output = super().forward_backward_batch(data, loss_function, forward_only)
-            if output:  # the last pipeline stage
-                output.setdefault("metrics", {}).update(self._sharing_metrics.as_verl_metrics())
-                add_split_metrics(output, split)
-            return output
-
-        def forward_step(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func):
-            if not self.prefix_sharing.enabled:
-                return super().forward_step(batch_iter, model, logits_processor_func,
-                                            postprocess_micro_batch_func)
-            batch = next(batch_iter)
-            unsupported = [key for key in ("calculate_sum_pi_squared", "distillation_use_topk")
-                           if tu.get_non_tensor_data(batch, key=key, default=False)]
-            if unsupported:
-                raise ValueError(f"prefix sharing does not support {', '.join(unsupported)}")
-            groups = None
-            if self.prefix_sharing.mode == "prompt_only":
-                groups = micro_batch_groups(batch, batch["input_ids"].size(0))
-            current = dict(
-                sharing=self.prefix_sharing, groups=groups,
-                calculate_entropy=tu.get_non_tensor_data(batch, key="calculate_entropy", default=False),
-                metrics=self._sharing_metrics,
-            )
-            with _current(current):
-                return super().forward_step(iter([batch]), model, logits_processor_func,
-                                            postprocess_micro_batch_func)
-
-    # Found by reference (pickling, logs) where verl's engine lives, patched in every process.
-    PrefixSharingMegatronEngine.__module__ = module.__name__
-    PrefixSharingMegatronEngine.__qualname__ = "PrefixSharingMegatronEngine"
-    module.PrefixSharingMegatronEngine = PrefixSharingMegatronEngine
-    for backends in EngineRegistry._engines.get("language_model", {}).values():
-        for key, engine_cls in list(backends.items()):
-            if engine_cls is stock:
-                backends[key] = PrefixSharingMegatronEngine
-
-
-@contextlib.contextmanager
-def _current(value: dict):
-    token = _CURRENT.set(value)
-    try:
-        yield
-    finally:
-        _CURRENT.reset(token)
-
+__all__ = ["PATCHSET"]
 
 PATCHSET = register(PatchSet(
     name="verl091_mcore",
     verl_versions=("0.9.1",),
     hooks={
         "verl.workers.config.actor": lambda m: accept_prefix_grouper(m, "McoreActorConfig"),
-        "verl.models.mcore": _patch_forward_fn_lookup,
-        "verl.workers.engine.megatron.transformer_impl": _patch_engine,
+        "verl.models.mcore": patch_forward_fn_lookup,
+        "verl.workers.engine.megatron.transformer_impl": patch_engine,
         "verl.workers.engine.utils": patch_prepare_micro_batches,
     },
-    summary="verl 0.9.1 Megatron engine: actor config, layer spec, forward, metrics",
+    summary="verl 0.9.1 Megatron engine: actor config, layer spec, forward, "
+            "group-keeping micro-batches, metrics",
 ))

@@ -17,8 +17,7 @@ from typing import Any
 
 import torch
 
-from prefix_sharing.workloads import make_workload
-
+from ._batch import PRESET, make_batch, plain_output, use_cpu_platform
 
 
 def _import_verl_engine() -> None:
@@ -35,55 +34,6 @@ def _import_verl_engine() -> None:
 
 
 _import_verl_engine()
-
-from ..megatron_ext._distributed import PRESET
-
-WORKLOADS = {
-    "grpo": dict(num_prompts=2, group_size=3),
-    "steprl": dict(num_chains=1, num_steps=4),
-    "tree": dict(depth=2, branching=2),
-    "agent": dict(num_tasks=1, num_turns=2, branching=2),
-}
-
-
-def use_cpu_platform() -> None:
-    """verl assumes nvidia without a platform; a CUDA platform whose device calls are CPU no-ops.
-    verl 0.8.0 has no platform plugin; its unpadding imports flash_attn (CUDA): route it to
-    verl's pure-torch copy of the same functions."""
-    import importlib.util
-
-    if importlib.util.find_spec("verl.plugin") is None:
-        from verl.utils import attention_utils, npu_flash_attn_utils as torch_impl
-
-        attention_utils._get_attention_functions = lambda: (
-            torch_impl.index_first_axis, torch_impl.pad_input, torch_impl.rearrange,
-            torch_impl.unpad_input)
-        return
-    from verl.plugin.platform import platform_manager
-    from verl.plugin.platform.platform_cuda import PlatformCUDA
-
-    class PlatformCPU(PlatformCUDA):
-        device_name = "cpu"
-
-        def current_device(self):
-            return "cpu"
-
-        def set_device(self, device_index):
-            pass
-
-        def synchronize(self, device_index=None):
-            pass
-
-        def manual_seed(self, seed):
-            torch.manual_seed(seed)
-
-        def manual_seed_all(self, seed):
-            torch.manual_seed(seed)
-
-        def empty_cache(self):
-            pass
-
-    platform_manager.set_platform(PlatformCPU())
 
 
 def actor_config(prefix_grouper: dict | None, **overrides: Any):
@@ -127,7 +77,7 @@ def build_engine(config, *, seed: int = 0, preset=PRESET):
     engine.provider = None
     engine.bridge = SimpleNamespace(_get_transformer_layer_spec=lambda vp_stage=None: get_gpt_layer_local_spec())
     if getattr(engine, "prefix_sharing", None) is not None and engine.prefix_sharing.enabled:
-        from prefix_sharing.verl_ext.verl091 import install_layer_spec
+        from prefix_sharing.verl_ext.mcore_engine import install_layer_spec
         install_layer_spec(engine)
         spec = engine.bridge._get_transformer_layer_spec()
     else:
@@ -135,46 +85,6 @@ def build_engine(config, *, seed: int = 0, preset=PRESET):
     model = gpt_model(preset, seed=seed, layer_spec=spec)
     engine.module, engine.tf_config, engine.is_value_model = [model], model.config, False
     return engine
-
-
-def make_batch(workload: str, *, seed: int = 0, micro_batch_size: int = 2, vocab_size: int | None = None,
-               **sizes: Any):
-    """A verl no-padding batch of the workload (sizes: :data:`WORKLOADS`, or ``sizes``);
-    a sample's prompt is its group's prompt."""
-    from tensordict import TensorDict
-    from verl.utils import tensordict_utils as tu
-    from verl.workers.utils.padding import left_right_2_no_padding
-
-    wl = make_workload(workload, vocab_size=vocab_size or PRESET.vocab_size, seed=seed,
-                       **(sizes or WORKLOADS[workload]))
-    prompt_len = {m: g.prompt_len for g in wl.groups for m in g.members}
-    uid = {m: f"u{i}" for i, g in enumerate(wl.groups) for m in g.members}
-    n = len(wl.sequences)
-    prompts = [s[: prompt_len[i]] for i, s in enumerate(wl.sequences)]
-    responses = [s[prompt_len[i]:] for i, s in enumerate(wl.sequences)]
-    max_p, max_r = max(map(len, prompts)), max(map(len, responses))
-    input_ids = torch.zeros(n, max_p + max_r, dtype=torch.long)
-    attention_mask = torch.zeros(n, max_p + max_r, dtype=torch.long)
-    response_mask = torch.zeros(n, max_r, dtype=torch.long)
-    for i, (p, r) in enumerate(zip(prompts, responses)):
-        input_ids[i, max_p - len(p): max_p], input_ids[i, max_p: max_p + len(r)] = p, r
-        attention_mask[i, max_p - len(p): max_p + len(r)] = 1
-        response_mask[i, : len(r)] = 1
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    gen = torch.Generator().manual_seed(seed + 1)
-    data = TensorDict(dict(
-        input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask,
-        position_ids=position_ids, prompts=input_ids[:, :max_p], responses=input_ids[:, max_p:],
-        temperature=torch.full((n,), 0.9),
-        old_log_probs=-torch.rand(n, max_r, generator=gen) * response_mask,
-        ref_log_prob=-torch.rand(n, max_r, generator=gen) * response_mask,
-        advantages=torch.rand(n, max_r, generator=gen) * response_mask,
-    ), batch_size=[n])
-    data = left_right_2_no_padding(data)
-    tu.assign_non_tensor(data, uid=[uid[i] for i in range(n)], calculate_entropy=True,
-                         use_dynamic_bsz=False, micro_batch_size_per_gpu=micro_batch_size,
-                         global_batch_size=n)
-    return data
 
 
 def run(rank: int, workloads: list[str], modes: dict[str, dict | None]) -> dict:
@@ -192,22 +102,6 @@ def run(rank: int, workloads: list[str], modes: dict[str, dict | None]) -> dict:
             infer = engine.infer_batch(make_batch(workload))
             train = engine.forward_backward_batch(make_batch(workload), partial(ppo_loss, config=config))
             grads = {n: p.grad.clone() for n, p in engine.module[0].named_parameters()}
-            results[workload, name] = {"infer": _plain(infer), "train": _plain(train), "grads": grads}
+            results[workload, name] = {"infer": plain_output(infer), "train": plain_output(train),
+                                      "grads": grads}
     return results
-
-
-def _plain(output: dict) -> dict:
-    """Picklable copy: nested tensors as lists of per-sample tensors."""
-    if not output:
-        return {}
-    model_output = {k: [t.detach().clone() for t in v.unbind()] for k, v in output["model_output"].items()}
-    metrics = {k: [_number(x) for x in (v if isinstance(v, list) else [v])]
-               for k, v in output.get("metrics", {}).items()}
-    return {"model_output": model_output, "loss": [float(x) for x in output.get("loss", [])],
-            "metrics": metrics}
-
-
-def _number(metric: Any) -> float:
-    if hasattr(metric, "aggregate"):  # verl's Metric
-        return float(metric.aggregate())
-    return float(metric)

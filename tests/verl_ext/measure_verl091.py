@@ -18,7 +18,8 @@ from functools import partial
 from prefix_sharing.engines.launch import run_distributed
 from prefix_sharing.presets import PRESETS
 
-from ._engine import actor_config, build_engine, make_batch, use_cpu_platform
+from ._batch import make_batch, use_cpu_platform
+from ._engine import actor_config, build_engine
 
 
 def measure(rank: int, args: argparse.Namespace) -> dict:

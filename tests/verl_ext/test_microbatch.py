@@ -16,7 +16,7 @@ import torch  # noqa: E402
 
 from prefix_sharing import PrefixSharingConfig, build_plan, prompt_groups  # noqa: E402
 from prefix_sharing.verl_ext.microbatch import add_split_metrics, sharing_split  # noqa: E402
-from tests.verl_ext._engine import make_batch, use_cpu_platform  # noqa: E402
+from tests.verl_ext._batch import make_batch, use_cpu_platform  # noqa: E402
 
 ARBITRARY = PrefixSharingConfig(min_prefix_len=1)
 PROMPT_ONLY = PrefixSharingConfig(mode="prompt_only", min_prefix_len=1)
@@ -166,6 +166,8 @@ def test_split_metrics_join_verls_metrics_without_replacing_measured_ones(verl):
 def _count_on_rank(rank: int, budgets: list[int]) -> list[list[int]]:
     """One data-parallel rank's split (its own batch size budget), inside a sharing step."""
     from megatron.core import parallel_state
+
+    from tests.verl_ext import _engine  # noqa: F401 - imports verl's engines in a megatron rank
 
     use_cpu_platform()
     from verl.utils import tensordict_utils as tu

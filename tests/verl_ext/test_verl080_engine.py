@@ -16,14 +16,9 @@ require_verl("0.8.0")
 
 from prefix_sharing.engines.launch import run_distributed  # noqa: E402
 from prefix_sharing.verl_ext import installed  # noqa: E402
-from tests.verl_ext._engine import WORKLOADS, actor_config, run, use_cpu_platform  # noqa: E402
-
-RTOL = 1e-5
-MODES = {
-    "off": None,
-    "arbitrary_prefix": {"mode": "arbitrary_prefix", "min_prefix_len": 1},
-    "prompt_only": {"mode": "prompt_only", "min_prefix_len": 1},
-}
+from tests.verl_ext._compare import MODES, same_outputs  # noqa: E402
+from tests.verl_ext._batch import WORKLOADS, use_cpu_platform  # noqa: E402
+from tests.verl_ext._engine import actor_config, run  # noqa: E402
 
 
 def run_080(rank: int, tp: int) -> dict:
@@ -90,28 +85,6 @@ def one_process():
     return _ranks(1)[0]
 
 
-def _close(shared, plain, what):
-    scale = plain.abs().max().clamp(min=1e-6)
-    err = (shared - plain).abs().max() / scale
-    assert err <= RTOL, f"{what}: relative error {float(err):.2e}"
-
-
-def _same_outputs(shared: dict, plain: dict, where: str) -> None:
-    """Log-probs (all but each sample's last position, which predicts nothing), entropy, the
-    step's loss and every gradient."""
-    for key in ("log_probs", "entropy"):
-        pairs = zip(shared["infer"]["model_output"][key], plain["infer"]["model_output"][key],
-                    strict=True)
-        for i, (s, p) in enumerate(pairs):
-            assert s.shape == p.shape, f"{where} {key}[{i}] shape"
-            upto = -1 if key == "log_probs" else None
-            _close(s[:upto], p[:upto], f"{where} {key}[{i}]")
-    loss_s, loss_p = sum(shared["train"]["loss"]), sum(plain["train"]["loss"])
-    assert abs(loss_s - loss_p) <= RTOL * max(abs(loss_p), 1e-6), f"{where} loss {loss_s} vs {loss_p}"
-    for name, grad in plain["grads"].items():
-        _close(shared["grads"][name], grad, f"{where} grad {name}")
-
-
 def test_the_verl080_patch_sets_are_the_ones_applied():
     use_cpu_platform()
     names = installed()
@@ -124,8 +97,7 @@ def test_log_probs_entropy_loss_and_gradients_match_the_feature_off(results):
         runs = rank_result["equivalence"]
         for (workload, mode), shared in runs.items():
             if mode != "off":
-                assert len(shared["train"]["loss"]) == len(runs[workload, "off"]["train"]["loss"])
-                _same_outputs(shared, runs[workload, "off"], f"tp{tp} {workload} {mode}")
+                same_outputs(shared, runs[workload, "off"], f"tp{tp} {workload} {mode}")
 
 
 def test_sharing_metrics_reach_verls_metrics_dict(results):

@@ -14,15 +14,9 @@ from tests.verl_ext._requires import require_verl
 require_verl("0.9.1")
 
 from prefix_sharing.engines.launch import run_distributed  # noqa: E402
-from tests.verl_ext._engine import WORKLOADS, run  # noqa: E402
-
-RTOL = 1e-5
-MODES = {
-    "off": None,
-    "arbitrary_prefix": {"mode": "arbitrary_prefix", "min_prefix_len": 1},
-    "prompt_only": {"mode": "prompt_only", "min_prefix_len": 1},
-}
-
+from tests.verl_ext._compare import MODES, same_outputs  # noqa: E402
+from tests.verl_ext._batch import WORKLOADS  # noqa: E402
+from tests.verl_ext._engine import run  # noqa: E402
 
 @pytest.fixture(scope="module", params=[(1, 1), (2, 1), (1, 2)], ids=["tp1", "tp2", "pp2"])
 def results(request):
@@ -33,35 +27,14 @@ def results(request):
     return f"tp{tp}pp{pp}", workloads, modes, per_rank
 
 
-def _close(shared, plain, what):
-    scale = plain.abs().max().clamp(min=1e-6)
-    err = (shared - plain).abs().max() / scale
-    assert err <= RTOL, f"{what}: relative error {float(err):.2e}"
-
-
 def test_log_probs_entropy_loss_and_gradients_match_the_feature_off(results):
     layout, workloads, modes, per_rank = results
     for rank_result in per_rank:
         for workload in workloads:
-            plain = rank_result[workload, "off"]
             for mode in modes:
-                if mode == "off":
-                    continue
-                shared = rank_result[workload, mode]
-                where = f"{layout} {workload} {mode}"
-                for name, grad in plain["grads"].items():
-                    _close(shared["grads"][name], grad, f"{where} grad {name}")
-                if not plain["infer"]:
-                    continue  # an inner pipeline stage returns no outputs
-                for key in ("log_probs", "entropy"):
-                    for i, (s, p) in enumerate(zip(shared["infer"]["model_output"][key],
-                                                   plain["infer"]["model_output"][key], strict=True)):
-                        assert s.shape == p.shape, f"{where} {key}[{i}] shape"
-                        upto = -1 if key == "log_probs" else None
-                        _close(s[:upto], p[:upto], f"{where} {key}[{i}]")
-                assert len(shared["train"]["loss"]) == len(plain["train"]["loss"])
-                for s, p in zip(shared["train"]["loss"], plain["train"]["loss"]):
-                    assert abs(s - p) <= RTOL * max(abs(p), 1e-6), f"{where} loss {s} vs {p}"
+                if mode != "off":
+                    same_outputs(rank_result[workload, mode], rank_result[workload, "off"],
+                                 f"{layout} {workload} {mode}")
 
 
 def test_sharing_metrics_reach_verls_metrics_dict(results):

@@ -14,7 +14,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  #
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules  # noqa: E402
 
 from prefix_sharing.megatron_ext import PrefixSharingCoreAttention  # noqa: E402
-from prefix_sharing.verl_ext.verl091 import install_layer_spec  # noqa: E402
+from prefix_sharing.verl_ext.mcore_engine import install_layer_spec  # noqa: E402
 
 
 def _shares(layer_spec) -> bool:

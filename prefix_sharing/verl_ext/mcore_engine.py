@@ -1,0 +1,190 @@
+"""The prefix-sharing Megatron engine glue, the same for every supported verl release.
+
+A release's patch set (``verl091_mcore``, ``verl080_mcore``) maps verl modules to these hooks:
+
+- :func:`patch_forward_fn_lookup` (on ``verl.models.mcore``): ``get_mcore_engine_forward_fn``
+  returns :func:`.mcore.shared_forward` while a sharing engine runs a micro-batch
+  (:func:`current_micro_batch`), verl's own forward otherwise. verl looks the function up at
+  call time, inside ``forward_step``, which is what makes a per-micro-batch swap possible.
+- :func:`patch_engine` (on ``verl.workers.engine.megatron.transformer_impl``): the registered
+  language-model engine becomes ``PrefixSharingMegatronEngine`` for every device it was
+  registered for. That subclass builds its model with the prefix-sharing layer spec
+  (:func:`install_layer_spec`), reads each micro-batch (with its ``uid``) in ``forward_step``,
+  splits dynamic batches keeping sharing groups together (:mod:`.microbatch`) and reports the
+  step's token counts in verl's metrics. With sharing off every method is verl's own.
+
+Layer-spec hooks, whichever bridge the engine uses: Megatron-Bridge's
+``provider.transformer_layer_spec`` (a spec or a spec factory) and the vanilla mbridge's
+``bridge._get_transformer_layer_spec`` (patched per engine instance, so the reference model
+without an overlay keeps the stock spec).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import copy
+import functools
+from collections.abc import Callable, Iterator
+from types import ModuleType
+from typing import Any
+
+from .microbatch import add_split_metrics, sharing_split
+
+__all__ = ["share_layer_spec", "install_layer_spec", "patch_forward_fn_lookup", "patch_engine",
+           "current_micro_batch", "replace_registered_engine"]
+
+# The shared_forward keywords (sharing, groups, calculate_entropy, metrics) of the micro-batch
+# being run; None outside a sharing engine's forward_step.
+_CURRENT: contextvars.ContextVar[dict | None] = contextvars.ContextVar("prefix_sharing_mb",
+                                                                     default=None)
+
+
+@contextlib.contextmanager
+def current_micro_batch(forward_kwargs: dict) -> Iterator[None]:
+    """Within this block, verl's forward-fn lookup returns ``shared_forward(**forward_kwargs)``."""
+    token = _CURRENT.set(forward_kwargs)
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)
+
+
+def share_layer_spec(spec: Any) -> Any:
+    """The prefix-sharing version of a GPT layer spec or of a decoder block spec (all layers)."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    from ..megatron_ext import with_prefix_sharing
+
+    if isinstance(spec, TransformerBlockSubmodules):
+        block = copy.copy(spec)
+        block.layer_specs = [with_prefix_sharing(layer) for layer in spec.layer_specs]
+        return block
+    return with_prefix_sharing(spec)
+
+
+def _sharing_spec_factory(factory: Callable[..., Any]) -> Callable[..., Any]:
+    """Wraps a spec factory (keeps its signature: Megatron-Bridge inspects it for ``vp_stage``)."""
+
+    @functools.wraps(factory)
+    def shared(*args: Any, **kwargs: Any) -> Any:
+        return share_layer_spec(factory(*args, **kwargs))
+
+    return shared
+
+
+def install_layer_spec(engine: Any) -> None:
+    """Makes ``engine`` build its model with the prefix-sharing layer spec (after
+    ``_build_tf_config``: the model itself is built later, in ``_build_megatron_module``)."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    provider = getattr(engine, "provider", None)
+    if provider is not None:  # Megatron-Bridge (verl 0.9's default): a spec or a spec factory
+        spec = provider.transformer_layer_spec
+        is_spec = isinstance(spec, (ModuleSpec, TransformerBlockSubmodules))
+        provider.transformer_layer_spec = (
+            share_layer_spec(spec) if is_spec else _sharing_spec_factory(spec))
+    else:  # vanilla mbridge: the spec is built lazily in bridge.get_model; patch this instance
+        bridge = engine.bridge
+        bridge._get_transformer_layer_spec = _sharing_spec_factory(
+            bridge._get_transformer_layer_spec)
+
+
+def patch_forward_fn_lookup(module: ModuleType) -> None:
+    """Hook on ``verl.models.mcore``: the forward-fn lookup answers the shared forward while a
+    sharing engine runs a micro-batch. Idempotent."""
+    from .mcore import shared_forward
+
+    stock = module.get_mcore_engine_forward_fn
+    if getattr(stock, "_prefix_sharing", False):
+        return
+
+    @functools.wraps(stock)
+    def get_mcore_engine_forward_fn(hf_config):
+        current = _CURRENT.get()
+        if current is None:
+            return stock(hf_config)
+        return functools.partial(shared_forward, **current)
+
+    get_mcore_engine_forward_fn._prefix_sharing = True
+    module.get_mcore_engine_forward_fn = get_mcore_engine_forward_fn
+
+
+def patch_engine(module: ModuleType) -> None:
+    """Hook on ``verl.workers.engine.megatron.transformer_impl``: defines
+    ``PrefixSharingMegatronEngine`` there and registers it in place of verl's
+    ``MegatronEngineWithLMHead``."""
+    from verl.utils import tensordict_utils as tu
+
+    from .config import sharing_config
+    from .mcore import SharingMetrics, check_engine_setup, micro_batch_groups
+
+    stock = module.MegatronEngineWithLMHead
+
+    class PrefixSharingMegatronEngine(stock):
+        """verl's ``MegatronEngineWithLMHead``, computing each micro-batch's shared prefixes
+        once."""
+
+        def __init__(self, model_config, engine_config, *args: Any, **kwargs: Any) -> None:
+            self.prefix_sharing = sharing_config(engine_config)
+            if self.prefix_sharing.enabled:
+                check_engine_setup(engine_config, model_config)
+            self._sharing_metrics = SharingMetrics()
+            super().__init__(model_config, engine_config, *args, **kwargs)
+
+        def _build_tf_config(self) -> None:
+            super()._build_tf_config()
+            if self.prefix_sharing.enabled:
+                install_layer_spec(self)
+
+        def forward_backward_batch(self, data, loss_function, forward_only=False):
+            if not self.prefix_sharing.enabled:
+                return super().forward_backward_batch(data, loss_function, forward_only)
+            self._sharing_metrics = SharingMetrics()
+            with sharing_split(self.prefix_sharing) as split:  # dynamic bsz keeps groups together
+                output = super().forward_backward_batch(data, loss_function, forward_only)
+            if output:  # the last pipeline stage
+                output.setdefault("metrics", {}).update(self._sharing_metrics.as_verl_metrics())
+                add_split_metrics(output, split)
+            return output
+
+        def forward_step(self, batch_iter, model, logits_processor_func,
+                         postprocess_micro_batch_func):
+            if not self.prefix_sharing.enabled:
+                return super().forward_step(batch_iter, model, logits_processor_func,
+                                            postprocess_micro_batch_func)
+            batch = next(batch_iter)
+            unsupported = [key for key in ("calculate_sum_pi_squared", "distillation_use_topk")
+                           if tu.get_non_tensor_data(batch, key=key, default=False)]
+            if unsupported:
+                raise ValueError(f"prefix sharing does not support {', '.join(unsupported)}")
+            groups = None
+            if self.prefix_sharing.mode == "prompt_only":
+                groups = micro_batch_groups(batch, batch["input_ids"].size(0))
+            forward_kwargs = dict(
+                sharing=self.prefix_sharing, groups=groups,
+                calculate_entropy=tu.get_non_tensor_data(batch, key="calculate_entropy",
+                                                         default=False),
+                metrics=self._sharing_metrics,
+            )
+            with current_micro_batch(forward_kwargs):
+                return super().forward_step(iter([batch]), model, logits_processor_func,
+                                            postprocess_micro_batch_func)
+
+    # Found by reference (pickling, logs) where verl's engine lives, patched in every process.
+    PrefixSharingMegatronEngine.__module__ = module.__name__
+    PrefixSharingMegatronEngine.__qualname__ = "PrefixSharingMegatronEngine"
+    module.PrefixSharingMegatronEngine = PrefixSharingMegatronEngine
+    replace_registered_engine(stock, PrefixSharingMegatronEngine)
+
+
+def replace_registered_engine(stock: type, replacement: type) -> None:
+    """Puts ``replacement`` wherever verl's ``EngineRegistry`` lists ``stock`` as a language-model
+    engine (every backend and device); ``EngineRegistry.register`` refuses a second entry."""
+    from verl.workers.engine.base import EngineRegistry
+
+    for backends in EngineRegistry._engines.get("language_model", {}).values():
+        for key, engine_cls in list(backends.items()):
+            if engine_cls is stock:
+                backends[key] = replacement

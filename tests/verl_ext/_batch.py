@@ -1,0 +1,146 @@
+"""What every verl engine test needs, whichever engine: verl on CPU, and batches laid out as
+verl's trainer lays them out. Imports no engine (the FSDP ranks never load megatron)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from prefix_sharing.presets import PRESETS
+from prefix_sharing.workloads import make_workload
+
+PRESET = PRESETS["tiny"]  # 2 layers, hidden 64, 4 query heads over 2 K/V groups, vocab 512
+
+WORKLOADS = {
+    "grpo": dict(num_prompts=2, group_size=3),
+    "steprl": dict(num_chains=1, num_steps=4),
+    "tree": dict(depth=2, branching=2),
+    "agent": dict(num_tasks=1, num_turns=2, branching=2),
+}
+
+
+def use_cpu_platform() -> None:
+    """verl assumes nvidia without a platform; a CUDA platform whose device calls are CPU no-ops.
+    verl 0.8.0 has no platform plugin; its unpadding imports flash_attn (CUDA): route it to
+    verl's pure-torch copy of the same functions."""
+    import importlib.util
+
+    if importlib.util.find_spec("verl.plugin") is None:
+        from verl.utils import attention_utils, npu_flash_attn_utils as torch_impl
+
+        attention_utils._get_attention_functions = lambda: (
+            torch_impl.index_first_axis, torch_impl.pad_input, torch_impl.rearrange,
+            torch_impl.unpad_input)
+        return
+    from verl.plugin.platform import platform_manager
+    from verl.plugin.platform.platform_cuda import PlatformCUDA
+
+    class PlatformCPU(PlatformCUDA):
+        device_name = "cpu"
+
+        @property
+        def device_module(self):
+            return _HostDevice()
+
+        def current_device(self):
+            return "cpu"
+
+        def set_device(self, device_index):
+            pass
+
+        def synchronize(self, device_index=None):
+            pass
+
+        def manual_seed(self, seed):
+            torch.manual_seed(seed)
+
+        def manual_seed_all(self, seed):
+            torch.manual_seed(seed)
+
+        def empty_cache(self):
+            pass
+
+    platform_manager.set_platform(PlatformCPU())
+
+
+class _HostDevice:
+    """``torch.cpu`` plus the memory calls verl makes on its device module (its memory log
+    during ``initialize()``, cache flushes): nothing to report or free on the host."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cpu, name)
+
+    @staticmethod
+    def empty_cache() -> None:
+        pass
+
+    @staticmethod
+    def memory_allocated(*args: Any) -> int:
+        return 0
+
+    memory_reserved = memory_allocated
+
+    @staticmethod
+    def mem_get_info(*args: Any) -> tuple[int, int]:
+        return 0, 0
+
+
+def make_batch(workload: str, *, seed: int = 0, micro_batch_size: int = 2,
+               vocab_size: int | None = None, temperature: float | list[float] = 0.9, **sizes: Any):
+    """A verl no-padding batch of the workload (sizes: :data:`WORKLOADS`, or ``sizes``);
+    a sample's prompt is its group's prompt; ``temperature`` per sample or one for all."""
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    wl = make_workload(workload, vocab_size=vocab_size or PRESET.vocab_size, seed=seed,
+                       **(sizes or WORKLOADS[workload]))
+    prompt_len = {m: g.prompt_len for g in wl.groups for m in g.members}
+    uid = {m: f"u{i}" for i, g in enumerate(wl.groups) for m in g.members}
+    n = len(wl.sequences)
+    prompts = [s[: prompt_len[i]] for i, s in enumerate(wl.sequences)]
+    responses = [s[prompt_len[i]:] for i, s in enumerate(wl.sequences)]
+    max_p, max_r = max(map(len, prompts)), max(map(len, responses))
+    input_ids = torch.zeros(n, max_p + max_r, dtype=torch.long)
+    attention_mask = torch.zeros(n, max_p + max_r, dtype=torch.long)
+    response_mask = torch.zeros(n, max_r, dtype=torch.long)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        input_ids[i, max_p - len(p): max_p], input_ids[i, max_p: max_p + len(r)] = p, r
+        attention_mask[i, max_p - len(p): max_p + len(r)] = 1
+        response_mask[i, : len(r)] = 1
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    gen = torch.Generator().manual_seed(seed + 1)
+    temperatures = torch.as_tensor(temperature, dtype=torch.float32).expand(n).clone()
+    data = TensorDict(dict(
+        input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask,
+        position_ids=position_ids, prompts=input_ids[:, :max_p], responses=input_ids[:, max_p:],
+        temperature=temperatures,
+        old_log_probs=-torch.rand(n, max_r, generator=gen) * response_mask,
+        ref_log_prob=-torch.rand(n, max_r, generator=gen) * response_mask,
+        advantages=torch.rand(n, max_r, generator=gen) * response_mask,
+    ), batch_size=[n])
+    data = left_right_2_no_padding(data)
+    tu.assign_non_tensor(data, uid=[uid[i] for i in range(n)], calculate_entropy=True,
+                         use_dynamic_bsz=False, micro_batch_size_per_gpu=micro_batch_size,
+                         global_batch_size=n)
+    return data
+
+
+def plain_output(output: dict) -> dict:
+    """A picklable copy of an engine's output: nested tensors as lists of per-sample tensors,
+    verl's metrics as lists of floats."""
+    if not output:
+        return {}
+    model_output = {k: [t.detach().clone() for t in v.unbind()]
+                    for k, v in output["model_output"].items()}
+    metrics = {k: [_number(x) for x in (v if isinstance(v, list) else [v])]
+               for k, v in output.get("metrics", {}).items()}
+    return {"model_output": model_output, "loss": [float(x) for x in output.get("loss", [])],
+            "metrics": metrics}
+
+
+def _number(metric: Any) -> float:
+    if hasattr(metric, "aggregate"):  # verl's Metric
+        return float(metric.aggregate())
+    return float(metric)

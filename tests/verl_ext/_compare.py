@@ -1,0 +1,54 @@
+"""How the verl engine tests judge a run with sharing on against the same run with it off.
+
+A run is what ``_engine.run`` (or the FSDP driver) returns per (workload, mode): ``infer``
+(``infer_batch``'s log-probs and entropy, one tensor per sample), ``train``
+(``forward_backward_batch``'s per-micro-batch losses and metrics) and ``grads`` (every
+parameter's gradient, by name). fp32 throughout: within :data:`RTOL` relative to the plain
+run's largest magnitude.
+"""
+
+from __future__ import annotations
+
+import torch
+
+RTOL = 1e-5
+MODES = {
+    "off": None,
+    "arbitrary_prefix": {"mode": "arbitrary_prefix", "min_prefix_len": 1},
+    "prompt_only": {"mode": "prompt_only", "min_prefix_len": 1},
+}
+
+
+def close(shared: torch.Tensor, plain: torch.Tensor, what: str) -> None:
+    """``max|shared - plain| <= RTOL * max|plain|`` (with a floor of 1e-6 on the scale)."""
+    assert shared.shape == plain.shape, f"{what}: {tuple(shared.shape)} vs {tuple(plain.shape)}"
+    err = (shared - plain).abs().max() / plain.abs().max().clamp(min=1e-6)
+    assert err <= RTOL, f"{what}: relative error {float(err):.2e}"
+
+
+def same_outputs(shared: dict, plain: dict, where: str, *, per_micro_batch: bool = True) -> None:
+    """Every gradient; then, where the rank returns outputs (an inner pipeline stage returns
+    none), log-probs (all but each sample's last position, which predicts nothing: verl fills
+    it from a wrapped-around label, and downstream reads stop before it), entropy, and the
+    loss: per micro-batch, or its sum over the step when the two runs split the batch
+    differently (``per_micro_batch=False``)."""
+    assert shared["grads"].keys() == plain["grads"].keys(), f"{where}: parameter names differ"
+    for name, grad in plain["grads"].items():
+        close(shared["grads"][name], grad, f"{where} grad {name}")
+    if not plain["infer"]:
+        return
+    for key in ("log_probs", "entropy"):
+        pairs = zip(shared["infer"]["model_output"][key], plain["infer"]["model_output"][key],
+                    strict=True)
+        for i, (s, p) in enumerate(pairs):
+            assert s.shape == p.shape, f"{where} {key}[{i}] shape"
+            upto = -1 if key == "log_probs" else None
+            close(s[:upto], p[:upto], f"{where} {key}[{i}]")
+    losses_s, losses_p = shared["train"]["loss"], plain["train"]["loss"]
+    if per_micro_batch:
+        assert len(losses_s) == len(losses_p), (
+            f"{where}: {len(losses_s)} vs {len(losses_p)} micro-batches")
+    else:
+        losses_s, losses_p = [sum(losses_s)], [sum(losses_p)]
+    for s, p in zip(losses_s, losses_p, strict=True):
+        assert abs(s - p) <= RTOL * max(abs(p), 1e-6), f"{where} loss {s} vs {p}"
