@@ -185,15 +185,23 @@ def seed_weights(model: torch.nn.Module, seed: int) -> None:
             param.copy_(full)
 
 
-def full_grads(model: torch.nn.Module, *, finalize: bool = False) -> dict[str, torch.Tensor]:
+def finalize_sequence_parallel_grads(model: torch.nn.Module) -> None:
+    """Sums, in place, the per-rank partial gradients of sequence-parallel parameters (norms,
+    the MoE router: each rank saw only its slice of the tokens) over the tensor-parallel group,
+    as megatron's ``finalize_model_grads`` does before the optimizer step. Collective."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return
+    group = parallel_state.get_tensor_model_parallel_group()
+    for param in model.parameters():
+        if getattr(param, "sequence_parallel", False) and param.grad is not None:
+            torch.distributed.all_reduce(param.grad, group=group)
+
+
+def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """This stage's gradients, tensor-parallel shards gathered to TP=1 shape, by global name
     (experts by their global index, so an expert-parallel rank holds its own experts' only).
-
-    Args:
-        finalize: also sum the per-rank partial gradients of sequence-parallel parameters
-            (norms, the MoE router: each rank saw only its slice of the tokens) over the
-            tensor-parallel group, as megatron's ``finalize_model_grads`` does in training;
-            the parameters' own ``.grad`` stay as they are.
 
     Collective over the tensor-parallel group: every TP rank must call it.
     """
@@ -204,8 +212,6 @@ def full_grads(model: torch.nn.Module, *, finalize: bool = False) -> dict[str, t
     grads = {}
     for name, param in model.named_parameters():
         grad = param.grad.detach().clone()
-        if finalize and getattr(param, "sequence_parallel", False):
-            torch.distributed.all_reduce(grad, group=group)
         if getattr(param, "tensor_model_parallel", False):
             dim, stride = param.partition_dim, param.partition_stride
             shards = [torch.empty_like(grad) for _ in range(tp_size)]
@@ -278,7 +284,8 @@ def stock_thd_token_stats(logits: torch.Tensor, inputs: Any, stats_batch: Any) -
 @dataclasses.dataclass
 class MicroBatchRun:
     """One pass over the micro-batches: per micro-batch packed outputs (last stage only) and
-    this stage's gradients (``full_grads(finalize=True)``); ``digests`` are the plans'
+    this stage's gradients (finalized as for the optimizer step, then :func:`full_grads`);
+    ``digests`` are the plans'
     fingerprints (``shared`` only)."""
 
     outputs: list[RunOutputs]
@@ -353,7 +360,8 @@ def forward_backward(
         micro_batch_size=1,
     )
     digests = [mb.plan.digest() for mb in inputs] if layout == "shared" else []
-    return MicroBatchRun(outputs, full_grads(model, finalize=True), digests)
+    finalize_sequence_parallel_grads(model)  # the parameters' .grad are then the optimizer's
+    return MicroBatchRun(outputs, full_grads(model), digests)
 
 
 def compare(candidate: MicroBatchRun, reference: MicroBatchRun) -> Comparison:

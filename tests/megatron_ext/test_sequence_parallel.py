@@ -5,8 +5,8 @@ layout between the attention and MLP blocks (norms, residuals); the QKV projecti
 and the output projection scatters them back, so prefix sharing sees the whole flat layout
 in attention. On CPU the local spec's torch norm takes part through
 ``cpu_support._allow_sequence_parallel_torch_norm``; its parameters' gradients are then partial
-per rank and are all-reduced over the tensor-parallel group, as megatron's
-``finalize_model_grads`` does, before comparing.
+per rank, and ``forward_backward`` all-reduces them over the tensor-parallel group as megatron's
+``finalize_model_grads`` does before the optimizer step.
 
 Compared on the same weights: the shared SP run with the shared and plain runs without SP and
 megatron's stock local spec on padded input (fp32, 1e-5 relative), and the plain packed SP run
@@ -15,30 +15,12 @@ with the stock one.
 
 from __future__ import annotations
 
-import torch
-
 from prefix_sharing import build_plan
-from prefix_sharing.engines.megatron import compare, forward_backward, full_grads
+from prefix_sharing.engines.megatron import compare, forward_backward
 from prefix_sharing.equivalence import FP32_RTOL
 
 from ._distributed import run_distributed, tiny_gpt
 from ._equivalence import SHARE_EVERY_PREFIX, micro_batches
-
-
-def _finalize_sequence_parallel_grads(model: torch.nn.Module) -> None:
-    from megatron.core import parallel_state
-
-    group = parallel_state.get_tensor_model_parallel_group()
-    for param in model.parameters():
-        if getattr(param, "sequence_parallel", False):
-            torch.distributed.all_reduce(param.grad, group=group)
-
-
-def _run(model: torch.nn.Module, batches: list, layout: str):
-    run = forward_backward(model, batches, layout, SHARE_EVERY_PREFIX)
-    _finalize_sequence_parallel_grads(model)
-    run.grads = full_grads(model)
-    return run
 
 
 def _sequence_parallel_job(rank: int) -> dict:
@@ -50,10 +32,10 @@ def _sequence_parallel_job(rank: int) -> dict:
         with_kwargs=True,
     )
     runs = {
-        "shared_sp": _run(sp_model, batches, "shared"),
-        "packed_sp": _run(sp_model, batches, "packed"),
-        "shared": _run(tiny_gpt("shared"), batches, "shared"),
-        "padded": _run(tiny_gpt("padded"), batches, "padded"),
+        "shared_sp": forward_backward(sp_model, batches, "shared", SHARE_EVERY_PREFIX),
+        "packed_sp": forward_backward(sp_model, batches, "packed", SHARE_EVERY_PREFIX),
+        "shared": forward_backward(tiny_gpt("shared"), batches, "shared", SHARE_EVERY_PREFIX),
+        "padded": forward_backward(tiny_gpt("padded"), batches, "padded", SHARE_EVERY_PREFIX),
     }
     marked = sorted(n for n, p in sp_model.named_parameters()
                     if getattr(p, "sequence_parallel", False))
