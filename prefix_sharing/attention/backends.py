@@ -17,6 +17,8 @@ from collections.abc import Callable
 
 import torch
 
+from ..errors import InputError, MissingPackageError
+
 __all__ = [
     "BackendFn",
     "BACKEND_FUNCTIONS",
@@ -59,16 +61,17 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
     on Ascend (``npu``) the fused NPU kernel; elsewhere torch.
 
     Raises:
-        ValueError: an unknown name, or a named kernel that does not compute in ``dtype``.
+        InputError (a ValueError): an unknown name, or a named kernel that does not compute in
+            ``dtype``.
     """
     if name == "auto":
         return _auto(device, dtype)
     if name not in BACKEND_FUNCTIONS:
-        raise ValueError(f"unknown attention backend {name!r}; choose from "
+        raise InputError(f"unknown attention backend {name!r}; choose from "
                          f"{', '.join(['auto', *BACKEND_FUNCTIONS])}")
     if not _computes_in(name, dtype):
         kinds = ", ".join(str(d) for d in KERNEL_DTYPES[name])
-        raise ValueError(
+        raise InputError(
             f"attention backend {name!r} computes in {kinds} only, but q is {dtype}: run the "
             "model in one of those dtypes, or choose backend='torch' (or 'auto')"
         )
@@ -96,10 +99,11 @@ def _computes_in(name: str, dtype: torch.dtype) -> bool:
 
 
 def get_backend(name: str) -> BackendFn:
-    """The kernel function of a concrete backend; a clear ImportError when its package is missing."""
+    """The kernel function of a concrete backend; a clear :class:`MissingPackageError` (an
+    ImportError) when its package is missing."""
     module, function, package, extra = BACKEND_FUNCTIONS[name]
     if package is not None and not _installed(package):
-        raise ImportError(
+        raise MissingPackageError(
             f"attention backend {name!r} needs the {package!r} package "
             f"(pip install 'prefix-sharing[{extra}]'), or choose backend='torch'"
         )

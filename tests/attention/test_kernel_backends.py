@@ -12,6 +12,7 @@ import torch
 from prefix_sharing.attention import varlen_attention, varlen_attention_torch
 from prefix_sharing.attention import npu_backend, te_backend
 from prefix_sharing.attention.backends import get_backend, resolve_backend
+from prefix_sharing.errors import InputError, MissingPackageError
 from tests.attention import fake_kernels
 
 # tails of every kind: whole sequence, one token over many keys, one token over one key, odd pairs
@@ -241,12 +242,13 @@ def test_a_named_backend_is_kept_for_a_dtype_it_computes_in():
 @pytest.mark.parametrize("name, dtype", [("flash_attn", torch.float32), ("te", torch.float32),
                                          ("npu", torch.float64)])
 def test_a_named_backend_refuses_a_dtype_it_cannot_compute_in(name, dtype):
-    with pytest.raises(ValueError, match=rf"'{name}' computes in .* but q is {dtype}.*'torch'"):
+    """Bad input, printed by the command as one line (an InputError is a ValueError)."""
+    with pytest.raises(InputError, match=rf"'{name}' computes in .* but q is {dtype}.*'torch'"):
         resolve_backend(name, CUDA, dtype)
 
 
 def test_unknown_backend_names_the_choices():
-    with pytest.raises(ValueError, match="'flash'.*auto, torch, flash_attn, te, npu"):
+    with pytest.raises(InputError, match="'flash'.*auto, torch, flash_attn, te, npu"):
         resolve_backend("flash", CUDA, torch.bfloat16)
 
 
@@ -257,7 +259,7 @@ def test_unknown_backend_names_the_choices():
 )
 def test_missing_kernel_package_says_which_extra_to_install(monkeypatch, name, package, extra):
     fake_kernels.hide(monkeypatch, package)
-    with pytest.raises(ImportError, match=rf"{package}.*pip install 'prefix-sharing\[{extra}\]'"):
+    with pytest.raises(MissingPackageError, match=rf"{package}.*pip install 'prefix-sharing\[{extra}\]'"):
         get_backend(name)
 
 
