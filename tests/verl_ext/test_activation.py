@@ -94,3 +94,48 @@ def test_an_unsupported_verl_release_is_refused_with_the_override_named():
     assert "UnsupportedVerlVersion: prefix-sharing supports verl" in last
     assert "0.9.1" in last and "verl 0.7.1 is installed" in last
     assert "PREFIX_SHARING_PATCHSET=<name>" in last and "ENABLE_PREFIX_SHARING=0" in last
+
+
+# Both engines at once: the Megatron and the FSDP patch sets hook two of the same modules
+# (the actor configs' module, the micro-batch split's module).
+BOTH_PROBE = """
+import json
+from verl.workers.engine.base import EngineRegistry
+import verl.workers.engine.megatron.transformer_impl, verl.workers.engine.fsdp.transformer_impl
+from verl.workers.config import FSDPActorConfig, McoreActorConfig
+from verl.utils import seqlen_balancing
+from verl.workers.engine import utils as engine_utils
+import prefix_sharing.verl_ext as ve
+engines = EngineRegistry._engines["language_model"]
+split = engine_utils.rearrange_micro_batches
+print(json.dumps(dict(
+    installed=ve.installed(),
+    engines=[engines[backend]["cuda"].__name__ for backend in ("megatron", "fsdp", "fsdp2")],
+    accepts=[any(f == "prefix_grouper" for f in c.__dataclass_fields__)
+             for c in (McoreActorConfig, FSDPActorConfig)],
+    split_wraps_verls_own=getattr(split, "_prefix_sharing_stock", None)
+    is seqlen_balancing.rearrange_micro_batches)))
+"""
+
+
+def test_the_megatron_and_fsdp_patch_sets_share_hooked_modules_in_one_process():
+    got = _both("import prefix_sharing")
+    assert {"verl091_fsdp", "verl091_mcore"} <= set(got.pop("installed"))
+    assert got == dict(
+        engines=["PrefixSharingMegatronEngine", "PrefixSharingFSDPEngine",
+                 "PrefixSharingFSDPEngine"],
+        accepts=[True, True], split_wraps_verls_own=True)
+
+
+def test_patchset_variable_can_name_the_fsdp_set_alone():
+    got = _both("import prefix_sharing", PREFIX_SHARING_PATCHSET="verl091_fsdp")
+    assert got == dict(
+        installed=["verl091_fsdp"],
+        engines=["MegatronEngineWithLMHead", "PrefixSharingFSDPEngine", "PrefixSharingFSDPEngine"],
+        accepts=[False, True], split_wraps_verls_own=True)
+
+
+def _both(first: str, **env: str) -> dict:
+    out = _run(first + "\n" + BOTH_PROBE, **env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])

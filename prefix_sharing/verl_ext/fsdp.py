@@ -1,0 +1,179 @@
+"""Patch sets ``verl091_fsdp`` and ``verl080_fsdp``: prefix sharing in verl's FSDP engine.
+
+verl's FSDP language-model engine (``FSDPEngineWithLMHead``,
+``verl/workers/engine/fsdp/transformer_impl.py``) runs each micro-batch as
+``prepare_model_inputs`` -> ``self.module(**model_inputs, use_cache=False)`` ->
+``prepare_model_outputs`` -> the loss, inside its ``forward_step``. With
+``use_remove_padding`` it feeds the HuggingFace model one packed ``(1, total_nnz)`` row.
+
+Hooks (each runs when verl imports the module):
+
+- ``verl.workers.config.actor``: ``FSDPActorConfig`` accepts ``prefix_grouper`` and hands the
+  validated config to its engine config, ``fsdp_config`` (:mod:`.config`);
+- ``verl.workers.engine.fsdp.transformer_impl``: the registered language-model engine becomes
+  ``PrefixSharingFSDPEngine`` (backends ``fsdp`` / ``fsdp2``, every device verl registered);
+- ``verl.workers.engine.utils``: the dynamic-batch-size split keeps sharing groups together
+  (:mod:`.microbatch`; the same hook as the Megatron sets, applied once).
+
+``PrefixSharingFSDPEngine``, with sharing on:
+
+- ``__init__`` refuses what cannot be exact (:func:`.mcore.check_engine_setup`: Ulysses
+  sequence parallel, ``use_remove_padding=False``, fused kernels, value or multimodal models);
+- ``_build_module`` switches the HF model to the sharing attention
+  (:func:`prefix_sharing.fsdp_compat.enable_prefix_sharing`) after verl has loaded and
+  monkey-patched it and before ``_build_fsdp_module`` wraps it. verl has turned gradient
+  checkpointing on by then; that is harmless, as transformers reads the attention
+  implementation from the config at every call and the checkpointed layer replays the same
+  keywords, the plan included. verl's remove-padding patch replaces only the flash-attention
+  function, which the sharing attention does not call;
+- ``prepare_model_inputs`` plans the micro-batch from its nested ``input_ids`` (and ``uid`` for
+  ``prompt_only``) and returns :func:`prefix_sharing.fsdp_compat.model_kwargs` of the plan;
+- ``prepare_model_outputs`` turns the flat logits into log-probs / entropy through
+  :func:`prefix_sharing.logprobs.token_log_probs` (never a ``(T_total, vocab)`` tensor), in
+  verl's output contract: jagged nested tensors, one row per sample with its original length,
+  the value at ``t`` scoring token ``t + 1`` at verl's temperature. The last position of each
+  sample predicts nothing (verl reads a wrapped-around label there, this gives 0); verl reads
+  only ``[len - response - 1, len - 1)``;
+- ``forward_backward_batch`` runs verl's own inside :func:`.microbatch.sharing_split` and adds
+  the step's token counts (:class:`.mcore.SharingMetrics`) and the split's figures to verl's
+  metrics.
+
+verl's ``forward_step`` (device move, autocast, the loss, detaching the outputs) runs as is.
+With sharing off (``mode: off``, or the reference model without an overlay) every method is
+verl's own. ``pad_to_length`` (a static packed length for compiled kernels) is not applied to
+the flat layout: it changes no result.
+
+Per release: 0.9.1 and 0.8.0 have the same seams (``FSDPActorConfig`` converting into
+``fsdp_config``, ``_build_module``, ``prepare_model_inputs`` / ``prepare_model_outputs`` around
+the model call in ``forward_step``, ``prepare_micro_batches`` in ``forward_backward_batch``), so
+both sets apply the same hooks. What differs lies outside them: 0.9.1 adds bucketed
+``pad_to_length``, deferred gradient sync across micro-batches and detached outputs; 0.8.0
+runs on transformers 4.57, 0.9.1 on 5.x (the sharing attention is registered with either).
+verl's own PrefixGrouper (``use_prefix_grouper`` without a ``prefix_grouper`` block) is wired
+to the legacy ``dp_actor`` worker only, which neither engine calls.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+from .config import accept_prefix_grouper
+from .mcore_engine import replace_registered_engine
+from .microbatch import add_split_metrics, patch_prepare_micro_batches, sharing_split
+from .patchsets import PatchSet, register
+
+__all__ = ["PATCHSETS", "patch_engine"]
+
+ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
+
+# Micro-batch switches of verl's FSDP engine that read per-sample labels or logits the flat
+# layout does not have.
+_UNSUPPORTED_KEYS = ("calculate_sum_pi_squared", "distillation_use_topk", "distillation_only",
+                     "use_fused_kernels")
+
+
+def patch_engine(module: ModuleType) -> None:
+    """Hook on ``verl.workers.engine.fsdp.transformer_impl``: defines ``PrefixSharingFSDPEngine``
+    there and registers it in place of verl's ``FSDPEngineWithLMHead``."""
+    import torch
+    from verl.utils import tensordict_utils as tu
+
+    from ..fsdp_compat import enable_prefix_sharing, model_kwargs
+    from ..logprobs import token_log_probs
+    from ..planner import build_plan
+    from .config import sharing_config
+    from .mcore import (PrefixSharingSetupError, SharingMetrics, check_engine_setup,
+                        micro_batch_groups, micro_batch_temperature)
+
+    stock = module.FSDPEngineWithLMHead
+
+    class PrefixSharingFSDPEngine(stock):
+        """verl's ``FSDPEngineWithLMHead``, computing each micro-batch's shared prefixes once."""
+
+        def __init__(self, model_config, engine_config, *args: Any, **kwargs: Any) -> None:
+            self.prefix_sharing = sharing_config(engine_config)
+            if self.prefix_sharing.enabled:
+                check_engine_setup(engine_config, model_config)
+            self._sharing_metrics = SharingMetrics()
+            super().__init__(model_config, engine_config, *args, **kwargs)
+
+        def _build_module(self):
+            hf_module = super()._build_module()
+            if self.prefix_sharing.enabled:
+                enable_prefix_sharing(hf_module)  # before _build_fsdp_module wraps it
+            return hf_module
+
+        def forward_backward_batch(self, data, loss_function, forward_only=False):
+            if not self.prefix_sharing.enabled:
+                return super().forward_backward_batch(data, loss_function, forward_only)
+            self._sharing_metrics = SharingMetrics()
+            with sharing_split(self.prefix_sharing) as split:  # dynamic bsz keeps groups together
+                output = super().forward_backward_batch(data, loss_function, forward_only)
+            output.setdefault("metrics", {}).update(self._sharing_metrics.as_verl_metrics())
+            add_split_metrics(output, split)
+            return output
+
+        def prepare_model_inputs(self, micro_batch):
+            if not self.prefix_sharing.enabled:
+                return super().prepare_model_inputs(micro_batch)
+            unsupported = [key for key in _UNSUPPORTED_KEYS
+                           if tu.get_non_tensor_data(micro_batch, key=key, default=False)]
+            if not tu.get_non_tensor_data(micro_batch, key="use_remove_padding", default=True):
+                unsupported.append("use_remove_padding=False")
+            if module.extract_multi_modal_inputs(micro_batch.get("multi_modal_inputs", [])):
+                unsupported.append("multi_modal_inputs")  # as verl reads them
+            if unsupported:
+                raise PrefixSharingSetupError(
+                    f"prefix sharing does not support {', '.join(unsupported)}")
+            input_ids = micro_batch["input_ids"]  # jagged nested (bsz, j1)
+            sequences = list(input_ids.unbind())
+            groups = None
+            if self.prefix_sharing.mode == "prompt_only":
+                groups = micro_batch_groups(micro_batch, len(sequences))
+            plan = build_plan(sequences, self.prefix_sharing, groups=groups).to(input_ids.device)
+            self._sharing_metrics.add(plan)
+            model_inputs = model_kwargs(plan, self.prefix_sharing.backend)
+            del model_inputs["use_cache"]  # verl's forward_step passes use_cache=False itself
+            output_args = {"plan": plan,
+                           "temperature": micro_batch_temperature(micro_batch["temperature"])}
+            return model_inputs, output_args
+
+        def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
+            if not self.prefix_sharing.enabled:
+                return super().prepare_model_outputs(output, output_args, micro_batch,
+                                                      logits_processor_func)
+            calculate_entropy = tu.get_non_tensor_data(micro_batch, key="calculate_entropy",
+                                                       default=False)
+            stats = token_log_probs(output.logits[0], output_args["plan"],  # [T_flat, vocab]
+                                    temperature=output_args["temperature"],
+                                    with_entropy=calculate_entropy)
+            offsets = micro_batch["input_ids"].offsets()  # the plan packs samples in this order
+            model_output = {"log_probs": torch.nested.nested_tensor_from_jagged(stats.log_probs,
+                                                                                 offsets)}
+            if calculate_entropy:
+                model_output["entropy"] = torch.nested.nested_tensor_from_jagged(stats.entropy,
+                                                                                 offsets)
+            return model_output
+
+    # Found by reference (pickling, logs) where verl's engine lives, patched in every process.
+    PrefixSharingFSDPEngine.__module__ = module.__name__
+    PrefixSharingFSDPEngine.__qualname__ = "PrefixSharingFSDPEngine"
+    module.PrefixSharingFSDPEngine = PrefixSharingFSDPEngine
+    replace_registered_engine(stock, PrefixSharingFSDPEngine)
+
+
+PATCHSETS = tuple(
+    register(PatchSet(
+        name=f"verl{digits}_fsdp",
+        verl_versions=(release,),
+        hooks={
+            "verl.workers.config.actor": lambda m: accept_prefix_grouper(m, "FSDPActorConfig"),
+            ENGINE_MODULE: patch_engine,
+            "verl.workers.engine.utils": patch_prepare_micro_batches,
+        },
+        summary=f"verl {release} FSDP engine: actor config, sharing attention, forward, "
+                "group-keeping micro-batches, metrics",
+    ))
+    for release, digits in (("0.9.1", "091"), ("0.8.0", "080"))
+)

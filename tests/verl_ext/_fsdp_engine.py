@@ -1,0 +1,181 @@
+"""Drives verl's real FSDP engine in-process on CPU (no Ray), as a verl worker would.
+
+Per rank (spawned by ``tests.fsdp_compat._launch.run_gloo``: a plain gloo process group, no
+megatron): select a CPU platform, build the actor config through verl's own config conversion
+(``FSDPActorConfig``, strategy ``fsdp2``, with ``prefix_grouper``) and the model config through
+verl's ``HFModelConfig`` on a tiny seeded Qwen2 saved with ``save_pretrained``; instantiate the
+registered language-model engine and let verl's own ``initialize()`` load the checkpoint, apply
+its monkey patches and gradient checkpointing, shard with FSDP2 and build the optimizer. Then
+``infer_batch`` (old log-probs + entropy) and ``train_batch``'s core,
+``forward_backward_batch`` with verl's ``ppo_loss``, on batches laid out as verl's trainer lays
+them out. fp32 end to end (mixed precision set to fp32, so verl skips autocast); transformers'
+``sdpa`` attention for the plain engine (flash-attention does not run on CPU), which tells the
+packed samples apart by their restarting ``position_ids``.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+from collections.abc import Iterator
+from functools import partial
+from typing import Any
+
+from ._batch import PRESET, make_batch, plain_output, use_cpu_platform
+
+FP32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
+
+
+def save_model(directory: str, family: str = "qwen2", seed: int = 0) -> str:
+    """A tiny seeded ``family`` model of the tiny preset, saved where verl will load it."""
+    from prefix_sharing.fsdp_compat import build_model
+
+    build_model(family, PRESET, seed=seed).save_pretrained(directory)
+    return directory
+
+
+def actor_config(prefix_grouper: dict | None, **engine: Any):
+    """verl's ``FSDPActorConfig`` built the way the worker builds it (OmegaConf -> dataclass);
+    ``engine`` overrides ``fsdp_config`` keys."""
+    from omegaconf import OmegaConf
+    from verl.utils.config import omega_conf_to_dataclass
+
+    fsdp_config = dict(_target_="verl.workers.config.FSDPEngineConfig", mixed_precision=FP32,
+                       use_torch_compile=False)
+    fsdp_config.update(engine)
+    section = dict(
+        _target_="verl.workers.config.FSDPActorConfig", strategy="fsdp2", rollout_n=3,
+        ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2, use_kl_loss=True,
+        kl_loss_coef=0.1, entropy_coeff=0.01, fsdp_config=fsdp_config,
+        optim=dict(_target_="verl.workers.config.FSDPOptimizerConfig"),
+    )
+    if prefix_grouper is not None:
+        section.update(use_prefix_grouper=True, prefix_grouper=prefix_grouper)
+    config = omega_conf_to_dataclass(OmegaConf.create(section))
+    config.engine.use_remove_padding = True  # as verl's worker copies it from the model config
+    config.engine.use_dynamic_bsz = False
+    config.engine.micro_batch_size_per_gpu = 2
+    return config
+
+
+def model_config(path: str, **overrides: Any):
+    """verl's ``HFModelConfig`` of the saved model (no tokenizer; ``sdpa`` attention)."""
+    from verl.workers.config import HFModelConfig
+
+    fields = dict(path=path, load_tokenizer=False, override_config={"attn_implementation": "sdpa"})
+    fields.update(overrides)
+    return HFModelConfig(**fields)
+
+
+def engine_class():
+    """The registered FSDP2 language-model engine (verl registers it for cuda and npu)."""
+    from verl.workers.engine.base import EngineRegistry
+
+    return EngineRegistry._engines["language_model"]["fsdp2"]["cuda"]
+
+
+def build_engine(config, path: str):
+    """The registered engine for ``config``, initialised by verl from the checkpoint at ``path``."""
+    engine = engine_class()(model_config(path), config.engine, config.optim, config.checkpoint)
+    engine.initialize()
+    return engine
+
+
+def run(rank: int, path: str, workloads: list[str], modes: dict[str, dict | None],
+        dynamic_bsz: int | None = None) -> dict:
+    """For each workload and sharing setting (name -> ``prefix_grouper`` block, ``None`` for
+    the feature off), on a fresh engine from the same checkpoint: ``infer_batch`` outputs (in
+    verl's eval mode), ``forward_backward_batch`` outputs with verl's ``ppo_loss`` and every
+    gradient, gathered whole (in verl's train mode: gradient checkpointing replays each
+    layer), and how often the sharing attention ran. Each rank draws its own batch (seeded by
+    rank), so the data-parallel gradient reduction mixes different data. ``dynamic_bsz``:
+    verl's token budget per micro-batch (dynamic batch size on) instead of micro-batches of 2.
+    """
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.losses import ppo_loss
+
+    from prefix_sharing.fsdp_compat.fsdp import full_gradients
+
+    use_cpu_platform()
+
+    def batch(workload):
+        data = make_batch(workload, seed=rank)
+        if dynamic_bsz is not None:
+            tu.assign_non_tensor(data, use_dynamic_bsz=True, max_token_len_per_gpu=dynamic_bsz)
+        return data
+
+    results = {}
+    for workload in workloads:
+        for name, prefix_grouper in modes.items():
+            config = actor_config(prefix_grouper)
+            engine = build_engine(config, path)
+            with count_sharing_attention() as calls:
+                with engine.eval_mode():
+                    infer = engine.infer_batch(batch(workload))
+                with engine.train_mode():  # zeroes the gradients on exit: gather them before
+                    train = engine.forward_backward_batch(batch(workload),
+                                                          partial(ppo_loss, config=config))
+                    grads = full_gradients(engine.module)
+            results[workload, name] = {
+                "infer": plain_output(infer), "train": plain_output(train), "grads": grads,
+                "attention_calls": calls["n"], "engine": type(engine).__name__,
+            }
+    return results
+
+
+@contextlib.contextmanager
+def count_sharing_attention() -> Iterator[collections.Counter]:
+    """Counts the calls transformers makes to the sharing attention function (a spy registered
+    over it for the block): proof that the model verl built and wrapped runs it."""
+    from transformers import AttentionInterface
+
+    from prefix_sharing.fsdp_compat.attention import (ATTENTION_NAME, prefix_sharing_attention,
+                                                      register_attention)
+
+    calls = collections.Counter()
+
+    def spy(*args: Any, **kwargs: Any):
+        calls["n"] += 1
+        return prefix_sharing_attention(*args, **kwargs)
+
+    AttentionInterface.register(ATTENTION_NAME, spy)
+    try:
+        yield calls
+    finally:
+        register_attention()  # the real function again
+
+
+def refusals(rank: int, path: str) -> dict[str, str]:
+    """What the sharing engine says to each setting it cannot run exactly (error messages)."""
+    from verl.utils import tensordict_utils as tu
+
+    from prefix_sharing.verl_ext.mcore import PrefixSharingSetupError
+
+    use_cpu_platform()
+    on = {"mode": "arbitrary_prefix"}
+    found = {}
+
+    def refused(name, make):
+        try:
+            make()
+        except PrefixSharingSetupError as error:
+            found[name] = str(error)
+
+    cls = engine_class()
+    for name, engine, model in (
+        ("ulysses", dict(ulysses_sequence_parallel_size=2), {}),
+        ("remove_padding", {}, dict(use_remove_padding=False)),
+        ("fused_kernels", {}, dict(use_fused_kernels=True)),
+        ("value_model", {}, dict(model_type="value_model")),
+    ):
+        config = actor_config(on, **engine)
+        refused(name, lambda: cls(model_config(path, **model), config.engine, config.optim,
+                                  config.checkpoint))
+    config = actor_config(on)
+    engine = build_engine(config, path)
+    mixed = make_batch("grpo", temperature=[0.9, 0.7] * 3)  # two in every micro-batch
+    refused("temperatures", lambda: engine.infer_batch(mixed))
+    sum_pi_squared = make_batch("grpo")
+    tu.assign_non_tensor(sum_pi_squared, calculate_sum_pi_squared=True)
+    refused("sum_pi_squared", lambda: engine.infer_batch(sum_pi_squared))
+    return found

@@ -1,0 +1,126 @@
+"""verl's real FSDP engine with ``prefix_grouper`` on gives what it gives with it off
+(whichever supported verl is installed: 0.9.1 or 0.8.0, the same seams).
+
+verl loads a tiny seeded Qwen2 from a ``save_pretrained`` checkpoint through its own
+``initialize()`` (monkey patches, gradient checkpointing, FSDP2, optimizer); see
+``_fsdp_engine``. Compared, fp32 within 1e-5: old log-probs and entropy (``infer_batch``),
+verl's ``ppo_loss`` (entropy and KL terms on) and every gradient (``forward_backward_batch``), on
+GRPO, step-wise, tree and agent batches, one rank and two FSDP2 ranks (gloo; each rank its own
+batch). With dynamic batch size, the group-keeping split gives verl's results in fewer
+micro-batches. Settings that cannot be exact are refused with one error.
+"""
+
+import importlib.util
+from importlib.metadata import version
+
+import pytest
+
+if importlib.util.find_spec("verl") is None:
+    pytest.skip("verl is not installed (build an environment with .ci/verl_env.sh <version>)",
+                allow_module_level=True)
+
+from tests.fsdp_compat._launch import run_gloo  # noqa: E402
+from tests.verl_ext._batch import WORKLOADS  # noqa: E402
+from tests.verl_ext._compare import MODES, same_outputs  # noqa: E402
+from tests.verl_ext._fsdp_engine import refusals, run, save_model  # noqa: E402
+
+SHARING = {"arbitrary_prefix": MODES["arbitrary_prefix"]}
+BUDGET = 110  # the GRPO batch: 138 tokens, 107 computed with sharing
+LAYERS = 2  # the tiny preset's decoder layers
+SPLIT_METRICS = ("prefix_sharing/num_micro_batches", "prefix_sharing/groups_split")
+
+
+def one_rank(rank: int, path: str) -> dict:
+    """Every workload and mode; the dynamic-bsz step; the refusals (one spawned rank)."""
+    return {
+        "equivalence": run(rank, path, list(WORKLOADS), MODES),
+        "dynamic": run(rank, path, ["grpo"], {"off": None, **SHARING}, dynamic_bsz=BUDGET),
+        "refusals": refusals(rank, path),
+    }
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return save_model(str(tmp_path_factory.mktemp("qwen2")))
+
+
+@pytest.fixture(scope="module")
+def single(checkpoint):
+    return run_gloo(one_rank, 1, checkpoint, timeout=400)[0]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(checkpoint):
+    return run_gloo(run, 2, checkpoint, ["grpo", "tree"], {"off": None, **SHARING}, timeout=400)
+
+
+def test_the_fsdp_patch_set_of_the_installed_release_is_applied():
+    import verl.workers.engine.fsdp.transformer_impl  # noqa: F401
+    from verl.workers.engine.base import EngineRegistry
+
+    from prefix_sharing.verl_ext import installed
+
+    release = "verl" + version("verl").replace(".", "")
+    assert f"{release}_fsdp" in installed()
+    assert all(name.startswith(release) for name in installed())
+    engines = EngineRegistry._engines["language_model"]
+    assert {engines[backend][device].__name__ for backend in ("fsdp", "fsdp2")
+            for device in ("cuda", "npu")} == {"PrefixSharingFSDPEngine"}
+
+
+def test_log_probs_entropy_loss_and_gradients_match_the_feature_off_on_one_rank(single):
+    runs = single["equivalence"]
+    for workload in WORKLOADS:
+        for mode in MODES:
+            if mode != "off":
+                same_outputs(runs[workload, mode], runs[workload, "off"], f"{workload} {mode}")
+
+
+def test_two_fsdp2_ranks_match_the_feature_off(two_ranks):
+    for rank, runs in enumerate(two_ranks):
+        for workload in ("grpo", "tree"):
+            same_outputs(runs[workload, "arbitrary_prefix"], runs[workload, "off"],
+                         f"rank {rank} {workload}")
+
+
+def test_the_model_verl_built_runs_the_sharing_attention_and_the_plain_one_does_not(single):
+    for (workload, mode), result in single["equivalence"].items():
+        micro_batches = len(result["train"]["loss"])
+        # per micro-batch: the inference forward, the training forward, its checkpoint replay
+        expected = 0 if mode == "off" else 3 * LAYERS * micro_batches
+        assert result["attention_calls"] == expected, (workload, mode)
+        assert result["engine"] == "PrefixSharingFSDPEngine"
+
+
+def test_sharing_metrics_reach_verls_metrics_dict(single):
+    for workload in WORKLOADS:
+        plain = single["equivalence"][workload, "off"]["train"]["metrics"]
+        assert not any(key.startswith("prefix_sharing/") for key in plain)
+        for mode in ("arbitrary_prefix", "prompt_only"):
+            metrics = single["equivalence"][workload, mode]["train"]["metrics"]
+            total, computed = (metrics[f"prefix_sharing/tokens_{k}"][0]
+                               for k in ("total", "computed"))
+            assert computed < total, f"{workload} {mode}: nothing shared"
+            assert metrics["prefix_sharing/token_ratio"] == [pytest.approx(total / computed)]
+            assert not any(key in metrics for key in SPLIT_METRICS)  # fixed micro-batches
+
+
+def test_dynamic_bsz_keeps_groups_together_in_fewer_micro_batches_with_equal_results(single):
+    off, on = single["dynamic"]["grpo", "off"], single["dynamic"]["grpo", "arbitrary_prefix"]
+    same_outputs(on, off, "dynamic bsz", per_micro_batch=False)  # verl's global token mean
+    assert len(off["train"]["loss"]) == 2  # verl: 138 tokens over a budget of 110
+    assert len(on["train"]["loss"]) == 1  # 107 computed tokens fit in one
+    assert on["train"]["metrics"]["prefix_sharing/num_micro_batches"] == [1.0]
+    assert on["train"]["metrics"]["prefix_sharing/groups_split"] == [0.0]
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("ulysses", "ulysses_sequence_parallel_size=2"),
+    ("remove_padding", "use_remove_padding=False"),
+    ("fused_kernels", "use_fused_kernels=True"),
+    ("value_model", "model_type='value_model'"),
+    ("temperatures", "different temperatures"),
+    ("sum_pi_squared", "does not support calculate_sum_pi_squared"),
+])
+def test_settings_sharing_cannot_honour_raise_one_clear_error(single, setting, message):
+    assert message in single["refusals"].get(setting, "(not refused)")
