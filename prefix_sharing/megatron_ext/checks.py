@@ -86,6 +86,11 @@ def _moe_problems(config: TransformerConfig, training: bool) -> list[str]:
             f"moe_input_jitter_eps={config.moe_input_jitter_eps} in training: every reuser "
             "would get its provider's router noise on the shared prefix"
         )
+    if config.moe_router_force_load_balancing:
+        problems.append(
+            "moe_router_force_load_balancing=True: the benchmark's random router logits are "
+            "drawn per computed token, so every reuser would get its provider's draw"
+        )
     if config.moe_enable_routing_replay:
         problems.append(
             "moe_enable_routing_replay=True: replayed routing is recorded per plain token"

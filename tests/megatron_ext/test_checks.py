@@ -62,6 +62,8 @@ def test_fused_rope_is_refused():
           moe_router_topk=1), "moe_router_load_balancing_type='sinkhorn'"),
     (dict(num_moe_experts=4, moe_input_jitter_eps=0.01), "moe_input_jitter_eps=0.01 in training"),
     (dict(num_moe_experts=4, moe_enable_routing_replay=True), "moe_enable_routing_replay=True"),
+    (dict(num_moe_experts=4, moe_router_force_load_balancing=True),
+     "moe_router_force_load_balancing=True"),
 ])
 def test_sharing_refuses_settings_that_would_change_the_results(setting, message):
     config = TransformerConfig(**{**BASE, **setting})
