@@ -124,3 +124,26 @@ def test_dynamic_bsz_keeps_groups_together_in_fewer_micro_batches_with_equal_res
 ])
 def test_settings_sharing_cannot_honour_raise_one_clear_error(single, setting, message):
     assert message in single["refusals"].get(setting, "(not refused)")
+
+
+@pytest.mark.parametrize("overlay, mode", [
+    ("grpo_arbitrary_prefix.yaml", "arbitrary_prefix"),
+    ("grpo_prompt_only.yaml", "prompt_only"),
+    ("tree_agent.yaml", "arbitrary_prefix"),
+])
+def test_each_overlay_configures_the_fsdp_actor_and_reference_model(overlay, mode):
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+    from verl.utils.config import omega_conf_to_dataclass
+
+    base = OmegaConf.create({"actor_rollout_ref": {section: dict(
+        _target_="verl.workers.config.FSDPActorConfig", strategy="fsdp2", rollout_n=2,
+        ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2,
+        fsdp_config={"_target_": "verl.workers.config.FSDPEngineConfig"},
+    ) for section in ("actor", "ref")}})
+    path = Path(__file__).parents[2] / "configs" / "verl" / overlay
+    merged = OmegaConf.merge(base, OmegaConf.load(path))
+    for section in ("actor", "ref"):
+        config = omega_conf_to_dataclass(merged.actor_rollout_ref[section])
+        assert config.engine.prefix_sharing.mode == mode, section
