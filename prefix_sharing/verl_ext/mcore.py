@@ -126,13 +126,17 @@ class SharingMetrics:
         self.computed += plan.num_tokens_flat
         self.micro_batches += 1
 
-    def as_verl_metrics(self) -> dict[str, float]:
+    def as_verl_metrics(self) -> dict[str, list[float]]:
         """``prefix_sharing/token_ratio`` = total / computed tokens, as ``SharingPlan.token_ratio``
-        and the batch split report it (1.0 when nothing is shared)."""
+        and the batch split report it (1.0 when nothing is shared), and both counts.
+
+        One value per step, as a one-element list like verl's per-micro-batch metrics: verl's
+        worker all-gathers each metric over data-parallel ranks and then flattens the lists
+        (``chain.from_iterable``), which a bare number fails."""
         return {
-            "prefix_sharing/token_ratio": self.total / max(self.computed, 1),
-            "prefix_sharing/tokens_total": float(self.total),
-            "prefix_sharing/tokens_computed": float(self.computed),
+            "prefix_sharing/token_ratio": [self.total / max(self.computed, 1)],
+            "prefix_sharing/tokens_total": [float(self.total)],
+            "prefix_sharing/tokens_computed": [float(self.computed)],
         }
 
 

@@ -129,13 +129,14 @@ def make_batch(workload: str, *, seed: int = 0, micro_batch_size: int = 2,
 
 def plain_output(output: dict) -> dict:
     """A picklable copy of an engine's output: nested tensors as lists of per-sample tensors,
-    verl's metrics as lists of floats."""
+    verl's metrics as floats (a list of them where the engine gave a list: verl's worker
+    requires lists)."""
     if not output:
         return {}
     model_output = {k: [t.detach().clone() for t in v.unbind()]
                     for k, v in output["model_output"].items()}
-    metrics = {k: [_number(x) for x in (v if isinstance(v, list) else [v])]
-               for k, v in output.get("metrics", {}).items()}
+    metrics = {k: [_number(x) for x in v] if isinstance(v, list) else _number(v)
+               for k, v in output.get("metrics", {}).items()}  # lists stay lists
     return {"model_output": model_output, "loss": [float(x) for x in output.get("loss", [])],
             "metrics": metrics}
 

@@ -26,11 +26,12 @@ from ._batch import PRESET, make_batch, plain_output, use_cpu_platform
 FP32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
 
 
-def save_model(directory: str, family: str = "qwen2", seed: int = 0) -> str:
-    """A tiny seeded ``family`` model of the tiny preset, saved where verl will load it."""
+def save_model(directory: str, family: str = "qwen2", seed: int = 0, preset=PRESET) -> str:
+    """A seeded ``family`` model of ``preset``'s shape (the tiny one by default), saved where
+    verl will load it."""
     from prefix_sharing.fsdp_compat import build_model
 
-    build_model(family, PRESET, seed=seed).save_pretrained(directory)
+    build_model(family, preset, seed=seed).save_pretrained(directory)
     return directory
 
 

@@ -57,7 +57,7 @@ def main() -> None:
     args = parser.parse_args()
     result = run_distributed(measure, 1, args, timeout=1800)[0]
     off, shared = result["off"]["seconds"], result["arbitrary_prefix"]["seconds"]
-    tokens = result["arbitrary_prefix"]["metrics"]
+    tokens = {k: v[0] for k, v in result["arbitrary_prefix"]["metrics"].items()}
     print(f"tokens: {tokens['prefix_sharing/tokens_total']:.0f} total, "
           f"{tokens['prefix_sharing/tokens_computed']:.0f} computed "
           f"(token_ratio {tokens['prefix_sharing/token_ratio']:.3f})")

@@ -92,7 +92,9 @@ def test_the_model_verl_built_runs_the_sharing_attention_and_the_plain_one_does_
         assert result["engine"] == "PrefixSharingFSDPEngine"
 
 
-def test_sharing_metrics_reach_verls_metrics_dict(single):
+def test_sharing_metrics_reach_verls_metrics_dict_as_lists(single):
+    # verl's worker all-gathers each metric over DP ranks, then flattens a list (or
+    # aggregates its own Metric objects): a bare number fails there
     for workload in WORKLOADS:
         plain = single["equivalence"][workload, "off"]["train"]["metrics"]
         assert not any(key.startswith("prefix_sharing/") for key in plain)
@@ -103,6 +105,8 @@ def test_sharing_metrics_reach_verls_metrics_dict(single):
             assert computed < total, f"{workload} {mode}: nothing shared"
             assert metrics["prefix_sharing/token_ratio"] == [pytest.approx(total / computed)]
             assert not any(key in metrics for key in SPLIT_METRICS)  # fixed micro-batches
+            assert all(isinstance(value, list) for key, value in metrics.items()
+                       if key.startswith("prefix_sharing/")), metrics
 
 
 def test_dynamic_bsz_keeps_groups_together_in_fewer_micro_batches_with_equal_results(single):

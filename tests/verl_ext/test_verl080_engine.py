@@ -109,6 +109,10 @@ def test_sharing_metrics_reach_verls_metrics_dict(results):
         else:
             [computed], [total] = (metrics[f"prefix_sharing/tokens_{k}"] for k in ("computed", "total"))
             assert computed < total, f"{workload} {mode}: nothing shared"
+            # verl's worker all-gathers each metric over DP ranks, then flattens a list (or
+            # aggregates its own Metric objects): a bare number fails there
+            assert all(isinstance(value, list) for key, value in metrics.items()
+                       if key.startswith("prefix_sharing/")), metrics
 
 
 def test_the_layer_spec_reaches_the_model_through_mbridge_for_the_sharing_engine_only(one_process):

@@ -48,3 +48,7 @@ def test_sharing_metrics_reach_verls_metrics_dict(results):
         computed = shared["prefix_sharing/tokens_computed"][0]
         assert computed < total, f"{workload}: nothing shared"
         assert shared["prefix_sharing/token_ratio"][0] == pytest.approx(total / computed)
+        # verl's worker all-gathers each metric over DP ranks, then flattens a list (or
+        # aggregates its own Metric objects): a bare number fails there
+        assert all(isinstance(value, list) for key, value in shared.items()
+                   if key.startswith("prefix_sharing/")), shared
