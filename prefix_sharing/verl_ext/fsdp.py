@@ -49,8 +49,11 @@ the model call in ``forward_step``, ``prepare_micro_batches`` in ``forward_backw
 both sets apply the same hooks. What differs lies outside them: 0.9.1 adds bucketed
 ``pad_to_length``, deferred gradient sync across micro-batches and detached outputs; 0.8.0
 runs on transformers 4.57, 0.9.1 on 5.x (the sharing attention is registered with either).
-verl's own PrefixGrouper (``use_prefix_grouper`` without a ``prefix_grouper`` block) is wired
-to the legacy ``dp_actor`` worker only, which neither engine calls.
+verl's own PrefixGrouper patch (``apply_monkey_patch(use_prefix_grouper=...)``) is called by
+neither engine (its caller was the legacy ``dp_actor``), so ``use_prefix_grouper: true``
+selects this sharing (``prompt_only`` unless ``prefix_grouper.mode`` says otherwise). verl
+0.9.1's separate ``fsdp_turbo`` backend and the VeOmni / TorchTitan / AutoModel engines are
+left alone.
 """
 
 from __future__ import annotations
