@@ -29,9 +29,8 @@ MEGATRON_ENGINE = "verl.workers.engine.megatron.transformer_impl"
 
 
 def _patch_mindspeed_engine(module: ModuleType) -> None:
-    from verl.workers.engine.base import EngineRegistry
-
     from ..npu import enable_mindspeed
+    from .mcore_engine import replace_registered_engine
 
     shared = getattr(sys.modules.get(MEGATRON_ENGINE), "PrefixSharingMegatronEngine", None)
     if shared is None:
@@ -52,10 +51,7 @@ def _patch_mindspeed_engine(module: ModuleType) -> None:
     PrefixSharingMindspeedEngine.__module__ = module.__name__
     PrefixSharingMindspeedEngine.__qualname__ = "PrefixSharingMindspeedEngine"
     module.PrefixSharingMindspeedEngine = PrefixSharingMindspeedEngine
-    for backends in EngineRegistry._engines.get("language_model", {}).values():
-        for key, engine_cls in list(backends.items()):
-            if engine_cls is stock:
-                backends[key] = PrefixSharingMindspeedEngine
+    replace_registered_engine(stock, PrefixSharingMindspeedEngine)
 
 
 PATCHSETS = tuple(
