@@ -15,7 +15,8 @@ Hooks (each runs when verl imports the module):
 - ``verl.workers.engine.utils``: the dynamic-batch-size split keeps sharing groups together
   (:mod:`.microbatch`; the same hook as the Megatron sets, applied once).
 
-``PrefixSharingFSDPEngine``, with sharing on:
+``PrefixSharingFSDPEngine``, with sharing on (``__init__`` and ``forward_backward_batch`` are
+:class:`.engine.SharingEngineMixin`'s, the same as in the Megatron engine):
 
 - ``__init__`` refuses what cannot be exact (:func:`.mcore.check_engine_setup`: Ulysses
   sequence parallel, ``use_remove_padding=False``, fused kernels, value or multimodal models);
@@ -59,11 +60,10 @@ left alone.
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Any
 
 from .config import accept_prefix_grouper
-from .mcore_engine import replace_registered_engine
-from .microbatch import add_split_metrics, patch_prepare_micro_batches, sharing_split
+from .engine import SharingEngineMixin, install_engine
+from .microbatch import patch_prepare_micro_batches
 from .patchsets import PatchSet, register
 
 __all__ = ["PATCHSETS", "patch_engine"]
@@ -85,37 +85,18 @@ def patch_engine(module: ModuleType) -> None:
     from ..fsdp_compat import enable_prefix_sharing, model_kwargs
     from ..logprobs import token_log_probs
     from ..planner import build_plan
-    from .config import sharing_config
-    from .mcore import (PrefixSharingSetupError, SharingMetrics, check_engine_setup,
-                        micro_batch_groups, micro_batch_temperature)
+    from .mcore import PrefixSharingSetupError, micro_batch_groups, micro_batch_temperature
 
     stock = module.FSDPEngineWithLMHead
 
-    class PrefixSharingFSDPEngine(stock):
+    class PrefixSharingFSDPEngine(SharingEngineMixin, stock):
         """verl's ``FSDPEngineWithLMHead``, computing each micro-batch's shared prefixes once."""
-
-        def __init__(self, model_config, engine_config, *args: Any, **kwargs: Any) -> None:
-            self.prefix_sharing = sharing_config(engine_config)
-            if self.prefix_sharing.enabled:
-                check_engine_setup(engine_config, model_config)
-            self._sharing_metrics = SharingMetrics()
-            super().__init__(model_config, engine_config, *args, **kwargs)
 
         def _build_module(self):
             hf_module = super()._build_module()
             if self.prefix_sharing.enabled:
                 enable_prefix_sharing(hf_module)  # before _build_fsdp_module wraps it
             return hf_module
-
-        def forward_backward_batch(self, data, loss_function, forward_only=False):
-            if not self.prefix_sharing.enabled:
-                return super().forward_backward_batch(data, loss_function, forward_only)
-            self._sharing_metrics = SharingMetrics()
-            with sharing_split(self.prefix_sharing) as split:  # dynamic bsz keeps groups together
-                output = super().forward_backward_batch(data, loss_function, forward_only)
-            output.setdefault("metrics", {}).update(self._sharing_metrics.as_verl_metrics())
-            add_split_metrics(output, split)
-            return output
 
         def prepare_model_inputs(self, micro_batch):
             if not self.prefix_sharing.enabled:
@@ -159,11 +140,7 @@ def patch_engine(module: ModuleType) -> None:
                                                                                  offsets)
             return model_output
 
-    # Found by reference (pickling, logs) where verl's engine lives, patched in every process.
-    PrefixSharingFSDPEngine.__module__ = module.__name__
-    PrefixSharingFSDPEngine.__qualname__ = "PrefixSharingFSDPEngine"
-    module.PrefixSharingFSDPEngine = PrefixSharingFSDPEngine
-    replace_registered_engine(stock, PrefixSharingFSDPEngine)
+    install_engine(module, stock, PrefixSharingFSDPEngine)
 
 
 PATCHSETS = tuple(

@@ -29,10 +29,10 @@ from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
-from .microbatch import add_split_metrics, sharing_split
+from .engine import SharingEngineMixin, install_engine
 
 __all__ = ["share_layer_spec", "install_layer_spec", "patch_forward_fn_lookup", "patch_engine",
-           "current_micro_batch", "replace_registered_engine"]
+           "current_micro_batch"]
 
 # The shared_forward keywords (sharing, groups, calculate_entropy, metrics) of the micro-batch
 # being run; None outside a sharing engine's forward_step.
@@ -117,37 +117,18 @@ def patch_engine(module: ModuleType) -> None:
     ``MegatronEngineWithLMHead``."""
     from verl.utils import tensordict_utils as tu
 
-    from .config import sharing_config
-    from .mcore import SharingMetrics, check_engine_setup, micro_batch_groups
+    from .mcore import PrefixSharingSetupError, micro_batch_groups
 
     stock = module.MegatronEngineWithLMHead
 
-    class PrefixSharingMegatronEngine(stock):
+    class PrefixSharingMegatronEngine(SharingEngineMixin, stock):
         """verl's ``MegatronEngineWithLMHead``, computing each micro-batch's shared prefixes
         once."""
-
-        def __init__(self, model_config, engine_config, *args: Any, **kwargs: Any) -> None:
-            self.prefix_sharing = sharing_config(engine_config)
-            if self.prefix_sharing.enabled:
-                check_engine_setup(engine_config, model_config)
-            self._sharing_metrics = SharingMetrics()
-            super().__init__(model_config, engine_config, *args, **kwargs)
 
         def _build_tf_config(self) -> None:
             super()._build_tf_config()
             if self.prefix_sharing.enabled:
                 install_layer_spec(self)
-
-        def forward_backward_batch(self, data, loss_function, forward_only=False):
-            if not self.prefix_sharing.enabled:
-                return super().forward_backward_batch(data, loss_function, forward_only)
-            self._sharing_metrics = SharingMetrics()
-            with sharing_split(self.prefix_sharing) as split:  # dynamic bsz keeps groups together
-                output = super().forward_backward_batch(data, loss_function, forward_only)
-            if output:  # the last pipeline stage
-                output.setdefault("metrics", {}).update(self._sharing_metrics.as_verl_metrics())
-                add_split_metrics(output, split)
-            return output
 
         def forward_step(self, batch_iter, model, logits_processor_func,
                          postprocess_micro_batch_func):
@@ -158,7 +139,8 @@ def patch_engine(module: ModuleType) -> None:
             unsupported = [key for key in ("calculate_sum_pi_squared", "distillation_use_topk")
                            if tu.get_non_tensor_data(batch, key=key, default=False)]
             if unsupported:
-                raise ValueError(f"prefix sharing does not support {', '.join(unsupported)}")
+                raise PrefixSharingSetupError(
+                    f"prefix sharing does not support {', '.join(unsupported)}")
             groups = None
             if self.prefix_sharing.mode == "prompt_only":
                 groups = micro_batch_groups(batch, batch["input_ids"].size(0))
@@ -172,19 +154,4 @@ def patch_engine(module: ModuleType) -> None:
                 return super().forward_step(iter([batch]), model, logits_processor_func,
                                             postprocess_micro_batch_func)
 
-    # Found by reference (pickling, logs) where verl's engine lives, patched in every process.
-    PrefixSharingMegatronEngine.__module__ = module.__name__
-    PrefixSharingMegatronEngine.__qualname__ = "PrefixSharingMegatronEngine"
-    module.PrefixSharingMegatronEngine = PrefixSharingMegatronEngine
-    replace_registered_engine(stock, PrefixSharingMegatronEngine)
-
-
-def replace_registered_engine(stock: type, replacement: type) -> None:
-    """Puts ``replacement`` wherever verl's ``EngineRegistry`` lists ``stock`` as a language-model
-    engine (every backend and device); ``EngineRegistry.register`` refuses a second entry."""
-    from verl.workers.engine.base import EngineRegistry
-
-    for backends in EngineRegistry._engines.get("language_model", {}).values():
-        for key, engine_cls in list(backends.items()):
-            if engine_cls is stock:
-                backends[key] = replacement
+    install_engine(module, stock, PrefixSharingMegatronEngine)

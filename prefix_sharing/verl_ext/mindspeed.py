@@ -30,7 +30,7 @@ MEGATRON_ENGINE = "verl.workers.engine.megatron.transformer_impl"
 
 def _patch_mindspeed_engine(module: ModuleType) -> None:
     from ..npu import enable_mindspeed
-    from .mcore_engine import replace_registered_engine
+    from .engine import install_engine
 
     shared = getattr(sys.modules.get(MEGATRON_ENGINE), "PrefixSharingMegatronEngine", None)
     if shared is None:
@@ -48,10 +48,7 @@ def _patch_mindspeed_engine(module: ModuleType) -> None:
                 enable_mindspeed()  # listed before verl's repatch, so the repatch re-applies it
             super()._init_device_mesh(*args, **kwargs)
 
-    PrefixSharingMindspeedEngine.__module__ = module.__name__
-    PrefixSharingMindspeedEngine.__qualname__ = "PrefixSharingMindspeedEngine"
-    module.PrefixSharingMindspeedEngine = PrefixSharingMindspeedEngine
-    replace_registered_engine(stock, PrefixSharingMindspeedEngine)
+    install_engine(module, stock, PrefixSharingMindspeedEngine)
 
 
 PATCHSETS = tuple(

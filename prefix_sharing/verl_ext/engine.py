@@ -1,0 +1,72 @@
+"""What every prefix-sharing verl engine (Megatron, MindSpeed, FSDP) does the same way.
+
+:class:`SharingEngineMixin` goes first in an engine subclass's bases, before verl's engine: it
+reads the sharing config the actor config attached to the engine config, refuses the settings
+sharing cannot honour, and runs verl's ``forward_backward_batch`` inside the group-keeping
+dynamic-bsz split (:mod:`.microbatch`), adding the step's token counts and the split's figures
+to verl's metrics. What differs per engine (how the model is built and how a micro-batch is run)
+stays in the engine's own subclass. :func:`install_engine` puts a subclass where verl looks for
+its engine. Nothing here imports verl at import time.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+from .config import sharing_config
+from .mcore import SharingMetrics, check_engine_setup
+from .microbatch import add_split_metrics, sharing_split
+
+__all__ = ["SharingEngineMixin", "install_engine", "replace_registered_engine"]
+
+
+class SharingEngineMixin:
+    """The step-level half of a prefix-sharing verl engine (see the module doc).
+
+    Attributes set before verl's ``__init__`` runs:
+        prefix_sharing: the validated :class:`~prefix_sharing.config.PrefixSharingConfig`
+            (``mode="off"`` when the actor config has no ``prefix_grouper`` block: with it off,
+            every method is verl's own).
+        _sharing_metrics: the current step's token counts; the engine's forward adds each
+            micro-batch's plan to it.
+    """
+
+    def __init__(self, model_config: Any, engine_config: Any, *args: Any, **kwargs: Any) -> None:
+        self.prefix_sharing = sharing_config(engine_config)
+        if self.prefix_sharing.enabled:
+            check_engine_setup(engine_config, model_config)
+        self._sharing_metrics = SharingMetrics()
+        super().__init__(model_config, engine_config, *args, **kwargs)
+
+    def forward_backward_batch(self, data: Any, loss_function: Any, forward_only: bool = False):
+        if not self.prefix_sharing.enabled:
+            return super().forward_backward_batch(data, loss_function, forward_only)
+        self._sharing_metrics = SharingMetrics()
+        with sharing_split(self.prefix_sharing) as split:  # dynamic bsz keeps groups together
+            output = super().forward_backward_batch(data, loss_function, forward_only)
+        if output:  # empty on a Megatron engine's inner pipeline stages
+            output.setdefault("metrics", {}).update(self._sharing_metrics.as_verl_metrics())
+            add_split_metrics(output, split)
+        return output
+
+
+def install_engine(module: ModuleType, stock: type, engine: type) -> None:
+    """Makes ``engine`` (a subclass of ``stock``) verl's engine wherever ``stock`` was: an
+    attribute of ``module`` (verl's engine module, where pickling and logs look for it, in every
+    process) and every entry of verl's engine registry."""
+    engine.__module__ = module.__name__
+    engine.__qualname__ = engine.__name__
+    setattr(module, engine.__name__, engine)
+    replace_registered_engine(stock, engine)
+
+
+def replace_registered_engine(stock: type, replacement: type) -> None:
+    """Puts ``replacement`` wherever verl's ``EngineRegistry`` lists ``stock`` as a language-model
+    engine (every backend and device); ``EngineRegistry.register`` refuses a second entry."""
+    from verl.workers.engine.base import EngineRegistry
+
+    for backends in EngineRegistry._engines.get("language_model", {}).values():
+        for key, engine_cls in list(backends.items()):
+            if engine_cls is stock:
+                backends[key] = replacement
