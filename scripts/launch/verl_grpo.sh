@@ -28,7 +28,7 @@ usage: verl_grpo.sh [options] [-- verl hydra overrides]
   --model PATH              HuggingFace model (actor, reference, rollout) [MODEL_PATH]
   --train-files FILE        training parquet [TRAIN_FILES]
   --val-files FILE          validation parquet [VAL_FILES]
-  --strategy megatron|fsdp  actor engine [STRATEGY, default megatron]
+  --strategy megatron|fsdp  actor engine (fsdp runs FSDP2) [STRATEGY, default megatron]
   --tp N / --pp N           actor tensor / pipeline parallel sizes (megatron) [TP / PP, default 1]
   --group-size N            responses per prompt (GRPO group) [GROUP_SIZE, default 8]
   --python BIN              interpreter [PYTHON, default python3]
@@ -153,6 +153,8 @@ submit_command() {
             "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=$TP"
             "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=$PP"
         )
+    else  # FSDP2: the engine prefix sharing is tested with (verl's default is FSDP1)
+        NODE_CMD+=(actor_rollout_ref.actor.strategy=fsdp2 actor_rollout_ref.ref.strategy=fsdp2)
     fi
     NODE_CMD+=("${EXTRA[@]}")
 }

@@ -155,11 +155,12 @@ def test_verl_dry_run_prints_head_workers_and_the_job(device, trainer_device, re
     assert argv[-1] == "trainer.total_epochs=1"
 
 
-def test_verl_fsdp_strategy_uses_verls_fsdp_config():
+def test_verl_fsdp_strategy_uses_verls_fsdp_config_with_fsdp2():
     result = run("verl_grpo.sh", "--nodes", "n0", "--strategy", "fsdp", *VERL, "--dry-run")
     argv = blocks(result.stdout)[-1][2]
     assert option(argv, "--config-name") == "ppo_trainer"
     assert not any(a.startswith("actor_rollout_ref.actor.megatron.") for a in argv)
+    assert {"actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.ref.strategy=fsdp2"} <= set(argv)
 
 
 @pytest.mark.parametrize("args, message", [
