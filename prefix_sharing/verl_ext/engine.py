@@ -2,7 +2,8 @@
 
 :class:`SharingEngineMixin` goes first in an engine subclass's bases, before verl's engine: it
 reads the sharing config the actor config attached to the engine config, refuses the settings
-sharing cannot honour, and runs verl's ``forward_backward_batch`` inside the group-keeping
+sharing cannot honour (at construction, and per micro-batch: :meth:`refuse_unsupported_switches`),
+and runs verl's ``forward_backward_batch`` inside the group-keeping
 dynamic-bsz split (:mod:`.microbatch`), adding the step's token counts and the split's figures
 to verl's metrics. What differs per engine (how the model is built and how a micro-batch is run)
 stays in the engine's own subclass. :func:`install_engine` puts a subclass where verl looks for
@@ -15,10 +16,16 @@ from types import ModuleType
 from typing import Any
 
 from .config import sharing_config
-from .mcore import SharingMetrics, check_engine_setup
+from .mcore import PrefixSharingSetupError, SharingMetrics, check_engine_setup
 from .microbatch import add_split_metrics, sharing_split
 
-__all__ = ["SharingEngineMixin", "install_engine", "replace_registered_engine"]
+__all__ = ["SharingEngineMixin", "install_engine", "replace_registered_engine",
+           "UNSUPPORTED_SWITCHES"]
+
+# Micro-batch switches both verl engines read (a micro-batch may override the engine config's
+# use_fused_kernels) that need per-sample labels or logits, which the flat layout does not have.
+UNSUPPORTED_SWITCHES = ("calculate_sum_pi_squared", "distillation_use_topk", "distillation_only",
+                        "use_fused_kernels")
 
 
 class SharingEngineMixin:
@@ -49,6 +56,19 @@ class SharingEngineMixin:
             output.setdefault("metrics", {}).update(self._sharing_metrics.as_verl_metrics())
             add_split_metrics(output, split)
         return output
+
+    @staticmethod
+    def refuse_unsupported_switches(micro_batch: Any, *extra: str) -> None:
+        """Raises :class:`~.mcore.PrefixSharingSetupError` naming every
+        :data:`UNSUPPORTED_SWITCHES` entry set on ``micro_batch``, plus the engine's own
+        ``extra`` problems."""
+        from verl.utils import tensordict_utils as tu
+
+        problems = [key for key in UNSUPPORTED_SWITCHES
+                    if tu.get_non_tensor_data(micro_batch, key=key, default=False)]
+        problems += extra
+        if problems:
+            raise PrefixSharingSetupError(f"prefix sharing does not support {', '.join(problems)}")
 
 
 def install_engine(module: ModuleType, stock: type, engine: type) -> None:

@@ -70,12 +70,6 @@ __all__ = ["PATCHSETS", "patch_engine"]
 
 ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
 
-# Micro-batch switches of verl's FSDP engine that read per-sample labels or logits the flat
-# layout does not have.
-_UNSUPPORTED_KEYS = ("calculate_sum_pi_squared", "distillation_use_topk", "distillation_only",
-                     "use_fused_kernels")
-
-
 def patch_engine(module: ModuleType) -> None:
     """Hook on ``verl.workers.engine.fsdp.transformer_impl``: defines ``PrefixSharingFSDPEngine``
     there and registers it in place of verl's ``FSDPEngineWithLMHead``."""
@@ -85,7 +79,7 @@ def patch_engine(module: ModuleType) -> None:
     from ..fsdp_compat import enable_prefix_sharing, model_kwargs
     from ..logprobs import token_log_probs
     from ..planner import build_plan
-    from .mcore import PrefixSharingSetupError, micro_batch_groups, micro_batch_temperature
+    from .mcore import micro_batch_groups, micro_batch_temperature
 
     stock = module.FSDPEngineWithLMHead
 
@@ -101,15 +95,12 @@ def patch_engine(module: ModuleType) -> None:
         def prepare_model_inputs(self, micro_batch):
             if not self.prefix_sharing.enabled:
                 return super().prepare_model_inputs(micro_batch)
-            unsupported = [key for key in _UNSUPPORTED_KEYS
-                           if tu.get_non_tensor_data(micro_batch, key=key, default=False)]
+            unsupported = []
             if not tu.get_non_tensor_data(micro_batch, key="use_remove_padding", default=True):
                 unsupported.append("use_remove_padding=False")
             if module.extract_multi_modal_inputs(micro_batch.get("multi_modal_inputs", [])):
                 unsupported.append("multi_modal_inputs")  # as verl reads them
-            if unsupported:
-                raise PrefixSharingSetupError(
-                    f"prefix sharing does not support {', '.join(unsupported)}")
+            self.refuse_unsupported_switches(micro_batch, *unsupported)
             input_ids = micro_batch["input_ids"]  # jagged nested (bsz, j1)
             sequences = list(input_ids.unbind())
             groups = None

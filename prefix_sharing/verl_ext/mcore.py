@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ..config import PrefixSharingConfig
+from ..errors import UnsupportedSetup
 from ..planner import PromptGroup, prompt_groups
 
 __all__ = [
@@ -36,8 +37,8 @@ __all__ = [
 ]
 
 
-class PrefixSharingSetupError(ValueError):
-    """An engine setting that prefix sharing cannot run with."""
+class PrefixSharingSetupError(UnsupportedSetup):
+    """An engine setting that prefix sharing cannot run with (bad input: a ``ValueError``)."""
 
 
 def check_engine_setup(engine_config: Any, model_config: Any | None = None) -> None:

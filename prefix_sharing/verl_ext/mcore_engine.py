@@ -117,7 +117,7 @@ def patch_engine(module: ModuleType) -> None:
     ``MegatronEngineWithLMHead``."""
     from verl.utils import tensordict_utils as tu
 
-    from .mcore import PrefixSharingSetupError, micro_batch_groups
+    from .mcore import micro_batch_groups
 
     stock = module.MegatronEngineWithLMHead
 
@@ -136,11 +136,7 @@ def patch_engine(module: ModuleType) -> None:
                 return super().forward_step(batch_iter, model, logits_processor_func,
                                             postprocess_micro_batch_func)
             batch = next(batch_iter)
-            unsupported = [key for key in ("calculate_sum_pi_squared", "distillation_use_topk")
-                           if tu.get_non_tensor_data(batch, key=key, default=False)]
-            if unsupported:
-                raise PrefixSharingSetupError(
-                    f"prefix sharing does not support {', '.join(unsupported)}")
+            self.refuse_unsupported_switches(batch)
             groups = None
             if self.prefix_sharing.mode == "prompt_only":
                 groups = micro_batch_groups(batch, batch["input_ids"].size(0))

@@ -1,0 +1,46 @@
+"""What every prefix-sharing verl engine refuses alike, whichever supported verl is installed:
+a micro-batch switch that needs per-sample labels or logits raises one error naming it, in the
+Megatron engine as in the FSDP engine (both call ``refuse_unsupported_switches``)."""
+
+import importlib.util
+
+import pytest
+
+if importlib.util.find_spec("verl") is None:
+    pytest.skip("verl is not installed (build an environment with .ci/verl_env.sh <version>)",
+                allow_module_level=True)
+
+from prefix_sharing.errors import UnsupportedSetup  # noqa: E402
+from prefix_sharing.verl_ext.engine import UNSUPPORTED_SWITCHES, SharingEngineMixin  # noqa: E402
+from prefix_sharing.verl_ext.mcore import PrefixSharingSetupError  # noqa: E402
+from tests.verl_ext._batch import make_batch  # noqa: E402
+
+
+def test_a_plain_micro_batch_passes():
+    SharingEngineMixin.refuse_unsupported_switches(make_batch("grpo"))
+
+
+@pytest.mark.parametrize("switch", UNSUPPORTED_SWITCHES)
+def test_each_switch_is_refused_by_name(switch):
+    from verl.utils import tensordict_utils as tu
+
+    batch = make_batch("grpo")
+    tu.assign_non_tensor(batch, **{switch: True})
+    with pytest.raises(PrefixSharingSetupError, match=f"does not support {switch}$"):
+        SharingEngineMixin.refuse_unsupported_switches(batch)
+
+
+def test_the_engines_own_problems_join_the_same_error():
+    from verl.utils import tensordict_utils as tu
+
+    batch = make_batch("grpo")
+    tu.assign_non_tensor(batch, distillation_only=True)
+    with pytest.raises(PrefixSharingSetupError,
+                       match="does not support distillation_only, multi_modal_inputs$"):
+        SharingEngineMixin.refuse_unsupported_switches(batch, "multi_modal_inputs")
+
+
+def test_a_refused_engine_setting_is_bad_input():
+    """One line in the command, and still a ValueError for callers that catch it."""
+    assert issubclass(PrefixSharingSetupError, UnsupportedSetup)
+    assert issubclass(PrefixSharingSetupError, ValueError)
