@@ -18,10 +18,11 @@ API, for patch-set modules and for explicit use:
 - :func:`accept_prefix_grouper` (``.config``): make a verl actor-config dataclass accept
   ``prefix_grouper`` and carry the validated config to its engine config;
   :func:`sharing_config` reads it back in the engine.
-- ``.mcore``: the version-neutral Megatron pieces (``shared_forward``, ``check_engine_setup``,
-  ``micro_batch_groups``, ``SharingMetrics``); ``.mcore_engine``: the hooks that wire them into
-  verl's Megatron engine (layer spec, forward-fn lookup, engine subclass), which the
-  ``verl*_mcore`` patch sets register per release.
+- ``.mcore``: the version-neutral pieces (``shared_forward``, ``check_engine_setup``,
+  ``micro_batch_groups``, ``SharingMetrics``); ``.engine``: what every sharing engine does alike.
+- Patch-set modules, one per verl engine, each registering a set per supported release:
+  ``.mcore_engine`` (``verl*_mcore``: layer spec, forward-fn lookup, engine subclass),
+  ``.mindspeed`` (``verl*_mcore_mindspeed``) and ``.fsdp`` (``verl*_fsdp``).
 """
 
 from .activation import UnsupportedVerlVersion, install, installed

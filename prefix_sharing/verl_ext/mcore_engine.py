@@ -1,22 +1,35 @@
-"""The prefix-sharing Megatron engine glue, the same for every supported verl release.
+"""Patch sets ``verl091_mcore`` and ``verl080_mcore``: prefix sharing in verl's Megatron engine.
 
-A release's patch set (``verl091_mcore``, ``verl080_mcore``) maps verl modules to these hooks:
+Both releases have the same seams, so both sets apply the same hooks (each runs when verl
+imports its module):
 
-- :func:`patch_forward_fn_lookup` (on ``verl.models.mcore``): ``get_mcore_engine_forward_fn``
+- ``verl.workers.config.actor``: ``McoreActorConfig`` accepts ``prefix_grouper`` and hands the
+  validated config to its engine config (:mod:`.config`);
+- ``verl.models.mcore`` (:func:`patch_forward_fn_lookup`): ``get_mcore_engine_forward_fn``
   returns :func:`.mcore.shared_forward` while a sharing engine runs a micro-batch
   (:func:`current_micro_batch`), verl's own forward otherwise. verl looks the function up at
-  call time, inside ``forward_step``, which is what makes a per-micro-batch swap possible.
-- :func:`patch_engine` (on ``verl.workers.engine.megatron.transformer_impl``): the registered
+  call time, inside ``forward_step``, which is what makes a per-micro-batch swap possible;
+- ``verl.workers.engine.megatron.transformer_impl`` (:func:`patch_engine`): the registered
   language-model engine becomes ``PrefixSharingMegatronEngine`` for every device it was
   registered for. That subclass builds its model with the prefix-sharing layer spec
   (:func:`install_layer_spec`), reads each micro-batch (with its ``uid``) in ``forward_step``,
-  splits dynamic batches keeping sharing groups together (:mod:`.microbatch`) and reports the
-  step's token counts in verl's metrics. With sharing off every method is verl's own.
+  splits dynamic batches keeping sharing groups together and reports the step's token counts in
+  verl's metrics (:class:`.engine.SharingEngineMixin`). With sharing off every method is
+  verl's own;
+- ``verl.workers.engine.utils``: the dynamic-batch-size split keeps sharing groups together
+  (:mod:`.microbatch`).
 
 Layer-spec hooks, whichever bridge the engine uses: Megatron-Bridge's
-``provider.transformer_layer_spec`` (a spec or a spec factory) and the vanilla mbridge's
-``bridge._get_transformer_layer_spec`` (patched per engine instance, so the reference model
-without an overlay keeps the stock spec).
+``provider.transformer_layer_spec`` (a spec or a spec factory, whose signature Megatron-Bridge
+inspects) and the vanilla mbridge's ``bridge._get_transformer_layer_spec`` (patched per engine
+instance right after ``_build_tf_config``, so the reference model without an overlay keeps the
+stock spec).
+
+What differs per release: verl 0.9.1 builds with Megatron-Bridge by default (and sets the spec
+on the provider itself for QAT); 0.8.0 defaults to the vanilla mbridge
+(``megatron.vanilla_mbridge=True``), which builds its TE layer spec lazily inside
+``bridge.get_model``. 0.8.0 is also the release where PrefixGrouper lives (``use_prefix_grouper``,
+wired to its legacy FSDP actor only); these sets extend the switch to the Megatron engine.
 """
 
 from __future__ import annotations
@@ -29,10 +42,13 @@ from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
+from .config import accept_prefix_grouper
 from .engine import SharingEngineMixin, install_engine
+from .microbatch import patch_prepare_micro_batches
+from .patchsets import PatchSet, register
 
-__all__ = ["share_layer_spec", "install_layer_spec", "patch_forward_fn_lookup", "patch_engine",
-           "current_micro_batch"]
+__all__ = ["PATCHSETS", "share_layer_spec", "install_layer_spec", "patch_forward_fn_lookup",
+           "patch_engine", "current_micro_batch"]
 
 # The shared_forward keywords (sharing, groups, calculate_entropy, metrics) of the micro-batch
 # being run; None outside a sharing engine's forward_step.
@@ -151,3 +167,20 @@ def patch_engine(module: ModuleType) -> None:
                                             postprocess_micro_batch_func)
 
     install_engine(module, stock, PrefixSharingMegatronEngine)
+
+
+PATCHSETS = tuple(
+    register(PatchSet(
+        name=f"verl{digits}_mcore",
+        verl_versions=(release,),
+        hooks={
+            "verl.workers.config.actor": lambda m: accept_prefix_grouper(m, "McoreActorConfig"),
+            "verl.models.mcore": patch_forward_fn_lookup,
+            "verl.workers.engine.megatron.transformer_impl": patch_engine,
+            "verl.workers.engine.utils": patch_prepare_micro_batches,
+        },
+        summary=f"verl {release} Megatron engine: actor config, layer spec, forward, "
+                "group-keeping micro-batches, metrics",
+    ))
+    for release, digits in (("0.9.1", "091"), ("0.8.0", "080"))
+)

@@ -24,8 +24,7 @@ Hook = Callable[[ModuleType], None]
 
 # Modules that define patch sets; those not present in this checkout are skipped.
 BUILTIN_MODULES: tuple[str, ...] = (
-    "prefix_sharing.verl_ext.verl091",
-    "prefix_sharing.verl_ext.verl080",
+    "prefix_sharing.verl_ext.mcore_engine",
     "prefix_sharing.verl_ext.mindspeed",
     "prefix_sharing.verl_ext.fsdp",
 )
