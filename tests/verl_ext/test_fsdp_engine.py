@@ -23,6 +23,7 @@ from tests.fsdp_compat._launch import run_gloo  # noqa: E402
 from tests.verl_ext._batch import WORKLOADS  # noqa: E402
 from tests.verl_ext._compare import MODES, same_outputs  # noqa: E402
 from tests.verl_ext._fsdp_engine import refusals, run, save_model  # noqa: E402
+from tests.verl_ext._overlays import OVERLAY_MODES, overlay_configs  # noqa: E402
 
 SHARING = {"arbitrary_prefix": MODES["arbitrary_prefix"]}
 BUDGET = 110  # the GRPO batch: 138 tokens, 107 computed with sharing
@@ -130,24 +131,12 @@ def test_settings_sharing_cannot_honour_raise_one_clear_error(single, setting, m
     assert message in single["refusals"].get(setting, "(not refused)")
 
 
-@pytest.mark.parametrize("overlay, mode", [
-    ("grpo_arbitrary_prefix.yaml", "arbitrary_prefix"),
-    ("grpo_prompt_only.yaml", "prompt_only"),
-    ("tree_agent.yaml", "arbitrary_prefix"),
-])
+@pytest.mark.parametrize("overlay, mode", OVERLAY_MODES)
 def test_each_overlay_configures_the_fsdp_actor_and_reference_model(overlay, mode):
-    from pathlib import Path
-
-    from omegaconf import OmegaConf
-    from verl.utils.config import omega_conf_to_dataclass
-
-    base = OmegaConf.create({"actor_rollout_ref": {section: dict(
+    _, configs = overlay_configs(overlay, dict(
         _target_="verl.workers.config.FSDPActorConfig", strategy="fsdp2", rollout_n=2,
         ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2,
         fsdp_config={"_target_": "verl.workers.config.FSDPEngineConfig"},
-    ) for section in ("actor", "ref")}})
-    path = Path(__file__).parents[2] / "configs" / "verl" / overlay
-    merged = OmegaConf.merge(base, OmegaConf.load(path))
-    for section in ("actor", "ref"):
-        config = omega_conf_to_dataclass(merged.actor_rollout_ref[section])
+    ))
+    for section, config in configs.items():
         assert config.engine.prefix_sharing.mode == mode, section

@@ -13,6 +13,7 @@ import prefix_sharing  # noqa: E402,F401  (activates the patches)
 from prefix_sharing import PrefixSharingConfig  # noqa: E402
 from prefix_sharing.verl_ext.mcore import PrefixSharingSetupError  # noqa: E402
 from tests.verl_ext._engine import actor_config  # noqa: E402
+from tests.verl_ext._overlays import OVERLAY_MODES, overlay_configs  # noqa: E402
 
 
 def test_the_issue_yaml_reaches_the_engine_config():
@@ -47,25 +48,13 @@ def test_settings_sharing_cannot_honour_raise_one_clear_error(setting, message):
         engine_cls(model_config, config.engine, config.optim, config.checkpoint)
 
 
-@pytest.mark.parametrize("overlay, mode", [
-    ("grpo_arbitrary_prefix.yaml", "arbitrary_prefix"),
-    ("grpo_prompt_only.yaml", "prompt_only"),
-    ("tree_agent.yaml", "arbitrary_prefix"),
-])
+@pytest.mark.parametrize("overlay, mode", OVERLAY_MODES)
 def test_each_overlay_configures_the_actor_and_the_reference_model(overlay, mode):
-    from pathlib import Path
-
-    from omegaconf import OmegaConf
-    from verl.utils.config import omega_conf_to_dataclass
-
-    base = OmegaConf.create({"actor_rollout_ref": {section: dict(
+    merged, configs = overlay_configs(overlay, dict(
         _target_="verl.workers.config.McoreActorConfig", rollout_n=2, ppo_mini_batch_size=4,
         ppo_micro_batch_size_per_gpu=2,
         megatron={"_target_": "verl.workers.config.McoreEngineConfig"},
-    ) for section in ("actor", "ref")}})
-    path = Path(__file__).parents[2] / "configs" / "verl" / overlay
-    merged = OmegaConf.merge(base, OmegaConf.load(path))
+    ))
     assert merged.actor_rollout_ref.model.external_lib == "prefix_sharing"
-    for section in ("actor", "ref"):
-        config = omega_conf_to_dataclass(merged.actor_rollout_ref[section])
+    for section, config in configs.items():
         assert config.engine.prefix_sharing.mode == mode, section
