@@ -285,8 +285,7 @@ def stock_thd_token_stats(logits: torch.Tensor, inputs: Any, stats_batch: Any) -
 class MicroBatchRun:
     """One pass over the micro-batches: per micro-batch packed outputs (last stage only) and
     this stage's gradients (finalized as for the optimizer step, then :func:`full_grads`);
-    ``digests`` are the plans'
-    fingerprints (``shared`` only)."""
+    ``digests`` are the plans' fingerprints (``shared`` only)."""
 
     outputs: list[RunOutputs]
     grads: dict[str, torch.Tensor]
