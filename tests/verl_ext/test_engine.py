@@ -13,7 +13,13 @@ if importlib.util.find_spec("verl") is None:
 from prefix_sharing.errors import UnsupportedSetup  # noqa: E402
 from prefix_sharing.verl_ext.engine import UNSUPPORTED_SWITCHES, SharingEngineMixin  # noqa: E402
 from prefix_sharing.verl_ext.mcore import PrefixSharingSetupError  # noqa: E402
-from tests.verl_ext._batch import make_batch  # noqa: E402
+from tests.verl_ext._batch import make_batch, use_cpu_platform  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def cpu_platform():
+    """verl 0.8.0's unpadding (used by make_batch) otherwise imports flash_attn."""
+    use_cpu_platform()
 
 
 def test_a_plain_micro_batch_passes():
