@@ -85,8 +85,8 @@ def install(patchsets: Iterable[str] | str | None = None) -> None:
     requested = _requested(patchsets)
     if _State.selected is not None and requested != _State.requested:
         raise ValueError(
-            f"prefix-sharing verl patch sets are already applied as {list(_State.requested) or 'auto'}; "
-            f"cannot switch to {list(requested) or 'auto'} in the same process (name them "
+            f"prefix-sharing verl patch sets are already applied as "
+            f"{list(_State.requested) or 'auto'}; cannot switch to {list(requested) or 'auto'} in the same process (name them "
             f"before verl is imported, or in {PATCHSET_ENV})"
         )
     if _State.enabled is None:

@@ -2,8 +2,8 @@
 
 A patch set is named after the verl release and engine it targets (``verl091_mcore``; the
 prototype's names that also state the megatron-core / MindSpeed release map onto these, see
-:mod:`.names`). It maps verl module names to hooks; a hook runs once, right after its module is first imported (or at
-once if it already is), and receives that module. A patch-set module registers its sets at
+:mod:`.names`). It maps verl module names to hooks; a hook runs once, right after its module is
+first imported (or at once if it already is), and receives that module. A patch-set module registers its sets at
 import time and must not import verl or megatron at its top level: the registry imports every
 built-in patch-set module when the first verl module is imported, to learn their targets.
 

@@ -41,7 +41,8 @@ def test_json_is_one_object(capsys, stack):
 def test_without_a_supported_verl_it_says_so_and_all_lists_every_name(capsys, stack):
     stack(Stack(verl=None, megatron_core="0.16.1", mindspeed=None, python=(3, 11, 7)))
     assert main(["patchsets"]) == 0
-    assert "no patch set for this stack (verl 0.8.0, 0.9.1 are supported)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "no patch set for this stack (verl 0.8.0, 0.9.1 are supported)" in out
     assert main(["patchsets", "--all", "--json"]) == 0
     names = json.loads(capsys.readouterr().out)["patchsets"]
     assert names["verl080_mcore0161_ms0160"] == ["verl080_mcore", "verl080_mcore_mindspeed"]

@@ -127,7 +127,8 @@ def test_an_unknown_name_raises_with_the_known_names(tmp_path):
 @pytest.mark.skipif(sys.version_info >= (3, 12), reason="megatron-core 0.19.2 exists on 3.12")
 def test_a_name_for_a_stack_that_cannot_exist_here_raises(tmp_path):
     release = VERL.replace(".", "")
-    out = _run(tmp_path, f"PREFIX_SHARING_PATCHSET=verl{release}_mcore0192 python your_verl_entry.py")
+    out = _run(tmp_path,
+               f"PREFIX_SHARING_PATCHSET=verl{release}_mcore0192 python your_verl_entry.py")
     assert out.returncode != 0
     last = out.stderr.strip().splitlines()[-1]
     assert f"names verl{release}_mcore0192, a stack that cannot be this one: megatron-core " \
