@@ -13,7 +13,9 @@ __version__ = "0.1.0"
 
 from .verl_ext.activation import activate as _activate_verl  # noqa: E402
 
-_activate_verl()  # patches verl when (if ever) it is imported; ENABLE_PREFIX_SHARING=0 skips it
+_activate_verl()  # patches verl when (if ever) it is imported; ENABLE_PREFIX_SHARING=0: stock verl
+
+from . import setup  # noqa: E402  (the prototype's prefix_sharing.setup.install)
 
 __all__ = [
     "PrefixSharingConfig",
@@ -21,4 +23,5 @@ __all__ = [
     "SharingPlan",
     "build_plan",
     "prompt_groups",
+    "setup",
 ]

@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # GRPO on GSM8K with Qwen2.5-0.5B-Instruct through verl's Megatron backend, prefix sharing on or
-# off, for comparing step time and the prefix_sharing/* metrics on a GPU machine.
+# off, for comparing step time and the prefix_sharing/* metrics on a GPU machine. Both runs use
+# the same config (the sharing keys included); the environment switch alone decides:
 #
-#   ENABLE_PREFIX_SHARING=1 scripts/run_prefix_sharing.sh     # shared (default)
-#   ENABLE_PREFIX_SHARING=0 scripts/run_prefix_sharing.sh     # verl exactly as shipped
+#   ENABLE_PREFIX_SHARING=1 bash scripts/run_prefix_sharing.sh     # shared (default)
+#   ENABLE_PREFIX_SHARING=0 bash scripts/run_prefix_sharing.sh     # verl's stock computation
+#
+# PREFIX_SHARING_PATCHSET (e.g. verl091_mcore0161; `prefix-sharing patchsets` lists the names for
+# this machine) narrows the patch sets, as in the prototype's scripts.
 #
 # Data and weights are prepared as verl's GSM8K quickstart documents: verl's
 # examples/data_preprocess/gsm8k.py writes train/test parquet files, and the model is fetched
@@ -15,24 +19,28 @@ MODEL=${MODEL:-Qwen/Qwen2.5-0.5B-Instruct}
 NGPUS=${NGPUS:-1}
 ENABLE_PREFIX_SHARING=${ENABLE_PREFIX_SHARING:-1}
 MODE=${PREFIX_SHARING_MODE:-arbitrary_prefix}
-export ENABLE_PREFIX_SHARING
+# verl imports prefix_sharing in every process that imports verl: the driver, which validates the
+# config (prefix_grouper included), and each Ray worker (runtime_env below, to be sure).
+export ENABLE_PREFIX_SHARING VERL_USE_EXTERNAL_MODULES=prefix_sharing
 
 if [ ! -f "$DATA_DIR/train.parquet" ]; then
   echo "no $DATA_DIR/train.parquet: run verl's examples/data_preprocess/gsm8k.py --local_save_dir $DATA_DIR" >&2
   exit 2
 fi
 
-sharing=()
-if [ "$ENABLE_PREFIX_SHARING" = 1 ]; then
-  sharing=(
-    actor_rollout_ref.model.external_lib=prefix_sharing
-    ++actor_rollout_ref.actor.use_prefix_grouper=true
-    "++actor_rollout_ref.actor.prefix_grouper.mode=$MODE"
-    ++actor_rollout_ref.ref.use_prefix_grouper=true
-    "++actor_rollout_ref.ref.prefix_grouper.mode=$MODE"
-    # runtime_env reaches every Ray worker: the switch must be seen where the engines run.
-    "++ray_kwargs.ray_init.runtime_env.env_vars.ENABLE_PREFIX_SHARING=1"
-  )
+sharing=(
+  ++actor_rollout_ref.actor.use_prefix_grouper=true
+  "++actor_rollout_ref.actor.prefix_grouper.mode=$MODE"
+  ++actor_rollout_ref.ref.use_prefix_grouper=true
+  "++actor_rollout_ref.ref.prefix_grouper.mode=$MODE"
+  # runtime_env reaches every Ray worker: the switch must be seen where the engines run.
+  "++ray_kwargs.ray_init.runtime_env.env_vars.ENABLE_PREFIX_SHARING=$ENABLE_PREFIX_SHARING"
+  "++ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES=prefix_sharing"
+)
+if [ -n "${PREFIX_SHARING_PATCHSET:-}" ]; then
+  export PREFIX_SHARING_PATCHSET
+  # quoted: a comma-separated value would be a hydra list
+  sharing+=("++ray_kwargs.ray_init.runtime_env.env_vars.PREFIX_SHARING_PATCHSET='$PREFIX_SHARING_PATCHSET'")
 fi
 
 python3 -m verl.trainer.main_ppo \

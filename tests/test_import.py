@@ -35,9 +35,12 @@ def test_import_activates_the_verl_integration_lazily():
     assert out.stdout.split() == ["['_PatchFinder']", "False"], out.stderr
 
 
-def test_enable_prefix_sharing_0_installs_nothing_and_a_bad_value_is_refused():
-    off = _python(f"import sys, prefix_sharing; print({FINDERS})", ENABLE_PREFIX_SHARING="0")
-    assert off.stdout.strip() == "[]", off.stderr
+def test_enable_prefix_sharing_0_switches_sharing_off_and_a_bad_value_is_refused():
+    """At 0 the finder still goes in (verl's config must accept the sharing keys, see
+    verl_ext/switched_off.py), with sharing off; verl is still not imported."""
+    off = _python(f"import sys, prefix_sharing; print({FINDERS}, prefix_sharing.setup.enabled(), "
+                  "'verl' in sys.modules)", ENABLE_PREFIX_SHARING="0")
+    assert off.stdout.split() == ["['_PatchFinder']", "False", "False"], off.stderr
     bad = _python("import prefix_sharing", ENABLE_PREFIX_SHARING="yes")
     assert bad.returncode != 0
     assert "ENABLE_PREFIX_SHARING must be 0 or 1; got 'yes'" in bad.stderr

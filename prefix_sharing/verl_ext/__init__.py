@@ -5,13 +5,17 @@ the installed verl release is applied when verl imports the modules it changes, 
 and in every Ray worker that imports ``prefix_sharing`` (verl's
 ``actor_rollout_ref.model.external_lib: prefix_sharing``). Nothing here imports verl eagerly.
 
-Switches (environment): ``ENABLE_PREFIX_SHARING=0`` leaves verl untouched;
+Switches (environment): ``ENABLE_PREFIX_SHARING=0`` runs verl's stock computation with the same
+config (only the config acceptance is patched: :mod:`.switched_off`);
 ``PREFIX_SHARING_PATCHSET=verl091_mcore[,...]`` applies only the named sets (and forces them on
-an untested verl release).
+an untested verl release), in the project's spelling or the prototype's
+(``verl080_mcore0161_ms0160``: :mod:`.names`). ``prefix_sharing.setup`` is the prototype's name
+for :func:`install`.
 
 API, for patch-set modules and for explicit use:
 
-- :func:`install` (``patchsets=None``): activate now; names force specific sets.
+- :func:`install` (``patchsets=None``): activate now; names (a list or a comma-separated
+  string) force specific sets.
 - :func:`installed`: the patch sets applied so far in this process.
 - :class:`PatchSet` / :func:`register`: declare a patch set (name, verl releases,
   ``{verl module: hook}``); list the module in ``patchsets.BUILTIN_MODULES``.

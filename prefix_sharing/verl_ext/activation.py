@@ -7,26 +7,31 @@ driver or by a Ray worker that imports ``prefix_sharing`` through verl's
 right after the module's own code. Modules imported before ``prefix_sharing`` are patched at
 once. Everything is idempotent.
 
-Environment:
-    ENABLE_PREFIX_SHARING: ``0`` leaves verl untouched (exactly the stock code path); ``1``
-        (the default) activates.
-    PREFIX_SHARING_PATCHSET: comma-separated patch-set names. Narrows the sets applied to these;
-        a named set is applied even when the installed verl is not a release it targets (the
-        override for an untested verl release).
+Environment (read by the first :func:`install`, i.e. at ``import prefix_sharing``):
+    ENABLE_PREFIX_SHARING: ``1`` (the default) shares; ``0`` runs verl's stock computation with
+        the same config: each selected set applies only its ``off_hooks`` (the config keys are
+        accepted, nothing reaches the engines; :mod:`.switched_off`), and a verl release no set
+        targets is left alone.
+    PREFIX_SHARING_PATCHSET: comma-separated patch-set names, in the project's spelling
+        (``verl091_mcore``) or the prototype's (``verl080_mcore0161_ms0160``, see
+        :mod:`.names`). Narrows the sets applied to these; a named set is applied even when the
+        installed verl is not a release it targets (the override for an untested verl release),
+        with one warning per name whose stated stack is not the installed one.
 """
 
 from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
-import importlib.metadata
 import logging
 import os
 import sys
 from collections.abc import Iterable
 from types import ModuleType
 
-__all__ = ["activate", "install", "installed", "UnsupportedVerlVersion"]
+from . import names
+
+__all__ = ["activate", "enabled", "install", "installed", "UnsupportedVerlVersion"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,39 +45,52 @@ class UnsupportedVerlVersion(RuntimeError):
 
 class _State:
     finder: _PatchFinder | None = None
+    enabled: bool | None = None  # ENABLE_PREFIX_SHARING, read by the first install()
     requested: tuple[str, ...] | None = None  # names from install() / the environment
     selected: dict | None = None  # name -> PatchSet, decided at the first verl import
     applied: set[tuple[str, str]] = set()  # (patch set, module) pairs already hooked
 
 
 def activate() -> None:
-    """What ``import prefix_sharing`` runs: :func:`install` unless ``ENABLE_PREFIX_SHARING=0``."""
-    flag = os.environ.get(ENABLE_ENV, "1").strip()
-    if flag not in ("0", "1"):
-        raise ValueError(f"{ENABLE_ENV} must be 0 or 1; got {flag!r}")
-    if flag == "1":
-        install()
+    """What ``import prefix_sharing`` runs: :func:`install` (which reads the environment)."""
+    install()
 
 
-def install(patchsets: Iterable[str] | None = None) -> None:
+def enabled() -> bool:
+    """Whether this process shares (``ENABLE_PREFIX_SHARING``, as the first :func:`install`
+    read it)."""
+    return _State.enabled if _State.enabled is not None else _switch()
+
+
+def install(patchsets: Iterable[str] | str | None = None) -> None:
     """Patch verl for prefix sharing now and on every later import of a targeted module.
 
+    Also ``prefix_sharing.setup.install``, the prototype's name for it. With
+    ``ENABLE_PREFIX_SHARING=0`` only the config acceptance is patched (see the module doc).
+
     Args:
-        patchsets: names of the patch sets to apply (forced, whatever the verl release);
-            ``None`` applies every set that targets the installed verl release, or the sets
-            named by ``PREFIX_SHARING_PATCHSET``.
+        patchsets: names of the patch sets to apply (forced, whatever the verl release), as a
+            list or one comma-separated string (``"verl080_fsdp,verl080_mcore0161_ms0160"``);
+            ``None`` applies the sets named by ``PREFIX_SHARING_PATCHSET``, or else every set
+            that targets the installed verl release. Names may be changed by a later call until
+            verl is first imported (``import prefix_sharing`` installs the default).
 
     Raises:
         UnsupportedVerlVersion: when verl is (or gets) imported and no patch set targets its
             release. Naming a patch set overrides the check.
-        ValueError: an unknown patch-set name, or a second call naming different sets.
+        ValueError: an unknown patch-set name, a name stating a stack that cannot exist here
+            (megatron-core 0.17+ on Python < 3.12), a call naming other sets after verl was
+            patched, or ``ENABLE_PREFIX_SHARING`` other than 0 or 1.
     """
     requested = _requested(patchsets)
-    if _State.requested is not None and requested != _State.requested:
+    if _State.selected is not None and requested != _State.requested:
         raise ValueError(
-            f"prefix-sharing verl patch sets are already installed as {list(_State.requested) or 'auto'}; "
-            f"cannot switch to {list(requested) or 'auto'} in the same process"
+            f"prefix-sharing verl patch sets are already applied as "
+            f"{list(_State.requested) or 'auto'}; cannot switch to {list(requested) or 'auto'} in the same process (name them "
+            f"before verl is imported, or in {PATCHSET_ENV})"
         )
+    if _State.enabled is None:
+        _State.enabled = _switch()
     _State.requested = requested
     if _State.finder is None:
         _State.finder = _PatchFinder()
@@ -81,17 +99,25 @@ def install(patchsets: Iterable[str] | None = None) -> None:
         _patch_imported_modules()
 
 
+def _switch() -> bool:
+    flag = os.environ.get(ENABLE_ENV, "1").strip()
+    if flag not in ("0", "1"):
+        raise ValueError(f"{ENABLE_ENV} must be 0 or 1; got {flag!r}")
+    return flag == "1"
+
+
 def installed() -> list[str]:
-    """Names of the patch sets applied so far in this process (empty before verl is imported)."""
+    """Names of the patch sets applied so far in this process (empty before verl is imported;
+    with sharing switched off, :func:`enabled` is False and only their off_hooks ran)."""
     return sorted({name for name, _ in _State.applied})
 
 
-def _requested(patchsets: Iterable[str] | None) -> tuple[str, ...]:
+def _requested(patchsets: Iterable[str] | str | None) -> tuple[str, ...]:
     if patchsets is None:
-        patchsets = [n for n in os.environ.get(PATCHSET_ENV, "").split(",") if n.strip()]
-    elif isinstance(patchsets, str):
-        raise TypeError("install(patchsets=...) takes a list of names, not a string")
-    return tuple(sorted(n.strip() for n in patchsets))
+        patchsets = os.environ.get(PATCHSET_ENV, "")
+    if isinstance(patchsets, str):
+        patchsets = patchsets.split(",")
+    return tuple(sorted({n.strip() for n in patchsets if n.strip()}))
 
 
 def _select() -> dict:
@@ -101,45 +127,63 @@ def _select() -> dict:
     from .patchsets import registered
 
     known = registered()
-    version = _verl_version()
+    stack = names.installed_stack()
     if _State.requested:
-        unknown = [n for n in _State.requested if n not in known]
-        if unknown:
-            raise ValueError(
-                f"{PATCHSET_ENV}/install() names unknown verl patch set(s) {unknown}; "
-                f"known: {sorted(known)}"
-            )
-        selected = {n: known[n] for n in _State.requested}
-        for ps in selected.values():
-            if version not in ps.verl_versions:
-                logger.warning("prefix-sharing: forcing patch set %s (for verl %s) on verl %s",
-                               ps.name, "/".join(ps.verl_versions), version)
+        selected = {}
+        for name in _resolve_requested(known, stack):
+            selected.update((ps, known[ps]) for ps in name.patchsets)
     else:
-        selected = {n: ps for n, ps in known.items() if version in ps.verl_versions}
-        if not selected:
+        selected = {n: ps for n, ps in known.items() if stack.verl in ps.verl_versions}
+        if not selected and _State.enabled:
             supported = sorted({v for ps in known.values() for v in ps.verl_versions})
             raise UnsupportedVerlVersion(
-                f"prefix-sharing supports verl {', '.join(supported)}; verl {version} is installed. "
-                f"Install a supported release, force a patch set with {PATCHSET_ENV}=<name> "
-                f"(one of {', '.join(sorted(known))}), or set {ENABLE_ENV}=0 to leave verl alone."
+                f"prefix-sharing supports verl {', '.join(supported)}; verl {stack.verl} is "
+                f"installed. Install a supported release, force a patch set with "
+                f"{PATCHSET_ENV}=<name> (one of {', '.join(sorted(known))}), or set "
+                f"{ENABLE_ENV}=0 to leave verl alone."
             )
     _State.selected = selected
     return selected
 
 
-def _verl_version() -> str:
-    module = sys.modules.get("verl")
-    version = getattr(module, "__version__", None)
-    return str(version) if version else importlib.metadata.version("verl")
+def _resolve_requested(known: dict, stack: names.Stack) -> list[names.PatchSetName]:
+    """The requested names resolved; unknown names and impossible stacks raise, a stated stack
+    other than the installed one warns (once per name; not with sharing switched off)."""
+    resolved = {n: names.resolve(n, known) for n in _State.requested}
+    unknown = [n for n, r in resolved.items() if r is None]
+    if unknown:
+        raise ValueError(
+            f"{PATCHSET_ENV}/install() names unknown verl patch set(s) {unknown}; "
+            f"known: {names.known_names(known)}"
+        )
+    if not _State.enabled:
+        return list(resolved.values())
+    for name in resolved.values():
+        differences, impossible = names.stack_problems(name, stack)
+        if impossible:
+            raise ValueError(
+                f"{PATCHSET_ENV}/install() names {name.name}, a stack that cannot be this one: "
+                f"{'; '.join(impossible)}. For this stack: "
+                f"{', '.join(names.matching_names(known, stack)) or 'none'}"
+            )
+        if differences:
+            logger.warning("prefix-sharing: patch set %s is for %s; applying %s anyway",
+                           name.name, ", ".join(differences), " + ".join(name.patchsets))
+    return list(resolved.values())
+
+
+def _hooks(patchset) -> dict:
+    """What a selected set applies: its hooks, or with sharing switched off its off_hooks."""
+    return patchset.hooks if _State.enabled else patchset.off_hooks
 
 
 def _targets() -> set[str]:
-    return {target for ps in _select().values() for target in ps.hooks}
+    return {target for ps in _select().values() for target in _hooks(ps)}
 
 
 def _patch_imported_modules() -> None:
     for ps in _select().values():
-        for target in ps.hooks:
+        for target in _hooks(ps):
             if target in sys.modules:
                 _apply(ps, target, sys.modules[target])
 
@@ -148,12 +192,12 @@ def _apply(patchset, target: str, module: ModuleType) -> None:
     key = (patchset.name, target)
     if key not in _State.applied:
         _State.applied.add(key)
-        patchset.hooks[target](module)
+        _hooks(patchset)[target](module)
 
 
 def _run_hooks(module: ModuleType) -> None:
     for ps in _select().values():
-        if module.__name__ in ps.hooks:
+        if module.__name__ in _hooks(ps):
             _apply(ps, module.__name__, module)
 
 

@@ -10,6 +10,10 @@ only object the engine's forward can read it from (:func:`sharing_config`).
 
 The reference model reads the ``ref`` section, which has no ``prefix_grouper`` of its own: the
 overlays in ``configs/verl/`` point it at the actor's.
+
+With ``ENABLE_PREFIX_SHARING=0`` the subclass is installed with ``enabled=False``: the block is
+still accepted and validated (the same config runs with the switch at 0 or 1), but nothing
+reaches the engine, which is verl's own (:mod:`.switched_off`).
 """
 
 from __future__ import annotations
@@ -26,16 +30,23 @@ __all__ = ["accept_prefix_grouper", "sharing_config", "ATTRIBUTE"]
 ATTRIBUTE = "prefix_sharing"
 
 
-def accept_prefix_grouper(module: ModuleType, class_name: str) -> None:
+def accept_prefix_grouper(module: ModuleType, class_name: str, *, enabled: bool = True) -> None:
     """Replaces ``module.<class_name>`` (a verl actor-config dataclass) by a subclass that
-    accepts ``prefix_grouper`` and carries the sharing config to its ``engine``."""
+    accepts ``prefix_grouper`` and carries the sharing config to its ``engine``; with
+    ``enabled=False`` it only accepts and validates it (and says once that the environment
+    switched sharing off, when the config asks for it)."""
     base = getattr(module, class_name)
     if getattr(base, "_prefix_sharing_base", None) is not None:
         return  # already replaced
 
     def __post_init__(self) -> None:
         base.__post_init__(self)
-        setattr(self.engine, ATTRIBUTE, PrefixSharingConfig.from_verl(self))
+        requested = PrefixSharingConfig.from_verl(self)  # a typo fails at 0 as at 1
+        if enabled:
+            setattr(self.engine, ATTRIBUTE, requested)
+        elif requested.enabled:
+            from .switched_off import announce
+            announce(class_name)
 
     namespace = {
         "__annotations__": {"prefix_grouper": Optional[Dict[str, Any]]},

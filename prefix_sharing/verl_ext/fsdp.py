@@ -65,6 +65,7 @@ from .config import accept_prefix_grouper
 from .engine import SharingEngineMixin, install_engine
 from .microbatch import patch_prepare_micro_batches
 from .patchsets import PatchSet, register
+from .switched_off import off_hooks
 
 __all__ = ["PATCHSETS", "patch_engine"]
 
@@ -145,6 +146,7 @@ PATCHSETS = tuple(
         },
         summary=f"verl {release} FSDP engine: actor config, sharing attention, forward, "
                 "group-keeping micro-batches, metrics",
+        off_hooks=off_hooks("FSDPActorConfig"),
     ))
     for release, digits in (("0.9.1", "091"), ("0.8.0", "080"))
 )

@@ -46,6 +46,7 @@ from .config import accept_prefix_grouper
 from .engine import SharingEngineMixin, install_engine
 from .microbatch import patch_prepare_micro_batches
 from .patchsets import PatchSet, register
+from .switched_off import off_hooks
 
 __all__ = ["PATCHSETS", "share_layer_spec", "install_layer_spec", "patch_forward_fn_lookup",
            "patch_engine", "current_micro_batch"]
@@ -181,6 +182,7 @@ PATCHSETS = tuple(
         },
         summary=f"verl {release} Megatron engine: actor config, layer spec, forward, "
                 "group-keeping micro-batches, metrics",
+        off_hooks=off_hooks("McoreActorConfig"),
     ))
     for release, digits in (("0.9.1", "091"), ("0.8.0", "080"))
 )

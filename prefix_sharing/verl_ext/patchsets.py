@@ -1,8 +1,9 @@
 """The registry of verl patch sets: what each supported verl release needs changed, and where.
 
-A patch set is named after the verl release and engine it targets (``verl091_mcore``). It maps
-verl module names to hooks; a hook runs once, right after its module is first imported (or at
-once if it already is), and receives that module. A patch-set module registers its sets at
+A patch set is named after the verl release and engine it targets (``verl091_mcore``; the
+prototype's names that also state the megatron-core / MindSpeed release map onto these, see
+:mod:`.names`). It maps verl module names to hooks; a hook runs once, right after its module is
+first imported (or at once if it already is), and receives that module. A patch-set module registers its sets at
 import time and must not import verl or megatron at its top level: the registry imports every
 built-in patch-set module when the first verl module is imported, to learn their targets.
 
@@ -40,12 +41,15 @@ class PatchSet:
         verl_versions: the verl releases it was written and tested against.
         hooks: verl module name -> hook, applied once when that module is imported.
         summary: one line for error messages and ``installed()``.
+        off_hooks: what is applied instead with ``ENABLE_PREFIX_SHARING=0``: only what lets
+            the same config run verl's stock computation (:mod:`.switched_off`).
     """
 
     name: str
     verl_versions: tuple[str, ...]
     hooks: Mapping[str, Hook]
     summary: str = ""
+    off_hooks: Mapping[str, Hook] = dataclasses.field(default_factory=dict)
 
 
 _REGISTRY: dict[str, PatchSet] = {}

@@ -1,4 +1,4 @@
-"""How the verl patches switch on: at import, in either import order, narrowed, or not at all.
+"""How the verl patches switch on: at import, in either import order, narrowed, or off.
 
 Each case runs in a fresh interpreter: activation is process-wide and happens at import.
 """
@@ -23,7 +23,7 @@ from verl.workers.config import McoreActorConfig
 import prefix_sharing.verl_ext as ve
 engine = EngineRegistry._engines["language_model"]["megatron"]["cuda"]
 print(json.dumps(dict(
-    installed=ve.installed(), engine=engine.__name__,
+    installed=ve.installed(), enabled=ve.activation.enabled(), engine=engine.__name__,
     accepts=any(f == "prefix_grouper" for f in McoreActorConfig.__dataclass_fields__),
     wrapped=getattr(mcore.get_mcore_engine_forward_fn, "_prefix_sharing", False))))
 """
@@ -44,7 +44,7 @@ def _probe(first: str, **env: str) -> dict:
 
 def _patched(got: dict) -> bool:
     return (got["engine"] == "PrefixSharingMegatronEngine" and got["accepts"] and got["wrapped"]
-            and "verl091_mcore" in got["installed"])
+            and got["enabled"] and "verl091_mcore" in got["installed"])
 
 
 def test_importing_prefix_sharing_before_verl_patches_it():
@@ -66,9 +66,18 @@ def test_verls_external_modules_variable_reaches_every_process_that_imports_verl
     assert _patched(_probe("import verl", VERL_USE_EXTERNAL_MODULES="prefix_sharing"))
 
 
-def test_enable_prefix_sharing_0_leaves_verl_exactly_stock():
+def test_enable_prefix_sharing_0_patches_only_the_config_acceptance():
+    """verl's own engine and forward; the actor config accepts prefix_grouper, so the config
+    that turns sharing on runs with the switch at 0 (tests/verl_ext/test_switch.py runs it)."""
     got = _probe("import prefix_sharing", ENABLE_PREFIX_SHARING="0")
-    assert got == dict(installed=[], engine="MegatronEngineWithLMHead", accepts=False, wrapped=False)
+    assert got == dict(installed=["verl091_fsdp", "verl091_mcore"], enabled=False,
+                       engine="MegatronEngineWithLMHead", accepts=True, wrapped=False)
+
+
+def test_enable_prefix_sharing_0_leaves_an_unsupported_verl_alone():
+    got = _probe(UNSUPPORTED_VERL + "import prefix_sharing", ENABLE_PREFIX_SHARING="0")
+    assert got == dict(installed=[], enabled=False, engine="MegatronEngineWithLMHead",
+                       accepts=False, wrapped=False)
 
 
 def test_patchset_variable_narrows_to_the_named_sets():
@@ -83,12 +92,17 @@ def test_an_unknown_patchset_name_is_refused():
     assert "unknown verl patch set(s) ['verl999_nothing']" in out.stderr
 
 
+# Makes the process see verl 0.7.1 (a release no patch set targets).
+UNSUPPORTED_VERL = """
+import dataclasses
+import prefix_sharing.verl_ext.names as names
+_stack = names.installed_stack
+names.installed_stack = lambda: dataclasses.replace(_stack(), verl="0.7.1")
+"""
+
+
 def test_an_unsupported_verl_release_is_refused_with_the_override_named():
-    code = ("import prefix_sharing.verl_ext.activation as a\n"
-            "a._verl_version = lambda: '0.7.1'\n"
-            "a.install()\n"
-            "import verl.workers.config")
-    out = _run(code, ENABLE_PREFIX_SHARING="0")
+    out = _run(UNSUPPORTED_VERL + "import verl.workers.config")
     assert out.returncode != 0
     last = out.stderr.strip().splitlines()[-1]
     assert "UnsupportedVerlVersion: prefix-sharing supports verl" in last

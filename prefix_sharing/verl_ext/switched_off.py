@@ -1,0 +1,72 @@
+"""What ``ENABLE_PREFIX_SHARING=0`` patches: only what lets a sharing config run stock verl.
+
+The switch is the prototype's "quick runtime switch for local debugging": the same trainer
+config, with ``use_prefix_grouper`` / ``prefix_grouper`` in it, must run verl's own computation
+when it is 0 - the results and code path of a run without those keys. Nothing of the engines is
+patched then; each patch set's ``off_hooks`` (:func:`off_hooks`) apply only:
+
+- ``verl.workers.config.actor``: the actor-config class accepts and validates
+  ``prefix_grouper`` but hands nothing to the engine (:func:`.config.accept_prefix_grouper`
+  with ``enabled=False``); verl's engine then never sees it. The first such config in a
+  process logs one line (:func:`announce`);
+- ``verl.trainer.ppo.ray_trainer`` (:func:`stock_balancing`): verl's legacy trainer reads
+  ``use_prefix_grouper`` itself, to balance data-parallel ranks by uid group and keep each
+  rank's samples in that order (verl 0.8.0's trainer; 0.9.1's default ``use_v1`` trainer does
+  not read it). That changes which samples form each mini- and micro-batch, so with the switch
+  at 0 the balancing runs as without the key. The trainer's process must import
+  ``prefix_sharing`` for this (``VERL_USE_EXTERNAL_MODULES=prefix_sharing``): it is also the
+  process that validates the config, which fails on ``prefix_grouper`` otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from types import ModuleType
+
+from .config import accept_prefix_grouper
+from .patchsets import Hook
+
+__all__ = ["announce", "stock_balancing", "off_hooks", "TRAINER_MODULE"]
+
+logger = logging.getLogger(__name__)
+
+TRAINER_MODULE = "verl.trainer.ppo.ray_trainer"
+
+_announced = False
+
+
+def announce(class_name: str) -> None:
+    """Logs, once per process, that a config asked for sharing and the environment said no."""
+    global _announced
+    if not _announced:
+        _announced = True
+        logger.warning("prefix-sharing: switched off by ENABLE_PREFIX_SHARING=0: %s asks for it "
+                       "(use_prefix_grouper / prefix_grouper); verl runs its stock computation",
+                       class_name)
+
+
+def stock_balancing(module: ModuleType) -> None:
+    """Hook on ``verl.trainer.ppo.ray_trainer``: ``RayPPOTrainer._balance_batch`` (and every
+    trainer that inherits it) balances as if ``use_prefix_grouper`` were absent. Idempotent."""
+    trainer = module.RayPPOTrainer
+    stock = trainer._balance_batch
+    if getattr(stock, "_prefix_sharing", False):
+        return
+
+    @functools.wraps(stock)
+    def _balance_batch(self, *args, **kwargs):
+        self.use_prefix_grouper = False  # the value verl reads when the key is absent
+        return stock(self, *args, **kwargs)
+
+    _balance_batch._prefix_sharing = True
+    trainer._balance_batch = _balance_batch
+
+
+def off_hooks(actor_config_class: str) -> dict[str, Hook]:
+    """The ``off_hooks`` of a patch set whose engine reads ``actor_config_class``."""
+    return {
+        "verl.workers.config.actor":
+            lambda m: accept_prefix_grouper(m, actor_config_class, enabled=False),
+        TRAINER_MODULE: stock_balancing,
+    }
