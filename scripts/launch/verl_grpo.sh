@@ -131,12 +131,14 @@ worker_command() {
     ray_devices
 }
 
-# The GRPO job: verl's trainer with prefix sharing switched on. external_lib makes every verl
-# worker import prefix_sharing, which activates its verl integration; the two prefix_grouper
+# The GRPO job: verl's trainer with prefix sharing switched on. VERL_USE_EXTERNAL_MODULES makes
+# the driver import prefix_sharing before it validates the actor config (which holds
+# prefix_grouper), external_lib makes every verl worker import it; the two prefix_grouper
 # settings ask for sharing of every common prefix (not only the prompt).
 submit_command() {
     NODE_ENV=()  # the ranks inherit the environment of each node's Ray start, not the submitter's
     NODE_CMD=(ray job submit --address "http://$HEAD:$DASHBOARD_PORT" --
+        env VERL_USE_EXTERNAL_MODULES=prefix_sharing
         "$PYTHON" -m verl.trainer.main_ppo --config-name "$CONFIG_NAME"
         algorithm.adv_estimator=grpo
         "data.train_files=$TRAIN_FILES" "data.val_files=$VAL_FILES"

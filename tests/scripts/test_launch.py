@@ -140,7 +140,9 @@ def test_verl_dry_run_prints_head_workers_and_the_job(device, trainer_device, re
     _, job_env, argv = job
     assert job_env == {}
     assert argv[:5] == ["ray", "job", "submit", "--address", "http://n0:8265"]
-    assert argv[argv.index("--") + 1:][:3] == ["python3", "-m", "verl.trainer.main_ppo"]
+    # the driver imports prefix_sharing before verl validates the actor config's prefix_grouper
+    assert argv[argv.index("--") + 1:][:5] == [
+        "env", "VERL_USE_EXTERNAL_MODULES=prefix_sharing", "python3", "-m", "verl.trainer.main_ppo"]
     overrides = set(argv)
     for expected in ["algorithm.adv_estimator=grpo",
                      "actor_rollout_ref.model.external_lib=prefix_sharing",
