@@ -130,6 +130,7 @@ def sft_dataset(path: str | Path, num_samples: int, seq_length: int, tokenizer: 
         reset_attention_mask=False,
         eod_mask_loss=False,
         create_attention_mask=False,
+        context_parallel_size=1,  # the entry point refuses context parallelism
     )
     indices = np.arange(len(conversations), dtype=np.int64)
     return SFTDataset(conversations, str(path), indices, num_samples, Split.train, config)
