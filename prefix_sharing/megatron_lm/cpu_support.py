@@ -27,7 +27,12 @@ def enable_cpu_megatron_lm() -> None:
     enable_cpu_megatron()
     if _enabled:
         return
-    from megatron.training import training
+    from megatron.training import arguments, training
+
+    # arguments.validate_args asks the GPU's architecture (get_device_arch_version, which reads
+    # cuda:0's properties) under tensor parallelism: a CPU is not Blackwell, so answer 0 and keep
+    # the pre-Blackwell rules (CUDA_DEVICE_MAX_CONNECTIONS=1 is still asked for).
+    arguments.get_device_arch_version = lambda: 0
 
     # training.pretrain calls initialize_megatron() without allow_no_cuda, which asserts CUDA.
     training.initialize_megatron = functools.partial(training.initialize_megatron,
