@@ -11,9 +11,11 @@ import argparse
 from ..config import BACKENDS, PrefixSharingConfig
 from ..errors import UnsupportedSetup
 
-__all__ = ["add_prefix_sharing_args", "sharing_config", "check_megatron_args"]
+__all__ = ["SPEC", "SHARING_SPECS", "add_prefix_sharing_args", "sharing_config", "check_megatron_args"]
 
 SPEC = ["prefix_sharing.megatron_ext.megatron_lm_spec", "layer_spec"]
+"""The spec the entry point builds its model with when ``--spec`` is not given."""
+SHARING_SPECS = (SPEC, ["prefix_sharing.npu.megatron_lm_spec", "layer_spec"])  # CUDA/CPU, Ascend
 
 
 def add_prefix_sharing_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -48,10 +50,11 @@ def sharing_config(args: argparse.Namespace) -> PrefixSharingConfig:
 
 def check_megatron_args(args: argparse.Namespace, kind: str) -> None:
     """Refuses, by name, Megatron-LM settings this entry point does not run exactly."""
-    if args.spec not in (None, SPEC):
+    if args.spec is not None and args.spec not in SHARING_SPECS:
+        allowed = " or ".join(" ".join(spec) for spec in SHARING_SPECS)
         raise UnsupportedSetup(
             f"--spec {' '.join(args.spec)}: the sharing entry point builds its model with "
-            f"--spec {' '.join(SPEC)}; leave --spec out"
+            f"--spec {allowed} (the first when --spec is left out)"
         )
     if args.context_parallel_size > 1:
         raise UnsupportedSetup(

@@ -54,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_and_validate_args(extra_args_provider=add_prefix_sharing_args)
     check_megatron_args(args, kind)
     config = sharing_config(args)
-    args.spec = SPEC
+    args.spec = args.spec or SPEC
     if args.pipeline_model_parallel_size > 1:
         # every micro-batch's flat layout has its own length: pipeline stages exchange shapes
         args.variable_seq_lengths = True
