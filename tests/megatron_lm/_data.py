@@ -76,3 +76,13 @@ def write_trajectories(path: Path, *, tree: bool, trees: int = 6, seed: int = 0)
     with open(path, "w") as file:
         file.writelines(json.dumps(r) + "\n" for r in rows)
     return path
+
+
+if __name__ == "__main__":  # python -m tests.megatron_lm._data DIR: the SFT example's data
+    import sys
+
+    out = Path(sys.argv[1])
+    out.mkdir(parents=True, exist_ok=True)
+    write_tokenizer(out / "tok")
+    write_conversations(out / "convs.jsonl", shared=True, lines=int(sys.argv[2]) if len(sys.argv) > 2 else 8)
+    print(out / "convs.jsonl", out / "tok")
