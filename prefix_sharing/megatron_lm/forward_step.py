@@ -30,8 +30,6 @@ from .batch import PlannedBatch, plan_packed_batch
 
 __all__ = ["make_forward_step", "loss_func"]
 
-REPORT_KEYS = ("lm loss", "tokens total", "tokens computed", "token ratio")
-
 
 def make_forward_step(config: PrefixSharingConfig) -> Callable[..., tuple[torch.Tensor, Callable]]:
     """Megatron-LM's ``forward_step_func`` for ``config`` (``mode="off"``: the identity plan)."""
