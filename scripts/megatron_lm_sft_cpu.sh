@@ -27,6 +27,6 @@ exec "$PYTHON" -m torch.distributed.run --nproc-per-node 1 --master-port "${MAST
     --no-persist-layer-norm --distributed-backend gloo \
     --tokenizer-type SFTTokenizer --tokenizer-model "$DATA/tok" \
     --sft-tokenizer-prompt-format nemotron-h-aligned --data-path "$DATA/convs.jsonl" \
-    --seq-length 512 --micro-batch-size 4 --global-batch-size 8 --train-iters "$ITERS" \
+    --seq-length 256 --micro-batch-size 4 --global-batch-size 8 --train-iters "$ITERS" \
     --lr 1e-4 --min-lr 1e-4 --lr-decay-style constant --log-interval 1 --eval-iters 0 \
     --eval-interval 100000 --seed 1234 --prefix-sharing-mode "$MODE"

@@ -92,6 +92,7 @@ def _assert_same_training(shared: list[dict], off: list[dict]) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def sft_data(tmp_path_factory) -> list[str]:
+    pytest.importorskip("transformers", reason="Megatron-LM's SFTTokenizer wraps a HF tokenizer")
     tmp = tmp_path_factory.mktemp("sft")
     return ["--tokenizer-type", "SFTTokenizer", "--tokenizer-model", str(write_tokenizer(tmp / "tok")),
             "--sft-tokenizer-prompt-format", "nemotron-h-aligned", "--seq-length", "256",
