@@ -122,8 +122,9 @@ def _builder_options(args: Namespace, impl: str) -> dict[str, Any]:
     refused by name where it does not (an older release) and the argument asks for them."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    stock = (gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec if impl == "transformer_engine"
-             else gpt_layer_specs.get_gpt_layer_local_spec)
+    stock = gpt_layer_specs.get_gpt_layer_local_spec
+    if impl == "transformer_engine":
+        stock = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec
     accepted = inspect.signature(stock).parameters
     options = {}
     for arg, option in _BUILDER_OPTIONS.items():

@@ -11,7 +11,9 @@ import argparse
 from ..config import BACKENDS, PrefixSharingConfig
 from ..errors import UnsupportedSetup
 
-__all__ = ["SPEC", "SHARING_SPECS", "add_prefix_sharing_args", "sharing_config", "check_megatron_args"]
+__all__ = [
+    "SPEC", "SHARING_SPECS", "add_prefix_sharing_args", "sharing_config", "check_megatron_args",
+]
 
 SPEC = ["prefix_sharing.megatron_ext.megatron_lm_spec", "layer_spec"]
 """The spec the entry point builds its model with when ``--spec`` is not given."""

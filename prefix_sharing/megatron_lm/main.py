@@ -44,7 +44,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     _use_shipped_dataset_helpers()
 
     from megatron.core.enums import ModelType
-    from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
+    from megatron.training.argument_utils import (
+        gpt_config_from_args,
+        pretrain_cfg_container_from_args,
+    )
     from megatron.training.arguments import parse_and_validate_args
     from megatron.training.training import pretrain
 

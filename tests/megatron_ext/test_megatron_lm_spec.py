@@ -65,10 +65,13 @@ def test_no_arguments_give_the_default_local_spec():
     assert repr(layer_spec_for(None)) == repr(get_gpt_layer_local_spec())
 
 
-@pytest.mark.skipif("qk_l2_norm" not in inspect.signature(stock.get_gpt_layer_local_spec).parameters,
-                    reason="this megatron-core's local spec builder has no qk_l2_norm")
+@pytest.mark.skipif(
+    "qk_l2_norm" not in inspect.signature(stock.get_gpt_layer_local_spec).parameters,
+    reason="this megatron-core's local spec builder has no qk_l2_norm",
+)
 def test_qk_l2_norm_is_honoured():
-    spec = layer_spec_for(argparse.Namespace(**{**LOCAL, "qk_layernorm": False, "qk_l2_norm": True}))
+    args = argparse.Namespace(**{**LOCAL, "qk_layernorm": False, "qk_l2_norm": True})
+    spec = layer_spec_for(args)
     attention = spec.submodules.self_attention.submodules
     assert attention.q_layernorm.__name__ == "L2Norm" and attention.k_layernorm.__name__ == "L2Norm"
     assert attention.core_attention.module is PrefixSharingCoreAttention

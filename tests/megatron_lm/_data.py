@@ -70,7 +70,8 @@ def write_trajectories(path: Path, *, tree: bool, trees: int = 6, seed: int = 0)
             middle = rng.integers(1, 500, 20).tolist()
             for _ in range(2):
                 if not tree:
-                    prompt, middle = rng.integers(1, 500, 40).tolist(), rng.integers(1, 500, 20).tolist()
+                    prompt = rng.integers(1, 500, 40).tolist()
+                    middle = rng.integers(1, 500, 20).tolist()
                 ending = rng.integers(1, 500, int(rng.integers(5, 15))).tolist()
                 rows.append({"prompt_ids": prompt, "response_ids": middle + ending})
     with open(path, "w") as file:
@@ -84,5 +85,6 @@ if __name__ == "__main__":  # python -m tests.megatron_lm._data DIR: the SFT exa
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
     write_tokenizer(out / "tok")
-    write_conversations(out / "convs.jsonl", shared=True, lines=int(sys.argv[2]) if len(sys.argv) > 2 else 8)
+    lines = int(sys.argv[2]) if len(sys.argv) > 2 else 8
+    write_conversations(out / "convs.jsonl", shared=True, lines=lines)
     print(out / "convs.jsonl", out / "tok")

@@ -44,7 +44,8 @@ def main() -> None:
     training.train_step, training.train = recording_train_step, recording_train
     run(sys.argv[1:])
     out = Path(os.environ["PREFIX_SHARING_TEST_OUT"])
-    torch.save({"reports": reports, "params": params}, out / f"rank{torch.distributed.get_rank()}.pt")
+    rank = torch.distributed.get_rank()
+    torch.save({"reports": reports, "params": params}, out / f"rank{rank}.pt")
 
 
 if __name__ == "__main__":

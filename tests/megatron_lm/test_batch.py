@@ -54,7 +54,8 @@ def test_loss_targets_give_the_plain_masked_loss_sum(config):
     batch = _packs()
     planned = plan_packed_batch(**batch, config=config, device="cpu")
     plan = planned.micro_batch.plan
-    flat_logits = torch.randn(plan.input_ids.numel(), 64, generator=torch.Generator().manual_seed(0))
+    generator = torch.Generator().manual_seed(0)
+    flat_logits = torch.randn(plan.input_ids.numel(), 64, generator=generator)
     # the plain logits of every token are its row's (what the model tests establish)
     spans = split_packs(batch["tokens"], batch["cu_seqlens"])
     labels = torch.cat([batch["labels"][p, a:e] for p, a, e in spans])

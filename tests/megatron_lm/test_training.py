@@ -28,7 +28,11 @@ pytest.importorskip(
     "Megatron-LM's training loop needs a Megatron-LM core_r0.16.0 checkout",
 )
 
-from tests.megatron_lm._data import write_conversations, write_tokenizer, write_trajectories  # noqa: E402
+from tests.megatron_lm._data import (  # noqa: E402
+    write_conversations,
+    write_tokenizer,
+    write_trajectories,
+)
 
 ITERS = 3
 MODEL = [
@@ -52,14 +56,16 @@ LAYOUTS = {
 }
 
 
-def _train(tmp: Path, name: str, kind: str, data_args: list[str], layout: str, mode: str) -> list[dict]:
+def _train(tmp: Path, name: str, kind: str, data_args: list[str], layout: str,
+           mode: str) -> list[dict]:
     """Runs the entry point; returns each rank's ``{"reports": [...], "params": {...}}``."""
     nproc, parallel = LAYOUTS[layout]
     out = tmp / f"{name}-{layout}-{mode}"
     out.mkdir()
     env = {**os.environ, "PREFIX_SHARING_TEST_OUT": str(out), "OMP_NUM_THREADS": "1",
            "CUDA_DEVICE_MAX_CONNECTIONS": "1",
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]),
+                                          os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                "--master-port", str(_free_port()), "-m", "tests.megatron_lm._driver", kind,
                *MODEL, *TRAINING, *parallel, *data_args, "--prefix-sharing-mode", mode]
@@ -94,7 +100,8 @@ def _assert_same_training(shared: list[dict], off: list[dict]) -> list[dict]:
 def sft_data(tmp_path_factory) -> list[str]:
     pytest.importorskip("transformers", reason="Megatron-LM's SFTTokenizer wraps a HF tokenizer")
     tmp = tmp_path_factory.mktemp("sft")
-    return ["--tokenizer-type", "SFTTokenizer", "--tokenizer-model", str(write_tokenizer(tmp / "tok")),
+    tokenizer = str(write_tokenizer(tmp / "tok"))
+    return ["--tokenizer-type", "SFTTokenizer", "--tokenizer-model", tokenizer,
             "--sft-tokenizer-prompt-format", "nemotron-h-aligned", "--seq-length", "256",
             "--micro-batch-size", "2", "--global-batch-size", "4",
             "--data-path", str(write_conversations(tmp / "convs.jsonl", shared=True))]
