@@ -1,7 +1,9 @@
 """Run Megatron-LM's ``pretrain()`` on a CPU-only torch with gloo (tests, CI, laptops).
 
 On top of :func:`prefix_sharing.megatron_ext.cpu_support.enable_cpu_megatron` (megatron-core's
-hard-coded CUDA), Megatron-LM's training loop needs these; each names the code that needs it:
+hard-coded CUDA), Megatron-LM's training loop needs four more redirections, each commented with
+the code that needs it. Like that function, it is for CPU-only processes and cannot be undone
+(``torch.nn.Module.cuda`` becomes a no-op); it refuses to run where CUDA is available.
 """
 
 from __future__ import annotations
