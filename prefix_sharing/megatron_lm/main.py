@@ -36,11 +36,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
     kind, rest = argv[0], argv[1:]
     sys.argv = [f"prefix_sharing.megatron_lm {kind}", *rest]  # Megatron-LM parses sys.argv
+    _require_megatron_training()
     if not torch.cuda.is_available():
         from .cpu_support import enable_cpu_megatron_lm
 
         enable_cpu_megatron_lm()
-    _require_megatron_training()
     _use_shipped_dataset_helpers()
 
     from megatron.core.enums import ModelType
