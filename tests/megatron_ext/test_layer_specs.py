@@ -3,10 +3,6 @@ layer: its router and the layer class too)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
-
 import pytest
 from megatron.core.models.gpt import gpt_layer_specs as stock
 from megatron.core.transformer.attention import SelfAttention
@@ -65,49 +61,3 @@ def test_multi_latent_attention_spec_is_refused():
 def test_te_spec_without_transformer_engine_says_what_is_missing():
     with pytest.raises(ImportError, match=r"needs transformer-engine \(pip install"):
         get_gpt_layer_with_transformer_engine_spec()
-
-
-def _import_spec_module(args: str) -> subprocess.CompletedProcess:
-    """Imports the --spec module in a fresh interpreter: outside Megatron-LM (``None``), under
-    Megatron-LM args (a dict), or under Megatron-LM before it parsed them (``"unparsed"``)."""
-    code = textwrap.dedent(f"""
-        import sys, types, argparse
-        args = {args}
-        if args is not None:
-            def get_args():
-                assert args != "unparsed", "args is not initialized."  # as Megatron-LM does
-                return argparse.Namespace(**args)
-            training = types.ModuleType("megatron.training")
-            training.get_args = get_args
-            sys.modules["megatron.training"] = training
-        from megatron.core.transformer.spec_utils import import_module
-        from prefix_sharing.megatron_ext import get_gpt_layer_local_spec
-        spec = import_module(("prefix_sharing.megatron_ext.megatron_lm_spec", "layer_spec"))
-        kwargs = {{}} if args is None else dict(qk_layernorm=args["qk_layernorm"],
-                                               normalization=args["normalization"])
-        print(spec == get_gpt_layer_local_spec(**kwargs))
-    """)
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-
-
-def _spec_from_megatron_lm(args: str) -> str:
-    out = _import_spec_module(args)
-    assert out.returncode == 0, out.stderr
-    return out.stdout.strip()
-
-
-def test_spec_argument_outside_megatron_lm_is_the_default_local_spec():
-    assert _spec_from_megatron_lm("None") == "True"
-
-
-def test_spec_argument_follows_megatron_lm_arguments():
-    args = dict(transformer_impl="local", num_experts=None, moe_grouped_gemm=False,
-                qk_layernorm=True, multi_latent_attention=False, normalization="RMSNorm")
-    assert _spec_from_megatron_lm(repr(args)) == "True"
-
-
-def test_spec_argument_before_megatron_lm_parsed_its_arguments_is_refused():
-    out = _import_spec_module(repr("unparsed"))
-    assert out.returncode != 0
-    assert "RuntimeError: prefix_sharing.megatron_ext.megatron_lm_spec was imported before " \
-        "Megatron-LM parsed its arguments" in out.stderr

@@ -29,6 +29,24 @@ def test_script_runs_as_main_with_its_arguments_after_mindspeed(monkeypatch, tmp
         "name": "__main__", "argv": [str(script), "--num-layers", "2"]}
 
 
+def test_module_runs_as_main_with_its_arguments_after_mindspeed(monkeypatch, tmp_path):
+    events = []
+    monkeypatch.setattr(run_megatron_lm, "enable_mindspeed", lambda: events.append("enabled"))
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    record = tmp_path / "seen.json"
+    (tmp_path / "entry_module_recorder.py").write_text(
+        "import json, sys\n"
+        f"json.dump({{'name': __name__, 'argv': sys.argv[1:]}}, open({str(record)!r}, 'w'))\n"
+    )
+    run_module = run_megatron_lm.runpy.run_module
+    monkeypatch.setattr(run_megatron_lm.runpy, "run_module", _after(events, run_module))
+    run_megatron_lm.main(["-m", "entry_module_recorder", "sft", "--num-layers", "2"])
+    assert events == ["enabled", "ran"]
+    assert json.loads(record.read_text()) == {
+        "name": "__main__", "argv": ["sft", "--num-layers", "2"]}
+
+
 def _after(events, run_path):
     def record_then_run(*args, **kwargs):
         events.append("ran")
@@ -36,7 +54,7 @@ def _after(events, run_path):
     return record_then_run
 
 
-@pytest.mark.parametrize("argv", [[], ["--num-layers", "2"]])
+@pytest.mark.parametrize("argv", [[], ["--num-layers", "2"], ["-m"]])
 def test_without_a_script_it_prints_the_usage(argv):
     with pytest.raises(SystemExit, match="usage: python -m prefix_sharing.npu.run_megatron_lm"):
         run_megatron_lm.main(argv)

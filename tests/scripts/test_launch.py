@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCH = ROOT / "scripts" / "launch"
 NODES = "n0,n1,n2"
-MEGATRON = ["--megatron-lm", "/opt/Megatron-LM", "--data-path", "/data/corpus_text_document",
+MEGATRON = ["--megatron-lm", "/opt/Megatron-LM", "--data-path", "/data/conversations.jsonl",
             "--tokenizer-model", "/models/qwen"]
 VERL = ["--model", "/models/qwen", "--train-files", "/data/train.parquet",
         "--val-files", "/data/test.parquet"]
@@ -62,13 +62,15 @@ def test_megatron_dry_run_prints_one_torchrun_per_node(device):
         assert option(argv, "--master-addr") == "n0" and option(argv, "--master-port") == "6000"
         assert option(argv, "--tensor-model-parallel-size") == "2"
         assert option(argv, "--pipeline-model-parallel-size") == "2"
-        assert "/opt/Megatron-LM/pretrain_gpt.py" in argv
+        # Megatron-LM's training loop through the sharing entry point, on Megatron's SFT data
+        assert option(argv, "--data-path") == "/data/conversations.jsonl"
+        assert option(argv, "--tokenizer-type") == "SFTTokenizer"
         assert argv[-4:] == ["--num-layers", "28", "--hidden-size", "3584"]
         assert "--no-rope-fusion" in argv  # prefix sharing refuses the fused THD rotary
         assert env["PYTHONPATH"] == "/opt/Megatron-LM"
         if device == "ascend":  # MindSpeed imported before Megatron-LM starts
-            assert option(argv, "-m", 2) == ["prefix_sharing.npu.run_megatron_lm",
-                                             "/opt/Megatron-LM/pretrain_gpt.py"]
+            assert option(argv, "-m", 4) == ["prefix_sharing.npu.run_megatron_lm", "-m",
+                                             "prefix_sharing.megatron_lm", "sft"]
             assert option(argv, "--spec", 2) == ["prefix_sharing.npu.megatron_lm_spec",
                                                  "layer_spec"]
             assert env["ASCEND_RT_VISIBLE_DEVICES"] == "0,1,2,3"
@@ -76,7 +78,7 @@ def test_megatron_dry_run_prints_one_torchrun_per_node(device):
         else:
             assert option(argv, "--spec", 2) == ["prefix_sharing.megatron_ext.megatron_lm_spec",
                                                  "layer_spec"]
-            assert "-m" not in argv
+            assert option(argv, "-m", 2) == ["prefix_sharing.megatron_lm", "sft"]
             assert env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
             assert "ASCEND_RT_VISIBLE_DEVICES" not in env and "NCCL_DEBUG" in env
 
@@ -93,18 +95,33 @@ def test_megatron_reads_environment_variables_and_the_rank_table():
     assert option(argv0, "--save") == "/ckpt" and option(argv0, "--data-path") == "/d"
 
 
+@pytest.mark.parametrize("device", ["ascend", "cuda"])
+def test_megatron_trajectory_file_runs_the_gpt_entry_point(device):
+    result = run("megatron_train.sh", "--device", device, "--nodes", "n0", "--kind", "gpt",
+                 "--trajectories", "/data/rollouts.parquet", "--tokenizer-model", "/t",
+                 "--dry-run", "--", "--prefix-sharing-token-budget", "8192")
+    assert result.returncode == 0, result.stderr
+    (_, env, argv), = blocks(result.stdout)
+    assert argv[argv.index("prefix_sharing.megatron_lm") + 1] == "gpt"
+    assert option(argv, "--prefix-sharing-data") == "/data/rollouts.parquet"
+    assert option(argv, "--micro-batch-size") == "1" and "--data-path" not in argv
+    assert argv[-2:] == ["--prefix-sharing-token-budget", "8192"]
+    assert "PYTHONPATH" not in env  # the megatron.training inside megatron-core
+
+
 def test_megatron_paths_with_spaces_survive_quoting():
     result = run("megatron_train.sh", "--nodes", "n0", "--megatron-lm", "/opt/my megatron",
                  "--data-path", "/data/it's", "--tokenizer-model", "/t", "--dry-run")
     (_, env, argv), = blocks(result.stdout)
-    assert "/opt/my megatron/pretrain_gpt.py" in argv
     assert option(argv, "--data-path") == "/data/it's"
     assert env["PYTHONPATH"] == "/opt/my megatron"
 
 
 @pytest.mark.parametrize("args, message", [
     (["--device", "tpu", *MEGATRON], "--device must be ascend or cuda"),
-    (["--data-path", "/d", "--tokenizer-model", "/t"], "--megatron-lm is required"),
+    (["--tokenizer-model", "/t"], "--data-path is required"),
+    (["--kind", "gpt", *MEGATRON], "--trajectories is required"),
+    (["--kind", "dpo", *MEGATRON], "--kind must be sft or gpt"),
     (["--tp", "0", *MEGATRON], "--tp must be a positive integer"),
     (["--device", "cuda", "--rank-table", "/r.json", *MEGATRON],
      "--rank-table is for --device ascend"),
