@@ -69,13 +69,8 @@ def test_windows_and_sinks_shared_equal_the_stock_padded_model(layout):
             for pair in ("shared_vs_padded", "shared_vs_packed"):
                 worst = {q: d for q, d in r[pair].items() if d > FP32_RTOL}
                 assert not worst, f"{name} rank {rank} {variant} {pair}: {worst}"
-
-
-def test_the_window_changes_the_outputs(layout):
-    name, ranks = layout
-    if "window_5_vanilla" not in ranks[0]:
-        pytest.skip(f"{name} runs no full-attention twin")
-    assert ranks[0]["window_5_vanilla"]["vs_full_attention"]["logits"] > 1e-3
+            if "vs_full_attention" in r:  # not vacuous: the window changes the model's outputs
+                assert r["vs_full_attention"]["logits"] > 1e-3, r["vs_full_attention"]
 
 
 def test_learned_sinks_get_gradients_on_every_layer(layout):
