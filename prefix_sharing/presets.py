@@ -43,6 +43,9 @@ class ModelPreset:
     # megatron's softmax_type: "learnable" adds a learned sink logit per head to every query's
     # softmax denominator (gpt-oss's sinks), "off-by-one" a fixed zero one
     softmax_type: str = "vanilla"
+    # the transformers family ``--engine hf`` builds (None: chosen from the shape, see
+    # prefix_sharing.engines.hf.family_of); the Megatron engine builds its GPT of this shape
+    hf_family: str | None = None
 
     @property
     def head_dim(self) -> int:
@@ -92,6 +95,16 @@ PRESETS: dict[str, ModelPreset] = {
                     num_query_groups=2, ffn_hidden_size=128, vocab_size=512,
                     max_sequence_length=4096, window_size=16, window_full_every=2,
                     softmax_type="learnable"),
+        # Gemma 3 / Gemma 4 text models of the tiny shape (--engine hf): an 8-token window on
+        # every other layer (the megatron engine builds a windowed GPT of the same shape)
+        ModelPreset("tiny-gemma3", num_layers=2, hidden_size=64, num_attention_heads=4,
+                    num_query_groups=2, ffn_hidden_size=128, vocab_size=512,
+                    max_sequence_length=4096, window_size=8, window_full_every=2,
+                    hf_family="gemma3_text"),
+        ModelPreset("tiny-gemma4", num_layers=2, hidden_size=64, num_attention_heads=4,
+                    num_query_groups=2, ffn_hidden_size=128, vocab_size=512,
+                    max_sequence_length=4096, window_size=8, window_full_every=2,
+                    hf_family="gemma4_text"),
         # big enough that matrix products dominate, as on a real model; minutes on CPU
         ModelPreset("small", num_layers=4, hidden_size=512, num_attention_heads=8,
                     num_query_groups=2, ffn_hidden_size=1408, vocab_size=8192,
