@@ -4,7 +4,7 @@ The families this shim is tested on: Llama, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNo
 Qwen3-MoE (top-k routed experts; its load-balancing loss is kept exact by
 :func:`prefix_sharing.fsdp_compat.router_aux_loss`), gpt-oss (alternating sliding-window and
 full layers, learned attention sinks, MoE, YaRN RoPE), Gemma 3 and Gemma 4 text models (sliding
-local layers, one global layer in ``sliding_every``). Any other decoder whose attention goes
+local layers, every ``window_full_every``-th layer global). Any other decoder whose attention goes
 through ``AttentionInterface`` works the same way, once :func:`check_supported` accepts it.
 """
 
@@ -105,6 +105,7 @@ def _windowed_family(transformers: Any, family: str, preset: ModelPreset) -> tup
             attention_bias=preset.add_qkv_bias)
     return transformers.Gemma4TextConfig, dict(
         common, rope_parameters=rope, attention_bias=preset.add_qkv_bias,
+        # Gemma 4's per-layer token embeddings, sized down with the rest of the tiny shape
         vocab_size_per_layer_input=preset.vocab_size, hidden_size_per_layer_input=16,
         global_head_dim=preset.head_dim, num_global_key_value_heads=preset.num_query_groups)
 
