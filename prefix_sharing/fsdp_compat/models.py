@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ..errors import MissingPackageError
 from ..presets import ModelPreset
 
 __all__ = ["FAMILIES", "hf_config", "build_model", "check_supported"]
@@ -103,6 +104,10 @@ def _windowed_family(transformers: Any, family: str, preset: ModelPreset) -> tup
         return transformers.Gemma3TextConfig, dict(
             common, query_pre_attn_scalar=preset.head_dim, rope_parameters=rope,
             attention_bias=preset.add_qkv_bias)
+    if not hasattr(transformers, "Gemma4TextConfig"):
+        raise MissingPackageError(f"gemma4_text needs a transformers release with Gemma 4 "
+                                  f"(installed: {transformers.__version__}); pip install -U "
+                                  "transformers")
     return transformers.Gemma4TextConfig, dict(
         common, rope_parameters=rope, attention_bias=preset.add_qkv_bias,
         # Gemma 4's per-layer token embeddings, sized down with the rest of the tiny shape
