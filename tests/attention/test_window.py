@@ -52,7 +52,8 @@ def test_windowed_sharing_equals_plain_per_sequence_attention(seqs, window, with
 
 
 def test_trimmed_gather_of_the_documented_example():
-    plan = build_plan([[5, 6, 7, 8], [5, 6, 7, 9, 9], [5, 6]], PrefixSharingConfig(min_prefix_len=1))
+    plan = build_plan([[5, 6, 7, 8], [5, 6, 7, 9, 9], [5, 6]],
+                      PrefixSharingConfig(min_prefix_len=1))
     keys = windowed_keys(plan, 2)
     assert keys.kv_gather_index.tolist() == [0, 1, 2, 3, 2, 4, 5]
     assert keys.cu_seqlens_kv.tolist() == [0, 4, 7] and keys.cu_seqlens_kv_host == (0, 4, 7)
