@@ -2,7 +2,8 @@
 
 Counted: every linear layer (QKV, output projection, MLP, LM head) at 2 FLOPs per multiply-add
 per computed token, and attention at 4 * heads * head_dim FLOPs per (query, key) pair the causal
-mask allows (scores and the weighted sum). The backward pass costs twice the forward. Norms,
+mask allows (scores and the weighted sum; on a sliding-window layer, the pairs inside the
+window). The backward pass costs twice the forward. Norms,
 rotary embedding, softmax and the K/V gather are not counted: they are memory-bound and small
 beside the products. ``tests/test_flops.py`` checks this against the matrix products torch's
 ``FlopCounterMode`` counts on the Megatron engine's real steps: equal, once the masked half of
@@ -34,9 +35,10 @@ class FlopCount(NamedTuple):
 def count_flops(plan: SharingPlan, model: ModelPreset) -> FlopCount:
     """Forward+backward FLOPs of the plain forward of ``plan``'s sequences and of the plan."""
     per_token = _linear_flops_per_token(model)
-    per_pair = 4 * model.num_attention_heads * model.head_dim * model.num_layers
-    plain_pairs = sum(n * (n + 1) // 2 for n in plan.seq_lens)
-    shared_pairs = _plan_pairs(plan)
+    per_pair = 4 * model.num_attention_heads * model.head_dim
+    windows = [model.layer_window(layer) for layer in range(1, model.num_layers + 1)]
+    plain_pairs = sum(_pairs(n, n, w) for n in plan.seq_lens for w in windows)
+    shared_pairs = sum(_plan_pairs(plan, w) for w in windows)
     plain = per_token * plan.num_tokens_total + per_pair * plain_pairs
     shared = per_token * plan.num_tokens_unique + per_pair * shared_pairs
     return FlopCount(_FORWARD_AND_BACKWARD * plain, _FORWARD_AND_BACKWARD * shared)
@@ -50,17 +52,23 @@ def _linear_flops_per_token(model: ModelPreset) -> int:
     return 2 * (model.num_layers * (qkv + proj + mlp) + h * model.vocab_size)
 
 
-def _plan_pairs(plan: SharingPlan) -> int:
-    """Allowed (query, key) pairs of the plan's segments, padding excluded.
+def _pairs(s: int, L: int, window: int | None) -> int:
+    """Allowed (query, key) pairs of a tail of ``s`` queries over ``L`` keys, bottom-right.
 
-    A tail of ``s`` queries over ``L`` keys, bottom-right causal: query ``i`` sees
-    ``L - s + i + 1`` keys, ``s * (L - s) + s * (s + 1) / 2`` in all.
+    Query ``i`` sits at position ``p = L - s + i`` and sees ``p + 1`` keys (``s * (L - s) +
+    s * (s + 1) / 2`` in all), or ``min(p + 1, window)`` on a windowed layer.
     """
+    first = L - s + 1  # keys the first query sees without a window
+    if window is None or window >= L:
+        return s * (L - s) + s * (s + 1) // 2
+    growing = max(0, min(L, window) - first + 1)  # queries seeing p + 1 <= window keys
+    grow_sum = growing * (first + first + growing - 1) // 2
+    return grow_sum + (s - growing) * window
+
+
+def _plan_pairs(plan: SharingPlan, window: int | None) -> int:
+    """Allowed (query, key) pairs of the plan's segments on one layer, padding excluded."""
     q = plan.cu_seqlens_q.tolist()
     kv = plan.cu_seqlens_kv.tolist()
     segments = len(q) - 1 - (1 if plan.num_padding else 0)
-    total = 0
-    for i in range(segments):
-        s, L = q[i + 1] - q[i], kv[i + 1] - kv[i]
-        total += s * (L - s) + s * (s + 1) // 2
-    return total
+    return sum(_pairs(q[i + 1] - q[i], kv[i + 1] - kv[i], window) for i in range(segments))

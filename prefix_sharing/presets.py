@@ -35,10 +35,29 @@ class ModelPreset:
     num_experts: int | None = None
     moe_router_topk: int = 2
     moe_ffn_hidden_size: int | None = None
+    # Sliding-window attention (gpt-oss, Gemma 3 style): each query of a windowed layer sees
+    # its last window_size keys, itself included; every window_full_every-th layer (1-based,
+    # megatron's window_attn_skip_freq) is full. None: every layer full.
+    window_size: int | None = None
+    window_full_every: int | None = None
+    # megatron's softmax_type: "learnable" adds a learned sink logit per head to every query's
+    # softmax denominator (gpt-oss's sinks), "off-by-one" a fixed zero one
+    softmax_type: str = "vanilla"
+    # the transformers family ``--engine hf`` builds (None: chosen from the shape, see
+    # prefix_sharing.engines.hf.family_of); the Megatron engine builds its GPT of this shape
+    hf_family: str | None = None
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    def layer_window(self, layer: int) -> int | None:
+        """The window of 1-based ``layer`` (megatron's ``is_layer_window_attention``), or None."""
+        if self.window_size is None:
+            return None
+        if self.window_full_every is None:
+            return self.window_size
+        return None if layer % self.window_full_every == 0 else self.window_size
 
     def fitted_to(self, max_token_id: int, tensor_parallel: int = 1) -> ModelPreset:
         """This shape with a vocabulary that holds ``max_token_id``.
@@ -69,6 +88,23 @@ PRESETS: dict[str, ModelPreset] = {
         ModelPreset("tiny-moe", num_layers=2, hidden_size=64, num_attention_heads=4,
                     num_query_groups=2, ffn_hidden_size=128, vocab_size=512,
                     max_sequence_length=4096, num_experts=8, moe_ffn_hidden_size=64),
+        # the tiny shape with gpt-oss's attention: 4 layers alternating a 16-token sliding
+        # window and full attention, learned sinks (verify checks windows, trimmed gathers and
+        # the sinks' gradients on it)
+        ModelPreset("tiny-window", num_layers=4, hidden_size=64, num_attention_heads=4,
+                    num_query_groups=2, ffn_hidden_size=128, vocab_size=512,
+                    max_sequence_length=4096, window_size=16, window_full_every=2,
+                    softmax_type="learnable"),
+        # Gemma 3 / Gemma 4 text models of the tiny shape (--engine hf): an 8-token window on
+        # every other layer (the megatron engine builds a windowed GPT of the same shape)
+        ModelPreset("tiny-gemma3", num_layers=2, hidden_size=64, num_attention_heads=4,
+                    num_query_groups=2, ffn_hidden_size=128, vocab_size=512,
+                    max_sequence_length=4096, window_size=8, window_full_every=2,
+                    hf_family="gemma3_text"),
+        ModelPreset("tiny-gemma4", num_layers=2, hidden_size=64, num_attention_heads=4,
+                    num_query_groups=2, ffn_hidden_size=128, vocab_size=512,
+                    max_sequence_length=4096, window_size=8, window_full_every=2,
+                    hf_family="gemma4_text"),
         # big enough that matrix products dominate, as on a real model; minutes on CPU
         ModelPreset("small", num_layers=4, hidden_size=512, num_attention_heads=8,
                     num_query_groups=2, ffn_hidden_size=1408, vocab_size=8192,

@@ -13,6 +13,8 @@ are not matrix products: neither side counts them.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from prefix_sharing import PrefixSharingConfig, build_plan
@@ -76,3 +78,32 @@ def test_the_flop_ratio_users_read_is_the_measured_one(counted):
         plan = build_plan(sequences, CONFIG)
         measured = sum(flops[workload, "packed"].values()) / sum(flops[workload, "shared"].values())
         assert count_flops(plan, PRESET).ratio == pytest.approx(measured, rel=0.05)
+
+
+def test_windowed_layers_count_the_pairs_inside_the_window():
+    """Per layer, the (query, key) pairs a band allows: counted by brute force over every
+    computed token's position, plain and shared, on the tiny-window preset's layers."""
+    from prefix_sharing.presets import get_preset
+
+    model = get_preset("tiny-window")
+    full = dataclasses.replace(model, window_size=None)
+    sequences = make_workload("grpo", vocab_size=model.vocab_size, num_prompts=2,
+                              group_size=4).sequences
+    plan = build_plan(sequences, CONFIG)
+    per_pair = 3 * 4 * model.num_attention_heads * model.head_dim
+
+    def pairs(positions_per_segment, window):
+        return sum(min(p + 1, window or p + 1) for ps in positions_per_segment for p in ps)
+
+    plain_positions = [range(n) for n in plan.seq_lens]
+    q, kv = plan.cu_seqlens_q_host, plan.cu_seqlens_kv_host
+    shared_positions = [range(kv[i + 1] - kv[i] - (q[i + 1] - q[i]), kv[i + 1] - kv[i])
+                        for i in range(len(q) - 1)]
+    windows = [model.layer_window(layer) for layer in range(1, model.num_layers + 1)]
+    assert windows == [16, None, 16, None]
+    saved = [sum(pairs(pos, None) - pairs(pos, w) for w in windows)
+             for pos in (plain_positions, shared_positions)]
+    assert saved[1] > 0  # the workload's tails reach past the window
+    ours, theirs = count_flops(plan, model), count_flops(plan, full)
+    assert theirs.plain - ours.plain == per_pair * saved[0]
+    assert theirs.shared - ours.shared == per_pair * saved[1]

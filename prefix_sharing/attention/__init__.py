@@ -2,7 +2,9 @@
 
 Every backend implements one signature, that of ``flash_attn_varlen_func(causal=True)``:
 ``fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale)``, plus
-optional keywords (host boundaries, a per-layer kernel cache) that only some kernels read.
+the keywords ``window`` (a sliding window, bottom-right band) and ``sinks`` (a learned logit per
+head in the softmax denominator), and optional keywords (host boundaries, a per-layer kernel
+cache) that only some kernels read.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from ..plan import SharingPlan
 from .backends import get_backend, resolve_backend
 from .torch_backend import varlen_attention_torch
+from .window import windowed_keys
 
 __all__ = ["prefix_attention", "varlen_attention", "varlen_attention_torch"]
 
@@ -29,6 +32,8 @@ def varlen_attention(
     max_seqlen_k: int,
     softmax_scale: float | None = None,
     *,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
     backend: str = "auto",
     cu_seqlens_q_host: Sequence[int] | None = None,
     cu_seqlens_k_host: Sequence[int] | None = None,
@@ -39,6 +44,9 @@ def varlen_attention(
     Args:
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale: as in
             :func:`varlen_attention_torch`.
+        window: keys each query sees, itself included (``None``: all earlier keys).
+        sinks: ``(nheads,)`` sink logits (``None``: vanilla softmax); the torch kernel only
+            (the others refuse them).
         backend: ``"auto"``, ``"torch"``, ``"flash_attn"``, ``"te"``, ``"npu"``; ``"auto"``
             chooses by q's device and dtype (see :func:`~.backends.resolve_backend`).
         cu_seqlens_q_host, cu_seqlens_k_host: the same boundaries as host ints, for the kernels
@@ -51,7 +59,8 @@ def varlen_attention(
     fn = get_backend(resolve_backend(backend, q.device, q.dtype))
     return fn(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-        cu_seqlens_q_host=cu_seqlens_q_host, cu_seqlens_k_host=cu_seqlens_k_host,
+        window=window, sinks=sinks, cu_seqlens_q_host=cu_seqlens_q_host,
+        cu_seqlens_k_host=cu_seqlens_k_host,
         kernel_cache=kernel_cache,
     )
 
@@ -63,6 +72,8 @@ def prefix_attention(
     plan: SharingPlan,
     *,
     softmax_scale: float | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
     backend: str = "auto",
     kernel_cache: dict[Any, Any] | None = None,
 ) -> torch.Tensor:
@@ -73,6 +84,10 @@ def prefix_attention(
         k, v: ``(T_flat, nheads_k, headdim)`` keys and values of the same tokens.
         plan: the micro-batch's :class:`SharingPlan`, on the tensors' device.
         softmax_scale: defaults to ``headdim ** -0.5``.
+        window: a sliding window of this many keys, on logical positions (``None``: full
+            causal). A reuser's gather is trimmed to the prefix keys its window reaches
+            (:func:`~.window.windowed_keys`).
+        sinks: ``(nheads,)`` per-head sink logits (``None``: vanilla softmax).
         backend: the kernel, as in :func:`varlen_attention`.
         kernel_cache: as in :func:`varlen_attention` (one dict per layer).
 
@@ -86,13 +101,15 @@ def prefix_attention(
             f"q has {q.size(0)} tokens but the plan lays out {plan.num_tokens_flat}: "
             "was the plan built from this micro-batch?"
         )
+    keys = windowed_keys(plan, window) if window is not None and plan.has_sharing else plan
     if plan.has_sharing:
         # K/V injection: each segment's keys are its provider's prefix rows plus its own tail.
         # index_select's backward scatter-adds, so every reuser's gradient reaches the prefix.
-        k = k.index_select(0, plan.kv_gather_index)
-        v = v.index_select(0, plan.kv_gather_index)
+        k = k.index_select(0, keys.kv_gather_index)
+        v = v.index_select(0, keys.kv_gather_index)
     return varlen_attention(
-        q, k, v, plan.cu_seqlens_q, plan.cu_seqlens_kv, plan.max_seqlen_q, plan.max_seqlen_kv,
-        softmax_scale, backend=backend, cu_seqlens_q_host=plan.cu_seqlens_q_host,
-        cu_seqlens_k_host=plan.cu_seqlens_kv_host, kernel_cache=kernel_cache,
+        q, k, v, plan.cu_seqlens_q, keys.cu_seqlens_kv, plan.max_seqlen_q, keys.max_seqlen_kv,
+        softmax_scale, window=window, sinks=sinks, backend=backend,
+        cu_seqlens_q_host=plan.cu_seqlens_q_host, cu_seqlens_k_host=keys.cu_seqlens_kv_host,
+        kernel_cache=kernel_cache,
     )

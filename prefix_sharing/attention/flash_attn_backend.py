@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from ..errors import UnsupportedSetup
+
 __all__ = ["varlen_attention_flash"]
 
 
@@ -20,6 +22,8 @@ def varlen_attention_flash(
     max_seqlen_k: int,
     softmax_scale: float | None = None,
     *,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
     cu_seqlens_q_host: Sequence[int] | None = None,
     cu_seqlens_k_host: Sequence[int] | None = None,
     kernel_cache: dict[Any, Any] | None = None,
@@ -40,6 +44,9 @@ def varlen_attention_flash(
         cu_seqlens_q, cu_seqlens_k: ``(num_segments + 1,)`` segment boundaries.
         max_seqlen_q, max_seqlen_k: longest query / key segment.
         softmax_scale: defaults to ``headdim ** -0.5``.
+        window: keys each query sees, itself included: ``window_size=(window - 1, 0)``, the
+            band flash-attn aligns bottom-right like its causal mask (``None``: ``(-1, -1)``).
+        sinks: refused: flash-attn 2 has no sink term in its softmax.
         cu_seqlens_q_host, cu_seqlens_k_host, kernel_cache: unused (the kernel reads the
             boundaries on the device and keeps no state).
 
@@ -47,6 +54,11 @@ def varlen_attention_flash(
         ``(total_q, nheads, headdim)`` in q's dtype, differentiable.
     """
     del cu_seqlens_q_host, cu_seqlens_k_host, kernel_cache
+    if sinks is not None:
+        raise UnsupportedSetup(
+            "attention sinks (gpt-oss sinks, megatron softmax_type 'learnable' / 'off-by-one') "
+            "are not in flash-attn 2's kernel; choose backend='torch'"
+        )
     from flash_attn import flash_attn_varlen_func
 
     return flash_attn_varlen_func(
@@ -60,4 +72,5 @@ def varlen_attention_flash(
         dropout_p=0.0,
         softmax_scale=softmax_scale,
         causal=True,
+        window_size=(-1, -1) if window is None else (window - 1, 0),
     )

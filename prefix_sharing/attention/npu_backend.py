@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from ..errors import UnsupportedSetup
+
 __all__ = ["varlen_attention_npu"]
 
 # sparse_mode 3 takes this fixed "compressed" mask (True = masked) whatever the sequence lengths;
@@ -25,6 +27,8 @@ def varlen_attention_npu(
     max_seqlen_k: int,
     softmax_scale: float | None = None,
     *,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
     cu_seqlens_q_host: Sequence[int] | None = None,
     cu_seqlens_k_host: Sequence[int] | None = None,
     kernel_cache: dict[Any, Any] | None = None,
@@ -49,6 +53,10 @@ def varlen_attention_npu(
         cu_seqlens_q, cu_seqlens_k: ``(num_segments + 1,)`` segment boundaries.
         max_seqlen_q, max_seqlen_k: unused (the kernel reads the lengths from the lists).
         softmax_scale: defaults to ``headdim ** -0.5``.
+        window: keys each query sees, itself included: ``sparse_mode=4`` (band) with
+            ``pre_tockens=window - 1`` and ``next_tockens=0``, the band aligned bottom-right per
+            segment in TND, with the same compressed mask (``None``: ``sparse_mode=3``).
+        sinks: refused: ``npu_fusion_attention`` has no sink term.
         cu_seqlens_q_host, cu_seqlens_k_host: the same boundaries as host ints.
         kernel_cache: unused (the mask is shared by every layer on a device).
 
@@ -56,6 +64,11 @@ def varlen_attention_npu(
         ``(total_q, nheads, headdim)`` in q's dtype, differentiable.
     """
     del max_seqlen_q, max_seqlen_k, kernel_cache
+    if sinks is not None:
+        raise UnsupportedSetup(
+            "attention sinks (gpt-oss sinks, megatron softmax_type 'learnable' / 'off-by-one') "
+            "are not in npu_fusion_attention; choose backend='torch'"
+        )
     import torch_npu
 
     ends_q = cu_seqlens_q[1:].tolist() if cu_seqlens_q_host is None else list(cu_seqlens_q_host[1:])
@@ -73,8 +86,15 @@ def varlen_attention_npu(
         keep_prob=1.0,
         actual_seq_qlen=ends_q,
         actual_seq_kvlen=ends_k,
-        sparse_mode=3,
+        **_mask_mode(window),
     )[0]
+
+
+def _mask_mode(window: int | None) -> dict[str, int]:
+    """rightDownCausal, or the band of the last ``window`` keys (also aligned bottom-right)."""
+    if window is None:
+        return dict(sparse_mode=3)
+    return dict(sparse_mode=4, pre_tockens=window - 1, next_tockens=0)
 
 
 def _compressed_causal_mask(device: torch.device) -> torch.Tensor:

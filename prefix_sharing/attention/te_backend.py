@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from ..errors import UnsupportedSetup
+
 __all__ = ["varlen_attention_te"]
 
 # TE's DotProductAttention holds no weights here (vanilla softmax, no dropout) but keeps state
@@ -29,6 +31,8 @@ def varlen_attention_te(
     max_seqlen_k: int,
     softmax_scale: float | None = None,
     *,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
     cu_seqlens_q_host: Sequence[int] | None = None,
     cu_seqlens_k_host: Sequence[int] | None = None,
     kernel_cache: dict[Any, Any] | None = None,
@@ -50,6 +54,10 @@ def varlen_attention_te(
         cu_seqlens_q, cu_seqlens_k: ``(num_segments + 1,)`` segment boundaries.
         max_seqlen_q, max_seqlen_k: longest query / key segment.
         softmax_scale: defaults to ``headdim ** -0.5``.
+        window: keys each query sees, itself included: the forward's ``window_size=(window -
+            1, 0)``, which TE aligns bottom-right with this mask type (``None``: no window).
+        sinks: refused: TE (>= 2.8) keeps its own ``softmax_offset`` parameter inside its
+            module, not the caller's; this package has not wired or validated that.
         cu_seqlens_q_host, cu_seqlens_k_host: unused (TE reads the boundaries on the device).
         kernel_cache: the calling layer's dict, where its ``DotProductAttention`` is kept;
             a process-wide cache when omitted.
@@ -58,6 +66,12 @@ def varlen_attention_te(
         ``(total_q, nheads, headdim)`` in q's dtype, differentiable.
     """
     del cu_seqlens_q_host, cu_seqlens_k_host
+    if sinks is not None:
+        raise UnsupportedSetup(
+            "attention sinks (gpt-oss sinks, megatron softmax_type 'learnable' / 'off-by-one') "
+            "with the Transformer Engine kernel are not supported by prefix sharing; choose "
+            "backend='torch'"
+        )
     from transformer_engine.pytorch import DotProductAttention
 
     total_q, nheads, headdim = q.shape
@@ -83,5 +97,6 @@ def varlen_attention_te(
         cu_seqlens_kv=cu_seqlens_k.to(device=q.device, dtype=torch.int32),
         max_seqlen_q=max_seqlen_q,
         max_seqlen_kv=max_seqlen_k,
+        window_size=None if window is None else (window - 1, 0),
     )
     return out.view(total_q, nheads, headdim)  # [t, h*d] -> [t, h, d]

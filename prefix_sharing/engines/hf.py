@@ -33,7 +33,12 @@ __all__ = ["HFEngine", "family_of"]
 
 
 def family_of(preset: ModelPreset) -> str:
-    """The transformers family a preset is built as."""
+    """The transformers family a preset is built as: its own, else gpt-oss for learned sinks,
+    Qwen3-MoE for experts, Qwen2 for q/k/v biases, Llama otherwise."""
+    if preset.hf_family is not None:
+        return preset.hf_family
+    if preset.softmax_type == "learnable":
+        return "gpt_oss"
     if preset.num_experts:
         return "qwen3_moe"
     return "qwen2" if preset.add_qkv_bias else "llama"

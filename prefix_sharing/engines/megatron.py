@@ -111,6 +111,11 @@ def gpt_model(
     )
     if preset.num_experts:
         settings.update(_moe_settings(preset))
+    if preset.window_size is not None:
+        settings.update(window_size=(preset.window_size - 1, 0),
+                        window_attn_skip_freq=preset.window_full_every)
+    if preset.softmax_type != "vanilla":
+        settings.update(softmax_type=preset.softmax_type)
     settings.update(config_overrides)
     config = TransformerConfig(**settings)
     if layer_spec is None:
@@ -129,12 +134,26 @@ def gpt_model(
         position_embedding_type="rope",
         rotary_base=preset.rotary_base,
     )
+    _mark_sinks_split_with_heads(model)
     if dtype == torch.float64:
         model.double()  # megatron's torch norms are built float32 whatever params_dtype says
     if torch.cuda.is_available():
         model.cuda()
     seed_weights(model, seed)
     return model
+
+
+def _mark_sinks_split_with_heads(model: torch.nn.Module) -> None:
+    """Marks learnable sinks (``softmax_offset``, one per head of this rank) as tensor-parallel
+    along dim 0, as the sharing core attention does: megatron-core's stock attention leaves them
+    unmarked, and seeding and gathering them would then treat each rank's as the whole."""
+    from megatron.core import tensor_parallel
+
+    for name, param in model.named_parameters():
+        if name.endswith("core_attention.softmax_offset") and not getattr(
+            param, "tensor_model_parallel", False
+        ):
+            tensor_parallel.set_tensor_model_parallel_attributes(param, True, 0, 1)
 
 
 def _moe_settings(preset: ModelPreset) -> dict[str, Any]:

@@ -57,7 +57,9 @@ def prefix_sharing_attention(
         dropout: must be 0: the kernels run without attention dropout.
         scaling: the softmax scale (``headdim ** -0.5`` when ``None``).
         kwargs: the forward's keywords; ``sharing_plan`` is required, ``sharing_backend``
-            optional.
+            optional; the layer's own ``sliding_window`` (a band of that many keys on logical
+            positions) and ``s_aux`` (gpt-oss's per-head sink logits) are honoured, a
+            ``softcap`` refused.
 
     Returns:
         ``((1, T_flat, nheads, headdim), None)``: no attention weights are ever built.
@@ -78,19 +80,27 @@ def prefix_sharing_attention(
                          f"(got {dropout}); set the config's attention_dropout to 0")
     if query.size(0) != 1:
         raise ValueError(f"the flat layout is one row of tokens; got a batch of {query.size(0)}")
-    window = getattr(module, "sliding_window", None)
-    if window is not None and plan.max_seqlen_kv > window:
+    if kwargs.get("softcap") is not None:
         raise ValueError(
-            f"layer {getattr(module, 'layer_idx', '?')} uses a sliding window of {window} tokens "
-            f"and a sequence of this micro-batch has {plan.max_seqlen_kv}: the window would "
-            "change the result, and the shared kernels attend to the whole prefix"
+            f"layer {getattr(module, 'layer_idx', '?')} soft-caps its attention logits "
+            f"(softcap={kwargs['softcap']}, Gemma 2's attn_logit_softcapping): the sharing "
+            "kernels do not; set the config's attn_logit_softcapping to None"
         )
     # [1, h, T, d] -> [T, h, d]: the varlen kernels' token-major layout
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
     out = prefix_attention(q, k, v, plan, softmax_scale=scaling,
+                           window=_window(module, kwargs), sinks=kwargs.get("s_aux"),
                            backend=kwargs.get(BACKEND_KWARG) or "auto",
                            kernel_cache=_kernel_cache(module))
     return out.unsqueeze(0), None  # [1, T, h, d], as transformers' attention functions return
+
+
+def _window(module: torch.nn.Module, kwargs: dict[str, Any]) -> int | None:
+    """The layer's sliding window in keys per query, itself included: transformers' masks let
+    query ``i`` read keys ``j > i - sliding_window``, the same count. Layers pass it as a
+    keyword (gpt-oss, Gemma 3 / 4) or hold it as an attribute (Qwen2, Mistral)."""
+    window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+    return int(window) if window is not None else None
 
 
 def _kernel_cache(module: torch.nn.Module) -> dict:

@@ -1,8 +1,10 @@
 """HuggingFace causal LMs of a preset's shape with seeded random weights (no download).
 
-The families this shim is tested on: Llama, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm) and
+The families this shim is tested on: Llama, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm),
 Qwen3-MoE (top-k routed experts; its load-balancing loss is kept exact by
-:func:`prefix_sharing.fsdp_compat.router_aux_loss`). Any other decoder whose attention goes
+:func:`prefix_sharing.fsdp_compat.router_aux_loss`), gpt-oss (alternating sliding-window and
+full layers, learned attention sinks, MoE, YaRN RoPE), Gemma 3 and Gemma 4 text models (sliding
+local layers, every ``window_full_every``-th layer global). Any other decoder whose attention goes
 through ``AttentionInterface`` works the same way, once :func:`check_supported` accepts it.
 """
 
@@ -12,11 +14,17 @@ from typing import Any
 
 import torch
 
+from ..errors import MissingPackageError
 from ..presets import ModelPreset
 
 __all__ = ["FAMILIES", "hf_config", "build_model", "check_supported"]
 
-FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3_moe")
+FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3_moe", "gpt_oss", "gemma3_text",
+                             "gemma4_text")
+# transformers has no SDPA path for these (gpt-oss's sinks): the plain model runs eager
+_EAGER_ONLY = frozenset({"gpt_oss"})
+# the sliding window of the windowed families when the preset has none
+DEFAULT_WINDOW = 8
 
 # Model types whose attention this shim cannot express: position biases added to the scores
 # (alibi) or inputs that are not one token stream (vision/audio towers).
@@ -27,9 +35,12 @@ _MULTIMODAL_SUBCONFIGS = ("vision_config", "audio_config", "text_config", "speec
 def hf_config(family: str, preset: ModelPreset, **overrides: Any) -> Any:
     """The transformers config of ``family`` with ``preset``'s shape.
 
-    Qwen3-MoE takes the preset's experts (``num_experts``, ``moe_router_topk``,
+    Qwen3-MoE and gpt-oss take the preset's experts (``num_experts``, ``moe_router_topk``,
     ``moe_ffn_hidden_size``); a dense preset gets 4 experts of half its MLP width, 2 per token.
-    Every layer is sparse.
+    Every layer is sparse. gpt-oss, Gemma 3 and Gemma 4 take the preset's sliding window
+    (:data:`DEFAULT_WINDOW` when it has none) on the layers it makes windowed: gpt-oss
+    alternates from the first layer, Gemma makes every ``window_full_every``-th layer global
+    (every 2nd by default, so a tiny model holds both kinds).
     """
     import transformers
 
@@ -55,6 +66,10 @@ def hf_config(family: str, preset: ModelPreset, **overrides: Any) -> Any:
     elif family == "qwen3":
         config_cls = transformers.Qwen3Config
         shape.update(head_dim=preset.head_dim, attention_bias=preset.add_qkv_bias)
+    elif family in ("gpt_oss", "gemma3_text", "gemma4_text"):
+        config_cls, extra = _windowed_family(transformers, family, preset)
+        shape.update(extra)
+        shape.pop("rope_theta")  # these take rope_parameters
     else:
         config_cls = transformers.Qwen3MoeConfig
         shape.update(head_dim=preset.head_dim, num_experts=preset.num_experts or 4,
@@ -64,6 +79,40 @@ def hf_config(family: str, preset: ModelPreset, **overrides: Any) -> Any:
                      decoder_sparse_step=1, norm_topk_prob=True)
     shape.update(overrides)
     return config_cls(**shape)
+
+
+def _windowed_family(transformers: Any, family: str, preset: ModelPreset) -> tuple[Any, dict]:
+    window = preset.window_size or DEFAULT_WINDOW
+    every = preset.window_full_every or 2
+    layer_types = ["full_attention" if (i + 1) % every == 0 else "sliding_attention"
+                   for i in range(preset.num_layers)]
+    common = dict(head_dim=preset.head_dim, sliding_window=window, layer_types=layer_types,
+                  attention_dropout=0.0)
+    if family == "gpt_oss":
+        # its YaRN RoPE, scaled for a context 4x the one the model "was trained on"
+        rope = dict(rope_type="yarn", rope_theta=preset.rotary_base, factor=4.0,
+                    beta_fast=32.0, beta_slow=1.0, truncate=False,
+                    original_max_position_embeddings=preset.max_sequence_length // 4)
+        return transformers.GptOssConfig, dict(
+            common, num_local_experts=preset.num_experts or 4,
+            num_experts_per_tok=preset.moe_router_topk,
+            intermediate_size=preset.moe_ffn_hidden_size or max(1, preset.ffn_hidden_size // 2),
+            attention_bias=True, rope_parameters=rope)
+    rope = {t: dict(rope_type="default", rope_theta=preset.rotary_base if t == "full_attention"
+                    else 10_000.0) for t in ("full_attention", "sliding_attention")}
+    if family == "gemma3_text":
+        return transformers.Gemma3TextConfig, dict(
+            common, query_pre_attn_scalar=preset.head_dim, rope_parameters=rope,
+            attention_bias=preset.add_qkv_bias)
+    if not hasattr(transformers, "Gemma4TextConfig"):
+        raise MissingPackageError(f"gemma4_text needs a transformers release with Gemma 4 "
+                                  f"(installed: {transformers.__version__}); pip install -U "
+                                  "transformers")
+    return transformers.Gemma4TextConfig, dict(
+        common, rope_parameters=rope, attention_bias=preset.add_qkv_bias,
+        # Gemma 4's per-layer token embeddings, sized down with the rest of the tiny shape
+        vocab_size_per_layer_input=preset.vocab_size, hidden_size_per_layer_input=16,
+        global_head_dim=preset.head_dim, num_global_key_value_heads=preset.num_query_groups)
 
 
 def build_model(
@@ -83,6 +132,8 @@ def build_model(
     import transformers
 
     config = hf_config(family, preset, **overrides)
+    if family in _EAGER_ONLY and attn_implementation == "sdpa":
+        attn_implementation = "eager"
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = transformers.AutoModelForCausalLM.from_config(
@@ -93,8 +144,9 @@ def build_model(
 def check_supported(model: torch.nn.Module) -> None:
     """Refuses, with one clear error, a model whose attention the shim would change.
 
-    Sliding-window layers are refused later, per micro-batch, only when a sequence is longer
-    than the window (shorter ones never reach it, so the result is unchanged).
+    Sliding-window layers and learned sinks are served (see
+    :func:`~prefix_sharing.fsdp_compat.attention.prefix_sharing_attention`); attention logit
+    soft-capping and bidirectional attention are refused.
     """
     config = model.config
     model_type = getattr(config, "model_type", type(model).__name__)
@@ -104,6 +156,14 @@ def check_supported(model: torch.nn.Module) -> None:
     if any(getattr(config, name, None) is not None for name in _MULTIMODAL_SUBCONFIGS):
         raise ValueError(f"{model_type} is a multimodal model; prefix sharing covers text-only "
                          "causal LMs (token-id sequences)")
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        raise ValueError(f"{model_type} soft-caps its attention logits (attn_logit_softcapping="
+                         f"{config.attn_logit_softcapping}); the sharing kernels do not: set it "
+                         "to None")
+    if getattr(config, "use_bidirectional_attention", None):
+        raise ValueError(f"{model_type} attends bidirectionally (use_bidirectional_attention="
+                         f"{config.use_bidirectional_attention!r}); prefix sharing needs causal "
+                         "attention")
     if not getattr(model, "_supports_attention_backend", False):
         raise ValueError(f"{model_type} does not route its attention through transformers' "
                          "AttentionInterface, so the sharing attention cannot be installed")

@@ -37,10 +37,11 @@ def check_layer_config(config: TransformerConfig) -> None:
         problems.append("multi_latent_attention=True: MLA applies RoPE inside its own projection")
     if getattr(config, "mrope_section", None) is not None:
         problems.append("mrope_section is set: multimodal RoPE positions are not per-token 1-D")
-    if config.window_size is not None:
-        problems.append(f"window_size={config.window_size}: sliding-window attention")
-    if config.softmax_type != "vanilla":
-        problems.append(f"softmax_type={config.softmax_type!r}: only the vanilla softmax")
+    if config.window_size is not None and config.window_size[1] != 0:
+        problems.append(
+            f"window_size={config.window_size}: a causal sliding window reads no later keys; "
+            f"use window_size=({config.window_size[0]}, 0)"
+        )
     if config.apply_rope_fusion:
         problems.append(
             "apply_rope_fusion=True: the fused THD RoPE restarts positions per segment, but a "

@@ -6,11 +6,13 @@ import dataclasses
 from typing import Any, Optional
 
 import torch
+from megatron.core import tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import is_layer_window_attention
 
 from ..attention import prefix_attention, varlen_attention
 from ..attention.backends import READS_HOST_BOUNDARIES, resolve_backend
@@ -33,6 +35,13 @@ class PrefixSharingCoreAttention(DotProductAttention):
 
     Constructed by ``build_module`` with megatron-core's core-attention keywords; register it
     through :func:`prefix_sharing.megatron_ext.with_prefix_sharing`.
+
+    Sliding windows and sinks come from the config as megatron's own attention reads them:
+    ``window_size=(left, 0)`` on the layers ``window_attn_skip_freq`` makes windowed (each
+    query sees ``left + 1`` keys, on logical positions, so a reuser's gather is trimmed to the
+    prefix keys its window reaches), and ``softmax_type`` ``"learnable"`` / ``"off-by-one"`` as
+    per-head sinks (``softmax_offset``, this rank's heads under tensor parallelism; the torch
+    kernel only, see :mod:`prefix_sharing.attention`).
 
     Each layer keeps its own kernel state (``kernel_cache``: Transformer Engine's attention
     module, built at the first call), as megatron's own TE attention does. FP8 attention
@@ -66,6 +75,19 @@ class PrefixSharingCoreAttention(DotProductAttention):
         self.net_softmax_scale = self.softmax_scale * (
             self.layer_number if config.apply_query_key_layer_scaling else 1
         )
+        # keys each query sees on a windowed layer (None: full causal)
+        self.window = (
+            config.window_size[0] + 1
+            if is_layer_window_attention(config.window_size, config.window_attn_skip_freq,
+                                         layer_number) and config.window_size[0] >= 0
+            else None
+        )
+        if config.softmax_type == "learnable":
+            # split with the heads: each rank holds its heads' sinks (megatron-core 0.16.1 does
+            # not mark it, so grad-norm and weight seeding would take it for a replica)
+            tensor_parallel.set_tensor_model_parallel_attributes(
+                self.softmax_offset, is_parallel=True, dim=0, stride=1
+            )
         # A plain dict, not a submodule: the layer's state_dict stays that of the stock layer.
         self.kernel_cache: dict[Any, Any] = {}
 
@@ -97,7 +119,8 @@ class PrefixSharingCoreAttention(DotProductAttention):
             check_sharing_allowed(self.config, plan, self.training)
             out = prefix_attention(
                 query, key, value, plan, softmax_scale=self.net_softmax_scale,
-                backend=backend, kernel_cache=self.kernel_cache,
+                window=self.window, sinks=self.softmax_offset, backend=backend,
+                kernel_cache=self.kernel_cache,
             )
         else:
             out = self._plain_thd(query, key, value, packed_seq_params, backend)
@@ -130,7 +153,8 @@ class PrefixSharingCoreAttention(DotProductAttention):
         host = _host_boundaries(params, cu_q, cu_kv, backend in READS_HOST_BOUNDARIES)
         return varlen_attention(
             query, key, value, cu_q, cu_kv, host.max_seqlen_q, host.max_seqlen_kv,
-            self.net_softmax_scale, backend=backend, cu_seqlens_q_host=host.cu_seqlens_q,
+            self.net_softmax_scale, window=self.window, sinks=self.softmax_offset,
+            backend=backend, cu_seqlens_q_host=host.cu_seqlens_q,
             cu_seqlens_k_host=host.cu_seqlens_kv, kernel_cache=self.kernel_cache,
         )
 

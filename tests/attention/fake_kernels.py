@@ -13,7 +13,10 @@ Sources:
   ``[t, h*d]``).
 - torch_npu: Ascend/op-plugin ``docs/context/torch_npu-npu_fusion_attention.md`` (TND layout,
   cumulative ``actual_seq_qlen``/``actual_seq_kvlen`` without a leading 0, sparse_mode 3 =
-  rightDownCausal with the compressed 2048x2048 mask, Nq a multiple of Nkv).
+  rightDownCausal with the compressed 2048x2048 mask, sparse_mode 4 = band of pre_tockens /
+  next_tockens around the same diagonal, Nq a multiple of Nkv). Windows: flash-attn
+  ``window_size=(left, right)`` and TE's forward ``window_size`` bound the keys to
+  ``[i + L - s - left, i + L - s + right]`` (bottom-right, as their causal masks).
 
 ``install_*`` put a fake into ``sys.modules`` through pytest's ``monkeypatch`` (so it is removed
 when the test ends) with a ``__spec__``, so ``importlib.util.find_spec`` reports it installed;
@@ -44,9 +47,12 @@ def _module(name: str, *, package: bool = False) -> types.ModuleType:
     return module
 
 
-def _segment_attention(q, k, v, bounds_q, bounds_k, scale):
+def _segment_attention(q, k, v, bounds_q, bounds_k, scale, left=None):
     """Bottom-right causal attention per segment in float64: the documented semantics of all
-    three kernels. q [Tq, h, d], k/v [Tk, hk, d]; query head j reads key head j // (h // hk)."""
+    three kernels. q [Tq, h, d], k/v [Tk, hk, d]; query head j reads key head j // (h // hk).
+    ``left``: a sliding window's keys before the diagonal (query i of s over L keys reads keys
+    ``L - s + i - left .. L - s + i``: flash-attn's ``window_size[0]``, TE's too, torch_npu's
+    ``pre_tockens`` in band mode); None for none."""
     group = q.size(1) // k.size(1)
     out = []
     for qs, qe, ks, ke in zip(bounds_q[:-1], bounds_q[1:], bounds_k[:-1], bounds_k[1:]):
@@ -56,7 +62,10 @@ def _segment_attention(q, k, v, bounds_q, bounds_k, scale):
         ki = k[ks:ke].double().repeat_interleave(group, dim=1)
         vi = v[ks:ke].double().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", qi, ki) * scale
-        allowed = torch.arange(L)[None, :] <= torch.arange(s)[:, None] + (L - s)
+        diagonal = torch.arange(s)[:, None] + (L - s)
+        allowed = torch.arange(L)[None, :] <= diagonal
+        if left is not None:
+            allowed &= torch.arange(L)[None, :] >= diagonal - left
         probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
         out.append(torch.einsum("hqk,khd->qhd", probs, vi))
     return torch.cat(out).to(q.dtype)
@@ -92,7 +101,8 @@ class _FlashAttn:
         dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
         alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None,
     ):
-        self.calls.append(dict(causal=causal, dropout_p=dropout_p, softmax_scale=softmax_scale))
+        self.calls.append(dict(causal=causal, dropout_p=dropout_p, softmax_scale=softmax_scale,
+                               window_size=window_size))
         _check_qkv(q, k, v)
         assert q.dtype in (torch.float16, torch.bfloat16), f"flash-attn has no {q.dtype} kernel"
         _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k)
@@ -102,10 +112,15 @@ class _FlashAttn:
             assert bound >= int((cu[1:] - cu[:-1]).max()), f"{name} is below the longest segment"
         assert causal is True, "expected causal=True (bottom-right since flash-attn 2.1)"
         assert dropout_p == 0.0, "expected dropout_p=0.0"
-        assert window_size == (-1, -1) and softcap == 0.0 and alibi_slopes is None
+        left, right = window_size
+        assert (left, right) == (-1, -1) or (left >= 0 and right == 0), (
+            f"window_size={window_size}: a causal band is (left >= 0, 0), no window (-1, -1)"
+        )
+        assert softcap == 0.0 and alibi_slopes is None
         assert block_table is None and not return_attn_probs
         scale = q.size(-1) ** -0.5 if softmax_scale is None else softmax_scale
-        return _segment_attention(q, k, v, cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), scale)
+        return _segment_attention(q, k, v, cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), scale,
+                                  None if left < 0 else left)
 
 
 def install_flash_attn(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
@@ -173,14 +188,18 @@ class _DotProductAttention(torch.nn.Module):
         assert attn_mask_type == "padding_causal_bottom_right", (
             f"expected attn_mask_type='padding_causal_bottom_right', got {attn_mask_type!r}"
         )
-        assert attention_mask is None and window_size is None and alibi_slopes is None
+        assert attention_mask is None and alibi_slopes is None
+        assert window_size is None or (window_size[0] >= 0 and window_size[1] == 0), (
+            f"window_size={window_size}: with a causal mask the band is (left >= 0, 0)"
+        )
         assert core_attention_bias_type == "no_bias" and core_attention_bias is None
         assert cu_seqlens_q_padded is None and cu_seqlens_kv_padded is None
         _check_cu_seqlens(cu_seqlens_q, cu_seqlens_kv, q, k)
         for bound, cu in ((max_seqlen_q, cu_seqlens_q), (max_seqlen_kv, cu_seqlens_kv)):
             assert bound is None or bound >= int((cu[1:] - cu[:-1]).max())
         out = _segment_attention(
-            q, k, v, cu_seqlens_q.tolist(), cu_seqlens_kv.tolist(), self.softmax_scale
+            q, k, v, cu_seqlens_q.tolist(), cu_seqlens_kv.tolist(), self.softmax_scale,
+            None if window_size is None else window_size[0],
         )
         return out.view(*out.shape[:-2], -1)  # thd output: [t, h*d]
 
@@ -211,15 +230,24 @@ class _TorchNpu:
         actual_seq_kvlen=None, sparse_mode=0, gen_mask_parallel=True, sync=False,
     ):
         self.calls.append(dict(atten_mask=atten_mask, actual_seq_qlen=actual_seq_qlen,
-                               actual_seq_kvlen=actual_seq_kvlen, scale=scale))
+                               actual_seq_kvlen=actual_seq_kvlen, scale=scale,
+                               sparse_mode=sparse_mode, pre_tockens=pre_tockens,
+                               next_tockens=next_tockens))
         _check_qkv(query, key, value)
         assert input_layout == "TND", f"expected input_layout='TND', got {input_layout!r}"
         assert head_num == query.size(1), "head_num must be the number of query heads"
-        assert sparse_mode == 3, f"expected sparse_mode=3 (rightDownCausal), got {sparse_mode}"
+        assert sparse_mode in (3, 4), (
+            f"expected sparse_mode=3 (rightDownCausal) or 4 (band), got {sparse_mode}"
+        )
+        # band (4): pre_tockens keys before the diagonal, next_tockens after it; aligned
+        # bottom-right per segment in TND, like mode 3
+        assert sparse_mode == 3 or (0 <= pre_tockens and next_tockens == 0), (
+            "a causal band is pre_tockens >= 0, next_tockens == 0"
+        )
         assert isinstance(atten_mask, torch.Tensor) and atten_mask.dtype == torch.bool
         assert atten_mask.device == query.device, "atten_mask must be on the device"
         assert torch.equal(atten_mask, torch.ones(2048, 2048, dtype=torch.bool).triu(1).to(
-            atten_mask.device)), "sparse_mode 3 takes the compressed 2048x2048 causal mask"
+            atten_mask.device)), "sparse_mode 3 / 4 take the compressed 2048x2048 causal mask"
         assert keep_prob == 1.0, "expected keep_prob=1.0"
         assert pse is None and padding_mask is None and prefix is None
         for name, lens, x in (("actual_seq_qlen", actual_seq_qlen, query),
@@ -233,7 +261,8 @@ class _TorchNpu:
             )
         assert len(actual_seq_qlen) == len(actual_seq_kvlen), "one length per segment, q and kv"
         out = _segment_attention(
-            query, key, value, [0, *actual_seq_qlen], [0, *actual_seq_kvlen], scale
+            query, key, value, [0, *actual_seq_qlen], [0, *actual_seq_kvlen], scale,
+            pre_tockens if sparse_mode == 4 else None,
         )
         # documented outputs: attention_out, softmax_max, softmax_sum, reserved, seed, offset, numel
         return out, torch.empty(0), torch.empty(0), torch.empty(0), 0, 0, 0

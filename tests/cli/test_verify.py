@@ -95,3 +95,17 @@ def test_a_preset_with_a_real_vocabulary_refuses_ids_beyond_it(capsys, tmp_path)
     code, _, err = verify(capsys, "--sequences", path, "--model", "qwen2.5-0.5b")
     assert code == 2
     assert "token id 200000 is outside the qwen2.5-0.5b preset's vocabulary of 151936" in err
+
+
+@pytest.mark.parametrize("engine, model, workload", [
+    ("megatron", "tiny-window", "steprl"),  # windows of 16 against a 40-token chain, sinks
+    ("hf", "tiny-window", "agent"),  # gpt-oss: sinks, MoE, YaRN
+    ("hf", "tiny-gemma3", "tree"),
+    ("hf", "tiny-gemma4", "grpo"),
+])
+def test_windowed_presets_pass(capsys, engine, model, workload):
+    code, out, _ = verify(capsys, "--engine", engine, "--model", model, "--workload", workload,
+                          "--min-prefix-len", 1, "--json")
+    report = json.loads(out)
+    assert code == 0 and report["passed"] is True and report["model"] == model
+    assert report["tokens_unique"] < report["tokens_total"]

@@ -57,12 +57,25 @@ def test_attention_dropout_in_training_is_refused():
         shared_forward(shared, sequences, plan=plan)
 
 
-def test_a_sliding_window_shorter_than_a_sequence_is_refused():
-    _, shared = plain_and_shared("qwen2", use_sliding_window=True, sliding_window=16,
-                                 max_window_layers=0)
+def test_a_sliding_window_shorter_than_the_sequences_is_served_exactly():
+    """Qwen2's window is a layer attribute (gpt-oss and Gemma pass it as a keyword)."""
+    plain, shared = plain_and_shared("qwen2", "eager", use_sliding_window=True,
+                                     sliding_window=4, max_window_layers=0)
     sequences, plan = _batch()  # sequences of 16-40 tokens
-    with pytest.raises(ValueError, match="sliding window of 16 tokens"):
-        shared_forward(shared, sequences, plan=plan)
+    out = shared_forward(shared, sequences, plan=plan)
+    for i in (0, len(sequences) - 1):
+        reference = plain(input_ids=sequences[i][None]).logits[0]
+        rows = plan.kv_index[plan.cu_seqlens[i]:plan.cu_seqlens[i + 1]]
+        torch.testing.assert_close(out.logits[rows], reference, rtol=1e-5, atol=1e-6)
+
+
+def test_attention_logit_softcapping_passed_by_the_layer_is_refused():
+    _, shared = plain_and_shared()
+    _, plan = _batch()
+    q = torch.zeros(1, 4, plan.num_tokens_flat, 16)
+    with pytest.raises(ValueError, match="soft-caps its attention logits.*softcap=30.0"):
+        prefix_sharing_attention(shared.model.layers[0].self_attn, q, q[:, :2], q[:, :2], None,
+                                 sharing_plan=plan, softcap=30.0)
 
 
 def test_a_sliding_window_no_sequence_reaches_changes_nothing_and_runs():

@@ -37,8 +37,7 @@ def core_attention(config: TransformerConfig) -> PrefixSharingCoreAttention:
 
 @pytest.mark.parametrize("setting, message", [
     (dict(context_parallel_size=2), "context_parallel_size=2"),
-    (dict(window_size=(8, 0)), r"window_size=\(8, 0\): sliding-window attention"),
-    (dict(softmax_type="off-by-one"), "softmax_type='off-by-one'"),
+    (dict(window_size=(8, 2)), r"window_size=\(8, 2\): a causal sliding window.*\(8, 0\)"),
     (dict(multi_latent_attention=True), "multi_latent_attention=True"),
     (dict(mrope_section=[2, 2, 2]), "mrope_section is set"),
 ])
