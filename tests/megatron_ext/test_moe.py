@@ -24,12 +24,12 @@ from prefix_sharing import PrefixSharingConfig, build_plan
 from prefix_sharing.engines.megatron import compare, forward_backward, gpt_model
 from prefix_sharing.equivalence import FP32_RTOL, max_rel_diff
 from prefix_sharing.megatron_ext.moe import PlainBatchView
-from prefix_sharing.presets import PRESETS
+from prefix_sharing.presets import PRESETS, sharp
 from prefix_sharing.workloads import make_workload
 
 from ._distributed import run_distributed
 
-PRESET = PRESETS["tiny-moe"]  # the tiny shape, 8 experts of width 64, top-2
+PRESET = sharp(PRESETS["tiny-moe"])  # the tiny shape, 8 experts of width 64, top-2
 SHARE_EVERY_PREFIX = PrefixSharingConfig(min_prefix_len=1)
 WORKLOADS = {
     "grpo": dict(num_prompts=2, group_size=3),
