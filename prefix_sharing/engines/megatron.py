@@ -77,7 +77,9 @@ def gpt_model(
             reference ``verify`` judges a float32 run against (norm weights included).
         seed: weight seed; the same seed gives the same model under every parallel layout.
         layer_spec: a layer ModuleSpec to use instead (e.g. the ``--spec`` object).
-        config_overrides: TransformerConfig fields (``qk_layernorm``, ``recompute_*``, ...).
+        config_overrides: TransformerConfig fields (``qk_layernorm``, ``recompute_*``, ...),
+            and GPTModel's ``position_embedding_type`` (``"rope"`` or ``"yarn"``, whose
+            ``yarn_*`` settings are set on the config) and ``rotary_percent``.
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -111,8 +113,16 @@ def gpt_model(
     )
     if preset.num_experts:
         settings.update(_moe_settings(preset))
+    rope = dict(position_embedding_type="rope", rotary_percent=1.0)
+    rope.update({k: config_overrides.pop(k) for k in list(rope) if k in config_overrides})
     settings.update(config_overrides)
+    # megatron-core 0.16.1's TransformerConfig has no YaRN fields; GPTModel and the attention
+    # read them with getattr, as from Megatron-Bridge's config subclasses
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    extra = {k: settings.pop(k) for k in list(settings) if k.startswith("yarn_") and k not in fields}
     config = TransformerConfig(**settings)
+    for name, value in extra.items():
+        setattr(config, name, value)
     if layer_spec is None:
         spec_fn = stock_spec if layout == "padded" else shared_spec
         layer_spec = spec_fn(num_experts=config.num_moe_experts,
@@ -126,8 +136,8 @@ def gpt_model(
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=preset.tie_embeddings,
-        position_embedding_type="rope",
         rotary_base=preset.rotary_base,
+        **rope,
     )
     if dtype == torch.float64:
         model.double()  # megatron's torch norms are built float32 whatever params_dtype says
