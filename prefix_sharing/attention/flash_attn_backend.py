@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from .kernel_limits import check_flash_attn
+
 __all__ = ["varlen_attention_flash"]
 
 
@@ -30,9 +32,9 @@ def varlen_attention_flash(
     segment pair: the queries are the last ``s`` of the segment's ``L`` keys, exactly our
     layout. GQA is native (query head ``h`` reads key head ``h // (nheads // nheads_k)``).
 
-    The kernel requires float16 or bfloat16 q/k/v (``resolve_backend`` refuses other dtypes
-    before the call) and int32 ``cu_seqlens`` on q's device (converted here if needed);
-    ``max_seqlen_*`` must be at least the longest segment.
+    The kernel requires float16 or bfloat16 q/k/v and head dims up to 256 (refused before the
+    call: :mod:`.kernel_limits`) and int32 ``cu_seqlens`` on q's device (converted here if
+    needed); ``max_seqlen_*`` must be at least the longest segment.
 
     Args:
         q: ``(total_q, nheads, headdim)``, float16 or bfloat16.
@@ -47,6 +49,7 @@ def varlen_attention_flash(
         ``(total_q, nheads, headdim)`` in q's dtype, differentiable.
     """
     del cu_seqlens_q_host, cu_seqlens_k_host, kernel_cache
+    check_flash_attn(q)
     from flash_attn import flash_attn_varlen_func
 
     return flash_attn_varlen_func(
