@@ -18,6 +18,8 @@ __all__ = [
     "RunOutputs",
     "Comparison",
     "compare_runs",
+    "compare_pairs",
+    "same_keys",
     "within_tolerance",
     "allowed_rel_diff",
     "FP32_RTOL",
@@ -89,18 +91,35 @@ class Comparison:
 
 
 def compare_runs(candidate: RunOutputs, reference: RunOutputs) -> Comparison:
-    if candidate.grads.keys() != reference.grads.keys():
-        missing = sorted(candidate.grads.keys() ^ reference.grads.keys())
-        raise AssertionError(f"the runs have gradients for different parameters: {missing}")
-    abs_d, rel_d = {}, {}
-    for name in QUANTITIES:
-        a, b = candidate.get(name), reference.get(name)
-        if isinstance(a, dict):
-            abs_d[name] = max(max_abs_diff(a[k], b[k]) for k in b)
-            rel_d[name] = max(max_rel_diff(a[k], b[k]) for k in b)
-        else:
-            abs_d[name], rel_d[name] = max_abs_diff(a, b), max_rel_diff(a, b)
-    return Comparison(abs_d, rel_d)
+    """Largest differences per quantity; raises (AssertionError) when the runs do not hold the
+    same things: other parameter names, other shapes, or nothing at all to compare."""
+    same_keys(candidate.grads, reference.grads, "gradients")
+    pairs = {q: [(candidate.get(q), reference.get(q))] for q in QUANTITIES if q != "grads"}
+    pairs["grads"] = [(candidate.grads[k], g) for k, g in reference.grads.items()]
+    return compare_pairs(pairs)
+
+
+def compare_pairs(pairs: dict[str, list[tuple[torch.Tensor, torch.Tensor]]]) -> Comparison:
+    """The largest differences over each quantity's ``(candidate, reference)`` tensor pairs.
+
+    A quantity with no pairs reports 0, so a caller may pass an empty list where the runs hold
+    no such output on this rank (an inner pipeline stage computes no loss) - but the whole
+    comparison must hold some tensor, every pair must agree in shape (:func:`max_abs_diff`)
+    and no tensor may be empty: a run that dropped its outputs never compares as equal.
+    """
+    if not any(pairs.values()):
+        raise AssertionError("empty comparison: neither run holds any output or gradient")
+    return Comparison(
+        {q: max((max_abs_diff(a, b) for a, b in p), default=0.0) for q, p in pairs.items()},
+        {q: max((max_rel_diff(a, b) for a, b in p), default=0.0) for q, p in pairs.items()},
+    )
+
+
+def same_keys(candidate: dict, reference: dict, what: str) -> None:
+    """Raises (AssertionError) unless both dicts have the same keys, naming those in one only."""
+    if candidate.keys() != reference.keys():
+        only = sorted(map(str, candidate.keys() ^ reference.keys()))
+        raise AssertionError(f"the runs have {what} for different names: {only}")
 
 
 def within_tolerance(
@@ -136,15 +155,20 @@ def allowed_rel_diff(plain: Comparison, dtype: torch.dtype) -> dict[str, float]:
 
 
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``max|a - b|``; raises (AssertionError) on different shapes or empty tensors, which
+    would otherwise compare as equal."""
     if a.shape != b.shape:
         raise AssertionError(f"shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}")
-    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+    if not a.numel():
+        raise AssertionError(f"empty comparison: tensors of shape {tuple(a.shape)}")
+    return (a.double() - b.double()).abs().max().item()
 
 
 def max_rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     """``max|a - b| / max|b|``: relative to the reference's scale, robust to entries near 0."""
-    scale = b.double().abs().max().item() if b.numel() else 0.0
-    return max_abs_diff(a, b) / scale if scale > 0 else max_abs_diff(a, b)
+    diff = max_abs_diff(a, b)
+    scale = b.double().abs().max().item()
+    return diff / scale if scale > 0 else diff
 
 
 def plain_token_log_probs(

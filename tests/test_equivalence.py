@@ -14,7 +14,10 @@ from prefix_sharing.equivalence import (
     SCALAR_QUANTITIES,
     TENSOR_FLOOR_ULPS,
     Comparison,
+    RunOutputs,
     allowed_rel_diff,
+    compare_pairs,
+    compare_runs,
     within_tolerance,
 )
 
@@ -80,3 +83,21 @@ def test_a_tensor_the_plain_run_got_exactly_right_allows_only_a_sliver():
         assert sliver <= 1e-5  # no looser than the fixed bf16 floor it replaced
         assert within_tolerance(comparison(logits=sliver), plain, dtype)["logits"]
         assert not within_tolerance(comparison(logits=2 * sliver), plain, dtype)["logits"]
+
+
+def _run_outputs(tokens: int, grads: dict) -> RunOutputs:
+    x = torch.linspace(1.0, 2.0, tokens)
+    return RunOutputs(x[:, None].expand(tokens, 4), x, x, x.sum(), grads)
+
+
+def test_compare_runs_fails_on_other_shapes_names_or_nothing():
+    grads = {"w": torch.ones(2)}
+    assert compare_runs(_run_outputs(3, grads), _run_outputs(3, grads)).max_abs_diff["loss"] == 0
+    with pytest.raises(AssertionError, match="shapes differ"):
+        compare_runs(_run_outputs(2, grads), _run_outputs(3, grads))
+    with pytest.raises(AssertionError, match=r"different names: \['v'\]"):
+        compare_runs(_run_outputs(3, {**grads, "v": torch.ones(1)}), _run_outputs(3, grads))
+    with pytest.raises(AssertionError, match="empty comparison"):
+        compare_runs(_run_outputs(0, grads), _run_outputs(0, grads))
+    with pytest.raises(AssertionError, match="empty comparison"):
+        compare_pairs({q: [] for q in QUANTITIES})

@@ -287,3 +287,85 @@ def test_a_split_vocabulary_gives_the_whole_vocabulary_results(bounds, temperatu
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     # a shift and one sum of all the per-row and per-token statistics; the backward needs none
     assert all(c == (["max", "sum"], []) for c in calls), calls
+
+
+# ------------------------------------------------------------------- independent reference
+class _TokenPositionModel:
+    """A causal toy model: the logits of a token are its embedding plus its position's.
+
+    Each flat row stands for the same (token, position) in every sequence that reads it, so
+    the plan's layout gives the same logits as the input sequences do. The reference below
+    runs on the input sequences alone - no plan, no restore, none of this package's code - and
+    the gradients are compared on the model's weights.
+    """
+
+    def __init__(self, max_len: int = 16, seed: int = 3) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.embed = (torch.randn(VOCAB, VOCAB, generator=g, dtype=torch.float64) * 3).requires_grad_()
+        self.pos = torch.randn(max_len, VOCAB, generator=g, dtype=torch.float64).requires_grad_()
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.embed[tokens] + self.pos[positions]
+
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.embed, self.pos
+
+
+def reference_from_sequences(model, seqs, temperature):
+    """Per input sequence: logits / T, log-softmax, the next token's log-prob (0 at the last
+    position, which predicts nothing) and the entropy; concatenated in sequence order."""
+    log_probs, entropy = [], []
+    for seq in map(torch.tensor, seqs):
+        logp = torch.log_softmax(model(seq, torch.arange(len(seq))) / temperature, dim=-1)
+        picked = logp[torch.arange(len(seq) - 1), seq[1:]]
+        log_probs.append(torch.cat([picked, picked.new_zeros(1)]))
+        entropy.append(-(logp.exp() * logp).sum(-1))
+    return torch.cat(log_probs), torch.cat(entropy)
+
+
+def _grads(model, log_probs, entropy, used):
+    return torch.autograd.grad(weighted_sum(log_probs, entropy, used), model.weights())
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 2.5])
+@pytest.mark.parametrize("used", list(LOSSES))
+def test_equal_to_the_input_sequences_run_plainly(temperature, used):
+    model = _TokenPositionModel()
+    plan = build_plan(SEQS, SHARE_EVERY_PREFIX, pad_to_multiple_of=4)
+    assert plan.num_tokens_unique < plan.num_tokens_total  # something is shared
+    with chunks_of(3):
+        stats = token_log_probs(model(plan.input_ids, plan.position_ids), plan,
+                                temperature=temperature)
+        got = _grads(model, stats.log_probs, stats.entropy, used)
+    ref_lp, ref_ent = reference_from_sequences(model, SEQS, temperature)
+    torch.testing.assert_close(stats.log_probs, ref_lp, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(stats.entropy, ref_ent, rtol=1e-12, atol=1e-12)
+    for g, w in zip(got, _grads(model, ref_lp, ref_ent, used), strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+
+
+def test_the_independent_reference_sees_a_dropped_temperature():
+    """The check has the power to fail: log-probs at T=1 are not those at T=0.7."""
+    model = _TokenPositionModel()
+    plan = build_plan(SEQS, SHARE_EVERY_PREFIX)
+    stats = token_log_probs(model(plan.input_ids, plan.position_ids), plan)
+    ref_lp, _ = reference_from_sequences(model, SEQS, 0.7)
+    assert (stats.log_probs - ref_lp).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("bounds", [[(0, 6), (6, 11)], [(0, 3), (3, 4), (4, 11)]])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_a_split_vocabulary_equals_the_input_sequences_run_plainly(bounds, temperature):
+    model = _TokenPositionModel()
+    plan = build_plan(SEQS, SHARE_EVERY_PREFIX, pad_to_multiple_of=4)
+    flat = model(plan.input_ids, plan.position_ids)
+    with chunks_of(3):
+        shards, got, _ = split_run(flat, plan, bounds, "both", temperature=temperature)
+    ref_lp, ref_ent = reference_from_sequences(model, SEQS, temperature)
+    for stats in shards:
+        torch.testing.assert_close(stats.log_probs, ref_lp, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(stats.entropy, ref_ent, rtol=1e-12, atol=1e-12)
+    # the flat logits' gradient, carried to the weights, is the reference's
+    got_weights = torch.autograd.grad(flat, model.weights(), got)
+    for g, w in zip(got_weights, _grads(model, ref_lp, ref_ent, "both"), strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from ..errors import UnsupportedSetup
+from .kernel_limits import check_flash_attn
 
 __all__ = ["varlen_attention_flash"]
 
@@ -34,9 +35,9 @@ def varlen_attention_flash(
     segment pair: the queries are the last ``s`` of the segment's ``L`` keys, exactly our
     layout. GQA is native (query head ``h`` reads key head ``h // (nheads // nheads_k)``).
 
-    The kernel requires float16 or bfloat16 q/k/v (``resolve_backend`` refuses other dtypes
-    before the call) and int32 ``cu_seqlens`` on q's device (converted here if needed);
-    ``max_seqlen_*`` must be at least the longest segment.
+    The kernel requires float16 or bfloat16 q/k/v and head dims up to 256 (refused before the
+    call: :mod:`.kernel_limits`) and int32 ``cu_seqlens`` on q's device (converted here if
+    needed); ``max_seqlen_*`` must be at least the longest segment.
 
     Args:
         q: ``(total_q, nheads, headdim)``, float16 or bfloat16.
@@ -59,6 +60,7 @@ def varlen_attention_flash(
             "attention sinks (gpt-oss sinks, megatron softmax_type 'learnable' / 'off-by-one') "
             "are not in flash-attn 2's kernel; choose backend='torch'"
         )
+    check_flash_attn(q)
     from flash_attn import flash_attn_varlen_func
 
     return flash_attn_varlen_func(

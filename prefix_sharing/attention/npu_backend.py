@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from ..errors import UnsupportedSetup
+from .kernel_limits import check_npu, segment_chunks
 
 __all__ = ["varlen_attention_npu"]
 
@@ -43,7 +44,11 @@ def varlen_attention_npu(
     0``).
 
     The kernel takes float16 or bfloat16 q/k/v (recent torch_npu also float32) and segments
-    with ``s <= L`` (a longer query segment would have fully masked rows). The lists come from
+    with ``s <= L`` (a longer query segment would have fully masked rows). Its documented
+    limits (:mod:`.kernel_limits`): at most 1024 segments per call - more are computed in
+    consecutive calls of at most 1024 segments each, which gives the same result, since
+    segments never attend to each other - head dim up to 768 and up to 256 query heads (both
+    refused before the call). The lists come from
     ``cu_seqlens_*_host`` when given; otherwise ``cu_seqlens`` is read back from the device, a
     synchronization in every call.
 
@@ -71,23 +76,30 @@ def varlen_attention_npu(
         )
     import torch_npu
 
-    ends_q = cu_seqlens_q[1:].tolist() if cu_seqlens_q_host is None else list(cu_seqlens_q_host[1:])
-    ends_k = cu_seqlens_k[1:].tolist() if cu_seqlens_k_host is None else list(cu_seqlens_k_host[1:])
+    check_npu(q, k)
+    bounds_q = cu_seqlens_q.tolist() if cu_seqlens_q_host is None else list(cu_seqlens_q_host)
+    bounds_k = cu_seqlens_k.tolist() if cu_seqlens_k_host is None else list(cu_seqlens_k_host)
 
     scale = q.size(-1) ** -0.5 if softmax_scale is None else softmax_scale
-    return torch_npu.npu_fusion_attention(
-        q,
-        k,
-        v,
-        q.size(1),
-        input_layout="TND",
-        atten_mask=_compressed_causal_mask(q.device),
-        scale=scale,
-        keep_prob=1.0,
-        actual_seq_qlen=ends_q,
-        actual_seq_kvlen=ends_k,
-        **_mask_mode(window),
-    )[0]
+    outputs = []
+    # a TND call takes at most NPU_MAX_SEGMENTS segments: more are run in consecutive calls,
+    # each on its segments' rows (contiguous in q and in k/v), ends counted from its first row
+    for first, stop in segment_chunks(len(bounds_q) - 1):
+        q0, q1, k0, k1 = bounds_q[first], bounds_q[stop], bounds_k[first], bounds_k[stop]
+        outputs.append(torch_npu.npu_fusion_attention(
+            q[q0:q1],
+            k[k0:k1],
+            v[k0:k1],
+            q.size(1),
+            input_layout="TND",
+            atten_mask=_compressed_causal_mask(q.device),
+            scale=scale,
+            keep_prob=1.0,
+            actual_seq_qlen=[e - q0 for e in bounds_q[first + 1: stop + 1]],
+            actual_seq_kvlen=[e - k0 for e in bounds_k[first + 1: stop + 1]],
+            **_mask_mode(window),
+        )[0])
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 
 def _mask_mode(window: int | None) -> dict[str, int]:

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from ..errors import UnsupportedSetup
+from .kernel_limits import check_te
 
 __all__ = ["varlen_attention_te"]
 
@@ -37,16 +38,18 @@ def varlen_attention_te(
     cu_seqlens_k_host: Sequence[int] | None = None,
     kernel_cache: dict[Any, Any] | None = None,
 ) -> torch.Tensor:
-    """Causal varlen attention on Transformer Engine (>= 2.0, CUDA tensors).
+    """Causal varlen attention on Transformer Engine (>= 2.2 with cuDNN >= 9.7, CUDA tensors).
 
     ``qkv_format="thd"`` with ``attn_mask_type="padding_causal_bottom_right"``: each segment
     has its own query and key/value lengths (``cu_seqlens_q`` != ``cu_seqlens_kv``, same shape),
     and the causal mask is aligned to the bottom-right corner, so the queries are the last
     ``s`` of the segment's ``L`` keys. GQA through ``num_gqa_groups = nheads_k``.
 
-    TE's THD kernels (cuDNN, flash-attn) need float16 or bfloat16 q/k/v (``resolve_backend``
-    refuses other dtypes before the call); ``cu_seqlens`` must be int32 on q's device
-    (converted here if needed). Context parallelism disables bottom-right masks in TE.
+    TE's THD kernels (cuDNN, flash-attn) need float16 or bfloat16 q/k/v and head dims up to
+    256, and its cuDNN kernel takes this mask for segments of any length only from TE 2.2:
+    anything else is refused before the call (:mod:`.kernel_limits`, which cites TE's source).
+    ``cu_seqlens`` must be int32 on q's device (converted here if needed). Context
+    parallelism disables bottom-right masks in TE.
 
     Args:
         q: ``(total_q, nheads, headdim)``.
@@ -72,7 +75,10 @@ def varlen_attention_te(
             "with the Transformer Engine kernel are not supported by prefix sharing; choose "
             "backend='torch'"
         )
+    import transformer_engine
     from transformer_engine.pytorch import DotProductAttention
+
+    check_te(q, transformer_engine.__version__)
 
     total_q, nheads, headdim = q.shape
     nheads_k = k.size(1)

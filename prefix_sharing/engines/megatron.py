@@ -36,10 +36,10 @@ from ..equivalence import (
     RunOutputs,
     advantages,
     at_least_fp32,
-    max_abs_diff,
-    max_rel_diff,
+    compare_pairs,
     pg_loss,
     plain_token_log_probs,
+    same_keys,
 )
 
 __all__ = [
@@ -77,7 +77,9 @@ def gpt_model(
             reference ``verify`` judges a float32 run against (norm weights included).
         seed: weight seed; the same seed gives the same model under every parallel layout.
         layer_spec: a layer ModuleSpec to use instead (e.g. the ``--spec`` object).
-        config_overrides: TransformerConfig fields (``qk_layernorm``, ``recompute_*``, ...).
+        config_overrides: TransformerConfig fields (``qk_layernorm``, ``recompute_*``, ...),
+            and GPTModel's ``position_embedding_type`` (``"rope"`` or ``"yarn"``, whose
+            ``yarn_*`` settings are set on the config) and ``rotary_percent``.
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -116,8 +118,16 @@ def gpt_model(
                         window_attn_skip_freq=preset.window_full_every)
     if preset.softmax_type != "vanilla":
         settings.update(softmax_type=preset.softmax_type)
+    rope = dict(position_embedding_type="rope", rotary_percent=1.0)
+    rope.update({k: config_overrides.pop(k) for k in list(rope) if k in config_overrides})
     settings.update(config_overrides)
+    # megatron-core 0.16.1's TransformerConfig has no YaRN fields; GPTModel and the attention
+    # read them with getattr, as from Megatron-Bridge's config subclasses
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    extra = {k: settings.pop(k) for k in list(settings) if k.startswith("yarn_") and k not in fields}
     config = TransformerConfig(**settings)
+    for name, value in extra.items():
+        setattr(config, name, value)
     if layer_spec is None:
         spec_fn = stock_spec if layout == "padded" else shared_spec
         layer_spec = spec_fn(num_experts=config.num_moe_experts,
@@ -131,15 +141,15 @@ def gpt_model(
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=preset.tie_embeddings,
-        position_embedding_type="rope",
         rotary_base=preset.rotary_base,
+        **rope,
     )
     _mark_sinks_split_with_heads(model)
     if dtype == torch.float64:
         model.double()  # megatron's torch norms are built float32 whatever params_dtype says
     if torch.cuda.is_available():
         model.cuda()
-    seed_weights(model, seed)
+    seed_weights(model, seed, preset.init_std)
     return model
 
 
@@ -176,12 +186,13 @@ def _moe_settings(preset: ModelPreset) -> dict[str, Any]:
     )
 
 
-def seed_weights(model: torch.nn.Module, seed: int) -> None:
+def seed_weights(model: torch.nn.Module, seed: int, std: float = 0.05) -> None:
     """Fills every parameter from a generator seeded by its global name and ``seed``.
 
     The full (TP=1) tensor is drawn, then this rank's shard is cut from it the way megatron
     shards it (``partition_stride`` chunks dealt round-robin), so every layout gets the same
-    model. Norm weights near 1, everything else small.
+    model. Norm weights near 1, everything else normal with standard deviation ``std`` (the
+    preset's ``init_std``).
     """
     from megatron.core import parallel_state
 
@@ -197,7 +208,7 @@ def seed_weights(model: torch.nn.Module, seed: int) -> None:
             gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(global_name.encode()))
             full = torch.randn(shape, generator=gen)
             is_norm = "norm" in global_name and global_name.endswith("weight")
-            full = 1 + 0.1 * full if is_norm else 0.05 * full
+            full = 1 + 0.1 * full if is_norm else std * full
             if sharded:
                 chunks = full.chunk(tp_size * param.partition_stride, dim=param.partition_dim)
                 full = torch.cat(chunks[tp_rank::tp_size], dim=param.partition_dim)
@@ -383,16 +394,21 @@ def forward_backward(
 
 
 def compare(candidate: MicroBatchRun, reference: MicroBatchRun) -> Comparison:
-    """Largest differences over all micro-batches (outputs) and this stage's gradients."""
-    if candidate.grads.keys() != reference.grads.keys():
-        raise AssertionError("the runs have gradients for different parameters")
+    """Largest differences over all micro-batches (outputs) and this stage's gradients.
+
+    Raises (AssertionError) when the runs differ in what they hold - the number of micro-batch
+    outputs, parameter names, any shape - or hold nothing: a run that lost a micro-batch's
+    outputs must not compare as equal. (An inner pipeline stage holds no outputs in either run;
+    its gradients are compared.)
+    """
+    if len(candidate.outputs) != len(reference.outputs):
+        raise AssertionError(f"the runs hold outputs of {len(candidate.outputs)} vs "
+                             f"{len(reference.outputs)} micro-batches")
+    same_keys(candidate.grads, reference.grads, "gradients")
     pairs = {q: [(getattr(c, q), getattr(r, q)) for c, r in zip(candidate.outputs, reference.outputs)]
              for q in QUANTITIES if q != "grads"}
     pairs["grads"] = [(candidate.grads[k], g) for k, g in reference.grads.items()]
-    return Comparison(
-        {q: max((max_abs_diff(a, b) for a, b in p), default=0.0) for q, p in pairs.items()},
-        {q: max((max_rel_diff(a, b) for a, b in p), default=0.0) for q, p in pairs.items()},
-    )
+    return compare_pairs(pairs)
 
 
 def _padded(seqs: Sequence[torch.Tensor], device: Any) -> tuple[torch.Tensor, ...]:

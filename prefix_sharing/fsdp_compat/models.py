@@ -56,6 +56,7 @@ def hf_config(family: str, preset: ModelPreset, **overrides: Any) -> Any:
         max_position_embeddings=preset.max_sequence_length,
         tie_word_embeddings=preset.tie_embeddings,
         rope_theta=preset.rotary_base,  # transformers 5 files it under rope_parameters
+        initializer_range=preset.init_std,
         use_cache=False,
     )
     if family == "llama":

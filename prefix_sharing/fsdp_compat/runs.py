@@ -26,8 +26,9 @@ __all__ = ["plain_run", "shared_run"]
 
 
 def plain_run(model: torch.nn.Module, sequences: Sequence[torch.Tensor],
-              weights: torch.Tensor) -> RunOutputs:
-    """The padded batch through ``model``; packed logits, log-probs, entropy, loss, grads."""
+              weights: torch.Tensor, temperature: float = 1.0) -> RunOutputs:
+    """The padded batch through ``model``; packed logits, log-probs, entropy (of the logits
+    divided by ``temperature``), loss, grads."""
     device = model.get_input_embeddings().weight.device
     lengths = [len(s) for s in sequences]
     input_ids = torch.zeros(len(sequences), max(lengths), dtype=torch.long)
@@ -39,19 +40,20 @@ def plain_run(model: torch.nn.Module, sequences: Sequence[torch.Tensor],
     def forward():
         logits = model(input_ids=input_ids, attention_mask=mask.long(), use_cache=False).logits
         packed = logits[mask]  # [T_total, vocab]: the real tokens, sequence by sequence
-        return (packed, *plain_token_log_probs(packed, [s.to(device) for s in sequences]))
+        return (packed, *plain_token_log_probs(packed / temperature,
+                                               [s.to(device) for s in sequences]))
 
     return _with_full_gradients(model, RunOutputs.collect(model, forward, weights.to(device)))
 
 
 def shared_run(model: torch.nn.Module, sequences: Sequence[torch.Tensor], weights: torch.Tensor,
-               config: PrefixSharingConfig, groups: Sequence[PromptGroup] | None = None
-               ) -> RunOutputs:
+               config: PrefixSharingConfig, groups: Sequence[PromptGroup] | None = None,
+               temperature: float = 1.0) -> RunOutputs:
     """The micro-batch through the sharing model (see :func:`shared_forward`), restored per token."""
     device = model.get_input_embeddings().weight.device
 
     def forward():
-        out = shared_forward(model, sequences, config, groups=groups)
+        out = shared_forward(model, sequences, config, groups=groups, temperature=temperature)
         return out.plan.restore(out.logits), out.stats.log_probs, out.stats.entropy
 
     return _with_full_gradients(model, RunOutputs.collect(model, forward, weights.to(device)))

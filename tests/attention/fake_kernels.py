@@ -14,9 +14,14 @@ Sources:
 - torch_npu: Ascend/op-plugin ``docs/context/torch_npu-npu_fusion_attention.md`` (TND layout,
   cumulative ``actual_seq_qlen``/``actual_seq_kvlen`` without a leading 0, sparse_mode 3 =
   rightDownCausal with the compressed 2048x2048 mask, sparse_mode 4 = band of pre_tockens /
-  next_tockens around the same diagonal, Nq a multiple of Nkv). Windows: flash-attn
-  ``window_size=(left, right)`` and TE's forward ``window_size`` bound the keys to
-  ``[i + L - s - left, i + L - s + right]`` (bottom-right, as their causal masks).
+  next_tockens around the same diagonal, Nq a multiple of Nkv; at most 1K segments per varlen
+  call, head dim 1~768, Nq 1~256). Windows: flash-attn ``window_size=(left, right)`` and TE's
+  forward ``window_size`` bound the keys to ``[i + L - s - left, i + L - s + right]``
+  (bottom-right, as their causal masks).
+
+Limits (see ``prefix_sharing/attention/kernel_limits.py`` for the sources): flash-attn 2 head
+dims up to 256; TE's THD kernels head dims up to 256 and, before TE 2.2, bottom-right segments
+only when the longest are multiples of 64.
 
 ``install_*`` put a fake into ``sys.modules`` through pytest's ``monkeypatch`` (so it is removed
 when the test ends) with a ``__spec__``, so ``importlib.util.find_spec`` reports it installed;
@@ -105,6 +110,7 @@ class _FlashAttn:
                                window_size=window_size))
         _check_qkv(q, k, v)
         assert q.dtype in (torch.float16, torch.bfloat16), f"flash-attn has no {q.dtype} kernel"
+        assert q.size(-1) <= 256, "FlashAttention forward only supports head dimension at most 256"
         _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k)
         for name, bound, cu in (("max_seqlen_q", max_seqlen_q, cu_seqlens_q),
                                 ("max_seqlen_k", max_seqlen_k, cu_seqlens_k)):
@@ -146,6 +152,7 @@ class _DotProductAttention(torch.nn.Module):
     (the subset a caller of the thd path uses; an unknown keyword is a TypeError, as there)."""
 
     instances: list[_DotProductAttention] = []
+    release: tuple[int, int] = (2, 2)  # the installed fake's version, set by the installer
 
     def __init__(
         self, num_attention_heads, kv_channels, num_gqa_groups=None, attention_dropout=0.0,
@@ -177,6 +184,7 @@ class _DotProductAttention(torch.nn.Module):
         q, k, v = query_layer, key_layer, value_layer
         _check_qkv(q, k, v)
         assert q.dtype in (torch.float16, torch.bfloat16), f"TE has no {q.dtype} THD kernel"
+        assert q.size(-1) <= 256, "no TE THD kernel for head dims above 256"
         assert q.size(1) == self.num_attention_heads, "q must have num_attention_heads heads"
         assert k.size(1) == self.num_gqa_groups, "k/v must have num_gqa_groups heads"
         assert q.size(-1) == self.kv_channels, "head dim must equal kv_channels"
@@ -197,6 +205,9 @@ class _DotProductAttention(torch.nn.Module):
         _check_cu_seqlens(cu_seqlens_q, cu_seqlens_kv, q, k)
         for bound, cu in ((max_seqlen_q, cu_seqlens_q), (max_seqlen_kv, cu_seqlens_kv)):
             assert bound is None or bound >= int((cu[1:] - cu[:-1]).max())
+        if self.release < (2, 2):  # fused_attn.cpp before 2.2: bottom-right needs s % 64 == 0
+            assert max_seqlen_q % 64 == 0 and max_seqlen_kv % 64 == 0, (
+                "No dot product attention backend is available for the provided inputs")
         out = _segment_attention(
             q, k, v, cu_seqlens_q.tolist(), cu_seqlens_kv.tolist(), self.softmax_scale,
             None if window_size is None else window_size[0],
@@ -204,11 +215,17 @@ class _DotProductAttention(torch.nn.Module):
         return out.view(*out.shape[:-2], -1)  # thd output: [t, h*d]
 
 
-def install_transformer_engine(monkeypatch: pytest.MonkeyPatch) -> type[_DotProductAttention]:
-    """Fake ``transformer_engine`` and ``transformer_engine.pytorch``; returns the
-    ``DotProductAttention`` class, whose ``instances`` lists the modules built in this test."""
-    cls = type("DotProductAttention", (_DotProductAttention,), {"instances": []})
+def install_transformer_engine(monkeypatch: pytest.MonkeyPatch,
+                               version: str = "2.2.0") -> type[_DotProductAttention]:
+    """Fake ``transformer_engine`` (``__version__`` = ``version``) and
+    ``transformer_engine.pytorch``; returns the ``DotProductAttention`` class, whose
+    ``instances`` lists the modules built in this test. Before 2.2 the fake, like TE's
+    FusedAttention, takes bottom-right THD segments only when the longest are multiples of 64."""
+    release = tuple(int(n) for n in version.split(".")[:2])
+    cls = type("DotProductAttention", (_DotProductAttention,), {"instances": [],
+                                                                 "release": release})
     package = _module("transformer_engine", package=True)
+    package.__version__ = version
     package.pytorch = _module("transformer_engine.pytorch", package=True)
     package.pytorch.DotProductAttention = cls
     monkeypatch.setitem(sys.modules, "transformer_engine", package)
@@ -260,6 +277,10 @@ class _TorchNpu:
                 f"{name} must be cumulative and end at the token count"
             )
         assert len(actual_seq_qlen) == len(actual_seq_kvlen), "one length per segment, q and kv"
+        assert len(actual_seq_qlen) <= 1024, "varlen: actual_seq_qlen holds at most 1K segments"
+        assert 1 <= query.size(-1) <= 768, "head dim D must be 1~768"
+        assert 1 <= head_num <= 256, "Nq must be 1~256"
+        self.calls[-1]["segments"] = len(actual_seq_qlen)
         out = _segment_attention(
             query, key, value, [0, *actual_seq_qlen], [0, *actual_seq_kvlen], scale,
             pre_tockens if sparse_mode == 4 else None,

@@ -7,9 +7,9 @@ import copy
 import torch
 
 from prefix_sharing.fsdp_compat import build_model, enable_prefix_sharing
-from prefix_sharing.presets import PRESETS
+from prefix_sharing.presets import PRESETS, sharp
 
-PRESET = PRESETS["tiny"]  # 2 layers, hidden 64, 4 query heads over 2 K/V heads, vocab 512
+PRESET = sharp(PRESETS["tiny"])  # 2 layers, hidden 64, 4 query heads over 2 K/V heads, vocab 512
 
 
 def plain_and_shared(family: str = "llama", attn_implementation: str = "sdpa",

@@ -43,6 +43,22 @@ def test_every_sharing_shape_matches_the_plain_forward(workload):
     assert all(within_tolerance(comparison).values()), comparison.max_rel_diff
 
 
+@pytest.mark.parametrize("temperature", [0.6, 1.7])
+def test_a_sampling_temperature_matches_the_plain_logits_divided_by_it(temperature):
+    """``shared_forward(temperature=T)`` end to end against transformers' forward, its logits
+    divided by T before the log-softmax (log-probs, entropy, loss, every gradient); the same
+    shared run without the temperature is far from that reference."""
+    plain, shared = plain_and_shared("llama")
+    w = make_workload("agent", vocab_size=PRESET.vocab_size)
+    weights = advantages(w.num_tokens, seed=0)
+    reference = plain_run(plain, w.sequences, weights, temperature)
+    comparison = compare_runs(
+        shared_run(shared, w.sequences, weights, EVERY_PREFIX, temperature=temperature), reference)
+    assert all(within_tolerance(comparison).values()), comparison.max_rel_diff
+    dropped = compare_runs(shared_run(shared, w.sequences, weights, EVERY_PREFIX), reference)
+    assert all(dropped.max_rel_diff[q] > 1e-3 for q in ("log_probs", "entropy", "loss", "grads"))
+
+
 def test_prompt_only_matches_the_plain_forward():
     plain, shared = plain_and_shared("qwen3")
     w = make_workload("grpo", vocab_size=PRESET.vocab_size)

@@ -12,11 +12,11 @@ from typing import Any
 import torch
 
 from prefix_sharing.engines.launch import run_distributed
-from prefix_sharing.presets import PRESETS
+from prefix_sharing.presets import PRESETS, sharp
 
 __all__ = ["PRESET", "run_distributed", "tiny_gpt"]
 
-PRESET = PRESETS["tiny"]  # 2 layers, hidden 64, 4 query heads over 2 K/V groups, vocab 512
+PRESET = sharp(PRESETS["tiny"])  # 2 layers, hidden 64, 4 query heads over 2 K/V groups, vocab 512
 
 
 def tiny_gpt(layout: str = "shared", **overrides: Any) -> torch.nn.Module:

@@ -29,10 +29,22 @@ VARIANTS = {
     "recompute_full": dict(recompute_granularity="full", recompute_method="uniform",
                            recompute_num_layers=1),
     "recompute_selective": dict(recompute_granularity="selective"),
+    # options of megatron's attention the sharing path must honour (see README)
+    "query_key_layer_scaling": dict(apply_query_key_layer_scaling=True),
+    "explicit_softmax_scale": dict(softmax_scale=0.4),
+    "partial_rotary": dict(rotary_percent=0.5),
+    "rotary_interleaved": dict(rotary_interleaved=True),
+    "yarn_mscale": dict(position_embedding_type="yarn", yarn_rotary_scaling_factor=4.0,
+                        yarn_original_max_position_embeddings=16, yarn_beta_fast=32.0,
+                        yarn_beta_slow=1.0, yarn_mscale=1.0, yarn_mscale_all_dim=0.0,
+                        yarn_correction_range_round_to_int=True),
 }
+OPTIONS = ["query_key_layer_scaling", "explicit_softmax_scale", "partial_rotary",
+           "rotary_interleaved", "yarn_mscale"]
 LAYOUTS = {  # name: (world size, tp, pp, variants)
     "tp1": (1, 1, 1, list(VARIANTS)),
-    "tp2": (2, 2, 1, ["llama", "qk_layernorm_mha_gelu", "one_kv_group", "recompute_selective"]),
+    "tp2": (2, 2, 1, ["llama", "qk_layernorm_mha_gelu", "one_kv_group", "recompute_selective",
+                      "partial_rotary"]),
     "pp2": (2, 1, 2, ["llama", "recompute_full"]),
     "tp2_pp2": (4, 2, 2, ["llama"]),
 }
@@ -41,6 +53,7 @@ LAYOUTS = {  # name: (world size, tp, pp, variants)
 def _equivalence_job(rank: int, variants: list[str]) -> dict:
     batches = micro_batches()
     report = {}
+    baseline = None
     for name in variants:
         ours, stock = tiny_gpt("shared", **VARIANTS[name]), tiny_gpt("padded", **VARIANTS[name])
         shared = forward_backward(ours, batches, "shared", SHARE_EVERY_PREFIX)
@@ -52,7 +65,11 @@ def _equivalence_job(rank: int, variants: list[str]) -> dict:
             "packed_vs_padded": compare(packed, padded).max_rel_diff,
             "outputs": len(shared.outputs),
             "digests": shared.digests,
+            # how far the option moves megatron's own outputs from the llama variant's
+            "moved": compare(padded, baseline).max_rel_diff if name in OPTIONS else None,
         }
+        if name == "llama":
+            baseline = padded
     return report
 
 
@@ -70,6 +87,22 @@ def test_shared_equals_plain_for_every_model_variant(layout):
             for pair in ("shared_vs_padded", "shared_vs_packed", "packed_vs_padded"):
                 worst = {q: d for q, d in r[pair].items() if d > FP32_RTOL}
                 assert not worst, f"{name} rank {rank} {variant} {pair}: {worst}"
+
+
+def test_every_option_changes_what_megatron_computes(layout):
+    """An option test has power only if the option is in effect: each moves megatron's stock
+    logits (query-key layer scaling excepted: megatron divides the scale by the layer number
+    and multiplies it back in the softmax, so it changes nothing in fp32 - that is the point)."""
+    name, _, ranks = layout
+    options = [o for o in OPTIONS if o in ranks[0]]
+    if not options:
+        pytest.skip(f"no option variant runs under {name}")
+    for option in options:
+        moved = max(report[option]["moved"]["logits"] for report in ranks)
+        if option == "query_key_layer_scaling":
+            assert moved <= FP32_RTOL, moved
+        else:
+            assert moved > 1e-3, (option, moved)
 
 
 def test_outputs_come_from_the_last_stage_of_every_micro_batch(layout):

@@ -1,15 +1,16 @@
 """token_stats over a vocabulary split across two real tensor-parallel ranks (gloo) gives the
-whole-vocabulary log-probs, entropy and gradients.
+log-probs, entropy and gradients of the input sequences run plainly.
 
-No model: both ranks take their slice of the same seeded logits, so the comparison isolates the
-vocab-parallel reductions (forward) and the communication-free backward.
+The logits come from a toy causal model - a token's logits are its embedding plus its
+position's - so the reference is computed from the input sequences alone (logits / T,
+log-softmax, gather the next token), with no plan, restore or code of this package, and the
+gradients are compared on the toy model's weights: each rank's vocabulary slice of the flat
+logits' gradient is gathered and carried back to them.
 """
 
 from __future__ import annotations
 
 import torch
-
-from prefix_sharing.equivalence import plain_token_log_probs
 
 from ._distributed import run_distributed
 from ._equivalence import SHARE_EVERY_PREFIX, micro_batches
@@ -29,7 +30,11 @@ def _job(rank: int) -> list[dict]:
     seqs = [s % VOCAB for batch in micro_batches(["grpo", "tree"]) for s in batch]
     mb = prepare_micro_batch(seqs, SHARE_EVERY_PREFIX, device="cpu")  # padded to 2 rows
     g = torch.Generator().manual_seed(0)
-    full = torch.randn(mb.plan.num_tokens_flat, VOCAB, generator=g, dtype=torch.float64) * 3
+    embed = (torch.randn(VOCAB, VOCAB, generator=g, dtype=torch.float64) * 3).requires_grad_()
+    pos = torch.randn(max(map(len, seqs)), VOCAB, generator=g, dtype=torch.float64)
+    pos.requires_grad_()
+    flat = embed[mb.plan.input_ids] + pos[mb.plan.position_ids]  # the toy model on the plan
+    full = flat.detach()
     weights = torch.rand(mb.plan.num_tokens_total, generator=g)
     half = VOCAB // 2
     all_reduces = _count_all_reduces()
@@ -45,22 +50,38 @@ def _job(rank: int) -> list[dict]:
         if with_entropy:
             loss = loss + (weights.flip(0) * stats.entropy).sum()
         loss.backward()
-        # the reference: the plain per-sequence computation over the whole vocabulary, in fp64
-        whole = full.clone().requires_grad_()
-        ref_lp, ref_ent = plain_token_log_probs(mb.plan.restore(whole).double() / temperature,
-                                                mb.plan.split(mb.plan.token_ids))
+        # the flat logits' gradient, both vocabulary slices, carried back to the toy weights
+        slices = [torch.empty_like(local.grad) for _ in range(2)]
+        torch.distributed.all_gather(slices, local.grad.contiguous())
+        got = torch.autograd.grad(flat, (embed, pos), torch.cat(slices, 1).double(),
+                                  retain_graph=True)
+        # the reference: every input sequence run plainly, in fp64
+        ref_lp, ref_ent = _plain(embed, pos, seqs, temperature)
         ref_loss = (weights * ref_lp).sum()
         if with_entropy:
             ref_loss = ref_loss + (weights.flip(0) * ref_ent).sum()
-        ref_loss.backward()
+        want = torch.autograd.grad(ref_loss, (embed, pos))
         results.append({
             "log_probs": (stats.log_probs.detach(), ref_lp.detach()),
             "entropy": (stats.entropy, ref_ent.detach()),
-            "grad": (local.grad, whole.grad[:, rank * half:(rank + 1) * half]),
+            "grad": (torch.cat([x.flatten() for x in got]),
+                     torch.cat([x.flatten() for x in want])),
             "padding": mb.plan.num_padding,
             "all_reduces": (forward_all_reduces, len(all_reduces) - forward_all_reduces),
         })
     return results
+
+
+def _plain(embed, pos, seqs, temperature):
+    """Per input sequence: the toy model's logits / T, log-softmax, the next token's log-prob
+    (0 at the last position, which predicts nothing) and the entropy."""
+    log_probs, entropy = [], []
+    for seq in seqs:
+        logp = torch.log_softmax((embed[seq] + pos[: len(seq)]) / temperature, dim=-1)
+        picked = logp[torch.arange(len(seq) - 1), seq[1:]]
+        log_probs.append(torch.cat([picked, picked.new_zeros(1)]))
+        entropy.append(-(logp.exp() * logp).sum(-1))
+    return torch.cat(log_probs), torch.cat(entropy)
 
 
 def _count_all_reduces() -> list:

@@ -22,14 +22,14 @@ import torch
 
 from prefix_sharing import PrefixSharingConfig, build_plan
 from prefix_sharing.engines.megatron import compare, forward_backward, gpt_model
-from prefix_sharing.equivalence import FP32_RTOL, max_rel_diff
+from prefix_sharing.equivalence import FP32_RTOL, max_rel_diff, same_keys
 from prefix_sharing.megatron_ext.moe import PlainBatchView
-from prefix_sharing.presets import PRESETS
+from prefix_sharing.presets import PRESETS, sharp
 from prefix_sharing.workloads import make_workload
 
 from ._distributed import run_distributed
 
-PRESET = PRESETS["tiny-moe"]  # the tiny shape, 8 experts of width 64, top-2
+PRESET = sharp(PRESETS["tiny-moe"])  # the tiny shape, 8 experts of width 64, top-2
 SHARE_EVERY_PREFIX = PrefixSharingConfig(min_prefix_len=1)
 WORKLOADS = {
     "grpo": dict(num_prompts=2, group_size=3),
@@ -167,6 +167,21 @@ def _statistics_run(model, batches, layout, config=PrefixSharingConfig()):
     return run, stats
 
 
+def _counts_vs_each_sequence(settings: dict, batches, shared_stats: dict) -> dict[str, float]:
+    """The expert-bias token counts against an independent reference: megatron's unmodified
+    stock spec run on each sequence alone (one unpadded row: no padding, no mask, no fix of
+    ours), its counts summed over every sequence of every micro-batch. One rank only."""
+    stock = gpt_model(PRESET, layout="padded", **settings)
+    routers = _routers(stock)
+    for router in routers:
+        router.local_tokens_per_expert.zero_()
+    for seq in (s for batch in batches for s in batch):
+        stock(seq[None], torch.arange(len(seq))[None], None)  # grad enabled: counts kept
+    return {f"layer{i}.tokens_per_expert": max_rel_diff(
+        shared_stats[f"layer{i}.tokens_per_expert"], router.local_tokens_per_expert)
+        for i, router in enumerate(routers)}
+
+
 def _moe_job(rank: int, variants: list[str]) -> dict:
     from megatron.core import parallel_state
 
@@ -182,10 +197,14 @@ def _moe_job(rank: int, variants: list[str]) -> dict:
                               num_moe_experts=PRESET.num_experts)))
         shared, shared_stats = _statistics_run(ours, batches, "shared", SHARE_EVERY_PREFIX)
         padded, padded_stats = _statistics_run(stock, batches, "padded")
+        same_keys(shared_stats, padded_stats, "router statistics")
+        one_rank = torch.distributed.get_world_size() == 1
         report[name] = {
             "shared_vs_padded": compare(shared, padded).max_rel_diff,
             "statistics_vs_padded": {k: max_rel_diff(v, padded_stats[k])
                                      for k, v in shared_stats.items()},
+            "counts_vs_each_sequence": _counts_vs_each_sequence(settings, batches, shared_stats)
+            if one_rank and "expert_bias" in name else None,
             "statistic_names": sorted(padded_stats),
             "tracker": {k: v for k, v in padded_stats.items() if k.startswith("tracker.")},
             "router_grads": [k for k in padded.grads if k.endswith("router.weight")],
@@ -216,6 +235,14 @@ STATISTICS = {  # what each variant keeps (at least)
     "preset": _LOSSES, "recompute_full": _LOSSES,
     "expert_bias": _LOSSES | {"layer0.tokens_per_expert", "layer0.expert_bias_update"},
 }
+
+
+def test_expert_bias_counts_equal_the_stock_router_run_on_each_sequence(layout):
+    name, ranks = layout
+    if name != "one_rank":
+        pytest.skip("the per-sequence reference is a one-rank run (the padded one covers TP/PP)")
+    counts = ranks[0]["expert_bias"]["counts_vs_each_sequence"]
+    assert len(counts) == PRESET.num_layers and not any(counts.values()), counts
 
 
 def test_every_router_statistic_is_compared(layout):

@@ -22,6 +22,7 @@ MODES = {
 def close(shared: torch.Tensor, plain: torch.Tensor, what: str) -> None:
     """``max|shared - plain| <= RTOL * max|plain|`` (with a floor of 1e-6 on the scale)."""
     assert shared.shape == plain.shape, f"{what}: {tuple(shared.shape)} vs {tuple(plain.shape)}"
+    assert plain.numel(), f"{what}: empty comparison"
     err = (shared - plain).abs().max() / plain.abs().max().clamp(min=1e-6)
     assert err <= RTOL, f"{what}: relative error {float(err):.2e}"
 
@@ -33,8 +34,10 @@ def same_outputs(shared: dict, plain: dict, where: str, *, per_micro_batch: bool
     loss: per micro-batch, or its sum over the step when the two runs split the batch
     differently (``per_micro_batch=False``)."""
     assert shared["grads"].keys() == plain["grads"].keys(), f"{where}: parameter names differ"
+    assert plain["grads"], f"{where}: no gradients to compare"
     for name, grad in plain["grads"].items():
         close(shared["grads"][name], grad, f"{where} grad {name}")
+    assert bool(shared["infer"]) == bool(plain["infer"]), f"{where}: only one run returned outputs"
     if not plain["infer"]:
         return
     for key in ("log_probs", "entropy"):
@@ -50,5 +53,6 @@ def same_outputs(shared: dict, plain: dict, where: str, *, per_micro_batch: bool
             f"{where}: {len(losses_s)} vs {len(losses_p)} micro-batches")
     else:
         losses_s, losses_p = [sum(losses_s)], [sum(losses_p)]
+    assert losses_p, f"{where}: no losses to compare"
     for s, p in zip(losses_s, losses_p, strict=True):
         assert abs(s - p) <= RTOL * max(abs(p), 1e-6), f"{where} loss {s} vs {p}"
