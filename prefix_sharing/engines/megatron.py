@@ -306,7 +306,7 @@ def forward_backward(
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from ..megatron_ext import prepare_micro_batch, token_stats
+    from ..megatron_ext import check_sharing_model, prepare_micro_batch, token_stats
 
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}; got {layout!r}")
@@ -317,6 +317,7 @@ def forward_backward(
     elif layout == "packed":
         inputs = [stock_thd_batch(seqs, device, config.backend) for seqs in batches]
     else:
+        check_sharing_model(model)
         inputs = [prepare_micro_batch(seqs, config, groups=g, device=device)
                   for seqs, g in zip(batches, groups)]
     model.zero_grad(set_to_none=True)

@@ -17,6 +17,8 @@ stock spec at EP=1, gradients matched by global expert index.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -124,7 +126,9 @@ def stock_spec_with_masked_bias_counts(config):
 
     spec = get_gpt_layer_local_spec(num_experts=config["num_moe_experts"],
                                     normalization="RMSNorm")
-    spec.submodules.mlp.submodules.router = MaskedBiasCountRouter
+    mlp = spec.submodules.mlp  # a ModuleSpec up to megatron-core 0.17, a partial from 0.18
+    submodules = mlp.keywords["submodules"] if isinstance(mlp, functools.partial) else mlp.submodules
+    submodules.router = MaskedBiasCountRouter
     return spec
 
 
