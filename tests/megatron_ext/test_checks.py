@@ -88,6 +88,7 @@ def _since(field: str) -> pytest.MarkDecorator:
                  "moe_expert_rank_capacity_factor=1.5",
                  marks=_since("moe_expert_rank_capacity_factor")),  # 0.18+
 ])
+@pytest.mark.mcore_release_check
 def test_sharing_refuses_newer_releases_settings(setting, message):
     """Settings of megatron-core 0.17+ that draw per computed token or count the batch's tokens.
     Set after construction: their validation needs a GPU-only dispatcher or TE, the check reads

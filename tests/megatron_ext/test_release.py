@@ -18,6 +18,8 @@ from prefix_sharing.megatron_ext.release import (
     check_release,
 )
 
+pytestmark = pytest.mark.mcore_release_check
+
 
 def test_the_installed_release_is_a_tested_one():
     assert release.installed_release() in TESTED_RELEASES

@@ -37,6 +37,8 @@ from prefix_sharing.megatron_ext import (
 
 from ._distributed import run_distributed
 
+pytestmark = pytest.mark.mcore_release_check
+
 MOE_PATTERN = [1, 0, 1, 0]  # layers 1 and 3 MoE
 
 
