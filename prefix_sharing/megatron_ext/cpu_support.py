@@ -1,4 +1,4 @@
-"""Run megatron-core 0.16.1 on a CPU-only torch with the gloo backend (tests, CI, laptops).
+"""Run megatron-core (0.16.1 - 0.19.2) on a CPU-only torch with gloo (tests, CI, laptops).
 
 megatron-core hard-codes CUDA in the code paths that a forward/backward, a pipeline schedule and
 an optimizer step go through. :func:`enable_cpu_megatron` redirects those to the CPU at runtime

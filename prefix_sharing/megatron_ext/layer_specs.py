@@ -77,8 +77,8 @@ def with_prefix_sharing(spec: Any) -> Any:
     if isinstance(spec, TransformerBlockSubmodules):
         if not isinstance(spec.layer_specs, list):
             raise UnsupportedSpecError(
-                "with_prefix_sharing needs a TransformerBlockSubmodules with a list of layer specs; "
-                f"got layer_specs={spec.layer_specs!r}"
+                "with_prefix_sharing needs a TransformerBlockSubmodules with a list of layer "
+                f"specs; got layer_specs={spec.layer_specs!r}"
             )
         return dataclasses.replace(spec, layer_specs=_sharing_layers(spec.layer_specs))
     if isinstance(spec, list):
@@ -98,7 +98,8 @@ def _sharing_layers(layer_specs: list) -> list:
 
 def _sharing_layer(layer_spec: Any, where: str) -> ModuleSpec:
     """The sharing copy of one ``TransformerLayer`` spec (``where`` names it in errors)."""
-    if not (isinstance(layer_spec, ModuleSpec) and _is_subclass(layer_spec.module, TransformerLayer)):
+    if not (isinstance(layer_spec, ModuleSpec)
+            and _is_subclass(layer_spec.module, TransformerLayer)):
         raise UnsupportedSpecError(
             f"with_prefix_sharing: {where} is {_describe(layer_spec)}, not a ModuleSpec of a "
             "TransformerLayer"

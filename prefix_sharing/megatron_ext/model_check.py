@@ -45,7 +45,7 @@ def stock_modules(model: torch.nn.Module) -> list[str]:
             if not isinstance(module, PrefixSharingRouter):
                 found.append(f"{name} ({type(module).__qualname__})")
             elif module.fed_by is None:
-                found.append(f"{name} (PrefixSharingRouter outside a PrefixSharingTransformerLayer)")
+                found.append(f"{name} (PrefixSharingRouter that no layer hands a plan)")
     return found
 
 

@@ -54,7 +54,8 @@ def _import_with_version(version: str, **env: str) -> subprocess.CompletedProces
     code = textwrap.dedent(f"""
         import importlib.metadata, warnings
         real = importlib.metadata.version
-        importlib.metadata.version = lambda name: {version!r} if name == "megatron-core" else real(name)
+        importlib.metadata.version = (
+            lambda name: {version!r} if name == "megatron-core" else real(name))
         warnings.simplefilter("always")
         import prefix_sharing.megatron_ext
         print("imported")
