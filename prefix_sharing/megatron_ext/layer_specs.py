@@ -49,14 +49,15 @@ class UnsupportedSpecError(UnsupportedSetupError, ValueError):
     """A layer or block spec whose form :func:`with_prefix_sharing` does not recognise."""
 
 
-# Further whole-model spec forms: type -> function returning the sharing copy of such a spec.
-_FORMS: dict[type, Callable[[Any], Any]] = {}
+# Further spec forms, tried first: (recognises, swap) pairs.
+_FORMS: list[tuple[Callable[[Any], bool], Callable[[Any], Any]]] = []
 
 
-def register_spec_form(form: type, swap: Callable[[Any], Any]) -> None:
-    """Lets :func:`with_prefix_sharing` convert specs of type ``form`` with ``swap`` (which must
-    return a copy in which every attention and router is the sharing one, or raise)."""
-    _FORMS[form] = swap
+def register_spec_form(recognises: Callable[[Any], bool], swap: Callable[[Any], Any]) -> None:
+    """Lets :func:`with_prefix_sharing` convert the specs ``recognises`` accepts (e.g. a hybrid
+    stack's) with ``swap``, which must return a copy in which every attention and router is the
+    sharing one, or raise :class:`UnsupportedSpecError`."""
+    _FORMS.append((recognises, swap))
 
 
 def with_prefix_sharing(spec: Any) -> Any:
@@ -72,6 +73,9 @@ def with_prefix_sharing(spec: Any) -> Any:
     Raises:
         UnsupportedSpecError: a form not recognised, naming the layer and the form.
     """
+    for recognises, swap in _FORMS:
+        if recognises(spec):
+            return swap(spec)
     if isinstance(spec, ModuleSpec):
         return _sharing_layer(spec, "the layer spec")
     if isinstance(spec, TransformerBlockSubmodules):
@@ -83,9 +87,6 @@ def with_prefix_sharing(spec: Any) -> Any:
         return dataclasses.replace(spec, layer_specs=_sharing_layers(spec.layer_specs))
     if isinstance(spec, list):
         return _sharing_layers(spec)
-    for form, swap in _FORMS.items():
-        if isinstance(spec, form):
-            return swap(spec)
     raise UnsupportedSpecError(
         f"with_prefix_sharing does not recognise a spec of type {type(spec).__qualname__}: give a "
         "TransformerLayer ModuleSpec, a TransformerBlockSubmodules or a list of layer specs"

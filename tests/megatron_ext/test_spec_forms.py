@@ -193,3 +193,18 @@ def test_multi_latent_attention_is_refused_naming_the_layer():
     with pytest.raises(UnsupportedSpecError, match=r"layer 2 has self_attention=ModuleSpec\("
                                                    "MLASelfAttention"):
         with_prefix_sharing(layers)
+
+
+def test_a_registered_form_is_converted_by_its_swap(monkeypatch):
+    from prefix_sharing.megatron_ext import layer_specs
+
+    monkeypatch.setattr(layer_specs, "_FORMS", [])
+
+    class Stack:
+        def __init__(self, layers):
+            self.layers = layers
+
+    layer_specs.register_spec_form(lambda spec: isinstance(spec, Stack),
+                                   lambda spec: Stack(with_prefix_sharing(spec.layers)))
+    shared = with_prefix_sharing(Stack([stock.get_gpt_layer_local_spec(num_experts=4)]))
+    assert_layer_shares(shared.layers[0], moe=True)
