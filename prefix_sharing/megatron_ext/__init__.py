@@ -6,7 +6,8 @@
     mb = prepare_micro_batch(sequences, PrefixSharingConfig())
     stats = forward_token_stats(model, mb)          # log-probs + entropy, packed per sequence
 
-Importing this package imports megatron-core (and fails with a clear message without it).
+Importing this package imports megatron-core (and fails with a clear message without it, or
+with a release it is not tested on: see :mod:`.release`).
 On Ascend, import ``mindspeed.megatron_adaptor`` first: it replaces classes this package
 subclasses.
 """
@@ -18,14 +19,21 @@ if importlib.util.find_spec("megatron.core") is None:
         "prefix_sharing.megatron_ext needs megatron-core (pip install 'prefix-sharing[megatron]')"
     )
 
+from .release import check_release  # noqa: E402
+
+check_release()
+
 from .checks import UnsupportedSetupError, assert_same_plan  # noqa: E402
 from .core_attention import PrefixSharingCoreAttention  # noqa: E402
 from .layer_specs import (  # noqa: E402
+    UnsupportedSpecError,
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
+    register_spec_form,
     with_prefix_sharing,
 )
 from .logprobs import forward_token_stats, token_stats  # noqa: E402
+from .model_check import check_sharing_model  # noqa: E402
 from .moe import PrefixSharingRouter, PrefixSharingTransformerLayer  # noqa: E402
 from .packed_seq import MicroBatch, PlanPackedSeqParams, prepare_micro_batch  # noqa: E402
 from .self_attention import PrefixSharingSelfAttention  # noqa: E402
@@ -38,11 +46,14 @@ __all__ = [
     "PrefixSharingSelfAttention",
     "PrefixSharingTransformerLayer",
     "UnsupportedSetupError",
+    "UnsupportedSpecError",
     "assert_same_plan",
+    "check_sharing_model",
     "forward_token_stats",
     "get_gpt_layer_local_spec",
     "get_gpt_layer_with_transformer_engine_spec",
     "prepare_micro_batch",
+    "register_spec_form",
     "token_stats",
     "with_prefix_sharing",
 ]

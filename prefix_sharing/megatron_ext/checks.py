@@ -77,10 +77,25 @@ def _moe_problems(config: TransformerConfig, training: bool) -> list[str]:
             "expert drops depends on the other tokens of the batch; use dropless MoE "
             "(moe_expert_capacity_factor=None)"
         )
-    if config.moe_router_load_balancing_type == "sinkhorn":
+    # megatron-core 0.18+: a per-rank token budget; hybridep drops the tokens past it
+    rank_capacity = getattr(config, "moe_expert_rank_capacity_factor", None)
+    if rank_capacity is not None:
+        problems.append(
+            f"moe_expert_rank_capacity_factor={rank_capacity}: which tokens an expert rank drops "
+            "depends on the other tokens of the batch; use moe_expert_rank_capacity_factor=None"
+        )
+    balancing = config.moe_router_load_balancing_type
+    balancing = balancing if isinstance(balancing, list) else [balancing]
+    if "sinkhorn" in balancing:
         problems.append(
             "moe_router_load_balancing_type='sinkhorn': Sinkhorn routing normalizes over the "
             "batch's tokens"
+        )
+    if "quantile_balancing" in balancing:  # megatron-core 0.19+
+        problems.append(
+            "moe_router_load_balancing_type='quantile_balancing': its routing thresholds are "
+            "quantiles over the computed tokens of the batch (and it refuses a padding mask), "
+            "so a shared prefix would count once instead of once per reader"
         )
     if training and config.moe_input_jitter_eps is not None:
         problems.append(
@@ -90,6 +105,12 @@ def _moe_problems(config: TransformerConfig, training: bool) -> list[str]:
     if config.moe_router_force_load_balancing:
         problems.append(
             "moe_router_force_load_balancing=True: the benchmark's random router logits are "
+            "drawn per computed token, so every reuser would get its provider's draw"
+        )
+    force_biased = getattr(config, "moe_router_force_biased", None)  # megatron-core 0.17+
+    if force_biased is not None:
+        problems.append(
+            f"moe_router_force_biased={force_biased}: the benchmark's random router logits are "
             "drawn per computed token, so every reuser would get its provider's draw"
         )
     if config.moe_enable_routing_replay:

@@ -1,4 +1,4 @@
-"""Run megatron-core 0.16.1 on a CPU-only torch with the gloo backend (tests, CI, laptops).
+"""Run megatron-core (0.16.1 - 0.19.2) on a CPU-only torch with gloo (tests, CI, laptops).
 
 megatron-core hard-codes CUDA in the code paths that a forward/backward, a pipeline schedule and
 an optimizer step go through. :func:`enable_cpu_megatron` redirects those to the CPU at runtime
@@ -98,7 +98,15 @@ def _redirect_cuda_synchronize() -> None:
 
 
 class _HostStream:
-    """The CPU's one stream: waiting on it or synchronizing it is a no-op."""
+    """The CPU's one stream: waiting on it or synchronizing it is a no-op.
+
+    It replaces the class ``torch.cuda.Stream`` and must stay a class: other libraries use
+    ``torch.cuda.Stream`` as a type (transformers >= 5.10 writes ``torch.cuda.Stream | None`` in
+    annotations evaluated at import time, and ``isinstance`` checks are common).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # device, priority: one host stream
+        pass
 
     def wait_stream(self, stream: Any) -> None:
         pass
@@ -106,7 +114,7 @@ class _HostStream:
     def synchronize(self) -> None:
         pass
 
-    def record_event(self) -> _HostStream:  # an event on it is as complete as the stream
+    def record_event(self, event: Any = None) -> _HostStream:  # as complete as the stream
         return self
 
 
@@ -114,9 +122,8 @@ def _redirect_cuda_streams() -> None:
     # transformer/moe/token_dispatcher.py's all-to-all dispatcher creates a torch.cuda.Stream
     # and moves its split sizes to the host on it (current_stream, wait_stream, cuda.stream,
     # record_event().synchronize()).
-    host = _HostStream()
-    torch.cuda.Stream = lambda *args, **kwargs: host
-    torch.cuda.current_stream = lambda device=None: host
+    torch.cuda.Stream = _HostStream
+    torch.cuda.current_stream = lambda device=None: _HostStream()
     torch.cuda.stream = lambda stream: contextlib.nullcontext()
 
 

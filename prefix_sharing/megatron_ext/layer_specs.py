@@ -1,48 +1,116 @@
-"""GPT layer specs with prefix sharing: megatron-core's own specs, two submodules swapped.
+"""GPT layer specs with prefix sharing: megatron-core's own specs, a few submodules swapped.
 
 Composition the megatron-core way: take the stock layer spec, copy it, replace
 ``self_attention.module`` (absolute rotary positions) and
 ``self_attention.submodules.core_attention`` (K/V injection), keep everything else - norms,
 linear layers, MLP or MoE, TE or local flavour. In an MoE layer the router and the layer class
 are swapped too, so the router's batch statistics count the plain batch (see :mod:`.moe`).
+
+The forms differ by megatron-core release, and each is recognised by what it is, not by the
+release: a layer is a ``ModuleSpec`` of a ``TransformerLayer``; its MoE ``mlp`` a ``ModuleSpec``
+of ``MoELayer`` (0.16-0.17) or ``functools.partial(MoELayer, submodules=MoESubmodules(...))``
+(0.18+); a block is a ``TransformerBlockSubmodules`` (``get_gpt_decoder_block_spec``) or a list of
+layer specs (``get_gpt_decoder_layer_specs``). Anything else raises, naming the layer and the
+form: a layer left stock while the others share would silently change the results.
+:func:`register_spec_form` is the hook for further whole-model forms (e.g. a hybrid stack).
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Any
+import dataclasses
+import functools
+import inspect
+from typing import Any, Callable
 
 from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.transformer.attention import SelfAttention
-from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.moe_layer import BaseMoELayer
+from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from .checks import UnsupportedSetupError
 from .core_attention import PrefixSharingCoreAttention
 from .moe import PrefixSharingRouter, PrefixSharingTransformerLayer
 from .self_attention import PrefixSharingSelfAttention
 
 __all__ = [
+    "UnsupportedSpecError",
     "with_prefix_sharing",
+    "register_spec_form",
     "get_gpt_layer_local_spec",
     "get_gpt_layer_with_transformer_engine_spec",
 ]
 
 
-def with_prefix_sharing(layer_spec: ModuleSpec) -> ModuleSpec:
-    """A copy of a GPT ``TransformerLayer`` spec whose self-attention shares prefixes.
+class UnsupportedSpecError(UnsupportedSetupError, ValueError):
+    """A layer or block spec whose form :func:`with_prefix_sharing` does not recognise."""
+
+
+# Further spec forms, tried first: (recognises, swap) pairs.
+_FORMS: list[tuple[Callable[[Any], bool], Callable[[Any], Any]]] = []
+
+
+def register_spec_form(recognises: Callable[[Any], bool], swap: Callable[[Any], Any]) -> None:
+    """Lets :func:`with_prefix_sharing` convert the specs ``recognises`` accepts (e.g. a hybrid
+    stack's) with ``swap``, which must return a copy in which every attention and router is the
+    sharing one, or raise :class:`UnsupportedSpecError`."""
+    _FORMS.append((recognises, swap))
+
+
+def with_prefix_sharing(spec: Any) -> Any:
+    """A copy of a GPT layer or block spec whose every layer shares prefixes.
 
     Args:
-        layer_spec: a layer spec whose ``submodules.self_attention`` is a ``SelfAttention``
-            spec (any stock GPT layer spec, local or Transformer Engine, dense or MoE).
+        spec: a ``TransformerLayer`` ``ModuleSpec`` (any stock GPT layer spec, local or
+            Transformer Engine, dense or MoE), a ``TransformerBlockSubmodules`` as
+            ``get_gpt_decoder_block_spec`` returns, a list of layer specs as
+            ``get_gpt_decoder_layer_specs`` returns, or a form added with
+            :func:`register_spec_form`.
+
+    Raises:
+        UnsupportedSpecError: a form not recognised, naming the layer and the form.
     """
-    attention = getattr(getattr(layer_spec, "submodules", None), "self_attention", None)
-    if not (isinstance(attention, ModuleSpec) and isinstance(attention.module, type)
-            and issubclass(attention.module, SelfAttention)):
-        found = getattr(attention, "module", attention)
-        raise ValueError(
-            "with_prefix_sharing needs a GPT layer spec whose self_attention is a SelfAttention "
-            f"ModuleSpec; got self_attention={found!r} (multi-latent attention is not supported)"
+    for recognises, swap in _FORMS:
+        if recognises(spec):
+            return swap(spec)
+    if isinstance(spec, ModuleSpec):
+        return _sharing_layer(spec, "the layer spec")
+    if isinstance(spec, TransformerBlockSubmodules):
+        if not isinstance(spec.layer_specs, list):
+            raise UnsupportedSpecError(
+                "with_prefix_sharing needs a TransformerBlockSubmodules with a list of layer "
+                f"specs; got layer_specs={spec.layer_specs!r}"
+            )
+        return dataclasses.replace(spec, layer_specs=_sharing_layers(spec.layer_specs))
+    if isinstance(spec, list):
+        return _sharing_layers(spec)
+    raise UnsupportedSpecError(
+        f"with_prefix_sharing does not recognise a spec of type {type(spec).__qualname__}: give a "
+        "TransformerLayer ModuleSpec, a TransformerBlockSubmodules or a list of layer specs"
+    )
+
+
+def _sharing_layers(layer_specs: list) -> list:
+    return [_sharing_layer(layer, f"layer {i + 1}") for i, layer in enumerate(layer_specs)]
+
+
+def _sharing_layer(layer_spec: Any, where: str) -> ModuleSpec:
+    """The sharing copy of one ``TransformerLayer`` spec (``where`` names it in errors)."""
+    if not (isinstance(layer_spec, ModuleSpec)
+            and _is_subclass(layer_spec.module, TransformerLayer)):
+        raise UnsupportedSpecError(
+            f"with_prefix_sharing: {where} is {_describe(layer_spec)}, not a ModuleSpec of a "
+            "TransformerLayer"
+        )
+    attention = getattr(layer_spec.submodules, "self_attention", None)
+    if not (isinstance(attention, ModuleSpec) and _is_subclass(attention.module, SelfAttention)):
+        raise UnsupportedSpecError(
+            f"with_prefix_sharing needs a GPT layer spec whose self_attention is a SelfAttention "
+            f"ModuleSpec; {where} has self_attention={_describe(attention)} (multi-latent "
+            "attention is not supported)"
         )
     spec = copy.deepcopy(layer_spec)
     spec.submodules.self_attention.module = PrefixSharingSelfAttention
@@ -50,16 +118,61 @@ def with_prefix_sharing(layer_spec: ModuleSpec) -> ModuleSpec:
         module=PrefixSharingCoreAttention
     )
     mlp = spec.submodules.mlp
-    is_moe = isinstance(mlp, ModuleSpec) and isinstance(mlp.module, type) \
-        and issubclass(mlp.module, MoELayer)
-    if is_moe:
-        if spec.module is not TransformerLayer:
-            raise ValueError(
-                f"with_prefix_sharing supports MoE in a plain TransformerLayer; got {spec.module!r}"
+    target = _built_class(mlp)
+    if target is None:
+        raise UnsupportedSpecError(
+            f"with_prefix_sharing: {where} has mlp={_describe(mlp)}, a form whose module it cannot "
+            "tell (it must be a ModuleSpec, a functools.partial of a class or classmethod, or a "
+            "class), so it cannot tell whether its router would need to be swapped"
+        )
+    if issubclass(target, BaseMoELayer):
+        if spec.module not in (TransformerLayer, PrefixSharingTransformerLayer):
+            raise UnsupportedSpecError(
+                f"with_prefix_sharing supports MoE in a plain TransformerLayer; {where} is a "
+                f"{spec.module.__qualname__}"
             )
         spec.module = PrefixSharingTransformerLayer
-        mlp.submodules.router = PrefixSharingRouter
+        spec.submodules.mlp = _with_sharing_router(mlp, where)
     return spec
+
+
+def _with_sharing_router(mlp: ModuleSpec | functools.partial, where: str) -> Any:
+    """The MoE spec ``mlp`` (a ``ModuleSpec`` or a ``partial``) with the sharing router."""
+    submodules = mlp.submodules if isinstance(mlp, ModuleSpec) else mlp.keywords.get("submodules")
+    router = getattr(submodules, "router", None)
+    if router not in (TopKRouter, PrefixSharingRouter):
+        raise UnsupportedSpecError(
+            f"with_prefix_sharing: {where}'s MoE router is {_describe(router)}; only megatron's "
+            "TopKRouter is replaced by the prefix-sharing router"
+        )
+    submodules = dataclasses.replace(submodules, router=PrefixSharingRouter)
+    if isinstance(mlp, ModuleSpec):
+        mlp.submodules = submodules
+        return mlp
+    return functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": submodules})
+
+
+def _built_class(spec: Any) -> type | None:
+    """The class a submodule spec builds: a ``ModuleSpec``'s module, a ``partial``'s class or
+    the class of its classmethod (``MLP.as_mlp_submodule``), a class itself; else None."""
+    if isinstance(spec, ModuleSpec):
+        spec = spec.module
+    elif isinstance(spec, functools.partial):
+        spec = spec.func
+    if inspect.ismethod(spec) and inspect.isclass(spec.__self__):
+        spec = spec.__self__
+    return spec if inspect.isclass(spec) else None
+
+
+def _is_subclass(module: Any, base: type) -> bool:
+    return inspect.isclass(module) and issubclass(module, base)
+
+
+def _describe(spec: Any) -> str:
+    """A spec's form for an error message: its type and what it builds."""
+    built = getattr(spec, "module", getattr(spec, "func", spec))
+    name = getattr(built, "__qualname__", repr(built))
+    return f"{type(spec).__qualname__}({name})" if built is not spec else name
 
 
 def get_gpt_layer_local_spec(*args: Any, **kwargs: Any) -> ModuleSpec:

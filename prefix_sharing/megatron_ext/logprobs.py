@@ -14,6 +14,7 @@ from megatron.core import parallel_state
 from megatron.core.utils import get_attr_wrapped_model
 
 from ..logprobs import TokenStats, token_log_probs
+from .model_check import check_sharing_model
 from .packed_seq import MicroBatch
 
 __all__ = ["MegatronVocabShard", "token_stats", "forward_token_stats"]
@@ -86,6 +87,7 @@ def forward_token_stats(
     With pipeline parallelism, call the model in your ``forward_step_func`` and
     :func:`token_stats` in its loss function on the last stage.
     """
+    check_sharing_model(model)
     max_len = get_attr_wrapped_model(model, "max_sequence_length")
     longest = max(batch.plan.seq_lens)
     if max_len is not None and longest > max_len:

@@ -173,9 +173,13 @@ class PrefixSharingRouter(TopKRouter):
     router's on that rank's slice of it.
     """
 
-    def __init__(self, config: Any, pg_collection: Any = None) -> None:
-        super().__init__(config=config, pg_collection=pg_collection)
+    def __init__(self, config: Any, pg_collection: Any = None, **kwargs: Any) -> None:
+        # kwargs: what the release's MoELayer also passes (0.17+: is_mtp_layer)
+        super().__init__(config=config, pg_collection=pg_collection, **kwargs)
         self._plan: SharingPlan | None = None
+        # The layer class that hands this router its plan (set by that layer); a router no layer
+        # feeds would route the flat rows as if they were the plain batch.
+        self.fed_by: str | None = None
 
     @contextlib.contextmanager
     def reading(self, plan: SharingPlan | None) -> Iterator[None]:
@@ -255,6 +259,7 @@ class PrefixSharingTransformerLayer(TransformerLayer):
                 "PrefixSharingTransformerLayer needs an MoE mlp whose router is a "
                 f"PrefixSharingRouter; got router={type(router).__name__}"
             )
+        router.fed_by = type(self).__qualname__
         if self.mlp.moe_layer_recompute and router._keeps_statistics():
             raise UnsupportedSetupError(
                 "recompute_modules contains 'moe' with MoE auxiliary losses, z-loss or expert "

@@ -166,11 +166,12 @@ def shared_forward(
     from megatron.core import parallel_state
     from megatron.core.utils import unwrap_model
 
-    from ..megatron_ext import prepare_micro_batch, token_stats
+    from ..megatron_ext import check_sharing_model, prepare_micro_batch, token_stats
 
     if value_model or vision_model or multi_modal_inputs:
         raise PrefixSharingSetupError("prefix sharing supports text-only language models (no value "
                                       "head, no vision inputs)")
+    check_sharing_model(model)
     sequences = list(input_ids.unbind())
     mb = prepare_micro_batch(
         sequences, sharing, groups=groups,

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import copy
 import functools
 from collections.abc import Callable, Iterator
 from types import ModuleType
@@ -69,14 +68,8 @@ def current_micro_batch(forward_kwargs: dict) -> Iterator[None]:
 
 def share_layer_spec(spec: Any) -> Any:
     """The prefix-sharing version of a GPT layer spec or of a decoder block spec (all layers)."""
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
-
     from ..megatron_ext import with_prefix_sharing
 
-    if isinstance(spec, TransformerBlockSubmodules):
-        block = copy.copy(spec)
-        block.layer_specs = [with_prefix_sharing(layer) for layer in spec.layer_specs]
-        return block
     return with_prefix_sharing(spec)
 
 

@@ -71,6 +71,35 @@ def test_sharing_refuses_settings_that_would_change_the_results(setting, message
     check_sharing_allowed(config, PLAIN, training=True)  # the plain layout is always fine
 
 
+def _since(field: str) -> pytest.MarkDecorator:
+    """Skips where this megatron-core release's TransformerConfig has no ``field``."""
+    return pytest.mark.skipif(field not in TransformerConfig.__dataclass_fields__,
+                              reason=f"TransformerConfig.{field} is newer than this release")
+
+
+@pytest.mark.parametrize("setting, message", [
+    pytest.param(dict(moe_router_force_biased=0.5), "moe_router_force_biased=0.5",
+                 marks=_since("moe_router_force_biased")),  # 0.17+
+    pytest.param(dict(moe_router_load_balancing_type="quantile_balancing"),
+                 "moe_router_load_balancing_type='quantile_balancing'",
+                 marks=_since("moe_router_quantile_balancing_ema")),  # 0.19+
+    pytest.param(dict(moe_expert_rank_capacity_factor=1.5),
+                 "moe_expert_rank_capacity_factor=1.5",
+                 marks=_since("moe_expert_rank_capacity_factor")),  # 0.18+
+])
+@pytest.mark.mcore_release_check
+def test_sharing_refuses_newer_releases_settings(setting, message):
+    """Settings of megatron-core 0.17+ that draw per computed token or count the batch's tokens.
+    Set after construction: their validation needs a GPU-only dispatcher or TE, the check reads
+    the value."""
+    config = TransformerConfig(**BASE, num_moe_experts=4, moe_aux_loss_coeff=0.0)
+    for name, value in setting.items():
+        setattr(config, name, value)
+    with pytest.raises(UnsupportedSetupError, match=message):
+        check_sharing_allowed(config, SHARED, training=True)
+    check_sharing_allowed(config, PLAIN, training=True)
+
+
 def test_moe_router_losses_and_expert_bias_are_allowed_while_sharing():
     """The router reweights them by token multiplicity (tests/megatron_ext/test_moe.py)."""
     config = TransformerConfig(**BASE, num_moe_experts=4, moe_router_score_function="sigmoid",

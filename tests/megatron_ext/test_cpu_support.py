@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import importlib.util
 import multiprocessing
+import subprocess
 import sys
+import textwrap
 import time
 from typing import Any
 
@@ -128,6 +130,29 @@ def test_refuses_on_cuda_machine(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(RuntimeError, match="CUDA is available"):
         enable_cpu_megatron()
+
+
+def test_cuda_stream_stays_a_class() -> None:
+    """After enabling, ``torch.cuda.Stream`` is still a class: transformers >= 5.10 evaluates
+    ``torch.cuda.Stream | None`` at import time, and the all-to-all dispatcher's stream calls
+    are no-ops (fresh interpreter: the redirections cannot be undone)."""
+    code = textwrap.dedent("""
+        import torch
+        from prefix_sharing.megatron_ext.cpu_support import enable_cpu_megatron
+        enable_cpu_megatron()
+        import transformers.modeling_utils  # noqa: F401
+        stream = torch.cuda.Stream(device="cuda", priority=-1)
+        assert isinstance(stream, torch.cuda.Stream)
+        assert isinstance(torch.cuda.current_stream(), torch.cuda.Stream)
+        assert (torch.cuda.Stream | None) is not None
+        with torch.cuda.stream(stream):
+            stream.wait_stream(torch.cuda.current_stream())
+        stream.record_event().synchronize()
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
 
 
 def test_enable_is_idempotent(reference: dict[str, Any]) -> None:

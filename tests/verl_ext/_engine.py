@@ -15,25 +15,9 @@ from functools import partial
 from types import SimpleNamespace
 from typing import Any
 
-import torch
+import verl.workers.engine.megatron.transformer_impl  # noqa: F401  (registers the engine, patched)
 
 from ._batch import PRESET, make_batch, plain_output, use_cpu_platform
-
-
-def _import_verl_engine() -> None:
-    """Imports verl's Megatron engine (patched on import) in a rank where megatron's CPU
-    redirections already replaced ``torch.cuda.Stream`` by a function: transformers 5.10, which
-    verl imports, writes ``torch.cuda.Stream | None`` in annotations at import time."""
-    stream = torch.cuda.Stream
-    if not isinstance(stream, type):
-        torch.cuda.Stream = type("Stream", (), {})
-    try:
-        import verl.workers.engine.megatron.transformer_impl  # noqa: F401
-    finally:
-        torch.cuda.Stream = stream
-
-
-_import_verl_engine()
 
 
 def actor_config(prefix_grouper: dict | None, **overrides: Any):
