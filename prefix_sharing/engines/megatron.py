@@ -47,6 +47,8 @@ __all__ = [
     "stock_thd_batch",
     "stock_thd_token_stats",
     "gpt_model",
+    "hybrid_model",
+    "transformer_config",
     "seed_weights",
     "full_grads",
     "MicroBatchRun",
@@ -82,9 +84,36 @@ def gpt_model(
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec as stock_spec
-    from megatron.core.transformer import TransformerConfig
 
     from ..megatron_ext import get_gpt_layer_local_spec as shared_spec
+
+    config = transformer_config(preset, dtype, **config_overrides)
+    if layer_spec is None:
+        spec_fn = stock_spec if layout == "padded" else shared_spec
+        layer_spec = spec_fn(num_experts=config.num_moe_experts,
+                             moe_grouped_gemm=config.moe_grouped_gemm,
+                             normalization=config.normalization, qk_layernorm=config.qk_layernorm)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec,
+        vocab_size=preset.vocab_size,
+        max_sequence_length=preset.max_sequence_length,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=preset.tie_embeddings,
+        position_embedding_type="rope",
+        rotary_base=preset.rotary_base,
+    )
+    return _placed_and_seeded(model, dtype, seed)
+
+
+def transformer_config(preset: ModelPreset, dtype: torch.dtype = torch.float32,
+                       **overrides: Any) -> Any:
+    """The ``TransformerConfig`` of a ``preset``-shaped model on this rank's parallel layout
+    (Llama/Qwen style; the preset's MoE settings when it has experts); ``overrides`` are
+    TransformerConfig fields."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer import TransformerConfig
 
     settings = dict(
         num_layers=preset.num_layers,
@@ -111,24 +140,52 @@ def gpt_model(
     )
     if preset.num_experts:
         settings.update(_moe_settings(preset))
-    settings.update(config_overrides)
-    config = TransformerConfig(**settings)
-    if layer_spec is None:
-        spec_fn = stock_spec if layout == "padded" else shared_spec
-        layer_spec = spec_fn(num_experts=config.num_moe_experts,
-                             moe_grouped_gemm=config.moe_grouped_gemm,
-                             normalization=config.normalization, qk_layernorm=config.qk_layernorm)
-    model = GPTModel(
+    settings.update(overrides)
+    return TransformerConfig(**settings)
+
+
+def hybrid_model(
+    preset: ModelPreset,
+    pattern: str,
+    *,
+    layout: str = "shared",
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    **config_overrides: Any,
+) -> torch.nn.Module:
+    """This rank's ``HybridModel`` of a ``preset``'s shape, its layers from ``pattern`` (e.g.
+    ``"*-*E"``: attention, MLP, attention, MoE), seeded weights (megatron-core >= 0.18).
+
+    ``layout="padded"`` builds megatron's modules as they are (the local, TE-free hybrid stack
+    spec), anything else the prefix-sharing one; ``config_overrides`` as for :func:`gpt_model`.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.hybrid.hybrid_layer_allocation import get_hybrid_total_layer_count
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+    from ..megatron_ext import hybrid
+
+    config = transformer_config(preset, dtype, num_layers=get_hybrid_total_layer_count(pattern),
+                                **config_overrides)
+    stack = hybrid.get_hybrid_stack_local_spec(normalization=config.normalization,
+                                               qk_layernorm=config.qk_layernorm,
+                                               moe_grouped_gemm=config.moe_grouped_gemm)
+    model = HybridModel(
         config=config,
-        transformer_layer_spec=layer_spec,
+        hybrid_stack_spec=stack if layout == "padded" else hybrid.with_prefix_sharing(stack),
         vocab_size=preset.vocab_size,
         max_sequence_length=preset.max_sequence_length,
+        hybrid_layer_pattern=pattern,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=preset.tie_embeddings,
         position_embedding_type="rope",
         rotary_base=preset.rotary_base,
     )
+    return _placed_and_seeded(model, dtype, seed)
+
+
+def _placed_and_seeded(model: torch.nn.Module, dtype: torch.dtype, seed: int) -> torch.nn.Module:
     if dtype == torch.float64:
         model.double()  # megatron's torch norms are built float32 whatever params_dtype says
     if torch.cuda.is_available():

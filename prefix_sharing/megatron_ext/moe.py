@@ -173,8 +173,9 @@ class PrefixSharingRouter(TopKRouter):
     router's on that rank's slice of it.
     """
 
-    def __init__(self, config: Any, pg_collection: Any = None) -> None:
-        super().__init__(config=config, pg_collection=pg_collection)
+    def __init__(self, config: Any, pg_collection: Any = None, **kwargs: Any) -> None:
+        # megatron-core 0.17+ also passes is_mtp_layer=
+        super().__init__(config=config, pg_collection=pg_collection, **kwargs)
         self._plan: SharingPlan | None = None
 
     @contextlib.contextmanager
