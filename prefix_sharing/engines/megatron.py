@@ -151,13 +151,15 @@ def hybrid_model(
     layout: str = "shared",
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
+    stack_spec: Any = None,
     **config_overrides: Any,
 ) -> torch.nn.Module:
     """This rank's ``HybridModel`` of a ``preset``'s shape, its layers from ``pattern`` (e.g.
     ``"*-*E"``: attention, MLP, attention, MoE), seeded weights (megatron-core >= 0.18).
 
     ``layout="padded"`` builds megatron's modules as they are (the local, TE-free hybrid stack
-    spec), anything else the prefix-sharing one; ``config_overrides`` as for :func:`gpt_model`.
+    spec), anything else the prefix-sharing one; ``stack_spec`` a ``HybridStack`` spec to use
+    instead; ``config_overrides`` as for :func:`gpt_model`.
     """
     from megatron.core import parallel_state
     from megatron.core.models.hybrid.hybrid_layer_allocation import get_hybrid_total_layer_count
@@ -167,12 +169,15 @@ def hybrid_model(
 
     config = transformer_config(preset, dtype, num_layers=get_hybrid_total_layer_count(pattern),
                                 **config_overrides)
-    stack = hybrid.get_hybrid_stack_local_spec(normalization=config.normalization,
-                                               qk_layernorm=config.qk_layernorm,
-                                               moe_grouped_gemm=config.moe_grouped_gemm)
+    if stack_spec is None:
+        stack_spec = hybrid.get_hybrid_stack_local_spec(normalization=config.normalization,
+                                                        qk_layernorm=config.qk_layernorm,
+                                                        moe_grouped_gemm=config.moe_grouped_gemm)
+        if layout != "padded":
+            stack_spec = hybrid.with_prefix_sharing(stack_spec)
     model = HybridModel(
         config=config,
-        hybrid_stack_spec=stack if layout == "padded" else hybrid.with_prefix_sharing(stack),
+        hybrid_stack_spec=stack_spec,
         vocab_size=preset.vocab_size,
         max_sequence_length=preset.max_sequence_length,
         hybrid_layer_pattern=pattern,

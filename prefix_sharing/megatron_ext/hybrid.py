@@ -45,6 +45,7 @@ from megatron.core.models.hybrid.hybrid_block import (  # noqa: E402
     HybridStackSubmodules,
 )
 from megatron.core.ssm.mlp_layer import MLPLayer  # noqa: E402
+from megatron.core.transformer.attention import SelfAttention  # noqa: E402
 from megatron.core.transformer.identity_op import IdentityOp  # noqa: E402
 from megatron.core.transformer.moe.moe_layer import MoELayer  # noqa: E402
 from megatron.core.transformer.moe.router import TopKRouter  # noqa: E402
@@ -58,9 +59,10 @@ from megatron.core.transformer.transformer_layer import (  # noqa: E402
     TransformerLayerSubmodules,
 )
 
-from . import layer_specs  # noqa: E402
 from .checks import UnsupportedSetupError  # noqa: E402
+from .core_attention import PrefixSharingCoreAttention  # noqa: E402
 from .moe import PrefixSharingRouter, PrefixSharingTransformerLayer  # noqa: E402
+from .self_attention import PrefixSharingSelfAttention  # noqa: E402
 
 __all__ = [
     "LocalHybridStack",
@@ -126,7 +128,7 @@ def with_prefix_sharing(stack_spec: ModuleSpec) -> ModuleSpec:
             "hybrid.with_prefix_sharing needs a ModuleSpec of a HybridStack with "
             f"HybridStackSubmodules; got {_form(stack_spec)}"
         )
-    spec = copy.deepcopy(stack_spec)
+    spec = _copied(stack_spec)
     slots = spec.submodules
     for field in dataclasses.fields(slots):
         value = getattr(slots, field.name)
@@ -147,11 +149,24 @@ def with_prefix_sharing(stack_spec: ModuleSpec) -> ModuleSpec:
 
 
 def _share_attention(layer: Any, symbol: str) -> ModuleSpec:
-    """The attention layer with the sharing self-attention and core attention."""
-    try:
-        return layer_specs.with_prefix_sharing(layer)
-    except ValueError as error:
-        raise ValueError(f"hybrid layer {symbol!r}: {error}") from error
+    """The attention layer with the sharing self-attention and core attention (as
+    :func:`.layer_specs.with_prefix_sharing` swaps them in a GPT layer)."""
+    attention = getattr(getattr(layer, "submodules", None), "self_attention", None)
+    if not (isinstance(layer, ModuleSpec) and isinstance(attention, ModuleSpec)
+            and isinstance(attention.module, type) and issubclass(attention.module, SelfAttention)):
+        raise ValueError(f"hybrid layer {symbol!r} needs a layer spec whose self_attention is a "
+                         f"SelfAttention ModuleSpec; got self_attention={_form(attention)}")
+    attention = _copied(attention, core_attention=ModuleSpec(module=PrefixSharingCoreAttention))
+    attention.module = PrefixSharingSelfAttention
+    return _copied(layer, self_attention=attention)
+
+
+def _copied(spec: ModuleSpec, **submodules: Any) -> ModuleSpec:
+    """A copy of ``spec`` with some submodules replaced; the rest shared, not deep-copied (without
+    Transformer Engine, the stock specs hold TE stand-ins that cannot be copied)."""
+    spec = copy.copy(spec)
+    spec.submodules = dataclasses.replace(spec.submodules, **submodules)
+    return spec
 
 
 def _share_moe(layer: Any, symbol: str) -> ModuleSpec:
@@ -164,12 +179,11 @@ def _share_moe(layer: Any, symbol: str) -> ModuleSpec:
             f"hybrid layer {symbol!r} must be a ModuleSpec of a TransformerLayer or "
             f"MoETransformerLayer with TransformerLayerSubmodules; got {_form(layer)}"
         )
+    module = sharing_layers[layer.module]
     if layer.submodules.self_attention is not IdentityOp:
         layer = _share_attention(layer, symbol)
-    layer = copy.copy(layer)
-    layer.submodules = dataclasses.replace(layer.submodules,
-                                           mlp=_with_sharing_router(layer.submodules.mlp, symbol))
-    layer.module = sharing_layers[layer.module]
+    layer = _copied(layer, mlp=_with_sharing_router(layer.submodules.mlp, symbol))
+    layer.module = module
     return layer
 
 
@@ -204,13 +218,10 @@ def _refuse_mtp(block: Any) -> Any:
             and issubclass(block.module, MultiTokenPredictionBlock)):
         raise ValueError(f"mtp_block_spec must be a ModuleSpec of a MultiTokenPredictionBlock; "
                          f"got {_form(block)}")
-    block = copy.copy(block)
     refusal = ModuleSpec(module=UnsupportedHybridLayer, params={
         "symbol": "/", "reason": "multi-token prediction: a shared row has one next token per "
                                  "reuser"})
-    block.submodules = dataclasses.replace(
-        block.submodules, layer_specs=[refusal] * len(block.submodules.layer_specs))
-    return block
+    return _copied(block, layer_specs=[refusal] * len(block.submodules.layer_specs))
 
 
 def _form(value: Any) -> str:
