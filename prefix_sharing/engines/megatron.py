@@ -459,14 +459,16 @@ def _padded(seqs: Sequence[torch.Tensor], device: Any) -> tuple[torch.Tensor, ..
 def _stage_padding_mask(model: torch.nn.Module, padding: torch.Tensor) -> torch.Tensor:
     """The ``[b, s]`` padding mask as this stage's MoE layers need it.
 
-    Under sequence parallelism megatron-core 0.16.1's ``GPTModel.forward`` cuts this rank's
-    ``s / TP`` slice of the mask with the embedding, on the first pipeline stage only; a later
-    stage would hand its routers the whole mask for a slice of the tokens. So later stages get
-    the slice here.
+    Under sequence parallelism megatron-core's ``GPTModel.forward`` cuts this rank's ``s / TP``
+    slice of the mask with the embedding, on the first pipeline stage only; a later stage would
+    hand its routers the whole mask for a slice of the tokens. ``HybridModel.forward`` never
+    cuts it. So those stages get the slice here.
     """
+    from megatron.core.models.gpt import GPTModel
     from megatron.core.tensor_parallel.mappings import scatter_to_sequence_parallel_region
 
-    if model.pre_process or not model.config.sequence_parallel:
+    cut_by_the_model = isinstance(model, GPTModel) and model.pre_process
+    if cut_by_the_model or not model.config.sequence_parallel:
         return padding
     return scatter_to_sequence_parallel_region(padding.transpose(0, 1).contiguous()).transpose(0, 1)
 

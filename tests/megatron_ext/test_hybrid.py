@@ -13,7 +13,8 @@ shared against megatron's modules on the padded batch (the local hybrid stack sp
 ``padding_mask``) and, dense, against the same model on megatron's plain THD layout: logits,
 log-probs, entropy, loss, every gradient, and for MoE the router's statistics (the logged aux,
 seq-aux, global-aux and z-losses, the global aux loss's token counts). A control with the stock
-router in the sharing model shows the comparison sees what the sharing router fixes.
+router in the sharing model shows the comparison sees what the sharing router fixes. Both
+patterns also run at TP=2 (with sequence parallelism) and PP=2 (two spawned ranks each).
 
 On megatron-core 0.16.1 / 0.17.1 (no ``models/hybrid``) the tests skip, saying so, and one test
 checks that the package still imports and the hybrid module says what it needs.
@@ -296,6 +297,61 @@ def test_the_stock_router_in_a_sharing_model_would_change_the_router_gradient(re
     """What the sharing router is for: megatron's router on the flat rows counts a shared token
     once, so its losses' gradients differ from the plain batch's."""
     assert max(report["stock_router_control"].values()) > 1e-3, report["stock_router_control"]
+
+
+# ----------------------------------------------------------------------------- TP / PP
+PARALLEL = {"tp2": (2, 1), "pp2": (1, 2)}  # name: (tensor parallel, pipeline parallel)
+
+
+def _parallel_job(rank: int) -> dict:
+    """Both patterns at TP=2 (with the sequence parallelism megatron's MoE needs there: each
+    rank's router statistics are the stock router's on its slice of the padded batch) or PP=2
+    (a stage boundary '|' after the second layer)."""
+    from megatron.core import parallel_state
+
+    from prefix_sharing.engines.megatron import compare, forward_backward, hybrid_model
+    from prefix_sharing.presets import PRESETS
+
+    stages = parallel_state.get_pipeline_model_parallel_world_size() > 1
+    sequence_parallel = parallel_state.get_tensor_model_parallel_world_size() > 1
+    report = {}
+    for name, pattern, preset, batches in (("dense", DENSE, "tiny", micro_batches()),
+                                           ("moe", MOE, "tiny-moe", _moe_batches())):
+        pattern = f"{pattern[:2]}|{pattern[2:]}" if stages else pattern
+        settings = dict(sequence_parallel=sequence_parallel)
+        ours = hybrid_model(PRESETS[preset], pattern, **settings)
+        stock = hybrid_model(PRESETS[preset], pattern, layout="padded", **settings)
+        shared, shared_stats = _statistics_run(ours, batches, "shared", SHARE_EVERY_PREFIX)
+        padded, padded_stats = _statistics_run(stock, batches, "padded")
+        report[name] = {
+            "shared_vs_padded": compare(shared, padded).max_rel_diff,
+            "statistics": {k: max_rel_diff(v, padded_stats[k]) for k, v in shared_stats.items()},
+            "layers": [layer.layer_number for layer in ours.decoder.layers],
+            "outputs": len(shared.outputs),
+        }
+    return report
+
+
+@pytest.fixture(scope="module", params=list(PARALLEL))
+def parallel(request):
+    if not HAVE_HYBRID:
+        pytest.skip(needs_hybrid.kwargs["reason"])
+    tp, pp = PARALLEL[request.param]
+    return request.param, run_distributed(_parallel_job, tp * pp, tp=tp, pp=pp, timeout=900)
+
+
+def test_tensor_and_pipeline_parallel_hybrid_models_are_exact(parallel):
+    name, ranks = parallel
+    for rank, report in enumerate(ranks):
+        for pattern, r in report.items():
+            assert not _worst(r["shared_vs_padded"]), (name, rank, pattern, r)
+            assert not _worst(r["statistics"]), (name, rank, pattern, r)
+    moe = [report["moe"] for report in ranks]
+    if name == "pp2":  # each stage holds its half of the layers; the last computes the loss
+        assert [r["layers"] for r in moe] == [[1, 2], [3, 4]]
+        assert [r["outputs"] for r in moe] == [0, len(_moe_batches())]
+    # the MoE layer's ranks kept every router statistic
+    assert all(len(r["statistics"]) == 5 for r in moe if 4 in r["layers"])
 
 
 @pytest.mark.parametrize("symbol", list(REFUSED))
