@@ -134,8 +134,14 @@ def with_prefix_sharing(stack_spec: ModuleSpec) -> ModuleSpec:
         value = getattr(slots, field.name)
         if field.name == "mtp_block_spec":
             setattr(slots, field.name, _refuse_mtp(value))
-        elif value is IdentityOp or field.name == "mlp_layer":
-            continue  # unused slot, or per-token MLP: exact as it is
+        elif value is IdentityOp:
+            continue  # an unused slot
+        elif field.name in ("mlp_layer", "attention_layer") and _is_moe(
+                getattr(getattr(value, "submodules", None), "mlp", None)):
+            raise ValueError(f"hybrid layer {SLOT_SYMBOLS[field.name]!r} has an MoE mlp, whose "
+                             "router would count the flat rows; put MoE in moe_layer ('E')")
+        elif field.name == "mlp_layer":
+            continue  # per token: exact as it is
         elif field.name == "attention_layer":
             setattr(slots, field.name, _share_attention(value, SLOT_SYMBOLS[field.name]))
         elif field.name == "moe_layer":
@@ -191,22 +197,26 @@ def _with_sharing_router(mlp: Any, symbol: str) -> Any:
     """The MoE mlp builder with the sharing router, in either form megatron-core gives it:
     ``ModuleSpec(MoELayer, submodules=MoESubmodules)`` or, from 0.18,
     ``functools.partial(MoELayer, submodules=MoESubmodules)``."""
-    if isinstance(mlp, functools.partial) and mlp.func is MoELayer:
-        submodules = mlp.keywords.get("submodules")
-        form = "partial"
-    elif isinstance(mlp, ModuleSpec) and mlp.module is MoELayer:
-        submodules, form = mlp.submodules, "spec"
-    else:
+    if not _is_moe(mlp):
         raise ValueError(f"hybrid layer {symbol!r}: its mlp must be megatron's MoELayer, as a "
                          f"ModuleSpec or a functools.partial; got {_form(mlp)}")
+    partial = isinstance(mlp, functools.partial)
+    submodules = mlp.keywords.get("submodules") if partial else mlp.submodules
     router = getattr(submodules, "router", None)
     if router not in (TopKRouter, PrefixSharingRouter):
         raise ValueError(f"hybrid layer {symbol!r}: sharing replaces megatron's TopKRouter; "
                          f"got router={_form(router)}")
+    if not partial:
+        return _copied(mlp, router=PrefixSharingRouter)
     submodules = dataclasses.replace(submodules, router=PrefixSharingRouter)
-    if form == "partial":
-        return functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": submodules})
-    return ModuleSpec(module=mlp.module, params=dict(mlp.params), submodules=submodules)
+    return functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": submodules})
+
+
+def _is_moe(mlp: Any) -> bool:
+    """Whether a layer's mlp builder is megatron's MoELayer (a ModuleSpec or a partial)."""
+    if isinstance(mlp, functools.partial):
+        return mlp.func is MoELayer
+    return isinstance(mlp, ModuleSpec) and mlp.module is MoELayer
 
 
 def _refuse_mtp(block: Any) -> Any:

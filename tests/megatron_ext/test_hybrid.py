@@ -121,6 +121,25 @@ def test_every_attention_and_moe_layer_gets_the_sharing_modules(flavour):
 
 
 @needs_hybrid
+def test_an_moe_mlp_given_as_a_module_spec_gets_the_sharing_router_too():
+    """megatron-core builds the MoE mlp as a partial from 0.18; a ModuleSpec (the older form,
+    or a hand-written stack) is converted alike."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from prefix_sharing.megatron_ext import PrefixSharingRouter, hybrid
+
+    stack = hybrid.get_hybrid_stack_local_spec()
+    partial = stack.submodules.moe_layer.submodules.mlp
+    stack.submodules.moe_layer.submodules.mlp = ModuleSpec(
+        module=MoELayer, submodules=partial.keywords["submodules"], metainfo={"kept": True})
+    mlp = hybrid.with_prefix_sharing(stack).submodules.moe_layer.submodules.mlp
+    assert mlp.module is MoELayer and mlp.metainfo == {"kept": True}
+    assert mlp.submodules == dataclasses.replace(partial.keywords["submodules"],
+                                                 router=PrefixSharingRouter)
+
+
+@needs_hybrid
 def test_slots_sharing_cannot_serve_yet_refuse_when_built_naming_their_symbol():
     from megatron.core.transformer.spec_utils import build_module
 
@@ -158,6 +177,10 @@ def test_spec_forms_it_does_not_recognise_are_refused_naming_the_slot():
     with pytest.raises(ValueError, match=r"hybrid layer '\*' needs .* got self_attention="
                                          r"ModuleSpec\(module=\w*MLASelfAttention\)"):
         hybrid.with_prefix_sharing(mla_in_attention)
+    moe_in_mlp = hybrid.get_hybrid_stack_local_spec()
+    moe_in_mlp.submodules.mlp_layer = moe_in_mlp.submodules.moe_layer
+    with pytest.raises(ValueError, match=r"hybrid layer '-' has an MoE mlp"):
+        hybrid.with_prefix_sharing(moe_in_mlp)
     dense_in_moe = hybrid.get_hybrid_stack_local_spec()
     dense_in_moe.submodules.moe_layer = dense_in_moe.submodules.mlp_layer  # an MLPLayer
     with pytest.raises(ValueError, match=r"hybrid layer 'E' must be .* got ModuleSpec\(module="
