@@ -48,6 +48,8 @@ __all__ = [
     "stock_thd_batch",
     "stock_thd_token_stats",
     "gpt_model",
+    "hybrid_model",
+    "transformer_config",
     "seed_weights",
     "full_grads",
     "MicroBatchRun",
@@ -85,9 +87,38 @@ def gpt_model(
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec as stock_spec
-    from megatron.core.transformer import TransformerConfig
 
     from ..megatron_ext import get_gpt_layer_local_spec as shared_spec
+
+    rope = _rope_arguments(config_overrides)
+    config = transformer_config(preset, dtype, **config_overrides)
+    if layer_spec is None:
+        spec_fn = stock_spec if layout == "padded" else shared_spec
+        layer_spec = spec_fn(num_experts=config.num_moe_experts,
+                             moe_grouped_gemm=config.moe_grouped_gemm,
+                             normalization=config.normalization, qk_layernorm=config.qk_layernorm)
+    _quiet_gpt_model_deprecation()
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec,
+        vocab_size=preset.vocab_size,
+        max_sequence_length=preset.max_sequence_length,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=preset.tie_embeddings,
+        rotary_base=preset.rotary_base,
+        **rope,
+    )
+    return _placed_and_seeded(model, preset, dtype, seed)
+
+
+def transformer_config(preset: ModelPreset, dtype: torch.dtype = torch.float32,
+                       **overrides: Any) -> Any:
+    """The ``TransformerConfig`` of a ``preset``-shaped model on this rank's parallel layout
+    (Llama/Qwen style; the preset's MoE, window and softmax settings); ``overrides`` are
+    TransformerConfig fields, and ``yarn_*`` settings the release's config may lack."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer import TransformerConfig
 
     settings = dict(
         num_layers=preset.num_layers,
@@ -119,9 +150,7 @@ def gpt_model(
                         window_attn_skip_freq=preset.window_full_every)
     if preset.softmax_type != "vanilla":
         settings.update(softmax_type=preset.softmax_type)
-    rope = dict(position_embedding_type="rope", rotary_percent=1.0)
-    rope.update({k: config_overrides.pop(k) for k in list(rope) if k in config_overrides})
-    settings.update(config_overrides)
+    settings.update(overrides)
     # megatron-core 0.16.1's TransformerConfig has no YaRN fields; GPTModel and the attention
     # read them with getattr, as from Megatron-Bridge's config subclasses
     fields = {f.name for f in dataclasses.fields(TransformerConfig)}
@@ -129,23 +158,65 @@ def gpt_model(
     config = TransformerConfig(**settings)
     for name, value in extra.items():
         setattr(config, name, value)
-    if layer_spec is None:
-        spec_fn = stock_spec if layout == "padded" else shared_spec
-        layer_spec = spec_fn(num_experts=config.num_moe_experts,
-                             moe_grouped_gemm=config.moe_grouped_gemm,
-                             normalization=config.normalization, qk_layernorm=config.qk_layernorm)
-    _quiet_gpt_model_deprecation()
-    model = GPTModel(
+    return config
+
+
+def hybrid_model(
+    preset: ModelPreset,
+    pattern: str,
+    *,
+    layout: str = "shared",
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    stack_spec: Any = None,
+    **config_overrides: Any,
+) -> torch.nn.Module:
+    """This rank's ``HybridModel`` of a ``preset``'s shape, its layers from ``pattern`` (e.g.
+    ``"*-*E"``: attention, MLP, attention, MoE), seeded weights (megatron-core >= 0.18).
+
+    ``layout="padded"`` builds megatron's modules as they are (the local, TE-free hybrid stack
+    spec), anything else the prefix-sharing one; ``stack_spec`` a ``HybridStack`` spec to use
+    instead; ``config_overrides`` as for :func:`gpt_model`.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.hybrid.hybrid_layer_allocation import get_hybrid_total_layer_count
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+    from ..megatron_ext import hybrid
+
+    rope = _rope_arguments(config_overrides)
+    config = transformer_config(preset, dtype, num_layers=get_hybrid_total_layer_count(pattern),
+                                **config_overrides)
+    if stack_spec is None:
+        stack_spec = hybrid.get_hybrid_stack_local_spec(normalization=config.normalization,
+                                                        qk_layernorm=config.qk_layernorm,
+                                                        moe_grouped_gemm=config.moe_grouped_gemm)
+        if layout != "padded":
+            stack_spec = hybrid.with_prefix_sharing(stack_spec)
+    model = HybridModel(
         config=config,
-        transformer_layer_spec=layer_spec,
+        hybrid_stack_spec=stack_spec,
         vocab_size=preset.vocab_size,
         max_sequence_length=preset.max_sequence_length,
+        hybrid_layer_pattern=pattern,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=preset.tie_embeddings,
         rotary_base=preset.rotary_base,
         **rope,
     )
+    return _placed_and_seeded(model, preset, dtype, seed)
+
+
+def _rope_arguments(config_overrides: dict[str, Any]) -> dict[str, Any]:
+    """The model constructor's rotary arguments, taken out of ``config_overrides``."""
+    rope = dict(position_embedding_type="rope", rotary_percent=1.0)
+    rope.update({k: config_overrides.pop(k) for k in list(rope) if k in config_overrides})
+    return rope
+
+
+def _placed_and_seeded(model: torch.nn.Module, preset: ModelPreset, dtype: torch.dtype,
+                       seed: int) -> torch.nn.Module:
     _mark_sinks_split_with_heads(model)
     if dtype == torch.float64:
         model.double()  # megatron's torch norms are built float32 whatever params_dtype says
@@ -166,6 +237,8 @@ def _mark_sinks_split_with_heads(model: torch.nn.Module) -> None:
             param, "tensor_model_parallel", False
         ):
             tensor_parallel.set_tensor_model_parallel_attributes(param, True, 0, 1)
+
+
 def _quiet_gpt_model_deprecation() -> None:
     """Drops megatron-core 0.19's "GPTModel IS DEPRECATED" warning, logged once per model built
     (verify builds three per rank): GPTModel is what the project's GPT path and its users'
@@ -446,14 +519,16 @@ def _padded(seqs: Sequence[torch.Tensor], device: Any) -> tuple[torch.Tensor, ..
 def _stage_padding_mask(model: torch.nn.Module, padding: torch.Tensor) -> torch.Tensor:
     """The ``[b, s]`` padding mask as this stage's MoE layers need it.
 
-    Under sequence parallelism megatron-core 0.16.1's ``GPTModel.forward`` cuts this rank's
-    ``s / TP`` slice of the mask with the embedding, on the first pipeline stage only; a later
-    stage would hand its routers the whole mask for a slice of the tokens. So later stages get
-    the slice here.
+    Under sequence parallelism megatron-core's ``GPTModel.forward`` cuts this rank's ``s / TP``
+    slice of the mask with the embedding, on the first pipeline stage only; a later stage would
+    hand its routers the whole mask for a slice of the tokens. ``HybridModel.forward`` never
+    cuts it. So those stages get the slice here.
     """
+    from megatron.core.models.gpt import GPTModel
     from megatron.core.tensor_parallel.mappings import scatter_to_sequence_parallel_region
 
-    if model.pre_process or not model.config.sequence_parallel:
+    cut_by_the_model = isinstance(model, GPTModel) and model.pre_process
+    if cut_by_the_model or not model.config.sequence_parallel:
         return padding
     return scatter_to_sequence_parallel_region(padding.transpose(0, 1).contiguous()).transpose(0, 1)
 

@@ -7,7 +7,9 @@
     stats = forward_token_stats(model, mb)          # log-probs + entropy, packed per sequence
 
 Importing this package imports megatron-core (and fails with a clear message without it, or
-with a release it is not tested on: see :mod:`.release`).
+with a release it is not tested on: see :mod:`.release`). ``HybridModel`` stacks (megatron-core
+0.18+) are in :mod:`.hybrid`, imported only when asked for, so older releases import this
+package as before.
 On Ascend, import ``mindspeed.megatron_adaptor`` first: it replaces classes this package
 subclasses.
 """
