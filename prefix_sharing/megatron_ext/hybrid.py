@@ -25,7 +25,6 @@ Importing this module needs a megatron-core with ``models/hybrid`` (0.18 or late
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import importlib.util
@@ -45,10 +44,8 @@ from megatron.core.models.hybrid.hybrid_block import (  # noqa: E402
     HybridStackSubmodules,
 )
 from megatron.core.ssm.mlp_layer import MLPLayer  # noqa: E402
-from megatron.core.transformer.attention import SelfAttention  # noqa: E402
 from megatron.core.transformer.identity_op import IdentityOp  # noqa: E402
 from megatron.core.transformer.moe.moe_layer import MoELayer  # noqa: E402
-from megatron.core.transformer.moe.router import TopKRouter  # noqa: E402
 from megatron.core.transformer.multi_token_prediction import (  # noqa: E402
     MultiTokenPredictionBlock,
 )
@@ -60,9 +57,8 @@ from megatron.core.transformer.transformer_layer import (  # noqa: E402
 )
 
 from .checks import UnsupportedSetupError  # noqa: E402
-from .core_attention import PrefixSharingCoreAttention  # noqa: E402
-from .moe import PrefixSharingRouter, PrefixSharingTransformerLayer  # noqa: E402
-from .self_attention import PrefixSharingSelfAttention  # noqa: E402
+from .layer_specs import replaced, sharing_attention_layer, sharing_router_mlp  # noqa: E402
+from .moe import PrefixSharingTransformerLayer  # noqa: E402
 
 __all__ = [
     "LocalHybridStack",
@@ -128,7 +124,7 @@ def with_prefix_sharing(stack_spec: ModuleSpec) -> ModuleSpec:
             "hybrid.with_prefix_sharing needs a ModuleSpec of a HybridStack with "
             f"HybridStackSubmodules; got {_form(stack_spec)}"
         )
-    spec = _copied(stack_spec)
+    spec = replaced(stack_spec)
     slots = spec.submodules
     for field in dataclasses.fields(slots):
         value = getattr(slots, field.name)
@@ -143,7 +139,8 @@ def with_prefix_sharing(stack_spec: ModuleSpec) -> ModuleSpec:
         elif field.name == "mlp_layer":
             continue  # per token: exact as it is
         elif field.name == "attention_layer":
-            setattr(slots, field.name, _share_attention(value, SLOT_SYMBOLS[field.name]))
+            setattr(slots, field.name, sharing_attention_layer(
+                value, f"hybrid layer {SLOT_SYMBOLS[field.name]!r}"))
         elif field.name == "moe_layer":
             setattr(slots, field.name, _share_moe(value, SLOT_SYMBOLS[field.name]))
         else:  # known not-yet slots, and slots of a later megatron-core this does not know
@@ -151,27 +148,6 @@ def with_prefix_sharing(stack_spec: ModuleSpec) -> ModuleSpec:
             reason = _NOT_YET.get(field.name, f"a HybridStackSubmodules.{field.name} layer")
             setattr(slots, field.name, ModuleSpec(
                 module=UnsupportedHybridLayer, params={"symbol": symbol, "reason": reason}))
-    return spec
-
-
-def _share_attention(layer: Any, symbol: str) -> ModuleSpec:
-    """The attention layer with the sharing self-attention and core attention (as
-    :func:`.layer_specs.with_prefix_sharing` swaps them in a GPT layer)."""
-    attention = getattr(getattr(layer, "submodules", None), "self_attention", None)
-    if not (isinstance(layer, ModuleSpec) and isinstance(attention, ModuleSpec)
-            and isinstance(attention.module, type) and issubclass(attention.module, SelfAttention)):
-        raise ValueError(f"hybrid layer {symbol!r} needs a layer spec whose self_attention is a "
-                         f"SelfAttention ModuleSpec; got self_attention={_form(attention)}")
-    attention = _copied(attention, core_attention=ModuleSpec(module=PrefixSharingCoreAttention))
-    attention.module = PrefixSharingSelfAttention
-    return _copied(layer, self_attention=attention)
-
-
-def _copied(spec: ModuleSpec, **submodules: Any) -> ModuleSpec:
-    """A copy of ``spec`` with some submodules replaced; the rest shared, not deep-copied (without
-    Transformer Engine, the stock specs hold TE stand-ins that cannot be copied)."""
-    spec = copy.copy(spec)
-    spec.submodules = dataclasses.replace(spec.submodules, **submodules)
     return spec
 
 
@@ -185,31 +161,15 @@ def _share_moe(layer: Any, symbol: str) -> ModuleSpec:
             f"hybrid layer {symbol!r} must be a ModuleSpec of a TransformerLayer or "
             f"MoETransformerLayer with TransformerLayerSubmodules; got {_form(layer)}"
         )
+    if not _is_moe(layer.submodules.mlp):
+        raise ValueError(f"hybrid layer {symbol!r}: its mlp must be megatron's MoELayer, as a "
+                         f"ModuleSpec or a functools.partial; got {_form(layer.submodules.mlp)}")
     module = sharing_layers[layer.module]
     if layer.submodules.self_attention is not IdentityOp:
-        layer = _share_attention(layer, symbol)
-    layer = _copied(layer, mlp=_with_sharing_router(layer.submodules.mlp, symbol))
+        layer = sharing_attention_layer(layer, f"hybrid layer {symbol!r}")
+    layer = replaced(layer, mlp=sharing_router_mlp(layer.submodules.mlp, f"hybrid layer {symbol!r}"))
     layer.module = module
     return layer
-
-
-def _with_sharing_router(mlp: Any, symbol: str) -> Any:
-    """The MoE mlp builder with the sharing router, in either form megatron-core gives it:
-    ``ModuleSpec(MoELayer, submodules=MoESubmodules)`` or, from 0.18,
-    ``functools.partial(MoELayer, submodules=MoESubmodules)``."""
-    if not _is_moe(mlp):
-        raise ValueError(f"hybrid layer {symbol!r}: its mlp must be megatron's MoELayer, as a "
-                         f"ModuleSpec or a functools.partial; got {_form(mlp)}")
-    partial = isinstance(mlp, functools.partial)
-    submodules = mlp.keywords.get("submodules") if partial else mlp.submodules
-    router = getattr(submodules, "router", None)
-    if router not in (TopKRouter, PrefixSharingRouter):
-        raise ValueError(f"hybrid layer {symbol!r}: sharing replaces megatron's TopKRouter; "
-                         f"got router={_form(router)}")
-    if not partial:
-        return _copied(mlp, router=PrefixSharingRouter)
-    submodules = dataclasses.replace(submodules, router=PrefixSharingRouter)
-    return functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": submodules})
 
 
 def _is_moe(mlp: Any) -> bool:
@@ -231,7 +191,7 @@ def _refuse_mtp(block: Any) -> Any:
     refusal = ModuleSpec(module=UnsupportedHybridLayer, params={
         "symbol": "/", "reason": "multi-token prediction: a shared row has one next token per "
                                  "reuser"})
-    return _copied(block, layer_specs=[refusal] * len(block.submodules.layer_specs))
+    return replaced(block, layer_specs=[refusal] * len(block.submodules.layer_specs))
 
 
 def _form(value: Any) -> str:

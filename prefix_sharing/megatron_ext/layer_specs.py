@@ -67,8 +67,8 @@ def with_prefix_sharing(spec: Any) -> Any:
         spec: a ``TransformerLayer`` ``ModuleSpec`` (any stock GPT layer spec, local or
             Transformer Engine, dense or MoE), a ``TransformerBlockSubmodules`` as
             ``get_gpt_decoder_block_spec`` returns, a list of layer specs as
-            ``get_gpt_decoder_layer_specs`` returns, or a form added with
-            :func:`register_spec_form`.
+            ``get_gpt_decoder_layer_specs`` returns, a ``HybridStack`` spec (see
+            :mod:`.hybrid`), or a form added with :func:`register_spec_form`.
 
     Raises:
         UnsupportedSpecError: a form not recognised, naming the layer and the form.
@@ -76,6 +76,10 @@ def with_prefix_sharing(spec: Any) -> Any:
     for recognises, swap in _FORMS:
         if recognises(spec):
             return swap(spec)
+    if isinstance(spec, ModuleSpec) and _builds_hybrid_stack(spec):
+        from . import hybrid  # megatron-core 0.18+
+
+        return hybrid.with_prefix_sharing(spec)
     if isinstance(spec, ModuleSpec):
         return _sharing_layer(spec, "the layer spec")
     if isinstance(spec, TransformerBlockSubmodules):
@@ -105,18 +109,7 @@ def _sharing_layer(layer_spec: Any, where: str) -> ModuleSpec:
             f"with_prefix_sharing: {where} is {_describe(layer_spec)}, not a ModuleSpec of a "
             "TransformerLayer"
         )
-    attention = getattr(layer_spec.submodules, "self_attention", None)
-    if not (isinstance(attention, ModuleSpec) and _is_subclass(attention.module, SelfAttention)):
-        raise UnsupportedSpecError(
-            f"with_prefix_sharing needs a GPT layer spec whose self_attention is a SelfAttention "
-            f"ModuleSpec; {where} has self_attention={_describe(attention)} (multi-latent "
-            "attention is not supported)"
-        )
-    spec = copy.deepcopy(layer_spec)
-    spec.submodules.self_attention.module = PrefixSharingSelfAttention
-    spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
-        module=PrefixSharingCoreAttention
-    )
+    spec = sharing_attention_layer(layer_spec, where)
     mlp = spec.submodules.mlp
     target = _built_class(mlp)
     if target is None:
@@ -131,13 +124,30 @@ def _sharing_layer(layer_spec: Any, where: str) -> ModuleSpec:
                 f"with_prefix_sharing supports MoE in a plain TransformerLayer; {where} is a "
                 f"{spec.module.__qualname__}"
             )
+        spec = replaced(spec, mlp=sharing_router_mlp(mlp, where))
         spec.module = PrefixSharingTransformerLayer
-        spec.submodules.mlp = _with_sharing_router(mlp, where)
     return spec
 
 
-def _with_sharing_router(mlp: ModuleSpec | functools.partial, where: str) -> Any:
-    """The MoE spec ``mlp`` (a ``ModuleSpec`` or a ``partial``) with the sharing router."""
+def sharing_attention_layer(layer_spec: ModuleSpec, where: str) -> ModuleSpec:
+    """A copy of a layer spec with the sharing self-attention (absolute rotary positions) and
+    core attention (K/V injection); also the hybrid stack's attention layers use it."""
+    attention = getattr(getattr(layer_spec, "submodules", None), "self_attention", None)
+    if not (isinstance(layer_spec, ModuleSpec) and isinstance(attention, ModuleSpec)
+            and _is_subclass(attention.module, SelfAttention)):
+        raise UnsupportedSpecError(
+            f"with_prefix_sharing needs a layer spec whose self_attention is a SelfAttention "
+            f"ModuleSpec; {where} has self_attention={_describe(attention)} (multi-latent "
+            "attention is not supported)"
+        )
+    attention = replaced(attention, core_attention=ModuleSpec(module=PrefixSharingCoreAttention))
+    attention.module = PrefixSharingSelfAttention
+    return replaced(layer_spec, self_attention=attention)
+
+
+def sharing_router_mlp(mlp: ModuleSpec | functools.partial, where: str) -> Any:
+    """The MoE spec ``mlp`` (a ``ModuleSpec`` up to megatron-core 0.17 or a ``partial`` from
+    0.18) with the sharing router."""
     submodules = mlp.submodules if isinstance(mlp, ModuleSpec) else mlp.keywords.get("submodules")
     router = getattr(submodules, "router", None)
     if router not in (TopKRouter, PrefixSharingRouter):
@@ -145,11 +155,26 @@ def _with_sharing_router(mlp: ModuleSpec | functools.partial, where: str) -> Any
             f"with_prefix_sharing: {where}'s MoE router is {_describe(router)}; only megatron's "
             "TopKRouter is replaced by the prefix-sharing router"
         )
-    submodules = dataclasses.replace(submodules, router=PrefixSharingRouter)
     if isinstance(mlp, ModuleSpec):
-        mlp.submodules = submodules
-        return mlp
+        return replaced(mlp, router=PrefixSharingRouter)
+    submodules = dataclasses.replace(submodules, router=PrefixSharingRouter)
     return functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": submodules})
+
+
+def replaced(spec: ModuleSpec, **submodules: Any) -> ModuleSpec:
+    """A copy of ``spec`` with some submodules replaced, the rest shared rather than deep-copied
+    (without Transformer Engine the stock TE specs hold stand-ins that cannot be copied)."""
+    spec = copy.copy(spec)
+    spec.submodules = dataclasses.replace(spec.submodules, **submodules)
+    return spec
+
+
+def _builds_hybrid_stack(spec: ModuleSpec) -> bool:
+    """Whether ``spec`` builds megatron-core 0.18+'s ``HybridStack`` (told without importing
+    :mod:`.hybrid`, which older releases cannot)."""
+    return inspect.isclass(spec.module) and any(
+        cls.__name__ == "HybridStack" and cls.__module__.startswith("megatron.core.models.hybrid")
+        for cls in spec.module.__mro__)
 
 
 def _built_class(spec: Any) -> type | None:

@@ -168,14 +168,14 @@ def test_spec_forms_it_does_not_recognise_are_refused_naming_the_slot():
     with pytest.raises(ValueError, match="needs a ModuleSpec of a HybridStack"):
         hybrid.with_prefix_sharing(gpt_layer_specs.get_gpt_layer_local_spec())
     # the inference stack routes with InferenceTopKRouter, which keeps no statistics hook
-    with pytest.raises(ValueError, match=r"hybrid layer 'E': sharing replaces megatron's "
-                                         r"TopKRouter; got router=InferenceTopKRouter"):
+    with pytest.raises(ValueError, match=r"hybrid layer 'E''s MoE router is "
+                                         r"InferenceTopKRouter; only megatron's TopKRouter"):
         hybrid.with_prefix_sharing(hybrid_layer_specs.hybrid_inference_stack_spec)
     mla_in_attention = hybrid.get_hybrid_stack_local_spec()
     mla_in_attention.submodules.attention_layer = \
         hybrid_layer_specs.hybrid_stack_spec.submodules.dsa_layer  # an MLA self-attention
-    with pytest.raises(ValueError, match=r"hybrid layer '\*' needs .* got self_attention="
-                                         r"ModuleSpec\(module=\w*MLASelfAttention\)"):
+    with pytest.raises(ValueError, match=r"hybrid layer '\*' has self_attention="
+                                         r"ModuleSpec\(\w*MLASelfAttention\)"):
         hybrid.with_prefix_sharing(mla_in_attention)
     moe_in_mlp = hybrid.get_hybrid_stack_local_spec()
     moe_in_mlp.submodules.mlp_layer = moe_in_mlp.submodules.moe_layer
@@ -222,7 +222,7 @@ def _statistics_run(model, batches, layout, config=None):
 
 def _hybrid_job(rank: int) -> dict:
     from prefix_sharing.engines.megatron import compare, forward_backward, hybrid_model
-    from prefix_sharing.megatron_ext import hybrid, layer_specs
+    from prefix_sharing.megatron_ext import UnsupportedSetupError, hybrid, layer_specs
     from prefix_sharing.presets import PRESETS
 
     report = {}
@@ -256,8 +256,20 @@ def _hybrid_job(rank: int) -> dict:
     attention_only = hybrid.get_hybrid_stack_local_spec(normalization="RMSNorm")
     attention_only.submodules.attention_layer = layer_specs.with_prefix_sharing(
         attention_only.submodules.attention_layer)
-    control = forward_backward(hybrid_model(preset, MOE, stack_spec=attention_only), batches,
-                               "shared", SHARE_EVERY_PREFIX)
+    control_model = hybrid_model(preset, MOE, stack_spec=attention_only)
+    try:
+        forward_backward(control_model, batches, "shared", SHARE_EVERY_PREFIX)
+        report["stock_router_refused"] = None
+    except UnsupportedSetupError as error:
+        report["stock_router_refused"] = str(error)
+    # what it would compute, the model check bypassed
+    import prefix_sharing.megatron_ext as megatron_ext
+
+    check, megatron_ext.check_sharing_model = megatron_ext.check_sharing_model, lambda model: None
+    try:
+        control = forward_backward(control_model, batches, "shared", SHARE_EVERY_PREFIX)
+    finally:
+        megatron_ext.check_sharing_model = check
     report["stock_router_control"] = {k: max_rel_diff(g, padded.grads[k])
                                       for k, g in control.grads.items()
                                       if k.endswith("router.weight")}
@@ -320,6 +332,23 @@ def test_the_stock_router_in_a_sharing_model_would_change_the_router_gradient(re
     """What the sharing router is for: megatron's router on the flat rows counts a shared token
     once, so its losses' gradients differ from the plain batch's."""
     assert max(report["stock_router_control"].values()) > 1e-3, report["stock_router_control"]
+
+
+@needs_hybrid
+def test_the_one_with_prefix_sharing_converts_a_hybrid_stack_as_the_hybrid_module_does():
+    from prefix_sharing.megatron_ext import hybrid, with_prefix_sharing
+
+    def modules(stack):
+        return {f: getattr(getattr(stack.submodules, f), "module", None)
+                for f in ("attention_layer", "mlp_layer", "moe_layer")}
+
+    local = hybrid.get_hybrid_stack_local_spec()
+    assert modules(with_prefix_sharing(local)) == modules(hybrid.with_prefix_sharing(local))
+    assert modules(with_prefix_sharing(local)) != modules(local)
+
+
+def test_a_sharing_model_with_a_stock_router_is_refused_before_it_runs(report):
+    assert "decoder.layers.3.mlp.router (TopKRouter)" in report["stock_router_refused"]
 
 
 # ----------------------------------------------------------------------------- TP / PP
