@@ -54,7 +54,8 @@ def test_context_parallel_layer_is_built_but_plain_inputs_are_refused():
     layer = core_attention(TransformerConfig(**BASE, context_parallel_size=2))
     assert layer.config.context_parallel_size == 2
     q = torch.zeros(4, 1, 4, 16)
-    with pytest.raises(UnsupportedSetupError, match="context_parallel_size=2: .*prepare_micro_batch"):
+    with pytest.raises(UnsupportedSetupError,
+                       match="context_parallel_size=2: .*prepare_micro_batch"):
         layer(q, q, q, None)
 
 

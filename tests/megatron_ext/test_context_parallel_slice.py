@@ -46,7 +46,8 @@ def _cp_attention(q, k, v, plan, size, local_keys_only=False):
         if local_keys_only:
             kk, vv = k[lo:hi].repeat(size, 1, 1), v[lo:hi].repeat(size, 1, 1)
         rows.append(varlen_attention(
-            q[lo:hi], kk.index_select(0, cp.kv_gather_index), vv.index_select(0, cp.kv_gather_index),
+            q[lo:hi], kk.index_select(0, cp.kv_gather_index),
+            vv.index_select(0, cp.kv_gather_index),
             cp.cu_seqlens_q, cp.cu_seqlens_kv, cp.max_seqlen_q, cp.max_seqlen_kv, backend="torch",
             cu_seqlens_q_host=cp.cu_seqlens_q_host, cu_seqlens_k_host=cp.cu_seqlens_kv_host,
         ))
@@ -62,7 +63,8 @@ def test_slices_give_the_plain_attention_rows(workload, size):
     q, k, v = (torch.randn(plan.num_tokens_flat, h, 8, generator=gen, dtype=torch.float64)
                for h in (3, 1, 1))  # 3 query heads over 1 K/V head: no head count divides
     reference = prefix_attention(q, k, v, plan, backend="torch")
-    torch.testing.assert_close(_cp_attention(q, k, v, plan, size), reference, rtol=1e-10, atol=1e-14)
+    torch.testing.assert_close(_cp_attention(q, k, v, plan, size), reference,
+                               rtol=1e-10, atol=1e-14)
     wrong = _cp_attention(q, k, v, plan, size, local_keys_only=True)
     assert (wrong - reference).abs().max() > 1e-3  # the mutation is caught
 
