@@ -15,6 +15,7 @@ import torch
 from prefix_sharing import PrefixSharingConfig
 from prefix_sharing.engines.megatron import compare, forward_backward
 from prefix_sharing.equivalence import FP32_RTOL
+from prefix_sharing.megatron_ext.context_parallel import kv_bytes_per_layer
 from prefix_sharing.workloads import make_workload
 
 from ._distributed import PRESET, run_distributed, tiny_gpt
@@ -40,16 +41,31 @@ def _batches() -> list[list[torch.Tensor]]:
 
 
 def _shared_job(rank: int, variants: list[str], local_keys_only: bool = False) -> dict:
+    from prefix_sharing.megatron_ext import core_attention, prepare_micro_batch
+
+    received = []  # bytes each K/V all-gather brought from the other ranks
+
+    def counted(x, cp):
+        out = gather_rows(x, cp)
+        received.append((out.numel() - x.numel()) * x.element_size())
+        return out
+
+    gather_rows = core_attention.gather_rows
+    core_attention.gather_rows = counted
     if local_keys_only:  # the wrong construction: each rank sees its own K/V in place of others'
-        from prefix_sharing.megatron_ext import core_attention
-
         core_attention.gather_rows = lambda x, cp: x.repeat(cp.size, *[1] * (x.dim() - 1))
-    from prefix_sharing.megatron_ext import prepare_micro_batch
-
     mb = prepare_micro_batch(_batches()[0], SHARE_EVERY_PREFIX)
-    runs = {v: forward_backward(tiny_gpt("shared", **VARIANTS[v]), _batches(), "shared",
-                                SHARE_EVERY_PREFIX) for v in variants}
-    return {"runs": runs, "rows": (mb.input_ids.size(1), mb.plan.num_tokens_flat)}
+    runs = {}
+    for v in variants:
+        received.clear()
+        runs[v] = forward_backward(tiny_gpt("shared", **VARIANTS[v]), _batches(), "shared",
+                                   SHARE_EVERY_PREFIX)
+        if v == "llama":
+            llama_bytes = sum(received)
+    flats = [prepare_micro_batch(b, SHARE_EVERY_PREFIX).plan.num_tokens_flat for b in _batches()]
+    return {"runs": runs, "rows": (mb.input_ids.size(1), mb.plan.num_tokens_flat),
+            "received": llama_bytes if "llama" in variants and not local_keys_only else None,
+            "flats": flats}
 
 
 def _plain_job(rank: int, variants: list[str]) -> dict:
@@ -85,6 +101,13 @@ def test_each_cp_rank_holds_half_the_rows_of_the_same_plan(cp2):
         local, flat = result["rows"]
         assert 2 * local == flat
     assert cp2[0]["runs"]["llama"].digests == cp2[1]["runs"]["llama"].digests
+
+
+def test_bytes_received_are_the_documented_figure(cp2):
+    """K and V of the other rank's rows, per layer (tiny: 2 layers, 2 K/V heads of 16, fp32)."""
+    for result in cp2:
+        expected = sum(kv_bytes_per_layer(flat, 2, 2, 16, 4) for flat in result["flats"])
+        assert result["received"] == PRESET.num_layers * expected
 
 
 def test_cp2_tp2_shared_equals_plain_cp1(reference):
