@@ -1,7 +1,8 @@
 """Context parallelism: the shared model split over CP ranks computes what the plain model does.
 
 Each case runs GRPO, tree, agent and unshared micro-batches through megatron's schedule at
-``context_parallel_size=2`` (shared layout: the plan's rows split over the ranks, K/V gathered)
+``context_parallel_size`` 2 or 4, alone or with TP=2 or PP=2 (shared layout: the plan's rows split
+over the CP ranks, K/V gathered)
 and compares logits, log-probs, entropy, loss and every gradient with megatron's stock local
 spec on padded input at CP=1, on the same weights (fp32, 1e-5 relative). Megatron's stock
 attention refuses CP > 1, so the CP=1 plain run is the reference.
@@ -118,6 +119,31 @@ def test_cp2_tp2_shared_equals_plain_cp1(reference):
             diff = compare(result["runs"][variant], reference[variant]).max_rel_diff
             worst = {q: d for q, d in diff.items() if d > FP32_RTOL}
             assert not worst, f"CP2 x TP2 rank {rank} {variant}: {worst}"
+
+
+def test_cp4_shared_equals_plain_cp1(reference):
+    ranks = run_distributed(_shared_job, 4, ["three_heads"], cp=4, timeout=900)
+    for rank, result in enumerate(ranks):
+        diff = compare(result["runs"]["three_heads"], reference["three_heads"]).max_rel_diff
+        worst = {q: d for q, d in diff.items() if d > FP32_RTOL}
+        assert not worst, f"CP4 rank {rank}: {worst}"
+        local, flat = result["rows"]
+        assert 4 * local == flat
+
+
+def test_cp2_pp2_shared_equals_plain_cp1(reference):
+    """Each stage holds its layers' gradients and the last stage the outputs."""
+    ranks = run_distributed(_shared_job, 4, ["llama"], pp=2, cp=2, timeout=900)
+    plain = reference["llama"]
+    for rank, result in enumerate(ranks):
+        run = result["runs"]["llama"]
+        assert run.grads and set(run.grads) < set(plain.grads)  # this stage's parameters
+        grads = {k: g for k, g in plain.grads.items() if k in run.grads}
+        diff = compare(run, type(plain)(plain.outputs if run.outputs else [], grads,
+                                         plain.digests)).max_rel_diff
+        worst = {q: d for q, d in diff.items() if d > FP32_RTOL}
+        assert not worst, f"CP2 x PP2 rank {rank}: {worst}"
+    assert sum(bool(r["runs"]["llama"].outputs) for r in ranks) == 2  # the last stage's CP ranks
 
 
 def test_attending_only_to_local_keys_is_caught(reference):
