@@ -84,6 +84,8 @@ def token_log_probs(
     temperature: float = 1.0,
     with_entropy: bool = True,
     vocab_shard: VocabShard | None = None,
+    positions: torch.Tensor | None = None,
+    row_start: int = 0,
 ) -> TokenStats:
     """Log-probs (and entropy) of every sequence's tokens from ``(T_flat, vocab)`` logits.
 
@@ -99,8 +101,14 @@ def token_log_probs(
         with_entropy: also return the entropy.
         vocab_shard: the reductions over a vocabulary split across ranks; ``None`` when
             ``flat_logits`` holds the whole vocabulary.
+        positions: only these packed positions (int64, ``kv_index`` order), whose flat rows
+            must all lie in ``flat_logits``: then ``flat_logits`` holds the flat rows
+            ``row_start ..`` only (a context-parallel rank's slice), and the result has one
+            entry per position.
+        row_start: the plan row of ``flat_logits``' first row (with ``positions``).
     """
-    if flat_logits.dim() != 2 or flat_logits.size(0) != plan.num_tokens_flat:
+    rows_expected = plan.num_tokens_flat if positions is None else flat_logits.size(0)
+    if flat_logits.dim() != 2 or flat_logits.size(0) != rows_expected:
         raise ValueError(
             f"flat_logits must be (T_flat={plan.num_tokens_flat}, vocab); "
             f"got {tuple(flat_logits.shape)}"
@@ -109,10 +117,14 @@ def token_log_probs(
         raise ValueError(f"temperature must be positive; got {temperature}")
     shard = _WholeVocab() if vocab_shard is None else vocab_shard
     vocab_local = flat_logits.size(-1)
-    targets = plan.next_token_ids - shard.vocab_start  # [T_total], column in this shard
-    picks = (targets >= 0) & (targets < vocab_local) & ~plan.is_last_token
+    rows, next_ids, is_last = plan.kv_index, plan.next_token_ids, plan.is_last_token
+    if positions is not None:  # [P]: a slice's positions, rows counted from the slice
+        rows = rows.index_select(0, positions) - row_start
+        next_ids, is_last = next_ids.index_select(0, positions), is_last.index_select(0, positions)
+    targets = next_ids - shard.vocab_start  # column in this shard
+    picks = (targets >= 0) & (targets < vocab_local) & ~is_last
     log_probs, entropy = _TokenStatsFunction.apply(
-        flat_logits, plan.kv_index, targets.clamp(0, vocab_local - 1), picks, plan.is_last_token,
+        flat_logits, rows, targets.clamp(0, vocab_local - 1), picks, is_last,
         float(temperature), with_entropy, shard,
     )
     return TokenStats(log_probs, entropy)

@@ -2,7 +2,7 @@
 
 Runs a seeded random-weight model of ``--model``'s shape plain (megatron's stock spec on padded
 input) and shared (the prefix-sharing spec on the plan) on the same micro-batch, under the
-given tensor / pipeline parallel sizes, and reports the largest differences of logits,
+given tensor / pipeline / context parallel sizes, and reports the largest differences of logits,
 log-probs, entropy, loss and gradients. Exit status 0 only when within tolerance.
 """
 
@@ -30,6 +30,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_engine_option(parser)
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default: 1)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default: 1)")
+    parser.add_argument("--cp", type=int, default=1,
+                        help="context-parallel size: the shared run's rows split over this many "
+                        "ranks, against the plain run at 1 (default: 1)")
     add_dtype_option(parser)
     parser.add_argument("--steps", type=int, default=1,
                         help="compare at this many points of the plain model's Adam "
@@ -49,15 +52,15 @@ def run(args: argparse.Namespace) -> int:
     model, ((name, sequences, groups),) = load_batches(args, get_preset(args.model),
                                                        tensor_parallel=args.tp)
     engine.check_installed()
-    engine.check_layout(model, args.tp, args.pp)
+    engine.check_layout(model, args.tp, args.pp, args.cp)
     if config.mode == "prompt_only" and groups is None:
         raise InputError(f"--mode prompt_only needs prompt groups, but {name} has input_ids only")
     groups = groups if config.mode == "prompt_only" else None
     request = VerifyRequest([(sequences, groups)], config, model, dtype, args.steps)
-    report, = engine.verify(request, args.tp, args.pp)
+    report, = engine.verify(request, args.tp, args.pp, args.cp)
     plan = build_plan(sequences, config, groups=groups)
     report.update(input=name, engine=engine.name, model=model.name, vocab_size=model.vocab_size,
-                  tp=args.tp, pp=args.pp, dtype=args.dtype, backend=config.backend,
+                  tp=args.tp, pp=args.pp, cp=args.cp, dtype=args.dtype, backend=config.backend,
                   steps=args.steps, mode=config.mode, tokens_total=plan.num_tokens_total,
                   tokens_unique=plan.num_tokens_unique, sequences=plan.num_sequences)
     print(json.dumps(report) if args.json else _text(report))
@@ -69,7 +72,7 @@ def _text(r: dict) -> str:
         f"verify {r['input']}: {r['sequences']} sequences, {r['tokens_total']} tokens, "
         f"{r['tokens_unique']} computed ({r['mode']}); {r['engine']} engine, {r['model']} model "
         f"(vocabulary {r['vocab_size']}), {r['dtype']}, {r['backend']} attention, "
-        f"tp={r['tp']} pp={r['pp']}, {r['steps']} step(s)",
+        f"tp={r['tp']} pp={r['pp']} cp={r['cp']}, {r['steps']} step(s)",
         "",
         f"differences from the plain run in {r['reference_dtype']} (relative to each quantity's "
         "scale; allowed: 2x, grads 3x, the plain run's own, plus a floor)",

@@ -19,7 +19,7 @@ from ..presets import ModelPreset
 from .bench import BenchRequest, bench_job
 from .hf import HFEngine
 from .launch import run_distributed
-from .verify import VerifyRequest, summarize, verify_job
+from .verify import VerifyRequest, plain_runs_job, summarize, verify_cp_job, verify_job
 
 __all__ = ["ENGINES", "Engine", "get_engine"]
 
@@ -30,16 +30,18 @@ class Engine:
     package: str  # what must be importable
     pip_extra: str
 
-    def check_layout(self, model: ModelPreset, tp: int, pp: int) -> None:
-        """Refuses tensor/pipeline sizes this model or this machine cannot run."""
-        if tp < 1 or pp < 1:
-            raise InputError(f"--tp and --pp must be at least 1; got tp={tp}, pp={pp}")
+    def check_layout(self, model: ModelPreset, tp: int, pp: int, cp: int = 1) -> None:
+        """Refuses tensor/pipeline/context-parallel sizes this model or machine cannot run."""
+        if tp < 1 or pp < 1 or cp < 1:
+            raise InputError(f"--tp, --pp and --cp must be at least 1; got tp={tp}, pp={pp}, "
+                             f"cp={cp}")
         if torch.cuda.is_available():
             limit, unit = torch.cuda.device_count(), "GPUs"
         else:
             limit, unit = 2 * (os.cpu_count() or 1), "processes on this machine's CPU cores"
-        if tp * pp > limit:
-            raise InputError(f"tp x pp = {tp * pp} ranks, but at most {limit} {unit} can run here")
+        if tp * pp * cp > limit:
+            raise InputError(f"tp x pp x cp = {tp * pp * cp} ranks, but at most {limit} {unit} "
+                             "can run here")
         problems = []
         if model.num_attention_heads % tp:
             problems.append(f"its {model.num_attention_heads} attention heads")
@@ -60,11 +62,26 @@ class Engine:
             raise MissingPackageError(f"the {self.name} engine needs {self.package} "
                               f"(pip install 'prefix-sharing[{self.pip_extra}]')")
 
-    def verify(self, request: VerifyRequest, tp: int = 1, pp: int = 1) -> list[dict]:
-        """One report per micro-batch of the request (see :func:`verify.summarize`)."""
+    def verify(self, request: VerifyRequest, tp: int = 1, pp: int = 1,
+               cp: int = 1) -> list[dict]:
+        """One report per micro-batch of the request (see :func:`verify.summarize`).
+
+        With ``cp > 1`` the plain runs go first at context-parallel size 1 (megatron's stock
+        attention refuses CP), then the shared run on ``tp x pp x cp`` ranks is compared
+        with them; one step only.
+        """
         self.check_installed()
-        self.check_layout(request.preset, tp, pp)
-        ranks = run_distributed(verify_job, tp * pp, request, tp=tp, pp=pp, timeout=3600)
+        self.check_layout(request.preset, tp, pp, cp)
+        if cp == 1:
+            ranks = run_distributed(verify_job, tp * pp, request, tp=tp, pp=pp, timeout=3600)
+        else:
+            if request.steps != 1:
+                raise InputError(f"--steps {request.steps} with --cp {cp}: context-parallel "
+                                 "verification compares one step; use --steps 1")
+            plain = run_distributed(plain_runs_job, tp * pp, request, tp=tp, pp=pp,
+                                    timeout=3600)
+            ranks = run_distributed(verify_cp_job, tp * pp * cp, request, plain, tp=tp, pp=pp,
+                                    cp=cp, timeout=3600)
         return [summarize(ranks, i, request.dtype) for i in range(len(request.batches))]
 
     def bench(self, request: BenchRequest) -> list[dict]:

@@ -58,15 +58,17 @@ class HFEngine:
                 raise MissingPackageError(f"the {self.name} engine needs {package} "
                                           f"(pip install 'prefix-sharing[{self.pip_extra}]')")
 
-    def check_layout(self, model: ModelPreset, tp: int, pp: int) -> None:
-        if (tp, pp) != (1, 1):
-            raise InputError(f"the {self.name} engine shards data-parallel (FSDP) only: --tp and "
-                             f"--pp must be 1; got tp={tp}, pp={pp} (use --engine megatron)")
+    def check_layout(self, model: ModelPreset, tp: int, pp: int, cp: int = 1) -> None:
+        if (tp, pp, cp) != (1, 1, 1):
+            raise InputError(f"the {self.name} engine shards data-parallel (FSDP) only: --tp, "
+                             f"--pp and --cp must be 1; got tp={tp}, pp={pp}, cp={cp} "
+                             "(use --engine megatron)")
 
-    def verify(self, request: VerifyRequest, tp: int = 1, pp: int = 1) -> list[dict]:
+    def verify(self, request: VerifyRequest, tp: int = 1, pp: int = 1,
+               cp: int = 1) -> list[dict]:
         """One report per micro-batch, in :func:`~prefix_sharing.engines.verify.summarize`'s form."""
         self.check_installed()
-        self.check_layout(request.preset, tp, pp)
+        self.check_layout(request.preset, tp, pp, cp)
         steps = [_verify_batch(request, sequences, groups) for sequences, groups in request.batches]
         return [summarize([steps], i, request.dtype) for i in range(len(steps))]
 

@@ -44,12 +44,13 @@ def run_distributed(
     *args: Any,
     tp: int = 1,
     pp: int = 1,
+    cp: int = 1,
     seed: int = 1234,
     timeout: float = 120.0,
 ) -> list[Any]:
     """Run ``fn(rank, *args)`` on ``world_size`` spawned gloo ranks; return each rank's result.
 
-    Each rank calls ``enable_cpu_megatron()``, ``initialize_model_parallel(tp, pp)`` and
+    Each rank calls ``enable_cpu_megatron()``, ``initialize_model_parallel(tp, pp, cp)`` and
     ``model_parallel_cuda_manual_seed(seed)`` before ``fn``. Arguments and results travel
     pickled by value, so they must be picklable (CPU tensors are).
 
@@ -68,7 +69,7 @@ def run_distributed(
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(rank, world_size, port, tp, pp, seed, payload, results_queue),
+            args=(rank, world_size, port, tp, pp, cp, seed, payload, results_queue),
             name=f"megatron-rank-{rank}",
         )
         for rank in range(world_size)
@@ -121,6 +122,7 @@ def _rank_main(
     port: int,
     tp: int,
     pp: int,
+    cp: int,
     seed: int,
     payload: bytes,
     results_queue: Any,
@@ -132,7 +134,7 @@ def _rank_main(
     try:
         # Share the cores between the ranks instead of oversubscribing them.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-        init_megatron(rank, world_size, port, tp=tp, pp=pp, seed=seed)
+        init_megatron(rank, world_size, port, tp=tp, pp=pp, cp=cp, seed=seed)
         fn, args = pickle.loads(payload)
         message = (rank, True, pickle.dumps(fn(rank, *args)))
         # No rank exits (closing its sockets, and rank 0 the TCPStore) while others still
@@ -147,7 +149,7 @@ def _rank_main(
 
 
 def init_megatron(rank: int, world_size: int, port: int, *, tp: int = 1, pp: int = 1,
-                  seed: int = 1234) -> None:
+                  cp: int = 1, seed: int = 1234) -> None:
     """Process group (NCCL on CUDA, else gloo + :func:`enable_cpu_megatron`) and megatron's
     model-parallel state and RNG tracker, for this rank."""
     from megatron.core import parallel_state, tensor_parallel
@@ -164,7 +166,8 @@ def init_megatron(rank: int, world_size: int, port: int, *, tp: int = 1, pp: int
 
         enable_cpu_megatron()
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 

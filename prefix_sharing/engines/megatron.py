@@ -138,6 +138,7 @@ def transformer_config(preset: ModelPreset, dtype: torch.dtype = torch.float32,
         bf16=dtype == torch.bfloat16,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        context_parallel_size=parallel_state.get_context_parallel_world_size(),
         # the flat layout's length changes from one micro-batch to the next
         variable_seq_lengths=True,
         moe_token_dispatcher_type="alltoall",
@@ -315,6 +316,23 @@ def finalize_sequence_parallel_grads(model: torch.nn.Module) -> None:
             torch.distributed.all_reduce(param.grad, group=group)
 
 
+def finalize_context_parallel_grads(model: torch.nn.Module) -> None:
+    """Averages, in place, every gradient over the context-parallel group, as megatron's
+    ``finalize_model_grads`` does (its data-parallel reduction spans data x context parallel).
+    Each CP rank back-propagated its own rows' share of a loss that megatron's schedule scaled
+    by the CP size, so the average is the whole micro-batch's gradient. Collective."""
+    from megatron.core import parallel_state
+
+    cp_size = parallel_state.get_context_parallel_world_size()
+    if cp_size == 1:
+        return
+    group = parallel_state.get_context_parallel_group()
+    for param in model.parameters():
+        if param.grad is not None:
+            torch.distributed.all_reduce(param.grad, group=group)
+            param.grad.div_(cp_size)
+
+
 def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """This stage's gradients, tensor-parallel shards gathered to TP=1 shape, by global name
     (experts by their global index, so an expert-parallel rank holds its own experts' only).
@@ -426,6 +444,7 @@ def forward_backward(
 
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}; got {layout!r}")
+    _check_context_parallel_layout(layout)
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
     groups = list(groups) if groups is not None else [None] * len(batches)
     if layout == "padded":
@@ -459,7 +478,7 @@ def forward_backward(
                 packed = _gather_vocab(logits)[0].index_select(0, mb[0].token_rows)
             else:
                 stats = token_stats(logits, mb)
-                packed = mb.plan.restore(_gather_vocab(logits)[0])
+                packed = mb.plan.restore(_gather_context_rows(_gather_vocab(logits)[0], mb))
                 log_probs, entropy = stats.log_probs, stats.entropy
             weights = advantages(log_probs.numel(), seed=i).to(log_probs.device)
             loss = pg_loss(log_probs, entropy, weights)
@@ -477,6 +496,7 @@ def forward_backward(
     )
     digests = [mb.plan.digest() for mb in inputs] if layout == "shared" else []
     finalize_sequence_parallel_grads(model)  # the parameters' .grad are then the optimizer's
+    finalize_context_parallel_grads(model)
     return MicroBatchRun(outputs, full_grads(model), digests)
 
 
@@ -496,6 +516,31 @@ def compare(candidate: MicroBatchRun, reference: MicroBatchRun) -> Comparison:
              for q in QUANTITIES if q != "grads"}
     pairs["grads"] = [(candidate.grads[k], g) for k, g in reference.grads.items()]
     return compare_pairs(pairs)
+
+
+def _check_context_parallel_layout(layout: str) -> None:
+    """Only the shared layout splits a micro-batch across context-parallel ranks (megatron's
+    stock attention refuses CP, and its THD layout would need its own zigzag split)."""
+    from megatron.core import parallel_state
+
+    cp_size = parallel_state.get_context_parallel_world_size()
+    if cp_size > 1 and layout != "shared":
+        from ..megatron_ext import UnsupportedSetupError
+
+        raise UnsupportedSetupError(
+            f"context_parallel_size={cp_size} runs the 'shared' layout only; the {layout!r} "
+            "reference runs at context_parallel_size=1"
+        )
+
+
+def _gather_context_rows(flat: torch.Tensor, mb: Any) -> torch.Tensor:
+    """The whole flat layout's rows from every context-parallel rank's slice (for the record of
+    the logits; the loss reads only the local rows)."""
+    if mb.cp is None:
+        return flat
+    from ..megatron_ext.context_parallel import gather_rows
+
+    return gather_rows(flat.detach(), mb.cp)
 
 
 def _padded(seqs: Sequence[torch.Tensor], device: Any) -> tuple[torch.Tensor, ...]:

@@ -26,7 +26,8 @@ from ..planner import PromptGroup
 from ..presets import ModelPreset
 from ..equivalence import FP32_RTOL, QUANTITIES, Comparison, allowed_rel_diff, within_tolerance
 
-__all__ = ["VerifyRequest", "verify_job", "summarize", "reference_dtype"]
+__all__ = ["VerifyRequest", "verify_job", "plain_runs_job", "verify_cp_job", "summarize",
+           "reference_dtype"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +65,43 @@ def verify_job(rank: int, request: VerifyRequest) -> list[list[dict]]:
     for sequences, groups in request.batches:
         _copy_weights(initial, models["plain"])
         reports.append(_verify_batch(models, [sequences], [groups], request))
+    return reports
+
+
+def plain_runs_job(rank: int, request: VerifyRequest) -> list[dict]:
+    """The plain and the reference runs of every micro-batch at context-parallel size 1 (one
+    step), for :func:`verify_cp_job`: megatron's stock attention cannot split a sequence."""
+    from .megatron import forward_backward, gpt_model
+
+    plain = gpt_model(request.preset, layout="padded", dtype=request.dtype, seed=request.seed)
+    reference = gpt_model(request.preset, layout="padded", seed=request.seed,
+                          dtype=reference_dtype(request.dtype))
+    return [{"plain": forward_backward(plain, [sequences], "padded"),
+             "reference": forward_backward(reference, [sequences], "padded")}
+            for sequences, _ in request.batches]
+
+
+def verify_cp_job(
+    rank: int, request: VerifyRequest, plain_ranks: list[list[dict]]
+) -> list[list[dict]]:
+    """:func:`verify_job` under context parallelism: the shared run here, split over the CP
+    ranks, against :func:`plain_runs_job`'s runs of the rank holding the same tensor- and
+    pipeline-parallel position (same weights: seeded by parameter name)."""
+    from megatron.core import parallel_state
+
+    from .megatron import compare, forward_backward, gpt_model
+
+    plain_rank = (parallel_state.get_tensor_model_parallel_rank()
+                  + parallel_state.get_tensor_model_parallel_world_size()
+                  * parallel_state.get_pipeline_model_parallel_rank())
+    model = gpt_model(request.preset, layout="shared", dtype=request.dtype, seed=request.seed)
+    reports = []
+    for (sequences, groups), runs in zip(request.batches, plain_ranks[plain_rank]):
+        shared = forward_backward(model, [sequences], "shared", request.config, [groups])
+        reports.append([{"shared": compare(shared, runs["reference"]),
+                         "plain": compare(runs["plain"], runs["reference"]),
+                         "vs_plain": compare(shared, runs["plain"]),
+                         "digest": shared.digests[0]}])
     return reports
 
 

@@ -29,10 +29,7 @@ def check_layer_config(config: TransformerConfig) -> None:
     """Refuses settings the prefix-sharing core attention cannot serve."""
     problems = []
     if config.context_parallel_size > 1:
-        problems.append(
-            f"context_parallel_size={config.context_parallel_size}: a reused prefix would have to "
-            "be gathered across context-parallel ranks; use context_parallel_size=1"
-        )
+        problems += _context_parallel_problems(config)
     if config.multi_latent_attention:
         problems.append("multi_latent_attention=True: MLA applies RoPE inside its own projection")
     if getattr(config, "mrope_section", None) is not None:
@@ -49,6 +46,23 @@ def check_layer_config(config: TransformerConfig) -> None:
         )
     if problems:
         raise UnsupportedSetupError("prefix sharing does not support " + "; ".join(problems))
+
+
+def _context_parallel_problems(config: TransformerConfig) -> list[str]:
+    """What the context-parallel attention (:mod:`.context_parallel`) has not been validated
+    with; each is named with the setting that turns it off."""
+    cp = f"context_parallel_size={config.context_parallel_size} with "
+    problems = []
+    if config.num_moe_experts:
+        problems.append(
+            cp + f"num_moe_experts={config.num_moe_experts}: the router statistics would have "
+            "to be reduced over the context-parallel group; use context_parallel_size=1 for MoE"
+        )
+    if config.window_size is not None:
+        problems.append(cp + f"window_size={config.window_size}: use context_parallel_size=1")
+    if config.softmax_type != "vanilla":
+        problems.append(cp + f"softmax_type={config.softmax_type!r}: use context_parallel_size=1")
+    return problems
 
 
 def check_sharing_allowed(config: TransformerConfig, plan: SharingPlan, training: bool) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any, Optional
 
@@ -17,6 +18,7 @@ from megatron.core.transformer.utils import is_layer_window_attention
 from ..attention import prefix_attention, varlen_attention
 from ..attention.backends import READS_HOST_BOUNDARIES, resolve_backend
 from .checks import UnsupportedSetupError, check_layer_config, check_sharing_allowed
+from .context_parallel import ContextParallelSlice, gather_rows
 from .packed_seq import PlanPackedSeqParams
 
 __all__ = ["PrefixSharingCoreAttention"]
@@ -43,6 +45,10 @@ class PrefixSharingCoreAttention(DotProductAttention):
     per-head sinks (``softmax_offset``, this rank's heads under tensor parallelism; the torch
     kernel only, see :mod:`prefix_sharing.attention`).
 
+    Under context parallelism the query rows are this rank's slice; keys and values of the
+    whole flat layout are all-gathered over the CP group and each local query piece attends to
+    its segment's gathered keys (see :mod:`.context_parallel`), with the same local kernel.
+
     Each layer keeps its own kernel state (``kernel_cache``: Transformer Engine's attention
     module, built at the first call), as megatron's own TE attention does. FP8 attention
     (``config.fp8``) is refused with the TE kernel: this package has not validated it.
@@ -60,8 +66,13 @@ class PrefixSharingCoreAttention(DotProductAttention):
         pg_collection: Optional[ProcessGroupCollection] = None,
     ) -> None:
         check_layer_config(config)  # before super(), whose context-parallel assert is misleading
+        # megatron's DotProductAttention asserts context_parallel_size == 1 (its own attention
+        # cannot split a sequence); this class does its own CP communication, so the parent is
+        # built on a copy that says 1 and the layer then keeps the real config.
+        parent_config = copy.copy(config)
+        parent_config.context_parallel_size = 1
         super().__init__(
-            config=config,
+            config=parent_config,
             layer_number=layer_number,
             attn_mask_type=attn_mask_type,
             attention_type=attention_type,
@@ -70,6 +81,7 @@ class PrefixSharingCoreAttention(DotProductAttention):
             cp_comm_type=cp_comm_type,
             pg_collection=pg_collection,
         )
+        self.config = config
         # Megatron divides the scale by the layer number under query-key layer scaling and
         # multiplies it back inside the softmax; the kernels take the net scale.
         self.net_softmax_scale = self.softmax_scale * (
@@ -101,7 +113,9 @@ class PrefixSharingCoreAttention(DotProductAttention):
         attention_bias: Optional[torch.Tensor] = None,
         packed_seq_params: Optional[PackedSeqParams] = None,
     ) -> torch.Tensor:
-        if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
+        if (packed_seq_params is None or packed_seq_params.qkv_format != "thd") and (
+            self.config.context_parallel_size == 1
+        ):
             return super().forward(
                 query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                 attention_bias=attention_bias, packed_seq_params=packed_seq_params,
@@ -113,10 +127,21 @@ class PrefixSharingCoreAttention(DotProductAttention):
                 f"attention_dropout={self.attention_dropout.p} in training: the varlen kernels "
                 "here run without dropout; set attention_dropout=0"
             )
+        if self.config.context_parallel_size > 1 and not (
+            isinstance(packed_seq_params, PlanPackedSeqParams) and packed_seq_params.cp is not None
+        ):
+            raise UnsupportedSetupError(
+                f"context_parallel_size={self.config.context_parallel_size}: the prefix-sharing "
+                "attention splits only micro-batches from prepare_micro_batch (the plan's rows); "
+                "use context_parallel_size=1 for other inputs"
+            )
         backend = self._resolve_backend(packed_seq_params, query)
         if isinstance(packed_seq_params, PlanPackedSeqParams):
             plan = packed_seq_params.plan
             check_sharing_allowed(self.config, plan, self.training)
+            if packed_seq_params.cp is not None:
+                out = self._context_parallel(query, key, value, packed_seq_params.cp, backend)
+                return out.reshape(out.size(0), -1)  # [T_local, np, hn] -> [T_local, np * hn]
             out = prefix_attention(
                 query, key, value, plan, softmax_scale=self.net_softmax_scale,
                 window=self.window, sinks=self.softmax_offset, backend=backend,
@@ -125,6 +150,31 @@ class PrefixSharingCoreAttention(DotProductAttention):
         else:
             out = self._plain_thd(query, key, value, packed_seq_params, backend)
         return out.reshape(out.size(0), -1)  # [T, np, hn] -> [T, np * hn]
+
+    def _context_parallel(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        cp: ContextParallelSlice,
+        backend: str,
+    ) -> torch.Tensor:
+        """This CP rank's query rows against their segments' keys, gathered from every rank."""
+        if query.size(0) != cp.num_rows:
+            raise ValueError(
+                f"q has {query.size(0)} tokens but this context-parallel rank holds "
+                f"{cp.num_rows} rows of the plan"
+            )
+        # [T_local, ng, hn] -> [T_flat, ng, hn] (all-gather; dK, dV reduce-scattered back)
+        key, value = gather_rows(key, cp), gather_rows(value, cp)
+        key = key.index_select(0, cp.kv_gather_index)  # [sum of local key ranges, ng, hn]
+        value = value.index_select(0, cp.kv_gather_index)
+        return varlen_attention(
+            query, key, value, cp.cu_seqlens_q, cp.cu_seqlens_kv, cp.max_seqlen_q,
+            cp.max_seqlen_kv, self.net_softmax_scale, backend=backend,
+            cu_seqlens_q_host=cp.cu_seqlens_q_host, cu_seqlens_k_host=cp.cu_seqlens_kv_host,
+            kernel_cache=self.kernel_cache,
+        )
 
     def _resolve_backend(self, params: PackedSeqParams, query: torch.Tensor) -> str:
         backend = resolve_backend(getattr(params, "backend", "auto"), query.device, query.dtype)

@@ -5,6 +5,13 @@ denominator, expected logit and picked target logit are all-reduced across the t
 group in the forward (two all-reduces per call). The backward needs no communication (see
 :mod:`prefix_sharing.logprobs`). Rows are still read through the plan's ``kv_index``, so
 nothing of size ``(T_total, vocab)`` is built on any rank.
+
+Under context parallelism each rank holds the logits of its slice of the flat rows: it computes
+the positions that read those rows, and one all-reduce over the CP group (of two ``(T_total,)``
+vectors, each position filled by exactly one rank) completes them on every rank. Its backward
+is the identity: the loss computed from the complete vectors is the same on every CP rank, so
+each rank back-propagates into its own rows, and the CP-replicated parameters' gradients are
+then reduced over the group as megatron's ``finalize_model_grads`` does.
 """
 
 from __future__ import annotations
@@ -70,9 +77,37 @@ def token_stats(
         group = parallel_state.get_tensor_model_parallel_group()
         if torch.distributed.get_world_size(group) > 1:
             shard = MegatronVocabShard(logits.size(-1), group)
-    return token_log_probs(
-        logits, batch.plan, temperature=temperature, with_entropy=with_entropy, vocab_shard=shard
+    cp = batch.cp
+    if cp is None:
+        return token_log_probs(
+            logits, batch.plan, temperature=temperature, with_entropy=with_entropy,
+            vocab_shard=shard,
+        )
+    local = token_log_probs(
+        logits, batch.plan, temperature=temperature, with_entropy=with_entropy,
+        vocab_shard=shard, positions=cp.token_positions, row_start=cp.row_start,
     )
+    stats = [s for s in local if s is not None]
+    packed = torch.zeros(len(stats), batch.plan.num_tokens_total, dtype=stats[0].dtype,
+                         device=stats[0].device)
+    packed = packed.index_copy(1, cp.token_positions, torch.stack(stats))  # [1 or 2, T_total]
+    packed = _SumOverContextParallel.apply(packed, cp.group)
+    return TokenStats(packed[0], packed[1] if with_entropy else None)
+
+
+class _SumOverContextParallel(torch.autograd.Function):
+    """All-reduce (sum) over the CP group; the backward passes the gradient through, since
+    every CP rank computes the same loss from the summed result (see the module doc)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: torch.distributed.ProcessGroup) -> torch.Tensor:
+        x = x.clone(memory_format=torch.contiguous_format)
+        torch.distributed.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
 
 
 def forward_token_stats(

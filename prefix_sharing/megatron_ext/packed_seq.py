@@ -25,6 +25,8 @@ import numpy as np
 from ..config import PrefixSharingConfig
 from ..plan import SharingPlan
 from ..planner import PromptGroup, TokenSequence, build_plan
+from .checks import assert_same_plan
+from .context_parallel import ContextParallelSlice, slice_plan
 
 __all__ = [
     "PlanPackedSeqParams",
@@ -43,16 +45,21 @@ class PlanPackedSeqParams(PackedSeqParams):
         plan: the :class:`SharingPlan`, on the model's device.
         backend: attention kernel for the prefix-sharing core attention (``"auto"``, ``"torch"``,
             ``"flash_attn"``, ``"te"``, ``"npu"``).
+        cp: this context-parallel rank's slice of the plan (``None`` without context
+            parallelism).
     """
 
     plan: SharingPlan | None = None
     backend: str = "auto"
+    cp: ContextParallelSlice | None = None
     _rotary_cache: tuple[torch.Tensor, torch.Tensor] | None = dataclasses.field(
         default=None, init=False, repr=False, compare=False
     )
 
     @classmethod
-    def from_plan(cls, plan: SharingPlan, backend: str = "auto") -> PlanPackedSeqParams:
+    def from_plan(
+        cls, plan: SharingPlan, backend: str = "auto", cp: ContextParallelSlice | None = None
+    ) -> PlanPackedSeqParams:
         return cls(
             qkv_format="thd",
             cu_seqlens_q=plan.cu_seqlens_q,
@@ -63,10 +70,12 @@ class PlanPackedSeqParams(PackedSeqParams):
             max_seqlen_kv=plan.max_seqlen_kv,
             plan=plan,
             backend=backend,
+            cp=cp,
         )
 
     def per_token_rotary(self, table: torch.Tensor) -> torch.Tensor:
-        """Rotary frequencies of each flat token at its absolute position: ``[T_flat, 1, 1, d]``.
+        """Rotary frequencies of each flat token at its absolute position: ``[T_flat, 1, 1, d]``
+        (this context-parallel rank's rows only: ``[T_flat / CP, 1, 1, d]``).
 
         Megatron's THD RoPE restarts positions at 0 per segment, which is wrong for a reuser's
         tail (it starts at its prefix length); with one row per flat token the rotation is
@@ -81,19 +90,22 @@ class PlanPackedSeqParams(PackedSeqParams):
                 f"a sequence of {self.plan.max_seqlen_kv} tokens is longer than the rotary table "
                 f"({table.size(0)} positions)"
             )
-        rows = table.index_select(0, self.plan.position_ids)
+        positions = self.plan.position_ids if self.cp is None else self.cp.position_ids
+        rows = table.index_select(0, positions)
         self._rotary_cache = (table, rows)
         return rows
 
 
 @dataclasses.dataclass(frozen=True)
 class MicroBatch:
-    """What ``GPTModel.forward`` needs for one planned micro-batch (``[1, T_flat]`` THD inputs)."""
+    """What ``GPTModel.forward`` needs for one planned micro-batch (``[1, T_flat]`` THD inputs;
+    under context parallelism ``[1, T_flat / CP]``, this rank's rows, and ``cp`` its slice)."""
 
     plan: SharingPlan
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     packed_seq_params: PlanPackedSeqParams
+    cp: ContextParallelSlice | None = None
 
 
 def prepare_micro_batch(
@@ -114,25 +126,37 @@ def prepare_micro_batch(
         config: what to share (``PrefixSharingConfig()`` when omitted).
         groups: prompt groups, for ``mode="prompt_only"``.
         pad_to_multiple_of: pad the flat layout to this multiple; defaults to the
-            tensor-parallel size (sequence parallelism splits the tokens across it).
+            tensor-parallel size times the context-parallel size (context parallelism splits
+            the rows across its ranks, then sequence parallelism each slice across TP).
         device: where the model runs; defaults to the current CUDA device, else CPU.
 
     Returns:
         A :class:`MicroBatch`; call ``model(mb.input_ids, mb.position_ids, None,
-        packed_seq_params=mb.packed_seq_params)``.
+        packed_seq_params=mb.packed_seq_params)``. Under context parallelism every rank of
+        the CP group must call this for the same micro-batch (the plans are compared, one small
+        all-gather).
     """
     config = PrefixSharingConfig() if config is None else config
+    cp_group = _context_parallel_group()
+    cp_size = 1 if cp_group is None else torch.distributed.get_world_size(cp_group)
     if pad_to_multiple_of is None:
-        pad_to_multiple_of = _tensor_parallel_size()
+        pad_to_multiple_of = _tensor_parallel_size() * cp_size
     if device is None:
         device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
     plan = build_plan(sequences, config, groups=groups, pad_to_multiple_of=pad_to_multiple_of)
+    cp = None
+    if cp_group is not None:
+        assert_same_plan(plan, cp_group)
+        cp = slice_plan(plan, torch.distributed.get_rank(cp_group), cp_size, cp_group,
+                        device)  # host work, once per micro-batch
     plan = plan.to(device, non_blocking=True)
+    rows = slice(None) if cp is None else slice(cp.row_start, cp.row_stop)
     return MicroBatch(
         plan=plan,
-        input_ids=plan.input_ids.unsqueeze(0),  # [1, T_flat]: THD is batch 1
-        position_ids=plan.position_ids.unsqueeze(0),
-        packed_seq_params=PlanPackedSeqParams.from_plan(plan, config.backend),
+        input_ids=plan.input_ids[rows].unsqueeze(0),  # [1, T_flat (/ CP)]: THD is batch 1
+        position_ids=plan.position_ids[rows].unsqueeze(0),
+        packed_seq_params=PlanPackedSeqParams.from_plan(plan, config.backend, cp),
+        cp=cp,
     )
 
 
@@ -198,6 +222,15 @@ def plain_micro_batch(
         packed_seq_params=params,
         token_rows=torch.from_numpy(rows).to(device),
     )
+
+
+def _context_parallel_group() -> torch.distributed.ProcessGroup | None:
+    """The context-parallel group when it has more than one rank, else ``None``."""
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    if parallel_state.get_context_parallel_world_size() == 1:
+        return None
+    return parallel_state.get_context_parallel_group()
 
 
 def _tensor_parallel_size() -> int:

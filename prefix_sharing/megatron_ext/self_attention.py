@@ -100,6 +100,7 @@ class PrefixSharingSelfAttention(SelfAttention):
         tokens = hidden_states.size(0)  # [s, b, h]; s is split across TP ranks under SP
         if self.config.sequence_parallel:
             tokens *= self.config.tensor_model_parallel_size
+        tokens *= self.config.context_parallel_size  # each CP rank holds a slice of the rows
         if tokens != params.plan.num_tokens_flat:
             raise UnsupportedSetupError(
                 f"this layer received {tokens} tokens but the micro-batch's plan lays out "

@@ -56,7 +56,7 @@ def test_a_bug_in_a_rank_brings_the_rank_traceback():
 def verify_raises(monkeypatch):
     """``verify`` whose engine run raises the given exception (no model is built)."""
     def install(error: Exception) -> None:
-        def fail(self, request, tp=1, pp=1):
+        def fail(self, request, tp=1, pp=1, cp=1):
             raise error
 
         monkeypatch.setattr(engines.Engine, "verify", fail)
@@ -104,7 +104,7 @@ def _shared_step_with_capacity_factor(rank: int, request) -> None:
 
 def test_the_command_prints_a_setup_refused_in_a_rank_as_one_line(capsys, monkeypatch):
     """``verify --model tiny-moe`` with token dropping: megatron_ext refuses it in the rank."""
-    def verify_with_capacity_factor(self, request, tp=1, pp=1):
+    def verify_with_capacity_factor(self, request, tp=1, pp=1, cp=1):
         return run_distributed(_shared_step_with_capacity_factor, 1, request, timeout=300)
 
     monkeypatch.setattr(engines.Engine, "verify", verify_with_capacity_factor)

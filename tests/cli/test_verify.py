@@ -58,8 +58,10 @@ def test_text_report_names_every_quantity(capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--tp", "3"], "--tp 3 does not divide the tiny preset"),
     (["--pp", "3"], "--pp 3 does not divide the tiny preset's 2 layers"),
-    (["--tp", "8", "--pp", "8"], "tp x pp = 64 ranks, but at most"),
-    (["--tp", "0"], "--tp and --pp must be at least 1"),
+    (["--tp", "8", "--pp", "8"], "tp x pp x cp = 64 ranks, but at most"),
+    (["--tp", "0"], "--tp, --pp and --cp must be at least 1"),
+    (["--cp", "2", "--steps", "2"], "--steps 2 with --cp 2"),
+    (["--cp", "2", "--model", "tiny-moe"], "context_parallel_size=2 with num_moe_experts=8"),
     (["--dtype", "fp16"], "--dtype must be one of float32, bfloat16"),
     (["--model", "gpt5"], "unknown model preset 'gpt5'"),
     (["--workload", "forest"], "unknown workload 'forest'"),
@@ -74,6 +76,16 @@ def test_bad_input_is_one_line_on_stderr(capsys, argv, message):
     assert code != 0 and out == ""
     assert err.startswith("prefix-sharing verify: error:") and message in err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_context_parallel_agent_batch_in_float32(capsys):
+    code, out, _ = verify(capsys, "--workload", "agent", "--cp", "2", "--min-prefix-len", 1,
+                          "--json")
+    report = json.loads(out)
+    assert code == 0 and report["passed"] is True, report
+    assert report["cp"] == 2 and report["same_plan_on_every_rank"]
+    assert report["vs_plain_within_fp32_rtol"] is True
+    assert report["tokens_unique"] < report["tokens_total"]
 
 
 def test_a_random_weight_preset_grows_its_vocabulary_to_the_data(capsys, tmp_path):

@@ -36,7 +36,10 @@ def core_attention(config: TransformerConfig) -> PrefixSharingCoreAttention:
 
 
 @pytest.mark.parametrize("setting, message", [
-    (dict(context_parallel_size=2), "context_parallel_size=2"),
+    (dict(context_parallel_size=2, num_moe_experts=4), "context_parallel_size=2 with num_moe"),
+    (dict(context_parallel_size=2, window_size=(8, 0)), r"context_parallel_size=2 with window"),
+    (dict(context_parallel_size=2, softmax_type="learnable"),
+     "context_parallel_size=2 with softmax_type='learnable'"),
     (dict(window_size=(8, 2)), r"window_size=\(8, 2\): a causal sliding window.*\(8, 0\)"),
     (dict(multi_latent_attention=True), "multi_latent_attention=True"),
     (dict(mrope_section=[2, 2, 2]), "mrope_section is set"),
@@ -44,6 +47,16 @@ def core_attention(config: TransformerConfig) -> PrefixSharingCoreAttention:
 def test_layer_refuses_settings_it_cannot_serve(setting, message):
     with pytest.raises(UnsupportedSetupError, match=message):
         core_attention(TransformerConfig(**BASE, **setting))
+
+
+def test_context_parallel_layer_is_built_but_plain_inputs_are_refused():
+    """CP > 1 splits only planned micro-batches (tests/megatron_ext/test_context_parallel.py)."""
+    layer = core_attention(TransformerConfig(**BASE, context_parallel_size=2))
+    assert layer.config.context_parallel_size == 2
+    q = torch.zeros(4, 1, 4, 16)
+    with pytest.raises(UnsupportedSetupError,
+                       match="context_parallel_size=2: .*prepare_micro_batch"):
+        layer(q, q, q, None)
 
 
 def test_fused_rope_is_refused():

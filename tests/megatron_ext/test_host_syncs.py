@@ -9,7 +9,8 @@ back, forward and backward).
 Counted over ``model(...)`` and ``backward()`` of a planned micro-batch (GRPO: each prompt's
 first answer computes the prompt, the others reuse it), for 4 and 8 layers and for 2 and 4
 prompts (6 and 12 attention segments); and, for comparison, of megatron's stock THD batch of
-the same sequences. ``pytest -s`` prints the counts.
+the same sequences; and of the planned micro-batch split over two context-parallel ranks.
+``pytest -s`` prints the counts.
 """
 
 from __future__ import annotations
@@ -67,6 +68,18 @@ def test_shared_step_reads_do_not_grow_with_layers_or_segments(counts):
     base = shared[(4, 2)]
     assert shared[(8, 2)] == base, f"doubling the layers: {base} -> {shared[(8, 2)]}"
     assert shared[(4, 4)] == base, f"doubling the segments: {base} -> {shared[(4, 4)]}"
+
+
+def _cp_counts_job(rank: int) -> dict:
+    return {size: _step("shared", *size) for size in SIZES}
+
+
+def test_context_parallel_step_reads_do_not_grow_with_layers_or_segments(counts):
+    """At CP=2 each rank's slice, the K/V all-gathers and their reduce-scatters add no read:
+    the slices' boundaries are host ints built with the plan."""
+    for rank, cp in enumerate(run_distributed(_cp_counts_job, 2, cp=2, timeout=300)):
+        print(f"CP=2 rank {rank}:", cp)
+        assert cp[(8, 2)] == cp[(4, 2)] == cp[(4, 4)] == counts["shared"][(4, 2)], cp
 
 
 def test_stock_thd_step_reads_do_not_grow_with_segments(counts):
