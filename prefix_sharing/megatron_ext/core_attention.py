@@ -117,6 +117,8 @@ class PrefixSharingCoreAttention(DotProductAttention):
         if isinstance(packed_seq_params, PlanPackedSeqParams):
             plan = packed_seq_params.plan
             check_sharing_allowed(self.config, plan, self.training)
+            if packed_seq_params.prefix_kv is not None:  # a group's prefix across micro-batches
+                key, value = packed_seq_params.prefix_kv.exchange(self.layer_number, key, value)
             out = prefix_attention(
                 query, key, value, plan, softmax_scale=self.net_softmax_scale,
                 window=self.window, sinks=self.softmax_offset, backend=backend,

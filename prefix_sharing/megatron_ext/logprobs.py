@@ -16,7 +16,7 @@ from megatron.core.utils import get_attr_wrapped_model
 from ..logprobs import TokenStats, token_log_probs
 from .packed_seq import MicroBatch
 
-__all__ = ["MegatronVocabShard", "token_stats", "forward_token_stats"]
+__all__ = ["MegatronVocabShard", "token_stats", "forward_token_stats", "vocab_shard"]
 
 
 class MegatronVocabShard:
@@ -64,14 +64,19 @@ def token_stats(
         if logits.size(0) != 1:
             raise ValueError(f"THD logits have batch size 1; got shape {tuple(logits.shape)}")
         logits = logits[0]  # [1, T, V] -> [T, V]
-    shard = None
-    if vocab_parallel and parallel_state.model_parallel_is_initialized():
-        group = parallel_state.get_tensor_model_parallel_group()
-        if torch.distributed.get_world_size(group) > 1:
-            shard = MegatronVocabShard(logits.size(-1), group)
+    shard = vocab_shard(logits.size(-1)) if vocab_parallel else None
     return token_log_probs(
         logits, batch.plan, temperature=temperature, with_entropy=with_entropy, vocab_shard=shard
     )
+
+
+def vocab_shard(vocab_per_rank: int) -> MegatronVocabShard | None:
+    """This rank's vocabulary slice when the tensor-parallel group splits the logits, else None."""
+    if parallel_state.model_parallel_is_initialized():
+        group = parallel_state.get_tensor_model_parallel_group()
+        if torch.distributed.get_world_size(group) > 1:
+            return MegatronVocabShard(vocab_per_rank, group)
+    return None
 
 
 def forward_token_stats(

@@ -25,6 +25,7 @@ import numpy as np
 from ..config import PrefixSharingConfig
 from ..plan import SharingPlan
 from ..planner import PromptGroup, TokenSequence, build_plan
+from .prefix_kv import PrefixKV
 
 __all__ = [
     "PlanPackedSeqParams",
@@ -43,16 +44,21 @@ class PlanPackedSeqParams(PackedSeqParams):
         plan: the :class:`SharingPlan`, on the model's device.
         backend: attention kernel for the prefix-sharing core attention (``"auto"``, ``"torch"``,
             ``"flash_attn"``, ``"te"``, ``"npu"``).
+        prefix_kv: a group's prefix K/V across micro-batches
+            (:mod:`prefix_sharing.megatron_ext.cross_micro_batch`): recorded by the prefix
+            micro-batch, read by a suffix micro-batch whose plan addresses those rows first.
     """
 
     plan: SharingPlan | None = None
     backend: str = "auto"
+    prefix_kv: PrefixKV | None = None
     _rotary_cache: tuple[torch.Tensor, torch.Tensor] | None = dataclasses.field(
         default=None, init=False, repr=False, compare=False
     )
 
     @classmethod
-    def from_plan(cls, plan: SharingPlan, backend: str = "auto") -> PlanPackedSeqParams:
+    def from_plan(cls, plan: SharingPlan, backend: str = "auto",
+                  prefix_kv: PrefixKV | None = None) -> PlanPackedSeqParams:
         return cls(
             qkv_format="thd",
             cu_seqlens_q=plan.cu_seqlens_q,
@@ -63,6 +69,7 @@ class PlanPackedSeqParams(PackedSeqParams):
             max_seqlen_kv=plan.max_seqlen_kv,
             plan=plan,
             backend=backend,
+            prefix_kv=prefix_kv,
         )
 
     def per_token_rotary(self, table: torch.Tensor) -> torch.Tensor:
