@@ -51,7 +51,38 @@ def _job(rank: int) -> dict:
     with SavedActivations(ours) as meter:
         forward_backward(ours, [seqs], "shared", CONFIG)
     report["one_micro_batch_peak"] = meter.peak
+    report["dropped_dkv"] = _dropped_dkv(ours, seqs, reference)
+    report["two_groups"] = _two_groups(ours)
     return report
+
+
+def _dropped_dkv(model, seqs, reference) -> object:
+    """The control: the suffixes' dK/dV never reach the prefix (its own loss still does)."""
+    from prefix_sharing.engines.cross_micro_batch import forward_backward_cross
+    from prefix_sharing.engines.megatron import compare
+    from prefix_sharing.megatron_ext.prefix_kv import PrefixKV
+
+    backward = PrefixKV.backward
+    PrefixKV.backward = lambda self, extra=None: torch.autograd.backward(extra)
+    try:
+        return compare(forward_backward_cross(model, seqs, BUDGET, CONFIG).run, reference)
+    finally:
+        PrefixKV.backward = backward
+
+
+def _two_groups(model) -> dict:
+    """Two GRPO groups (40-token prompts, 6 responses each) under a 70-token budget."""
+    from prefix_sharing.engines.cross_micro_batch import forward_backward_cross
+    from prefix_sharing.engines.megatron import compare, forward_backward
+
+    w = make_workload("grpo", num_prompts=2, group_size=6, prompt_len=(40, 41),
+                      response_len=(12, 24), vocab_size=PRESET.vocab_size, seed=5)
+    plain = forward_backward(tiny_gpt("padded"), [w.sequences], "padded")
+    reference = forward_backward(tiny_gpt("padded", dtype=torch.float64), [w.sequences], "padded")
+    cross = forward_backward_cross(model, w.sequences, 70, CONFIG,
+                                   groups=[g.members for g in w.groups])
+    return {"vs_reference": compare(cross.run, reference), "plain": compare(plain, reference),
+            "figures": cross.report()}
 
 
 @pytest.fixture(scope="module")
@@ -74,11 +105,12 @@ def test_the_prefix_is_computed_once_and_the_held_kv_counted(report, mode):
     figures = report[mode]["figures"]
     assert figures["num_micro_batches"] == 4 and figures["prefix_recomputes_avoided"] == 2
     assert figures["tokens_unique"] == 444 and figures["tokens_total"] == 1452
-    recompute = figures["prefix_len"] if mode == "recomputed" else 0
+    (prefix_len,) = figures["prefix_lens"]
+    recompute = prefix_len if mode == "recomputed" else 0
     assert figures["tokens_computed"] == figures["tokens_unique"] + recompute
     # K and V, leaves and their gradients: 2 x 2 x layers x Lp x K/V heads x head dim, fp32
     head_dim = PRESET.hidden_size // PRESET.num_attention_heads
-    assert figures["held_bytes"] == (2 * 2 * PRESET.num_layers * figures["prefix_len"]
+    assert figures["held_bytes"] == (2 * 2 * PRESET.num_layers * prefix_len
                                      * PRESET.num_query_groups * head_dim * 4)
 
 
@@ -88,6 +120,22 @@ def test_peak_activations_are_below_one_micro_batch_of_the_group(report):
         run = report[mode]
         assert run["peak"] + run["figures"]["held_bytes"] < 0.75 * one, (mode, run["peak"], one)
     assert report["recomputed"]["peak"] < report["kept"]["peak"]
+
+
+def test_a_control_that_drops_the_suffixes_dkv_fails_the_verdict(report):
+    verdict = within_tolerance(report["dropped_dkv"], report["plain"], torch.float32)
+    assert not verdict["grads"]
+    assert verdict["log_probs"] and verdict["loss"]  # the forward is untouched
+
+
+def test_several_groups_each_with_its_prefix_once(report):
+    run = report["two_groups"]
+    verdict = within_tolerance(run["vs_reference"], run["plain"], torch.float32)
+    assert all(verdict.values()), run["vs_reference"].max_rel_diff
+    figures = run["figures"]
+    assert len(figures["prefix_lens"]) == 2 and min(figures["prefix_lens"]) >= 40
+    assert figures["num_micro_batches"] >= 6  # each group: its prefix and 2+ suffixes
+    assert figures["tokens_computed"] == figures["tokens_unique"]
 
 
 def test_refuses_what_it_does_not_support_by_name():
