@@ -103,6 +103,10 @@ class GroupSchedule:
     def num_tokens_total(self) -> int:
         return sum(self.seq_lens)
 
+    def plans(self) -> list[SharingPlan]:
+        """Every plan of the group, prefix scoring first (for fingerprints)."""
+        return [self.prefix_stats_plan] + [s.plan for s in self.suffixes]
+
     @property
     def prefix_recomputes_avoided(self) -> int:
         """Prefix computations a split into independent micro-batches would add (one per
