@@ -29,14 +29,15 @@ class CrossMicroBatchRun:
     """A batch's run over micro-batches: comparable outputs, and what it cost.
 
     Attributes:
-        run: the batch's outputs as one micro-batch's, and the gradients.
+        run: the batch's outputs as one micro-batch's, and the gradients (None when not
+            collected).
         schedules: each group's prefix and suffix micro-batches.
         held_bytes: the largest prefix K/V (leaves and gradients) held across a group.
         tokens_computed: tokens the model ran over all micro-batches.
         tokens_unique: tokens the whole batch's single plan computes.
     """
 
-    run: MicroBatchRun
+    run: MicroBatchRun | None
     schedules: list[GroupSchedule]
     held_bytes: int
     tokens_computed: int
@@ -47,6 +48,9 @@ class CrossMicroBatchRun:
         return {
             "num_micro_batches": sum(s.num_micro_batches for s in self.schedules),
             "tokens_computed": self.tokens_computed,
+            "max_tokens_computed": max(
+                max([s.prefix_len] + [m.plan.num_tokens_unique for m in s.suffixes])
+                for s in self.schedules),
             "tokens_unique": self.tokens_unique,
             "tokens_total": sum(s.num_tokens_total for s in self.schedules),
             "prefix_lens": [s.prefix_len for s in self.schedules],
@@ -63,6 +67,7 @@ def forward_backward_cross(
     *,
     groups: Sequence[Sequence[int]] | None = None,
     recompute_prefix: bool = False,
+    collect: bool = True,
 ) -> CrossMicroBatchRun:
     """Forward+backward of a batch, each group in micro-batches of at most ``token_budget``
     computed tokens with its common prefix computed once (see
@@ -71,6 +76,9 @@ def forward_backward_cross(
     Args:
         groups: the members of each group (every sequence in exactly one); the whole batch
             as one group when omitted.
+        recompute_prefix: see :func:`~prefix_sharing.megatron_ext.cross_micro_batch.
+            forward_backward_group`.
+        collect: gather the outputs and gradients for a comparison (off for timing).
     """
     from ..megatron_ext.cross_micro_batch import forward_backward_group
 
@@ -100,7 +108,11 @@ def forward_backward_cross(
 
         group = forward_backward_group(model, schedule, token_loss,
                                        recompute_prefix=recompute_prefix,
-                                       backend=config.backend, keep_logits=True)
+                                       backend=config.backend, keep_logits=collect)
+        schedules.append(schedule)
+        held, computed = max(held, group.held_bytes), computed + group.tokens_computed
+        if not collect:
+            continue
         rows = where.cpu()
         log_probs[rows], entropy[rows] = group.log_probs.cpu(), group.entropy.cpu()
         group_logits = at_least_fp32(group.logits).cpu()
@@ -108,9 +120,8 @@ def forward_backward_cross(
             logits = group_logits.new_zeros(total, group_logits.size(1))
         logits[rows] = group_logits
         loss = loss + group.loss.cpu()
-        schedules.append(schedule)
-        held, computed = max(held, group.held_bytes), computed + group.tokens_computed
-    outputs = RunOutputs(logits, log_probs, entropy, loss, {})
     unique = build_plan(sequences, config).num_tokens_unique
-    return CrossMicroBatchRun(MicroBatchRun([outputs], full_grads(model), []), schedules,
-                              held, computed, unique)
+    run = None
+    if collect:
+        run = MicroBatchRun([RunOutputs(logits, log_probs, entropy, loss, {})], full_grads(model), [])
+    return CrossMicroBatchRun(run, schedules, held, computed, unique)
