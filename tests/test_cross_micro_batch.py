@@ -18,7 +18,7 @@ def _group():
 
 
 def test_worked_example_of_the_module_doc():
-    seqs = [torch.tensor([5, 6, 7, 8, 9]), torch.tensor([5, 6, 7, 8, 4]), torch.tensor([5, 6, 7, 2])]
+    seqs = [torch.tensor(s) for s in ([5, 6, 7, 8, 9], [5, 6, 7, 8, 4], [5, 6, 7, 2])]
     schedule = plan_group(seqs, 100, EVERY_PREFIX)
     (suffix,) = schedule.suffixes
     plan = suffix.plan
@@ -65,7 +65,8 @@ def test_suffixes_fit_the_budget_and_address_prefix_then_own_rows(budget):
 def test_positions_cover_the_group_once_and_each_prefix_is_computed_once():
     seqs = _group()
     schedule = plan_group(seqs, 250, EVERY_PREFIX)
-    positions = torch.cat([schedule.prefix_positions] + [s.token_positions for s in schedule.suffixes])
+    positions = torch.cat([schedule.prefix_positions]
+                          + [s.token_positions for s in schedule.suffixes])
     assert sorted(positions.tolist()) == list(range(sum(len(s) for s in seqs)))
     whole = build_plan(seqs, EVERY_PREFIX)
     assert schedule.tokens_unique == whole.num_tokens_unique

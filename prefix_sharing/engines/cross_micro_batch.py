@@ -123,5 +123,6 @@ def forward_backward_cross(
     unique = build_plan(sequences, config).num_tokens_unique
     run = None
     if collect:
-        run = MicroBatchRun([RunOutputs(logits, log_probs, entropy, loss, {})], full_grads(model), [])
+        outputs = RunOutputs(logits, log_probs, entropy, loss, {})
+        run = MicroBatchRun([outputs], full_grads(model), [])
     return CrossMicroBatchRun(run, schedules, held, computed, unique)
