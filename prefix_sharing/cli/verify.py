@@ -7,8 +7,8 @@ log-probs, entropy, loss and gradients. Exit status 0 only when within tolerance
 
 With ``--token-budget N`` the shared run computes each group (a prompt group of the input, or
 the whole micro-batch) in micro-batches of at most N computed tokens, its common prefix once
-across them (cross-micro-batch sharing; TP=1, PP=1, dense models), and is judged against the
-plain run of the whole batch.
+across them (cross-micro-batch sharing; PP=1, dense models), and is judged against the plain
+run of the whole batch.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_backend_option(parser)
     parser.add_argument("--token-budget", type=int, metavar="N",
                         help="run each group in micro-batches of at most N computed tokens, "
-                        "its common prefix computed once across them (tp=pp=1)")
+                        "its common prefix computed once across them (pp=1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(run=run)
 
@@ -84,10 +84,9 @@ def _check_cross(args: argparse.Namespace, engine: str, model: ModelPreset,
                  sequences: list, groups: list[PromptGroup] | None,
                  config: PrefixSharingConfig) -> None:
     """What ``--token-budget`` cannot run, as one line before any rank starts."""
-    if engine != "megatron" or args.tp != 1 or args.pp != 1:
+    if engine != "megatron" or args.pp != 1:
         raise InputError("--token-budget (cross-micro-batch sharing) runs on the megatron "
-                         f"engine with --tp 1 --pp 1; got --engine {engine} --tp {args.tp} "
-                         f"--pp {args.pp}")
+                         f"engine with --pp 1; got --engine {engine} --pp {args.pp}")
     if model.num_experts or model.window_size is not None:
         raise InputError(f"--token-budget does not support the {model.name} preset's MoE "
                          "layers or sliding windows yet")

@@ -22,7 +22,9 @@ The loss must be a sum of per-token terms (as token-mean losses over a global ba
 ``token_loss(log_probs, entropy, positions)`` scores the tokens at ``positions`` of the group's
 packed order and is called once per micro-batch; the group's loss is the sum of its calls.
 
-PP=1 and TP=1, dense models: pipeline and tensor parallelism and MoE are refused by name.
+PP=1, dense models; tensor parallelism without sequence parallelism (each rank keeps its own
+K/V heads' prefix; log-probs through the vocab-parallel reductions). Pipeline parallelism,
+sequence parallelism, MoE and sliding windows are refused by name.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from ..cross_micro_batch import GroupSchedule
 from ..logprobs import token_log_probs
 from ..plan import SharingPlan
 from .checks import UnsupportedSetupError
+from .logprobs import vocab_shard
 from .packed_seq import PlanPackedSeqParams
 from .prefix_kv import PrefixKV
 
@@ -50,7 +53,8 @@ class GroupRun:
 
     Attributes:
         log_probs, entropy: ``(T_total,)`` every token of the group, packed in given order.
-        logits: ``(T_total, V)`` the same rows' logits, when asked for (``keep_logits``).
+        logits: ``(T_total, V)`` the same rows' logits (the whole vocabulary), when asked for
+            (``keep_logits``).
         loss: the sum of the micro-batches' losses.
         held_bytes: the prefix K/V leaves and their gradients, held across the group.
         tokens_computed: tokens the model ran, over all micro-batches (a recomputed prefix
@@ -107,7 +111,8 @@ def forward_backward_group(
         params = PlanPackedSeqParams.from_plan(plan, backend, prefix_kv)
         logits = model(plan.input_ids[None], plan.position_ids[None], None,
                        packed_seq_params=params)[0]  # [1, T, V] -> [T, V]
-        stats = token_log_probs(logits, tail_plan, temperature=temperature)
+        stats = token_log_probs(logits, tail_plan, temperature=temperature,
+                                vocab_shard=vocab_shard(logits.size(-1)))
         positions = suffix.token_positions.to(device)
         loss = token_loss(stats.log_probs, stats.entropy, positions)
         loss.backward()
@@ -156,7 +161,8 @@ class _PrefixPass:
         logits = self.forward(model)
         # one placeholder row per sequence: the stats plan's position Lp, discarded
         rows = torch.cat([logits, logits.new_zeros(self.num_sequences, logits.size(1))])
-        stats = token_log_probs(rows, self.stats_plan, temperature=self.temperature)
+        stats = token_log_probs(rows, self.stats_plan, temperature=self.temperature,
+                                vocab_shard=vocab_shard(rows.size(-1)))
         log_probs = stats.log_probs.index_select(0, self.keep)
         entropy = stats.entropy.index_select(0, self.keep)
         loss = token_loss(log_probs, entropy, self.positions)
@@ -184,7 +190,7 @@ class _Collector:
         self.entropy[positions] = entropy.detach()
         self.loss = self.loss + loss.detach()
         if self.keep_logits:
-            rows = logits().detach()
+            rows = _whole_vocab(logits().detach())
             if self.logits is None:
                 self.logits = rows.new_zeros(self.total, rows.size(1))
             self.logits[positions] = rows
@@ -194,12 +200,21 @@ class _Collector:
                         tokens_computed)
 
 
+def _whole_vocab(logits: torch.Tensor) -> torch.Tensor:
+    """Every rank's vocabulary slice side by side (for comparisons; no gradient)."""
+    if vocab_shard(logits.size(-1)) is None:
+        return logits
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+    return gather_from_tensor_model_parallel_region(logits)
+
+
 def _check_model(model: torch.nn.Module) -> None:
     config = model.config
     problems = []
-    if config.tensor_model_parallel_size > 1:
-        problems.append(f"tensor_model_parallel_size={config.tensor_model_parallel_size} "
-                        "(only TP=1 is implemented and tested)")
+    if config.sequence_parallel:
+        problems.append("sequence_parallel=True (the micro-batches' layouts are not padded to "
+                        "the tensor-parallel size)")
     if config.pipeline_model_parallel_size > 1:
         problems.append(f"pipeline_model_parallel_size={config.pipeline_model_parallel_size} "
                         "(PP=1 only)")

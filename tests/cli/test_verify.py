@@ -122,9 +122,16 @@ def test_token_budget_runs_each_group_across_micro_batches_with_its_prefix_once(
     assert report["held_bytes"] > 0 and report["vs_plain_within_fp32_rtol"]
 
 
+def test_token_budget_under_tensor_parallelism(capsys):
+    code, out, _ = verify(capsys, "--workload", "agent", "--token-budget", 60, "--tp", 2, "--json")
+    report = json.loads(out)
+    assert code == 0 and report["passed"] and report["tp"] == 2
+    assert report["num_micro_batches"] > 2 * len(report["prefix_lens"])
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--token-budget", "10"], "common prefix (15 tokens) exceeds token_budget=10"),
-    (["--token-budget", "30", "--tp", "2"], "--token-budget (cross-micro-batch sharing) runs"),
+    (["--token-budget", "30", "--pp", "2"], "--token-budget (cross-micro-batch sharing) runs"),
     (["--token-budget", "30", "--model", "tiny-moe"], "does not support the tiny-moe preset"),
 ])
 def test_token_budget_refusals_are_one_line(capsys, argv, message):

@@ -138,13 +138,38 @@ def test_several_groups_each_with_its_prefix_once(report):
     assert figures["tokens_computed"] == figures["tokens_unique"]
 
 
+def _tp2_job(rank: int) -> dict:
+    from prefix_sharing.engines.cross_micro_batch import forward_backward_cross
+    from prefix_sharing.engines.megatron import compare, forward_backward
+
+    seqs = _group()
+    plain = forward_backward(tiny_gpt("padded"), [seqs], "padded")
+    reference = forward_backward(tiny_gpt("padded", dtype=torch.float64), [seqs], "padded")
+    cross = forward_backward_cross(tiny_gpt("shared"), seqs, BUDGET, CONFIG)
+    return {"vs_reference": compare(cross.run, reference), "plain": compare(plain, reference),
+            "figures": cross.report()}
+
+
+def test_tensor_parallel_2_equals_the_plain_batch():
+    """Each rank keeps its own K/V heads' prefix; the log-probs reduce over the vocabulary
+    shards. Both ranks' outputs and (gathered) gradients pass the verdict."""
+    for run in run_distributed(_tp2_job, 2, tp=2, timeout=600):
+        verdict = within_tolerance(run["vs_reference"], run["plain"], torch.float32)
+        assert all(verdict.values()), run["vs_reference"].max_rel_diff
+        # this rank's K/V heads only: half of TP=1's
+        head_dim = PRESET.hidden_size // PRESET.num_attention_heads
+        (prefix_len,) = run["figures"]["prefix_lens"]
+        assert run["figures"]["held_bytes"] == (2 * 2 * PRESET.num_layers * prefix_len
+                                                * PRESET.num_query_groups // 2 * head_dim * 4)
+
+
 def test_refuses_what_it_does_not_support_by_name():
     from prefix_sharing.megatron_ext import UnsupportedSetupError
     from prefix_sharing.megatron_ext.cross_micro_batch import _check_model
 
-    base = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+    base = dict(sequence_parallel=False, pipeline_model_parallel_size=1,
                 num_moe_experts=None, window_size=None)
-    for field, value in (("tensor_model_parallel_size", 2), ("pipeline_model_parallel_size", 2),
+    for field, value in (("sequence_parallel", True), ("pipeline_model_parallel_size", 2),
                          ("num_moe_experts", 4), ("window_size", (7, 0))):
         model = types.SimpleNamespace(config=types.SimpleNamespace(**{**base, field: value}))
         with pytest.raises(UnsupportedSetupError, match=re.escape(f"{field}={value}")):
