@@ -33,6 +33,7 @@ import dataclasses
 from collections.abc import Callable
 
 import torch
+from megatron.core.utils import get_attr_wrapped_model
 
 from ..cross_micro_batch import GroupSchedule
 from ..logprobs import token_log_probs
@@ -210,7 +211,7 @@ def _whole_vocab(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _check_model(model: torch.nn.Module) -> None:
-    config = model.config
+    config = get_attr_wrapped_model(model, "config")
     problems = []
     if config.sequence_parallel:
         problems.append("sequence_parallel=True (the micro-batches' layouts are not padded to "
