@@ -188,19 +188,38 @@ def _common_prefix_len(seqs: list[torch.Tensor]) -> int:
 
 def _pack(tails: list[torch.Tensor], token_budget: int,
           config: PrefixSharingConfig) -> list[list[int]]:
-    """Greedy packing of tails, in lexicographic order, by their planned (shared) cost."""
-    order = sorted(range(len(tails)), key=lambda i: tails[i].tolist())
-    bins: list[list[int]] = []
-    for i in order:
-        if tails[i].numel() > token_budget:
+    """Packs tails, in lexicographic order, by their planned (shared) cost.
+
+    Tails with the same first token form a branch; a branch that does not fit beside the
+    current micro-batch but fits alone starts a new one rather than being cut (a cut branch is
+    computed in both micro-batches). A branch larger than the budget is cut tail by tail.
+    """
+    for i, t in enumerate(tails):
+        if t.numel() > token_budget:
             raise ValueError(
-                f"sequence {i}'s tail after the common prefix ({tails[i].numel()} tokens) "
+                f"sequence {i}'s tail after the common prefix ({t.numel()} tokens) "
                 f"exceeds token_budget={token_budget}"
             )
-        if bins and _cost([tails[j] for j in bins[-1] + [i]], config) <= token_budget:
-            bins[-1].append(i)
+    order = sorted(range(len(tails)), key=lambda i: tails[i].tolist())
+    branches: list[list[int]] = []
+    for i in order:
+        if branches and int(tails[branches[-1][0]][0]) == int(tails[i][0]):
+            branches[-1].append(i)
         else:
-            bins.append([i])
+            branches.append([i])
+    bins: list[list[int]] = []
+    for branch in branches:
+        if bins and _cost([tails[j] for j in bins[-1] + branch], config) <= token_budget:
+            bins[-1] += branch
+            continue
+        if _cost([tails[j] for j in branch], config) <= token_budget:
+            bins.append(list(branch))
+            continue
+        for i in branch:  # too large for one micro-batch: cut it
+            if bins and _cost([tails[j] for j in bins[-1] + [i]], config) <= token_budget:
+                bins[-1].append(i)
+            else:
+                bins.append([i])
     return [sorted(b) for b in bins]
 
 

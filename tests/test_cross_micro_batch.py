@@ -70,9 +70,19 @@ def test_positions_cover_the_group_once_and_each_prefix_is_computed_once():
     assert sorted(positions.tolist()) == list(range(sum(len(s) for s in seqs)))
     whole = build_plan(seqs, EVERY_PREFIX)
     assert schedule.tokens_unique == whole.num_tokens_unique
-    assert schedule.tokens_computed == whole.num_tokens_unique  # no branch cut at this budget
-    cut = plan_group(seqs, 200, EVERY_PREFIX)  # a mid-level branch computed in two suffixes
-    assert cut.tokens_computed > whole.num_tokens_unique == cut.tokens_unique
+    assert schedule.tokens_computed == whole.num_tokens_unique
+    for budget in (113, 150, 200, 330):  # a branch that fits alone is never cut
+        assert plan_group(seqs, budget, EVERY_PREFIX).tokens_computed == whole.num_tokens_unique
+
+
+def test_a_branch_larger_than_the_budget_is_cut_and_computed_in_each_piece():
+    prefix, branch = [1, 2, 3], [4]
+    seqs = [torch.tensor(prefix + branch + [5, 6, 7, 8]),
+            torch.tensor(prefix + branch + [9, 10, 11, 12]), torch.tensor(prefix + [13])]
+    schedule = plan_group(seqs, 6, EVERY_PREFIX)  # the branch computes 9 tokens
+    assert [s.members for s in schedule.suffixes] == [(0,), (1, 2)]
+    assert schedule.tokens_unique == 3 + 1 + 8 + 1
+    assert schedule.tokens_computed == schedule.tokens_unique + 1  # its first token twice
     assert schedule.prefix_recomputes_avoided == len(schedule.suffixes) - 1
 
 
