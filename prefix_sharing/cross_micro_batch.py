@@ -12,7 +12,8 @@ A suffix micro-batch's :class:`~prefix_sharing.plan.SharingPlan` addresses *exte
 rows plus its own rows*: its K/V rows ``0 .. Lp-1`` are the prefix micro-batch's (read from the
 layers' kept K/V), rows ``Lp ..`` its own flat layout. Worked example, the group
 ``a = [5 6 7 8 9]``, ``b = [5 6 7 8 4]``, ``c = [5 6 7 2]`` (``P = [5 6 7]``, Lp = 3) in one
-suffix micro-batch, every prefix shared (``b``'s tail ``[8 4]`` provides the ``8`` that ``a``'s tail reuses)::
+suffix micro-batch, every prefix shared (``b``'s tail ``[8 4]`` provides the ``8`` that ``a``'s
+tail reuses)::
 
     input_ids       = [9 | 8 4 | 2]        own rows only (T_flat = 4)
     position_ids    = [4 | 3 4 | 3]        absolute positions (the tails start at Lp)
