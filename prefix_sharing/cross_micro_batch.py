@@ -125,7 +125,8 @@ def plan_group(
 
     The prefix is the group's longest common prefix, one token short of the shortest sequence
     (every sequence keeps a tail of at least one token). Tails are taken in lexicographic order
-    (siblings of a mid-level branch stay together) and packed greedily.
+    and packed greedily, a branch (tails with the same first token) kept whole when it fits in
+    one micro-batch.
 
     Args:
         sequences: the group's token ids, one unpadded 1-D sequence each (at least two).
