@@ -104,6 +104,16 @@ class GroupSchedule:
     def num_tokens_total(self) -> int:
         return sum(self.seq_lens)
 
+    def metrics(self, prefix: str = "prefix_sharing/") -> dict[str, float]:
+        """The figures a trainer logs per step (as :meth:`MicroBatchSplit.metrics
+        <prefix_sharing.batching.MicroBatchSplit.metrics>` does for a split)."""
+        return {
+            f"{prefix}num_micro_batches": float(self.num_micro_batches),
+            f"{prefix}tokens_computed": float(self.tokens_computed),
+            f"{prefix}token_ratio": self.num_tokens_total / self.tokens_computed,
+            f"{prefix}prefix_recomputes_avoided": float(self.prefix_recomputes_avoided),
+        }
+
     def plans(self) -> list[SharingPlan]:
         """Every plan of the group, prefix scoring first (for fingerprints)."""
         return [self.prefix_stats_plan] + [s.plan for s in self.suffixes]

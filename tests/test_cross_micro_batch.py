@@ -86,6 +86,17 @@ def test_a_branch_larger_than_the_budget_is_cut_and_computed_in_each_piece():
     assert schedule.prefix_recomputes_avoided == len(schedule.suffixes) - 1
 
 
+def test_metrics_a_trainer_logs():
+    seqs = _group()
+    schedule = plan_group(seqs, 150, EVERY_PREFIX)
+    assert schedule.metrics() == {
+        "prefix_sharing/num_micro_batches": 4.0,
+        "prefix_sharing/tokens_computed": 444.0,
+        "prefix_sharing/token_ratio": sum(len(s) for s in seqs) / 444,
+        "prefix_sharing/prefix_recomputes_avoided": 2.0,
+    }
+
+
 def test_prefix_stats_plan_reads_each_sequence_up_to_its_first_own_token():
     seqs = _group()
     schedule = plan_group(seqs, 250, EVERY_PREFIX)
