@@ -49,6 +49,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--token-budget", type=int, metavar="N",
                         help="throughput view: sequences/s when each micro-batch holds N tokens "
                              "(plain: all its tokens; shared: the tokens it computes)")
+    parser.add_argument("--cross-micro-batch", action="store_true",
+                        help="with --token-budget: also time each group across micro-batches "
+                             "of N computed tokens, its prefix computed once (tp=pp=1)")
     parser.set_defaults(run=run)
 
 
@@ -64,6 +67,8 @@ def run(args: argparse.Namespace) -> int:
         _check_plotting()
     model, batches = load_batches(args, get_preset(args.model), BENCH_SIZES)
     workloads = [BenchWorkload(name, seqs, groups) for name, seqs, groups in batches]
+    if args.cross_micro_batch and args.token_budget is None:
+        raise InputError("--cross-micro-batch needs --token-budget N")
     if args.token_budget is not None:
         return bench_throughput(args, engine, model, config, workloads, dtype)
     results = engine.bench(BenchRequest(workloads, config, model, repeats=args.repeats,

@@ -4,6 +4,11 @@ Runs a seeded random-weight model of ``--model``'s shape plain (megatron's stock
 input) and shared (the prefix-sharing spec on the plan) on the same micro-batch, under the
 given tensor / pipeline / context parallel sizes, and reports the largest differences of logits,
 log-probs, entropy, loss and gradients. Exit status 0 only when within tolerance.
+
+With ``--token-budget N`` the shared run computes each group (a prompt group of the input, or
+the whole micro-batch) in micro-batches of at most N computed tokens, its common prefix once
+across them (cross-micro-batch sharing; PP=1, dense models), and is judged against the plain
+run of the whole batch.
 """
 
 from __future__ import annotations
@@ -14,12 +19,15 @@ import json
 from ..engines import get_engine
 from ..errors import InputError
 from ..engines.verify import VerifyRequest
-from ..planner import build_plan
-from ..presets import get_preset
+from ..config import PrefixSharingConfig
+from ..cross_micro_batch import plan_group
+from ..planner import PromptGroup, build_plan
+from ..presets import ModelPreset, get_preset
 from ..equivalence import FP32_RTOL, QUANTITIES
 from .options import (add_backend_option, add_dtype_option, add_engine_option,
                       add_input_options, add_model_option,
-                      add_sharing_options, load_batches, run_dtype, sharing_config)
+                      add_sharing_options, load_batches, run_dtype, sharing_config,
+                      user_input)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -40,6 +48,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_model_option(parser, "tiny", "model shape (random weights)")
     add_sharing_options(parser)
     add_backend_option(parser)
+    parser.add_argument("--token-budget", type=int, metavar="N",
+                        help="run each group in micro-batches of at most N computed tokens, "
+                        "its common prefix computed once across them (pp=1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(run=run)
 
@@ -55,16 +66,38 @@ def run(args: argparse.Namespace) -> int:
     engine.check_layout(model, args.tp, args.pp, args.cp)
     if config.mode == "prompt_only" and groups is None:
         raise InputError(f"--mode prompt_only needs prompt groups, but {name} has input_ids only")
-    groups = groups if config.mode == "prompt_only" else None
-    request = VerifyRequest([(sequences, groups)], config, model, dtype, args.steps)
+    if args.token_budget is not None:
+        _check_cross(args, engine.name, model, sequences, groups, config)
+    else:
+        groups = groups if config.mode == "prompt_only" else None
+    request = VerifyRequest([(sequences, groups)], config, model, dtype, args.steps,
+                            token_budget=args.token_budget)
     report, = engine.verify(request, args.tp, args.pp, args.cp)
-    plan = build_plan(sequences, config, groups=groups)
+    plan = build_plan(sequences, config, groups=groups if config.mode == "prompt_only" else None)
     report.update(input=name, engine=engine.name, model=model.name, vocab_size=model.vocab_size,
                   tp=args.tp, pp=args.pp, cp=args.cp, dtype=args.dtype, backend=config.backend,
                   steps=args.steps, mode=config.mode, tokens_total=plan.num_tokens_total,
+                  token_budget=args.token_budget,
                   tokens_unique=plan.num_tokens_unique, sequences=plan.num_sequences)
     print(json.dumps(report) if args.json else _text(report))
     return 0 if report["passed"] else 1
+
+
+def _check_cross(args: argparse.Namespace, engine: str, model: ModelPreset,
+                 sequences: list, groups: list[PromptGroup] | None,
+                 config: PrefixSharingConfig) -> None:
+    """What ``--token-budget`` cannot run, as one line before any rank starts."""
+    if engine != "megatron" or args.pp != 1 or args.cp != 1:
+        raise InputError("--token-budget (cross-micro-batch sharing) runs on the megatron "
+                         f"engine with --pp 1 and --cp 1; got --engine {engine} --pp {args.pp} "
+                         f"--cp {args.cp}")
+    if model.num_experts or model.window_size is not None:
+        raise InputError(f"--token-budget does not support the {model.name} preset's MoE "
+                         "layers or sliding windows yet")
+    members = [list(range(len(sequences)))] if groups is None else [g.members for g in groups]
+    for m in members:
+        with user_input(ValueError):
+            plan_group([sequences[i] for i in m], args.token_budget, config)
 
 
 def _text(r: dict) -> str:
@@ -88,5 +121,10 @@ def _text(r: dict) -> str:
                  if r["dtype"] == "float32" else ""), ""]
     if not r["same_plan_on_every_rank"]:
         lines.append("FAILED: the ranks built different plans")
+    if r["token_budget"] is not None:
+        lines.append(f"across micro-batches of <= {r['token_budget']} tokens: "
+                     f"{r['num_micro_batches']} micro-batches, {r['tokens_computed']} tokens "
+                     f"computed ({r['tokens_unique']} unique in the whole batch), "
+                     f"{r['held_bytes']} bytes of prefix K/V held")
     lines.append("PASSED: shared == plain within tolerance" if r["passed"] else "FAILED")
     return "\n".join(lines)

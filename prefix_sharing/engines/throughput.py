@@ -8,6 +8,12 @@ sharing groups together). Both splits of a workload are timed as whole batches -
 micro-batch's step in turn - interleaved (plain, shared, plain, ...) after a warm-up; medians.
 This is the figure that small shared micro-batches, too short to keep a GPU busy, no longer
 pull down: under the same budget shared and plain micro-batches do the same amount of work.
+
+With ``cross_micro_batch`` (``bench --token-budget N --cross-micro-batch``) a third mode,
+``cross``, runs each group (a prompt group of the workload, or the whole workload) as its
+common prefix once plus suffix micro-batches of at most N computed tokens
+(:mod:`~prefix_sharing.engines.cross_micro_batch`), where ``shared`` cuts a group larger than
+the budget and recomputes its prefix in every piece.
 """
 
 from __future__ import annotations
@@ -15,11 +21,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
+from collections.abc import Callable
 
 import torch
 
 from ..batching import MicroBatchSplit, split_micro_batches
 from ..config import PrefixSharingConfig
+from ..cross_micro_batch import plan_group
 from ..errors import InputError
 from ..presets import ModelPreset
 from .bench import (BenchWorkload, Progress, keep_freed_memory_in_heap,
@@ -40,6 +48,7 @@ class ThroughputRequest:
     warmup: int = 1
     dtype: torch.dtype = torch.float32
     progress: bool = True
+    cross_micro_batch: bool = False
 
     def __post_init__(self) -> None:
         if self.token_budget < 1:
@@ -67,7 +76,10 @@ def bench_throughput(args, engine, model: ModelPreset, config: PrefixSharingConf
         raise InputError("--plot draws the step bench (speedup against FLOP ratio); "
                          "leave it out with --token-budget")
     request = ThroughputRequest(workloads, config, model, args.token_budget,
-                                repeats=args.repeats, dtype=dtype)
+                                repeats=args.repeats, dtype=dtype,
+                                cross_micro_batch=args.cross_micro_batch)
+    if request.cross_micro_batch:
+        check_cross(request)
     results = run_throughput(engine, request)
     report = {"engine": engine.name, "model": model.name, "dtype": args.dtype,
               "token_budget": args.token_budget, "repeats": args.repeats, "results": results}
@@ -84,6 +96,7 @@ def throughput_job(rank: int, request: ThroughputRequest) -> list[dict]:
     model = gpt_model(request.preset, layout="shared", dtype=request.dtype)
     splits = [_splits(w, request) for w in request.workloads]
     steps = sum(len(s.micro_batches) for pair in splits for s in pair.values())
+    steps += len(request.workloads) if request.cross_micro_batch else 0
     progress = Progress(steps * (request.warmup + request.repeats), request.progress)
     results = [time_split(model, w, s, request, progress) for w, s in zip(request.workloads, splits)]
     progress.close()
@@ -106,6 +119,8 @@ def time_split(model: torch.nn.Module, workload: BenchWorkload,
                for mb in split.micro_batches]
         for mode, split in splits.items()
     }
+    if request.cross_micro_batch:
+        steps["cross"] = [cross_training_step(model, workload, request)]
     times: dict[str, list[float]] = {mode: [] for mode in steps}
     for i in range(request.warmup + request.repeats):
         for mode, micro_steps in steps.items():  # interleaved: plain batch, shared batch, ...
@@ -133,7 +148,55 @@ def time_split(model: torch.nn.Module, workload: BenchWorkload,
         }
     result["throughput_ratio"] = (result["shared"]["sequences_per_s"]
                                   / result["plain"]["sequences_per_s"])
+    if request.cross_micro_batch:
+        batch_s = statistics.median(times["cross"])
+        figures = _cross_run(model, workload, request, collect=False).report()
+        result["cross"] = {
+            **figures,
+            "micro_batches": figures["num_micro_batches"],
+            "sequences_per_micro_batch": n / figures["num_micro_batches"],
+            "groups_split": 0,
+            "batch_ms": batch_s * 1e3,
+            "batch_steps_ms": [t * 1e3 for t in times["cross"]],
+            "sequences_per_s": n / batch_s,
+        }
+        result["cross_throughput_ratio"] = n / batch_s / result["plain"]["sequences_per_s"]
     return result
+
+
+def check_cross(request: ThroughputRequest) -> None:
+    """What the cross mode cannot run, as one line before the rank starts."""
+    if request.preset.num_experts or request.preset.window_size is not None:
+        raise InputError(f"--cross-micro-batch does not support the {request.preset.name} "
+                         "preset's MoE layers or sliding windows yet")
+    for w in request.workloads:
+        for members in _groups(w):
+            try:
+                plan_group([w.sequences[i] for i in members], request.token_budget,
+                           request.config)
+            except ValueError as e:
+                raise InputError(f"workload {w.name!r}: {e}") from e
+
+
+def cross_training_step(model: torch.nn.Module, workload: BenchWorkload,
+                        request: ThroughputRequest) -> Callable[[], None]:
+    """One trainer step on ``workload`` across micro-batches (planning included)."""
+    return lambda: _cross_run(model, workload, request, collect=False)
+
+
+def _cross_run(model: torch.nn.Module, workload: BenchWorkload, request: ThroughputRequest,
+               collect: bool):
+    from .cross_micro_batch import forward_backward_cross
+
+    return forward_backward_cross(model, workload.sequences, request.token_budget,
+                                  request.config, groups=_groups(workload), collect=collect)
+
+
+def _groups(workload: BenchWorkload) -> list[list[int]]:
+    """The workload's prompt groups, or the whole workload as one group."""
+    if workload.groups is None:
+        return [list(range(len(workload.sequences)))]
+    return [list(g.members) for g in workload.groups]
 
 
 def table(results: list[dict]) -> str:
@@ -141,10 +204,13 @@ def table(results: list[dict]) -> str:
     header = (f"{'workload':<10} {'budget':>7} {'mode':<7} {'micro-b':>7} {'seq/mb':>7} "
               f"{'max tok':>8} {'split':>6} {'batch ms':>9} {'seq/s':>8} {'seq/s x':>8}")
     lines = [header]
+    ratios = {"shared": "throughput_ratio", "cross": "cross_throughput_ratio"}
     for r in results:
-        for mode in ("plain", "shared"):
+        for mode in ("plain", "shared", "cross"):
+            if mode not in r:
+                continue
             e = r[mode]
-            ratio = f"{r['throughput_ratio']:>8.2f}" if mode == "shared" else f"{'':>8}"
+            ratio = f"{r[ratios[mode]]:>8.2f}" if mode in ratios else f"{'':>8}"
             lines.append(
                 f"{r['workload']:<10} {r['token_budget']:>7} {mode:<7} {e['micro_batches']:>7} "
                 f"{e['sequences_per_micro_batch']:>7.2f} {e['max_tokens_computed']:>8} "
@@ -152,6 +218,9 @@ def table(results: list[dict]) -> str:
     lines += ["", "budget: tokens a micro-batch may compute (plain: all its tokens; shared: after "
               "sharing); max tok: the fullest micro-batch; split: groups cut across micro-batches; "
               "seq/s x: shared/plain sequences per second (median batch time)"]
+    if any("cross" in r for r in results):
+        lines.append("cross: each group's prefix once across micro-batches (prefix + suffix "
+                     "micro-batches)")
     return "\n".join(lines)
 
 

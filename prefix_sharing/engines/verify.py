@@ -13,6 +13,11 @@ when it is no further from that than 2x (grads 3x) the plain run in its own dtyp
 floor (:func:`prefix_sharing.equivalence.within_tolerance`). A fixed "1e-5 of the plain fp32
 run" fails correct code on large batches, where the plain run's own rounding grows; the shared
 run's distance from the plain one is still reported (``vs_plain_max_rel_diff``).
+
+With a ``token_budget`` the shared run is the cross-micro-batch one
+(:mod:`~prefix_sharing.engines.cross_micro_batch`): each group (a prompt group of the batch, or
+the whole batch) as its prefix micro-batch and suffix micro-batches of at most that many
+computed tokens; it is judged against the plain run of the whole batch as one micro-batch.
 """
 
 from __future__ import annotations
@@ -32,7 +37,9 @@ __all__ = ["VerifyRequest", "verify_job", "plain_runs_job", "verify_cp_job", "su
 
 @dataclasses.dataclass(frozen=True)
 class VerifyRequest:
-    """Micro-batches (each: sequences and, for ``prompt_only``, prompt groups) to verify."""
+    """Micro-batches (each: sequences and, for ``prompt_only`` or a ``token_budget``, prompt
+    groups) to verify; ``token_budget``: run the shared side across micro-batches of this many
+    computed tokens."""
 
     batches: list[tuple[list[torch.Tensor], list[PromptGroup] | None]]
     config: PrefixSharingConfig
@@ -41,6 +48,7 @@ class VerifyRequest:
     steps: int = 1
     seed: int = 0
     lr: float = 1e-3
+    token_budget: int | None = None
 
 
 def reference_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -114,13 +122,29 @@ def _verify_batch(models: dict, batch: list, groups: list, request: VerifyReques
         # the shared and the reference model compute with the plain model's (rounded) weights
         _copy_weights(models["plain"].parameters(), models["shared"])
         _copy_weights(models["plain"].parameters(), models["reference"])
-        shared = forward_backward(models["shared"], batch, "shared", request.config, groups)
+        cross = None
+        if request.token_budget is None:
+            shared = forward_backward(models["shared"], batch, "shared", request.config, groups)
+            digest = shared.digests[0]
+        else:
+            cross = _cross(models["shared"], batch[0], groups[0], request)
+            shared = cross.run
+            digest = "".join(p.digest() for s in cross.schedules for p in s.plans())
         plain = forward_backward(models["plain"], batch, "padded")
         reference = forward_backward(models["reference"], batch, "padded")
         steps.append({"shared": compare(shared, reference), "plain": compare(plain, reference),
-                      "vs_plain": compare(shared, plain), "digest": shared.digests[0]})
+                      "vs_plain": compare(shared, plain), "digest": digest,
+                      "cross_micro_batch": None if cross is None else cross.report()})
         optimizer.step()
     return steps
+
+
+def _cross(model, sequences: list, groups: list[PromptGroup] | None, request: VerifyRequest):
+    from .cross_micro_batch import forward_backward_cross
+
+    members = None if groups is None else [g.members for g in groups]
+    return forward_backward_cross(model, sequences, request.token_budget, request.config,
+                                  groups=members)
 
 
 def summarize(ranks: list[list[list[dict]]], batch: int, dtype: torch.dtype) -> dict:
@@ -136,7 +160,9 @@ def summarize(ranks: list[list[list[dict]]], batch: int, dtype: torch.dtype) -> 
     shared, plain, vs_plain = (_worst([s[key] for s in steps])
                                for key in ("shared", "plain", "vs_plain"))
     same_plan = len({s["digest"] for s in steps}) == 1
+    cross = steps[0].get("cross_micro_batch")  # engines without it (hf) leave it out
     return {
+        **({} if cross is None else cross),
         "passed": all(verdict.values()) and same_plan,
         "within_tolerance": verdict,
         "same_plan_on_every_rank": same_plan,

@@ -140,8 +140,16 @@ class PrefixSharingCoreAttention(DotProductAttention):
             plan = packed_seq_params.plan
             check_sharing_allowed(self.config, plan, self.training)
             if packed_seq_params.cp is not None:
+                if packed_seq_params.prefix_kv is not None:
+                    raise UnsupportedSetupError(
+                        "cross-micro-batch sharing (a group's prefix K/V kept across "
+                        "micro-batches) is not supported with context parallelism; use "
+                        "context_parallel_size=1 or one micro-batch per group"
+                    )
                 out = self._context_parallel(query, key, value, packed_seq_params.cp, backend)
                 return out.reshape(out.size(0), -1)  # [T_local, np, hn] -> [T_local, np * hn]
+            if packed_seq_params.prefix_kv is not None:  # a group's prefix across micro-batches
+                key, value = packed_seq_params.prefix_kv.exchange(self.layer_number, key, value)
             out = prefix_attention(
                 query, key, value, plan, softmax_scale=self.net_softmax_scale,
                 window=self.window, sinks=self.softmax_offset, backend=backend,

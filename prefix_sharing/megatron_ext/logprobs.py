@@ -24,7 +24,7 @@ from ..logprobs import TokenStats, token_log_probs
 from .model_check import check_sharing_model
 from .packed_seq import MicroBatch
 
-__all__ = ["MegatronVocabShard", "token_stats", "forward_token_stats"]
+__all__ = ["MegatronVocabShard", "token_stats", "forward_token_stats", "vocab_shard"]
 
 
 class MegatronVocabShard:
@@ -72,11 +72,7 @@ def token_stats(
         if logits.size(0) != 1:
             raise ValueError(f"THD logits have batch size 1; got shape {tuple(logits.shape)}")
         logits = logits[0]  # [1, T, V] -> [T, V]
-    shard = None
-    if vocab_parallel and parallel_state.model_parallel_is_initialized():
-        group = parallel_state.get_tensor_model_parallel_group()
-        if torch.distributed.get_world_size(group) > 1:
-            shard = MegatronVocabShard(logits.size(-1), group)
+    shard = vocab_shard(logits.size(-1)) if vocab_parallel else None
     cp = batch.cp
     if cp is None:
         return token_log_probs(
@@ -108,6 +104,15 @@ class _SumOverContextParallel(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad, None
+
+
+def vocab_shard(vocab_per_rank: int) -> MegatronVocabShard | None:
+    """This rank's vocabulary slice when the tensor-parallel group splits the logits, else None."""
+    if parallel_state.model_parallel_is_initialized():
+        group = parallel_state.get_tensor_model_parallel_group()
+        if torch.distributed.get_world_size(group) > 1:
+            return MegatronVocabShard(vocab_per_rank, group)
+    return None
 
 
 def forward_token_stats(

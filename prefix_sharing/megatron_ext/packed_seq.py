@@ -27,6 +27,7 @@ from ..plan import SharingPlan
 from ..planner import PromptGroup, TokenSequence, build_plan
 from .checks import assert_same_plan
 from .context_parallel import ContextParallelSlice, slice_plan
+from .prefix_kv import PrefixKV
 
 __all__ = [
     "PlanPackedSeqParams",
@@ -47,19 +48,23 @@ class PlanPackedSeqParams(PackedSeqParams):
             ``"flash_attn"``, ``"te"``, ``"npu"``).
         cp: this context-parallel rank's slice of the plan (``None`` without context
             parallelism).
+        prefix_kv: a group's prefix K/V across micro-batches
+            (:mod:`prefix_sharing.megatron_ext.cross_micro_batch`): recorded by the prefix
+            micro-batch, read by a suffix micro-batch whose plan addresses those rows first.
     """
 
     plan: SharingPlan | None = None
     backend: str = "auto"
     cp: ContextParallelSlice | None = None
+    prefix_kv: PrefixKV | None = None
     _rotary_cache: tuple[torch.Tensor, torch.Tensor] | None = dataclasses.field(
         default=None, init=False, repr=False, compare=False
     )
 
     @classmethod
-    def from_plan(
-        cls, plan: SharingPlan, backend: str = "auto", cp: ContextParallelSlice | None = None
-    ) -> PlanPackedSeqParams:
+    def from_plan(cls, plan: SharingPlan, backend: str = "auto",
+                  cp: ContextParallelSlice | None = None,
+                  prefix_kv: PrefixKV | None = None) -> PlanPackedSeqParams:
         return cls(
             qkv_format="thd",
             cu_seqlens_q=plan.cu_seqlens_q,
@@ -71,6 +76,7 @@ class PlanPackedSeqParams(PackedSeqParams):
             plan=plan,
             backend=backend,
             cp=cp,
+            prefix_kv=prefix_kv,
         )
 
     def per_token_rotary(self, table: torch.Tensor) -> torch.Tensor:

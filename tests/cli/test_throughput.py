@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from prefix_sharing import PrefixSharingConfig
+from prefix_sharing import PrefixSharingConfig, build_plan
 from prefix_sharing.batching import split_micro_batches
 from prefix_sharing.cli import main
 from prefix_sharing.cli.bench import BENCH_SIZES
@@ -66,4 +66,37 @@ def test_bad_budget_is_one_line_on_stderr(capfd, argv, message):
     code, out, err = bench(capfd, *argv)
     assert code != 0 and out == ""
     assert err.startswith("prefix-sharing bench: error:") and message in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_cross_micro_batch_mode_computes_each_prefix_once(capfd):
+    """grpo's groups exceed a 300-token budget: ``shared`` cuts them and recomputes their
+    prompts, ``cross`` computes each prompt once."""
+    code, out, _ = bench(capfd, "--workload", "grpo", "--token-budget", 300,
+                         "--cross-micro-batch", "--json")
+    assert code == 0
+    (result,) = json.loads(out)["results"]
+    w = make_workload("grpo", vocab_size=get_preset("tiny").vocab_size, **BENCH_SIZES["grpo"])
+    whole = build_plan(w.sequences, PrefixSharingConfig())
+    cross, shared = result["cross"], result["shared"]
+    assert shared["groups_split"] > 0
+    assert cross["groups_split"] == 0 and cross["prefix_recomputes_avoided"] > 0
+    assert cross["tokens_unique"] == whole.num_tokens_unique
+    assert cross["tokens_computed"] == whole.num_tokens_unique  # each prompt once
+    assert cross["max_tokens_computed"] <= 300
+    assert cross["micro_batches"] == cross["num_micro_batches"] >= 2 * len(w.groups)
+    assert result["cross_throughput_ratio"] == pytest.approx(
+        cross["sequences_per_s"] / result["plain"]["sequences_per_s"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--workload", "grpo", "--cross-micro-batch"], "--cross-micro-batch needs --token-budget"),
+    (["--workload", "none", "--token-budget", "640", "--cross-micro-batch"],
+     "workload 'none': a group needs at least two sequences"),
+    (["--workload", "grpo", "--token-budget", "300", "--cross-micro-batch", "--model",
+      "tiny-moe"], "does not support the tiny-moe preset"),
+])
+def test_cross_micro_batch_refusals_are_one_line(capfd, argv, message):
+    code, out, err = bench(capfd, *argv)
+    assert code != 0 and out == "" and message in err
     assert len(err.strip().splitlines()) == 1

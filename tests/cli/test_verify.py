@@ -121,3 +121,32 @@ def test_windowed_presets_pass(capsys, engine, model, workload):
     report = json.loads(out)
     assert code == 0 and report["passed"] is True and report["model"] == model
     assert report["tokens_unique"] < report["tokens_total"]
+
+
+def test_token_budget_runs_each_group_across_micro_batches_with_its_prefix_once(capsys):
+    code, out, _ = verify(capsys, "--workload", "grpo", "--token-budget", 30, "--json")
+    report = json.loads(out)
+    assert code == 0 and report["passed"] and all(report["within_tolerance"].values())
+    assert report["token_budget"] == 30 and report["prefix_lens"] == [15, 21, 13]
+    # 3 groups, each its prompt and 2 suffix micro-batches of at most 30 computed tokens
+    assert report["num_micro_batches"] == 9 and report["prefix_recomputes_avoided"] == 3
+    assert report["tokens_computed"] == report["tokens_unique"] < report["tokens_total"]
+    assert report["held_bytes"] > 0 and report["vs_plain_within_fp32_rtol"]
+
+
+def test_token_budget_under_tensor_parallelism(capsys):
+    code, out, _ = verify(capsys, "--workload", "agent", "--token-budget", 60, "--tp", 2, "--json")
+    report = json.loads(out)
+    assert code == 0 and report["passed"] and report["tp"] == 2
+    assert report["num_micro_batches"] > 2 * len(report["prefix_lens"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--token-budget", "10"], "common prefix (15 tokens) exceeds token_budget=10"),
+    (["--token-budget", "30", "--pp", "2"], "--token-budget (cross-micro-batch sharing) runs"),
+    (["--token-budget", "30", "--model", "tiny-moe"], "does not support the tiny-moe preset"),
+])
+def test_token_budget_refusals_are_one_line(capsys, argv, message):
+    code, out, err = verify(capsys, "--workload", "grpo", *argv)
+    assert code != 0 and out == "" and message in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err

@@ -1,0 +1,230 @@
+"""Forward+backward of one group over several micro-batches, its common prefix computed once.
+
+For a :class:`~prefix_sharing.cross_micro_batch.GroupSchedule` (the group's prefix, then
+suffix micro-batches of at most the token budget):
+
+1. the prefix micro-batch runs (with grad, its graph kept; or without grad under
+   ``recompute_prefix``); each layer's core attention records its K/V, kept as leaves
+   (:class:`~.prefix_kv.PrefixKV`);
+2. every suffix micro-batch runs forward and backward; its core attention reads
+   ``cat(prefix leaves, own K/V)`` through its plan, so its backward accumulates dK/dV into the
+   leaves (and parameter gradients into ``.grad`` as usual);
+3. after the last suffix, the prefix's backward runs once, with the accumulated dK/dV as the
+   incoming gradients of its recorded K/V, plus the loss of the prefix positions (under
+   ``recompute_prefix`` its forward is first run again with grad).
+
+All before the optimizer step and any data-parallel gradient reduction, which see the
+parameter gradients of the whole group. One level (one shared prefix per group). Held across
+the group: the K/V leaves and their gradients (``2 x 2 x layers x Lp x K/V heads x head dim``
+values), plus, without ``recompute_prefix``, the prefix micro-batch's saved activations.
+
+The loss must be a sum of per-token terms (as token-mean losses over a global batch are):
+``token_loss(log_probs, entropy, positions)`` scores the tokens at ``positions`` of the group's
+packed order and is called once per micro-batch; the group's loss is the sum of its calls.
+
+PP=1, dense models; tensor parallelism without sequence parallelism (each rank keeps its own
+K/V heads' prefix; log-probs through the vocab-parallel reductions). Pipeline parallelism,
+sequence parallelism, MoE and sliding windows are refused by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+from megatron.core.utils import get_attr_wrapped_model
+
+from ..cross_micro_batch import GroupSchedule
+from ..logprobs import token_log_probs
+from ..plan import SharingPlan
+from .checks import UnsupportedSetupError
+from .logprobs import vocab_shard
+from .packed_seq import PlanPackedSeqParams
+from .prefix_kv import PrefixKV
+
+__all__ = ["GroupRun", "TokenLoss", "forward_backward_group"]
+
+TokenLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclasses.dataclass
+class GroupRun:
+    """What one group's forward+backward produced (all detached).
+
+    Attributes:
+        log_probs, entropy: ``(T_total,)`` every token of the group, packed in given order.
+        logits: ``(T_total, V)`` the same rows' logits (the whole vocabulary), when asked for
+            (``keep_logits``).
+        loss: the sum of the micro-batches' losses.
+        held_bytes: the prefix K/V leaves and their gradients, held across the group.
+        tokens_computed: tokens the model ran, over all micro-batches (a recomputed prefix
+            counted twice).
+    """
+
+    log_probs: torch.Tensor
+    entropy: torch.Tensor
+    logits: torch.Tensor | None
+    loss: torch.Tensor
+    held_bytes: int
+    tokens_computed: int
+
+
+def forward_backward_group(
+    model: torch.nn.Module,
+    schedule: GroupSchedule,
+    token_loss: TokenLoss,
+    *,
+    recompute_prefix: bool = False,
+    backend: str = "auto",
+    temperature: float = 1.0,
+    keep_logits: bool = False,
+) -> GroupRun:
+    """Runs one group's micro-batches (see the module doc); parameter gradients accumulate
+    into ``.grad`` (call ``model.zero_grad()`` first when starting a step).
+
+    Args:
+        model: a whole (single-stage) ``GPTModel`` built with the prefix-sharing layer spec.
+        schedule: the group, from :func:`prefix_sharing.cross_micro_batch.plan_group`.
+        token_loss: ``(log_probs, entropy, positions) -> scalar`` for a micro-batch's tokens.
+        recompute_prefix: run the prefix's forward without grad first and again with grad at
+            the end (holds only the K/V leaves across the group, computes the prefix twice).
+        backend: attention kernel, as :class:`~.packed_seq.PlanPackedSeqParams` takes it.
+        temperature: logits are divided by it before log-probs and entropy.
+        keep_logits: also return every token's logits (for comparisons; ``T_total x V``).
+    """
+    _check_model(model)
+    device = next(model.parameters()).device
+    total = schedule.num_tokens_total
+    out = _Collector(total, device, keep_logits)
+    prefix_kv = PrefixKV()
+    prefix = _PrefixPass(schedule, prefix_kv, backend, temperature, device)
+    if recompute_prefix:
+        with torch.no_grad():
+            prefix.forward(model)
+        prefix_loss = None
+    else:
+        prefix_loss = prefix.scored(model, token_loss, out)
+    prefix_kv.mode = "read"
+    for suffix in schedule.suffixes:
+        plan = suffix.plan.to(device)
+        tail_plan = suffix.tail_plan.to(device)
+        params = PlanPackedSeqParams.from_plan(plan, backend, prefix_kv)
+        logits = model(plan.input_ids[None], plan.position_ids[None], None,
+                       packed_seq_params=params)[0]  # [1, T, V] -> [T, V]
+        stats = token_log_probs(logits, tail_plan, temperature=temperature,
+                                vocab_shard=vocab_shard(logits.size(-1)))
+        positions = suffix.token_positions.to(device)
+        loss = token_loss(stats.log_probs, stats.entropy, positions)
+        loss.backward()
+        out.add(positions, stats.log_probs, stats.entropy, loss,
+                lambda: tail_plan.restore(logits))
+    prefix_kv.mode = "record"
+    if recompute_prefix:
+        prefix_loss = prefix.scored(model, token_loss, out)
+    held = prefix_kv.held_bytes()
+    prefix_kv.backward([prefix_loss])
+    computed = schedule.tokens_computed + (schedule.prefix_len if recompute_prefix else 0)
+    return out.result(held, computed)
+
+
+class _PrefixPass:
+    """The prefix micro-batch: ``P`` alone (identity plan), recording its K/V."""
+
+    def __init__(self, schedule: GroupSchedule, prefix_kv: PrefixKV, backend: str,
+                 temperature: float, device: torch.device) -> None:
+        n = schedule.prefix_len
+        ids = schedule.prefix_ids.to(device)
+        cu = torch.tensor([0, n], dtype=torch.int32)
+        plan = SharingPlan(
+            input_ids=ids, position_ids=torch.arange(n, device=device),
+            cu_seqlens_q=cu.to(device), cu_seqlens_kv=cu.to(device), max_seqlen_q=n,
+            max_seqlen_kv=n, cu_seqlens_q_host=(0, n), cu_seqlens_kv_host=(0, n),
+            kv_gather_index=torch.arange(n, device=device),
+            kv_index=torch.arange(n, device=device), seq_lens=(n,), prefix_lens=(0,),
+        )
+        self.params = PlanPackedSeqParams.from_plan(plan, backend, prefix_kv)
+        self.stats_plan = schedule.prefix_stats_plan.to(device)
+        # the prefix rows of every sequence, without the placeholder position Lp
+        self.keep = (~schedule.prefix_stats_plan.is_last_token).nonzero()[:, 0].to(device)
+        self.positions = schedule.prefix_positions.to(device)
+        self.num_sequences = len(schedule.seq_lens)
+        self.temperature = temperature
+
+    def forward(self, model: torch.nn.Module) -> torch.Tensor:
+        plan = self.params.plan
+        return model(plan.input_ids[None], plan.position_ids[None], None,
+                     packed_seq_params=self.params)[0]  # [Lp, V]
+
+    def scored(self, model: torch.nn.Module, token_loss: TokenLoss,
+               out: _Collector) -> torch.Tensor:
+        """Forward with grad, and the loss of every sequence's positions ``0 .. Lp-1``."""
+        logits = self.forward(model)
+        # one placeholder row per sequence: the stats plan's position Lp, discarded
+        rows = torch.cat([logits, logits.new_zeros(self.num_sequences, logits.size(1))])
+        stats = token_log_probs(rows, self.stats_plan, temperature=self.temperature,
+                                vocab_shard=vocab_shard(rows.size(-1)))
+        log_probs = stats.log_probs.index_select(0, self.keep)
+        entropy = stats.entropy.index_select(0, self.keep)
+        loss = token_loss(log_probs, entropy, self.positions)
+        out.add(self.positions, log_probs, entropy, loss,
+                lambda: self.stats_plan.restore(rows).index_select(0, self.keep))
+        return loss
+
+
+class _Collector:
+    """Assembles the group's per-token outputs from its micro-batches."""
+
+    def __init__(self, total: int, device: torch.device, keep_logits: bool) -> None:
+        self.log_probs = torch.zeros(total, device=device)
+        self.entropy = torch.zeros(total, device=device)
+        self.logits: torch.Tensor | None = None
+        self.keep_logits = keep_logits
+        self.loss = torch.zeros((), device=device)
+        self.total = total
+
+    def add(self, positions: torch.Tensor, log_probs: torch.Tensor, entropy: torch.Tensor,
+            loss: torch.Tensor, logits: Callable[[], torch.Tensor]) -> None:
+        self.log_probs = self.log_probs.to(log_probs.dtype)
+        self.entropy = self.entropy.to(entropy.dtype)
+        self.log_probs[positions] = log_probs.detach()
+        self.entropy[positions] = entropy.detach()
+        self.loss = self.loss + loss.detach()
+        if self.keep_logits:
+            rows = _whole_vocab(logits().detach())
+            if self.logits is None:
+                self.logits = rows.new_zeros(self.total, rows.size(1))
+            self.logits[positions] = rows
+
+    def result(self, held_bytes: int, tokens_computed: int) -> GroupRun:
+        return GroupRun(self.log_probs, self.entropy, self.logits, self.loss, held_bytes,
+                        tokens_computed)
+
+
+def _whole_vocab(logits: torch.Tensor) -> torch.Tensor:
+    """Every rank's vocabulary slice side by side (for comparisons; no gradient)."""
+    if vocab_shard(logits.size(-1)) is None:
+        return logits
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+    return gather_from_tensor_model_parallel_region(logits)
+
+
+def _check_model(model: torch.nn.Module) -> None:
+    config = get_attr_wrapped_model(model, "config")
+    problems = []
+    if config.sequence_parallel:
+        problems.append("sequence_parallel=True (the micro-batches' layouts are not padded to "
+                        "the tensor-parallel size)")
+    if config.pipeline_model_parallel_size > 1:
+        problems.append(f"pipeline_model_parallel_size={config.pipeline_model_parallel_size} "
+                        "(PP=1 only)")
+    if config.num_moe_experts:
+        problems.append(f"num_moe_experts={config.num_moe_experts} (router statistics across "
+                        "micro-batches are not reweighted)")
+    if config.window_size is not None:
+        problems.append(f"window_size={config.window_size} (the suffix gather is not trimmed)")
+    if problems:
+        raise UnsupportedSetupError(
+            "cross-micro-batch sharing does not support " + "; ".join(problems)
+        )

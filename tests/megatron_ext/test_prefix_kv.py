@@ -1,0 +1,56 @@
+"""PrefixKV: recorded K/V served as leaves whose gradients reach the recording pass exactly."""
+
+import pytest
+import torch
+
+from prefix_sharing.megatron_ext.prefix_kv import PrefixKV
+
+
+def test_readers_gradients_reach_the_recorded_pass_as_one_graph_would():
+    torch.manual_seed(0)
+    w = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(4, 3, dtype=torch.float64)  # the "prefix" input
+    own = [torch.randn(2, 3, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+
+    # one graph: every reader concatenates the prefix's k = v = x @ w before its own rows
+    k = x @ w
+    direct = sum((torch.cat([k, o]) ** 2).sum() + torch.cat([k, o]).sin().sum() for o in own)
+    direct = direct + k.sum()  # the prefix's own loss terms
+    (expected,) = torch.autograd.grad(direct, w)
+
+    store = PrefixKV()
+    k = x @ w
+    assert store.exchange(1, k, k) == (k, k)  # recording returns its own K/V
+    k_leaf, v_leaf = store.leaves[1]
+    assert k_leaf.is_leaf and k_leaf.requires_grad and k_leaf.data_ptr() == k.data_ptr()
+    store.mode = "read"
+    for o in own:
+        key, value = store.exchange(1, o, o)
+        assert key.shape == (6, 3)
+        ((key ** 2).sum() + value.sin().sum()).backward()
+    assert store.held_bytes() == 4 * k.numel() * k.element_size()  # K, V and their grads
+    store.backward([k.sum()])
+    torch.testing.assert_close(w.grad, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_a_recompute_keeps_the_leaves_and_their_gradients():
+    store = PrefixKV()
+    with torch.no_grad():
+        store.exchange(1, torch.ones(2, 1), torch.ones(2, 1))
+    leaves = store.leaves[1]
+    store.mode = "read"
+    store.exchange(1, torch.zeros(1, 1), torch.zeros(1, 1))[0].sum().backward()
+    store.mode = "record"
+    w = torch.ones(1, requires_grad=True)
+    store.exchange(1, torch.ones(2, 1) * w, torch.ones(2, 1) * w)
+    assert store.leaves[1] is leaves and torch.equal(leaves[0].grad, torch.ones(2, 1))
+    store.backward()
+    assert w.grad.item() == 2.0  # dK only (V was not read by the loss): one per prefix row
+
+
+def test_backward_without_a_graph_says_so():
+    store = PrefixKV()
+    with torch.no_grad():
+        store.exchange(1, torch.ones(2, 1), torch.ones(2, 1))
+    with pytest.raises(RuntimeError, match="ran without grad"):
+        store.backward()

@@ -1,0 +1,122 @@
+"""plan_group: a group cut into its common prefix and suffix micro-batches that address it."""
+
+import pytest
+import torch
+
+from prefix_sharing import PrefixSharingConfig, build_plan
+from prefix_sharing.cross_micro_batch import plan_group
+from prefix_sharing.workloads import make_workload
+
+EVERY_PREFIX = PrefixSharingConfig(min_prefix_len=1)
+# one agent task: a 112-token prompt, a branch at every turn, 9 episodes (687 tokens)
+GROUP = dict(num_tasks=1, num_turns=3, branching=3, system_len=96, task_len=(16, 17),
+             turn_len=(6, 10), seed=3)
+
+
+def _group():
+    return make_workload("agent", **GROUP).sequences
+
+
+def test_worked_example_of_the_module_doc():
+    seqs = [torch.tensor(s) for s in ([5, 6, 7, 8, 9], [5, 6, 7, 8, 4], [5, 6, 7, 2])]
+    schedule = plan_group(seqs, 100, EVERY_PREFIX)
+    (suffix,) = schedule.suffixes
+    plan = suffix.plan
+    assert schedule.prefix_ids.tolist() == [5, 6, 7]
+    assert plan.input_ids.tolist() == [9, 8, 4, 2]
+    assert plan.position_ids.tolist() == [4, 3, 4, 3]
+    assert plan.cu_seqlens_q.tolist() == [0, 1, 3, 4]
+    assert plan.cu_seqlens_kv.tolist() == [0, 5, 10, 14]
+    assert plan.kv_gather_index.tolist() == [0, 1, 2, 4, 3, 0, 1, 2, 4, 5, 0, 1, 2, 6]
+    assert plan.kv_index.tolist() == plan.kv_gather_index.tolist()
+    assert plan.prefix_lens == (4, 3, 3)
+
+
+def test_the_prefix_is_the_longest_common_one():
+    seqs = _group()
+    n = plan_group(seqs, 250, EVERY_PREFIX).prefix_len
+    assert n >= 112  # the prompt, and any first-turn tokens all episodes happen to share
+    assert all(torch.equal(s[:n], seqs[0][:n]) for s in seqs)
+    assert len({int(s[n]) for s in seqs}) > 1
+
+
+@pytest.mark.parametrize("budget", [150, 200, 250, 330])
+def test_suffixes_fit_the_budget_and_address_prefix_then_own_rows(budget):
+    seqs = _group()
+    schedule = plan_group(seqs, budget, EVERY_PREFIX)
+    assert 3 <= schedule.num_micro_batches <= 4
+    for suffix in schedule.suffixes:
+        plan = suffix.plan
+        assert plan.num_tokens_unique <= budget
+        rows = torch.cat([schedule.prefix_ids, plan.input_ids])  # external prefix rows, then own
+        members = [seqs[i] for i in suffix.members]
+        assert torch.equal(rows.index_select(0, plan.kv_index), torch.cat(members))
+        # every key segment is its sequence's prefix: the whole sequence for a tail's owner
+        keys = torch.split(rows.index_select(0, plan.kv_gather_index),
+                           torch.diff(plan.cu_seqlens_kv).tolist())
+        for seg, n in zip(keys, torch.diff(plan.cu_seqlens_q).tolist()):
+            assert any(torch.equal(s[:seg.numel()], seg) for s in members)
+            assert 1 <= n <= seg.numel() - schedule.prefix_len  # queries: a tail of its keys
+        # the tails' own plan scores the same flat rows
+        assert torch.equal(suffix.tail_plan.input_ids, plan.input_ids)
+        assert torch.equal(suffix.tail_plan.position_ids + schedule.prefix_len, plan.position_ids)
+
+
+def test_positions_cover_the_group_once_and_each_prefix_is_computed_once():
+    seqs = _group()
+    schedule = plan_group(seqs, 250, EVERY_PREFIX)
+    positions = torch.cat([schedule.prefix_positions]
+                          + [s.token_positions for s in schedule.suffixes])
+    assert sorted(positions.tolist()) == list(range(sum(len(s) for s in seqs)))
+    whole = build_plan(seqs, EVERY_PREFIX)
+    assert schedule.tokens_unique == whole.num_tokens_unique
+    assert schedule.tokens_computed == whole.num_tokens_unique
+    for budget in (113, 150, 200, 330):  # a branch that fits alone is never cut
+        assert plan_group(seqs, budget, EVERY_PREFIX).tokens_computed == whole.num_tokens_unique
+
+
+def test_a_branch_larger_than_the_budget_is_cut_and_computed_in_each_piece():
+    prefix, branch = [1, 2, 3], [4]
+    seqs = [torch.tensor(prefix + branch + [5, 6, 7, 8]),
+            torch.tensor(prefix + branch + [9, 10, 11, 12]), torch.tensor(prefix + [13])]
+    schedule = plan_group(seqs, 6, EVERY_PREFIX)  # the branch computes 9 tokens
+    assert [s.members for s in schedule.suffixes] == [(0,), (1, 2)]
+    assert schedule.tokens_unique == 3 + 1 + 8 + 1
+    assert schedule.tokens_computed == schedule.tokens_unique + 1  # its first token twice
+    assert schedule.prefix_recomputes_avoided == len(schedule.suffixes) - 1
+
+
+def test_metrics_a_trainer_logs():
+    seqs = _group()
+    schedule = plan_group(seqs, 150, EVERY_PREFIX)
+    assert schedule.metrics() == {
+        "prefix_sharing/num_micro_batches": 4.0,
+        "prefix_sharing/tokens_computed": 444.0,
+        "prefix_sharing/token_ratio": sum(len(s) for s in seqs) / 444,
+        "prefix_sharing/prefix_recomputes_avoided": 2.0,
+    }
+
+
+def test_prefix_stats_plan_reads_each_sequence_up_to_its_first_own_token():
+    seqs = _group()
+    schedule = plan_group(seqs, 250, EVERY_PREFIX)
+    n = schedule.prefix_len
+    stats = schedule.prefix_stats_plan
+    assert torch.equal(stats.token_ids, torch.cat([s[: n + 1] for s in seqs]))
+    keep = ~stats.is_last_token
+    targets = torch.cat([s[1: n + 1] for s in seqs])
+    assert torch.equal(stats.next_token_ids[keep], targets)
+
+
+def test_refusals_name_the_problem():
+    seqs = _group()
+    with pytest.raises(ValueError, match=r"common prefix \(113 tokens\) exceeds token_budget=100"):
+        plan_group(seqs, 100, EVERY_PREFIX)
+    with pytest.raises(ValueError, match="tail after the common prefix"):
+        plan_group([torch.arange(20), torch.cat([torch.arange(10), torch.arange(200, 300)])], 50)
+    with pytest.raises(ValueError, match="share no prefix"):
+        plan_group([torch.tensor([1, 2]), torch.tensor([3, 4])], 50)
+    with pytest.raises(ValueError, match="at least two sequences"):
+        plan_group([torch.arange(5)], 50)
+    with pytest.raises(ValueError, match="mode is 'off'"):
+        plan_group(seqs, 500, PrefixSharingConfig(mode="off"))
