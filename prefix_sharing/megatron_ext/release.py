@@ -19,11 +19,12 @@ import os
 import warnings
 
 from ..errors import MissingPackageError
+from ..releases import MEGATRON_CORE_RELEASES
 
 __all__ = ["ALLOW_ENV", "TESTED_RELEASES", "UnsupportedMegatronRelease", "check_release",
            "installed_release"]
 
-TESTED_RELEASES = ("0.16.1", "0.17.1", "0.18.2", "0.19.2")
+TESTED_RELEASES = tuple(MEGATRON_CORE_RELEASES)
 ALLOW_ENV = "PREFIX_SHARING_ALLOW_MCORE"
 
 

@@ -32,13 +32,13 @@ import re
 import sys
 from collections.abc import Iterable, Mapping
 
+from ..releases import MEGATRON_CORE_RELEASES
+
 __all__ = ["MCORE_RELEASES", "MINDSPEED_RELEASES", "PatchSetName", "Stack", "resolve",
            "known_names", "matching_names", "installed_stack", "stack_problems"]
 
 # megatron-core releases the project is tested with -> the oldest Python each one installs on.
-MCORE_RELEASES: dict[str, tuple[int, int]] = {
-    "0.16.1": (3, 10), "0.17.1": (3, 12), "0.18.2": (3, 12), "0.19.2": (3, 12),
-}
+MCORE_RELEASES: dict[str, tuple[int, int]] = MEGATRON_CORE_RELEASES
 # MindSpeed package versions (branch core_r<version>) -> the megatron-core minor it patches.
 MINDSPEED_RELEASES: dict[str, str] = {"0.16.0": "0.16"}
 
