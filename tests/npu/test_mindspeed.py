@@ -53,6 +53,7 @@ def _mindspeed_job(rank: int, order: str) -> dict:
     adaptor.repatch({"optimization_level": 2})
     report["after_repatch"] = _run(batches, npu)
     report["guarded_stock_fed_a_plan"] = _stock_fed_a_plan(batches)
+    report["model_check_on_stock"] = _stock_fed_a_plan(batches, model_check=True)
     report["spec_module"] = _megatron_lm_spec_layers()
     try:
         adaptor.repatch({"reset_attention_mask": True})
@@ -115,13 +116,23 @@ def _megatron_lm_spec_layers() -> tuple[str, str]:
     return attention.module.__name__, attention.submodules.core_attention.module.__name__
 
 
-def _stock_fed_a_plan(batches):
+def _stock_fed_a_plan(batches, model_check=False):
     """megatron's stock spec given a plan: MindSpeed's kernels compute it (wrongly) unless the
-    prefix-sharing feature stops it. Returns the run, or the error raised."""
+    prefix-sharing feature stops it. Returns the run, or the error raised. Without
+    ``model_check`` the engine's own check_sharing_model (which refuses a stock model before it
+    runs) is bypassed, as for a user who calls the model directly, so what is tested is the
+    guard in MindSpeed's attention."""
+    import prefix_sharing.megatron_ext as megatron_ext
+
+    check = megatron_ext.check_sharing_model
+    if not model_check:
+        megatron_ext.check_sharing_model = lambda model: None
     try:
         return forward_backward(tiny_gpt("padded"), batches, "shared", SHARE_EVERY_PREFIX)
     except Exception as err:  # noqa: BLE001 - the type is checked by the test
         return type(err).__name__, str(err)
+    finally:
+        megatron_ext.check_sharing_model = check
 
 
 @pytest.fixture(scope="module")
@@ -174,6 +185,12 @@ def test_the_feature_refuses_a_plan_reaching_mindspeeds_attention(reports, order
     kind, message = reports[order]["guarded_stock_fed_a_plan"]
     assert kind == "UnsupportedSetupError"
     assert "prefix-sharing layer spec" in message
+
+
+def test_the_engine_refuses_a_stock_model_before_mindspeed_sees_a_plan(reports):
+    kind, message = reports["mindspeed_first"]["model_check_on_stock"]
+    assert kind == "UnsupportedSetupError"
+    assert "would run through stock modules" in message and "self_attention" in message
 
 
 @pytest.mark.parametrize("order", ORDERS)
