@@ -47,6 +47,18 @@ def test_file_input_under_tensor_parallelism_in_bf16(capsys, tmp_path):
     assert (report["tokens_total"], report["tokens_unique"]) == (88, 19 + 4 * 3)
 
 
+def test_moe_under_tensor_parallelism_passes_on_every_release(capsys):
+    """``verify --model tiny-moe --tp 2``: router statistics under TP + sequence parallelism,
+    shared vs megatron's stock spec (on megatron-core 0.19.2 the stock router was left in place
+    by a partial-form MoE spec before, and the router gradients were off by 5e-1)."""
+    code, out, _ = verify(capsys, "--model", "tiny-moe", "--tp", "2", "--workload", "grpo",
+                          "--json")
+    report = json.loads(out)
+    assert code == 0 and report["passed"], report
+    assert report["tp"] == 2 and report["tokens_unique"] < report["tokens_total"]
+    assert report["max_rel_diff"]["grads"] <= report["allowed_rel_diff"]["grads"]
+
+
 def test_text_report_names_every_quantity(capsys):
     code, out, _ = verify(capsys, "--workload", "tree", "--pp", "2", "--steps", "2",
                           "--backend", "torch")
