@@ -109,7 +109,7 @@ def forward_backward_group(
     for suffix in schedule.suffixes:
         plan = suffix.plan.to(device)
         tail_plan = suffix.tail_plan.to(device)
-        params = PlanPackedSeqParams.from_plan(plan, backend, prefix_kv)
+        params = PlanPackedSeqParams.from_plan(plan, backend, prefix_kv=prefix_kv)
         logits = model(plan.input_ids[None], plan.position_ids[None], None,
                        packed_seq_params=params)[0]  # [1, T, V] -> [T, V]
         stats = token_log_probs(logits, tail_plan, temperature=temperature,
@@ -143,7 +143,7 @@ class _PrefixPass:
             kv_gather_index=torch.arange(n, device=device),
             kv_index=torch.arange(n, device=device), seq_lens=(n,), prefix_lens=(0,),
         )
-        self.params = PlanPackedSeqParams.from_plan(plan, backend, prefix_kv)
+        self.params = PlanPackedSeqParams.from_plan(plan, backend, prefix_kv=prefix_kv)
         self.stats_plan = schedule.prefix_stats_plan.to(device)
         # the prefix rows of every sequence, without the placeholder position Lp
         self.keep = (~schedule.prefix_stats_plan.is_last_token).nonzero()[:, 0].to(device)

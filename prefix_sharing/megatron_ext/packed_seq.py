@@ -62,7 +62,7 @@ class PlanPackedSeqParams(PackedSeqParams):
     )
 
     @classmethod
-    def from_plan(cls, plan: SharingPlan, backend: str = "auto",
+    def from_plan(cls, plan: SharingPlan, backend: str = "auto", *,
                   cp: ContextParallelSlice | None = None,
                   prefix_kv: PrefixKV | None = None) -> PlanPackedSeqParams:
         return cls(
@@ -161,7 +161,7 @@ def prepare_micro_batch(
         plan=plan,
         input_ids=plan.input_ids[rows].unsqueeze(0),  # [1, T_flat (/ CP)]: THD is batch 1
         position_ids=plan.position_ids[rows].unsqueeze(0),
-        packed_seq_params=PlanPackedSeqParams.from_plan(plan, config.backend, cp),
+        packed_seq_params=PlanPackedSeqParams.from_plan(plan, config.backend, cp=cp),
         cp=cp,
     )
 
