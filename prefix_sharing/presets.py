@@ -81,34 +81,28 @@ class ModelPreset:
         return dataclasses.replace(self, vocab_size=-(-(max_token_id + 1) // multiple) * multiple)
 
 
+# seconds on a laptop CPU: for tests and the demo; the other tiny presets are variants of it
+_TINY = ModelPreset("tiny", num_layers=2, hidden_size=64, num_attention_heads=4,
+                    num_query_groups=2, ffn_hidden_size=128, vocab_size=512,
+                    max_sequence_length=4096)
+
 PRESETS: dict[str, ModelPreset] = {
     p.name: p
     for p in (
-        # seconds on a laptop CPU: for tests and the demo
-        ModelPreset("tiny", num_layers=2, hidden_size=64, num_attention_heads=4,
-                    num_query_groups=2, ffn_hidden_size=128, vocab_size=512,
-                    max_sequence_length=4096),
-        # the tiny shape with 8 experts, top-2 (verify checks the router's losses on it too)
-        ModelPreset("tiny-moe", num_layers=2, hidden_size=64, num_attention_heads=4,
-                    num_query_groups=2, ffn_hidden_size=128, vocab_size=512,
-                    max_sequence_length=4096, num_experts=8, moe_ffn_hidden_size=64),
-        # the tiny shape with gpt-oss's attention: 4 layers alternating a 16-token sliding
-        # window and full attention, learned sinks (verify checks windows, trimmed gathers and
-        # the sinks' gradients on it)
-        ModelPreset("tiny-window", num_layers=4, hidden_size=64, num_attention_heads=4,
-                    num_query_groups=2, ffn_hidden_size=128, vocab_size=512,
-                    max_sequence_length=4096, window_size=16, window_full_every=2,
-                    softmax_type="learnable"),
-        # Gemma 3 / Gemma 4 text models of the tiny shape (--engine hf): an 8-token window on
-        # every other layer (the megatron engine builds a windowed GPT of the same shape)
-        ModelPreset("tiny-gemma3", num_layers=2, hidden_size=64, num_attention_heads=4,
-                    num_query_groups=2, ffn_hidden_size=128, vocab_size=512,
-                    max_sequence_length=4096, window_size=8, window_full_every=2,
-                    hf_family="gemma3_text"),
-        ModelPreset("tiny-gemma4", num_layers=2, hidden_size=64, num_attention_heads=4,
-                    num_query_groups=2, ffn_hidden_size=128, vocab_size=512,
-                    max_sequence_length=4096, window_size=8, window_full_every=2,
-                    hf_family="gemma4_text"),
+        _TINY,
+        # 8 experts, top-2 (verify checks the router's losses on it too)
+        dataclasses.replace(_TINY, name="tiny-moe", num_experts=8, moe_ffn_hidden_size=64),
+        # gpt-oss's attention: 4 layers alternating a 16-token sliding window and full
+        # attention, learned sinks (verify checks windows, trimmed gathers and the sinks'
+        # gradients on it)
+        dataclasses.replace(_TINY, name="tiny-window", num_layers=4, window_size=16,
+                            window_full_every=2, softmax_type="learnable"),
+        # Gemma 3 / Gemma 4 text models (--engine hf): an 8-token window on every other layer
+        # (the megatron engine builds a windowed GPT of the same shape)
+        dataclasses.replace(_TINY, name="tiny-gemma3", window_size=8, window_full_every=2,
+                            hf_family="gemma3_text"),
+        dataclasses.replace(_TINY, name="tiny-gemma4", window_size=8, window_full_every=2,
+                            hf_family="gemma4_text"),
         # big enough that matrix products dominate, as on a real model; minutes on CPU
         ModelPreset("small", num_layers=4, hidden_size=512, num_attention_heads=8,
                     num_query_groups=2, ffn_hidden_size=1408, vocab_size=8192,
