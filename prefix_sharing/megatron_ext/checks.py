@@ -39,6 +39,13 @@ def check_layer_config(config: TransformerConfig) -> None:
             f"window_size={config.window_size}: a causal sliding window reads no later keys; "
             f"use window_size=({config.window_size[0]}, 0)"
         )
+    virtual_stages = getattr(config, "virtual_pipeline_model_parallel_size", None)
+    if virtual_stages is not None and virtual_stages > 1:
+        problems.append(
+            f"virtual_pipeline_model_parallel_size={virtual_stages}: interleaved pipeline "
+            "schedules are not tested with sharing (a first run mislaid a stage's plan); use "
+            "virtual_pipeline_model_parallel_size=None"
+        )
     if config.apply_rope_fusion:
         problems.append(
             "apply_rope_fusion=True: the fused THD RoPE restarts positions per segment, but a "

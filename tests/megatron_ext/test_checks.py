@@ -43,10 +43,12 @@ def core_attention(config: TransformerConfig) -> PrefixSharingCoreAttention:
     (dict(window_size=(8, 2)), r"window_size=\(8, 2\): a causal sliding window.*\(8, 0\)"),
     (dict(multi_latent_attention=True), "multi_latent_attention=True"),
     (dict(mrope_section=[2, 2, 2]), "mrope_section is set"),
+    (dict(num_layers=4, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+          pipeline_dtype=torch.float32), "virtual_pipeline_model_parallel_size=2: interleaved"),
 ])
 def test_layer_refuses_settings_it_cannot_serve(setting, message):
     with pytest.raises(UnsupportedSetupError, match=message):
-        core_attention(TransformerConfig(**BASE, **setting))
+        core_attention(TransformerConfig(**{**BASE, **setting}))
 
 
 def test_context_parallel_layer_is_built_but_plain_inputs_are_refused():
