@@ -63,6 +63,9 @@ def check_megatron_args(args: argparse.Namespace, kind: str) -> None:
             f"--context-parallel-size {args.context_parallel_size}: prefix sharing runs with "
             "context parallel size 1"
         )
+    if getattr(args, "overlap_moe_expert_parallel_comm", False):
+        raise UnsupportedSetup("--overlap-moe-expert-parallel-comm: its combined-1F1B schedule "
+                               "plan runs the layers without the sharing forward step")
     if getattr(args, "virtual_pipeline_model_parallel_size", None):
         raise UnsupportedSetup("--num-layers-per-virtual-pipeline-stage / virtual pipeline "
                                "stages are not supported by the sharing entry point")

@@ -43,6 +43,7 @@ def test_prompt_only_is_not_a_choice():
     ("sft", [], dict(spec=["my.module", "spec"]), "--spec my.module spec"),
     ("sft", [], dict(context_parallel_size=2), "--context-parallel-size 2"),
     ("sft", [], dict(virtual_pipeline_model_parallel_size=2), "virtual pipeline"),
+    ("sft", [], dict(overlap_moe_expert_parallel_comm=True), "--overlap-moe-expert-parallel-comm"),
     ("sft", [], dict(data_path=None), "sft needs --data-path"),
     ("gpt", [], {}, "gpt needs --prefix-sharing-data"),
     ("gpt", ["--prefix-sharing-data", "r.jsonl"], dict(micro_batch_size=2),
