@@ -15,10 +15,14 @@ WORKLOADS = {
     "grpo": dict(num_prompts=2, group_size=3),
     "steprl": dict(num_chains=1, num_steps=4),
     "tree": dict(depth=2, branching=2),  # with a duplicated leaf and a strict prefix
+    "agent": dict(num_tasks=1, num_turns=2, branching=2, system_len=6, task_len=(2, 4),
+                  turn_len=(2, 4)),
     "none": dict(num_sequences=4),
 }
+# what the equivalence tests run unless they name their workloads
+DEFAULT_WORKLOADS = ["grpo", "steprl", "tree", "none"]
 
 
-def micro_batches(names: list[str] = list(WORKLOADS)) -> list[list[torch.Tensor]]:
+def micro_batches(names: list[str] = DEFAULT_WORKLOADS) -> list[list[torch.Tensor]]:
     return [make_workload(n, vocab_size=PRESET.vocab_size, seed=i, **WORKLOADS[n]).sequences
             for i, n in enumerate(names)]

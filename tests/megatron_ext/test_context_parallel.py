@@ -13,22 +13,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prefix_sharing import PrefixSharingConfig
 from prefix_sharing.engines.megatron import compare, forward_backward
 from prefix_sharing.equivalence import FP32_RTOL
 from prefix_sharing.megatron_ext.context_parallel import kv_bytes_per_layer
 from prefix_sharing.workloads import make_workload
 
 from ._distributed import PRESET, run_distributed, tiny_gpt
+from ._equivalence import SHARE_EVERY_PREFIX, micro_batches
 
-SHARE_EVERY_PREFIX = PrefixSharingConfig(min_prefix_len=1)
-WORKLOADS = {
-    "grpo": dict(num_prompts=2, group_size=3),
-    "tree": dict(depth=2, branching=2),
-    "agent": dict(num_tasks=1, num_turns=2, branching=2, system_len=6, task_len=(2, 4),
-                  turn_len=(2, 4)),
-    "none": dict(num_sequences=4),
-}
+WORKLOADS = ["grpo", "tree", "agent", "none"]
 VARIANTS = {
     "llama": {},  # 4 query heads over 2 K/V groups
     "three_heads": dict(num_attention_heads=3, num_query_groups=1, kv_channels=16),  # 3 % CP != 0
@@ -37,8 +30,7 @@ VARIANTS = {
 
 
 def _batches() -> list[list[torch.Tensor]]:
-    return [make_workload(n, vocab_size=PRESET.vocab_size, seed=i, **kw).sequences
-            for i, (n, kw) in enumerate(WORKLOADS.items())]
+    return micro_batches(WORKLOADS)
 
 
 def _shared_job(rank: int, variants: list[str], local_keys_only: bool = False) -> dict:
