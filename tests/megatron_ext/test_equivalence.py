@@ -17,7 +17,7 @@ from prefix_sharing.engines.megatron import compare, forward_backward
 from prefix_sharing.equivalence import FP32_RTOL, within_tolerance
 
 from ._distributed import run_distributed, tiny_gpt
-from ._equivalence import SHARE_EVERY_PREFIX, micro_batches
+from ._equivalence import SHARE_EVERY_PREFIX, micro_batches, runs_by_layout
 
 LLAMA: dict = {}  # RMSNorm, SwiGLU, RoPE, 4 query heads over 2 K/V groups
 VARIANTS = {
@@ -56,13 +56,9 @@ def _equivalence_job(rank: int, variants: list[str]) -> dict:
     baseline = None
     for name in variants:
         ours, stock = tiny_gpt("shared", **VARIANTS[name]), tiny_gpt("padded", **VARIANTS[name])
-        shared = forward_backward(ours, batches, "shared", SHARE_EVERY_PREFIX)
-        packed = forward_backward(ours, batches, "packed")
-        padded = forward_backward(stock, batches, "padded")
+        shared, padded, differences = runs_by_layout(ours, stock, batches)
         report[name] = {
-            "shared_vs_padded": compare(shared, padded).max_rel_diff,
-            "shared_vs_packed": compare(shared, packed).max_rel_diff,
-            "packed_vs_padded": compare(packed, padded).max_rel_diff,
+            **differences,
             "outputs": len(shared.outputs),
             "digests": shared.digests,
             # how far the option moves megatron's own outputs from the llama variant's

@@ -32,7 +32,7 @@ import pytest
 from prefix_sharing.equivalence import FP32_RTOL, max_rel_diff
 
 from ._distributed import run_distributed
-from ._equivalence import SHARE_EVERY_PREFIX, micro_batches
+from ._equivalence import SHARE_EVERY_PREFIX, micro_batches, runs_by_layout
 
 HAVE_HYBRID = importlib.util.find_spec("megatron.core.models.hybrid") is not None
 needs_hybrid = pytest.mark.skipif(
@@ -229,12 +229,8 @@ def _hybrid_job(rank: int) -> dict:
     batches = micro_batches()  # GRPO, step-wise, tree, nothing shared
     ours, stock = hybrid_model(PRESETS["tiny"], DENSE), \
         hybrid_model(PRESETS["tiny"], DENSE, layout="padded")
-    shared = forward_backward(ours, batches, "shared", SHARE_EVERY_PREFIX)
-    packed = forward_backward(ours, batches, "packed")
-    padded = forward_backward(stock, batches, "padded")
-    report["dense"] = {"shared_vs_padded": compare(shared, padded).max_rel_diff,
-                       "shared_vs_packed": compare(shared, packed).max_rel_diff,
-                       "packed_vs_padded": compare(packed, padded).max_rel_diff,
+    shared, _, differences = runs_by_layout(ours, stock, batches)
+    report["dense"] = {**differences,
                        "layers": [type(layer).__name__ for layer in ours.decoder.layers],
                        "grads": sorted(shared.grads)}
 
@@ -361,7 +357,7 @@ def _parallel_job(rank: int) -> dict:
     (a stage boundary '|' after the second layer)."""
     from megatron.core import parallel_state
 
-    from prefix_sharing.engines.megatron import compare, forward_backward, hybrid_model
+    from prefix_sharing.engines.megatron import compare, hybrid_model
     from prefix_sharing.presets import PRESETS
 
     stages = parallel_state.get_pipeline_model_parallel_world_size() > 1

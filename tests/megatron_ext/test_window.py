@@ -20,7 +20,7 @@ from prefix_sharing.equivalence import FP32_RTOL
 from prefix_sharing.presets import get_preset
 
 from ._distributed import run_distributed
-from ._equivalence import SHARE_EVERY_PREFIX, micro_batches
+from ._equivalence import micro_batches, runs_by_layout
 
 WINDOWED = get_preset("tiny-window")  # 4 layers, windows of 16 on layers 1 and 3, learned sinks
 VARIANTS = {
@@ -39,12 +39,9 @@ def _window_job(rank: int, variants: list[str]) -> dict:
     for name in variants:
         preset = dataclasses.replace(WINDOWED, **VARIANTS[name])
         ours, stock = gpt_model(preset, layout="shared"), gpt_model(preset, layout="padded")
-        shared = forward_backward(ours, batches, "shared", SHARE_EVERY_PREFIX)
-        packed = forward_backward(ours, batches, "packed")
-        padded = forward_backward(stock, batches, "padded")
+        shared, padded, differences = runs_by_layout(ours, stock, batches)
         report[name] = {
-            "shared_vs_padded": compare(shared, padded).max_rel_diff,
-            "shared_vs_packed": compare(shared, packed).max_rel_diff,
+            **differences,
             "sink_grads": sorted(k for k, g in shared.grads.items()
                                  if k.endswith("softmax_offset") and g.abs().sum() > 0),
         }
