@@ -16,30 +16,22 @@ from prefix_sharing.fsdp_compat.runs import plain_run, shared_run
 from prefix_sharing.planner import build_plan
 from prefix_sharing.workloads import WORKLOADS, make_workload
 
-from ._models import PRESET, plain_and_shared
-
-EVERY_PREFIX = PrefixSharingConfig(min_prefix_len=1)
-
-
-def _compare(plain, shared, workload, config=EVERY_PREFIX):
-    weights = advantages(workload.num_tokens, seed=0)
-    groups = workload.groups if config.mode == "prompt_only" else None
-    return compare_runs(shared_run(shared, workload.sequences, weights, config, groups),
-                        plain_run(plain, workload.sequences, weights))
-
+from ._models import EVERY_PREFIX, PRESET, compare_shared_to_plain, plain_and_shared
 
 @pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_family_and_attention_matches_the_plain_forward(family, attn_implementation):
     plain, shared = plain_and_shared(family, attn_implementation)
-    comparison = _compare(plain, shared, make_workload("tree", vocab_size=PRESET.vocab_size))
+    comparison = compare_shared_to_plain(
+        plain, shared, make_workload("tree", vocab_size=PRESET.vocab_size))
     assert all(within_tolerance(comparison).values()), comparison.max_rel_diff
 
 
 @pytest.mark.parametrize("workload", WORKLOADS)
 def test_every_sharing_shape_matches_the_plain_forward(workload):
     plain, shared = plain_and_shared("qwen2")
-    comparison = _compare(plain, shared, make_workload(workload, vocab_size=PRESET.vocab_size))
+    comparison = compare_shared_to_plain(
+        plain, shared, make_workload(workload, vocab_size=PRESET.vocab_size))
     assert all(within_tolerance(comparison).values()), comparison.max_rel_diff
 
 
@@ -62,7 +54,7 @@ def test_a_sampling_temperature_matches_the_plain_logits_divided_by_it(temperatu
 def test_prompt_only_matches_the_plain_forward():
     plain, shared = plain_and_shared("qwen3")
     w = make_workload("grpo", vocab_size=PRESET.vocab_size)
-    comparison = _compare(plain, shared, w, PrefixSharingConfig(mode="prompt_only"))
+    comparison = compare_shared_to_plain(plain, shared, w, PrefixSharingConfig(mode="prompt_only"))
     assert all(within_tolerance(comparison).values()), comparison.max_rel_diff
 
 

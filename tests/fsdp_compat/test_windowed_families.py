@@ -13,15 +13,13 @@ import dataclasses
 
 import pytest
 
-from prefix_sharing.config import PrefixSharingConfig
 from prefix_sharing.equivalence import advantages, compare_runs, within_tolerance
 from prefix_sharing.fsdp_compat import build_model, enable_prefix_sharing
 from prefix_sharing.fsdp_compat.runs import plain_run, shared_run
 from prefix_sharing.workloads import WORKLOADS, make_workload
 
-from ._models import PRESET
+from ._models import EVERY_PREFIX, PRESET, compare_shared_to_plain
 
-EVERY_PREFIX = PrefixSharingConfig(min_prefix_len=1)
 WINDOWED = ("gpt_oss", "gemma3_text", "gemma4_text")
 
 
@@ -33,24 +31,20 @@ def plain_and_shared(family, window, **overrides):
     return plain, shared
 
 
-def compare(plain, shared, workload):
-    weights = advantages(workload.num_tokens, seed=0)
-    return compare_runs(shared_run(shared, workload.sequences, weights, EVERY_PREFIX),
-                        plain_run(plain, workload.sequences, weights))
-
-
 @pytest.mark.parametrize("window", [2, 8, 4096])
 @pytest.mark.parametrize("family", WINDOWED)
 def test_windowed_family_matches_transformers_eager_forward(family, window):
     plain, shared = plain_and_shared(family, window)
-    comparison = compare(plain, shared, make_workload("tree", vocab_size=PRESET.vocab_size))
+    comparison = compare_shared_to_plain(
+        plain, shared, make_workload("tree", vocab_size=PRESET.vocab_size))
     assert all(within_tolerance(comparison).values()), comparison.max_rel_diff
 
 
 @pytest.mark.parametrize("workload", WORKLOADS)
 def test_gpt_oss_matches_for_every_sharing_shape(workload):
     plain, shared = plain_and_shared("gpt_oss", 4)
-    comparison = compare(plain, shared, make_workload(workload, vocab_size=PRESET.vocab_size))
+    comparison = compare_shared_to_plain(
+        plain, shared, make_workload(workload, vocab_size=PRESET.vocab_size))
     assert all(within_tolerance(comparison).values()), comparison.max_rel_diff
 
 
