@@ -56,19 +56,17 @@ def check_layer_config(config: TransformerConfig) -> None:
 
 
 def _context_parallel_problems(config: TransformerConfig) -> list[str]:
-    """What the context-parallel attention (:mod:`.context_parallel`) has not been validated
-    with; each is named with the setting that turns it off."""
+    """What the context-parallel attention (:mod:`.context_parallel`) and the MoE router's
+    context-parallel statistics (:mod:`.moe`) have not been validated with; each is named with
+    the setting that turns it off."""
     cp = f"context_parallel_size={config.context_parallel_size} with "
     problems = []
-    if config.num_moe_experts:
+    if config.num_moe_experts and config.calculate_per_token_loss:
         problems.append(
-            cp + f"num_moe_experts={config.num_moe_experts}: the router statistics would have "
-            "to be reduced over the context-parallel group; use context_parallel_size=1 for MoE"
+            cp + "num_moe_experts and calculate_per_token_loss=True: the router's z-loss is "
+            "weighted per token as at CP=1 for megatron's per-micro-batch loss only; use "
+            "calculate_per_token_loss=False"
         )
-    if config.window_size is not None:
-        problems.append(cp + f"window_size={config.window_size}: use context_parallel_size=1")
-    if config.softmax_type != "vanilla":
-        problems.append(cp + f"softmax_type={config.softmax_type!r}: use context_parallel_size=1")
     return problems
 
 

@@ -47,7 +47,8 @@ class PrefixSharingCoreAttention(DotProductAttention):
 
     Under context parallelism the query rows are this rank's slice; keys and values of the
     whole flat layout are all-gathered over the CP group and each local query piece attends to
-    its segment's gathered keys (see :mod:`.context_parallel`), with the same local kernel.
+    its segment's gathered keys (see :mod:`.context_parallel`), with the same local kernel,
+    window and sinks (the gather is not trimmed to the window there).
 
     Each layer keeps its own kernel state (``kernel_cache``: Transformer Engine's attention
     module, built at the first call), as megatron's own TE attention does. FP8 attention
@@ -177,9 +178,12 @@ class PrefixSharingCoreAttention(DotProductAttention):
         key, value = gather_rows(key, cp), gather_rows(value, cp)
         key = key.index_select(0, cp.kv_gather_index)  # [sum of local key ranges, ng, hn]
         value = value.index_select(0, cp.kv_gather_index)
+        # A local query piece's keys are its segment's first keys in logical order, ending at
+        # its last query, so the bottom-right band of a window and the sinks are the plain ones.
         return varlen_attention(
             query, key, value, cp.cu_seqlens_q, cp.cu_seqlens_kv, cp.max_seqlen_q,
-            cp.max_seqlen_kv, self.net_softmax_scale, backend=backend,
+            cp.max_seqlen_kv, self.net_softmax_scale, window=self.window,
+            sinks=self.softmax_offset, backend=backend,
             cu_seqlens_q_host=cp.cu_seqlens_q_host, cu_seqlens_k_host=cp.cu_seqlens_kv_host,
             kernel_cache=self.kernel_cache,
         )

@@ -27,6 +27,23 @@ its own slice of the padded plain batch exactly as the stock router does, and al
 slices' probabilities and expert choices: the copy a flat row takes may lie in another rank's
 slice. The plain view is then always the padded one, since the slices decide the statistics.
 
+Under context parallelism megatron-core's router reduces the same statistics over the tensor x
+context-parallel group (``tp_cp``): the load-balancing counts all-reduced over it, each rank's
+probabilities its own tokens', the expert-bias counts summed over it by ``finalize_model_grads``,
+the global aux counts over ``tp_dp_cp``; the schedule scales the aux losses by the CP size, as it
+does the loss, and the gradient average over CP divides it back. So the flat rows (CP slice
+``c``, under sequence parallelism its TP part ``t``: chunk ``c * TP + t`` of the flat layout,
+which is that rank's index in ``tp_cp``) are gathered over ``tp_cp``, each rank routes chunk
+``c * TP + t`` of the padded plain batch, and the slices' probabilities and choices are
+all-gathered back, exactly as under sequence parallelism with ``TP x CP`` shards. Counts, totals
+and per-rank probabilities then add up to the plain batch's at CP=1 whatever the split. The
+z-loss alone does not: megatron takes each rank's mean over its own tokens (divided by the
+group size), which is the CP=1 mean only when every rank holds as many real tokens - never
+so for a padded batch. Under CP each plain token's share of it is therefore set to what the
+CP=1 router gives it, ``coeff / TP / n`` with ``n`` the real tokens of the sequence-parallel
+slice that holds it at CP=1 (:attr:`PlainBatchView.z_loss_weights`), and the rank's share is
+logged with ``tp_cp`` as its reduce group (their sum is the CP=1 value).
+
 "Sequence" in ``seq_aux_loss`` is a sequence of the micro-batch, as in megatron's padded
 ``[s, b]`` input. (On a plain THD batch megatron-core 0.16.1 does not read ``cu_seqlens`` there:
 its ``[T, 1]`` input makes the whole micro-batch one sequence.)
@@ -51,6 +68,10 @@ from typing import Any
 
 import torch
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+from megatron.core.transformer.moe.moe_utils import (
+    MoEAuxLossAutoScaler,
+    save_to_aux_losses_tracker,
+)
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
@@ -95,17 +116,22 @@ class PlainBatchView:
         readers: ``(T_flat / shards,)`` int64, for each flat row of this shard one position of
             the whole plain batch (all shards' ``rows.view(-1)`` concatenated) that reads it; the
             plan's pad rows, which no sequence reads, take position 0.
+        z_loss_weights: ``[s / shards, b]`` float32, or None: each position's weight in the
+            z-loss of the unsplit batch routed in ``z_loss_slices`` sequence-parallel slices
+            (``1 / (z_loss_slices * n)``, ``n`` the real tokens of the slice holding it; 0 at
+            padding). Under context parallelism, where ``shards`` is ``TP x CP``.
     """
 
     rows: torch.Tensor
     padding_mask: torch.Tensor | None
     readers: torch.Tensor
+    z_loss_weights: torch.Tensor | None = None
 
     @classmethod
     def of(cls, plan: SharingPlan, per_sequence: bool, shards: int = 1,
-           shard: int = 0) -> PlainBatchView:
+           shard: int = 0, z_loss_slices: int | None = None) -> PlainBatchView:
         """Shard ``shard`` of ``shards`` of the view of ``plan``: padded per sequence, or the
-        packed plain batch (one shard only)."""
+        packed plain batch (one shard only); with ``z_loss_slices``, its z-loss weights."""
         if plan.num_tokens_flat % shards:
             raise ValueError(f"the flat layout's {plan.num_tokens_flat} rows do not split into "
                              f"{shards} sequence-parallel shards; plan with pad_to_multiple_of="
@@ -130,9 +156,15 @@ class PlainBatchView:
         readers = torch.zeros(plan.num_tokens_flat + 1, dtype=torch.int64,
                               device=kv_index.device)
         readers.scatter_reduce_(0, rows.reshape(-1), positions, "amin", include_self=False)
+        weights = None
+        if z_loss_slices is not None:
+            if not per_sequence:
+                raise ValueError("z-loss weights are those of the padded plain batch")
+            weights = _z_loss_weights(rows != plan.num_tokens_flat, max(plan.seq_lens),
+                                      z_loss_slices).chunk(shards)[shard]
         rows = rows.chunk(shards)[shard]
         return cls(rows, rows == plan.num_tokens_flat if per_sequence else None,
-                   readers[:-1].chunk(shards)[shard])
+                   readers[:-1].chunk(shards)[shard], weights)
 
     def gather(self, flat: torch.Tensor) -> torch.Tensor:
         """``[s / shards, b, E]`` this shard's plain-batch rows of all flat rows ``[T_flat, E]``
@@ -146,19 +178,31 @@ class PlainBatchView:
         return plain.index_select(0, self.readers)
 
 
+def _z_loss_weights(real: torch.Tensor, longest: int, slices: int) -> torch.Tensor:
+    """``[s, b]`` weights of the real positions ``real`` (``[s, b]`` bool, ``s >= longest``)
+    in the z-loss megatron computes when ``slices`` sequence-parallel ranks route the batch
+    padded to ``longest`` rounded up to ``slices``: each slice's mean over its real tokens,
+    divided by ``slices``."""
+    per_slice = -(-longest // slices)  # rows of s each slice holds
+    slice_of = (torch.arange(real.size(0), device=real.device) // per_slice).clamp(max=slices - 1)
+    real = real.float()
+    counts = torch.zeros(slices, device=real.device).index_add_(0, slice_of, real.sum(1))
+    return real / (slices * counts.clamp(min=1)).index_select(0, slice_of).unsqueeze(1)
+
+
 # A plan's views, built once per micro-batch and shared by every MoE layer (the plan is frozen).
-_VIEWS: weakref.WeakKeyDictionary[SharingPlan, dict[tuple[bool, int, int], PlainBatchView]] = (
-    weakref.WeakKeyDictionary()
-)
+_VIEWS: weakref.WeakKeyDictionary[
+    SharingPlan, dict[tuple[bool, int, int, int | None], PlainBatchView]
+] = weakref.WeakKeyDictionary()
 
 
 def plain_batch_view(plan: SharingPlan, per_sequence: bool, shards: int = 1,
-                     shard: int = 0) -> PlainBatchView:
+                     shard: int = 0, z_loss_slices: int | None = None) -> PlainBatchView:
     """:meth:`PlainBatchView.of`, cached per plan."""
     views = _VIEWS.setdefault(plan, {})
-    key = (per_sequence, shards, shard)
+    key = (per_sequence, shards, shard, z_loss_slices)
     if key not in views:
-        views[key] = PlainBatchView.of(plan, per_sequence, shards, shard)
+        views[key] = PlainBatchView.of(plan, per_sequence, shards, shard, z_loss_slices)
     return views[key]
 
 
@@ -177,6 +221,8 @@ class PrefixSharingRouter(TopKRouter):
         # kwargs: what the release's MoELayer also passes (0.17+: is_mtp_layer)
         super().__init__(config=config, pg_collection=pg_collection, **kwargs)
         self._plan: SharingPlan | None = None
+        # the z-loss weights of the plain slice being routed (context parallelism only)
+        self._z_loss_weights: torch.Tensor | None = None
         # The layer class that hands this router its plan (set by that layer); a router no layer
         # feeds would route the flat rows as if they were the plain batch.
         self.fed_by: str | None = None
@@ -198,21 +244,55 @@ class PrefixSharingRouter(TopKRouter):
                 "a padding_mask was passed with a sharing plan: the plan already says which "
                 "rows are padding; drop the padding_mask"
             )
-        # Under sequence parallelism this rank holds a 1/shards slice of the flat rows, and
-        # megatron's stock spec routes a 1/shards slice (along s) of the plain [s, b] batch.
-        shards = self.tp_group.size() if self.config.sequence_parallel else 1
+        # Under sequence and/or context parallelism this rank holds a 1/shards slice of the
+        # flat rows, and megatron's stock spec routes a 1/shards slice (along s) of the plain
+        # [s, b] batch, its statistics reduced over the same tp x cp group.
+        group = self._sharding_group()
+        shards = 1 if group is None else group.size()
+        context_parallel = self.cp_group.size() > 1
+        tp_slices = self.tp_group.size() if self.config.sequence_parallel else 1
         view = plain_batch_view(self._plan,
                                 self.get_aux_loss_coeff("seq_aux_loss") > 0 or shards > 1,
-                                shards, self.tp_group.rank() if shards > 1 else 0)
+                                shards, group.rank() if shards > 1 else 0,
+                                tp_slices if context_parallel else None)
         flat_logits = logits.reshape(-1, self.num_experts)  # [T_flat / shards, E]
         if shards > 1:  # backward: reduce-scatter, each rank's uses of every row summed
-            flat_logits = gather_from_sequence_parallel_region(flat_logits, group=self.tp_group)
+            flat_logits = gather_from_sequence_parallel_region(flat_logits, group=group)
         plain_logits = view.gather(flat_logits)  # [s / shards, b, E]
-        probs, routing_map = super().routing(plain_logits, padding_mask=view.padding_mask)
+        self._z_loss_weights = view.z_loss_weights
+        try:
+            probs, routing_map = super().routing(plain_logits, padding_mask=view.padding_mask)
+        finally:
+            self._z_loss_weights = None
         if shards > 1:  # this rank's flat rows may be read in another rank's slice
-            probs = gather_from_sequence_parallel_region(probs, group=self.tp_group)
-            routing_map = gather_from_sequence_parallel_region(routing_map, group=self.tp_group)
+            probs = gather_from_sequence_parallel_region(probs, group=group)
+            routing_map = gather_from_sequence_parallel_region(routing_map, group=group)
         return view.select(probs), view.select(routing_map)  # [T_flat / shards, E] each
+
+    def _sharding_group(self) -> torch.distributed.ProcessGroup | None:
+        """The group whose ranks each hold a slice of the flat rows (in group-rank order) and
+        route a slice of the plain batch: tensor x context parallel under sequence
+        parallelism, else context parallel; None when this rank holds every row."""
+        if self.config.sequence_parallel:
+            return self.tp_cp_group if self.tp_cp_group.size() > 1 else None
+        return self.cp_group if self.cp_group.size() > 1 else None
+
+    def apply_z_loss(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
+        """Megatron's z-loss, except under context parallelism with a plan: there each plain
+        token weighs what it does at CP=1 (see the module doc), which megatron's per-rank mean
+        cannot give."""
+        weights = self._z_loss_weights
+        if weights is None:
+            return super().apply_z_loss(logits, padding_mask=padding_mask)
+        coeff = self.config.moe_z_loss_coeff
+        if coeff is None or not self.training or not torch.is_grad_enabled():
+            return logits
+        z_loss = (torch.logsumexp(logits, dim=-1).square() * weights.reshape(-1)).sum() * coeff
+        logits = MoEAuxLossAutoScaler.apply(logits, z_loss)
+        save_to_aux_losses_tracker("z_loss", z_loss / coeff, self.layer_number,
+                                   self.config.num_layers + (self.config.mtp_num_layers or 0),
+                                   reduce_group=self.tp_cp_group)
+        return logits
 
     def _apply_expert_bias(self, routing_map: torch.Tensor,
                            padding_mask: torch.Tensor | None = None) -> None:

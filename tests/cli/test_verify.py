@@ -73,7 +73,6 @@ def test_text_report_names_every_quantity(capsys):
     (["--tp", "8", "--pp", "8"], "tp x pp x cp = 64 ranks, but at most"),
     (["--tp", "0"], "--tp, --pp and --cp must be at least 1"),
     (["--cp", "2", "--steps", "2"], "--steps 2 with --cp 2"),
-    (["--cp", "2", "--model", "tiny-moe"], "context_parallel_size=2 with num_moe_experts=8"),
     (["--dtype", "fp16"], "--dtype must be one of float32, bfloat16"),
     (["--model", "gpt5"], "unknown model preset 'gpt5'"),
     (["--workload", "forest"], "unknown workload 'forest'"),

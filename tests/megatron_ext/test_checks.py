@@ -36,10 +36,8 @@ def core_attention(config: TransformerConfig) -> PrefixSharingCoreAttention:
 
 
 @pytest.mark.parametrize("setting, message", [
-    (dict(context_parallel_size=2, num_moe_experts=4), "context_parallel_size=2 with num_moe"),
-    (dict(context_parallel_size=2, window_size=(8, 0)), r"context_parallel_size=2 with window"),
-    (dict(context_parallel_size=2, softmax_type="learnable"),
-     "context_parallel_size=2 with softmax_type='learnable'"),
+    (dict(context_parallel_size=2, num_moe_experts=4, calculate_per_token_loss=True),
+     "context_parallel_size=2 with num_moe_experts and calculate_per_token_loss=True"),
     (dict(window_size=(8, 2)), r"window_size=\(8, 2\): a causal sliding window.*\(8, 0\)"),
     (dict(multi_latent_attention=True), "multi_latent_attention=True"),
     (dict(mrope_section=[2, 2, 2]), "mrope_section is set"),
