@@ -2,7 +2,7 @@
 
 Each case runs GRPO, tree, agent and unshared micro-batches through megatron's schedule at
 ``context_parallel_size`` 2 or 4, alone or with TP=2 or PP=2 (shared layout: the plan's rows split
-over the CP ranks, K/V gathered)
+over the CP ranks, K/V gathered), with a sliding window and learned sinks at CP=2
 and compares logits, log-probs, entropy, loss and every gradient with megatron's stock local
 spec on padded input at CP=1, on the same weights (fp32, 1e-5 relative). Megatron's stock
 attention refuses CP > 1, so the CP=1 plain run is the reference.
@@ -26,6 +26,8 @@ VARIANTS = {
     "llama": {},  # 4 query heads over 2 K/V groups
     "three_heads": dict(num_attention_heads=3, num_query_groups=1, kv_channels=16),  # 3 % CP != 0
     "sequence_parallel": dict(sequence_parallel=True),  # under TP: each CP slice split over TP
+    # gpt-oss's attention on the tiny shape: a 3-key window on layer 1 of 2, learned sinks
+    "window_sinks": dict(window_size=(2, 0), window_attn_skip_freq=2, softmax_type="learnable"),
 }
 
 
@@ -76,10 +78,11 @@ def reference():
 
 @pytest.fixture(scope="module")
 def cp2():
-    return run_distributed(_shared_job, 2, ["llama", "three_heads"], cp=2, timeout=900)
+    return run_distributed(_shared_job, 2, ["llama", "three_heads", "window_sinks"], cp=2,
+                           timeout=900)
 
 
-@pytest.mark.parametrize("variant", ["llama", "three_heads"])
+@pytest.mark.parametrize("variant", ["llama", "three_heads", "window_sinks"])
 def test_cp2_shared_equals_plain_cp1(cp2, reference, variant):
     for rank, result in enumerate(cp2):
         run = result["runs"][variant]
@@ -87,6 +90,17 @@ def test_cp2_shared_equals_plain_cp1(cp2, reference, variant):
         worst = {q: d for q, d in diff.items() if d > FP32_RTOL}
         assert not worst, f"CP rank {rank} {variant}: {worst}"
         assert len(run.outputs) == len(WORKLOADS)
+
+
+def test_the_window_changes_the_plain_model(reference, cp2):
+    """Not vacuous: the windowed reference differs from the full-attention one (same weights
+    but the sinks), and the CP ranks' sinks get gradients."""
+    windowed, full = reference["window_sinks"].outputs, reference["llama"].outputs
+    assert max((w.logits - f.logits).abs().max() for w, f in zip(windowed, full)) > 1e-3
+    for result in cp2:
+        sinks = [g for k, g in result["runs"]["window_sinks"].grads.items()
+                 if k.endswith("softmax_offset")]
+        assert len(sinks) == PRESET.num_layers and all(g.abs().sum() > 0 for g in sinks)
 
 
 def test_each_cp_rank_holds_half_the_rows_of_the_same_plan(cp2):

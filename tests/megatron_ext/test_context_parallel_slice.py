@@ -1,6 +1,6 @@
 """A CP rank's slice of a plan: its query pieces against their segments' keys are exactly the
-plain attention's rows (one process: every rank's slice computed in turn, K/V "gathered" by
-holding them all)."""
+plain attention's rows, sliding windows and sinks included (one process: every rank's slice
+computed in turn, K/V "gathered" by holding them all)."""
 
 from __future__ import annotations
 
@@ -35,9 +35,10 @@ def test_rows_must_divide_by_the_cp_size():
         slice_plan(build_plan(SEQS, EVERY_PREFIX), 0, 4)
 
 
-def _cp_attention(q, k, v, plan, size, local_keys_only=False):
+def _cp_attention(q, k, v, plan, size, local_keys_only=False, **band):
     """Every rank's output rows, concatenated; ``local_keys_only`` is the wrong construction
-    (each rank sees its own K/V rows in place of the other ranks')."""
+    (each rank sees its own K/V rows in place of the other ranks'); ``band``: ``window`` and
+    ``sinks``."""
     rows = []
     for rank in range(size):
         cp = slice_plan(plan, rank, size)
@@ -50,6 +51,7 @@ def _cp_attention(q, k, v, plan, size, local_keys_only=False):
             vv.index_select(0, cp.kv_gather_index),
             cp.cu_seqlens_q, cp.cu_seqlens_kv, cp.max_seqlen_q, cp.max_seqlen_kv, backend="torch",
             cu_seqlens_q_host=cp.cu_seqlens_q_host, cu_seqlens_k_host=cp.cu_seqlens_kv_host,
+            **band,
         ))
     return torch.cat(rows)
 
@@ -67,6 +69,24 @@ def test_slices_give_the_plain_attention_rows(workload, size):
                                rtol=1e-10, atol=1e-14)
     wrong = _cp_attention(q, k, v, plan, size, local_keys_only=True)
     assert (wrong - reference).abs().max() > 1e-3  # the mutation is caught
+
+
+@pytest.mark.parametrize("workload", ["tree", "agent"])
+@pytest.mark.parametrize("window", [1, 3, 7])
+def test_windows_and_sinks_over_the_slices_are_the_plain_band(workload, window):
+    """A window counts keys back from each query's logical position, and a local piece's keys
+    are its segment's in logical order: the bottom-right band over them is the plain one."""
+    seqs = make_workload(workload, vocab_size=50, seed=window).sequences
+    plan = build_plan(seqs, EVERY_PREFIX, pad_to_multiple_of=4)
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(plan.num_tokens_flat, h, 8, generator=gen, dtype=torch.float64)
+               for h in (2, 1, 1))
+    band = dict(window=window, sinks=torch.randn(2, generator=gen, dtype=torch.float64))
+    reference = prefix_attention(q, k, v, plan, backend="torch", **band)
+    torch.testing.assert_close(_cp_attention(q, k, v, plan, 4, **band), reference,
+                               rtol=1e-10, atol=1e-14)
+    unbanded = _cp_attention(q, k, v, plan, 4, sinks=band["sinks"])
+    assert (unbanded - reference).abs().max() > 1e-3  # the window changes the rows
 
 
 def test_bytes_scale_with_the_computed_rows():
