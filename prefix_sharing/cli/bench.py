@@ -3,6 +3,8 @@
 For each micro-batch: the plain packed step and the shared step (plus ``prompt_only`` where the
 batch has prompt groups), timed interleaved in one process, medians; the FLOP ratio of the plan
 is the physical limit of the speedup. ``--plot`` draws speedup against FLOP ratio.
+``--cp N`` (with ``--tp``, ``--pp``) times plain CP against shared CP on that many ranks and
+counts the K/V bytes each attention layer's collectives move.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import json
 
 from ..engines import get_engine
 from ..engines.bench import BenchRequest, BenchWorkload
+from ..engines.bench_cp import ContextParallelBenchRequest
+from ..engines.bench_cp import table as cp_table
 from ..engines.throughput import bench_throughput
 from ..presets import get_preset
 from ..errors import InputError, MissingPackageError
@@ -42,6 +46,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_dtype_option(parser)
     add_sharing_options(parser)
     add_backend_option(parser)
+    parser.add_argument("--cp", type=int, default=1,
+                        help="context-parallel size: time plain CP against shared CP on "
+                        "tp x pp x cp ranks and count the K/V bytes per attention layer "
+                        "(default: 1, the one-rank step bench)")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor-parallel size, with --cp (default: 1)")
+    parser.add_argument("--pp", type=int, default=1,
+                        help="pipeline-parallel size, with --cp (default: 1)")
     parser.add_argument("--repeats", type=int, default=5,
                         help="timed steps per mode, after one warm-up (default: 5)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -69,6 +81,8 @@ def run(args: argparse.Namespace) -> int:
     workloads = [BenchWorkload(name, seqs, groups) for name, seqs, groups in batches]
     if args.cross_micro_batch and args.token_budget is None:
         raise InputError("--cross-micro-batch needs --token-budget N")
+    if (args.tp, args.pp, args.cp) != (1, 1, 1):
+        return _bench_context_parallel(args, engine, model, config, workloads, dtype)
     if args.token_budget is not None:
         return bench_throughput(args, engine, model, config, workloads, dtype)
     results = engine.bench(BenchRequest(workloads, config, model, repeats=args.repeats,
@@ -80,6 +94,30 @@ def run(args: argparse.Namespace) -> int:
         plot(results, args.plot, title=f"{engine.name} engine, {model.name} model")
         report["plot"] = args.plot
     print(json.dumps(report) if args.json else table(results))
+    return 0
+
+
+def _bench_context_parallel(args: argparse.Namespace, engine, model, config, workloads,
+                            dtype) -> int:
+    """``bench --cp N [--tp N] [--pp N]``: plain CP vs shared CP (``--json``: one object)."""
+    if engine.name != "megatron":
+        raise InputError(f"--cp runs on the megatron engine; got --engine {engine.name}")
+    engine.check_layout(model, args.tp, args.pp, args.cp)
+    if args.cp < 2:
+        raise InputError(f"--tp {args.tp} --pp {args.pp} run in the context-parallel bench; "
+                         f"add --cp 2 or more (got --cp {args.cp})")
+    others = [flag for flag, on in (("--token-budget", args.token_budget is not None),
+                                    ("--plot", bool(args.plot)),
+                                    ("--cross-micro-batch", args.cross_micro_batch)) if on]
+    if others:
+        raise InputError(f"--cp times one step per workload; leave out {', '.join(others)}")
+    request = ContextParallelBenchRequest(workloads, config, model, repeats=args.repeats,
+                                          dtype=dtype)
+    results = engine.bench_context_parallel(request, args.tp, args.pp, args.cp)
+    report = {"engine": engine.name, "model": model.name, "dtype": args.dtype,
+              "backend": config.backend, "tp": args.tp, "pp": args.pp, "cp": args.cp,
+              "repeats": args.repeats, "results": results}
+    print(json.dumps(report) if args.json else cp_table(results))
     return 0
 
 

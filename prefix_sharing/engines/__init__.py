@@ -17,6 +17,7 @@ import torch
 from ..errors import InputError, MissingPackageError
 from ..presets import ModelPreset
 from .bench import BenchRequest, bench_job
+from .bench_cp import ContextParallelBenchRequest, context_parallel_bench_job
 from .hf import HFEngine
 from .launch import run_distributed
 from .verify import VerifyRequest, plain_runs_job, summarize, verify_cp_job, verify_job
@@ -87,6 +88,16 @@ class Engine:
     def bench(self, request: BenchRequest) -> list[dict]:
         self.check_installed()
         return run_distributed(bench_job, 1, request, timeout=3600)[0]
+
+    def bench_context_parallel(self, request: ContextParallelBenchRequest, tp: int, pp: int,
+                               cp: int) -> list[dict]:
+        """``bench --cp N``: plain CP vs shared CP on ``tp x pp x cp`` ranks; the results of
+        the first rank of the last pipeline stage (see :mod:`.bench_cp`)."""
+        self.check_installed()
+        self.check_layout(request.preset, tp, pp, cp)
+        ranks = run_distributed(context_parallel_bench_job, tp * pp * cp, request, tp=tp, pp=pp,
+                                cp=cp, timeout=3600)
+        return ranks[tp * cp * (pp - 1)]
 
 
 ENGINES: dict[str, Engine | HFEngine] = {"megatron": Engine("megatron", "megatron.core", "megatron"),
