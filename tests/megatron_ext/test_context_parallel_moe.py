@@ -8,13 +8,17 @@ they give, the global aux counts. Per-rank shares (the logged losses, the expert
 are summed over the CP group as megatron's logging and ``finalize_model_grads`` sum them; the
 global aux counts and the bias update are already global. GRPO, tree, agent and no sharing;
 fp32, 1e-5 relative. A router whose load-balancing counts are not reduced over CP (each rank's
-its own) must fail the checks.
+its own), and megatron's own z-loss (each rank's mean over its tokens, which is the CP=1 mean
+only when the ranks hold as many real tokens), must fail the checks.
 """
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
+from megatron.core.transformer.moe.router import TopKRouter
 
 from prefix_sharing.engines.megatron import compare, gpt_model
 from prefix_sharing.equivalence import FP32_RTOL, max_rel_diff, same_keys
@@ -35,8 +39,7 @@ CP_VARIANTS = ["preset", "expert_bias"]  # every loss and the z-loss; sigmoid + 
 
 def _per_rank_share(name: str) -> bool:
     """Statistics each rank holds its share of (summed over the group by megatron)."""
-    return name.startswith("tracker.") or name.endswith(".tokens_per_expert") and (
-        "global" not in name)
+    return name.startswith("tracker.") or name.endswith(".tokens_per_expert")
 
 
 def _plain_job(rank: int) -> dict:
@@ -49,16 +52,22 @@ def _plain_job(rank: int) -> dict:
     return report
 
 
-def _shared_job(rank: int, variants: list[str], local_statistics: bool = False) -> dict:
+# wrong constructions, run on the preset: its load-balancing counts reduced over TP (one rank)
+# in place of TP x CP; megatron's own z-loss (each rank's mean over its own tokens)
+WRONG = {"counts_not_reduced": lambda router: setattr(router, "tp_cp_group", router.tp_group),
+         "per_rank_z_loss": lambda router: setattr(
+             router, "apply_z_loss", functools.partial(TopKRouter.apply_z_loss, router))}
+
+
+def _shared_job(rank: int) -> dict:
     from megatron.core import parallel_state
 
     group = parallel_state.get_context_parallel_group()
     report = {}
-    for name in variants:
-        ours = gpt_model(PRESET, layout="shared", **VARIANTS[name])
-        if local_statistics:  # the wrong construction: losses reduced over TP (1 rank), not CP
-            for layer in ours.decoder.layers:
-                layer.mlp.router.tp_cp_group = layer.mlp.router.tp_group
+    for name in [*CP_VARIANTS, *WRONG]:
+        ours = gpt_model(PRESET, layout="shared", **VARIANTS.get(name, {}))
+        for layer in ours.decoder.layers if name in WRONG else []:
+            WRONG[name](layer.mlp.router)
         run, stats = _statistics_run(ours, micro_batches(0), "shared", SHARE_EVERY_PREFIX)
         for key, value in stats.items():
             if _per_rank_share(key):
@@ -74,7 +83,7 @@ def plain():
 
 @pytest.fixture(scope="module")
 def cp2():
-    return run_distributed(_shared_job, 2, CP_VARIANTS, cp=2, timeout=900)
+    return run_distributed(_shared_job, 2, cp=2, timeout=900)
 
 
 def _differences(shared: tuple, plain: tuple) -> dict[str, float]:
@@ -95,8 +104,9 @@ def test_cp2_shared_moe_equals_the_stock_model_at_cp1(cp2, plain, variant):
         assert not worst, f"CP rank {rank} {variant}: {worst}"
 
 
-def test_load_balancing_counts_not_reduced_over_cp_are_caught(plain):
-    report = run_distributed(_shared_job, 2, ["preset"], True, cp=2, timeout=900)[0]
-    differences = _differences(report["preset"], plain["preset"])
-    assert differences["tracker.load_balancing_loss"] > 1e-3, differences
+@pytest.mark.parametrize("wrong, statistic", [("counts_not_reduced", "load_balancing_loss"),
+                                               ("per_rank_z_loss", "z_loss")])
+def test_wrong_constructions_are_caught(cp2, plain, wrong, statistic):
+    differences = _differences(cp2[0][wrong], plain["preset"])
+    assert differences[f"tracker.{statistic}"] > 1e-3, differences
     assert differences["grads"] > 1e-3, differences
