@@ -214,7 +214,8 @@ class PrefixSharingRouter(TopKRouter):
     ``seq_aux_loss`` (each sequence is a column, as in megatron's padded ``[s, b]`` layout),
     ``global_aux_loss``, the z-loss, the expert-bias counts and the aux-loss tracker are
     megatron's own on the plain batch - under sequence parallelism, each rank's are the stock
-    router's on that rank's slice of it.
+    router's on that rank's slice of it; under context parallelism, each rank's shares add up
+    over the group to the CP=1 router's (the z-loss weighted per token to that end).
     """
 
     def __init__(self, config: Any, pg_collection: Any = None, **kwargs: Any) -> None:

@@ -93,6 +93,23 @@ def test_sequence_parallel_shards_split_the_padded_batch_along_s():
     assert torch.equal(torch.cat([v.select(plain) for v in shards]), flat)
 
 
+@pytest.mark.parametrize("slices, expected", [
+    (1, [[1 / 11] * 3] * 5),  # one router: the mean over the 11 real tokens
+    # two sequence-parallel slices (s = 5 -> 6): rows 0-2 hold 8 real tokens, rows 3-5 hold 3
+    (2, [[1 / 16] * 3] * 3 + [[1 / 6] * 3] * 3),
+])
+def test_z_loss_weights_are_the_unsplit_routers_shares(slices, expected):
+    """Under context parallelism the view is cut in TP x CP = 4 shards; each position keeps
+    the weight the TP-slice router at CP=1 gives it, whichever shard routes it."""
+    plan = build_plan([torch.tensor(s) for s in EXAMPLE], SHARE_EVERY_PREFIX, pad_to_multiple_of=4)
+    shards = [PlainBatchView.of(plan, True, 4, r, z_loss_slices=slices) for r in range(4)]
+    weights = torch.cat([v.z_loss_weights for v in shards])  # s: 5 -> 8
+    real = torch.cat([~v.padding_mask for v in shards])
+    expected = torch.tensor(expected + [[0.0] * 3] * (8 - len(expected)))
+    torch.testing.assert_close(weights, torch.where(real, expected, 0.0))
+    assert weights.sum().item() == pytest.approx(1.0)
+
+
 def test_a_flat_layout_that_does_not_split_into_the_shards_is_refused():
     plan = build_plan([torch.tensor(s) for s in EXAMPLE], SHARE_EVERY_PREFIX)  # 6 rows
     with pytest.raises(ValueError, match="6 rows do not split into 4 sequence-parallel shards"):
