@@ -47,9 +47,11 @@ def check_engine_setup(engine_config: Any, model_config: Any | None = None) -> N
 
     - dynamic CP (Megatron: ``dynamic_context_parallel``, whose scheduler gives each
       micro-batch its own CP group and splits samples across it), ``ulysses_sequence_parallel_size
-      > 1`` (FSDP): a sequence-parallel rank would hold part of a provider's prefix that its
-      reusers on other ranks attend to. Static ``context_parallel_size > 1`` runs: the plan
-      splits the flat layout over the CP ranks and the core attention gathers K/V
+      > 1`` (FSDP: verl's slicing and its all-to-all around HF's flash attention know nothing
+      of the plan, and the all-to-all around the sharing attention is not implemented): a
+      sequence-parallel rank would hold part of a provider's prefix that its reusers on other
+      ranks attend to. Static ``context_parallel_size > 1`` runs: the plan splits the flat
+      layout over the CP ranks and the core attention gathers K/V
       (:mod:`prefix_sharing.megatron_ext.context_parallel`);
     - ``use_remove_padding=False`` (in the engine or the model config; the FSDP engine reads the
       model's): sharing needs the packed layout;
@@ -62,8 +64,12 @@ def check_engine_setup(engine_config: Any, model_config: Any | None = None) -> N
     if getattr(engine_config, "dynamic_context_parallel", False):
         problems.append("dynamic_context_parallel=True (use a static context_parallel_size)")
     if getattr(engine_config, "ulysses_sequence_parallel_size", 1) > 1:
-        problems.append("ulysses_sequence_parallel_size="
-                        f"{engine_config.ulysses_sequence_parallel_size} (must be 1)")
+        problems.append(
+            f"ulysses_sequence_parallel_size={engine_config.ulysses_sequence_parallel_size} "
+            "(must be 1: verl slices the packed samples across the Ulysses group and its "
+            "all-to-all wraps HF's flash attention, not the sharing attention, so a rank would "
+            "miss the provider rows its reusers read; for long sequences use the Megatron "
+            "engine's context_parallel_size)")
     if any(getattr(c, "use_remove_padding", True) is False for c in (engine_config, model_config)):
         problems.append("use_remove_padding=False (sharing needs the packed layout)")
     if any(getattr(c, "use_fused_kernels", False) for c in (engine_config, model_config)):
