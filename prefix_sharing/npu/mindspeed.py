@@ -18,8 +18,22 @@ What MindSpeed's patches do to the prefix-sharing layers (MindSpeed branch ``cor
   use; its THD branch restarts positions per segment and is never used for a plan.
 - ``--reset-attention-mask`` (end-of-document reset) wraps ``GPTModel.forward`` and *replaces* the
   ``packed_seq_params`` argument with its own segments: the plan would be silently dropped.
-- ``--tp-2d`` replaces ``SelfAttention.__init__`` and the rotary embedding class; a context
-  parallel size above 1 and ALiBi replace the ``DotProductAttention`` class itself.
+- ``--tp-2d`` replaces ``SelfAttention.__init__`` and the rotary embedding class; ALiBi replaces
+  the ``DotProductAttention`` class itself.
+- A context-parallel size above 1 (``features_manager/context_parallel/``) replaces the
+  ``DotProductAttention`` class with its CP class, whose ``forward`` runs the algorithm of
+  ``--context-parallel-algo``; wraps ``Attention.__init__``; and replaces megatron's
+  ``initialize_model_parallel`` (extra groups), ``get_batch_on_this_cp_rank`` (Megatron-LM's
+  batch split) and ``get_pos_emb_on_this_cp_rank`` (RoPE table slicing). With
+  ``megatron_cp_algo`` (ring attention, MindSpeed's default) none of it reaches a planned
+  micro-batch: ``PrefixSharingCoreAttention`` overrides ``forward`` and does the project's own CP
+  communication (the plan's row split, a K/V all-gather, one log-prob all-reduce:
+  :mod:`prefix_sharing.megatron_ext.context_parallel`), RoPE slices its table only for
+  non-packed input, and the project's Megatron-LM entry point refuses CP. The other algorithms
+  bring their own communication around or instead of that attention, and are refused by name
+  (:data:`CP_ALGORITHMS_REFUSED`). The prefix-sharing classes must have been defined on
+  megatron's own ``DotProductAttention``, not on MindSpeed's CP class: :func:`enable_mindspeed`
+  imports them before MindSpeed's CP patch can be in place, and a later definition is refused.
 
 :func:`enable_mindspeed` adds one feature, ``prefix-sharing``, to MindSpeed's list. It refuses
 the options above with the option named, and wraps ``DotProductAttention.forward`` so that a
@@ -35,12 +49,30 @@ import importlib.util
 import sys
 from typing import Any, Callable
 
-__all__ = ["FEATURE_NAME", "enable_mindspeed", "incompatible_options"]
+__all__ = ["FEATURE_NAME", "CP_ALGORITHMS_REFUSED", "enable_mindspeed", "incompatible_options"]
 
 FEATURE_NAME = "prefix-sharing"
 DOT_PRODUCT_ATTENTION_FORWARD = (
     "megatron.core.transformer.dot_product_attention.DotProductAttention.forward"
 )
+# ``--context-parallel-algo`` values (MindSpeed ``core_r0.16.0`` and MindSpeed-LLM) whose
+# communication would bypass the plan's split, each with what it does instead. Only
+# ``megatron_cp_algo`` runs with sharing: its ring attention is the CP class's forward, which
+# the prefix-sharing core attention overrides.
+CP_ALGORITHMS_REFUSED = {
+    "ulysses_cp_algo": "MindSpeed wraps the core attention in its Ulysses all-to-all "
+                       "(UlyssesContextAttention, from Attention.__init__), which hands it whole "
+                       "sequences of a subset of heads in place of the plan's rows",
+    "hybrid_cp_algo": "MindSpeed wraps the core attention in its Ulysses all-to-all over part of "
+                      "the CP group (UlyssesContextAttention) around a ring over the rest",
+    "hybrid_adaptive_cp_algo": "MindSpeed wraps the core attention in its Ulysses all-to-all "
+                               "around its adaptive ring schedule",
+    "adaptive_cp_algo": "MindSpeed schedules which rank attends to which tokens itself "
+                        "(adaptive_attn_context_parallel over its own batch layout)",
+    "kvallgather_cp_algo": "MindSpeed-LLM gathers K/V in its own TE-style attention over its own "
+                           "split of each sequence",
+}
+SHARED_CP_ALGORITHM = "megatron_cp_algo"
 
 
 def enable_mindspeed() -> None:
@@ -59,6 +91,9 @@ def enable_mindspeed() -> None:
             "enable_mindspeed needs MindSpeed (Ascend/MindSpeed, branch core_r0.16.0 for "
             "megatron-core 0.16); see docs/npu.md"
         )
+    # the prefix-sharing layers are defined on megatron's own DotProductAttention, before a
+    # repatch with a context-parallel size can put MindSpeed's CP class in its place
+    importlib.import_module("prefix_sharing.megatron_ext")
     importlib.import_module("mindspeed.megatron_adaptor")
     from mindspeed.args_utils import get_full_args
     from mindspeed.features_manager.features_manager import MindSpeedFeaturesManager
@@ -87,11 +122,43 @@ def incompatible_options(args: Any) -> list[str]:
     if getattr(args, "position_embedding_type", None) == "alibi":
         problems.append("--position-embedding-type alibi: MindSpeed replaces DotProductAttention")
     if int(getattr(args, "context_parallel_size", 1) or 1) > 1:
+        problems += _context_parallel_problems(args)
+    return problems
+
+
+def _context_parallel_problems(args: Any) -> list[str]:
+    """Context parallelism runs with ``megatron_cp_algo`` only (see the module doc), on
+    prefix-sharing layers defined on megatron's own attention class."""
+    cp = f"--context-parallel-size {args.context_parallel_size}"
+    algorithm = getattr(args, "context_parallel_algo", None) or SHARED_CP_ALGORITHM
+    problems = []
+    if algorithm != SHARED_CP_ALGORITHM:
+        reason = CP_ALGORITHMS_REFUSED.get(
+            algorithm, "an algorithm not validated with prefix sharing")
+        problems.append(f"{cp} with --context-parallel-algo {algorithm}: {reason}; use "
+                        f"--context-parallel-algo {SHARED_CP_ALGORITHM}, whose layers run the "
+                        "prefix-sharing attention's own CP communication")
+    base = _mindspeed_attention_base()
+    if base is not None:
         problems.append(
-            f"--context-parallel-size {args.context_parallel_size}: MindSpeed replaces "
-            "DotProductAttention with its context-parallel class"
+            f"{cp}: PrefixSharingCoreAttention was defined on MindSpeed's {base} (prefix_sharing."
+            "megatron_ext was first imported after MindSpeed's context-parallel patch); call "
+            "prefix_sharing.npu.enable_mindspeed(), or import prefix_sharing.megatron_ext, "
+            "before MindSpeed is patched for context parallelism"
         )
     return problems
+
+
+def _mindspeed_attention_base() -> str | None:
+    """The name of a MindSpeed class among the prefix-sharing core attention's bases, if its
+    module was imported after MindSpeed replaced ``DotProductAttention``; else ``None``."""
+    module = sys.modules.get("prefix_sharing.megatron_ext.core_attention")
+    if module is None:
+        return None
+    for cls in module.PrefixSharingCoreAttention.__mro__[1:]:
+        if cls.__module__.split(".")[0] in ("mindspeed", "mindspeed_llm"):
+            return cls.__name__
+    return None
 
 
 def _feature_key() -> str:

@@ -45,9 +45,14 @@ def check_engine_setup(engine_config: Any, model_config: Any | None = None) -> N
     """Raises :class:`PrefixSharingSetupError` for settings that sharing cannot honour, in
     either verl engine (Megatron or FSDP: each reads the settings it has).
 
-    - ``context_parallel_size > 1`` / dynamic CP (Megatron), ``ulysses_sequence_parallel_size
-      > 1`` (FSDP): a sequence-parallel rank would hold part of a provider's prefix that its
-      reusers on other ranks attend to;
+    - dynamic CP (Megatron: ``dynamic_context_parallel``, whose scheduler gives each
+      micro-batch its own CP group and splits samples across it), ``ulysses_sequence_parallel_size
+      > 1`` (FSDP: verl's slicing and its all-to-all around HF's flash attention know nothing
+      of the plan, and the all-to-all around the sharing attention is not implemented): a
+      sequence-parallel rank would hold part of a provider's prefix that its reusers on other
+      ranks attend to. Static ``context_parallel_size > 1`` runs: the plan splits the flat
+      layout over the CP ranks and the core attention gathers K/V
+      (:mod:`prefix_sharing.megatron_ext.context_parallel`);
     - ``use_remove_padding=False`` (in the engine or the model config; the FSDP engine reads the
       model's): sharing needs the packed layout;
     - ``use_fused_kernels=True``: the fused kernel computes log-probs from labels laid out per
@@ -56,13 +61,15 @@ def check_engine_setup(engine_config: Any, model_config: Any | None = None) -> N
     - a value model or a multimodal model: sharing covers text-only language models.
     """
     problems = []
-    if getattr(engine_config, "context_parallel_size", 1) > 1:
-        problems.append(f"context_parallel_size={engine_config.context_parallel_size} (must be 1)")
     if getattr(engine_config, "dynamic_context_parallel", False):
-        problems.append("dynamic_context_parallel=True")
+        problems.append("dynamic_context_parallel=True (use a static context_parallel_size)")
     if getattr(engine_config, "ulysses_sequence_parallel_size", 1) > 1:
-        problems.append("ulysses_sequence_parallel_size="
-                        f"{engine_config.ulysses_sequence_parallel_size} (must be 1)")
+        problems.append(
+            f"ulysses_sequence_parallel_size={engine_config.ulysses_sequence_parallel_size} "
+            "(must be 1: verl slices the packed samples across the Ulysses group and its "
+            "all-to-all wraps HF's flash attention, not the sharing attention, so a rank would "
+            "miss the provider rows its reusers read; for long sequences use the Megatron "
+            "engine's context_parallel_size)")
     if any(getattr(c, "use_remove_padding", True) is False for c in (engine_config, model_config)):
         problems.append("use_remove_padding=False (sharing needs the packed layout)")
     if any(getattr(c, "use_fused_kernels", False) for c in (engine_config, model_config)):
@@ -162,6 +169,14 @@ def shared_forward(
     sharing config, the micro-batch's prompt groups (``prompt_only``), whether to return the
     entropy, and where to count tokens. verl's own ``logits_processor`` is not called: its
     labels are laid out per sample, the flat layout has one row per computed token.
+
+    Under context parallelism verl's ``local_cp_size`` / ``cp_layout`` (its zigzag split and
+    the all-gather of its post-processing) are not used: each CP rank computes the log-probs
+    and entropy of the positions its rows serve, and one all-reduce over the CP group completes
+    them (:func:`prefix_sharing.megatron_ext.token_stats`), so every rank returns every sample
+    whole, as verl's post-processing does. The gradient flows back into the local rows only;
+    megatron's schedule scales the loss by the CP size and its ``finalize_model_grads``
+    averages gradients over data x context parallel, which sums the CP ranks' shares.
     """
     from megatron.core import parallel_state
     from megatron.core.utils import unwrap_model
@@ -173,9 +188,12 @@ def shared_forward(
                                       "head, no vision inputs)")
     check_sharing_model(model)
     sequences = list(input_ids.unbind())
+    # the plan's flat layout replaces verl's per-sample CP padding and zigzag split: padded to
+    # CP x TP, each CP rank runs its contiguous slice of rows (then sequence parallel splits it)
     mb = prepare_micro_batch(
         sequences, sharing, groups=groups,
-        pad_to_multiple_of=parallel_state.get_tensor_model_parallel_world_size(),
+        pad_to_multiple_of=(parallel_state.get_tensor_model_parallel_world_size()
+                            * parallel_state.get_context_parallel_world_size()),
         device=input_ids.device,
     )
     if metrics is not None:

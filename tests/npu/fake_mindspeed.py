@@ -24,7 +24,14 @@ commit e4772499), not copied from it; each piece names the file it follows:
   ``rope_utils.apply_rotary_pos_emb`` (bshd -> the fused rotary; THD -> a segment-wise rotary that
   restarts positions at 0 per segment, as the fused THD kernels do);
   ``features_manager/megatron_basic/transformer_engine_basic.py`` replaces the class
-  ``megatron.core.extensions.transformer_engine.TEDotProductAttention``.
+  ``megatron.core.extensions.transformer_engine.TEDotProductAttention``;
+  ``features_manager/context_parallel/context_parallel_feature.py``, with a context-parallel
+  size above 1, replaces the class ``DotProductAttention`` with its CP class
+  (``core/context_parallel/adaptor.py::MindSpeedCPDotProductAttention``: megatron's class built
+  as if CP were 1, its forward the ``--context-parallel-algo`` attention)
+  and ``rotary_pos_embedding.get_pos_emb_on_this_cp_rank`` (its RoPE table slicing). Not
+  emulated: its ``Attention.__init__`` wrapper (Ulysses algorithms only, which the prefix-sharing
+  feature refuses) and its ``initialize_model_parallel`` wrapper (extra process groups).
 
 ``CALLS`` counts the stand-ins' calls, so a test can show the patches were in force.
 """
@@ -33,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -218,6 +226,46 @@ class _TransformerEngineBasic(MindSpeedFeature):
         )
 
 
+class _ContextParallel(MindSpeedFeature):
+    def __init__(self) -> None:
+        super().__init__("context-parallel-size")
+
+    def register_patches(self, patch_manager: Any, args: Any) -> None:
+        if int(getattr(args, "context_parallel_size", 1) or 1) > 1:
+            patch_manager.register_patch(
+                "megatron.core.transformer.dot_product_attention.DotProductAttention",
+                cp_attention_class())
+            patch_manager.register_patch(
+                "megatron.core.models.common.embeddings.rotary_pos_embedding."
+                "get_pos_emb_on_this_cp_rank", cp_rotary_slice)
+
+
+@functools.cache
+def cp_attention_class() -> type:
+    """MindSpeed's ``MindSpeedCPDotProductAttention`` stand-in, on megatron's own class."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class MindSpeedCPDotProductAttention(DotProductAttention):
+        def __init__(self, config, *args: Any, **kwargs: Any) -> None:
+            cp = config.context_parallel_size  # megatron's class asserts CP == 1
+            config.context_parallel_size = 1
+            super().__init__(config, *args, **kwargs)
+            config.context_parallel_size = cp
+
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            CALLS["cp_attention"] += 1
+            raise AssertionError("MindSpeed's context-parallel attention stand-in was called")
+
+    MindSpeedCPDotProductAttention.__module__ = "mindspeed.core.context_parallel.adaptor"
+    return MindSpeedCPDotProductAttention
+
+
+def cp_rotary_slice(pos_emb, seq_dim, *args: Any) -> Any:
+    """MindSpeed's ``get_pos_emb_on_this_cp_rank``: megatron calls it for non-packed input."""
+    CALLS["cp_rotary_slice"] += 1
+    raise AssertionError("MindSpeed's CP RoPE slicing stand-in was called")
+
+
 # ----------------------------------------------------------------- kernels' stand-ins
 def fused_attention_forward(self, query, key, value, attention_mask, attn_mask_type=None,
                             attention_bias=None, packed_seq_params=None):
@@ -288,7 +336,7 @@ FULL_ARGS = argparse.Namespace(optimization_level=2)
 
 def _patch_features() -> None:
     MindSpeedFeaturesManager.FEATURES_LIST[:] = [
-        _TransformerEngineBasic(), _FusionAttention(), _FusedRope(),
+        _TransformerEngineBasic(), _FusionAttention(), _FusedRope(), _ContextParallel(),
     ]
     MindSpeedFeaturesManager.apply_features_pre_patches(FULL_ARGS)
     MindSpeedFeaturesManager.apply_features_patches(FULL_ARGS)

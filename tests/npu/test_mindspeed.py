@@ -21,6 +21,7 @@ import pytest
 from prefix_sharing.engines.megatron import compare, forward_backward
 from prefix_sharing.equivalence import FP32_RTOL
 from prefix_sharing.npu import incompatible_options
+from prefix_sharing.npu.mindspeed import CP_ALGORITHMS_REFUSED
 
 from ..attention import fake_kernels
 from ..megatron_ext._distributed import run_distributed, tiny_gpt
@@ -215,11 +216,104 @@ def test_repatch_with_reset_attention_mask_is_refused(reports, order):
 
 def test_incompatible_options_name_each_option():
     args = argparse.Namespace(reset_attention_mask=True, tp_2d=True,
-                              position_embedding_type="alibi", context_parallel_size=2)
+                              position_embedding_type="alibi", context_parallel_size=2,
+                              context_parallel_algo="ulysses_cp_algo")
     problems = incompatible_options(args)
     for option in ("--reset-attention-mask", "--tp-2d", "alibi", "--context-parallel-size 2"):
         assert sum(option in p for p in problems) == 1, (option, problems)
     assert incompatible_options(argparse.Namespace(context_parallel_size=1)) == []
+
+
+@pytest.mark.parametrize("algorithm", [*CP_ALGORITHMS_REFUSED, "some_future_cp_algo"])
+def test_each_mindspeed_cp_algorithm_that_bypasses_the_plan_is_refused_by_name(algorithm):
+    args = argparse.Namespace(context_parallel_size=2, context_parallel_algo=algorithm)
+    [problem] = incompatible_options(args)
+    assert f"--context-parallel-algo {algorithm}" in problem
+    assert "use --context-parallel-algo megatron_cp_algo" in problem
+
+
+@pytest.mark.parametrize("algorithm", [None, "megatron_cp_algo"])  # None: MindSpeed's default
+def test_context_parallel_with_megatron_cp_algo_is_accepted(algorithm):
+    args = argparse.Namespace(context_parallel_size=2, context_parallel_algo=algorithm)
+    assert incompatible_options(args) == []
+
+
+# ----------------------------------------------------------------- context parallel
+def _context_parallel_job(rank: int) -> dict:
+    """CP=2 under MindSpeed's context-parallel patch (``megatron_cp_algo``, applied by verl's
+    kind of repatch), the shared model on the npu stand-in; then the refusals."""
+    from megatron.core.transformer import dot_product_attention
+
+    from prefix_sharing.npu import enable_mindspeed
+
+    monkeypatch = pytest.MonkeyPatch()
+    npu = fake_kernels.install_torch_npu(monkeypatch)
+    fake_mindspeed.install(monkeypatch)
+    adaptor = importlib.import_module("mindspeed.megatron_adaptor")
+    enable_mindspeed()
+    adaptor.repatch({"context_parallel_size": 2})
+    report = {"cp_class_in_place": dot_product_attention.DotProductAttention
+              is fake_mindspeed.cp_attention_class()}
+    stock = tiny_gpt("padded")  # a stock layer spec now builds MindSpeed's CP attention
+    report["stock_core_attention"] = type(stock.decoder.layers[0].self_attention.core_attention).__name__
+    fake_mindspeed.CALLS.clear()
+    npu.calls.clear()
+    report["shared"] = forward_backward(tiny_gpt("shared"), micro_batches(WORKLOADS), "shared",
+                                        ON_NPU)
+    report["calls"] = dict(fake_mindspeed.CALLS, npu_fusion_attention=len(npu.calls))
+    report["refused"] = {}
+    for algorithm in CP_ALGORITHMS_REFUSED:
+        try:
+            adaptor.repatch({"context_parallel_algo": algorithm})
+        except Exception as err:  # noqa: BLE001 - the type is checked by the test
+            report["refused"][algorithm] = (type(err).__name__, str(err))
+    # the prefix-sharing layers defined after MindSpeed's CP class took megatron's place
+    adaptor.repatch({"context_parallel_algo": "megatron_cp_algo"})
+    _forget_megatron_ext()
+    importlib.import_module("prefix_sharing.megatron_ext")
+    try:
+        enable_mindspeed()
+    except Exception as err:  # noqa: BLE001 - the type is checked by the test
+        report["defined_on_mindspeeds_class"] = (type(err).__name__, str(err))
+    return report
+
+
+@pytest.fixture(scope="module")
+def cp2():
+    return run_distributed(_context_parallel_job, 2, cp=2, timeout=600)
+
+
+def test_cp2_shared_model_under_mindspeeds_cp_patch_equals_the_plain_model(cp2, reports):
+    plain = reports["prefix_sharing_first"]["before_repatch"]["plain"]  # CP=1, same weights
+    for rank, report in enumerate(cp2):
+        worst = {q: d for q, d in compare(report["shared"], plain).max_rel_diff.items()
+                 if d > FP32_RTOL}
+        assert not worst, f"CP rank {rank}: {worst}"
+
+
+def test_mindspeeds_cp_patch_was_in_force_and_never_reached(cp2):
+    """MindSpeed's CP class replaced megatron's (a stock spec builds it), yet the shared model
+    ran its own attention on the npu kernel: never MindSpeed's CP attention or RoPE slicing."""
+    layer_calls = len(WORKLOADS) * 2  # micro-batches x the tiny preset's 2 layers
+    for report in cp2:
+        assert report["cp_class_in_place"]
+        assert report["stock_core_attention"] == "MindSpeedCPDotProductAttention"
+        assert report["calls"]["npu_fusion_attention"] == layer_calls
+        assert not report["calls"].get("cp_attention") and not report["calls"].get("cp_rotary_slice")
+
+
+def test_a_repatch_with_a_cp_algorithm_that_bypasses_the_plan_is_refused(cp2):
+    refused = cp2[0]["refused"]
+    assert set(refused) == set(CP_ALGORITHMS_REFUSED)
+    for algorithm, (kind, message) in refused.items():
+        assert kind == "UnsupportedSetupError"
+        assert f"--context-parallel-algo {algorithm}" in message
+
+
+def test_sharing_layers_defined_on_mindspeeds_cp_class_are_refused(cp2):
+    kind, message = cp2[0]["defined_on_mindspeeds_class"]
+    assert kind == "UnsupportedSetupError"
+    assert "defined on MindSpeed's MindSpeedCPDotProductAttention" in message
 
 
 def test_enable_without_mindspeed_names_what_is_missing(monkeypatch):

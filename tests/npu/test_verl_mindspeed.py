@@ -64,6 +64,33 @@ def _engine_job(rank: int, mode: str) -> dict:
     }
 
 
+def _context_parallel_job(rank: int) -> dict:
+    """verl's repatch with ``context_parallel_size=2`` (MindSpeed's default algorithm, then
+    ``override_transformer_config.context_parallel_algo=ulysses_cp_algo``)."""
+    fake_mindspeed.install(pytest.MonkeyPatch())
+    from tests.verl_ext import _engine  # noqa: F401 - imports verl's Megatron engine on CPU
+
+    from megatron.core.transformer import dot_product_attention
+    from verl.workers.engine.base import EngineRegistry
+    from verl.workers.engine.megatron import transformer_impl as megatron_impl
+
+    megatron_impl.MegatronEngineWithLMHead._init_device_mesh = lambda self: None
+    engine = EngineRegistry._engines["language_model"]["megatron"]["npu"]
+    report = {}
+    for name, override in (("megatron_cp_algo", {}),
+                           ("ulysses_cp_algo", {"context_parallel_algo": "ulysses_cp_algo"})):
+        instance = object.__new__(engine)
+        instance.prefix_sharing = PrefixSharingConfig(mode="arbitrary_prefix")
+        instance.engine_config = _EngineConfig(override_transformer_config=override)
+        instance.engine_config.context_parallel_size = 2
+        try:
+            instance._init_device_mesh()
+            report[name] = ("ok", dot_product_attention.DotProductAttention.__name__)
+        except Exception as err:  # noqa: BLE001 - the type is checked by the test
+            report[name] = (type(err).__name__, str(err))
+    return report
+
+
 @pytest.fixture(scope="module")
 def runs():
     return {mode: run_distributed(_engine_job, 1, mode, timeout=300)[0]
@@ -89,3 +116,10 @@ def test_with_sharing_off_mindspeed_is_left_as_verl_runs_it(runs):
     run = runs["off"]
     (kind, features), _ = run["events"]
     assert "prefix_sharing" not in features and not run["guarded"]
+
+
+def test_context_parallel_through_verls_repatch_keeps_the_ring_algorithm_and_refuses_ulysses():
+    report = run_distributed(_context_parallel_job, 1, timeout=300)[0]
+    assert report["megatron_cp_algo"] == ("ok", "MindSpeedCPDotProductAttention")
+    kind, message = report["ulysses_cp_algo"]
+    assert kind == "UnsupportedSetupError" and "--context-parallel-algo ulysses_cp_algo" in message

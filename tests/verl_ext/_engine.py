@@ -20,8 +20,9 @@ import verl.workers.engine.megatron.transformer_impl  # noqa: F401  (registers t
 from ._batch import PRESET, make_batch, plain_output, use_cpu_platform
 
 
-def actor_config(prefix_grouper: dict | None, **overrides: Any):
-    """verl's ``McoreActorConfig`` built the way the worker builds it (OmegaConf -> dataclass)."""
+def actor_config(prefix_grouper: dict | None, *, megatron: dict | None = None, **overrides: Any):
+    """verl's ``McoreActorConfig`` built the way the worker builds it (OmegaConf -> dataclass);
+    ``megatron``: engine settings (e.g. ``context_parallel_size``)."""
     from omegaconf import OmegaConf
     from verl.utils.config import omega_conf_to_dataclass
 
@@ -29,7 +30,7 @@ def actor_config(prefix_grouper: dict | None, **overrides: Any):
         _target_="verl.workers.config.McoreActorConfig", rollout_n=3, ppo_mini_batch_size=4,
         ppo_micro_batch_size_per_gpu=2, use_kl_loss=True, kl_loss_coef=0.1, entropy_coeff=0.01,
         megatron=dict(_target_="verl.workers.config.McoreEngineConfig", use_mbridge=True,
-                      vanilla_mbridge=True), **overrides,
+                      vanilla_mbridge=True, **(megatron or {})), **overrides,
     )
     if prefix_grouper is not None:
         section.update(use_prefix_grouper=True, prefix_grouper=prefix_grouper)
@@ -74,18 +75,38 @@ def build_engine(config, *, seed: int = 0, preset=PRESET):
 def run(rank: int, workloads: list[str], modes: dict[str, dict | None]) -> dict:
     """For each workload and each sharing setting (name -> ``prefix_grouper`` block or ``None``
     for the feature off): old log-probs + entropy (``infer_batch``), then ``ppo_loss`` and every
-    gradient (``forward_backward_batch``), each on a fresh copy of the same seeded model."""
+    gradient (``forward_backward_batch``), each on a fresh copy of the same seeded model.
+
+    The engine's ``context_parallel_size`` is megatron's (``run_distributed(..., cp=)``); the
+    gradients are then averaged over the CP group, as megatron's DDP does before the optimizer
+    step (a no-op at CP=1)."""
+    from megatron.core import parallel_state
     from verl.workers.utils.losses import ppo_loss
 
+    from prefix_sharing.engines.megatron import finalize_context_parallel_grads
+
     use_cpu_platform()
+    cp = parallel_state.get_context_parallel_world_size()
+    megatron = {"context_parallel_size": cp} if cp > 1 else None
     results = {}
     for workload in workloads:
         for name, prefix_grouper in modes.items():
-            config = actor_config(prefix_grouper)
+            config = actor_config(prefix_grouper, megatron=megatron)
             engine = build_engine(config)
             infer = engine.infer_batch(make_batch(workload))
+            rows = _count_rows(engine.module[0])
             train = engine.forward_backward_batch(make_batch(workload), partial(ppo_loss, config=config))
+            finalize_context_parallel_grads(engine.module[0])
             grads = {n: p.grad.clone() for n, p in engine.module[0].named_parameters()}
             results[workload, name] = {"infer": plain_output(infer), "train": plain_output(train),
-                                      "grads": grads}
+                                      "grads": grads, "rows": rows}
     return results
+
+
+def _count_rows(model) -> list[int]:
+    """From now on, the token rows this rank's model receives per micro-batch (the forward's
+    ``input_ids`` width: this rank's share of the packed or flat layout)."""
+    rows: list[int] = []
+    model.register_forward_pre_hook(
+        lambda module, args, kwargs: rows.append(kwargs["input_ids"].size(1)), with_kwargs=True)
+    return rows

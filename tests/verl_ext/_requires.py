@@ -6,10 +6,12 @@ from importlib.metadata import version
 import pytest
 
 
-def require_verl(release: str) -> None:
+def require_verl(release: str | tuple[str, ...]) -> None:
+    """Skips the module unless verl is installed at ``release`` (or one of several)."""
+    releases = (release,) if isinstance(release, str) else release
     if importlib.util.find_spec("verl") is None:
-        pytest.skip(f"verl is not installed (build its environment: .ci/verl_env.sh {release})",
+        pytest.skip(f"verl is not installed (build its environment: .ci/verl_env.sh {releases[0]})",
                     allow_module_level=True)
-    if version("verl") != release:
-        pytest.skip(f"written for verl {release}; verl {version('verl')} is installed",
+    if version("verl") not in releases:
+        pytest.skip(f"written for verl {' / '.join(releases)}; verl {version('verl')} is installed",
                     allow_module_level=True)
