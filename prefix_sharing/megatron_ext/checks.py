@@ -134,9 +134,10 @@ def _moe_problems(config: TransformerConfig, training: bool) -> list[str]:
             f"moe_router_force_biased={force_biased}: the benchmark's random router logits are "
             "drawn per computed token, so every reuser would get its provider's draw"
         )
-    if config.moe_enable_routing_replay:
+    if config.moe_enable_routing_replay and config.moe_router_fusion:
         problems.append(
-            "moe_enable_routing_replay=True: replayed routing is recorded per plain token"
+            "moe_enable_routing_replay=True with moe_router_fusion=True: megatron-core's fused "
+            "top-k ignores the replayed routes; set moe_router_fusion=False"
         )
     return problems
 
