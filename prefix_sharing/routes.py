@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from .config import PrefixSharingConfig
-from .planner import build_plan
+from .planner import PromptGroup, build_plan
 
 __all__ = ["recorded_routes", "diverge_inside_shared_prefix"]
 
@@ -46,11 +46,13 @@ def recorded_routes(sequences: Sequence[torch.Tensor], moe_layers: int, topk: in
 def diverge_inside_shared_prefix(
     sequences: Sequence[torch.Tensor], routes: Sequence[torch.Tensor], num_experts: int,
     config: PrefixSharingConfig = PrefixSharingConfig(),
+    groups: Sequence[PromptGroup] | None = None,
 ) -> tuple[list[torch.Tensor], tuple[int, int]]:
     """``routes`` with one token's route changed (on the first MoE layer: one expert swapped for
     one it did not use) in the middle of the longest prefix any sequence shares by its tokens;
-    returns the new routes and that ``(sequence, position)``."""
-    plan = build_plan(sequences, config)
+    returns the new routes and that ``(sequence, position)``. ``groups``: for
+    ``mode="prompt_only"``."""
+    plan = build_plan(sequences, config, groups=groups)
     reader = int(np.argmax(plan.prefix_lens))
     shared = plan.prefix_lens[reader]
     if shared == 0:

@@ -64,91 +64,8 @@ def test_diverging_routes_cut_the_plan_where_they_diverge():
         seqs, EVERY_PREFIX).num_tokens_unique > 0
 
 
-def _host_job(rank: int) -> dict:
-    from prefix_sharing.megatron_ext import prepare_micro_batch
-    from prefix_sharing.megatron_ext.routing_replay import moe_layer_index, replaying
-
-    seqs = [torch.tensor([5, 6, 7, 8]), torch.tensor([5, 6, 7, 9, 9]), torch.tensor([5, 6])]
-    routes = recorded_routes(seqs, 3, 2, 8)
-    mb = prepare_micro_batch(seqs, EVERY_PREFIX, pad_to_multiple_of=4, routes=routes)
-    packed = torch.cat(routes)
-    flat = mb.packed_seq_params.routes
-    model = gpt_model(PRESET, layout="shared", moe_enable_routing_replay=True)
-    replay = model.decoder.layers[0].mlp.router.router_replay
-    before = (replay.router_replay_action, replay.target_topk_idx)
-    with replaying(replay, flat[:, 0]):
-        inside = (replay.router_replay_action.value, replay.target_topk_idx is not None)
-    config = model.config
-    indices = {}
-    for freq in (1, 2, [0, 1, 1, 0]):
-        config.moe_layer_freq, config.num_layers = freq, 4
-        indices[str(freq)] = [moe_layer_index(config, n) for n in range(1, 5)]
-    return {
-        "flat_equals_packed_at_each_row": all(
-            torch.equal(flat[row], packed[mb.plan.kv_index.tolist().index(row)])
-            for row in range(mb.plan.num_tokens_unique)),
-        "shape": tuple(flat.shape), "inside": inside,
-        "restored": (replay.router_replay_action, replay.target_topk_idx) == before,
-        "indices": indices,
-    }
-
-
-def test_flat_routes_and_the_replay_switch():
-    report = run_distributed(_host_job, 1, timeout=300)[0]
-    assert report["flat_equals_packed_at_each_row"]
-    assert report["shape"] == (8, 3, 2)  # 6 rows + 2 pad rows, 3 MoE layers, top-2
-    assert report["inside"] == ("replay_forward", True) and report["restored"]
-    assert report["indices"] == {"1": [0, 1, 2, 3], "2": [0, 1, 1, 2], "[0, 1, 1, 0]": [0, 0, 1, 2]}
-
-
-# ----------------------------------------------------------------------------- the model
-def _replay_job(rank: int, variants: list[str], diverge_cases: list[bool]) -> dict:
-    from megatron.core import parallel_state
-
-    from .test_moe import stock_spec_with_masked_bias_counts
-
-    sequence_parallel = parallel_state.get_tensor_model_parallel_world_size() > 1
-    report = {}
-    for diverge in diverge_cases:
-        batches, routes = batches_and_routes(diverge)
-        for name in variants:
-            settings = dict(VARIANTS[name], sequence_parallel=sequence_parallel,
-                            moe_enable_routing_replay=True)
-            ours = gpt_model(PRESET, layout="shared", **settings)
-            stock = gpt_model(PRESET, layout="padded", **settings,
-                              layer_spec=stock_spec_with_masked_bias_counts(dict(
-                                  num_moe_experts=PRESET.num_experts)))
-            shared = forward_backward(ours, batches, "shared", EVERY_PREFIX, routes=routes)
-            padded = forward_backward(stock, batches, "padded", routes=routes)
-            native = forward_backward(ours, batches, "shared", EVERY_PREFIX)  # no replay
-            report[f"{name}/{'diverge' if diverge else 'agree'}"] = {
-                "shared_vs_padded": compare(shared, padded).max_rel_diff,
-                "native_vs_padded": compare(native, padded).max_rel_diff,
-            }
-    return report
-
-
-def _check(ranks: list[dict]) -> None:
-    for rank, report in enumerate(ranks):
-        for case, r in report.items():
-            worst = {q: d for q, d in r["shared_vs_padded"].items() if d > FP32_RTOL}
-            assert not worst, f"rank {rank} {case}: {worst}"
-            # the routes are not the model's own: without replay the log-probs differ
-            assert r["native_vs_padded"]["log_probs"] > 1e-3, (rank, case)
-
-
-def test_shared_replay_equals_stock_replay_on_one_rank():
-    _check(run_distributed(_replay_job, 1, list(VARIANTS), [False, True], timeout=600))
-
-
-def test_shared_replay_equals_stock_replay_under_tensor_parallelism():
-    """TP=2 with sequence parallelism: each rank replays its slice of the flat rows (no
-    statistics) or of the padded plain view (statistics)."""
-    _check(run_distributed(_replay_job, 2, ["preset", "no_statistics"], [True], tp=2,
-                           timeout=600))
-
-
-def _refusals_job(rank: int) -> dict:
+def _refusals() -> dict:
+    """What each replay state sharing cannot serve raises (inside a rank)."""
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     from prefix_sharing.megatron_ext import UnsupportedSetupError
@@ -172,8 +89,93 @@ def _refusals_job(rank: int) -> dict:
     return errors
 
 
-def test_replay_states_sharing_cannot_serve_are_refused():
-    errors = run_distributed(_refusals_job, 1, timeout=300)[0]
+def _switch_and_refusals_job(rank: int) -> dict:
+    from prefix_sharing.megatron_ext import prepare_micro_batch
+    from prefix_sharing.megatron_ext.routing_replay import moe_layer_index, replaying
+
+    seqs = [torch.tensor([5, 6, 7, 8]), torch.tensor([5, 6, 7, 9, 9]), torch.tensor([5, 6])]
+    routes = recorded_routes(seqs, 3, 2, 8)
+    mb = prepare_micro_batch(seqs, EVERY_PREFIX, pad_to_multiple_of=4, routes=routes)
+    packed = torch.cat(routes)
+    flat = mb.packed_seq_params.routes
+    model = gpt_model(PRESET, layout="shared", moe_enable_routing_replay=True)
+    replay = model.decoder.layers[0].mlp.router.router_replay
+    before = (replay.router_replay_action, replay.target_topk_idx)
+    with replaying(replay, flat[:, 0]):
+        inside = (replay.router_replay_action.value, replay.target_topk_idx is not None)
+    config = model.config
+    indices = {}
+    for freq in (1, 2, [0, 1, 1, 0]):
+        config.moe_layer_freq, config.num_layers = freq, 4
+        indices[str(freq)] = [moe_layer_index(config, n) for n in range(1, 5)]
+    return {
+        "refusals": _refusals(),
+        "flat_equals_packed_at_each_row": all(
+            torch.equal(flat[row], packed[mb.plan.kv_index.tolist().index(row)])
+            for row in range(mb.plan.num_tokens_unique)),
+        "shape": tuple(flat.shape), "inside": inside,
+        "restored": (replay.router_replay_action, replay.target_topk_idx) == before,
+        "indices": indices,
+    }
+
+
+def test_flat_routes_the_replay_switch_and_refusals():
+    report = run_distributed(_switch_and_refusals_job, 1, timeout=300)[0]
+    assert report["flat_equals_packed_at_each_row"]
+    assert report["shape"] == (8, 3, 2)  # 6 rows + 2 pad rows, 3 MoE layers, top-2
+    assert report["inside"] == ("replay_forward", True) and report["restored"]
+    assert report["indices"] == {"1": [0, 1, 2, 3], "2": [0, 1, 1, 2], "[0, 1, 1, 0]": [0, 0, 1, 2]}
+    errors = report["refusals"]
     assert "moe_enable_routing_replay=False" in errors["no_flag"]
     assert "REPLAY_FORWARD with a sharing plan but no routes" in errors["replay_forward"]
     assert "RECORD with a sharing plan" in errors["record"]
+
+
+# ----------------------------------------------------------------------------- the model
+def _replay_job(rank: int, cases: list[tuple[str, bool]]) -> dict:
+    """Per (router variant, diverging routes?): shared + replay against stock + replay, and the
+    shared run without replay against the same stock run."""
+    from megatron.core import parallel_state
+
+    from .test_moe import stock_spec_with_masked_bias_counts
+
+    sequence_parallel = parallel_state.get_tensor_model_parallel_world_size() > 1
+    report = {}
+    for name, diverge in cases:
+        batches, routes = batches_and_routes(diverge)
+        settings = dict(VARIANTS[name], sequence_parallel=sequence_parallel,
+                        moe_enable_routing_replay=True)
+        ours = gpt_model(PRESET, layout="shared", **settings)
+        stock = gpt_model(PRESET, layout="padded", **settings,
+                          layer_spec=stock_spec_with_masked_bias_counts(dict(
+                              num_moe_experts=PRESET.num_experts)))
+        shared = forward_backward(ours, batches, "shared", EVERY_PREFIX, routes=routes)
+        padded = forward_backward(stock, batches, "padded", routes=routes)
+        native = forward_backward(ours, batches, "shared", EVERY_PREFIX)  # no replay
+        report[f"{name}/{'diverge' if diverge else 'agree'}"] = {
+            "shared_vs_padded": compare(shared, padded).max_rel_diff,
+            "native_vs_padded": compare(native, padded).max_rel_diff,
+        }
+    return report
+
+
+def _check(ranks: list[dict]) -> None:
+    for rank, report in enumerate(ranks):
+        for case, r in report.items():
+            worst = {q: d for q, d in r["shared_vs_padded"].items() if d > FP32_RTOL}
+            assert not worst, f"rank {rank} {case}: {worst}"
+            # the routes are not the model's own: without replay the log-probs differ
+            assert r["native_vs_padded"]["log_probs"] > 1e-3, (rank, case)
+
+
+def test_shared_replay_equals_stock_replay_on_one_rank():
+    """Routes that agree and routes that diverge inside a shared prefix; each router variant."""
+    cases = [("preset", False), ("expert_bias", True), ("no_statistics", True)]
+    _check(run_distributed(_replay_job, 1, cases, timeout=600))
+
+
+def test_shared_replay_equals_stock_replay_under_tensor_parallelism():
+    """TP=2 with sequence parallelism: each rank replays its slice of the padded plain view
+    (statistics) or of the flat rows (no statistics)."""
+    _check(run_distributed(_replay_job, 2, [("preset", True), ("no_statistics", True)], tp=2,
+                           timeout=600))
