@@ -232,7 +232,10 @@ class PrefixSharingRouter(TopKRouter):
         return view.select(probs), view.select(routing_map)  # [T_flat / shards, E] each
 
     def _layer_routes(self) -> torch.Tensor | None:
-        """This layer's recorded route of every flat row, ``[T_flat, topk]`` (None: no replay)."""
+        """This layer's recorded route of every flat row, ``[T_flat, topk]`` (None: no replay).
+
+        The routes' second dimension is either every MoE layer of the model (verl's R2 with
+        dense layers) or every layer (verl's R3, dense layers included), as verl reads them."""
         routes = self._routes
         if routes is None:
             return None
@@ -240,12 +243,13 @@ class PrefixSharingRouter(TopKRouter):
             raise UnsupportedSetupError(
                 f"routing replay with sharing: the layer holding this router ({self.fed_by}) "
                 "does not say which MoE layer it is; replay is supported in GPTModel layers")
-        expected = (num_moe_layers(self.config), self.topk)
-        if (routes.size(1), routes.size(2)) != expected:
+        moe_layers, layers = num_moe_layers(self.config), self.config.num_layers
+        if routes.size(1) not in (moe_layers, layers) or routes.size(2) != self.topk:
             raise UnsupportedSetupError(
                 f"the replayed routes are [tokens, {routes.size(1)}, {routes.size(2)}]; this "
-                f"model has {expected[0]} MoE layers of top-{expected[1]}")
-        return routes[:, self.moe_layer_index]
+                f"model has {moe_layers} MoE layers of {layers} layers, top-{self.topk}")
+        index = self.moe_layer_index if routes.size(1) == moe_layers else self.layer_number - 1
+        return routes[:, index]
 
     def _flat_routes(self, shards: int) -> torch.Tensor | None:
         """The routes of the flat rows this rank routes (its sequence-parallel slice)."""
