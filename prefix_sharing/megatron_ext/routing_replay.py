@@ -116,7 +116,11 @@ def check_replay_state(replay: Any, has_routes: bool) -> None:
 def replaying(replay: Any, indices: torch.Tensor | None) -> Iterator[None]:
     """Within the block, ``replay`` (a router's ``RouterReplay``) replays ``indices``
     (``[tokens, topk]``, the tokens as the router's top-k sees them); its own state - action,
-    targets, backward queue - is restored afterwards. ``indices=None``: nothing changes."""
+    targets, backward queue - is restored afterwards. ``indices=None``: nothing changes.
+
+    Rows whose route is ``-1`` (not recorded) are routed natively where the replay takes a mask
+    (verl 0.9.1's ``RouterReplay``); megatron-core's replays every row, so routes handed to it
+    must all be recorded."""
     if indices is None:
         yield
         return
@@ -124,9 +128,10 @@ def replaying(replay: Any, indices: torch.Tensor | None) -> Iterator[None]:
              ("router_replay_action", "target_topk_idx", "target_replay_mask")
              if hasattr(replay, name)}
     replay.router_replay_action = _action(replay, "replay_forward")
+    if "target_replay_mask" in saved:  # verl 0.9.1's: a route of -1 is routed natively
+        replay.target_replay_mask = indices[:, 0] >= 0
+        indices = indices.clamp(min=0)
     replay.target_topk_idx = indices
-    if "target_replay_mask" in saved:  # verl's: replay every token
-        replay.target_replay_mask = None
     try:
         yield
     finally:
