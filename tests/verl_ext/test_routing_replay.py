@@ -32,7 +32,8 @@ SHARING = dict(mode="arbitrary_prefix", min_prefix_len=1)
 # no per-sequence statistic: verl's patched router drops megatron's padding mask
 BATCH = 6  # the GRPO batch: 2 prompts x 3 responses
 MOE = dict(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01,
-           moe_z_loss_coeff=0.001, moe_enable_routing_replay=True)
+           moe_z_loss_coeff=0.001, moe_enable_routing_replay=True,
+           enable_routing_replay=True)  # verl 0.8.0 reads its own flag (its patched config takes it)
 
 
 def _config(prefix_grouper: dict | None, mode: str):
