@@ -157,7 +157,8 @@ def patch_engine(module: ModuleType) -> None:
                 calculate_entropy=tu.get_non_tensor_data(batch, key="calculate_entropy",
                                                          default=False),
                 metrics=self._sharing_metrics,
-                replay_routes=micro_batch_routes(batch, self.engine_config.router_replay.mode),
+                replay_routes=micro_batch_routes(batch, getattr(getattr(
+                    self.engine_config, "router_replay", None), "mode", "disabled")),
             )
             with current_micro_batch(forward_kwargs):
                 return super().forward_step(iter([batch]), model, logits_processor_func,
