@@ -92,7 +92,6 @@ def _batch(workload: str, routes: list):
 
 
 def _job(rank: int, workload: str) -> dict:
-    import torch
     from verl.workers.utils.losses import ppo_loss
 
     from prefix_sharing.routes import diverge_inside_shared_prefix, recorded_routes
