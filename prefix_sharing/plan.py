@@ -55,6 +55,10 @@ class SharingPlan:
         prefix_lens: how many leading tokens each sequence takes from another one.
         num_padding: pad rows at the end of the flat layout (their own causal segment, so they
             never touch a real token; see ``build_plan(pad_to_multiple_of=...)``).
+        route_divergent_prefix_tokens: planned with recorded routes (``build_plan(routes=...)``,
+            routing replay): how many more tokens this plan computes than a plan of the tokens
+            alone would, because routes differ inside token-identical prefixes (each such
+            prefix ends at the first token whose routes differ). 0 without routes.
     """
 
     input_ids: torch.Tensor
@@ -70,6 +74,7 @@ class SharingPlan:
     seq_lens: tuple[int, ...]
     prefix_lens: tuple[int, ...]
     num_padding: int = 0
+    route_divergent_prefix_tokens: int = 0
 
     # ------------------------------------------------------------------ sizes
     @property

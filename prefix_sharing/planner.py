@@ -9,8 +9,14 @@ Each sequence then takes ``prefix_len`` tokens from its predecessor and owns a c
 The sort key ends every sequence with a terminator larger than any token, so a sequence that is
 a strict prefix of another sorts *after* it and owns no token at all (as does a duplicate).
 
-Everything here is numpy on the host: the plan depends on token ids and the config alone, is
-deterministic, and every rank that needs it builds the same one locally.
+With recorded routes (MoE routing replay: per token, the experts each layer sent it to), a
+token's identity is its id *and* its routes: the same rules run on one dense id per distinct
+(token, routes) pair, so a route mismatch ends a shared prefix exactly where a token mismatch
+would. Rollout engines are not batch-invariant, so token-identical prefixes may carry different
+routes; ``plan.route_divergent_prefix_tokens`` counts the tokens that costs.
+
+Everything here is numpy on the host: the plan depends on token ids (and routes) and the config
+alone, is deterministic, and every rank that needs it builds the same one locally.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ def build_plan(
     *,
     groups: Sequence[PromptGroup | tuple[int, Sequence[int]]] | None = None,
     pad_to_multiple_of: int = 1,
+    routes: Sequence[TokenSequence] | None = None,
 ) -> SharingPlan:
     """Plans one micro-batch: which tokens are computed, and which rows every token reads.
 
@@ -79,15 +86,16 @@ def build_plan(
 
     if groups is not None and config.mode != "prompt_only":
         raise ValueError(f"groups= is only used by mode='prompt_only'; mode is {config.mode!r}")
-    if config.mode == "off":
-        prefix_lens, sources, order = _no_sharing(len(lengths))
-    elif config.mode == "prompt_only":
-        if groups is None:
-            raise ValueError("mode='prompt_only' needs groups=[(prompt_len, members), ...]")
-        prefix_lens, sources, order = _prompt_sharing(tokens, offsets, groups, config)
-    else:
-        prefix_lens, sources, order = _prefix_sharing(tokens, offsets, config)
-    return _layout(tokens, offsets, prefix_lens, sources, order, pad_to_multiple_of)
+    if config.mode == "prompt_only" and groups is None:
+        raise ValueError("mode='prompt_only' needs groups=[(prompt_len, members), ...]")
+    if routes is None:
+        prefix_lens, sources, order = _sharing(tokens, tokens, offsets, config, groups)
+        return _layout(tokens, offsets, prefix_lens, sources, order, pad_to_multiple_of)
+    identity = _route_identity(tokens, lengths, routes)
+    prefix_lens, sources, order = _sharing(tokens, identity, offsets, config, groups)
+    by_tokens = _sharing(tokens, tokens, offsets, config, groups)[0]
+    return _layout(tokens, offsets, prefix_lens, sources, order, pad_to_multiple_of,
+                   route_divergent=int(by_tokens.sum() - prefix_lens.sum()))
 
 
 def prompt_groups(uids: Sequence[object], prompt_lens: Sequence[int]) -> list[PromptGroup]:
@@ -149,11 +157,48 @@ def _as_tensor(i: int, seq: TokenSequence) -> torch.Tensor:
     return torch.from_numpy(arr)
 
 
+def _route_identity(tokens: np.ndarray, lengths: np.ndarray,
+                    routes: Sequence[TokenSequence]) -> np.ndarray:
+    """One dense id per distinct (token, routes) pair, ordered like the tokens.
+
+    ``np.unique`` over rows ``[token, routes...]`` sorts them lexicographically, so where the
+    routes agree the ids sort exactly as the tokens do, and the planner finds the same plan.
+    """
+    if isinstance(routes, (torch.Tensor, np.ndarray)) or len(routes) != lengths.size:
+        got = f"{len(routes)} arrays" if not isinstance(routes, (torch.Tensor, np.ndarray)) else (
+            f"a {type(routes).__name__}")
+        raise ValueError(f"routes must be one array per sequence ({lengths.size}); got {got}")
+    parts = [torch.as_tensor(np.asarray(r)) if not isinstance(r, torch.Tensor) else r
+             for r in routes]
+    shape = tuple(parts[0].shape[1:])
+    for i, (part, n) in enumerate(zip(parts, lengths.tolist())):
+        if part.dim() == 0 or part.size(0) != n or tuple(part.shape[1:]) != shape:
+            raise ValueError(
+                f"routes of sequence {i} have shape {tuple(part.shape)}; expected ({n}, *{shape}) "
+                "(one row per token, the same trailing shape for every sequence)")
+        if part.dtype == torch.bool or part.is_floating_point() or part.is_complex():
+            raise ValueError(f"routes of sequence {i} are not integer ids (dtype {part.dtype})")
+    flat = torch.cat(parts).to("cpu", torch.int64).reshape(tokens.size, -1).numpy()
+    rows = np.concatenate([tokens[:, None], flat], axis=1)
+    return np.unique(rows, axis=0, return_inverse=True)[1].reshape(-1).astype(np.int64)
+
+
 # --------------------------------------------------------------------------- sharing rules
 # Each rule returns (prefix_lens, sources, order): sequence r takes its first prefix_lens[r]
 # tokens from sequence sources[r]; `order` lists the sequences so that every source comes
-# before the sequences that read from it.
+# before the sequences that read from it. The rules compare `identity` (the token ids, or one id
+# per (token, routes) pair); prompt groups are checked on the tokens themselves.
 Sharing = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+def _sharing(tokens: np.ndarray, identity: np.ndarray, offsets: np.ndarray,
+             config: PrefixSharingConfig,
+             groups: Sequence[PromptGroup | tuple[int, Sequence[int]]] | None) -> Sharing:
+    if config.mode == "off":
+        return _no_sharing(len(offsets) - 1)
+    if config.mode == "prompt_only":
+        return _prompt_sharing(tokens, identity, offsets, groups, config)
+    return _prefix_sharing(identity, offsets, config)
 
 
 def _no_sharing(n: int) -> Sharing:
@@ -203,8 +248,10 @@ def _candidates(tokens: np.ndarray, offsets: np.ndarray, config: PrefixSharingCo
     return long_enough[keep]
 
 
-def _common_prefix_len(tokens: np.ndarray, offsets: np.ndarray, a: int, b: int) -> int:
+def _common_prefix_len(tokens: np.ndarray, offsets: np.ndarray, a: int, b: int,
+                       limit: int | None = None) -> int:
     m = min(offsets[a + 1] - offsets[a], offsets[b + 1] - offsets[b])
+    m = m if limit is None else min(m, limit)
     differ = tokens[offsets[a] : offsets[a] + m] != tokens[offsets[b] : offsets[b] + m]
     first = int(differ.argmax())  # argmax stops at the first True
     return first if differ[first] else int(m)
@@ -232,6 +279,7 @@ def _enforce_group_size(lcp: np.ndarray, group_size: int) -> np.ndarray:
 
 def _prompt_sharing(
     tokens: np.ndarray,
+    identity: np.ndarray,
     offsets: np.ndarray,
     groups: Sequence[PromptGroup | tuple[int, Sequence[int]]],
     config: PrefixSharingConfig,
@@ -260,9 +308,11 @@ def _prompt_sharing(
                     f"tokens as sequence {first}"
                 )
         if len(members) >= config.min_group_size and prompt_len >= config.min_prefix_len:
-            prefix_lens[members[1:]] = prompt_len
-            sources[members[1:]] = first
-            readers.extend(members[1:])
+            for m in members[1:]:  # the prompt, up to where the routes (if any) diverge
+                shared = _common_prefix_len(identity, offsets, first, m, limit=prompt_len)
+                if shared >= config.min_prefix_len:
+                    prefix_lens[m], sources[m] = shared, first
+                    readers.append(m)
     readers = np.asarray(readers, dtype=np.int64)
     order = np.concatenate([np.setdiff1d(np.arange(n), readers), readers])
     return prefix_lens, sources, order
@@ -294,6 +344,7 @@ def _layout(
     sources: np.ndarray,
     order: np.ndarray,
     pad_to_multiple_of: int,
+    route_divergent: int = 0,
 ) -> SharingPlan:
     """Lays out the owned tails contiguously (given order) and resolves every token's row."""
     lengths = np.diff(offsets)
@@ -349,6 +400,7 @@ def _layout(
         seq_lens=tuple(lengths.tolist()),
         prefix_lens=tuple(prefix_lens.tolist()),
         num_padding=num_padding,
+        route_divergent_prefix_tokens=route_divergent,
     )
 
 

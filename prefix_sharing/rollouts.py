@@ -13,6 +13,9 @@ so all of them accept the same files:
 - With ``prompt_ids``, the prompt groups (for ``mode="prompt_only"``) are the rows of one
   ``uid`` when that column exists (every member must have the same prompt), else the rows
   with identical prompt ids.
+- Optionally ``routed_experts`` (verl's name), the routes recorded for MoE routing replay: per
+  row one nested list ``[tokens][moe_layers][topk]`` of expert ids, one entry per token of the
+  whole sequence, the same ``moe_layers`` and ``topk`` in every row.
 
 Every problem with the file raises :class:`RolloutError` (a ``ValueError``) whose one-line
 message names the file and, where it can, the line (JSON Lines, counted from 1) or row
@@ -37,6 +40,7 @@ _JSON_SUFFIXES = (".jsonl", ".json")
 _PARQUET_SUFFIXES = (".parquet",)
 _INPUT = ("input_ids",)
 _PROMPT_RESPONSE = ("prompt_ids", "response_ids")
+_ROUTES = "routed_experts"
 
 
 class RolloutError(ValueError):
@@ -51,10 +55,13 @@ class Rollouts:
         sequences: one 1-D int64 tensor of token ids per row, in file order.
         groups: the prompt groups (``prompt_only`` mode), or ``None`` when the file has
             ``input_ids`` only and so does not say where prompts end.
+        routes: the recorded routes (``routed_experts``), one int64 tensor
+            ``[tokens, moe_layers, topk]`` per row, or ``None`` when the file has none.
     """
 
     sequences: list[torch.Tensor]
     groups: list[PromptGroup] | None
+    routes: list[torch.Tensor] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +71,7 @@ class _Table:
     ids: dict[str, list[np.ndarray]]
     uids: list[object] | None
     where: Callable[[int], str]
+    routes: list[object] | None = None  # each row's routed_experts as read, unchecked
 
 
 def load_rollouts(path: str | Path) -> Rollouts:
@@ -117,7 +125,30 @@ def _rollouts(table: _Table) -> Rollouts:
     for i, seq in enumerate(sequences):
         if seq.size == 0:
             raise RolloutError(f"{table.where(i)}: the sequence is empty (no token ids)")
-    return Rollouts([torch.from_numpy(s) for s in sequences], groups)
+    routes = None if table.routes is None else _routes(table.routes, sequences, table.where)
+    return Rollouts([torch.from_numpy(s) for s in sequences], groups, routes)
+
+
+def _routes(rows: list[object], sequences: list[np.ndarray],
+            where: Callable[[int], str]) -> list[torch.Tensor]:
+    """Each row's ``routed_experts`` as ``[tokens, moe_layers, topk]`` int64, checked."""
+    out, shape = [], None
+    for i, (value, seq) in enumerate(zip(rows, sequences)):
+        try:
+            routes = np.asarray(value)
+        except ValueError:  # ragged nesting
+            routes = np.empty(0, dtype=object)
+        if routes.ndim != 3 or routes.dtype.kind not in "iu" or (routes < 0).any():
+            raise RolloutError(f"{where(i)}: {_ROUTES} must be a [tokens][moe_layers][topk] "
+                               "nested list of expert ids >= 0")
+        if routes.shape[0] != seq.size or (shape is not None and routes.shape[1:] != shape):
+            expected = f"({seq.size}, " + (f"{shape[0]}, {shape[1]})" if shape else "L, k)")
+            raise RolloutError(f"{where(i)}: {_ROUTES} has shape {routes.shape}; expected "
+                               f"{expected}: one entry per token, the same layers and top-k "
+                               "in every row")
+        shape = routes.shape[1:]
+        out.append(torch.from_numpy(routes.astype(np.int64)))
+    return out
 
 
 def _prompt_groups(
@@ -153,7 +184,8 @@ def _read_jsonl(path: Path) -> _Table:
             raise RolloutError(f"{where(i)}: missing {missing[0]} (line {lines[0]} has it)")
     ids = {c: [_json_ids(r[c], c, where(i)) for i, r in enumerate(records)] for c in schema}
     uids = [_uid(r["uid"], where(i)) for i, r in enumerate(records)] if use_uid else None
-    return _Table(ids, uids, where)
+    routes = [r.get(_ROUTES) for r in records] if _ROUTES in records[0] else None
+    return _Table(ids, uids, where, routes)
 
 
 def _json_records(path: Path) -> tuple[list[dict], list[int]]:
@@ -227,7 +259,8 @@ def _read_parquet(path: Path) -> _Table:
     uids = None
     if "uid" in data.column_names and schema == _PROMPT_RESPONSE:
         uids = [_uid(u, where(i)) for i, u in enumerate(data.column("uid").to_pylist())]
-    return _Table(ids, uids, where)
+    routes = data.column(_ROUTES).to_pylist() if _ROUTES in data.column_names else None
+    return _Table(ids, uids, where, routes)
 
 
 def _import_pyarrow():

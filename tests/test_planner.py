@@ -286,3 +286,83 @@ def test_prompt_only_computes_what_prefix_grouper_computes(workload):
     grouped_tokens = int(PrefixGrouper(group_info, device="cpu").total_lens.sum())
     config = PrefixSharingConfig(mode="prompt_only", min_prefix_len=1)
     assert build_plan(w.sequences, config, groups=w.groups).num_tokens_unique == grouped_tokens
+
+
+# ----------------------------------------------------------------------------- routing replay
+def routes_of(seqs, layers=2, topk=2, experts=8):
+    """Batch-invariant routes: a function of the token prefix alone (what a deterministic
+    rollout engine records), ``[L, layers, topk]`` per sequence."""
+    out = []
+    for s in seqs:
+        rows = []
+        for j in range(len(s)):
+            h = hash(tuple(s[: j + 1]))
+            rows.append([[(h >> (3 * (layer * topk + k))) % experts for k in range(topk)]
+                         for layer in range(layers)])
+        out.append(np.asarray(rows, dtype=np.int64))
+    return out
+
+
+def test_routes_that_agree_give_the_tokens_plan():
+    seqs = [[5, 6, 7, 8], [5, 6, 7, 9, 9], [5, 6]]
+    by_tokens = build_plan(seqs, EVERY_PREFIX)
+    with_routes = build_plan(seqs, EVERY_PREFIX, routes=routes_of(seqs))
+    assert with_routes.digest() == by_tokens.digest()
+    assert with_routes.route_divergent_prefix_tokens == 0
+
+
+def test_a_route_mismatch_ends_the_shared_prefix_at_that_token():
+    seqs = [[5, 6, 7, 8], [5, 6, 7, 9, 9], [5, 6]]
+    routes = routes_of(seqs)
+    routes[1][1, 1, 0] += 1  # sequence 1's second token went elsewhere on layer 1
+    plan = build_plan(seqs, EVERY_PREFIX, routes=routes)
+    assert plan.prefix_lens == (0, 1, 2)  # b shares [5] only; c still shares a's [5 6]
+    assert plan.num_tokens_unique == 4 + 4
+    assert plan.route_divergent_prefix_tokens == 2  # b's tokens 6 and 7 are computed again
+    assert plan.input_ids.tolist() == [5, 6, 7, 8, 6, 7, 9, 9]
+
+
+def test_prompt_only_shares_a_prompt_as_far_as_the_routes_agree():
+    seqs = [[1, 2, 3, 4, 10], [1, 2, 3, 4, 11], [1, 2, 3, 4, 12]]
+    routes = routes_of(seqs)
+    routes[2][2, 0, 1] += 1
+    config = PrefixSharingConfig(mode="prompt_only", min_prefix_len=2)
+    plan = build_plan(seqs, config, groups=[(4, [0, 1, 2])], routes=routes)
+    assert plan.prefix_lens == (0, 4, 2)
+    assert plan.route_divergent_prefix_tokens == 2
+    routes[2][1, 0, 1] += 1  # now it agrees on one token only: below min_prefix_len
+    assert build_plan(seqs, config, groups=[(4, [0, 1, 2])], routes=routes).prefix_lens == (0, 4, 0)
+
+
+@given(forests(), st.integers(1, 3), st.integers(2, 3), st.data())
+def test_every_computed_row_stands_for_tokens_with_one_route(seqs, min_prefix_len,
+                                                             min_group_size, data):
+    """Perturbed routes (any token of any sequence): every plain token that reads a flat row
+    has that row's route, and the plan obeys every other invariant."""
+    config = PrefixSharingConfig(min_prefix_len=min_prefix_len, min_group_size=min_group_size)
+    routes = routes_of(seqs, layers=1, topk=1, experts=3)
+    for r in data.draw(st.lists(st.integers(0, len(seqs) - 1), max_size=3)):
+        j = data.draw(st.integers(0, len(seqs[r]) - 1))
+        routes[r][j, 0, 0] += 1
+    plan = build_plan(seqs, config, routes=routes)
+    check_plan_invariants(seqs, plan, config)
+    packed = np.concatenate(routes).reshape(plan.num_tokens_total, -1)
+    kv = plan.kv_index.numpy()
+    first = np.full(plan.num_tokens_flat, -1)
+    first[kv[::-1]] = np.arange(kv.size)[::-1]
+    assert (packed == packed[first[kv]]).all()
+    by_tokens = build_plan(seqs, config)
+    assert plan.route_divergent_prefix_tokens == plan.num_tokens_unique - by_tokens.num_tokens_unique
+
+
+@pytest.mark.parametrize("routes, message", [
+    ([np.zeros((4, 2), int)], r"one array per sequence \(2\); got 1 arrays"),
+    ([np.zeros((4, 2), int), np.zeros((4, 2), int)],
+     r"routes of sequence 1 have shape \(4, 2\); expected \(5, \*\(2,\)\)"),
+    ([np.zeros((4, 2), int), np.zeros((5, 3), int)], r"sequence 1 have shape \(5, 3\)"),
+    ([np.zeros((4, 2)), np.zeros((5, 2))], "not integer ids"),
+    (np.zeros((2, 4)), "got a ndarray"),
+])
+def test_bad_routes_are_named(routes, message):
+    with pytest.raises(ValueError, match=message):
+        build_plan([[1, 2, 3, 4], [1, 2, 3, 4, 5]], EVERY_PREFIX, routes=routes)

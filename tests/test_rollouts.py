@@ -203,3 +203,36 @@ def test_parquet_without_pyarrow_names_the_install_command(tmp_path, monkeypatch
     monkeypatch.setitem(sys.modules, "pyarrow", None)  # makes `import pyarrow` fail
     with pytest.raises(ImportError, match="needs pyarrow: pip install pyarrow"):
         load_rollouts(path)
+
+
+# ----------------------------------------------------------------------------- recorded routes
+ROUTED = [{"input_ids": [1, 2, 3], "routed_experts": [[[0, 1]], [[2, 3]], [[4, 5]]]},
+          {"input_ids": [1, 2], "routed_experts": [[[0, 1]], [[2, 7]]]}]
+
+
+def test_routed_experts_are_read_per_token_from_jsonl_and_parquet(tmp_path):
+    from_jsonl = load_rollouts(write_jsonl(tmp_path / "r.jsonl", ROUTED))
+    columns = {k: [row[k] for row in ROUTED] for k in ROUTED[0]}
+    from_parquet = load_rollouts(write_parquet(tmp_path / "r.parquet", columns))
+    for rollouts in (from_jsonl, from_parquet):
+        assert [r.shape for r in rollouts.routes] == [(3, 1, 2), (2, 1, 2)]
+        assert rollouts.routes[1].dtype == torch.int64
+        assert rollouts.routes[1].tolist() == [[[0, 1]], [[2, 7]]]
+    assert load_rollouts(write_jsonl(tmp_path / "n.jsonl", [{"input_ids": [1]}])).routes is None
+
+
+@pytest.mark.parametrize("routes, message", [
+    ([[[0, 1]], [[2, 3]]], r"line 1: routed_experts has shape \(2, 1, 2\); expected \(3, L, k\)"),
+    ([[0, 1], [2, 3], [4, 5]], r"line 1: routed_experts must be a \[tokens\]\[moe_layers\]\[topk\]"),
+    ([[[0, -1]], [[2, 3]], [[4, 5]]], "expert ids >= 0"),
+])
+def test_bad_routes_name_the_line(tmp_path, routes, message):
+    path = write_jsonl(tmp_path / "r.jsonl", [dict(ROUTED[0], routed_experts=routes)])
+    with pytest.raises(RolloutError, match=message):
+        load_rollouts(path)
+
+
+def test_routes_of_another_shape_than_the_first_row_are_refused(tmp_path):
+    rows = [ROUTED[0], dict(ROUTED[1], routed_experts=[[[0, 1, 2]], [[2, 7, 3]]])]
+    with pytest.raises(RolloutError, match=r"line 2: .* expected \(2, 1, 2\)"):
+        load_rollouts(write_jsonl(tmp_path / "r.jsonl", rows))

@@ -7,6 +7,11 @@ given options and reports, as text or (``--json``) one JSON object:
   ``token_ratio`` is their quotient, ``flop_ratio`` the plain / shared forward+backward FLOPs of
   the ``--model`` preset (:func:`prefix_sharing.flops.count_flops`), and ``planner_ms`` the
   median wall time of 3 ``build_plan`` calls after a first, untimed one.
+- ``route_divergent_prefix_tokens`` (only when the file has ``routed_experts``, the routes
+  recorded for MoE routing replay): the plan shares a prefix only as far as the routes agree as
+  well as the tokens, and this many tokens are computed again because routes differ inside
+  token-identical prefixes (``route_divergent_share`` of the tokens a plan of the tokens alone
+  would share).
 - ``structure``: how the plan shares, in terms of "reads": sequence ``r`` *reads from* sequence
   ``s`` when some token of ``r``'s reused prefix was computed by ``s`` (``s`` owns the flat row
   that ``plan.kv_index`` points to; a chain of reuse is resolved, so this is who computes it).
@@ -106,6 +111,8 @@ def run(args: argparse.Namespace) -> int:
         "min_group_size": config.min_group_size,
         "structure": sharing_structure(plan),
     }
+    if rollouts.routes is not None:
+        report.update(_route_figures(plan))
     print(json.dumps(report) if args.json else "\n".join(_text(report, plan)))
     return 0
 
@@ -120,11 +127,11 @@ def _timed_plan(
     """
     groups = _groups(rollouts, config, path)
     with user_input(ValueError):  # what the planner refuses in the file (ids out of range)
-        plan = build_plan(rollouts.sequences, config, groups=groups)
+        plan = build_plan(rollouts.sequences, config, groups=groups, routes=rollouts.routes)
     times = []
     for _ in range(_TIMED_RUNS):
         start = time.perf_counter()
-        build_plan(rollouts.sequences, config, groups=groups)
+        build_plan(rollouts.sequences, config, groups=groups, routes=rollouts.routes)
         times.append((time.perf_counter() - start) * 1e3)
     return plan, statistics.median(times)
 
@@ -139,6 +146,15 @@ def _groups(rollouts: Rollouts, config: PrefixSharingConfig, path: str) -> list[
             "give prompt_ids and response_ids (and uid) to say where prompts end"
         )
     return rollouts.groups
+
+
+def _route_figures(plan: SharingPlan) -> dict[str, float]:
+    """What diverging recorded routes cost: tokens computed again, and their share of the
+    tokens the tokens alone would let the plan share."""
+    divergent = plan.route_divergent_prefix_tokens
+    shared_by_tokens = plan.num_tokens_total - plan.num_tokens_unique + divergent
+    return {"route_divergent_prefix_tokens": divergent,
+            "route_divergent_share": divergent / shared_by_tokens if shared_by_tokens else 0.0}
 
 
 # --------------------------------------------------------------------------- structure
@@ -293,6 +309,10 @@ def _text(report: dict[str, Any], plan: SharingPlan) -> list[str]:
         ("flop ratio", f"{report['flop_ratio']:.2f}",
          f"plain / shared forward+backward FLOPs, {report['model']}"),
         ("planner time", f"{report['planner_ms']:.2f}", "ms"),
+        *([("route divergence", f"{report['route_divergent_prefix_tokens']}",
+            f"tokens recomputed: routes differ inside token-identical prefixes "
+            f"({report['route_divergent_share']:.1%} of what tokens alone would share)")]
+          if "route_divergent_prefix_tokens" in report else []),
         ("sharing groups", f"{s['sharing_groups']}",
          f"largest: {s['largest_sharing_group']} sequences"),
         ("longest shared prefix", f"{s['longest_shared_prefix']}", "tokens"),

@@ -9,6 +9,12 @@ With ``--token-budget N`` the shared run computes each group (a prompt group of 
 the whole micro-batch) in micro-batches of at most N computed tokens, its common prefix once
 across them (cross-micro-batch sharing; PP=1, dense models), and is judged against the plain
 run of the whole batch.
+
+With ``--routing-replay`` (MoE presets) every run replays recorded routes (megatron's
+``moe_enable_routing_replay``): routes that depend on each token's prefix, as a batch-invariant
+rollout engine records them, with one token's route changed inside the longest shared prefix
+(rollout engines are not batch-invariant). The plan shares only as far as the routes agree, and
+the shared run replays each computed row's route; the plain runs replay them on the padded batch.
 """
 
 from __future__ import annotations
@@ -51,6 +57,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--token-budget", type=int, metavar="N",
                         help="run each group in micro-batches of at most N computed tokens, "
                         "its common prefix computed once across them (pp=1)")
+    parser.add_argument("--routing-replay", action="store_true",
+                        help="replay recorded MoE routes (one diverging inside a shared prefix) "
+                        "in every run (MoE presets)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(run=run)
 
@@ -70,10 +79,18 @@ def run(args: argparse.Namespace) -> int:
         _check_cross(args, engine.name, model, sequences, groups, config)
     else:
         groups = groups if config.mode == "prompt_only" else None
+    routes, diverged_at = None, None
+    if args.routing_replay:
+        routes, diverged_at = _replay_routes(args, engine.name, model, sequences, config, groups)
     request = VerifyRequest([(sequences, groups)], config, model, dtype, args.steps,
-                            token_budget=args.token_budget)
+                            token_budget=args.token_budget,
+                            routes=None if routes is None else [routes])
     report, = engine.verify(request, args.tp, args.pp, args.cp)
-    plan = build_plan(sequences, config, groups=groups if config.mode == "prompt_only" else None)
+    plan = build_plan(sequences, config, groups=groups if config.mode == "prompt_only" else None,
+                      routes=routes)
+    if routes is not None:
+        report.update(routing_replay=True, route_diverged_at=diverged_at,
+                      route_divergent_prefix_tokens=plan.route_divergent_prefix_tokens)
     report.update(input=name, engine=engine.name, model=model.name, vocab_size=model.vocab_size,
                   tp=args.tp, pp=args.pp, cp=args.cp, dtype=args.dtype, backend=config.backend,
                   steps=args.steps, mode=config.mode, tokens_total=plan.num_tokens_total,
@@ -100,6 +117,28 @@ def _check_cross(args: argparse.Namespace, engine: str, model: ModelPreset,
             plan_group([sequences[i] for i in m], args.token_budget, config)
 
 
+def _replay_routes(args: argparse.Namespace, engine: str, model: ModelPreset, sequences: list,
+                   config: PrefixSharingConfig,
+                   groups: list[PromptGroup] | None) -> tuple[list, list[int] | None]:
+    """The routes ``--routing-replay`` replays, and where one was made to diverge (None when
+    nothing is shared, so nothing can diverge inside a shared prefix)."""
+    from ..routes import diverge_inside_shared_prefix, recorded_routes
+
+    if engine != "megatron" or not model.num_experts:
+        raise InputError(f"--routing-replay replays MoE routes on the megatron engine; got "
+                         f"--engine {engine} with the {model.name} preset "
+                         f"({model.num_experts or 'no'} experts)")
+    if args.token_budget is not None or args.cp != 1:
+        raise InputError("--routing-replay runs without --token-budget and with --cp 1")
+    routes = recorded_routes(sequences, model.num_layers, model.moe_router_topk,
+                             model.num_experts)
+    if not build_plan(sequences, config, groups=groups).has_sharing:
+        return routes, None
+    routes, where = diverge_inside_shared_prefix(sequences, routes, model.num_experts, config,
+                                                 groups)
+    return routes, list(where)
+
+
 def _text(r: dict) -> str:
     lines = [
         f"verify {r['input']}: {r['sequences']} sequences, {r['tokens_total']} tokens, "
@@ -119,6 +158,12 @@ def _text(r: dict) -> str:
     lines += ["", f"vs plain: the shared run against the plain {r['dtype']} run"
               + (f" (within {FP32_RTOL:.0e}: {'yes' if r['vs_plain_within_fp32_rtol'] else 'no'})"
                  if r["dtype"] == "float32" else ""), ""]
+    if r.get("routing_replay"):
+        where = r["route_diverged_at"]
+        lines.append("routing replay: recorded routes replayed in every run; "
+                     + (f"sequence {where[0]}'s route changed at token {where[1]}, inside a shared "
+                        f"prefix: {r['route_divergent_prefix_tokens']} more tokens computed"
+                        if where else "nothing shared, so no route diverges"))
     if not r["same_plan_on_every_rank"]:
         lines.append("FAILED: the ranks built different plans")
     if r["token_budget"] is not None:

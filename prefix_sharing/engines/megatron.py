@@ -432,11 +432,18 @@ def forward_backward(
     layout: str,
     config: PrefixSharingConfig = PrefixSharingConfig(),
     groups: Sequence[Sequence[PromptGroup] | None] | None = None,
+    routes: Sequence[Sequence[torch.Tensor]] | None = None,
 ) -> MicroBatchRun:
     """Forward+backward of every micro-batch through megatron's schedule (see the module doc).
 
     The loss of a micro-batch is :func:`pg_loss` of its log-probs and entropy with seeded
     per-token :func:`advantages`, so every quantity the comparison reads gets a gradient.
+
+    ``routes``: per micro-batch, the recorded MoE routes to replay (one ``[L_i, moe_layers,
+    topk]`` tensor per sequence; the model built with ``moe_enable_routing_replay=True``).
+    ``"shared"`` hands them to the plan; ``"padded"`` sets each stock router's replay targets
+    to them, laid out as its top-k sees the padded ``[s, b]`` batch (this rank's
+    sequence-parallel slice of ``s``).
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -447,14 +454,17 @@ def forward_backward(
     _check_context_parallel_layout(layout)
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
     groups = list(groups) if groups is not None else [None] * len(batches)
+    if routes is not None and layout == "packed":
+        raise ValueError("routes are replayed in the 'shared' and 'padded' layouts")
     if layout == "padded":
         inputs = [_padded(seqs, device) for seqs in batches]
     elif layout == "packed":
         inputs = [stock_thd_batch(seqs, device, config.backend) for seqs in batches]
     else:
         check_sharing_model(model)
-        inputs = [prepare_micro_batch(seqs, config, groups=g, device=device)
-                  for seqs, g in zip(batches, groups)]
+        inputs = [prepare_micro_batch(seqs, config, groups=g, device=device,
+                                      routes=None if routes is None else routes[i])
+                  for i, (seqs, g) in enumerate(zip(batches, groups))]
     model.zero_grad(set_to_none=True)
     outputs: list[RunOutputs] = []
     order = iter(range(len(batches)))
@@ -463,6 +473,8 @@ def forward_backward(
         i = next(order)
         seqs, mb = batches[i], next(data_iterator)
         if layout == "padded":  # the mask keeps pads out of MoE router statistics
+            if routes is not None:
+                _replay_padded(model, routes[i], mb[0].size(1))
             output = model(mb[0], mb[1], None, padding_mask=_stage_padding_mask(model, mb[2]))
         else:
             thd = mb[0] if layout == "packed" else mb
@@ -495,6 +507,10 @@ def forward_backward(
         micro_batch_size=1,
     )
     digests = [mb.plan.digest() for mb in inputs] if layout == "shared" else []
+    if routes is not None and layout == "padded":
+        for router in _routers_replaying(model):
+            router.router_replay.clear_indices()
+            router.router_replay.clear_router_replay_action()
     finalize_sequence_parallel_grads(model)  # the parameters' .grad are then the optimizer's
     finalize_context_parallel_grads(model)
     return MicroBatchRun(outputs, full_grads(model), digests)
@@ -559,6 +575,41 @@ def _padded(seqs: Sequence[torch.Tensor], device: Any) -> tuple[torch.Tensor, ..
         padding[row, : len(s)] = False
     positions = torch.arange(longest).expand(len(seqs), longest)
     return tokens.to(device), positions.to(device), padding.to(device)
+
+
+def _routers_replaying(model: torch.nn.Module) -> list[Any]:
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    return [m for m in model.modules()
+            if isinstance(m, TopKRouter) and getattr(m, "router_replay", None) is not None]
+
+
+def _replay_padded(model: torch.nn.Module, routes: Sequence[torch.Tensor], length: int) -> None:
+    """Sets every stock router of this stage to replay ``routes`` (per sequence ``[L_i,
+    moe_layers, topk]``) on the right-padded ``[b, length]`` batch: the router's top-k sees
+    ``[s, b]`` flattened s-major, under sequence parallelism this rank's slice of ``s``; pad
+    positions replay experts ``0..topk-1`` (their outputs are never read)."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    from ..megatron_ext.routing_replay import moe_layer_index
+
+    routers = _routers_replaying(model)
+    if not routers:
+        raise ValueError("routes were given but no router of this model replays: build it with "
+                         "moe_enable_routing_replay=True")
+    _, moe_layers, topk = routes[0].shape
+    padded = torch.arange(topk).expand(len(routes), length, moe_layers, topk).clone()
+    for row, r in enumerate(routes):
+        padded[row, : r.size(0)] = r
+    plain = padded.transpose(0, 1)  # [s, b, moe_layers, topk]
+    if model.config.sequence_parallel:
+        plain = plain.chunk(parallel_state.get_tensor_model_parallel_world_size())[
+            parallel_state.get_tensor_model_parallel_rank()]
+    for router in routers:
+        column = plain[:, :, moe_layer_index(model.config, router.layer_number)]
+        router.router_replay.set_target_indices(column.reshape(-1, topk).to(router.weight.device))
+        router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
 
 def _stage_padding_mask(model: torch.nn.Module, padding: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,11 @@ floor (:func:`prefix_sharing.equivalence.within_tolerance`). A fixed "1e-5 of th
 run" fails correct code on large batches, where the plain run's own rounding grows; the shared
 run's distance from the plain one is still reported (``vs_plain_max_rel_diff``).
 
+With ``routes`` (one list of per-sequence ``[L_i, moe_layers, topk]`` routes per micro-batch)
+every model is built with ``moe_enable_routing_replay=True`` and replays them: the shared run
+through the plan (each computed row its tokens' route), the plain and the reference runs through
+megatron's own ``RouterReplay`` on the padded batch.
+
 With a ``token_budget`` the shared run is the cross-micro-batch one
 (:mod:`~prefix_sharing.engines.cross_micro_batch`): each group (a prompt group of the batch, or
 the whole batch) as its prefix micro-batch and suffix micro-batches of at most that many
@@ -39,7 +44,7 @@ __all__ = ["VerifyRequest", "verify_job", "plain_runs_job", "verify_cp_job", "su
 class VerifyRequest:
     """Micro-batches (each: sequences and, for ``prompt_only`` or a ``token_budget``, prompt
     groups) to verify; ``token_budget``: run the shared side across micro-batches of this many
-    computed tokens."""
+    computed tokens; ``routes``: per micro-batch, the recorded MoE routes to replay."""
 
     batches: list[tuple[list[torch.Tensor], list[PromptGroup] | None]]
     config: PrefixSharingConfig
@@ -49,6 +54,7 @@ class VerifyRequest:
     seed: int = 0
     lr: float = 1e-3
     token_budget: int | None = None
+    routes: list[list[torch.Tensor]] | None = None
 
 
 def reference_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -61,18 +67,20 @@ def verify_job(rank: int, request: VerifyRequest) -> list[list[dict]]:
     and step, this rank's largest differences (outputs on the last stage, this stage's grads)."""
     from .megatron import gpt_model
 
-    build = dict(dtype=request.dtype, seed=request.seed)
+    replay = {} if request.routes is None else {"moe_enable_routing_replay": True}
+    build = dict(dtype=request.dtype, seed=request.seed, **replay)
     models = {
         "shared": gpt_model(request.preset, layout="shared", **build),
         "plain": gpt_model(request.preset, layout="padded", **build),
         "reference": gpt_model(request.preset, layout="padded", seed=request.seed,
-                               dtype=reference_dtype(request.dtype)),
+                               dtype=reference_dtype(request.dtype), **replay),
     }
     initial = [p.detach().clone() for p in models["plain"].parameters()]
     reports = []
-    for sequences, groups in request.batches:
+    for i, (sequences, groups) in enumerate(request.batches):
         _copy_weights(initial, models["plain"])
-        reports.append(_verify_batch(models, [sequences], [groups], request))
+        routes = None if request.routes is None else [request.routes[i]]
+        reports.append(_verify_batch(models, [sequences], [groups], request, routes))
     return reports
 
 
@@ -113,7 +121,8 @@ def verify_cp_job(
     return reports
 
 
-def _verify_batch(models: dict, batch: list, groups: list, request: VerifyRequest) -> list[dict]:
+def _verify_batch(models: dict, batch: list, groups: list, request: VerifyRequest,
+                  routes: list | None = None) -> list[dict]:
     from .megatron import compare, forward_backward
 
     optimizer = torch.optim.Adam(models["plain"].parameters(), lr=request.lr)
@@ -124,14 +133,15 @@ def _verify_batch(models: dict, batch: list, groups: list, request: VerifyReques
         _copy_weights(models["plain"].parameters(), models["reference"])
         cross = None
         if request.token_budget is None:
-            shared = forward_backward(models["shared"], batch, "shared", request.config, groups)
+            shared = forward_backward(models["shared"], batch, "shared", request.config, groups,
+                                      routes=routes)
             digest = shared.digests[0]
         else:
             cross = _cross(models["shared"], batch[0], groups[0], request)
             shared = cross.run
             digest = "".join(p.digest() for s in cross.schedules for p in s.plans())
-        plain = forward_backward(models["plain"], batch, "padded")
-        reference = forward_backward(models["reference"], batch, "padded")
+        plain = forward_backward(models["plain"], batch, "padded", routes=routes)
+        reference = forward_backward(models["reference"], batch, "padded", routes=routes)
         steps.append({"shared": compare(shared, reference), "plain": compare(plain, reference),
                       "vs_plain": compare(shared, plain), "digest": digest,
                       "cross_micro_batch": None if cross is None else cross.report()})

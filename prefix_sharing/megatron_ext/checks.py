@@ -132,9 +132,12 @@ def _moe_problems(config: TransformerConfig, training: bool) -> list[str]:
             f"moe_router_force_biased={force_biased}: the benchmark's random router logits are "
             "drawn per computed token, so every reuser would get its provider's draw"
         )
-    if config.moe_enable_routing_replay:
+    # verl's router_replay patch sets its own enable_routing_replay flag on the config
+    replay = config.moe_enable_routing_replay or getattr(config, "enable_routing_replay", False)
+    if replay and config.moe_router_fusion:
         problems.append(
-            "moe_enable_routing_replay=True: replayed routing is recorded per plain token"
+            "routing replay (moe_enable_routing_replay) with moe_router_fusion=True: the fused "
+            "top-k ignores the replayed routes; set moe_router_fusion=False"
         )
     return problems
 

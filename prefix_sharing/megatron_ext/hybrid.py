@@ -87,7 +87,13 @@ _NOT_YET = {
 
 
 class PrefixSharingMoETransformerLayer(PrefixSharingTransformerLayer, MoETransformerLayer):
-    """The hybrid stack's MoE layer (``MoETransformerLayer``) that hands the plan to its router."""
+    """The hybrid stack's MoE layer (``MoETransformerLayer``) that hands the plan to its router.
+
+    Its MoE ordinal is not ``moe_layer_freq``'s (the pattern decides), so it does not name a
+    column of replayed routes: routing replay under sharing is refused here, by the router."""
+
+    def _moe_layer_index(self) -> int | None:
+        return None
 
 
 class UnsupportedHybridLayer(torch.nn.Module):

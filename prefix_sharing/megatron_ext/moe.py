@@ -56,6 +56,10 @@ statistics (evaluation, no aux/z-loss, no expert bias) the flat rows are routed 
 The plan reaches the router through the layer spec: :class:`PrefixSharingTransformerLayer`
 receives ``packed_seq_params`` like every layer and hands its plan to its own router for the
 duration of its forward (also when full recomputation replays that forward).
+
+Routing replay: the recorded routes of the flat rows travel with the plan (see
+:mod:`.routing_replay`); the router replays its layer's column of them, laid out like the
+tokens its top-k sees (the flat rows, or the plain view), through megatron's ``RouterReplay``.
 """
 
 from __future__ import annotations
@@ -78,6 +82,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from ..plan import SharingPlan
 from .checks import UnsupportedSetupError
 from .packed_seq import PlanPackedSeqParams
+from .routing_replay import check_replay_state, moe_layer_index, num_moe_layers, replaying
 
 __all__ = ["PlainBatchView", "PrefixSharingRouter", "PrefixSharingTransformerLayer"]
 
@@ -224,22 +229,38 @@ class PrefixSharingRouter(TopKRouter):
         self._plan: SharingPlan | None = None
         # the z-loss weights of the plain slice being routed (context parallelism only)
         self._z_loss_weights: torch.Tensor | None = None
+        self._routes: torch.Tensor | None = None
         # The layer class that hands this router its plan (set by that layer); a router no layer
         # feeds would route the flat rows as if they were the plain batch.
         self.fed_by: str | None = None
+        # Which column of the recorded routes this router replays (set by its layer; None:
+        # the layer cannot say, so replay under sharing is refused).
+        self.moe_layer_index: int | None = None
 
     @contextlib.contextmanager
-    def reading(self, plan: SharingPlan | None) -> Iterator[None]:
-        """Routes with ``plan``'s plain batch inside the block (None: the tokens as given)."""
-        previous, self._plan = self._plan, plan
+    def reading(self, plan: SharingPlan | None,
+                routes: torch.Tensor | None = None) -> Iterator[None]:
+        """Routes with ``plan``'s plain batch inside the block (None: the tokens as given),
+        replaying ``routes`` (``[T_flat, moe_layers, topk]``, the flat rows' recorded routes)
+        when given."""
+        previous, self._plan, self._routes = (self._plan, self._routes), plan, routes
         try:
             yield
         finally:
-            self._plan = previous
+            self._plan, self._routes = previous
 
     def routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
-        if self._plan is None or not self._computes_statistics():
+        if self._plan is None:
             return super().routing(logits, padding_mask=padding_mask)
+        check_replay_state(getattr(self, "router_replay", None), self._routes is not None)
+        if self._routes is not None and self.cp_group.size() > 1:
+            raise UnsupportedSetupError(
+                "routing replay with sharing under context parallelism (context_parallel_size="
+                f"{self.cp_group.size()}) is not supported yet: use context_parallel_size=1")
+        if not self._computes_statistics():
+            with replaying(getattr(self, "router_replay", None),
+                           self._flat_routes(self._sharding_group())):
+                return super().routing(logits, padding_mask=padding_mask)
         if padding_mask is not None:
             raise UnsupportedSetupError(
                 "a padding_mask was passed with a sharing plan: the plan already says which "
@@ -262,7 +283,8 @@ class PrefixSharingRouter(TopKRouter):
         plain_logits = view.gather(flat_logits)  # [s / shards, b, E]
         self._z_loss_weights = view.z_loss_weights
         try:
-            probs, routing_map = super().routing(plain_logits, padding_mask=view.padding_mask)
+            with replaying(getattr(self, "router_replay", None), self._plain_routes(view)):
+                probs, routing_map = super().routing(plain_logits, padding_mask=view.padding_mask)
         finally:
             self._z_loss_weights = None
         if shards > 1:  # this rank's flat rows may be read in another rank's slice
@@ -294,6 +316,43 @@ class PrefixSharingRouter(TopKRouter):
                                    self.config.num_layers + (self.config.mtp_num_layers or 0),
                                    reduce_group=self.tp_cp_group)
         return logits
+
+    def _layer_routes(self) -> torch.Tensor | None:
+        """This layer's recorded route of every flat row, ``[T_flat, topk]`` (None: no replay).
+
+        The routes' second dimension is either every MoE layer of the model (verl's R2 with
+        dense layers) or every layer (verl's R3, dense layers included), as verl reads them."""
+        routes = self._routes
+        if routes is None:
+            return None
+        if self.moe_layer_index is None:
+            raise UnsupportedSetupError(
+                f"routing replay with sharing: the layer holding this router ({self.fed_by}) "
+                "does not say which MoE layer it is; replay is supported in GPTModel layers")
+        moe_layers, layers = num_moe_layers(self.config), self.config.num_layers
+        if routes.size(1) not in (moe_layers, layers) or routes.size(2) != self.topk:
+            raise UnsupportedSetupError(
+                f"the replayed routes are [tokens, {routes.size(1)}, {routes.size(2)}]; this "
+                f"model has {moe_layers} MoE layers of {layers} layers, top-{self.topk}")
+        index = self.moe_layer_index if routes.size(1) == moe_layers else self.layer_number - 1
+        return routes[:, index]
+
+    def _flat_routes(self, group: torch.distributed.ProcessGroup | None) -> torch.Tensor | None:
+        """The routes of the flat rows this rank routes (its slice over ``group``, see
+        :meth:`_sharding_group`)."""
+        routes = self._layer_routes()
+        if routes is None or group is None:
+            return routes
+        return routes.chunk(group.size())[group.rank()]
+
+    def _plain_routes(self, view: PlainBatchView) -> torch.Tensor | None:
+        """The routes of the plain view's positions, ``[s / shards * b, topk]`` (s-major, as
+        the top-k sees them); padding positions take flat row 0's route."""
+        routes = self._layer_routes()
+        if routes is None:
+            return None
+        with_sentinel = torch.cat([routes, routes[:1]])  # the sentinel row: a valid route
+        return with_sentinel.index_select(0, view.rows.reshape(-1))
 
     def _apply_expert_bias(self, routing_map: torch.Tensor,
                            padding_mask: torch.Tensor | None = None) -> None:
@@ -341,6 +400,7 @@ class PrefixSharingTransformerLayer(TransformerLayer):
                 f"PrefixSharingRouter; got router={type(router).__name__}"
             )
         router.fed_by = type(self).__qualname__
+        router.moe_layer_index = self._moe_layer_index()
         if self.mlp.moe_layer_recompute and router._keeps_statistics():
             raise UnsupportedSetupError(
                 "recompute_modules contains 'moe' with MoE auxiliary losses, z-loss or expert "
@@ -348,8 +408,14 @@ class PrefixSharingTransformerLayer(TransformerLayer):
                 "sharing plan; use recompute_granularity='full' or drop 'moe'"
             )
 
+    def _moe_layer_index(self) -> int | None:
+        """This layer's MoE ordinal over the whole model (``moe_layer_freq``), which picks its
+        column of the replayed routes."""
+        return moe_layer_index(self.config, self.layer_number)
+
     def forward(self, *args: Any, **kwargs: Any):
         params = kwargs.get("packed_seq_params")
         plan = params.plan if isinstance(params, PlanPackedSeqParams) else None
-        with self.mlp.router.reading(plan):
+        routes = params.routes if isinstance(params, PlanPackedSeqParams) else None
+        with self.mlp.router.reading(plan, routes):
             return super().forward(*args, **kwargs)

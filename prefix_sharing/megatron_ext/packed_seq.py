@@ -28,6 +28,7 @@ from ..planner import PromptGroup, TokenSequence, build_plan
 from .checks import assert_same_plan
 from .context_parallel import ContextParallelSlice, slice_plan
 from .prefix_kv import PrefixKV
+from .routing_replay import flat_routes
 
 __all__ = [
     "PlanPackedSeqParams",
@@ -51,12 +52,15 @@ class PlanPackedSeqParams(PackedSeqParams):
         prefix_kv: a group's prefix K/V across micro-batches
             (:mod:`prefix_sharing.megatron_ext.cross_micro_batch`): recorded by the prefix
             micro-batch, read by a suffix micro-batch whose plan addresses those rows first.
+        routes: ``[T_flat, moe_layers, topk]`` int64, the recorded route of every flat row, for
+            MoE routing replay (:mod:`.routing_replay`), or ``None``.
     """
 
     plan: SharingPlan | None = None
     backend: str = "auto"
     cp: ContextParallelSlice | None = None
     prefix_kv: PrefixKV | None = None
+    routes: torch.Tensor | None = None
     _rotary_cache: tuple[torch.Tensor, torch.Tensor] | None = dataclasses.field(
         default=None, init=False, repr=False, compare=False
     )
@@ -64,7 +68,8 @@ class PlanPackedSeqParams(PackedSeqParams):
     @classmethod
     def from_plan(cls, plan: SharingPlan, backend: str = "auto", *,
                   cp: ContextParallelSlice | None = None,
-                  prefix_kv: PrefixKV | None = None) -> PlanPackedSeqParams:
+                  prefix_kv: PrefixKV | None = None,
+                  routes: torch.Tensor | None = None) -> PlanPackedSeqParams:
         return cls(
             qkv_format="thd",
             cu_seqlens_q=plan.cu_seqlens_q,
@@ -77,6 +82,7 @@ class PlanPackedSeqParams(PackedSeqParams):
             backend=backend,
             cp=cp,
             prefix_kv=prefix_kv,
+            routes=routes,
         )
 
     def per_token_rotary(self, table: torch.Tensor) -> torch.Tensor:
@@ -121,6 +127,7 @@ def prepare_micro_batch(
     groups: Sequence[PromptGroup] | None = None,
     pad_to_multiple_of: int | None = None,
     device: torch.device | str | None = None,
+    routes: Sequence[TokenSequence] | None = None,
 ) -> MicroBatch:
     """Plans a micro-batch and builds the ``GPTModel`` inputs for it.
 
@@ -135,6 +142,10 @@ def prepare_micro_batch(
             tensor-parallel size times the context-parallel size (context parallelism splits
             the rows across its ranks, then sequence parallelism each slice across TP).
         device: where the model runs; defaults to the current CUDA device, else CPU.
+        routes: recorded MoE routes to replay (``moe_enable_routing_replay=True``), one
+            ``[L_i, moe_layers, topk]`` integer array per sequence (verl's ``routed_experts``
+            layout, MoE layers of the whole model): prefixes are shared only as far as the
+            routes agree, and every computed row replays its tokens' route.
 
     Returns:
         A :class:`MicroBatch`; call ``model(mb.input_ids, mb.position_ids, None,
@@ -149,19 +160,22 @@ def prepare_micro_batch(
         pad_to_multiple_of = _tensor_parallel_size() * cp_size
     if device is None:
         device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-    plan = build_plan(sequences, config, groups=groups, pad_to_multiple_of=pad_to_multiple_of)
+    plan = build_plan(sequences, config, groups=groups, pad_to_multiple_of=pad_to_multiple_of,
+                      routes=routes)
     cp = None
     if cp_group is not None:
         assert_same_plan(plan, cp_group)
         cp = slice_plan(plan, torch.distributed.get_rank(cp_group), cp_size, cp_group,
                         device)  # host work, once per micro-batch
+    replayed = None if routes is None else flat_routes(plan, routes, device)
     plan = plan.to(device, non_blocking=True)
     rows = slice(None) if cp is None else slice(cp.row_start, cp.row_stop)
     return MicroBatch(
         plan=plan,
         input_ids=plan.input_ids[rows].unsqueeze(0),  # [1, T_flat (/ CP)]: THD is batch 1
         position_ids=plan.position_ids[rows].unsqueeze(0),
-        packed_seq_params=PlanPackedSeqParams.from_plan(plan, config.backend, cp=cp),
+        packed_seq_params=PlanPackedSeqParams.from_plan(plan, config.backend, cp=cp,
+                                                        routes=replayed),
         cp=cp,
     )
 

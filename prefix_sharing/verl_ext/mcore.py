@@ -25,6 +25,7 @@ import torch
 from ..config import PrefixSharingConfig
 from ..errors import UnsupportedSetup
 from ..planner import PromptGroup, prompt_groups
+from .routing_replay import replay_mode_problems, replaying_now
 
 __all__ = [
     "PrefixSharingSetupError",
@@ -58,7 +59,8 @@ def check_engine_setup(engine_config: Any, model_config: Any | None = None) -> N
     - ``use_fused_kernels=True``: the fused kernel computes log-probs from labels laid out per
       sample, which a shared row cannot give (one row serves several next tokens);
     - MTP training: its labels are laid out per sample as well;
-    - a value model or a multimodal model: sharing covers text-only language models.
+    - a value model or a multimodal model: sharing covers text-only language models;
+    - ``router_replay.mode='R2'`` (Megatron; :mod:`.routing_replay`): ``R3`` is accepted.
     """
     problems = []
     if getattr(engine_config, "dynamic_context_parallel", False):
@@ -83,6 +85,7 @@ def check_engine_setup(engine_config: Any, model_config: Any | None = None) -> N
         problems.append(f"model_type={model_type!r} (a language model only)")
     if getattr(getattr(model_config, "hf_config", None), "vision_config", None) is not None:
         problems.append("a multimodal model (text-only language models only)")
+    problems += replay_mode_problems(engine_config)
     if problems:
         raise PrefixSharingSetupError(
             "prefix sharing (actor.prefix_grouper) cannot run with " + "; ".join(problems)
@@ -123,16 +126,21 @@ def micro_batch_groups(batch: Any, num_sequences: int) -> list[PromptGroup]:
 
 @dataclasses.dataclass
 class SharingMetrics:
-    """Tokens of the step: as packed (``total``) and as computed after sharing (``computed``)."""
+    """Tokens of the step: as packed (``total``) and as computed after sharing (``computed``);
+    under routing replay, the tokens computed again because routes differ inside
+    token-identical prefixes (``route_divergent``, None without replayed routes)."""
 
     total: int = 0
     computed: int = 0
     micro_batches: int = 0
+    route_divergent: int | None = None
 
-    def add(self, plan) -> None:
+    def add(self, plan, replayed: bool = False) -> None:
         self.total += plan.num_tokens_total
         self.computed += plan.num_tokens_flat
         self.micro_batches += 1
+        if replayed:
+            self.route_divergent = (self.route_divergent or 0) + plan.route_divergent_prefix_tokens
 
     def as_verl_metrics(self) -> dict[str, list[float]]:
         """``prefix_sharing/token_ratio`` = total / computed tokens, as ``SharingPlan.token_ratio``
@@ -141,11 +149,14 @@ class SharingMetrics:
         One value per step, as a one-element list like verl's per-micro-batch metrics: verl's
         worker all-gathers each metric over data-parallel ranks and then flattens the lists
         (``chain.from_iterable``), which a bare number fails."""
-        return {
+        metrics = {
             "prefix_sharing/token_ratio": [self.total / max(self.computed, 1)],
             "prefix_sharing/tokens_total": [float(self.total)],
             "prefix_sharing/tokens_computed": [float(self.computed)],
         }
+        if self.route_divergent is not None:
+            metrics["prefix_sharing/route_divergent_prefix_tokens"] = [float(self.route_divergent)]
+        return metrics
 
 
 def shared_forward(
@@ -161,13 +172,16 @@ def shared_forward(
     groups: list[PromptGroup] | None,
     calculate_entropy: bool,
     metrics: SharingMetrics | None = None,
+    replay_routes: list[torch.Tensor] | None = None,
     **_verl_kwargs: Any,
 ) -> Any:
     """verl's ``gptmodel_forward_model_engine`` for one micro-batch, computing shared prefixes once.
 
     Arguments as verl passes them (``input_ids``: jagged nested ``(bsz, j1)``), plus the
     sharing config, the micro-batch's prompt groups (``prompt_only``), whether to return the
-    entropy, and where to count tokens. verl's own ``logits_processor`` is not called: its
+    entropy, where to count tokens, and the micro-batch's routes for ``router_replay``
+    (:func:`.routing_replay.micro_batch_routes`), replayed when verl has set the routers to
+    replay. verl's own ``logits_processor`` is not called: its
     labels are laid out per sample, the flat layout has one row per computed token.
 
     Under context parallelism verl's ``local_cp_size`` / ``cp_layout`` (its zigzag split and
@@ -188,16 +202,18 @@ def shared_forward(
                                       "head, no vision inputs)")
     check_sharing_model(model)
     sequences = list(input_ids.unbind())
+    routes = replay_routes if replay_routes is not None and replaying_now(unwrap_model(model)) \
+        else None
     # the plan's flat layout replaces verl's per-sample CP padding and zigzag split: padded to
     # CP x TP, each CP rank runs its contiguous slice of rows (then sequence parallel splits it)
     mb = prepare_micro_batch(
         sequences, sharing, groups=groups,
         pad_to_multiple_of=(parallel_state.get_tensor_model_parallel_world_size()
                             * parallel_state.get_context_parallel_world_size()),
-        device=input_ids.device,
+        device=input_ids.device, routes=routes,
     )
     if metrics is not None:
-        metrics.add(mb.plan)
+        metrics.add(mb.plan, replayed=routes is not None)
     output = model(input_ids=mb.input_ids, attention_mask=None, position_ids=mb.position_ids,
                    packed_seq_params=mb.packed_seq_params)
     if not unwrap_model(model).post_process or logits_processor is None:

@@ -14,8 +14,9 @@ imports its module):
   registered for. That subclass builds its model with the prefix-sharing layer spec
   (:func:`install_layer_spec`), reads each micro-batch (with its ``uid``) in ``forward_step``,
   splits dynamic batches keeping sharing groups together and reports the step's token counts in
-  verl's metrics (:class:`.engine.SharingEngineMixin`). With sharing off every method is
-  verl's own;
+  verl's metrics (:class:`.engine.SharingEngineMixin`); under ``router_replay.mode='R3'`` the
+  micro-batch's ``routed_experts`` go with the plan (:mod:`.routing_replay`). With sharing off
+  every method is verl's own;
 - ``verl.workers.engine.utils``: the dynamic-batch-size split keeps sharing groups together
   (:mod:`.microbatch`).
 
@@ -128,6 +129,7 @@ def patch_engine(module: ModuleType) -> None:
     from verl.utils import tensordict_utils as tu
 
     from .mcore import micro_batch_groups
+    from .routing_replay import micro_batch_routes
 
     stock = module.MegatronEngineWithLMHead
 
@@ -155,6 +157,8 @@ def patch_engine(module: ModuleType) -> None:
                 calculate_entropy=tu.get_non_tensor_data(batch, key="calculate_entropy",
                                                          default=False),
                 metrics=self._sharing_metrics,
+                replay_routes=micro_batch_routes(batch, getattr(getattr(
+                    self.engine_config, "router_replay", None), "mode", "disabled")),
             )
             with current_micro_batch(forward_kwargs):
                 return super().forward_step(iter([batch]), model, logits_processor_func,

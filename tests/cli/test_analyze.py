@@ -290,3 +290,22 @@ def test_console_command_reports_bad_input_without_a_traceback(tmp_path):
     assert done.stdout == ""
     assert done.stderr == (f"prefix-sharing analyze: error: {path} line 2: input_ids[1] is 4.5; "
                            "not an integer token id\n")
+
+
+# --------------------------------------------------------------------------- recorded routes
+def test_routes_in_the_file_report_how_often_they_diverge(capsys, tmp_path):
+    """Four sequences share 10 tokens; the last one's routes differ from its 6th token on."""
+    prompt = list(range(1, 11))
+    rows = [{"input_ids": prompt + [20 + k], "routed_experts": [[[t % 4, 4]] for t in prompt + [0]]}
+            for k in range(4)]
+    rows[3]["routed_experts"][5][0][1] = 5
+    path = write_jsonl(tmp_path / "r.jsonl", rows)
+    report = analyze_json(capsys, path, "--min-prefix-len", "2")
+    assert report["route_divergent_prefix_tokens"] == 5  # tokens 5..9 of the last, again
+    assert report["route_divergent_share"] == 5 / 30
+    assert report["tokens_unique"] == 11 + 1 + 1 + 6
+    code, out, _ = analyze(capsys, path, "--min-prefix-len", "2")
+    assert code == 0 and "route divergence" in out and "16.7% of what tokens alone" in out
+    without = write_jsonl(tmp_path / "plain.jsonl", [{"input_ids": r["input_ids"]} for r in rows])
+    report = analyze_json(capsys, without, "--min-prefix-len", "2")
+    assert "route_divergent_prefix_tokens" not in report and report["tokens_unique"] == 14

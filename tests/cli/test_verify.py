@@ -161,3 +161,20 @@ def test_token_budget_refusals_are_one_line(capsys, argv, message):
     code, out, err = verify(capsys, "--workload", "grpo", *argv)
     assert code != 0 and out == "" and message in err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_routing_replay_with_a_route_diverging_inside_a_shared_prefix(capsys):
+    code, out, _ = verify(capsys, "--model", "tiny-moe", "--routing-replay", "--workload", "tree",
+                          "--min-prefix-len", 1, "--json")
+    report = json.loads(out)
+    assert code == 0 and report["passed"], report
+    assert report["routing_replay"] and report["route_diverged_at"] is not None
+    assert report["route_divergent_prefix_tokens"] > 0
+    assert report["vs_plain_within_fp32_rtol"] and report["tokens_unique"] < report["tokens_total"]
+
+
+def test_routing_replay_needs_an_moe_preset(capsys):
+    code, out, err = verify(capsys, "--routing-replay")
+    assert code != 0 and out == ""
+    assert "--routing-replay replays MoE routes on the megatron engine" in err
+    assert len(err.strip().splitlines()) == 1

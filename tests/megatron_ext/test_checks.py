@@ -73,7 +73,6 @@ def test_fused_rope_is_refused():
     (dict(num_moe_experts=4, moe_router_load_balancing_type="sinkhorn", moe_aux_loss_coeff=0.0,
           moe_router_topk=1), "moe_router_load_balancing_type='sinkhorn'"),
     (dict(num_moe_experts=4, moe_input_jitter_eps=0.01), "moe_input_jitter_eps=0.01 in training"),
-    (dict(num_moe_experts=4, moe_enable_routing_replay=True), "moe_enable_routing_replay=True"),
     (dict(num_moe_experts=4, moe_router_force_load_balancing=True),
      "moe_router_force_load_balancing=True"),
 ])
@@ -82,6 +81,14 @@ def test_sharing_refuses_settings_that_would_change_the_results(setting, message
     with pytest.raises(UnsupportedSetupError, match=message):
         check_sharing_allowed(config, SHARED, training=True)
     check_sharing_allowed(config, PLAIN, training=True)  # the plain layout is always fine
+
+
+def test_routing_replay_is_allowed_but_not_with_the_fused_router():
+    config = TransformerConfig(**{**BASE, "num_moe_experts": 4, "moe_enable_routing_replay": True})
+    check_sharing_allowed(config, SHARED, training=True)  # each row replays its own route
+    config.moe_router_fusion = True  # needs TE to construct; the check reads the flag
+    with pytest.raises(UnsupportedSetupError, match="fused top-k ignores the replayed routes"):
+        check_sharing_allowed(config, SHARED, training=True)
 
 
 def _since(field: str) -> pytest.MarkDecorator:

@@ -1,0 +1,139 @@
+"""MoE routing replay under prefix sharing: each computed row replays its recorded route.
+
+Routing replay (megatron-core's ``moe_enable_routing_replay``, verl's ``router_replay``) makes
+every MoE router take the experts recorded for each token - in the rollout, or in an earlier
+forward - instead of its own top-k. Routes are recorded per plain token; a computed row stands
+for every sequence that holds its token. The planner (``build_plan(routes=...)``) shares a
+prefix only as far as the routes agree as well as the tokens, so all the tokens a row stands
+for carry the same route, and the row replays that one.
+
+The routes come with the micro-batch, one ``[L_i, moe_layers, topk]`` array per sequence (the
+layout of verl's ``routed_experts``), and are gathered to the flat rows once per micro-batch
+(:func:`flat_routes`): ``routes[first_reader(row)]``. They travel to every layer inside the
+plan's ``PackedSeqParams``, like the plan, so pipeline stages and full recomputation see the
+same ones without a global queue. Each router then hands its layer's column, laid out the way
+its top-k sees tokens (the flat rows, or the plain batch view when it keeps batch statistics,
+see :mod:`.moe`), to megatron's own replay mechanism for the duration of the call
+(:func:`replaying`): the router's ``RouterReplay`` instance, which only exists when the config
+asks for replay, set to replay those indices and restored afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from ..plan import SharingPlan
+from .checks import UnsupportedSetupError
+
+__all__ = ["flat_routes", "moe_layer_index", "num_moe_layers", "replaying", "check_replay_state"]
+
+
+def flat_routes(plan: SharingPlan, routes: Sequence[Any],
+                device: torch.device | str | None = None) -> torch.Tensor:
+    """The recorded route of every flat row: ``[T_flat, moe_layers, topk]`` int64.
+
+    Args:
+        plan: the micro-batch's plan, built with the same ``routes``.
+        routes: one ``[L_i, moe_layers, topk]`` integer array per sequence (plan order).
+        device: where the model runs (the plan's device when omitted).
+
+    Each computed row takes the route of one plain token that reads it (all of them agree when
+    the plan was built with these routes); the plan's pad rows, which nobody reads, take the
+    first token's route (valid expert ids; their outputs are never used).
+    """
+    from .moe import plain_batch_view
+
+    packed = torch.cat([torch.as_tensor(r) for r in routes]).to(torch.int64)
+    if packed.dim() != 3 or packed.size(0) != plan.num_tokens_total:
+        raise ValueError(
+            f"routes must be one [tokens, moe_layers, topk] array per sequence, "
+            f"{plan.num_tokens_total} tokens in all; got {tuple(packed.shape)} packed")
+    readers = plain_batch_view(plan, per_sequence=False).readers.to(packed.device)
+    rows = packed.index_select(0, readers)
+    return rows.to(plan.kv_index.device if device is None else device, non_blocking=True)
+
+
+def _moe_pattern(config: Any) -> list[int]:
+    freq = config.moe_layer_freq
+    if isinstance(freq, int):
+        return [1 if i % freq == 0 else 0 for i in range(config.num_layers)]
+    return list(freq)
+
+
+def num_moe_layers(config: Any) -> int:
+    """MoE layers of the whole model (GPTModel: ``moe_layer_freq`` over ``num_layers``)."""
+    return sum(_moe_pattern(config))
+
+
+def moe_layer_index(config: Any, layer_number: int) -> int:
+    """The MoE layer ordinal (0-based, over the whole model, as verl's ``routed_experts`` and
+    megatron's replay list number them) of the 1-based global ``layer_number``."""
+    return sum(_moe_pattern(config)[: layer_number - 1])
+
+
+def _action(replay: Any, name: str) -> Any:
+    """``name`` of the replay's own action enum (megatron's or verl's ``RouterReplayAction``)."""
+    return sys.modules[type(replay).__module__].RouterReplayAction(name)
+
+
+def _action_name(replay: Any) -> str | None:
+    action = replay.router_replay_action
+    return None if action is None else action.value
+
+
+def check_replay_state(replay: Any, has_routes: bool) -> None:
+    """Refuses a router replay state that sharing cannot serve, when a plan is read.
+
+    ``replay`` is the router's ``RouterReplay`` (None unless the config asks for replay).
+    Megatron's own replay targets and recordings are laid out per token of the model's input;
+    the flat layout is not that, so a plan's routes must come with the micro-batch, and a
+    recording must be made by a forward without a plan.
+    """
+    if replay is None:
+        if has_routes:
+            raise UnsupportedSetupError(
+                "routes to replay came with the micro-batch but moe_enable_routing_replay=False; "
+                "set moe_enable_routing_replay=True to replay them (or drop the routes)")
+        return
+    action = _action_name(replay)
+    if action == "record":
+        raise UnsupportedSetupError(
+            "router replay action RECORD with a sharing plan: recorded routes would be the flat "
+            "rows'; record them with a forward that does not share (no plan), then replay")
+    if action is not None and not has_routes:
+        raise UnsupportedSetupError(
+            f"router replay action {action.upper()} with a sharing plan but no routes with the "
+            "micro-batch: megatron's replay targets are laid out per input token, which the "
+            "flat layout is not; pass the routes to prepare_micro_batch(routes=...)")
+
+
+@contextlib.contextmanager
+def replaying(replay: Any, indices: torch.Tensor | None) -> Iterator[None]:
+    """Within the block, ``replay`` (a router's ``RouterReplay``) replays ``indices``
+    (``[tokens, topk]``, the tokens as the router's top-k sees them); its own state - action,
+    targets, backward queue - is restored afterwards. ``indices=None``: nothing changes.
+
+    Rows whose route is ``-1`` (not recorded) are routed natively where the replay takes a mask
+    (verl 0.9.1's ``RouterReplay``); megatron-core's replays every row, so routes handed to it
+    must all be recorded."""
+    if indices is None:
+        yield
+        return
+    saved = {name: getattr(replay, name) for name in
+             ("router_replay_action", "target_topk_idx", "target_replay_mask")
+             if hasattr(replay, name)}
+    replay.router_replay_action = _action(replay, "replay_forward")
+    if "target_replay_mask" in saved:  # verl 0.9.1's: a route of -1 is routed natively
+        replay.target_replay_mask = indices[:, 0] >= 0
+        indices = indices.clamp(min=0)
+    replay.target_topk_idx = indices
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(replay, name, value)

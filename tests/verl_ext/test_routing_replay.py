@@ -1,0 +1,151 @@
+"""verl's ``router_replay`` with prefix sharing in the real Megatron engine (both releases).
+
+``R3`` (the rollout's routes, ``routed_experts`` in the batch) with sharing on gives what verl's
+own R3 gives with sharing off: old log-probs and entropy (``infer_batch``), ``ppo_loss`` and every
+gradient (``forward_backward_batch``), on a tiny MoE model, for routes that agree inside shared
+prefixes and for routes with one token diverging inside one (where the plan stops sharing; the
+step reports ``prefix_sharing/route_divergent_prefix_tokens``). On 0.9.1 verl routes each
+sample's last row natively under R3 (its replay mask); sharing keeps those rows native too. The
+routes are not the model's own top-k, so the sharing-off run without replay differs: the
+comparison shows they were replayed. ``R2`` is refused by name.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+
+from tests.verl_ext._requires import require_verl
+
+pytest.importorskip("verl")
+from importlib.metadata import version  # noqa: E402
+
+require_verl(version("verl") if version("verl") in ("0.8.0", "0.9.1") else "0.9.1")
+
+from prefix_sharing.engines.launch import run_distributed  # noqa: E402
+from prefix_sharing.presets import PRESETS  # noqa: E402
+from tests.verl_ext._compare import same_outputs  # noqa: E402
+
+PRESET = PRESETS["tiny-moe"]  # 2 MoE layers, 8 experts, top-2
+SHARING = dict(mode="arbitrary_prefix", min_prefix_len=1)
+# no per-sequence statistic: verl's patched router drops megatron's padding mask
+BATCH = 6  # the GRPO batch: 2 prompts x 3 responses
+MOE = dict(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01,
+           moe_z_loss_coeff=0.001, moe_enable_routing_replay=True,
+           enable_routing_replay=True)  # verl 0.8.0 reads its own flag (its patched config takes it)
+
+
+def _config(prefix_grouper: dict | None, mode: str):
+    from omegaconf import OmegaConf
+    from verl.utils.config import omega_conf_to_dataclass
+
+    section = dict(
+        _target_="verl.workers.config.McoreActorConfig", rollout_n=3, ppo_mini_batch_size=4,
+        ppo_micro_batch_size_per_gpu=2, use_kl_loss=True, kl_loss_coef=0.1, entropy_coeff=0.01,
+        megatron=dict(_target_="verl.workers.config.McoreEngineConfig", use_mbridge=True,
+                      vanilla_mbridge=True,
+                      router_replay=dict(_target_="verl.workers.config.EngineRouterReplayConfig",
+                                         mode=mode)),
+    )
+    if prefix_grouper is not None:
+        section.update(use_prefix_grouper=True, prefix_grouper=prefix_grouper)
+    config = omega_conf_to_dataclass(OmegaConf.create(section))
+    config.engine.use_remove_padding = True
+    config.engine.use_dynamic_bsz = False
+    config.engine.micro_batch_size_per_gpu = BATCH  # one micro-batch: the routes diverge in it
+    return config
+
+
+def _engine(config):
+    """The registered engine with the tiny MoE GPTModel injected (as ``_engine.build_engine``,
+    MoE layer specs; the engine's constructor applies verl's router-replay patch first)."""
+    from types import SimpleNamespace
+
+    from verl.workers.engine.base import EngineRegistry
+
+    from prefix_sharing.engines.megatron import gpt_model
+    from prefix_sharing.megatron_ext import get_gpt_layer_local_spec as shared_spec
+
+    engine_cls = EngineRegistry._engines["language_model"]["megatron"]["cuda"]
+    model_config = SimpleNamespace(
+        hf_config=SimpleNamespace(architectures=["Qwen3MoeForCausalLM"]),
+        tokenizer=SimpleNamespace(pad_token_id=0),
+        mtp=SimpleNamespace(enable=False, enable_train=False), model_type="language_model")
+    engine = engine_cls(model_config, config.engine, config.optim, config.checkpoint)
+    spec = shared_spec(num_experts=PRESET.num_experts, normalization="RMSNorm")
+    model = gpt_model(PRESET, layer_spec=spec, **MOE)
+    engine.module, engine.tf_config, engine.is_value_model = [model], model.config, False
+    return engine
+
+
+def _batch(workload: str, routes: list):
+    import torch
+    from verl.utils import tensordict_utils as tu
+
+    from tests.verl_ext._batch import make_batch
+
+    data = make_batch(workload, vocab_size=PRESET.vocab_size, micro_batch_size=BATCH)
+    data["routed_experts"] = torch.nested.as_nested_tensor(routes, layout=torch.jagged)
+    tu.assign_non_tensor(data, enable_routing_replay=True)
+    return data
+
+
+def _job(rank: int, workload: str) -> dict:
+    from verl.workers.utils.losses import ppo_loss
+
+    from prefix_sharing.routes import diverge_inside_shared_prefix, recorded_routes
+    from prefix_sharing.config import PrefixSharingConfig
+    from tests.verl_ext._batch import make_batch, plain_output, use_cpu_platform
+
+    use_cpu_platform()
+    sequences = list(make_batch(workload, vocab_size=PRESET.vocab_size)["input_ids"].unbind())
+    agree = recorded_routes(sequences, PRESET.num_layers, PRESET.moe_router_topk,
+                            PRESET.num_experts)
+    diverged, _ = diverge_inside_shared_prefix(sequences, agree, PRESET.num_experts,
+                                               PrefixSharingConfig(**SHARING))
+    results = {}
+    for routes_name, routes in (("agree", agree), ("diverge", diverged)):
+        for name, sharing, mode in (("shared", SHARING, "R3"), ("plain", None, "R3"),
+                                    ("native", None, "disabled")):
+            if routes_name == "diverge" and name == "native":
+                continue
+            config = _config(sharing, mode)
+            engine = _engine(config)
+            infer = engine.infer_batch(_batch(workload, routes))
+            train = engine.forward_backward_batch(_batch(workload, routes),
+                                                  partial(ppo_loss, config=config))
+            grads = {n: p.grad.clone() for n, p in engine.module[0].named_parameters()}
+            results[routes_name, name] = {"infer": plain_output(infer),
+                                          "train": plain_output(train), "grads": grads}
+    errors = {}
+    try:
+        _engine(_config(SHARING, "R2"))
+    except ValueError as e:
+        errors["R2"] = str(e)
+    results["errors"] = errors
+    return results
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_distributed(_job, 1, "grpo", timeout=600)[0]
+
+
+@pytest.mark.parametrize("routes", ["agree", "diverge"])
+def test_r3_with_sharing_equals_verls_r3_without(results, routes):
+    same_outputs(results[routes, "shared"], results[routes, "plain"], f"R3 {routes}")
+    native, plain = results["agree", "native"], results["agree", "plain"]
+    first = native["infer"]["model_output"]["log_probs"][0]
+    assert (first - plain["infer"]["model_output"]["log_probs"][0]).abs().max() > 1e-4
+
+
+def test_route_divergence_reaches_verls_metrics(results):
+    metric = "prefix_sharing/route_divergent_prefix_tokens"
+    assert results["agree", "shared"]["train"]["metrics"][metric] == [0.0]
+    assert results["diverge", "shared"]["train"]["metrics"][metric][0] > 0
+    assert metric not in results["agree", "plain"]["train"]["metrics"]
+
+
+def test_r2_is_refused_by_name(results):
+    assert "router_replay.mode='R2'" in results["errors"]["R2"]
