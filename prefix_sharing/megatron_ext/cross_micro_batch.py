@@ -43,7 +43,7 @@ from .logprobs import vocab_shard
 from .packed_seq import PlanPackedSeqParams
 from .prefix_kv import PrefixKV
 
-__all__ = ["GroupRun", "TokenLoss", "forward_backward_group"]
+__all__ = ["GroupRun", "PrefixPass", "TokenLoss", "check_group_model", "forward_backward_group"]
 
 TokenLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -93,12 +93,12 @@ def forward_backward_group(
         temperature: logits are divided by it before log-probs and entropy.
         keep_logits: also return every token's logits (for comparisons; ``T_total x V``).
     """
-    _check_model(model)
+    check_group_model(model)
     device = next(model.parameters()).device
     total = schedule.num_tokens_total
     out = _Collector(total, device, keep_logits)
     prefix_kv = PrefixKV()
-    prefix = _PrefixPass(schedule, prefix_kv, backend, temperature, device)
+    prefix = PrefixPass(schedule, prefix_kv, backend, temperature, device)
     if recompute_prefix:
         with torch.no_grad():
             prefix.forward(model)
@@ -128,7 +128,7 @@ def forward_backward_group(
     return out.result(held, computed)
 
 
-class _PrefixPass:
+class PrefixPass:
     """The prefix micro-batch: ``P`` alone (identity plan), recording its K/V."""
 
     def __init__(self, schedule: GroupSchedule, prefix_kv: PrefixKV, backend: str,
@@ -156,19 +156,27 @@ class _PrefixPass:
         return model(plan.input_ids[None], plan.position_ids[None], None,
                      packed_seq_params=self.params)[0]  # [Lp, V]
 
-    def scored(self, model: torch.nn.Module, token_loss: TokenLoss,
-               out: _Collector) -> torch.Tensor:
-        """Forward with grad, and the loss of every sequence's positions ``0 .. Lp-1``."""
+    def stats(self, model: torch.nn.Module,
+              with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                  Callable[[], torch.Tensor]]:
+        """Forward, then every sequence's log-probs and entropy at positions ``0 .. Lp-1``
+        (``(N * Lp,)`` each, sequence-major: ``schedule.prefix_positions``' order), and a
+        callable giving those positions' logits."""
         logits = self.forward(model)
         # one placeholder row per sequence: the stats plan's position Lp, discarded
         rows = torch.cat([logits, logits.new_zeros(self.num_sequences, logits.size(1))])
         stats = token_log_probs(rows, self.stats_plan, temperature=self.temperature,
-                                vocab_shard=vocab_shard(rows.size(-1)))
+                                with_entropy=with_entropy, vocab_shard=vocab_shard(rows.size(-1)))
         log_probs = stats.log_probs.index_select(0, self.keep)
-        entropy = stats.entropy.index_select(0, self.keep)
+        entropy = stats.entropy.index_select(0, self.keep) if with_entropy else None
+        return log_probs, entropy, lambda: self.stats_plan.restore(rows).index_select(0, self.keep)
+
+    def scored(self, model: torch.nn.Module, token_loss: TokenLoss,
+               out: _Collector) -> torch.Tensor:
+        """Forward with grad, and the loss of every sequence's positions ``0 .. Lp-1``."""
+        log_probs, entropy, logits = self.stats(model)
         loss = token_loss(log_probs, entropy, self.positions)
-        out.add(self.positions, log_probs, entropy, loss,
-                lambda: self.stats_plan.restore(rows).index_select(0, self.keep))
+        out.add(self.positions, log_probs, entropy, loss, logits)
         return loss
 
 
@@ -210,7 +218,8 @@ def _whole_vocab(logits: torch.Tensor) -> torch.Tensor:
     return gather_from_tensor_model_parallel_region(logits)
 
 
-def _check_model(model: torch.nn.Module) -> None:
+def check_group_model(model: torch.nn.Module) -> None:
+    """Raises :class:`UnsupportedSetupError` naming every setting a group run cannot honour."""
     config = get_attr_wrapped_model(model, "config")
     problems = []
     if config.sequence_parallel:

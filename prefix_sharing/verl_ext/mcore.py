@@ -123,8 +123,12 @@ class SharingMetrics:
     micro_batches: int = 0
 
     def add(self, plan) -> None:
-        self.total += plan.num_tokens_total
-        self.computed += plan.num_tokens_flat
+        self.add_tokens(plan.num_tokens_total, plan.num_tokens_flat)
+
+    def add_tokens(self, total: int, computed: int) -> None:
+        """One micro-batch: its samples' tokens and the tokens its model run computed."""
+        self.total += total
+        self.computed += computed
         self.micro_batches += 1
 
     def as_verl_metrics(self) -> dict[str, list[float]]:

@@ -165,7 +165,7 @@ def test_tensor_parallel_2_equals_the_plain_batch():
 
 def test_refuses_what_it_does_not_support_by_name():
     from prefix_sharing.megatron_ext import UnsupportedSetupError
-    from prefix_sharing.megatron_ext.cross_micro_batch import _check_model
+    from prefix_sharing.megatron_ext.cross_micro_batch import check_group_model
 
     base = dict(sequence_parallel=False, pipeline_model_parallel_size=1,
                 num_moe_experts=None, window_size=None)
@@ -173,4 +173,4 @@ def test_refuses_what_it_does_not_support_by_name():
                          ("num_moe_experts", 4), ("window_size", (7, 0))):
         model = types.SimpleNamespace(config=types.SimpleNamespace(**{**base, field: value}))
         with pytest.raises(UnsupportedSetupError, match=re.escape(f"{field}={value}")):
-            _check_model(model)
+            check_group_model(model)

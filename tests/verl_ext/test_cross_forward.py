@@ -1,0 +1,96 @@
+"""Groups larger than ``max_token_len_per_gpu`` inside verl's real Megatron engine (whichever
+supported verl is installed): with ``prefix_grouper.cross_micro_batch`` each such group's prefix
+is computed once and its tails run as consecutive micro-batches; ``infer_batch`` (log-probs,
+entropy) and ``forward_backward_batch`` (verl's ``ppo_loss``, every gradient) equal verl's
+stock step with the feature off on the same weights, and the tokens computed are each group's
+unique tokens.
+
+Batch: 2 agent tasks of 3 episodes (59-65 tokens; 34- and 36-token common prefixes, a branch
+at every turn). At a budget of 80 both groups cross micro-batches (3 each); at 70 the second
+one's prefix is over half the budget, so it is cut by the ordinary split (and recomputes its
+prefix) beside the first one's cross run.
+"""
+
+import importlib.util
+from functools import partial
+
+import pytest
+
+if importlib.util.find_spec("verl") is None:
+    pytest.skip("verl is not installed (build an environment with .ci/verl_env.sh <version>)",
+                allow_module_level=True)
+
+from prefix_sharing.engines.launch import run_distributed  # noqa: E402
+from tests.verl_ext._batch import make_batch, plain_output, use_cpu_platform  # noqa: E402
+from tests.verl_ext._compare import same_outputs  # noqa: E402
+from tests.verl_ext._engine import actor_config, build_engine  # noqa: E402
+
+CROSS = {"mode": "arbitrary_prefix", "min_prefix_len": 1, "cross_micro_batch": True}
+AGENT = dict(num_tasks=2, num_turns=2, branching=3)
+BUDGETS = (80, 70)
+
+
+def batch(budget: int):
+    from verl.utils import tensordict_utils as tu
+
+    data = make_batch("agent", **AGENT)
+    tu.assign_non_tensor(data, use_dynamic_bsz=True, max_token_len_per_gpu=budget)
+    return data
+
+
+def steps(rank: int) -> dict:
+    """Per budget: verl's stock step (feature off) and the cross-micro-batch one, each on a
+    fresh copy of the same seeded model."""
+    from verl.workers.utils.losses import ppo_loss
+
+    use_cpu_platform()
+    results = {}
+    for budget in BUDGETS:
+        for name, prefix_grouper in (("off", None), ("cross", CROSS)):
+            config = actor_config(prefix_grouper)
+            engine = build_engine(config)
+            infer = engine.infer_batch(batch(budget))
+            train = engine.forward_backward_batch(batch(budget), partial(ppo_loss, config=config))
+            grads = {n: p.grad.clone() for n, p in engine.module[0].named_parameters()}
+            results[budget, name] = {"infer": plain_output(infer), "train": plain_output(train),
+                                     "grads": grads}
+    return results
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_distributed(steps, 1, timeout=300)[0]
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_log_probs_entropy_loss_and_every_gradient_equal_verls_stock_step(results, budget):
+    # back in batch order (restore_dynamic_batch); the loss is verl's global token mean, summed
+    # over micro-batches (the two runs split the batch differently)
+    same_outputs(results[budget, "cross"], results[budget, "off"], f"budget {budget}",
+                 per_micro_batch=False)
+
+
+def test_each_group_computes_its_unique_tokens_once_and_verls_metrics_say_so(results):
+    from prefix_sharing import PrefixSharingConfig, build_plan
+    from prefix_sharing.workloads import make_workload
+
+    wl = make_workload("agent", vocab_size=512, seed=0, **AGENT)
+    config = PrefixSharingConfig(min_prefix_len=1)
+    unique = [build_plan([wl.sequences[m] for m in g.members], config).num_tokens_unique
+              for g in wl.groups]
+    assert unique == [119, 114]
+    metrics = results[80, "cross"]["train"]["metrics"]
+    assert metrics["prefix_sharing/tokens_computed"] == [float(sum(unique))]
+    assert metrics["prefix_sharing/tokens_total"] == [float(sum(map(len, wl.sequences)))]
+    assert metrics["prefix_sharing/num_micro_batches"] == [6.0]  # 3 per group, none cut
+    assert metrics["prefix_sharing/prefix_recomputes_avoided"] == [4.0]
+    assert metrics["prefix_sharing/groups_split"] == [0.0]
+    assert metrics["prefix_sharing/max_tokens_computed"][0] <= 80
+
+
+def test_a_group_left_to_the_ordinary_split_is_cut_beside_a_cross_group(results):
+    metrics = results[70, "cross"]["train"]["metrics"]
+    assert metrics["prefix_sharing/groups_split"] == [1.0]
+    assert metrics["prefix_sharing/prefix_recomputes_avoided"] == [2.0]
+    assert metrics["prefix_sharing/max_tokens_computed"][0] <= 70
+
