@@ -39,21 +39,30 @@ def batch(budget: int):
 
 
 def steps(rank: int) -> dict:
-    """Per budget: verl's stock step (feature off) and the cross-micro-batch one, each on a
-    fresh copy of the same seeded model."""
+    """verl's stock step (feature off), the cross-micro-batch one per budget, and a control,
+    each on a fresh copy of the same seeded model."""
     from verl.workers.utils.losses import ppo_loss
+
+    from prefix_sharing.megatron_ext import prefix_kv
 
     use_cpu_platform()
     results = {}
-    for budget in BUDGETS:
-        for name, prefix_grouper in (("off", None), ("cross", CROSS)):
-            config = actor_config(prefix_grouper)
-            engine = build_engine(config)
-            infer = engine.infer_batch(batch(budget))
+    # verl's stock step does not depend on how it splits the batch: one serves both budgets
+    runs = [(80, "off", None)] + [(budget, "cross", CROSS) for budget in BUDGETS]
+    for budget, name, prefix_grouper in runs + [(80, "control", CROSS)]:
+        config = actor_config(prefix_grouper)
+        engine = build_engine(config)
+        infer = engine.infer_batch(batch(budget))
+        read_through = prefix_kv.read_through
+        if name == "control":  # the last micro-batch drops what the earlier ones accumulated
+            prefix_kv.read_through = lambda recorded, leaf: recorded
+        try:
             train = engine.forward_backward_batch(batch(budget), partial(ppo_loss, config=config))
-            grads = {n: p.grad.clone() for n, p in engine.module[0].named_parameters()}
-            results[budget, name] = {"infer": plain_output(infer), "train": plain_output(train),
-                                     "grads": grads}
+        finally:
+            prefix_kv.read_through = read_through
+        grads = {n: p.grad.clone() for n, p in engine.module[0].named_parameters()}
+        results[budget, name] = {"infer": plain_output(infer), "train": plain_output(train),
+                                 "grads": grads}
     return results
 
 
@@ -66,8 +75,13 @@ def results():
 def test_log_probs_entropy_loss_and_every_gradient_equal_verls_stock_step(results, budget):
     # back in batch order (restore_dynamic_batch); the loss is verl's global token mean, summed
     # over micro-batches (the two runs split the batch differently)
-    same_outputs(results[budget, "cross"], results[budget, "off"], f"budget {budget}",
+    same_outputs(results[budget, "cross"], results[80, "off"], f"budget {budget}",
                  per_micro_batch=False)
+
+
+def test_a_control_that_drops_the_earlier_micro_batches_prefix_gradients_fails(results):
+    with pytest.raises(AssertionError, match="grad"):
+        same_outputs(results[80, "control"], results[80, "off"], "control", per_micro_batch=False)
 
 
 def test_each_group_computes_its_unique_tokens_once_and_verls_metrics_say_so(results):
@@ -86,6 +100,21 @@ def test_each_group_computes_its_unique_tokens_once_and_verls_metrics_say_so(res
     assert metrics["prefix_sharing/prefix_recomputes_avoided"] == [4.0]
     assert metrics["prefix_sharing/groups_split"] == [0.0]
     assert metrics["prefix_sharing/max_tokens_computed"][0] <= 80
+
+
+@pytest.mark.parametrize("field, value", [
+    ("recompute_granularity", "full"), ("sequence_parallel", True), ("num_moe_experts", 4)])
+def test_settings_a_cross_group_cannot_honour_are_refused_by_name(field, value):
+    from types import SimpleNamespace
+
+    from prefix_sharing.errors import UnsupportedSetup
+    from prefix_sharing.verl_ext.cross_forward import check_cross_model
+
+    config = dict(sequence_parallel=False, pipeline_model_parallel_size=1, num_moe_experts=None,
+                  window_size=None, recompute_granularity=None)
+    model = SimpleNamespace(config=SimpleNamespace(**{**config, field: value}))
+    with pytest.raises(UnsupportedSetup, match=f"{field}={value!r}|{field}={value}"):
+        check_cross_model(model)
 
 
 def test_a_group_left_to_the_ordinary_split_is_cut_beside_a_cross_group(results):
