@@ -22,9 +22,10 @@ The loss must be a sum of per-token terms (as token-mean losses over a global ba
 ``token_loss(log_probs, entropy, positions)`` scores the tokens at ``positions`` of the group's
 packed order and is called once per micro-batch; the group's loss is the sum of its calls.
 
-PP=1, dense models; tensor parallelism without sequence parallelism (each rank keeps its own
-K/V heads' prefix; log-probs through the vocab-parallel reductions). Pipeline parallelism,
-sequence parallelism, MoE and sliding windows are refused by name.
+PP=1; tensor parallelism without sequence parallelism (each rank keeps its own K/V heads'
+prefix; log-probs through the vocab-parallel reductions); dense models, and MoE whose routers
+keep no batch statistics (routing is per token then). Pipeline parallelism, sequence
+parallelism, MoE with aux / z-losses or expert bias, and sliding windows are refused by name.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from ..logprobs import token_log_probs
 from ..plan import SharingPlan
 from .checks import UnsupportedSetupError
 from .logprobs import vocab_shard
+from .moe import PrefixSharingRouter
 from .packed_seq import PlanPackedSeqParams
 from .prefix_kv import PrefixKV
 
@@ -228,9 +230,12 @@ def check_group_model(model: torch.nn.Module) -> None:
     if config.pipeline_model_parallel_size > 1:
         problems.append(f"pipeline_model_parallel_size={config.pipeline_model_parallel_size} "
                         "(PP=1 only)")
-    if config.num_moe_experts:
-        problems.append(f"num_moe_experts={config.num_moe_experts} (router statistics across "
-                        "micro-batches are not reweighted)")
+    keeping = [name for name, module in model.named_modules()
+               if isinstance(module, PrefixSharingRouter) and module.keeps_statistics()]
+    if config.num_moe_experts and keeping:
+        problems.append(f"num_moe_experts={config.num_moe_experts} with router batch statistics "
+                        f"(aux / z-loss, expert bias; {keeping[0]}): they are not reweighted "
+                        "across micro-batches")
     if config.window_size is not None:
         problems.append(f"window_size={config.window_size} (the suffix gather is not trimmed)")
     if problems:

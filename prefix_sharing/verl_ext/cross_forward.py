@@ -34,7 +34,7 @@ from ..config import PrefixSharingConfig
 from .cross_groups import CrossPart
 from .mcore import PrefixSharingSetupError, SharingMetrics, micro_batch_temperature
 
-__all__ = ["GroupState", "cross_forward"]
+__all__ = ["GroupState", "check_cross_engine_setup", "check_cross_model", "cross_forward"]
 
 
 @dataclasses.dataclass
@@ -132,6 +132,27 @@ def cross_forward(
                 [torch.cat([head, tail]) for head, tail in zip(rows, tail_plan.split(own))],
                 layout=torch.jagged)
             for key, (rows, own) in result.items()}
+
+
+def check_cross_engine_setup(engine_config: Any) -> None:
+    """At engine construction: the parallel settings of verl's Megatron engine config under
+    which a group cannot run across micro-batches (:func:`check_cross_model` checks the model
+    itself at its first cross micro-batch)."""
+    problems = []
+    pp = getattr(engine_config, "pipeline_model_parallel_size", 1) or 1
+    if pp > 1:
+        problems.append(f"pipeline_model_parallel_size={pp} (megatron's 1F1B schedule runs "
+                        "several forwards before their backwards)")
+    vpp = getattr(engine_config, "virtual_pipeline_model_parallel_size", None)
+    if vpp is not None and vpp > 1:
+        problems.append(f"virtual_pipeline_model_parallel_size={vpp}")
+    tp = getattr(engine_config, "tensor_model_parallel_size", 1) or 1
+    if tp > 1 and getattr(engine_config, "sequence_parallel", False):
+        problems.append(f"sequence_parallel=True with tensor_model_parallel_size={tp} (set "
+                        "sequence_parallel: false)")
+    if problems:
+        raise PrefixSharingSetupError("prefix_grouper.cross_micro_batch does not support "
+                                      + "; ".join(problems))
 
 
 def check_cross_model(model) -> None:

@@ -16,6 +16,7 @@ from types import ModuleType
 from typing import Any
 
 from .config import sharing_config
+from .cross_forward import check_cross_engine_setup
 from .mcore import PrefixSharingSetupError, SharingMetrics, check_engine_setup
 from .microbatch import add_split_metrics, sharing_split
 
@@ -47,11 +48,13 @@ class SharingEngineMixin:
         self.prefix_sharing = sharing_config(engine_config)
         if self.prefix_sharing.enabled:
             check_engine_setup(engine_config, model_config)
-        if self.prefix_sharing.cross_micro_batch and not self.supports_cross_micro_batch:
-            raise PrefixSharingSetupError(
-                f"prefix_grouper.cross_micro_batch=true needs verl's Megatron engine; "
-                f"{type(self).__name__} splits a group too large for a micro-batch instead "
-                "(set cross_micro_batch: false)")
+        if self.prefix_sharing.cross_micro_batch:
+            if not self.supports_cross_micro_batch:
+                raise PrefixSharingSetupError(
+                    f"prefix_grouper.cross_micro_batch=true needs verl's Megatron engine; "
+                    f"{type(self).__name__} splits a group too large for a micro-batch instead "
+                    "(set cross_micro_batch: false)")
+            check_cross_engine_setup(engine_config)
         self._sharing_metrics = SharingMetrics()
         super().__init__(model_config, engine_config, *args, **kwargs)
 

@@ -107,14 +107,36 @@ def test_each_group_computes_its_unique_tokens_once_and_verls_metrics_say_so(res
 def test_settings_a_cross_group_cannot_honour_are_refused_by_name(field, value):
     from types import SimpleNamespace
 
+    from unittest import mock
+
     from prefix_sharing.errors import UnsupportedSetup
+    from prefix_sharing.megatron_ext.moe import PrefixSharingRouter
     from prefix_sharing.verl_ext.cross_forward import check_cross_model
 
     config = dict(sequence_parallel=False, pipeline_model_parallel_size=1, num_moe_experts=None,
                   window_size=None, recompute_granularity=None)
-    model = SimpleNamespace(config=SimpleNamespace(**{**config, field: value}))
+    router = mock.Mock(spec=PrefixSharingRouter)  # one that keeps aux-loss statistics
+    model = SimpleNamespace(config=SimpleNamespace(**{**config, field: value}),
+                            named_modules=lambda: iter([("layers.0.mlp.router", router)]))
     with pytest.raises(UnsupportedSetup, match=f"{field}={value!r}|{field}={value}"):
         check_cross_model(model)
+
+
+@pytest.mark.parametrize("settings, named", [
+    (dict(pipeline_model_parallel_size=2), "pipeline_model_parallel_size=2"),
+    (dict(virtual_pipeline_model_parallel_size=2), "virtual_pipeline_model_parallel_size=2"),
+    (dict(tensor_model_parallel_size=2, sequence_parallel=True), "sequence_parallel=True")])
+def test_engine_settings_are_refused_by_name_at_construction(settings, named):
+    from types import SimpleNamespace
+
+    from prefix_sharing.verl_ext.cross_forward import check_cross_engine_setup
+    from prefix_sharing.verl_ext.mcore import PrefixSharingSetupError
+
+    base = dict(pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None,
+                tensor_model_parallel_size=2, sequence_parallel=False)
+    check_cross_engine_setup(SimpleNamespace(**base))  # TP without sequence parallelism runs
+    with pytest.raises(PrefixSharingSetupError, match=named):
+        check_cross_engine_setup(SimpleNamespace(**{**base, **settings}))
 
 
 def test_a_group_left_to_the_ordinary_split_is_cut_beside_a_cross_group(results):
