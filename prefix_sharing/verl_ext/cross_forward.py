@@ -119,7 +119,8 @@ def cross_forward(
     logits = model(input_ids=plan.input_ids[None], attention_mask=None,
                    position_ids=plan.position_ids[None], packed_seq_params=params)[0]
     stats = token_log_probs(logits, tail_plan, temperature=temperature,
-                            with_entropy=calculate_entropy, vocab_shard=vocab_shard(logits.size(-1)))
+                            with_entropy=calculate_entropy,
+                            vocab_shard=vocab_shard(logits.size(-1)))
     prefix = state.prefix_stats(list(suffix.members), part.last)
     if part.last:
         part.group.state = None  # the last micro-batch's graph holds what its backward needs

@@ -178,6 +178,7 @@ def _split_ordinary(sequences: list, rest: list[int], max_token_len: int,
     its micro-batches given in batch indices; no micro-batch when ``rest`` is empty."""
     if not rest:
         return MicroBatchSplit((), (), (), max_token_len, 0, 0, ())
+
     def pick(values: list | None) -> list | None:
         return None if values is None else [values[i] for i in rest]
 

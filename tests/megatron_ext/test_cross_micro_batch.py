@@ -164,7 +164,8 @@ def test_several_groups_each_with_its_prefix_once(report):
 def test_moe_without_router_statistics_equals_the_plain_batch(report):
     run = report["moe"]
     verdict = within_tolerance(run["vs_reference"], run["plain"], torch.float32)
-    assert set(verdict) == set(QUANTITIES) and all(verdict.values()), run["vs_reference"].max_rel_diff
+    assert set(verdict) == set(QUANTITIES), verdict
+    assert all(verdict.values()), run["vs_reference"].max_rel_diff
     for q, d in run["vs_plain"].max_rel_diff.items():
         assert d <= FP32_RTOL, f"{q}: {d} from the plain fp32 run"
     assert run["figures"]["num_micro_batches"] >= 6
