@@ -26,7 +26,7 @@ import numpy as np
 from .config import PrefixSharingConfig
 from .planner import TokenSequence, build_plan, prompt_groups
 
-__all__ = ["MicroBatchSplit", "split_micro_batches"]
+__all__ = ["MicroBatchSplit", "sharing_groups", "split_micro_batches"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +110,7 @@ def split_micro_batches(
     n = len(sequences)
     _check_arguments(n, token_budget, min_micro_batches, uids, prompt_lens, config)
     cost = _Cost(sequences, config, uids, prompt_lens)
-    groups = _groups(sequences, config, uids)
+    groups = sharing_groups(sequences, config, uids)
 
     units = []  # (computed tokens, members): whole groups, or pieces of groups over the budget
     for members in groups:
@@ -172,9 +172,11 @@ class _Cost:
         return plan.num_tokens_unique
 
 
-def _groups(sequences: Sequence[TokenSequence], config: PrefixSharingConfig,
-            uids: Sequence[Hashable] | None) -> list[list[int]]:
-    """Sharing groups, each a list of batch indices in batch order, groups by first member."""
+def sharing_groups(sequences: Sequence[TokenSequence], config: PrefixSharingConfig,
+                   uids: Sequence[Hashable] | None = None) -> list[list[int]]:
+    """The split's unit of packing: sharing groups, each a list of batch indices in batch
+    order, groups ordered by first member (the samples of one uid when ``uids`` are given, else
+    the sequences the planner links by shared prefixes; every sample alone with ``mode="off"``)."""
     n = len(sequences)
     if config.mode == "off":
         return [[i] for i in range(n)]

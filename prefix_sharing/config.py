@@ -36,18 +36,31 @@ class PrefixSharingConfig:
             (the provider included). 2 shares every repeat.
         backend: attention kernel. ``"auto"`` picks flash-attn or TE on CUDA, the fused NPU
             kernel on Ascend, and the torch reference elsewhere.
+        cross_micro_batch: when a group's computed tokens exceed the micro-batch token budget
+            (verl's ``max_token_len_per_gpu``), compute its common prefix once and run its tails
+            as consecutive micro-batches that read the prefix's K/V
+            (:mod:`prefix_sharing.cross_micro_batch`), instead of cutting the group and
+            recomputing the prefix in every piece. Off by default: it needs a Megatron engine
+            with PP=1, no sequence parallelism, no MoE, no windows and no activation recompute.
     """
 
     mode: Mode = "arbitrary_prefix"
     min_prefix_len: int = 8
     min_group_size: int = 2
     backend: Backend = "auto"
+    cross_micro_batch: bool = False
 
     def __post_init__(self) -> None:
         _check_choice("mode", self.mode, MODES)
         _check_int("min_prefix_len", self.min_prefix_len, minimum=1)
         _check_int("min_group_size", self.min_group_size, minimum=2)
         _check_choice("backend", self.backend, BACKENDS)
+        if not isinstance(self.cross_micro_batch, bool):
+            raise ValueError("PrefixSharingConfig.cross_micro_batch must be true or false; got "
+                             f"{self.cross_micro_batch!r}")
+        if self.cross_micro_batch and self.mode == "prompt_only":
+            raise ValueError("PrefixSharingConfig.cross_micro_batch=True plans with "
+                             "mode='arbitrary_prefix'; mode='prompt_only' cannot use it")
 
     @property
     def enabled(self) -> bool:

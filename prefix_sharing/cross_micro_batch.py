@@ -42,7 +42,7 @@ from .config import PrefixSharingConfig
 from .plan import SharingPlan
 from .planner import TokenSequence, build_plan
 
-__all__ = ["SuffixMicroBatch", "GroupSchedule", "plan_group"]
+__all__ = ["SuffixMicroBatch", "GroupSchedule", "common_prefix_len", "plan_group"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +159,7 @@ def plan_group(
         raise ValueError(f"a group needs at least two sequences; got {len(seqs)}")
     if token_budget < 1:
         raise ValueError(f"token_budget must be positive; got {token_budget}")
-    prefix_len = _common_prefix_len(seqs)
+    prefix_len = common_prefix_len(seqs)
     if prefix_len < 1:
         raise ValueError("the group's sequences share no prefix (of at least one token, "
                          "leaving every sequence a tail)")
@@ -188,7 +188,9 @@ def plan_group(
     )
 
 
-def _common_prefix_len(seqs: list[torch.Tensor]) -> int:
+def common_prefix_len(seqs: list[torch.Tensor]) -> int:
+    """The prefix :func:`plan_group` shares: the sequences' longest common prefix, at most one
+    token short of the shortest (every sequence keeps a tail)."""
     limit = min(s.numel() for s in seqs) - 1
     first = seqs[0][:limit]
     same = torch.ones(limit, dtype=torch.bool)

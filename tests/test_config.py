@@ -25,11 +25,19 @@ def test_defaults_share_arbitrary_prefixes_of_eight_tokens():
         ("min_prefix_len", 2.5, "min_prefix_len must be an integer >= 1; got 2.5"),
         ("min_prefix_len", True, "min_prefix_len must be an integer >= 1; got True"),
         ("min_group_size", 1, "min_group_size must be an integer >= 2; got 1"),
+        ("cross_micro_batch", 1, "cross_micro_batch must be true or false; got 1"),
     ],
 )
 def test_invalid_values_name_the_field_and_what_is_allowed(field, value, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         PrefixSharingConfig(**{field: value})
+
+
+def test_cross_micro_batch_is_off_by_default_and_needs_arbitrary_prefixes():
+    assert not PrefixSharingConfig().cross_micro_batch
+    assert PrefixSharingConfig(mode="off", cross_micro_batch=True).cross_micro_batch
+    with pytest.raises(ValueError, match="cross_micro_batch=True plans with mode='arbitrary_prefix'"):
+        PrefixSharingConfig(mode="prompt_only", cross_micro_batch=True)
 
 
 def test_config_is_frozen():

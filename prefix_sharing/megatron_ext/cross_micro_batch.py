@@ -22,9 +22,10 @@ The loss must be a sum of per-token terms (as token-mean losses over a global ba
 ``token_loss(log_probs, entropy, positions)`` scores the tokens at ``positions`` of the group's
 packed order and is called once per micro-batch; the group's loss is the sum of its calls.
 
-PP=1, dense models; tensor parallelism without sequence parallelism (each rank keeps its own
-K/V heads' prefix; log-probs through the vocab-parallel reductions). Pipeline parallelism,
-sequence parallelism, MoE and sliding windows are refused by name.
+PP=1; tensor parallelism without sequence parallelism (each rank keeps its own K/V heads'
+prefix; log-probs through the vocab-parallel reductions); dense models, and MoE whose routers
+keep no batch statistics (routing is per token then). Pipeline parallelism, sequence
+parallelism, MoE with aux / z-losses or expert bias, and sliding windows are refused by name.
 """
 
 from __future__ import annotations
@@ -40,10 +41,11 @@ from ..logprobs import token_log_probs
 from ..plan import SharingPlan
 from .checks import UnsupportedSetupError
 from .logprobs import vocab_shard
+from .moe import PrefixSharingRouter
 from .packed_seq import PlanPackedSeqParams
 from .prefix_kv import PrefixKV
 
-__all__ = ["GroupRun", "TokenLoss", "forward_backward_group"]
+__all__ = ["GroupRun", "PrefixPass", "TokenLoss", "check_group_model", "forward_backward_group"]
 
 TokenLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -93,12 +95,12 @@ def forward_backward_group(
         temperature: logits are divided by it before log-probs and entropy.
         keep_logits: also return every token's logits (for comparisons; ``T_total x V``).
     """
-    _check_model(model)
+    check_group_model(model)
     device = next(model.parameters()).device
     total = schedule.num_tokens_total
     out = _Collector(total, device, keep_logits)
     prefix_kv = PrefixKV()
-    prefix = _PrefixPass(schedule, prefix_kv, backend, temperature, device)
+    prefix = PrefixPass(schedule, prefix_kv, backend, temperature, device)
     if recompute_prefix:
         with torch.no_grad():
             prefix.forward(model)
@@ -128,7 +130,7 @@ def forward_backward_group(
     return out.result(held, computed)
 
 
-class _PrefixPass:
+class PrefixPass:
     """The prefix micro-batch: ``P`` alone (identity plan), recording its K/V."""
 
     def __init__(self, schedule: GroupSchedule, prefix_kv: PrefixKV, backend: str,
@@ -156,19 +158,27 @@ class _PrefixPass:
         return model(plan.input_ids[None], plan.position_ids[None], None,
                      packed_seq_params=self.params)[0]  # [Lp, V]
 
-    def scored(self, model: torch.nn.Module, token_loss: TokenLoss,
-               out: _Collector) -> torch.Tensor:
-        """Forward with grad, and the loss of every sequence's positions ``0 .. Lp-1``."""
+    def stats(self, model: torch.nn.Module,
+              with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                  Callable[[], torch.Tensor]]:
+        """Forward, then every sequence's log-probs and entropy at positions ``0 .. Lp-1``
+        (``(N * Lp,)`` each, sequence-major: ``schedule.prefix_positions``' order), and a
+        callable giving those positions' logits."""
         logits = self.forward(model)
         # one placeholder row per sequence: the stats plan's position Lp, discarded
         rows = torch.cat([logits, logits.new_zeros(self.num_sequences, logits.size(1))])
         stats = token_log_probs(rows, self.stats_plan, temperature=self.temperature,
-                                vocab_shard=vocab_shard(rows.size(-1)))
+                                with_entropy=with_entropy, vocab_shard=vocab_shard(rows.size(-1)))
         log_probs = stats.log_probs.index_select(0, self.keep)
-        entropy = stats.entropy.index_select(0, self.keep)
+        entropy = stats.entropy.index_select(0, self.keep) if with_entropy else None
+        return log_probs, entropy, lambda: self.stats_plan.restore(rows).index_select(0, self.keep)
+
+    def scored(self, model: torch.nn.Module, token_loss: TokenLoss,
+               out: _Collector) -> torch.Tensor:
+        """Forward with grad, and the loss of every sequence's positions ``0 .. Lp-1``."""
+        log_probs, entropy, logits = self.stats(model)
         loss = token_loss(log_probs, entropy, self.positions)
-        out.add(self.positions, log_probs, entropy, loss,
-                lambda: self.stats_plan.restore(rows).index_select(0, self.keep))
+        out.add(self.positions, log_probs, entropy, loss, logits)
         return loss
 
 
@@ -210,7 +220,8 @@ def _whole_vocab(logits: torch.Tensor) -> torch.Tensor:
     return gather_from_tensor_model_parallel_region(logits)
 
 
-def _check_model(model: torch.nn.Module) -> None:
+def check_group_model(model: torch.nn.Module) -> None:
+    """Raises :class:`UnsupportedSetupError` naming every setting a group run cannot honour."""
     config = get_attr_wrapped_model(model, "config")
     problems = []
     if config.sequence_parallel:
@@ -219,9 +230,12 @@ def _check_model(model: torch.nn.Module) -> None:
     if config.pipeline_model_parallel_size > 1:
         problems.append(f"pipeline_model_parallel_size={config.pipeline_model_parallel_size} "
                         "(PP=1 only)")
-    if config.num_moe_experts:
-        problems.append(f"num_moe_experts={config.num_moe_experts} (router statistics across "
-                        "micro-batches are not reweighted)")
+    keeping = [name for name, module in model.named_modules()
+               if isinstance(module, PrefixSharingRouter) and module.keeps_statistics()]
+    if config.num_moe_experts and keeping:
+        problems.append(f"num_moe_experts={config.num_moe_experts} with router batch statistics "
+                        f"(aux / z-loss, expert bias; {keeping[0]}): they are not reweighted "
+                        "across micro-batches")
     if config.window_size is not None:
         problems.append(f"window_size={config.window_size} (the suffix gather is not trimmed)")
     if problems:

@@ -367,7 +367,7 @@ class PrefixSharingRouter(TopKRouter):
                     routing_map = routing_map & ~padding_mask.unsqueeze(-1)
                 self.local_tokens_per_expert += routing_map.sum(dim=0)
 
-    def _keeps_statistics(self) -> bool:
+    def keeps_statistics(self) -> bool:
         """Whether the config asks for any batch statistic of the router."""
         return (self.is_aux_loss_enabled() or self.config.moe_z_loss_coeff is not None
                 or self.enable_expert_bias)
@@ -401,7 +401,7 @@ class PrefixSharingTransformerLayer(TransformerLayer):
             )
         router.fed_by = type(self).__qualname__
         router.moe_layer_index = self._moe_layer_index()
-        if self.mlp.moe_layer_recompute and router._keeps_statistics():
+        if self.mlp.moe_layer_recompute and router.keeps_statistics():
             raise UnsupportedSetupError(
                 "recompute_modules contains 'moe' with MoE auxiliary losses, z-loss or expert "
                 "bias: the recomputed router would run outside the layer that knows the "

@@ -4,6 +4,12 @@ The prefix micro-batch's core attention *records* each layer's keys and values; 
 micro-batch's core attention *reads* them as leaves (detached tensors that require grad),
 placed before its own rows, so its backward accumulates dK/dV into the leaves' ``.grad``. After
 the group's last suffix, :meth:`PrefixKV.backward` sends those sums into the prefix's graph.
+
+A training loop that runs one backward per micro-batch (megatron's schedules, verl's engine)
+cannot call :meth:`PrefixKV.backward` itself after the last suffix; there the last suffix
+*reads through* (mode ``"read_last"``): it attends to the recorded K/V themselves, with the
+leaves' accumulated gradients added on the way back (:func:`read_through`), so that suffix's own
+backward runs the prefix's backward too, once, inside the same pass.
 """
 
 from __future__ import annotations
@@ -12,16 +18,18 @@ from typing import Literal
 
 import torch
 
-__all__ = ["PrefixKV"]
+__all__ = ["PrefixKV", "read_through"]
 
-Mode = Literal["record", "read"]
+Mode = Literal["record", "read", "read_last"]
 
 
 class PrefixKV:
     """Per-layer prefix K/V (this rank's K/V heads), keyed by megatron's ``layer_number``.
 
     Attributes:
-        mode: ``"record"`` while the prefix micro-batch runs, ``"read"`` while a suffix runs.
+        mode: ``"record"`` while the prefix micro-batch runs, ``"read"`` while a suffix runs,
+            ``"read_last"`` while the last suffix runs in a loop that cannot call
+            :meth:`backward` (see the module doc).
         leaves: ``layer_number -> (k, v)``, each ``[Lp, ng, hn]``, detached, requiring grad.
         outputs: ``layer_number -> (k, v)`` of the last recorded pass, still in its graph
             when it ran with grad: the tensors :meth:`backward` differentiates.
@@ -36,13 +44,17 @@ class PrefixKV:
         self, layer_number: int, key: torch.Tensor, value: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values this layer's attention uses: its own while recording (kept),
-        ``cat(prefix leaves, own)`` (``[Lp + T, ng, hn]``) while reading."""
+        ``cat(prefix leaves, own)`` (``[Lp + T, ng, hn]``) while reading, ``cat(recorded
+        prefix, own)`` while reading last (:func:`read_through`)."""
         if self.mode == "record":
             self.outputs[layer_number] = (key, value)
             if layer_number not in self.leaves:  # a recompute keeps the leaves and their grads
                 self.leaves[layer_number] = (_leaf(key), _leaf(value))
             return key, value
         k_leaf, v_leaf = self.leaves[layer_number]
+        if self.mode == "read_last":
+            k_out, v_out = self.outputs[layer_number]
+            k_leaf, v_leaf = read_through(k_out, k_leaf), read_through(v_out, v_leaf)
         return torch.cat([k_leaf, key]), torch.cat([v_leaf, value])
 
     def held_bytes(self) -> int:
@@ -65,6 +77,18 @@ class PrefixKV:
         if not tensors:
             raise RuntimeError("nothing to backpropagate: the prefix pass ran without grad")
         torch.autograd.backward(tensors, grads)
+
+
+def read_through(recorded: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:
+    """``recorded`` (still in its pass's graph) for the last reader: the gradient reaching it
+    gets ``leaf.grad`` (what earlier readers accumulated; read when the backward arrives)
+    added, so one backward carries every reader's gradient into the recorded pass. Without
+    grad (a forward-only step) it is ``recorded`` itself."""
+    if not recorded.requires_grad:
+        return recorded
+    used = recorded.view_as(recorded)
+    used.register_hook(lambda grad: grad if leaf.grad is None else grad + leaf.grad)
+    return used
 
 
 def _leaf(x: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from types import ModuleType
 from typing import Any
 
 from .config import sharing_config
+from .cross_forward import check_cross_engine_setup
 from .mcore import PrefixSharingSetupError, SharingMetrics, check_engine_setup
 from .microbatch import add_split_metrics, sharing_split
 
@@ -39,10 +40,21 @@ class SharingEngineMixin:
             micro-batch's plan to it.
     """
 
+    # Whether the engine's forward runs groups across micro-batches (prefix_grouper's
+    # cross_micro_batch): the Megatron engine's does (verl_ext.cross_forward).
+    supports_cross_micro_batch = False
+
     def __init__(self, model_config: Any, engine_config: Any, *args: Any, **kwargs: Any) -> None:
         self.prefix_sharing = sharing_config(engine_config)
         if self.prefix_sharing.enabled:
             check_engine_setup(engine_config, model_config)
+        if self.prefix_sharing.cross_micro_batch:
+            if not self.supports_cross_micro_batch:
+                raise PrefixSharingSetupError(
+                    f"prefix_grouper.cross_micro_batch=true needs verl's Megatron engine; "
+                    f"{type(self).__name__} splits a group too large for a micro-batch instead "
+                    "(set cross_micro_batch: false)")
+            check_cross_engine_setup(engine_config)
         self._sharing_metrics = SharingMetrics()
         super().__init__(model_config, engine_config, *args, **kwargs)
 

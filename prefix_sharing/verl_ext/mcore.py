@@ -136,11 +136,15 @@ class SharingMetrics:
     route_divergent: int | None = None
 
     def add(self, plan, replayed: bool = False) -> None:
-        self.total += plan.num_tokens_total
-        self.computed += plan.num_tokens_flat
-        self.micro_batches += 1
+        self.add_tokens(plan.num_tokens_total, plan.num_tokens_flat)
         if replayed:
             self.route_divergent = (self.route_divergent or 0) + plan.route_divergent_prefix_tokens
+
+    def add_tokens(self, total: int, computed: int) -> None:
+        """One micro-batch: its samples' tokens and the tokens its model run computed."""
+        self.total += total
+        self.computed += computed
+        self.micro_batches += 1
 
     def as_verl_metrics(self) -> dict[str, list[float]]:
         """``prefix_sharing/token_ratio`` = total / computed tokens, as ``SharingPlan.token_ratio``

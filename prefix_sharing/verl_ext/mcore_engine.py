@@ -7,7 +7,9 @@ imports its module):
   validated config to its engine config (:mod:`.config`);
 - ``verl.models.mcore`` (:func:`patch_forward_fn_lookup`): ``get_mcore_engine_forward_fn``
   returns :func:`.mcore.shared_forward` while a sharing engine runs a micro-batch
-  (:func:`current_micro_batch`), verl's own forward otherwise. verl looks the function up at
+  (:func:`current_micro_batch`), or :func:`.cross_forward.cross_forward` for a micro-batch of a
+  group run across micro-batches (``prefix_grouper.cross_micro_batch``), verl's own forward
+  otherwise. verl looks the function up at
   call time, inside ``forward_step``, which is what makes a per-micro-batch swap possible;
 - ``verl.workers.engine.megatron.transformer_impl`` (:func:`patch_engine`): the registered
   language-model engine becomes ``PrefixSharingMegatronEngine`` for every device it was
@@ -44,15 +46,15 @@ from typing import Any
 
 from .config import accept_prefix_grouper
 from .engine import SharingEngineMixin, install_engine
-from .microbatch import patch_prepare_micro_batches
+from .microbatch import active_split, patch_prepare_micro_batches
 from .patchsets import PatchSet, register
 from .switched_off import off_hooks
 
 __all__ = ["PATCHSETS", "share_layer_spec", "install_layer_spec", "patch_forward_fn_lookup",
            "patch_engine", "current_micro_batch"]
 
-# The shared_forward keywords (sharing, groups, calculate_entropy, metrics) of the micro-batch
-# being run; None outside a sharing engine's forward_step.
+# The forward keywords (sharing, groups, calculate_entropy, metrics, and the cross-micro-batch
+# part or None) of the micro-batch being run; None outside a sharing engine's forward_step.
 _CURRENT: contextvars.ContextVar[dict | None] = contextvars.ContextVar("prefix_sharing_mb",
                                                                      default=None)
 
@@ -105,6 +107,7 @@ def install_layer_spec(engine: Any) -> None:
 def patch_forward_fn_lookup(module: ModuleType) -> None:
     """Hook on ``verl.models.mcore``: the forward-fn lookup answers the shared forward while a
     sharing engine runs a micro-batch. Idempotent."""
+    from .cross_forward import cross_forward
     from .mcore import shared_forward
 
     stock = module.get_mcore_engine_forward_fn
@@ -116,7 +119,10 @@ def patch_forward_fn_lookup(module: ModuleType) -> None:
         current = _CURRENT.get()
         if current is None:
             return stock(hf_config)
-        return functools.partial(shared_forward, **current)
+        if current.get("part") is not None:  # a micro-batch of a cross-micro-batch group
+            return functools.partial(cross_forward, **current)
+        forward_kwargs = {k: v for k, v in current.items() if k != "part"}
+        return functools.partial(shared_forward, **forward_kwargs)
 
     get_mcore_engine_forward_fn._prefix_sharing = True
     module.get_mcore_engine_forward_fn = get_mcore_engine_forward_fn
@@ -137,6 +143,8 @@ def patch_engine(module: ModuleType) -> None:
         """verl's ``MegatronEngineWithLMHead``, computing each micro-batch's shared prefixes
         once."""
 
+        supports_cross_micro_batch = True
+
         def _build_tf_config(self) -> None:
             super()._build_tf_config()
             if self.prefix_sharing.enabled:
@@ -152,6 +160,7 @@ def patch_engine(module: ModuleType) -> None:
             groups = None
             if self.prefix_sharing.mode == "prompt_only":
                 groups = micro_batch_groups(batch, batch["input_ids"].size(0))
+            record = active_split()
             forward_kwargs = dict(
                 sharing=self.prefix_sharing, groups=groups,
                 calculate_entropy=tu.get_non_tensor_data(batch, key="calculate_entropy",
@@ -159,6 +168,7 @@ def patch_engine(module: ModuleType) -> None:
                 metrics=self._sharing_metrics,
                 replay_routes=micro_batch_routes(batch, getattr(getattr(
                     self.engine_config, "router_replay", None), "mode", "disabled")),
+                part=None if record is None else record.part(batch),
             )
             with current_micro_batch(forward_kwargs):
                 return super().forward_step(iter([batch]), model, logits_processor_func,

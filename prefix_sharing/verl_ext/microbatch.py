@@ -17,6 +17,11 @@ same on every data-parallel rank (all-reduced MAX over ``dp_group``) and a multi
 the lighter micro-batches go to both ends, as verl orders them; a sequence longer than the
 budget is refused, as verl refuses it. Samples group by ``uid`` when the batch carries it, else
 by the prefixes the planner finds.
+
+With ``cross_micro_batch`` on, a group too large for the budget is not cut: it runs as
+consecutive micro-batches over one prefix computation (:mod:`.cross_groups`), placed after the
+ordinary micro-batches, in order, each tagged (non-tensor key :data:`PART_KEY`) with its place in
+the group, which :meth:`SplitRecord.part` gives back to the engine's ``forward_step``.
 """
 
 from __future__ import annotations
@@ -33,12 +38,16 @@ import torch
 
 from ..batching import MicroBatchSplit, split_micro_batches
 from ..config import PrefixSharingConfig
+from .cross_groups import CrossPart, plan_cross_groups
 from .mcore import prompt_lengths
 
-__all__ = ["SplitRecord", "sharing_split", "rearrange_micro_batches", "patch_prepare_micro_batches",
-           "add_split_metrics", "METRIC_PREFIX"]
+__all__ = ["SplitRecord", "sharing_split", "active_split", "rearrange_micro_batches",
+           "patch_prepare_micro_batches", "add_split_metrics", "METRIC_PREFIX", "PART_KEY"]
 
 METRIC_PREFIX = "prefix_sharing/"
+# Non-tensor key of a micro-batch that belongs to a cross-micro-batch group: its index in
+# SplitRecord.parts.
+PART_KEY = "prefix_sharing_cross_part"
 
 
 @dataclasses.dataclass
@@ -47,9 +56,24 @@ class SplitRecord:
 
     config: PrefixSharingConfig
     split: MicroBatchSplit | None = None
+    parts: list[CrossPart] = dataclasses.field(default_factory=list)
 
     def metrics(self) -> dict[str, float]:
-        return {} if self.split is None else self.split.metrics(METRIC_PREFIX)
+        if self.split is None:
+            return {}
+        metrics = self.split.metrics(METRIC_PREFIX)
+        if self.config.cross_micro_batch:
+            groups = {id(p.group): p.group for p in self.parts}.values()
+            metrics[f"{METRIC_PREFIX}prefix_recomputes_avoided"] = float(
+                sum(g.schedule.prefix_recomputes_avoided for g in groups))
+        return metrics
+
+    def part(self, micro_batch: Any) -> CrossPart | None:
+        """The cross-group micro-batch ``micro_batch`` is, or ``None`` for an ordinary one."""
+        from verl.utils import tensordict_utils as tu
+
+        index = tu.get_non_tensor_data(micro_batch, key=PART_KEY, default=None)
+        return None if index is None else self.parts[index]
 
 
 _ACTIVE: contextvars.ContextVar[SplitRecord | None] = contextvars.ContextVar(
@@ -69,6 +93,11 @@ def sharing_split(config: PrefixSharingConfig) -> Iterator[SplitRecord]:
         yield record
     finally:
         _ACTIVE.reset(token)
+
+
+def active_split() -> SplitRecord | None:
+    """The record of the sharing split in effect (``None`` outside :func:`sharing_split`)."""
+    return _ACTIVE.get()
 
 
 def add_split_metrics(output: dict, record: SplitRecord) -> None:
@@ -110,25 +139,70 @@ def rearrange_micro_batches(
     from verl.utils import tensordict_utils as tu
 
     sequences, uids, prompt_lens = _samples(batch, record.config, tu)
-    split = functools.partial(split_micro_batches, sequences, max_token_len, record.config,
-                              uids=uids, prompt_lens=prompt_lens)
-    result = split(min_micro_batches=min_num_micro_batch or 1)
-    if result.oversized:  # as verl's own split refuses it: one sequence alone breaks the budget
-        longest = max(len(sequences[i]) for i in result.oversized)
-        raise ValueError(f"max_token_len ({max_token_len}) must be at least the longest sequence "
-                         f"({longest} tokens): raise max_token_len_per_gpu")
-    count = _agreed_count(len(result.micro_batches), dp_group, same_micro_num_in_dp,
+    cross, rest = plan_cross_groups(sequences, max_token_len, record.config, uids)
+    parts = [part for group in cross for part in group.parts()]
+    result = _split_ordinary(sequences, rest, max_token_len, record.config, uids, prompt_lens,
+                             max(1, (min_num_micro_batch or 1) - len(parts)))
+    count = _agreed_count(len(result.micro_batches) + len(parts), dp_group, same_micro_num_in_dp,
                           num_batches_divided_by, len(sequences))
-    if count > len(result.micro_batches):
-        result = split(min_micro_batches=count)
-    record.split = result
+    if count > len(result.micro_batches) + len(parts):
+        wanted = count - len(parts)
+        if wanted > len(rest):
+            raise ValueError(
+                f"{count} micro-batches are needed (data-parallel agreement / virtual pipeline "
+                f"multiple), but this rank's cross-micro-batch groups take {len(parts)} and only "
+                f"{len(rest)} other samples are left to fill the rest; turn "
+                "prefix_grouper.cross_micro_batch off or balance the batch")
+        result = _split_ordinary(sequences, rest, max_token_len, record.config, uids,
+                                 prompt_lens, wanted)
+    record.split = _with_parts(result, parts, len(cross))
+    record.parts = parts
 
     order = list(range(len(result.micro_batches)))
     if use_dynamic_bsz_balance:  # verl's order: heaviest in the middle, lighter at both ends
         order.sort(key=lambda m: (result.tokens_computed[m], result.micro_batches[m][0]), reverse=True)
         order = order[::2][::-1] + order[1::2]
     index_lists = [list(result.micro_batches[m]) for m in order]
-    return [tu.index_select_tensor_dict(batch, idx) for idx in index_lists], index_lists
+    micro_batches = [tu.index_select_tensor_dict(batch, idx) for idx in index_lists]
+    for k, part in enumerate(parts):  # each group's micro-batches consecutive, in run order
+        index_lists.append(part.batch_indices)
+        micro_batches.append(tu.index_select_tensor_dict(batch, part.batch_indices))
+        tu.assign_non_tensor(micro_batches[-1], **{PART_KEY: k})
+    return micro_batches, index_lists
+
+
+def _split_ordinary(sequences: list, rest: list[int], max_token_len: int,
+                    config: PrefixSharingConfig, uids: list | None, prompt_lens: list | None,
+                    minimum: int) -> MicroBatchSplit:
+    """:func:`split_micro_batches` of the samples ``rest`` (indices into the batch, ascending),
+    its micro-batches given in batch indices; no micro-batch when ``rest`` is empty."""
+    if not rest:
+        return MicroBatchSplit((), (), (), max_token_len, 0, 0, ())
+
+    def pick(values: list | None) -> list | None:
+        return None if values is None else [values[i] for i in rest]
+
+    result = split_micro_batches(pick(sequences), max_token_len, config, uids=pick(uids),
+                                 prompt_lens=pick(prompt_lens), min_micro_batches=minimum)
+    if result.oversized:  # as verl's own split refuses it: one sequence alone breaks the budget
+        longest = max(len(sequences[rest[i]]) for i in result.oversized)
+        raise ValueError(f"max_token_len ({max_token_len}) must be at least the longest sequence "
+                         f"({longest} tokens): raise max_token_len_per_gpu")
+    return dataclasses.replace(
+        result, micro_batches=tuple(tuple(rest[i] for i in mb) for mb in result.micro_batches))
+
+
+def _with_parts(result: MicroBatchSplit, parts: list[CrossPart],
+                num_cross_groups: int) -> MicroBatchSplit:
+    """The step's whole split, for its figures: the ordinary micro-batches, then the cross
+    groups' (each cross group counts as one group, not split: its prefix is computed once)."""
+    return dataclasses.replace(
+        result,
+        micro_batches=result.micro_batches + tuple(tuple(p.batch_indices) for p in parts),
+        tokens_total=result.tokens_total + tuple(p.tokens_total for p in parts),
+        tokens_computed=result.tokens_computed + tuple(p.tokens_computed for p in parts),
+        num_groups=result.num_groups + num_cross_groups,
+    )
 
 
 def _samples(batch: Any, config: PrefixSharingConfig, tu: ModuleType) -> tuple[list, list | None,

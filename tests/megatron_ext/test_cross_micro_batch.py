@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import types
+from unittest import mock
 
 import pytest
 import torch
@@ -53,6 +54,7 @@ def _job(rank: int) -> dict:
     report["one_micro_batch_peak"] = meter.peak
     report["dropped_dkv"] = _dropped_dkv(ours, seqs, reference)
     report["two_groups"] = _two_groups(ours)
+    report["moe"] = _moe_without_statistics()
     return report
 
 
@@ -83,6 +85,27 @@ def _two_groups(model) -> dict:
                                    groups=[g.members for g in w.groups])
     return {"vs_reference": compare(cross.run, reference), "plain": compare(plain, reference),
             "figures": cross.report()}
+
+
+def _moe_without_statistics() -> dict:
+    """The two GRPO groups on the tiny MoE preset (8 experts, top-2) with no aux / z-loss and
+    no expert bias: routing is per token, so the flat rows route as the plain tokens do."""
+    from prefix_sharing.engines.cross_micro_batch import forward_backward_cross
+    from prefix_sharing.engines.megatron import compare, forward_backward, gpt_model
+    from prefix_sharing.presets import PRESETS
+
+    def moe(layout: str, **overrides):
+        return gpt_model(PRESETS["tiny-moe"], layout=layout, moe_router_load_balancing_type="none",
+                         moe_aux_loss_coeff=0.0, moe_z_loss_coeff=None, **overrides)
+
+    w = make_workload("grpo", num_prompts=2, group_size=6, prompt_len=(40, 41),
+                      response_len=(12, 24), vocab_size=PRESET.vocab_size, seed=5)
+    plain = forward_backward(moe("padded"), [w.sequences], "padded")
+    reference = forward_backward(moe("padded", dtype=torch.float64), [w.sequences], "padded")
+    cross = forward_backward_cross(moe("shared"), w.sequences, 70, CONFIG,
+                                   groups=[g.members for g in w.groups])
+    return {"vs_reference": compare(cross.run, reference), "plain": compare(plain, reference),
+            "vs_plain": compare(cross.run, plain), "figures": cross.report()}
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +161,17 @@ def test_several_groups_each_with_its_prefix_once(report):
     assert figures["tokens_computed"] == figures["tokens_unique"]
 
 
+def test_moe_without_router_statistics_equals_the_plain_batch(report):
+    run = report["moe"]
+    verdict = within_tolerance(run["vs_reference"], run["plain"], torch.float32)
+    assert set(verdict) == set(QUANTITIES), verdict
+    assert all(verdict.values()), run["vs_reference"].max_rel_diff
+    for q, d in run["vs_plain"].max_rel_diff.items():
+        assert d <= FP32_RTOL, f"{q}: {d} from the plain fp32 run"
+    assert run["figures"]["num_micro_batches"] >= 6
+    assert run["figures"]["tokens_computed"] == run["figures"]["tokens_unique"]
+
+
 def _tp2_job(rank: int) -> dict:
     from prefix_sharing.engines.cross_micro_batch import forward_backward_cross
     from prefix_sharing.engines.megatron import compare, forward_backward
@@ -165,12 +199,23 @@ def test_tensor_parallel_2_equals_the_plain_batch():
 
 def test_refuses_what_it_does_not_support_by_name():
     from prefix_sharing.megatron_ext import UnsupportedSetupError
-    from prefix_sharing.megatron_ext.cross_micro_batch import _check_model
+    from prefix_sharing.megatron_ext.cross_micro_batch import check_group_model
+
+    from prefix_sharing.megatron_ext.moe import PrefixSharingRouter
+
+    def model_with(keeps_statistics=True, **config):
+        router = mock.Mock(spec=PrefixSharingRouter)
+        router.keeps_statistics.return_value = keeps_statistics
+        return types.SimpleNamespace(
+            config=types.SimpleNamespace(**{**base, **config}),
+            named_modules=lambda: iter([("decoder.layers.0.mlp.router", router)]))
 
     base = dict(sequence_parallel=False, pipeline_model_parallel_size=1,
                 num_moe_experts=None, window_size=None)
     for field, value in (("sequence_parallel", True), ("pipeline_model_parallel_size", 2),
                          ("num_moe_experts", 4), ("window_size", (7, 0))):
-        model = types.SimpleNamespace(config=types.SimpleNamespace(**{**base, field: value}))
         with pytest.raises(UnsupportedSetupError, match=re.escape(f"{field}={value}")):
-            _check_model(model)
+            check_group_model(model_with(**{field: value}))
+    with pytest.raises(UnsupportedSetupError, match="router batch statistics .*decoder.layers.0"):
+        check_group_model(model_with(num_moe_experts=4))
+    check_group_model(model_with(keeps_statistics=False, num_moe_experts=4))  # per-token routing

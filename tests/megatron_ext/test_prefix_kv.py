@@ -54,3 +54,38 @@ def test_backward_without_a_graph_says_so():
         store.exchange(1, torch.ones(2, 1), torch.ones(2, 1))
     with pytest.raises(RuntimeError, match="ran without grad"):
         store.backward()
+
+
+def test_the_last_reader_reads_through_and_one_backward_per_reader_equals_one_graph():
+    """A loop that runs one backward per micro-batch: earlier readers read the leaves, the last
+    one the recorded K/V, whose backward then carries every reader's gradient once."""
+    torch.manual_seed(0)
+    w = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    own = [torch.randn(2, 3, dtype=torch.float64) for _ in range(3)]
+
+    def reader_loss(key, value):
+        return (key ** 2).sum() + value.sin().sum()
+
+    k = x @ w
+    expected = torch.autograd.grad(sum(reader_loss(torch.cat([k, o]), torch.cat([k, o]))
+                                       for o in own) + k.sum(), w)[0]
+
+    store = PrefixKV()
+    k = x @ w
+    store.exchange(1, k, k)
+    prefix_loss = k.sum()
+    for i, o in enumerate(own):
+        store.mode = "read_last" if i == len(own) - 1 else "read"
+        loss = reader_loss(*store.exchange(1, o, o))
+        if store.mode == "read_last":
+            loss = loss + prefix_loss
+        loss.backward()
+    torch.testing.assert_close(w.grad, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_reading_through_without_grad_is_the_recorded_tensor():
+    from prefix_sharing.megatron_ext.prefix_kv import read_through
+
+    recorded = torch.ones(2, 1)
+    assert read_through(recorded, recorded.clone().requires_grad_(True)) is recorded

@@ -1,0 +1,201 @@
+"""verl's Megatron forward for one micro-batch of a group that runs across micro-batches.
+
+A :class:`~.cross_groups.CrossGroup` is run as consecutive verl micro-batches, each holding
+the samples whose tails it computes. verl's loop (megatron's ``forward_backward_no_pipelining``)
+runs forward then backward per micro-batch, so the prefix is woven into them:
+
+- the group's **first** micro-batch runs the prefix first (identity plan, its K/V recorded per
+  layer: :class:`~prefix_sharing.megatron_ext.prefix_kv.PrefixKV`) and scores every sample's
+  prefix positions ``0 .. Lp-1`` (the last prefix row predicts each sample's first own token).
+  Those log-probs / entropy and the K/V are kept in the prefix's graph, and as leaves;
+- every micro-batch but the last reads the leaves: its attention over ``cat(prefix K/V, own)``
+  and its samples' rows ``cat(prefix statistics, own)``, so its backward accumulates the
+  prefix's gradients in the leaves' ``.grad`` and stops there;
+- the **last** micro-batch reads the recorded tensors themselves (``read_through``: the leaves'
+  accumulated gradients are added on the way back), so its backward - megatron's, like every
+  other - runs the prefix's backward once, with every micro-batch's gradient, inside the same
+  pass. Everything happens before verl's optimizer step and megatron's gradient reduction.
+
+Each sample's log-probs and entropy come back as verl expects them (the value at ``t`` scores
+token ``t + 1``, the last position 0), so verl's loss runs unchanged on each micro-batch.
+Held across the group: the prefix's activations (its graph) and its K/V leaves with their
+gradients. The model must run with PP=1, without sequence parallelism, MoE, windows or
+activation recompute (each raises one error naming the setting).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from ..config import PrefixSharingConfig
+from .cross_groups import CrossPart
+from .mcore import PrefixSharingSetupError, SharingMetrics, micro_batch_temperature
+
+__all__ = ["GroupState", "check_cross_engine_setup", "check_cross_model", "cross_forward"]
+
+
+@dataclasses.dataclass
+class GroupState:
+    """What a group's first micro-batch leaves for the others.
+
+    Attributes:
+        prefix_kv: the prefix's K/V per layer, recorded and as leaves.
+        log_probs, entropy: ``(N, Lp)`` every sample's prefix-position statistics, in the
+            prefix's graph (``entropy`` ``None`` when not asked for).
+        leaves: the same, detached, requiring grad (what all but the last micro-batch read).
+        temperature: the group's sampling temperature (all its micro-batches must agree).
+    """
+
+    prefix_kv: Any
+    log_probs: torch.Tensor
+    entropy: torch.Tensor | None
+    leaves: tuple[torch.Tensor, torch.Tensor | None]
+    temperature: float
+
+    def prefix_stats(self, members: list[int],
+                     last: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(len(members), Lp)`` statistics of these samples' prefix positions: the leaves, or
+        the recorded tensors read through for the last micro-batch."""
+        from ..megatron_ext.prefix_kv import read_through
+
+        index = torch.tensor(members, device=self.log_probs.device)
+        picked = []
+        for recorded, leaf in zip((self.log_probs, self.entropy), self.leaves):
+            if recorded is None:
+                picked.append(None)
+                continue
+            source = read_through(recorded, leaf) if last else leaf
+            picked.append(source.index_select(0, index))
+        return picked[0], picked[1]
+
+
+def cross_forward(
+    model,
+    input_ids: torch.Tensor,
+    multi_modal_inputs: dict,
+    logits_processor=None,
+    logits_processor_args: dict | None = None,
+    value_model: bool = False,
+    vision_model: bool = False,
+    *,
+    part: CrossPart,
+    sharing: PrefixSharingConfig,
+    calculate_entropy: bool,
+    metrics: SharingMetrics | None = None,
+    replay_routes: list[torch.Tensor] | None = None,
+    **_verl_kwargs: Any,
+) -> dict[str, torch.Tensor]:
+    """verl's ``gptmodel_forward_model_engine`` for the micro-batch ``part`` of a cross group
+    (see the module doc); arguments as :func:`.mcore.shared_forward` takes them."""
+    if replay_routes is not None:
+        raise PrefixSharingSetupError("prefix_grouper.cross_micro_batch does not support "
+                                      "router_replay (set router_replay.mode: disabled)")
+    from ..logprobs import token_log_probs
+    from ..megatron_ext import check_sharing_model
+    from ..megatron_ext.logprobs import vocab_shard
+    from ..megatron_ext.packed_seq import PlanPackedSeqParams
+
+    if value_model or vision_model or multi_modal_inputs:
+        raise PrefixSharingSetupError("prefix sharing supports text-only language models (no value "
+                                      "head, no vision inputs)")
+    check_sharing_model(model)
+    check_cross_model(model)
+    suffix = part.group.schedule.suffixes[part.index]
+    if input_ids.size(0) != len(suffix.members):
+        raise ValueError(f"micro-batch {part.index} of a cross-micro-batch group holds "
+                         f"{input_ids.size(0)} samples; its plan has {len(suffix.members)}")
+    temperature = micro_batch_temperature((logits_processor_args or {}).get("temperature"))
+    device = input_ids.device
+    if part.first:
+        part.group.state = _run_prefix(model, part, sharing, temperature, calculate_entropy,
+                                       device)
+    state: GroupState = part.group.state
+    if temperature != state.temperature:
+        raise PrefixSharingSetupError(
+            f"the samples of one cross-micro-batch group have temperatures {state.temperature} "
+            f"and {temperature}; they share the prefix's statistics, so they need one")
+    state.prefix_kv.mode = "read_last" if part.last else "read"
+    plan, tail_plan = suffix.plan.to(device), suffix.tail_plan.to(device)
+    params = PlanPackedSeqParams.from_plan(plan, sharing.backend, prefix_kv=state.prefix_kv)
+    logits = model(input_ids=plan.input_ids[None], attention_mask=None,
+                   position_ids=plan.position_ids[None], packed_seq_params=params)[0]
+    stats = token_log_probs(logits, tail_plan, temperature=temperature,
+                            with_entropy=calculate_entropy,
+                            vocab_shard=vocab_shard(logits.size(-1)))
+    prefix = state.prefix_stats(list(suffix.members), part.last)
+    if part.last:
+        part.group.state = None  # the last micro-batch's graph holds what its backward needs
+    if metrics is not None:
+        metrics.add_tokens(part.tokens_total, part.tokens_computed)
+    result = {"log_probs": (prefix[0], stats.log_probs)}
+    if calculate_entropy:
+        result["entropy"] = (prefix[1], stats.entropy)
+    return {key: torch.nested.as_nested_tensor(
+                [torch.cat([head, tail]) for head, tail in zip(rows, tail_plan.split(own))],
+                layout=torch.jagged)
+            for key, (rows, own) in result.items()}
+
+
+def check_cross_engine_setup(engine_config: Any) -> None:
+    """At engine construction: the parallel settings of verl's Megatron engine config under
+    which a group cannot run across micro-batches (:func:`check_cross_model` checks the model
+    itself at its first cross micro-batch)."""
+    problems = []
+    pp = getattr(engine_config, "pipeline_model_parallel_size", 1) or 1
+    if pp > 1:
+        problems.append(f"pipeline_model_parallel_size={pp} (megatron's 1F1B schedule runs "
+                        "several forwards before their backwards)")
+    vpp = getattr(engine_config, "virtual_pipeline_model_parallel_size", None)
+    if vpp is not None and vpp > 1:
+        problems.append(f"virtual_pipeline_model_parallel_size={vpp}")
+    cp = getattr(engine_config, "context_parallel_size", 1) or 1
+    if cp > 1:
+        problems.append(f"context_parallel_size={cp} (the group's prefix K/V is not split over "
+                        "context-parallel ranks)")
+    replay = getattr(getattr(engine_config, "router_replay", None), "mode", "disabled")
+    if replay not in (None, "disabled"):
+        problems.append(f"router_replay.mode={replay!r}")
+    tp = getattr(engine_config, "tensor_model_parallel_size", 1) or 1
+    if tp > 1 and getattr(engine_config, "sequence_parallel", False):
+        problems.append(f"sequence_parallel=True with tensor_model_parallel_size={tp} (set "
+                        "sequence_parallel: false)")
+    if problems:
+        raise PrefixSharingSetupError("prefix_grouper.cross_micro_batch does not support "
+                                      + "; ".join(problems))
+
+
+def check_cross_model(model) -> None:
+    """The group driver's refusals (PP, sequence parallelism, MoE, windows), plus activation
+    recompute: a recomputed layer would run again with the group's K/V in whatever mode the
+    last micro-batch left it."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    from ..megatron_ext.cross_micro_batch import check_group_model
+
+    check_group_model(model)
+    recompute = get_attr_wrapped_model(model, "config").recompute_granularity
+    if recompute is not None:
+        raise PrefixSharingSetupError(
+            f"prefix_grouper.cross_micro_batch does not support recompute_granularity="
+            f"{recompute!r} (turn activation recompute off, or cross_micro_batch off)")
+
+
+def _run_prefix(model, part: CrossPart, sharing: PrefixSharingConfig, temperature: float,
+                with_entropy: bool, device: torch.device) -> GroupState:
+    """The group's prefix forward (recording its K/V) and its prefix-position statistics."""
+    from ..megatron_ext.cross_micro_batch import PrefixPass
+    from ..megatron_ext.prefix_kv import PrefixKV
+
+    schedule = part.group.schedule
+    prefix_kv = PrefixKV()
+    prefix = PrefixPass(schedule, prefix_kv, sharing.backend, temperature, device)
+    log_probs, entropy, _ = prefix.stats(model, with_entropy)
+    shape = (len(schedule.seq_lens), schedule.prefix_len)
+    log_probs = log_probs.view(shape)
+    entropy = entropy.view(shape) if entropy is not None else None
+    leaves = tuple(None if t is None else t.detach().requires_grad_(t.requires_grad)
+                   for t in (log_probs, entropy))
+    return GroupState(prefix_kv, log_probs, entropy, leaves, temperature)

@@ -1,0 +1,127 @@
+"""Which groups of a batch run across micro-batches, and as which micro-batches.
+
+With ``cross_micro_batch`` on, a sharing group whose computed tokens exceed the micro-batch
+budget (verl's ``max_token_len_per_gpu``) is not cut into pieces that each recompute its prefix
+(:func:`prefix_sharing.batching.split_micro_batches`). It becomes a :class:`CrossGroup`: its
+common prefix computed once and its tails in consecutive micro-batches
+(:func:`prefix_sharing.cross_micro_batch.plan_group`), which the engine runs in order
+(:mod:`.cross_forward`). Each of those micro-batches holds whole samples (verl's loss reads every
+sample's full row), the samples whose tails it computes.
+
+The budget counts the prefix too: the prefix's rows stay alive (its activations and K/V) while
+every tail micro-batch runs, so the tails are packed under ``budget - prefix_len``. A group is
+left to the ordinary split when its common prefix is shorter than ``min_prefix_len``, or when
+it cannot be planned under that budget (a tail too long, a prefix over half the budget).
+
+Pure torch: no verl, no megatron; every rank that sees the same batch plans the same groups.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import torch
+
+from ..batching import sharing_groups
+from ..config import PrefixSharingConfig
+from ..cross_micro_batch import GroupSchedule, common_prefix_len, plan_group
+from ..planner import TokenSequence, build_plan
+
+__all__ = ["CrossGroup", "CrossPart", "plan_cross_groups"]
+
+
+@dataclasses.dataclass(eq=False)
+class CrossGroup:
+    """One group run across consecutive micro-batches.
+
+    Attributes:
+        members: the group's batch indices, ascending (``schedule``'s sequence order).
+        schedule: its prefix and tail micro-batches.
+        token_budget: the budget its micro-batches were planned under (prefix included).
+        state: while the group runs, what its first micro-batch left for the others (the
+            prefix's K/V and statistics: :class:`.cross_forward.GroupState`); ``None`` before
+            its first and after its last micro-batch.
+    """
+
+    members: tuple[int, ...]
+    schedule: GroupSchedule
+    token_budget: int
+    state: Any = None
+
+    def parts(self) -> list[CrossPart]:
+        return [CrossPart(self, k) for k in range(len(self.schedule.suffixes))]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CrossPart:
+    """The ``index``-th micro-batch of a :class:`CrossGroup` (its ``index``-th suffix)."""
+
+    group: CrossGroup
+    index: int
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == len(self.group.schedule.suffixes) - 1
+
+    @property
+    def batch_indices(self) -> list[int]:
+        """The batch indices of the samples whose tails this micro-batch computes, ascending."""
+        return [self.group.members[m] for m in self.group.schedule.suffixes[self.index].members]
+
+    @property
+    def tokens_total(self) -> int:
+        """Tokens of its samples (what the plain forward would run for them)."""
+        return sum(self.group.schedule.seq_lens[m]
+                   for m in self.group.schedule.suffixes[self.index].members)
+
+    @property
+    def tokens_computed(self) -> int:
+        """Tokens the model runs in it: its tails' plan, and the prefix in the first."""
+        own = self.group.schedule.suffixes[self.index].plan.num_tokens_unique
+        return own + (self.group.schedule.prefix_len if self.first else 0)
+
+
+def plan_cross_groups(
+    sequences: Sequence[TokenSequence],
+    token_budget: int,
+    config: PrefixSharingConfig,
+    uids: Sequence[Hashable] | None = None,
+) -> tuple[list[CrossGroup], list[int]]:
+    """The groups of the batch that run across micro-batches, and the other samples' indices.
+
+    Nothing crosses micro-batches unless ``config.cross_micro_batch`` (then every index is
+    returned as ordinary). Groups are :func:`~prefix_sharing.batching.sharing_groups` (by
+    ``uids`` when given).
+    """
+    if not config.cross_micro_batch:
+        return [], list(range(len(sequences)))
+    cross, rest = [], []
+    for members in sharing_groups(sequences, config, uids):
+        schedule = _schedule([sequences[i] for i in members], token_budget, config)
+        if schedule is None:
+            rest += members
+        else:
+            cross.append(CrossGroup(tuple(members), schedule, token_budget))
+    return cross, sorted(rest)
+
+
+def _schedule(sequences: list[TokenSequence], token_budget: int,
+              config: PrefixSharingConfig) -> GroupSchedule | None:
+    """The group's schedule under ``token_budget`` (prefix included), or ``None`` when it fits
+    one micro-batch or is left to the ordinary split (see the module doc)."""
+    if len(sequences) < 2 or build_plan(sequences, config).num_tokens_unique <= token_budget:
+        return None
+    seqs = [torch.as_tensor(s, dtype=torch.int64).reshape(-1).cpu() for s in sequences]
+    prefix_len = common_prefix_len(seqs)
+    if prefix_len < config.min_prefix_len or 2 * prefix_len > token_budget:
+        return None
+    try:
+        return plan_group(seqs, token_budget - prefix_len, config)
+    except ValueError:  # a tail longer than the budget left beside the prefix
+        return None

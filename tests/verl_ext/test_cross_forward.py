@@ -1,0 +1,147 @@
+"""Groups larger than ``max_token_len_per_gpu`` inside verl's real Megatron engine (whichever
+supported verl is installed): with ``prefix_grouper.cross_micro_batch`` each such group's prefix
+is computed once and its tails run as consecutive micro-batches; ``infer_batch`` (log-probs,
+entropy) and ``forward_backward_batch`` (verl's ``ppo_loss``, every gradient) equal verl's
+stock step with the feature off on the same weights, and the tokens computed are each group's
+unique tokens.
+
+Batch: 2 agent tasks of 3 episodes (59-65 tokens; 34- and 36-token common prefixes, a branch
+at every turn). At a budget of 80 both groups cross micro-batches (3 each); at 70 the second
+one's prefix is over half the budget, so it is cut by the ordinary split (and recomputes its
+prefix) beside the first one's cross run.
+"""
+
+import importlib.util
+from functools import partial
+
+import pytest
+
+if importlib.util.find_spec("verl") is None:
+    pytest.skip("verl is not installed (build an environment with .ci/verl_env.sh <version>)",
+                allow_module_level=True)
+
+from prefix_sharing.engines.launch import run_distributed  # noqa: E402
+from tests.verl_ext._batch import make_batch, plain_output, use_cpu_platform  # noqa: E402
+from tests.verl_ext._compare import same_outputs  # noqa: E402
+from tests.verl_ext._engine import actor_config, build_engine  # noqa: E402
+
+CROSS = {"mode": "arbitrary_prefix", "min_prefix_len": 1, "cross_micro_batch": True}
+AGENT = dict(num_tasks=2, num_turns=2, branching=3)
+BUDGETS = (80, 70)
+
+
+def batch(budget: int):
+    from verl.utils import tensordict_utils as tu
+
+    data = make_batch("agent", **AGENT)
+    tu.assign_non_tensor(data, use_dynamic_bsz=True, max_token_len_per_gpu=budget)
+    return data
+
+
+def steps(rank: int) -> dict:
+    """verl's stock step (feature off), the cross-micro-batch one per budget, and a control,
+    each on a fresh copy of the same seeded model."""
+    from verl.workers.utils.losses import ppo_loss
+
+    from prefix_sharing.megatron_ext import prefix_kv
+
+    use_cpu_platform()
+    results = {}
+    # verl's stock step does not depend on how it splits the batch: one serves both budgets
+    runs = [(80, "off", None)] + [(budget, "cross", CROSS) for budget in BUDGETS]
+    for budget, name, prefix_grouper in runs + [(80, "control", CROSS)]:
+        config = actor_config(prefix_grouper)
+        engine = build_engine(config)
+        infer = engine.infer_batch(batch(budget))
+        read_through = prefix_kv.read_through
+        if name == "control":  # the last micro-batch drops what the earlier ones accumulated
+            prefix_kv.read_through = lambda recorded, leaf: recorded
+        try:
+            train = engine.forward_backward_batch(batch(budget), partial(ppo_loss, config=config))
+        finally:
+            prefix_kv.read_through = read_through
+        grads = {n: p.grad.clone() for n, p in engine.module[0].named_parameters()}
+        results[budget, name] = {"infer": plain_output(infer), "train": plain_output(train),
+                                 "grads": grads}
+    return results
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_distributed(steps, 1, timeout=300)[0]
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_log_probs_entropy_loss_and_every_gradient_equal_verls_stock_step(results, budget):
+    # back in batch order (restore_dynamic_batch); the loss is verl's global token mean, summed
+    # over micro-batches (the two runs split the batch differently)
+    same_outputs(results[budget, "cross"], results[80, "off"], f"budget {budget}",
+                 per_micro_batch=False)
+
+
+def test_a_control_that_drops_the_earlier_micro_batches_prefix_gradients_fails(results):
+    with pytest.raises(AssertionError, match="grad"):
+        same_outputs(results[80, "control"], results[80, "off"], "control", per_micro_batch=False)
+
+
+def test_each_group_computes_its_unique_tokens_once_and_verls_metrics_say_so(results):
+    from prefix_sharing import PrefixSharingConfig, build_plan
+    from prefix_sharing.workloads import make_workload
+
+    wl = make_workload("agent", vocab_size=512, seed=0, **AGENT)
+    config = PrefixSharingConfig(min_prefix_len=1)
+    unique = [build_plan([wl.sequences[m] for m in g.members], config).num_tokens_unique
+              for g in wl.groups]
+    assert unique == [119, 114]
+    metrics = results[80, "cross"]["train"]["metrics"]
+    assert metrics["prefix_sharing/tokens_computed"] == [float(sum(unique))]
+    assert metrics["prefix_sharing/tokens_total"] == [float(sum(map(len, wl.sequences)))]
+    assert metrics["prefix_sharing/num_micro_batches"] == [6.0]  # 3 per group, none cut
+    assert metrics["prefix_sharing/prefix_recomputes_avoided"] == [4.0]
+    assert metrics["prefix_sharing/groups_split"] == [0.0]
+    assert metrics["prefix_sharing/max_tokens_computed"][0] <= 80
+
+
+@pytest.mark.parametrize("field, value", [
+    ("recompute_granularity", "full"), ("sequence_parallel", True), ("num_moe_experts", 4)])
+def test_settings_a_cross_group_cannot_honour_are_refused_by_name(field, value):
+    from types import SimpleNamespace
+
+    from unittest import mock
+
+    from prefix_sharing.errors import UnsupportedSetup
+    from prefix_sharing.megatron_ext.moe import PrefixSharingRouter
+    from prefix_sharing.verl_ext.cross_forward import check_cross_model
+
+    config = dict(sequence_parallel=False, pipeline_model_parallel_size=1, num_moe_experts=None,
+                  window_size=None, recompute_granularity=None)
+    router = mock.Mock(spec=PrefixSharingRouter)  # one that keeps aux-loss statistics
+    model = SimpleNamespace(config=SimpleNamespace(**{**config, field: value}),
+                            named_modules=lambda: iter([("layers.0.mlp.router", router)]))
+    with pytest.raises(UnsupportedSetup, match=f"{field}={value!r}|{field}={value}"):
+        check_cross_model(model)
+
+
+@pytest.mark.parametrize("settings, named", [
+    (dict(pipeline_model_parallel_size=2), "pipeline_model_parallel_size=2"),
+    (dict(virtual_pipeline_model_parallel_size=2), "virtual_pipeline_model_parallel_size=2"),
+    (dict(tensor_model_parallel_size=2, sequence_parallel=True), "sequence_parallel=True")])
+def test_engine_settings_are_refused_by_name_at_construction(settings, named):
+    from types import SimpleNamespace
+
+    from prefix_sharing.verl_ext.cross_forward import check_cross_engine_setup
+    from prefix_sharing.verl_ext.mcore import PrefixSharingSetupError
+
+    base = dict(pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None,
+                tensor_model_parallel_size=2, sequence_parallel=False)
+    check_cross_engine_setup(SimpleNamespace(**base))  # TP without sequence parallelism runs
+    with pytest.raises(PrefixSharingSetupError, match=named):
+        check_cross_engine_setup(SimpleNamespace(**{**base, **settings}))
+
+
+def test_a_group_left_to_the_ordinary_split_is_cut_beside_a_cross_group(results):
+    metrics = results[70, "cross"]["train"]["metrics"]
+    assert metrics["prefix_sharing/groups_split"] == [1.0]
+    assert metrics["prefix_sharing/prefix_recomputes_avoided"] == [2.0]
+    assert metrics["prefix_sharing/max_tokens_computed"][0] <= 70
+
