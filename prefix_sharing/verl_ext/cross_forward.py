@@ -127,6 +127,7 @@ def cross_forward(
                             vocab_shard=vocab_shard(logits.size(-1)))
     prefix = state.prefix_stats(list(suffix.members), part.last)
     if part.last:
+        part.group.held_bytes = state.prefix_kv.held_bytes()
         part.group.state = None  # the last micro-batch's graph holds what its backward needs
     if metrics is not None:
         metrics.add_tokens(part.tokens_total, part.tokens_computed)

@@ -43,12 +43,15 @@ class CrossGroup:
         state: while the group runs, what its first micro-batch left for the others (the
             prefix's K/V and statistics: :class:`.cross_forward.GroupState`); ``None`` before
             its first and after its last micro-batch.
+        held_bytes: after its last micro-batch, the bytes of prefix K/V leaves and their
+            gradients it held across its micro-batches (this rank's K/V heads).
     """
 
     members: tuple[int, ...]
     schedule: GroupSchedule
     token_budget: int
     state: Any = None
+    held_bytes: int = 0
 
     def parts(self) -> list[CrossPart]:
         return [CrossPart(self, k) for k in range(len(self.schedule.suffixes))]

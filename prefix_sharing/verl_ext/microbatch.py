@@ -66,6 +66,8 @@ class SplitRecord:
             groups = {id(p.group): p.group for p in self.parts}.values()
             metrics[f"{METRIC_PREFIX}prefix_recomputes_avoided"] = float(
                 sum(g.schedule.prefix_recomputes_avoided for g in groups))
+            metrics[f"{METRIC_PREFIX}prefix_kv_held_bytes"] = float(
+                max((g.held_bytes for g in groups), default=0))
         return metrics
 
     def part(self, micro_batch: Any) -> CrossPart | None:

@@ -88,8 +88,9 @@ def _two_groups(model) -> dict:
 
 
 def _moe_without_statistics() -> dict:
-    """The two GRPO groups on the tiny MoE preset (8 experts, top-2) with no aux / z-loss and
-    no expert bias: routing is per token, so the flat rows route as the plain tokens do."""
+    """One GRPO group (a 41-token prompt, 6 responses) on the tiny MoE preset (8 experts,
+    top-2) with no aux / z-loss and no expert bias: routing is per token, so the flat rows route
+    as the plain tokens do."""
     from prefix_sharing.engines.cross_micro_batch import forward_backward_cross
     from prefix_sharing.engines.megatron import compare, forward_backward, gpt_model
     from prefix_sharing.presets import PRESETS
@@ -98,12 +99,11 @@ def _moe_without_statistics() -> dict:
         return gpt_model(PRESETS["tiny-moe"], layout=layout, moe_router_load_balancing_type="none",
                          moe_aux_loss_coeff=0.0, moe_z_loss_coeff=None, **overrides)
 
-    w = make_workload("grpo", num_prompts=2, group_size=6, prompt_len=(40, 41),
+    w = make_workload("grpo", num_prompts=1, group_size=6, prompt_len=(40, 41),
                       response_len=(12, 24), vocab_size=PRESET.vocab_size, seed=5)
     plain = forward_backward(moe("padded"), [w.sequences], "padded")
     reference = forward_backward(moe("padded", dtype=torch.float64), [w.sequences], "padded")
-    cross = forward_backward_cross(moe("shared"), w.sequences, 70, CONFIG,
-                                   groups=[g.members for g in w.groups])
+    cross = forward_backward_cross(moe("shared"), w.sequences, 70, CONFIG)
     return {"vs_reference": compare(cross.run, reference), "plain": compare(plain, reference),
             "vs_plain": compare(cross.run, plain), "figures": cross.report()}
 
@@ -168,7 +168,7 @@ def test_moe_without_router_statistics_equals_the_plain_batch(report):
     assert all(verdict.values()), run["vs_reference"].max_rel_diff
     for q, d in run["vs_plain"].max_rel_diff.items():
         assert d <= FP32_RTOL, f"{q}: {d} from the plain fp32 run"
-    assert run["figures"]["num_micro_batches"] >= 6
+    assert run["figures"]["num_micro_batches"] >= 3  # the prompt and 2+ suffixes
     assert run["figures"]["tokens_computed"] == run["figures"]["tokens_unique"]
 
 

@@ -21,7 +21,7 @@ if importlib.util.find_spec("verl") is None:
                 allow_module_level=True)
 
 from prefix_sharing.engines.launch import run_distributed  # noqa: E402
-from tests.verl_ext._batch import make_batch, plain_output, use_cpu_platform  # noqa: E402
+from tests.verl_ext._batch import PRESET, make_batch, plain_output, use_cpu_platform  # noqa: E402
 from tests.verl_ext._compare import same_outputs  # noqa: E402
 from tests.verl_ext._engine import actor_config, build_engine  # noqa: E402
 
@@ -100,6 +100,10 @@ def test_each_group_computes_its_unique_tokens_once_and_verls_metrics_say_so(res
     assert metrics["prefix_sharing/prefix_recomputes_avoided"] == [4.0]
     assert metrics["prefix_sharing/groups_split"] == [0.0]
     assert metrics["prefix_sharing/max_tokens_computed"][0] <= 80
+    # the larger prefix's K/V leaves and their gradients, held across its micro-batches:
+    # 2 (K, V) x 2 x layers x 36 tokens x K/V heads x head dim x 4 bytes
+    assert metrics["prefix_sharing/prefix_kv_held_bytes"] == [
+        float(2 * 2 * PRESET.num_layers * 36 * PRESET.num_query_groups * PRESET.head_dim * 4)]
 
 
 @pytest.mark.parametrize("field, value", [
