@@ -164,11 +164,12 @@ def test_token_budget_refusals_are_one_line(capsys, argv, message):
 
 
 def test_routing_replay_with_a_route_diverging_inside_a_shared_prefix(capsys):
+    """Two pipeline stages: each replays its own layers' routes from the plan."""
     code, out, _ = verify(capsys, "--model", "tiny-moe", "--routing-replay", "--workload", "tree",
-                          "--min-prefix-len", 1, "--json")
+                          "--min-prefix-len", 1, "--pp", 2, "--json")
     report = json.loads(out)
     assert code == 0 and report["passed"], report
-    assert report["routing_replay"] and report["route_diverged_at"] is not None
+    assert report["routing_replay"] and report["route_diverged_at"] is not None and report["pp"] == 2
     assert report["route_divergent_prefix_tokens"] > 0
     assert report["vs_plain_within_fp32_rtol"] and report["tokens_unique"] < report["tokens_total"]
 
