@@ -59,8 +59,9 @@ def counting_collectives(group: torch.distributed.ProcessGroup) -> Iterator[Coll
     sequence-parallel mappings, which the CP attention's K/V gather uses) move on ``group``.
 
     An all-gather of ``n`` local bytes over ``p`` ranks receives ``(p - 1) n``; a reduce-scatter
-    of ``n`` bytes into ``n / p`` sends ``(p - 1) n / p``. Collectives on other groups pass
-    uncounted.
+    of ``n`` bytes into ``n / p`` sends ``(p - 1) n / p``. Only ``[rows, heads, head_dim]``
+    tensors (K, V and their gradients) are counted: collectives on other groups, and the MoE
+    router's ``[rows, experts]`` gathers over the same group, pass uncounted.
     """
     from megatron.core.tensor_parallel import mappings
 
@@ -68,12 +69,12 @@ def counting_collectives(group: torch.distributed.ProcessGroup) -> Iterator[Coll
     gather, scatter = mappings.dist_all_gather_func, mappings.dist_reduce_scatter_func
 
     def counted_gather(output: torch.Tensor, input_: torch.Tensor, *args: Any, **kwargs: Any):
-        if kwargs.get("group") is group:
+        if kwargs.get("group") is group and input_.dim() == 3:
             counted.gathered += (output.numel() - input_.numel()) * output.element_size()
         return gather(output, input_, *args, **kwargs)
 
     def counted_scatter(output: torch.Tensor, input_: torch.Tensor, *args: Any, **kwargs: Any):
-        if kwargs.get("group") is group:
+        if kwargs.get("group") is group and input_.dim() == 3:
             counted.scattered += (input_.numel() - output.numel()) * input_.element_size()
         return scatter(output, input_, *args, **kwargs)
 
