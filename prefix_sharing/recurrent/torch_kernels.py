@@ -72,21 +72,46 @@ def gated_delta_rule_recurrent(
     """The gated delta rule token by token: the reference the chunked kernels are checked on.
 
     Same arguments as :func:`chunk_gated_delta_rule_torch`; always returns the final states.
+    All sequences step together (padded, see :func:`_padded_index`), one token per step.
     """
+    out_dtype = v.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
-    bounds = tuple(cu_seqlens_host) if cu_seqlens_host is not None else (0, q.size(0))
-    outs, finals = [], []
-    for n in range(len(bounds) - 1):
-        state = (q.new_zeros(v.size(1), q.size(2), v.size(2)) if initial_state is None
-                 else initial_state[n].to(q.dtype))  # [HV, K, V]
-        for t in range(bounds[n], bounds[n + 1]):
-            state = state * g[t].exp()[:, None, None]
-            u = beta[t, :, None] * (v[t] - torch.einsum("hkv,hk->hv", state, k[t]))
-            state = state + k[t][:, :, None] * u[:, None, :]
-            outs.append(torch.einsum("hkv,hk->hv", state, q[t]))
-        finals.append(state)
-    out = torch.stack(outs) if outs else v.new_zeros(0, *v.shape[1:])
-    return out.to(v.dtype), torch.stack(finals)
+    index, keep = _padded_index(cu_seqlens_host, q.size(0), 1, q.device)
+    q, k, v, g, beta = (_padded(x, index) for x in (q, k, v, g, beta))  # [N, L, HV, ...]
+    state = (q.new_zeros(q.size(0), v.size(2), q.size(3), v.size(3)) if initial_state is None
+             else initial_state.to(q.dtype))  # [N, HV, K, V]
+    outs = []
+    for t in range(q.size(1)):
+        state = state * g[:, t].exp()[..., None, None]
+        u = beta[:, t, :, None] * (v[:, t] - torch.einsum("nhkv,nhk->nhv", state, k[:, t]))
+        state = state + k[:, t, :, :, None] * u[:, :, None, :]
+        outs.append(torch.einsum("nhkv,nhk->nhv", state, q[:, t]))
+    out = torch.stack(outs, 1).flatten(0, 1).index_select(0, keep)
+    return out.to(out_dtype), state
+
+
+def _padded_index(cu_seqlens_host: Sequence[int] | None, total: int, multiple: int,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(index [N, L], keep [total])``: each sequence's rows padded to a common length ``L``
+    (a multiple of ``multiple``) with row ``total`` (an appended zero row), and the padded
+    positions that hold real tokens, in token order. Built on the host: no device sync."""
+    bounds = tuple(cu_seqlens_host) if cu_seqlens_host is not None else (0, total)
+    if bounds[-1] != total:
+        raise InputError(f"cu_seqlens ends at {bounds[-1]} but the inputs hold {total} tokens")
+    lens = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    length = max(1, -(-max(lens, default=0) // multiple)) * multiple
+    index = torch.full((len(lens), length), total, dtype=torch.long)
+    keep = []
+    for n, (start, size) in enumerate(zip(bounds[:-1], lens)):
+        index[n, :size] = torch.arange(start, start + size)
+        keep.append(torch.arange(n * length, n * length + size))
+    return index.to(device), torch.cat(keep).to(device)
+
+
+def _padded(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x [total, ...]`` -> ``[N, L, ...]``, zeros past each sequence's end. Zero tokens
+    (``g = beta = k = v = 0``) leave the state unchanged."""
+    return torch.cat([x, x.new_zeros(1, *x.shape[1:])])[index]
 
 
 def chunk_gated_delta_rule_torch(
@@ -127,27 +152,14 @@ def chunk_gated_delta_rule_torch(
     """
     out_dtype = v.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
-    total, value_heads, key_dim, value_dim = q.size(0), v.size(1), q.size(2), v.size(2)
-    bounds = tuple(cu_seqlens_host) if cu_seqlens_host is not None else (0, total)
-    if bounds[-1] != total:
-        raise InputError(f"cu_seqlens ends at {bounds[-1]} but the inputs hold {total} tokens")
-    num_seqs, size = len(bounds) - 1, chunk_size
-    lens = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
-    num_chunks = max(1, -(-max(lens, default=0) // size))
-    padded_len = num_chunks * size
-    # [N, padded_len] rows to read, `total` (an appended zero row) past each sequence's end
-    index = torch.full((num_seqs, padded_len), total, dtype=torch.long)
-    keep = []  # the padded rows that hold real tokens, in token order (host-built: no sync)
-    for n, (start, length) in enumerate(zip(bounds[:-1], lens)):
-        index[n, :length] = torch.arange(start, start + length)
-        keep.append(torch.arange(n * padded_len, n * padded_len + length))
-    index = index.to(q.device)
+    value_heads, key_dim, value_dim, size = v.size(1), q.size(2), v.size(2), chunk_size
+    index, keep = _padded_index(cu_seqlens_host, q.size(0), size, q.device)
+    num_seqs, num_chunks = index.size(0), index.size(1) // size
 
     def chunked(x: torch.Tensor) -> torch.Tensor:
-        # [total, HV, ...] -> [N, HV, num_chunks, C, ...] (zeros past each sequence's end)
-        x = torch.cat([x, x.new_zeros(1, *x.shape[1:])])[index]
-        x = x.view(num_seqs, num_chunks, size, *x.shape[2:]).movedim(3, 1)
-        return x
+        # [total, HV, ...] -> [N, HV, num_chunks, C, ...]
+        x = _padded(x, index)
+        return x.view(num_seqs, num_chunks, size, *x.shape[2:]).movedim(3, 1)
 
     q, k, v, g, beta = (chunked(x) for x in (q, k, v, g, beta))
     gamma = g.cumsum(-1)  # [N, HV, nc, C], log decay from the chunk start
@@ -171,8 +183,8 @@ def chunk_gated_delta_rule_torch(
         u = writes[:, :, c] - state_reads[:, :, c] @ state  # [N, HV, C, V]
         outs.append(q_decayed[:, :, c] @ state + scores[:, :, c] @ u)
         state = state * chunk_decay[:, :, c] + k_decayed[:, :, c].transpose(-1, -2) @ u
-    out = torch.stack(outs, 2).movedim(1, 3).reshape(num_seqs * padded_len, value_heads, value_dim)
-    out = out[:total] if num_seqs == 1 else out.index_select(0, torch.cat(keep).to(q.device))
+    out = torch.stack(outs, 2).movedim(1, 3).flatten(0, 2)  # [N * L, HV, V]
+    out = out.index_select(0, keep)
     return out.to(out_dtype), state if output_final_state else None
 
 

@@ -1,6 +1,8 @@
 """The torch Gated DeltaNet kernels: the chunked rule equals the token-by-token recurrence (and
 transformers' own torch implementation); the gather convolution equals ``F.conv1d``."""
 
+import inspect
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -52,10 +54,11 @@ def test_the_initial_state_matters_and_zero_is_the_default():
 
 def test_matches_transformers_torch_chunk_gated_delta_rule():
     """transformers' Qwen3-Next implementation (batch-major, one sequence per row) as an
-    independent reference for scale, the q/k L2 norm and grouped value heads."""
+    independent reference for scale, the q/k L2 norm and grouped value heads (its torch code:
+    with fla installed transformers binds the name to fla's Triton kernel)."""
     qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
     x, h0 = inputs(dtype=torch.float32)
-    ref, ref_final = qwen3_next.torch_chunk_gated_delta_rule(
+    ref, ref_final = inspect.unwrap(qwen3_next.torch_chunk_gated_delta_rule)(
         *(x[n][None] for n in ("q", "k", "v", "g", "beta")), chunk_size=8,
         initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
     out, final = chunk_gated_delta_rule_torch(**x, initial_state=h0, output_final_state=True,
