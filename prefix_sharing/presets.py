@@ -43,6 +43,15 @@ class ModelPreset:
     # megatron's softmax_type: "learnable" adds a learned sink logit per head to every query's
     # softmax denominator (gpt-oss's sinks), "off-by-one" a fixed zero one
     softmax_type: str = "vanilla"
+    # Gated DeltaNet hybrids (Qwen3.5 / Qwen3-Next): every full_attention_every-th layer
+    # (1-based) is gated full attention, the others Gated DeltaNet layers with these heads
+    # (key heads, value heads, one head dim for both) and a causal convolution this wide.
+    # None: every layer is attention.
+    full_attention_every: int | None = None
+    linear_num_key_heads: int = 2
+    linear_num_value_heads: int = 4
+    linear_head_dim: int = 16
+    linear_conv_kernel_dim: int = 4
     # the transformers family ``--engine hf`` builds (None: chosen from the shape, see
     # prefix_sharing.engines.hf.family_of); the Megatron engine builds its GPT of this shape
     hf_family: str | None = None
@@ -62,6 +71,10 @@ class ModelPreset:
         if self.window_full_every is None:
             return self.window_size
         return None if layer % self.window_full_every == 0 else self.window_size
+
+    def layer_is_recurrent(self, layer: int) -> bool:
+        """Whether 1-based ``layer`` is a Gated DeltaNet layer (see ``full_attention_every``)."""
+        return self.full_attention_every is not None and layer % self.full_attention_every != 0
 
     def fitted_to(self, max_token_id: int, tensor_parallel: int = 1) -> ModelPreset:
         """This shape with a vocabulary that holds ``max_token_id``.
@@ -103,10 +116,20 @@ PRESETS: dict[str, ModelPreset] = {
                             hf_family="gemma3_text"),
         dataclasses.replace(_TINY, name="tiny-gemma4", window_size=8, window_full_every=2,
                             hf_family="gemma4_text"),
+        # Qwen3.5's layout (--engine hf: transformers' qwen3_5_text): three Gated DeltaNet
+        # layers, then one gated full-attention layer (output gate, partial rotary, QK-norm)
+        dataclasses.replace(_TINY, name="tiny-hybrid", num_layers=4, full_attention_every=4,
+                            hf_family="qwen3_5_text"),
         # big enough that matrix products dominate, as on a real model; minutes on CPU
         ModelPreset("small", num_layers=4, hidden_size=512, num_attention_heads=8,
                     num_query_groups=2, ffn_hidden_size=1408, vocab_size=8192,
                     max_sequence_length=8192),
+        # "small" as a Qwen3.5-style hybrid (--engine hf): 3 Gated DeltaNet layers (4 key heads,
+        # 8 value heads of 64: q/k half, v the full hidden width, as Qwen3.5's) to 1 attention
+        ModelPreset("small-hybrid", num_layers=4, hidden_size=512, num_attention_heads=8,
+                    num_query_groups=2, ffn_hidden_size=1408, vocab_size=8192,
+                    max_sequence_length=8192, full_attention_every=4, linear_num_key_heads=4,
+                    linear_num_value_heads=8, linear_head_dim=64, hf_family="qwen3_5_text"),
         # Qwen2.5-0.5B's architecture (config.json of Qwen/Qwen2.5-0.5B), random weights
         ModelPreset("qwen2.5-0.5b", num_layers=24, hidden_size=896, num_attention_heads=14,
                     num_query_groups=2, ffn_hidden_size=4864, vocab_size=151936,
