@@ -399,7 +399,7 @@ def seed_weights(model: torch.nn.Module, seed: int, std: float = 0.05) -> None:
     The full (TP=1) tensor is drawn, then this rank's shard is cut from it the way megatron
     shards it (``partition_stride`` chunks dealt round-robin), so every layout gets the same
     model. Norm weights near 1, everything else normal with standard deviation ``std`` (the
-    preset's ``init_std``).
+    preset's ``init_std``); so are MoE routers' expert-bias buffers.
     """
     from megatron.core import parallel_state
 
@@ -420,6 +420,13 @@ def seed_weights(model: torch.nn.Module, seed: int, std: float = 0.05) -> None:
                 chunks = full.chunk(tp_size * param.partition_stride, dim=param.partition_dim)
                 full = torch.cat(chunks[tp_rank::tp_size], dim=param.partition_dim)
             param.copy_(full)
+        for name, buffer in model.named_buffers():
+            # an MoE router's expert bias (a buffer, zero when built): random, so that the
+            # bias it adds to the expert choice is exercised too
+            if name.endswith("router.expert_bias"):
+                gen = torch.Generator().manual_seed(
+                    seed * 1_000_003 + zlib.crc32(_global_name(model, name).encode()))
+                buffer.copy_(std * torch.randn(buffer.shape, generator=gen))
 
 
 def finalize_sequence_parallel_grads(model: torch.nn.Module) -> None:
