@@ -9,7 +9,7 @@ within 1e-5 relative); the preset also on the plain packed layout (megatron's ow
 forward quantities). Variants: the preset (megatron's one MLA rotary layout: the rotary slice
 de-interleaved, then rotate-half; ``rotary_interleaved=True`` is refused by megatron's MLA
 config), and YaRN with an mscale that is not 1 on a model without q LoRA (megatron's
-``linear_q_proj`` path).
+``linear_q_proj`` path) nor norms on the compressed q and kv.
 
 Independent reference: the same weights copied into transformers' DeepseekV3, run plainly one
 sequence at a time, against the shared run in float64: log-probs, entropy, loss and every
@@ -37,7 +37,9 @@ VARIANTS = {
     "preset": {},
     "yarn_without_q_lora": dict(rope_type="yarn", rotary_scaling_factor=4.0,
                                 original_max_position_embeddings=16, mscale=1.0,
-                                mscale_all_dim=0.5, q_lora_rank=None),
+                                mscale_all_dim=0.5, q_lora_rank=None,
+                                # no q norm without q LoRA (0.19 refuses one); kv norm goes too
+                                qk_layernorm=False),
 }
 # the multi-rank jobs and the transformers reference: a reuser with a strict prefix and
 # duplicates (tree), and branches of turns over a shared system prompt (agent)
