@@ -1,9 +1,10 @@
 """Forward+backward FLOPs of a micro-batch, plain and shared: the physical limit of the saving.
 
-Counted: every linear layer (QKV, output projection, MLP, LM head) at 2 FLOPs per multiply-add
-per computed token, and attention at 4 * heads * head_dim FLOPs per (query, key) pair the causal
-mask allows (scores and the weighted sum; on a sliding-window layer, the pairs inside the
-window). The backward pass costs twice the forward. Norms,
+Counted: every linear layer (QKV - or multi-latent attention's down- and up-projections -,
+output projection, MLP - or an MoE layer's router, top-k routed experts and shared expert -, LM
+head) at 2 FLOPs per multiply-add per computed token, and attention at 2 * heads * (key head dim
++ value head dim) FLOPs per (query, key) pair the causal mask allows (scores and the weighted
+sum; on a sliding-window layer, the pairs inside the window). The backward pass costs twice the forward. Norms,
 rotary embedding, softmax and the K/V gather are not counted: they are memory-bound and small
 beside the products. ``tests/test_flops.py`` checks this against the matrix products torch's
 ``FlopCounterMode`` counts on the Megatron engine's real steps: equal, once the masked half of
@@ -35,7 +36,7 @@ class FlopCount(NamedTuple):
 def count_flops(plan: SharingPlan, model: ModelPreset) -> FlopCount:
     """Forward+backward FLOPs of the plain forward of ``plan``'s sequences and of the plan."""
     per_token = _linear_flops_per_token(model)
-    per_pair = 4 * model.num_attention_heads * model.head_dim
+    per_pair = _attention_flops_per_pair(model)
     windows = [model.layer_window(layer) for layer in range(1, model.num_layers + 1)]
     plain_pairs = sum(_pairs(n, n, w) for n in plan.seq_lens for w in windows)
     shared_pairs = sum(_plan_pairs(plan, w) for w in windows)
@@ -44,12 +45,45 @@ def count_flops(plan: SharingPlan, model: ModelPreset) -> FlopCount:
     return FlopCount(_FORWARD_AND_BACKWARD * plain, _FORWARD_AND_BACKWARD * shared)
 
 
+def _attention_flops_per_pair(model: ModelPreset) -> int:
+    """Scores (query . key) and the weighted sum (weight x value) of every head: under MLA
+    the query/key and value head dims differ (192 / 128 on DeepSeek-V3)."""
+    if model.mla is None:
+        return 4 * model.num_attention_heads * model.head_dim
+    return 2 * model.num_attention_heads * (model.mla.q_head_dim + model.mla.v_head_dim)
+
+
 def _linear_flops_per_token(model: ModelPreset) -> int:
-    h, d = model.hidden_size, model.head_dim
-    qkv = h * (model.num_attention_heads + 2 * model.num_query_groups) * d
-    proj = model.num_attention_heads * d * h
-    mlp = 3 * h * model.ffn_hidden_size  # SwiGLU: gate, up, down
-    return 2 * (model.num_layers * (qkv + proj + mlp) + h * model.vocab_size)
+    h = model.hidden_size
+    mlps = sum(_mlp_macs(model, layer) for layer in range(1, model.num_layers + 1))
+    return 2 * (model.num_layers * _attention_macs(model) + mlps + h * model.vocab_size)
+
+
+def _attention_macs(model: ModelPreset) -> int:
+    """Multiply-adds per token of one layer's attention projections. MLA: the query through
+    its LoRA (down, up) or one projection, the compressed kv plus the rotary key, their
+    up-projection to per-head keys and values, and the output projection."""
+    h, n = model.hidden_size, model.num_attention_heads
+    mla = model.mla
+    if mla is None:
+        d = model.head_dim
+        return h * (n + 2 * model.num_query_groups) * d + n * d * h
+    q_out = n * mla.q_head_dim
+    q = h * q_out if mla.q_lora_rank is None else (h + q_out) * mla.q_lora_rank
+    kv = (h * (mla.kv_lora_rank + mla.qk_pos_emb_head_dim)
+          + mla.kv_lora_rank * n * (mla.qk_head_dim + mla.v_head_dim))
+    return q + kv + n * mla.v_head_dim * h
+
+
+def _mlp_macs(model: ModelPreset, layer: int) -> int:
+    """Multiply-adds per token of 1-based ``layer``'s MLP (SwiGLU: gate, up, down). An MoE
+    layer (dropless) computes its router, ``topk`` routed experts and any shared expert."""
+    h = model.hidden_size
+    if not model.num_experts or layer <= model.first_dense_layers:
+        return 3 * h * model.ffn_hidden_size
+    routed = model.moe_router_topk * 3 * h * (model.moe_ffn_hidden_size or model.ffn_hidden_size)
+    shared = 3 * h * (model.moe_shared_expert_size or 0)
+    return h * model.num_experts + routed + shared
 
 
 def _pairs(s: int, L: int, window: int | None) -> int:
