@@ -96,7 +96,6 @@ def test_the_flop_ratio_users_read_is_the_measured_one(counted):
 def test_windowed_layers_count_the_pairs_inside_the_window():
     """Per layer, the (query, key) pairs a band allows: counted by brute force over every
     computed token's position, plain and shared, on the tiny-window preset's layers."""
-
     model = get_preset("tiny-window")
     full = dataclasses.replace(model, window_size=None)
     sequences = make_workload("grpo", vocab_size=model.vocab_size, num_prompts=2,
