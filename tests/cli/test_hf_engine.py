@@ -61,3 +61,9 @@ def test_bench_table_has_a_prefix_grouper_row(capfd):
     assert code == 0
     rows = [line.split() for line in out.splitlines() if line.startswith("tree")]
     assert [r[1] for r in rows] == ["arbitrary", "prompt_only", "PG"]
+
+
+def test_an_mla_preset_is_refused_on_the_hf_engine_in_one_line(capfd):
+    code, _, err = run(capfd, "verify", "--engine", "hf", "--model", "tiny-mla",
+                       "--workload", "tree")
+    assert code == 2 and "tiny-mla preset (multi-latent attention) runs on the megatron" in err
