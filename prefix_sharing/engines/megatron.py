@@ -75,7 +75,8 @@ def gpt_model(
 
     Args:
         preset: the model's shape (Llama/Qwen style: RMSNorm, SwiGLU, RoPE, GQA).
-        layout: ``"padded"`` builds megatron's stock local spec, anything else the
+        layout: ``"padded"`` builds megatron's stock local spec (two gaps filled for MLA and
+            the expert bias: :func:`_padded_reference_spec`), anything else the
             prefix-sharing one.
         dtype: parameter and activation dtype: float32 or bfloat16, or float64 for the
             reference ``verify`` judges a float32 run against (norm weights included).
@@ -87,30 +88,11 @@ def gpt_model(
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec as stock_spec
-
-    from ..megatron_ext import get_gpt_layer_local_spec as shared_spec
 
     rope = _rope_arguments(config_overrides)
     config = transformer_config(preset, dtype, **config_overrides)
-    if layer_spec is None and preset.first_dense_layers:  # dense and MoE layers: a block spec
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-
-        from ..megatron_ext import with_prefix_sharing
-
-        layer_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
-                                                normalization=config.normalization)
-        if layout != "padded":
-            layer_spec = with_prefix_sharing(layer_spec)
-    elif layer_spec is None:
-        spec_fn = stock_spec if layout == "padded" else shared_spec
-        layer_spec = spec_fn(num_experts=config.num_moe_experts,
-                             moe_grouped_gemm=config.moe_grouped_gemm,
-                             normalization=config.normalization, qk_layernorm=config.qk_layernorm,
-                             multi_latent_attention=config.multi_latent_attention)
-    if layout == "padded" and (config.multi_latent_attention
-                               or config.moe_router_enable_expert_bias):
-        layer_spec = _padded_reference_spec(layer_spec, config)
+    if layer_spec is None:
+        layer_spec = _local_spec(preset, config, layout)
     _quiet_gpt_model_deprecation()
     model = GPTModel(
         config=config,
@@ -228,6 +210,30 @@ def hybrid_model(
         **rope,
     )
     return _placed_and_seeded(model, preset, dtype, seed)
+
+
+def _local_spec(preset: ModelPreset, config: Any, layout: str) -> Any:
+    """megatron's local spec for ``config`` - the stock one for ``layout="padded"`` (with the
+    gaps :func:`_padded_reference_spec` fills), else the prefix-sharing one; a block spec
+    (one spec per layer) when the preset's first layers are dense and the rest MoE."""
+    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec,
+                                                          get_gpt_layer_local_spec)
+
+    from ..megatron_ext import with_prefix_sharing
+
+    if preset.first_dense_layers:
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+                                          normalization=config.normalization)
+    else:
+        spec = get_gpt_layer_local_spec(
+            num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm,
+            normalization=config.normalization, qk_layernorm=config.qk_layernorm,
+            multi_latent_attention=config.multi_latent_attention)
+    if layout != "padded":
+        return with_prefix_sharing(spec)
+    if config.multi_latent_attention or config.moe_router_enable_expert_bias:
+        return _padded_reference_spec(spec, config)
+    return spec
 
 
 def _rope_arguments(config_overrides: dict[str, Any]) -> dict[str, Any]:

@@ -20,6 +20,8 @@ Parallel: TP=2 (sequence parallel, heads split) and EP=2 (experts split), one 2-
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -90,9 +92,34 @@ def _check(ranks: list[dict]) -> None:
 CHANGES_THE_MODEL = {"yarn_without_q_lora"}
 
 
+def _host_reads_job(num_layers: int, num_prompts: int) -> dict[str, int]:
+    """Host reads of one planned forward+backward of a dense MLA model (MoE's dispatcher reads
+    its split sizes per layer, sharing or not, so it is left out here)."""
+    from prefix_sharing import PrefixSharingConfig
+    from prefix_sharing.megatron_ext import prepare_micro_batch
+    from prefix_sharing.workloads import make_workload
+    from tests.attention.host_reads import count_host_reads
+
+    dense = dataclasses.replace(PRESET, num_layers=num_layers, num_experts=None,
+                                first_dense_layers=0)
+    model = gpt_model(dense, layout="shared")
+    sequences = make_workload("grpo", vocab_size=PRESET.vocab_size, seed=0,
+                              num_prompts=num_prompts, group_size=3).sequences
+    mb = prepare_micro_batch(sequences, PrefixSharingConfig(min_prefix_len=1, backend="torch"),
+                             device="cpu")
+    assert mb.plan.has_sharing
+
+    def step() -> None:
+        logits = model(mb.input_ids, mb.position_ids, None, packed_seq_params=mb.packed_seq_params)
+        logits.float().square().mean().backward()
+
+    return count_host_reads(step)
+
+
 def _one_rank_job(rank: int) -> dict:
     return {"megatron": _equivalence_job(rank, list(VARIANTS), WORKLOADS),
-            "transformers": _transformers_job(rank)}
+            "transformers": _transformers_job(rank),
+            "host_reads": {size: _host_reads_job(*size) for size in ((2, 2), (4, 2), (2, 4))}}
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +130,13 @@ def one_rank() -> dict:
 
 def test_shared_mla_equals_megatron_stock_mla_on_one_rank(one_rank):
     _check([one_rank["megatron"]])
+
+
+def test_shared_mla_step_reads_do_not_grow_with_layers_or_segments(one_rank):
+    """The per-token rotary table replaces megatron's per-segment THD RoPE loop: doubling the
+    layers or the attention segments adds no device-to-host read (see test_host_syncs.py)."""
+    reads = one_rank["host_reads"]
+    assert reads[(4, 2)] == reads[(2, 2)] == reads[(2, 4)], reads
 
 
 def test_shared_mla_equals_megatron_stock_mla_under_tensor_parallelism():
