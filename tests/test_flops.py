@@ -2,7 +2,8 @@
 
 ``torch.utils.flop_counter.FlopCounterMode`` counts every matrix product of a forward+backward
 of megatron's stock THD step (plain) and of the shared step, on the tiny preset and on
-tiny-mla (multi-latent attention, dense and MoE layers with a shared expert). The model
+tiny-mla (multi-latent attention, dense and MoE layers with a shared expert; megatron-core
+0.19's stock THD step also multiplies the zeros it pads MLA's V with, counted apart). The model
 counts exactly those products: the linear layers and LM head (``aten.mm``, forward and the two
 backward products) and attention (``aten.bmm``: SDPA's math path, pinned here because the fused
 CPU kernel is invisible to the counter). One systematic difference, which the test accounts
@@ -38,9 +39,13 @@ def _counted_job(rank: int, batches: dict) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
+    from megatron.core.transformer import multi_latent_attention
+
     from prefix_sharing.engines.megatron import forward_backward, gpt_model
 
-    counted = {}
+    # megatron-core 0.19+ zero-pads MLA's V to the key's head dim on its own THD path
+    counted = {"stock_thd_pads_v": hasattr(multi_latent_attention,
+                                           "_prepare_mla_core_attention_value")}
     for preset, names in ((PRESET, list(batches)), (MLA, [MLA_WORKLOAD])):
         model = gpt_model(preset, layout="shared")
         for name in names:
@@ -78,7 +83,13 @@ def test_the_model_counts_what_torch_counts_plain_and_shared(counted, preset, wo
     plain, shared = flops[preset.name, workload, "packed"], flops[preset.name, workload, "shared"]
     assert set(plain) == set(shared) == {"aten.mm", "aten.bmm"}  # nothing else multiplies
     tails = (plan.cu_seqlens_q[1:] - plan.cu_seqlens_q[:-1]).tolist()
-    assert sum(plain.values()) - _masked_pair_flops(list(plan.seq_lens), preset) == model.plain
+    padded_v = 0  # the stock THD step's products with V's zero channels (0.19+, MLA)
+    if preset.mla is not None and flops["stock_thd_pads_v"]:
+        pad = preset.mla.q_head_dim - preset.mla.v_head_dim
+        padded_v = 3 * 2 * preset.num_attention_heads * pad * preset.num_layers * sum(
+            n * n for n in plan.seq_lens)
+    assert (sum(plain.values()) - _masked_pair_flops(list(plan.seq_lens), preset) - padded_v
+            == model.plain)
     assert sum(shared.values()) - _masked_pair_flops(tails, preset) == model.shared
 
 
