@@ -31,7 +31,7 @@ from prefix_sharing.equivalence import (FP32_RTOL, advantages, max_rel_diff, pg_
 from prefix_sharing.presets import PRESETS, sharp
 
 from ._distributed import run_distributed
-from ._equivalence import SHARE_EVERY_PREFIX, micro_batches, runs_by_layout
+from ._equivalence import SHARE_EVERY_PREFIX, micro_batches
 
 PRESET = sharp(PRESETS["tiny-mla"])
 WORKLOADS = ["grpo", "tree", "agent", "none"]
@@ -46,6 +46,8 @@ VARIANTS = {
 # the multi-rank jobs and the transformers reference: a reuser with a strict prefix and
 # duplicates (tree), and branches of turns over a shared system prompt (agent)
 FEWER_WORKLOADS = ["tree", "agent"]
+FORWARD = ("logits", "log_probs", "entropy", "loss")
+CHANGES_THE_MODEL = {"yarn_without_q_lora"}  # moves megatron's own log-probs: the check has power
 
 
 def _equivalence_job(rank: int, variants: list[str], workloads: list[str]) -> dict:
@@ -76,20 +78,15 @@ def _equivalence_job(rank: int, variants: list[str], workloads: list[str]) -> di
     return report
 
 
-FORWARD = ("logits", "log_probs", "entropy", "loss")
-
-
 def _check(ranks: list[dict]) -> None:
     for rank, report in enumerate(ranks):
         for variant, r in report.items():
             for pair in ("shared_vs_padded", "packed_vs_padded"):
                 worst = {q: d for q, d in r.get(pair, {}).items() if d > FP32_RTOL}
                 assert not worst, f"rank {rank} {variant} {pair}: {worst}"
+            assert r["grads"] > 20, (variant, r["grads"])  # every parameter's gradient compared
             if variant in CHANGES_THE_MODEL:  # the variant changes the model: the check has power
                 assert r["moved"] > 1e-3, (variant, r["moved"])
-
-
-CHANGES_THE_MODEL = {"yarn_without_q_lora"}
 
 
 def _host_reads_job(num_layers: int, num_prompts: int) -> dict[str, int]:
