@@ -1,15 +1,16 @@
 """Forward+backward FLOPs of a micro-batch, plain and shared: the physical limit of the saving.
 
-Counted: every linear layer (QKV, output projection, MLP, LM head) at 2 FLOPs per multiply-add
-per computed token, and attention at 4 * heads * head_dim FLOPs per (query, key) pair the causal
-mask allows (scores and the weighted sum; on a sliding-window layer, the pairs inside the
-window). On a Gated DeltaNet hybrid (``full_attention_every``), each recurrent layer costs per
-computed token its projections (q, k, v, output gate z, beta, decay; output), its causal
-convolution, and the chunked gated delta rule's products at chunk size 64 (per value head
-``6 K V`` for the state's reads and writes, ``C (5 K + 3 V)`` for the intra-chunk products and
-triangular solves): linear in the tokens, like an MLP, so sharing saves it in the token ratio;
-the attention layers of a hybrid gate their output (a q projection twice as wide). The backward
-pass costs twice the forward. Norms,
+Counted: every linear layer (QKV - or multi-latent attention's down- and up-projections -,
+output projection, MLP - or an MoE layer's router, top-k routed experts and shared expert -, LM
+head) at 2 FLOPs per multiply-add per computed token, and attention at 2 * heads * (key head dim
++ value head dim) FLOPs per (query, key) pair the causal mask allows (scores and the weighted
+sum; on a sliding-window layer, the pairs inside the window). On a Gated DeltaNet hybrid
+(``full_attention_every``), each recurrent layer costs per computed token its projections (q, k,
+v, output gate z, beta, decay; output), its causal convolution, and the chunked gated delta
+rule's products at chunk size 64 (per value head ``6 K V`` for the state's reads and writes,
+``C (5 K + 3 V)`` for the intra-chunk products and triangular solves): linear in the tokens, like
+an MLP, so sharing saves it in the token ratio; the attention layers of a hybrid gate their
+output (a q projection twice as wide). The backward pass costs twice the forward. Norms,
 rotary embedding, softmax and the K/V gather are not counted: they are memory-bound and small
 beside the products. ``tests/test_flops.py`` checks this against the matrix products torch's
 ``FlopCounterMode`` counts on the Megatron engine's real steps: equal, once the masked half of
@@ -41,7 +42,7 @@ class FlopCount(NamedTuple):
 def count_flops(plan: SharingPlan, model: ModelPreset) -> FlopCount:
     """Forward+backward FLOPs of the plain forward of ``plan``'s sequences and of the plan."""
     per_token = _linear_flops_per_token(model)
-    per_pair = 4 * model.num_attention_heads * model.head_dim
+    per_pair = _attention_flops_per_pair(model)
     windows = [model.layer_window(layer) for layer in range(1, model.num_layers + 1)
                if not model.layer_is_recurrent(layer)]
     plain_pairs = sum(_pairs(n, n, w) for n in plan.seq_lens for w in windows)
@@ -51,16 +52,49 @@ def count_flops(plan: SharingPlan, model: ModelPreset) -> FlopCount:
     return FlopCount(_FORWARD_AND_BACKWARD * plain, _FORWARD_AND_BACKWARD * shared)
 
 
+def _attention_flops_per_pair(model: ModelPreset) -> int:
+    """Scores (query . key) and the weighted sum (weight x value) of every head: under MLA
+    the query/key and value head dims differ (192 / 128 on DeepSeek-V3)."""
+    if model.mla is None:
+        return 4 * model.num_attention_heads * model.head_dim
+    return 2 * model.num_attention_heads * (model.mla.q_head_dim + model.mla.v_head_dim)
+
+
 def _linear_flops_per_token(model: ModelPreset) -> int:
-    h, d = model.hidden_size, model.head_dim
-    recurrent = sum(map(model.layer_is_recurrent, range(1, model.num_layers + 1)))
-    gate = 1 if model.full_attention_every is None else 2  # the hybrids' output gate
-    qkv = h * (gate * model.num_attention_heads + 2 * model.num_query_groups) * d
-    proj = model.num_attention_heads * d * h
-    mlp = 3 * h * model.ffn_hidden_size  # SwiGLU: gate, up, down
-    attention = (model.num_layers - recurrent) * (qkv + proj)
-    return 2 * (attention + recurrent * _recurrent_macs_per_token(model)
-                + model.num_layers * mlp + h * model.vocab_size)
+    h = model.hidden_size
+    layers = range(1, model.num_layers + 1)
+    recurrent = sum(map(model.layer_is_recurrent, layers))
+    mlps = sum(_mlp_macs(model, layer) for layer in layers)
+    return 2 * ((model.num_layers - recurrent) * _attention_macs(model)
+                + recurrent * _recurrent_macs_per_token(model) + mlps + h * model.vocab_size)
+
+
+def _attention_macs(model: ModelPreset) -> int:
+    """Multiply-adds per token of one layer's attention projections. MLA: the query through
+    its LoRA (down, up) or one projection, the compressed kv plus the rotary key, their
+    up-projection to per-head keys and values, and the output projection."""
+    h, n = model.hidden_size, model.num_attention_heads
+    mla = model.mla
+    if mla is None:
+        d = model.head_dim
+        gate = 1 if model.full_attention_every is None else 2  # the hybrids' output gate
+        return h * (gate * n + 2 * model.num_query_groups) * d + n * d * h
+    q_out = n * mla.q_head_dim
+    q = h * q_out if mla.q_lora_rank is None else (h + q_out) * mla.q_lora_rank
+    kv = (h * (mla.kv_lora_rank + mla.qk_pos_emb_head_dim)
+          + mla.kv_lora_rank * n * (mla.qk_head_dim + mla.v_head_dim))
+    return q + kv + n * mla.v_head_dim * h
+
+
+def _mlp_macs(model: ModelPreset, layer: int) -> int:
+    """Multiply-adds per token of 1-based ``layer``'s MLP (SwiGLU: gate, up, down). An MoE
+    layer (dropless) computes its router, ``topk`` routed experts and any shared expert."""
+    h = model.hidden_size
+    if not model.num_experts or layer <= model.first_dense_layers:
+        return 3 * h * model.ffn_hidden_size
+    routed = model.moe_router_topk * 3 * h * (model.moe_ffn_hidden_size or model.ffn_hidden_size)
+    shared = 3 * h * (model.moe_shared_expert_size or 0)
+    return h * model.num_experts + routed + shared
 
 
 _GDN_CHUNK = 64

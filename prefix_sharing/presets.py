@@ -6,10 +6,28 @@ import dataclasses
 
 from .errors import InputError
 
-__all__ = ["ModelPreset", "PRESETS", "get_preset", "sharp", "VOCAB_MULTIPLE", "SHARP_INIT_STD"]
+__all__ = ["MLAShape", "ModelPreset", "PRESETS", "get_preset", "sharp", "VOCAB_MULTIPLE", "SHARP_INIT_STD"]
 
 VOCAB_MULTIPLE = 128  # Megatron-LM's default make_vocab_size_divisible_by
 MAX_RANDOM_VOCAB = 1 << 20  # real tokenizers stay below 300k
+
+
+@dataclasses.dataclass(frozen=True)
+class MLAShape:
+    """Multi-latent attention's projection sizes (DeepSeek-V3: q_lora_rank 1536, kv_lora_rank
+    512, qk_head_dim 128, qk_pos_emb_head_dim 64, v_head_dim 128). Queries and keys have
+    ``qk_head_dim + qk_pos_emb_head_dim`` channels per head, values ``v_head_dim``; every head
+    reads one rotary key of ``qk_pos_emb_head_dim`` channels."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_head_dim: int
+    qk_pos_emb_head_dim: int
+    v_head_dim: int
+
+    @property
+    def q_head_dim(self) -> int:
+        return self.qk_head_dim + self.qk_pos_emb_head_dim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +53,14 @@ class ModelPreset:
     num_experts: int | None = None
     moe_router_topk: int = 2
     moe_ffn_hidden_size: int | None = None
+    # DeepSeek-V3's MoE: a shared expert of this size beside the routed ones, sigmoid scores
+    # with a per-expert bias on the choice (not the weights), and the first layers dense
+    moe_shared_expert_size: int | None = None
+    moe_score_function: str = "softmax"
+    moe_expert_bias: bool = False
+    first_dense_layers: int = 0
+    # multi-latent attention (None: grouped-query attention of head_dim channels)
+    mla: MLAShape | None = None
     # Sliding-window attention (gpt-oss, Gemma 3 style): each query of a windowed layer sees
     # its last window_size keys, itself included; every window_full_every-th layer (1-based,
     # megatron's window_attn_skip_freq) is full. None: every layer full.
@@ -120,6 +146,15 @@ PRESETS: dict[str, ModelPreset] = {
         # layers, then one gated full-attention layer (output gate, partial rotary, QK-norm)
         dataclasses.replace(_TINY, name="tiny-hybrid", num_layers=4, full_attention_every=4,
                             hf_family="qwen3_5_text"),
+        # DeepSeek-V3's shape, tiny: MLA with q LoRA (q/k 24 channels per head, 16 of them
+        # rotary-free, v 16), MoE of 8 experts top-2 with a shared expert, sigmoid routing with
+        # expert bias, the first layer dense
+        dataclasses.replace(_TINY, name="tiny-mla", num_layers=3, num_query_groups=4,
+                            num_experts=8, moe_ffn_hidden_size=32, moe_shared_expert_size=32,
+                            moe_score_function="sigmoid", moe_expert_bias=True,
+                            first_dense_layers=1,
+                            mla=MLAShape(q_lora_rank=32, kv_lora_rank=24, qk_head_dim=16,
+                                         qk_pos_emb_head_dim=8, v_head_dim=16)),
         # big enough that matrix products dominate, as on a real model; minutes on CPU
         ModelPreset("small", num_layers=4, hidden_size=512, num_attention_heads=8,
                     num_query_groups=2, ffn_hidden_size=1408, vocab_size=8192,

@@ -1,7 +1,9 @@
 """``count_flops`` against the FLOPs torch counts on the Megatron engine's real steps.
 
 ``torch.utils.flop_counter.FlopCounterMode`` counts every matrix product of a forward+backward
-of megatron's stock THD step (plain) and of the shared step, on the tiny preset. The model
+of megatron's stock THD step (plain) and of the shared step, on the tiny preset and on
+tiny-mla (multi-latent attention, dense and MoE layers with a shared expert; megatron-core
+0.19's stock THD step also multiplies the zeros it pads MLA's V with, counted apart). The model
 counts exactly those products: the linear layers and LM head (``aten.mm``, forward and the two
 backward products) and attention (``aten.bmm``: SDPA's math path, pinned here because the fused
 CPU kernel is invisible to the counter). One systematic difference, which the test accounts
@@ -19,6 +21,7 @@ import pytest
 
 from prefix_sharing import PrefixSharingConfig, build_plan
 from prefix_sharing.flops import count_flops
+from prefix_sharing.presets import get_preset
 from prefix_sharing.workloads import make_workload
 
 from .megatron_ext._distributed import PRESET, run_distributed
@@ -27,20 +30,30 @@ CONFIG = PrefixSharingConfig(min_prefix_len=1)
 WORKLOADS = {"tree": dict(depth=2, branching=3), "grpo": dict(num_prompts=2, group_size=4)}
 
 
+# DeepSeek-V3's shape: MLA's projections, a dense first layer, routed and shared experts
+MLA = get_preset("tiny-mla")
+MLA_WORKLOAD = "tree"
+
+
 def _counted_job(rank: int, batches: dict) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
+    from megatron.core.transformer import multi_latent_attention
+
     from prefix_sharing.engines.megatron import forward_backward, gpt_model
 
-    model = gpt_model(PRESET, layout="shared")
-    counted = {}
-    for name, sequences in batches.items():
-        for layout in ("packed", "shared"):
-            with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
-                forward_backward(model, [sequences], layout, CONFIG)
-            totals = counter.get_flop_counts()["Global"]
-            counted[name, layout] = {str(op): n for op, n in totals.items()}
+    # megatron-core 0.19+ zero-pads MLA's V to the key's head dim on its own THD path
+    counted = {"stock_thd_pads_v": hasattr(multi_latent_attention,
+                                           "_prepare_mla_core_attention_value")}
+    for preset, names in ((PRESET, list(batches)), (MLA, [MLA_WORKLOAD])):
+        model = gpt_model(preset, layout="shared")
+        for name in names:
+            for layout in ("packed", "shared"):
+                with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+                    forward_backward(model, [batches[name]], layout, CONFIG)
+                totals = counter.get_flop_counts()["Global"]
+                counted[preset.name, name, layout] = {str(op): n for op, n in totals.items()}
     return counted
 
 
@@ -51,23 +64,33 @@ def counted():
     return batches, run_distributed(_counted_job, 1, batches, timeout=600)[0]
 
 
-def _masked_pair_flops(query_lens: list[int]) -> int:
+def _masked_pair_flops(query_lens: list[int], preset=PRESET) -> int:
     """Forward+backward FLOPs a dense kernel spends on the causally masked pairs."""
-    per_pair = 4 * PRESET.num_attention_heads * PRESET.head_dim * PRESET.num_layers
+    head_dims = ((preset.head_dim, preset.head_dim) if preset.mla is None
+                 else (preset.mla.q_head_dim, preset.mla.v_head_dim))
+    per_pair = 2 * preset.num_attention_heads * sum(head_dims) * preset.num_layers
     return 3 * per_pair * sum(s * (s - 1) // 2 for s in query_lens)
 
 
-@pytest.mark.parametrize("workload", list(WORKLOADS))
-def test_the_model_counts_what_torch_counts_plain_and_shared(counted, workload):
+@pytest.mark.parametrize("preset, workload",
+                         [(PRESET, w) for w in WORKLOADS] + [(MLA, MLA_WORKLOAD)],
+                         ids=[*WORKLOADS, f"{MLA.name}-{MLA_WORKLOAD}"])
+def test_the_model_counts_what_torch_counts_plain_and_shared(counted, preset, workload):
     batches, flops = counted
     plan = build_plan(batches[workload], CONFIG)
-    model = count_flops(plan, PRESET)
+    model = count_flops(plan, preset)
     assert plan.num_padding == 0 and plan.has_sharing
-    plain, shared = flops[workload, "packed"], flops[workload, "shared"]
+    plain, shared = flops[preset.name, workload, "packed"], flops[preset.name, workload, "shared"]
     assert set(plain) == set(shared) == {"aten.mm", "aten.bmm"}  # nothing else multiplies
     tails = (plan.cu_seqlens_q[1:] - plan.cu_seqlens_q[:-1]).tolist()
-    assert sum(plain.values()) - _masked_pair_flops(list(plan.seq_lens)) == model.plain
-    assert sum(shared.values()) - _masked_pair_flops(tails) == model.shared
+    padded_v = 0  # the stock THD step's products with V's zero channels (0.19+, MLA)
+    if preset.mla is not None and flops["stock_thd_pads_v"]:
+        pad = preset.mla.q_head_dim - preset.mla.v_head_dim
+        padded_v = 3 * 2 * preset.num_attention_heads * pad * preset.num_layers * sum(
+            n * n for n in plan.seq_lens)
+    assert (sum(plain.values()) - _masked_pair_flops(list(plan.seq_lens), preset) - padded_v
+            == model.plain)
+    assert sum(shared.values()) - _masked_pair_flops(tails, preset) == model.shared
 
 
 def test_the_flop_ratio_users_read_is_the_measured_one(counted):
@@ -76,15 +99,14 @@ def test_the_flop_ratio_users_read_is_the_measured_one(counted):
     batches, flops = counted
     for workload, sequences in batches.items():
         plan = build_plan(sequences, CONFIG)
-        measured = sum(flops[workload, "packed"].values()) / sum(flops[workload, "shared"].values())
+        measured = (sum(flops[PRESET.name, workload, "packed"].values())
+                    / sum(flops[PRESET.name, workload, "shared"].values()))
         assert count_flops(plan, PRESET).ratio == pytest.approx(measured, rel=0.05)
 
 
 def test_windowed_layers_count_the_pairs_inside_the_window():
     """Per layer, the (query, key) pairs a band allows: counted by brute force over every
     computed token's position, plain and shared, on the tiny-window preset's layers."""
-    from prefix_sharing.presets import get_preset
-
     model = get_preset("tiny-window")
     full = dataclasses.replace(model, window_size=None)
     sequences = make_workload("grpo", vocab_size=model.vocab_size, num_prompts=2,

@@ -39,9 +39,15 @@ def varlen_attention_flash(
     call: :mod:`.kernel_limits`) and int32 ``cu_seqlens`` on q's device (converted here if
     needed); ``max_seqlen_*`` must be at least the longest segment.
 
+    flash-attn 2 takes one head dim for q, k and v. A value head dim smaller than the query's
+    (multi-latent attention: 192 / 128) is zero-padded to it for the call and the output
+    trimmed back, as megatron-core does for MLA under THD: the padded channels of every output
+    row are sums of zeros, and their gradient is dropped by the trim.
+
     Args:
         q: ``(total_q, nheads, headdim)``, float16 or bfloat16.
-        k, v: ``(total_k, nheads_k, headdim)``, same dtype; ``nheads % nheads_k == 0``.
+        k: ``(total_k, nheads_k, headdim)``, same dtype; ``nheads % nheads_k == 0``.
+        v: ``(total_k, nheads_k, headdim_v)``, ``headdim_v <= headdim``.
         cu_seqlens_q, cu_seqlens_k: ``(num_segments + 1,)`` segment boundaries.
         max_seqlen_q, max_seqlen_k: longest query / key segment.
         softmax_scale: defaults to ``headdim ** -0.5``.
@@ -52,7 +58,7 @@ def varlen_attention_flash(
             boundaries on the device and keeps no state).
 
     Returns:
-        ``(total_q, nheads, headdim)`` in q's dtype, differentiable.
+        ``(total_q, nheads, headdim_v)`` in q's dtype, differentiable.
     """
     del cu_seqlens_q_host, cu_seqlens_k_host, kernel_cache
     if sinks is not None:
@@ -63,7 +69,15 @@ def varlen_attention_flash(
     check_flash_attn(q)
     from flash_attn import flash_attn_varlen_func
 
-    return flash_attn_varlen_func(
+    head_dim_v = v.size(-1)
+    if head_dim_v > q.size(-1):
+        raise UnsupportedSetup(
+            f"value head dim {head_dim_v} is larger than the query/key head dim {q.size(-1)}: "
+            "flash-attn 2 takes one head dim; choose backend='te' or 'torch'"
+        )
+    if head_dim_v != q.size(-1):  # [t, h, dv] -> [t, h, d]: zeros add nothing to the output
+        v = torch.nn.functional.pad(v, (0, q.size(-1) - head_dim_v))
+    out = flash_attn_varlen_func(
         q,
         k,
         v,
@@ -76,3 +90,4 @@ def varlen_attention_flash(
         causal=True,
         window_size=(-1, -1) if window is None else (window - 1, 0),
     )
+    return out if head_dim_v == out.size(-1) else out[..., :head_dim_v]

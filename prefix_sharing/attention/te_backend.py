@@ -18,7 +18,7 @@ __all__ = ["varlen_attention_te"]
 # megatron's own TE attention, and kept in the caller's ``kernel_cache`` (one dict per layer).
 # Direct calls without one share this process-wide cache. The key is the constructor
 # configuration; the activation dtype is not one: TE reads it from the inputs at every forward.
-# key: ("te", num_attention_heads, num_gqa_groups, kv_channels, softmax_scale)
+# key: ("te", num_attention_heads, num_gqa_groups, k head dim, v head dim, softmax_scale)
 _MODULES: dict[Any, torch.nn.Module] = {}
 
 
@@ -51,9 +51,13 @@ def varlen_attention_te(
     ``cu_seqlens`` must be int32 on q's device (converted here if needed). Context
     parallelism disables bottom-right masks in TE.
 
+    Different key and value head dims (multi-latent attention: 192 / 128) go to TE as
+    ``kv_channels=(headdim, headdim_v)``, which its THD kernels take directly.
+
     Args:
         q: ``(total_q, nheads, headdim)``.
-        k, v: ``(total_k, nheads_k, headdim)``, same dtype; ``nheads % nheads_k == 0``.
+        k: ``(total_k, nheads_k, headdim)``, same dtype; ``nheads % nheads_k == 0``.
+        v: ``(total_k, nheads_k, headdim_v)``.
         cu_seqlens_q, cu_seqlens_k: ``(num_segments + 1,)`` segment boundaries.
         max_seqlen_q, max_seqlen_k: longest query / key segment.
         softmax_scale: defaults to ``headdim ** -0.5``.
@@ -66,7 +70,7 @@ def varlen_attention_te(
             a process-wide cache when omitted.
 
     Returns:
-        ``(total_q, nheads, headdim)`` in q's dtype, differentiable.
+        ``(total_q, nheads, headdim_v)`` in q's dtype, differentiable.
     """
     del cu_seqlens_q_host, cu_seqlens_k_host
     if sinks is not None:
@@ -81,15 +85,15 @@ def varlen_attention_te(
     check_te(q, transformer_engine.__version__)
 
     total_q, nheads, headdim = q.shape
-    nheads_k = k.size(1)
+    nheads_k, headdim_v = k.size(1), v.size(-1)
     scale = headdim**-0.5 if softmax_scale is None else float(softmax_scale)
     cache = _MODULES if kernel_cache is None else kernel_cache
-    key = ("te", nheads, nheads_k, headdim, scale)
+    key = ("te", nheads, nheads_k, headdim, headdim_v, scale)
     attention = cache.get(key)
     if attention is None:
         attention = cache[key] = DotProductAttention(
             nheads,
-            headdim,
+            headdim if headdim_v == headdim else (headdim, headdim_v),
             num_gqa_groups=nheads_k,
             qkv_format="thd",
             attn_mask_type="padding_causal_bottom_right",
@@ -105,4 +109,4 @@ def varlen_attention_te(
         max_seqlen_kv=max_seqlen_k,
         window_size=None if window is None else (window - 1, 0),
     )
-    return out.view(total_q, nheads, headdim)  # [t, h*d] -> [t, h, d]
+    return out.view(total_q, nheads, headdim_v)  # [t, h*dv] -> [t, h, dv]

@@ -34,9 +34,13 @@ __all__ = ["HFEngine", "family_of"]
 
 def family_of(preset: ModelPreset) -> str:
     """The transformers family a preset is built as: its own, else gpt-oss for learned sinks,
-    Qwen3-MoE for experts, Qwen2 for q/k/v biases, Llama otherwise."""
+    Qwen3-MoE for experts, Qwen2 for q/k/v biases, Llama otherwise; an MLA preset has none
+    here (InputError)."""
     if preset.hf_family is not None:
         return preset.hf_family
+    if preset.mla is not None:
+        raise InputError(f"the {preset.name} preset (multi-latent attention) runs on the "
+                         "megatron engine only: --engine megatron")
     if preset.softmax_type == "learnable":
         return "gpt_oss"
     if preset.num_experts:

@@ -19,6 +19,7 @@ layout of a preset holds the same model. Call these inside a rank set up by
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import re
 import zlib
@@ -74,7 +75,8 @@ def gpt_model(
 
     Args:
         preset: the model's shape (Llama/Qwen style: RMSNorm, SwiGLU, RoPE, GQA).
-        layout: ``"padded"`` builds megatron's stock local spec, anything else the
+        layout: ``"padded"`` builds megatron's stock local spec (two gaps filled for MLA and
+            the expert bias: :func:`_padded_reference_spec`), anything else the
             prefix-sharing one.
         dtype: parameter and activation dtype: float32 or bfloat16, or float64 for the
             reference ``verify`` judges a float32 run against (norm weights included).
@@ -86,17 +88,11 @@ def gpt_model(
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec as stock_spec
-
-    from ..megatron_ext import get_gpt_layer_local_spec as shared_spec
 
     rope = _rope_arguments(config_overrides)
     config = transformer_config(preset, dtype, **config_overrides)
     if layer_spec is None:
-        spec_fn = stock_spec if layout == "padded" else shared_spec
-        layer_spec = spec_fn(num_experts=config.num_moe_experts,
-                             moe_grouped_gemm=config.moe_grouped_gemm,
-                             normalization=config.normalization, qk_layernorm=config.qk_layernorm)
+        layer_spec = _local_spec(preset, config, layout)
     _quiet_gpt_model_deprecation()
     model = GPTModel(
         config=config,
@@ -146,6 +142,8 @@ def transformer_config(preset: ModelPreset, dtype: torch.dtype = torch.float32,
     )
     if preset.num_experts:
         settings.update(_moe_settings(preset))
+    if preset.mla is not None:
+        settings.update(_mla_settings(preset))
     if preset.window_size is not None:
         settings.update(window_size=(preset.window_size - 1, 0),
                         window_attn_skip_freq=preset.window_full_every)
@@ -156,7 +154,12 @@ def transformer_config(preset: ModelPreset, dtype: torch.dtype = torch.float32,
     # read them with getattr, as from Megatron-Bridge's config subclasses
     fields = {f.name for f in dataclasses.fields(TransformerConfig)}
     extra = {k: settings.pop(k) for k in list(settings) if k.startswith("yarn_") and k not in fields}
-    config = TransformerConfig(**settings)
+    if preset.mla is not None:
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        config = MLATransformerConfig(**settings)
+    else:
+        config = TransformerConfig(**settings)
     for name, value in extra.items():
         setattr(config, name, value)
     return config
@@ -209,6 +212,30 @@ def hybrid_model(
     return _placed_and_seeded(model, preset, dtype, seed)
 
 
+def _local_spec(preset: ModelPreset, config: Any, layout: str) -> Any:
+    """megatron's local spec for ``config`` - the stock one for ``layout="padded"`` (with the
+    gaps :func:`_padded_reference_spec` fills), else the prefix-sharing one; a block spec
+    (one spec per layer) when the preset's first layers are dense and the rest MoE."""
+    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec,
+                                                          get_gpt_layer_local_spec)
+
+    from ..megatron_ext import with_prefix_sharing
+
+    if preset.first_dense_layers:
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+                                          normalization=config.normalization)
+    else:
+        spec = get_gpt_layer_local_spec(
+            num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm,
+            normalization=config.normalization, qk_layernorm=config.qk_layernorm,
+            multi_latent_attention=config.multi_latent_attention)
+    if layout != "padded":
+        return with_prefix_sharing(spec)
+    if config.multi_latent_attention or config.moe_router_enable_expert_bias:
+        return _padded_reference_spec(spec, config)
+    return spec
+
+
 def _rope_arguments(config_overrides: dict[str, Any]) -> dict[str, Any]:
     """The model constructor's rotary arguments, taken out of ``config_overrides``."""
     rope = dict(position_embedding_type="rope", rotary_percent=1.0)
@@ -256,8 +283,8 @@ def _drop_gpt_model_deprecation(record: logging.LogRecord) -> bool:
 def _moe_settings(preset: ModelPreset) -> dict[str, Any]:
     """A dropless top-k MoE (softmax scores) with the router losses megatron has - the three
     load-balancing losses and the z-loss - so that a run checks them all; experts as
-    SequentialMLP (grouped GEMM needs a GPU). No expert bias: megatron-core 0.16.1's stock
-    router cannot count it with the padding mask the plain reference needs. Sequence
+    SequentialMLP (grouped GEMM needs a GPU); the preset's DeepSeek-style additions
+    (:func:`_deepseek_moe_settings`). Sequence
     parallelism under tensor parallelism, without which megatron-core refuses to train MoE."""
     from megatron.core import parallel_state
 
@@ -270,7 +297,106 @@ def _moe_settings(preset: ModelPreset) -> dict[str, Any]:
         moe_router_load_balancing_type=["aux_loss", "seq_aux_loss", "global_aux_loss"],
         moe_aux_loss_coeff=[0.1, 0.1, 0.1],
         moe_z_loss_coeff=0.01,
+        **_deepseek_moe_settings(preset),
     )
+
+
+def _deepseek_moe_settings(preset: ModelPreset) -> dict[str, Any]:
+    """DeepSeek-V3's MoE additions: a shared expert, sigmoid scores with an expert bias on the
+    choice, routed weights scaled, the first layers dense (megatron's ``moe_layer_freq``)."""
+    settings: dict[str, Any] = dict(moe_router_score_function=preset.moe_score_function,
+                                    moe_router_enable_expert_bias=preset.moe_expert_bias)
+    if preset.moe_expert_bias:
+        settings.update(moe_router_bias_update_rate=1e-3, moe_router_topk_scaling_factor=2.5)
+    if preset.moe_shared_expert_size:
+        settings.update(moe_shared_expert_intermediate_size=preset.moe_shared_expert_size)
+    if preset.first_dense_layers:
+        settings.update(moe_layer_freq=[0] * preset.first_dense_layers
+                        + [1] * (preset.num_layers - preset.first_dense_layers))
+    return settings
+
+
+def _mla_settings(preset: ModelPreset) -> dict[str, Any]:
+    """``MLATransformerConfig`` fields of the preset's multi-latent attention: plain RoPE on
+    the rotary slice (no YaRN unless overridden), DeepSeek's norms on the compressed q and
+    kv (megatron's ``qk_layernorm``), one key/value head per query head."""
+    mla = preset.mla
+    return dict(
+        multi_latent_attention=True,
+        q_lora_rank=mla.q_lora_rank,
+        kv_lora_rank=mla.kv_lora_rank,
+        qk_head_dim=mla.qk_head_dim,
+        qk_pos_emb_head_dim=mla.qk_pos_emb_head_dim,
+        v_head_dim=mla.v_head_dim,
+        num_query_groups=preset.num_attention_heads,
+        rope_type="rope",
+        rotary_base=preset.rotary_base,
+        qk_layernorm=True,
+    )
+
+
+def _padded_reference_spec(spec: Any, config: Any) -> Any:
+    """The stock spec, two gaps of megatron-core's own filled so the padded reference builds
+    and runs on CPU:
+
+    - multi-latent attention's core attention is built with ``k_channels`` / ``v_channels``,
+      which only megatron's Transformer Engine attention accepts: here megatron's
+      ``DotProductAttention`` told the value head dim (:func:`_mla_dot_product_attention`);
+    - with an expert bias, megatron's ``TopKRouter._apply_expert_bias`` masks the
+      ``[tokens, experts]`` routing map with the ``[tokens]`` padding mask, which does not
+      broadcast (0.16.1 - 0.19.2): here the mask per token (:func:`_padded_router`).
+    """
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from ..megatron_ext.layer_specs import mlp_with_router, moe_router, replaced
+
+    layers = spec.layer_specs if hasattr(spec, "layer_specs") else [spec]
+    swapped = []
+    for layer in layers:
+        if config.multi_latent_attention:
+            attention = replaced(layer.submodules.self_attention,
+                                 core_attention=ModuleSpec(module=_mla_dot_product_attention()))
+            layer = replaced(layer, self_attention=attention)
+        mlp = layer.submodules.mlp
+        router = moe_router(mlp)
+        if config.moe_router_enable_expert_bias and router is not None:
+            layer = replaced(layer, mlp=mlp_with_router(mlp, _padded_router(router)))
+        swapped.append(layer)
+    if hasattr(spec, "layer_specs"):
+        return dataclasses.replace(spec, layer_specs=swapped)
+    return swapped[0]
+
+
+@functools.cache
+def _padded_router(router: type) -> type:
+    """``router`` (megatron's ``TopKRouter``) counting expert-bias tokens with the padding mask
+    per token, as megatron intends (its own line does not broadcast)."""
+
+    class PaddedRouter(router):  # type: ignore[misc, valid-type]
+        def _apply_expert_bias(self, routing_map: torch.Tensor,
+                               padding_mask: torch.Tensor | None = None) -> None:
+            mask = None if padding_mask is None else padding_mask.reshape(-1, 1)
+            super()._apply_expert_bias(routing_map, mask)
+
+    return PaddedRouter
+
+
+@functools.cache
+def _mla_dot_product_attention() -> type:
+    """Megatron's ``DotProductAttention`` taking MLA's ``k_channels`` / ``v_channels``, with
+    the value head dim as its output width per head (its math takes any value width; only
+    its output view assumes ``kv_channels``)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class MLADotProductAttention(DotProductAttention):
+        # megatron's Attention base class first builds it without the two
+        def __init__(self, *args: Any, k_channels: int | None = None,
+                     v_channels: int | None = None, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            if v_channels is not None:
+                self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+
+    return MLADotProductAttention
 
 
 def seed_weights(model: torch.nn.Module, seed: int, std: float = 0.05) -> None:
@@ -279,7 +405,7 @@ def seed_weights(model: torch.nn.Module, seed: int, std: float = 0.05) -> None:
     The full (TP=1) tensor is drawn, then this rank's shard is cut from it the way megatron
     shards it (``partition_stride`` chunks dealt round-robin), so every layout gets the same
     model. Norm weights near 1, everything else normal with standard deviation ``std`` (the
-    preset's ``init_std``).
+    preset's ``init_std``); so are MoE routers' expert-bias buffers.
     """
     from megatron.core import parallel_state
 
@@ -300,6 +426,13 @@ def seed_weights(model: torch.nn.Module, seed: int, std: float = 0.05) -> None:
                 chunks = full.chunk(tp_size * param.partition_stride, dim=param.partition_dim)
                 full = torch.cat(chunks[tp_rank::tp_size], dim=param.partition_dim)
             param.copy_(full)
+        for name, buffer in model.named_buffers():
+            # an MoE router's expert bias (a buffer, zero when built): random, so that the
+            # bias it adds to the expert choice is exercised too
+            if name.endswith("router.expert_bias"):
+                gen = torch.Generator().manual_seed(
+                    seed * 1_000_003 + zlib.crc32(_global_name(model, name).encode()))
+                buffer.copy_(std * torch.randn(buffer.shape, generator=gen))
 
 
 def finalize_sequence_parallel_grads(model: torch.nn.Module) -> None:

@@ -35,6 +35,7 @@ from .layer_specs import (  # noqa: E402
     with_prefix_sharing,
 )
 from .logprobs import forward_token_stats, token_stats  # noqa: E402
+from .mla import PrefixSharingMLASelfAttention  # noqa: E402
 from .model_check import check_sharing_model  # noqa: E402
 from .moe import PrefixSharingRouter, PrefixSharingTransformerLayer  # noqa: E402
 from .packed_seq import MicroBatch, PlanPackedSeqParams, prepare_micro_batch  # noqa: E402
@@ -44,6 +45,7 @@ __all__ = [
     "MicroBatch",
     "PlanPackedSeqParams",
     "PrefixSharingCoreAttention",
+    "PrefixSharingMLASelfAttention",
     "PrefixSharingRouter",
     "PrefixSharingSelfAttention",
     "PrefixSharingTransformerLayer",

@@ -30,8 +30,19 @@ def check_layer_config(config: TransformerConfig) -> None:
     problems = []
     if config.context_parallel_size > 1:
         problems += _context_parallel_problems(config)
-    if config.multi_latent_attention:
-        problems.append("multi_latent_attention=True: MLA applies RoPE inside its own projection")
+    if getattr(config, "experimental_attention_variant", None) == "dsa":  # megatron-core 0.16+
+        problems.append(
+            "experimental_attention_variant='dsa': DeepSeek sparse attention (DSA) picks "
+            "each query's top-k keys with an indexer over the whole packed sequence, which a "
+            "shared prefix's keys would have to be restricted for; use the dense attention"
+        )
+    mtp_layers = getattr(config, "mtp_num_layers", None)
+    if mtp_layers:
+        problems.append(
+            f"mtp_num_layers={mtp_layers}: multi-token prediction shifts labels and hidden "
+            "states along each plain sequence, not along the plan's flat rows; train without "
+            "MTP (mtp_num_layers=None) while sharing"
+        )
     if getattr(config, "mrope_section", None) is not None:
         problems.append("mrope_section is set: multimodal RoPE positions are not per-token 1-D")
     if config.window_size is not None and config.window_size[1] != 0:
@@ -66,6 +77,11 @@ def _context_parallel_problems(config: TransformerConfig) -> list[str]:
             cp + "num_moe_experts and calculate_per_token_loss=True: the router's z-loss is "
             "weighted per token as at CP=1 for megatron's per-micro-batch loss only; use "
             "calculate_per_token_loss=False"
+        )
+    if config.multi_latent_attention:
+        problems.append(
+            cp + "multi_latent_attention=True: MLA's rotary table would be split per rank "
+            "before the per-token gather; use context_parallel_size=1 for MLA"
         )
     return problems
 

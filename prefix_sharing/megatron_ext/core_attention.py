@@ -28,7 +28,11 @@ class PrefixSharingCoreAttention(DotProductAttention):
     """Core attention for packed (THD) micro-batches, with prefix sharing.
 
     Shapes (this tensor-parallel rank's heads; ``T`` = flat tokens of the micro-batch):
-        query ``[T, np, hn]``, key/value ``[T, ng, hn]`` -> output ``[T, np * hn]``.
+        query ``[T, np, hn]``, key/value ``[T, ng, hn]`` -> output ``[T, np * hn]``; under
+        multi-latent attention (``k_channels`` / ``v_channels`` given, see :mod:`.mla`) query
+        and key ``[T, np, k_channels]``, value ``[T, np, v_channels]`` -> ``[T, np *
+        v_channels]``, the kernels taking the two head dims as they can (flash-attn 2 with V
+        zero-padded to the key's head dim, then trimmed).
 
     With a :class:`PlanPackedSeqParams`, every query segment attends to its whole sequence: its
     provider's prefix rows are gathered into the segment's keys and values (``kv_gather_index``),
@@ -65,6 +69,8 @@ class PrefixSharingCoreAttention(DotProductAttention):
         softmax_scale: Optional[float] = None,
         cp_comm_type: Optional[str] = None,
         pg_collection: Optional[ProcessGroupCollection] = None,
+        k_channels: Optional[int] = None,
+        v_channels: Optional[int] = None,
     ) -> None:
         check_layer_config(config)  # before super(), whose context-parallel assert is misleading
         # megatron's DotProductAttention asserts context_parallel_size == 1 (its own attention
@@ -83,6 +89,15 @@ class PrefixSharingCoreAttention(DotProductAttention):
             pg_collection=pg_collection,
         )
         self.config = config
+        if k_channels is not None or v_channels is not None:
+            # multi-latent attention: query/key and value head dims of their own (192 / 128 on
+            # DeepSeek-V3), which megatron passes to core attentions that accept them (TE's);
+            # the output is one v_channels row per head, also on the parent's padded path
+            self.hidden_size_per_attention_head = k_channels or self.hidden_size_per_attention_head
+            self.hidden_size_per_partition = (
+                (v_channels or self.hidden_size_per_attention_head)
+                * self.num_attention_heads_per_partition
+            )
         # Megatron divides the scale by the layer number under query-key layer scaling and
         # multiplies it back inside the softmax; the kernels take the net scale.
         self.net_softmax_scale = self.softmax_scale * (

@@ -64,6 +64,7 @@ def enable_cpu_megatron() -> None:
     _redirect_default_causal_mask(fused_softmax)
     _redirect_megatron_cuda_tensors()
     _allow_sequence_parallel_torch_norm(torch_norm)
+    _mla_without_te()
     _enabled = True
 
 
@@ -178,6 +179,19 @@ def _allow_sequence_parallel_torch_norm(torch_norm: ModuleType) -> None:
         return norm
 
     torch_norm.WrappedTorchNorm.__new__ = staticmethod(build_sequence_parallel)
+
+
+def _mla_without_te() -> None:
+    # transformer/multi_latent_attention.py (0.16.1 - 0.17.1) sets HAVE_TE when
+    # extensions/transformer_engine imports - which it does without Transformer Engine, with
+    # MagicMock stand-ins for the TE classes - and MultiLatentAttention.__init__ then raises in
+    # `isinstance(self.linear_proj, TELinear)`. Without TE that branch is the non-TE one.
+    import importlib.util
+
+    from megatron.core.transformer import multi_latent_attention
+
+    if importlib.util.find_spec("transformer_engine") is None:
+        multi_latent_attention.HAVE_TE = False
 
 
 def _redirect_megatron_cuda_tensors() -> None:

@@ -1,7 +1,8 @@
 """GPT layer specs with prefix sharing: megatron-core's own specs, a few submodules swapped.
 
 Composition the megatron-core way: take the stock layer spec, copy it, replace
-``self_attention.module`` (absolute rotary positions) and
+``self_attention.module`` (absolute rotary positions; ``MLASelfAttention`` becomes
+:class:`~.mla.PrefixSharingMLASelfAttention`) and
 ``self_attention.submodules.core_attention`` (K/V injection), keep everything else - norms,
 linear layers, MLP or MoE, TE or local flavour. In an MoE layer the router and the layer class
 are swapped too, so the router's batch statistics count the plain batch (see :mod:`.moe`).
@@ -26,6 +27,7 @@ from typing import Any, Callable
 from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.moe.moe_layer import BaseMoELayer
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
@@ -33,6 +35,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from .checks import UnsupportedSetupError
 from .core_attention import PrefixSharingCoreAttention
+from .mla import PrefixSharingMLASelfAttention
 from .moe import PrefixSharingRouter, PrefixSharingTransformerLayer
 from .self_attention import PrefixSharingSelfAttention
 
@@ -130,34 +133,50 @@ def _sharing_layer(layer_spec: Any, where: str) -> ModuleSpec:
 
 
 def sharing_attention_layer(layer_spec: ModuleSpec, where: str) -> ModuleSpec:
-    """A copy of a layer spec with the sharing self-attention (absolute rotary positions) and
-    core attention (K/V injection); also the hybrid stack's attention layers use it."""
+    """A copy of a layer spec with the sharing self-attention (absolute rotary positions; the
+    MLA one for ``MLASelfAttention``) and core attention (K/V injection); also the hybrid
+    stack's attention layers use it."""
     attention = getattr(getattr(layer_spec, "submodules", None), "self_attention", None)
-    if not (isinstance(layer_spec, ModuleSpec) and isinstance(attention, ModuleSpec)
-            and _is_subclass(attention.module, SelfAttention)):
+    sharing = None
+    if isinstance(layer_spec, ModuleSpec) and isinstance(attention, ModuleSpec):
+        if _is_subclass(attention.module, SelfAttention):
+            sharing = PrefixSharingSelfAttention
+        elif _is_subclass(attention.module, MLASelfAttention):
+            sharing = PrefixSharingMLASelfAttention
+    if sharing is None:
         raise UnsupportedSpecError(
-            f"with_prefix_sharing needs a layer spec whose self_attention is a SelfAttention "
-            f"ModuleSpec; {where} has self_attention={_describe(attention)} (multi-latent "
-            "attention is not supported)"
+            f"with_prefix_sharing needs a layer spec whose self_attention is a SelfAttention or "
+            f"MLASelfAttention ModuleSpec; {where} has self_attention={_describe(attention)}"
         )
     attention = replaced(attention, core_attention=ModuleSpec(module=PrefixSharingCoreAttention))
-    attention.module = PrefixSharingSelfAttention
+    attention.module = sharing
     return replaced(layer_spec, self_attention=attention)
 
 
 def sharing_router_mlp(mlp: ModuleSpec | functools.partial, where: str) -> Any:
     """The MoE spec ``mlp`` (a ``ModuleSpec`` up to megatron-core 0.17 or a ``partial`` from
     0.18) with the sharing router."""
-    submodules = mlp.submodules if isinstance(mlp, ModuleSpec) else mlp.keywords.get("submodules")
-    router = getattr(submodules, "router", None)
+    router = moe_router(mlp)
     if router not in (TopKRouter, PrefixSharingRouter):
         raise UnsupportedSpecError(
             f"with_prefix_sharing: {where}'s MoE router is {_describe(router)}; only megatron's "
             "TopKRouter is replaced by the prefix-sharing router"
         )
+    return mlp_with_router(mlp, PrefixSharingRouter)
+
+
+def moe_router(mlp: Any) -> Any:
+    """The router class of an MoE spec ``mlp`` (either form), or None."""
+    submodules = (mlp.submodules if isinstance(mlp, ModuleSpec)
+                  else getattr(mlp, "keywords", {}).get("submodules"))
+    return getattr(submodules, "router", None)
+
+
+def mlp_with_router(mlp: ModuleSpec | functools.partial, router: type) -> Any:
+    """A copy of the MoE spec ``mlp`` (either form) with ``router`` as its router."""
     if isinstance(mlp, ModuleSpec):
-        return replaced(mlp, router=PrefixSharingRouter)
-    submodules = dataclasses.replace(submodules, router=PrefixSharingRouter)
+        return replaced(mlp, router=router)
+    submodules = dataclasses.replace(mlp.keywords["submodules"], router=router)
     return functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": submodules})
 
 

@@ -20,8 +20,11 @@ from megatron.core.transformer.moe.router import Router
 
 from .checks import UnsupportedSetupError
 from .core_attention import PrefixSharingCoreAttention
+from .mla import PrefixSharingMLASelfAttention
 from .moe import PrefixSharingRouter
 from .self_attention import PrefixSharingSelfAttention
+
+_SHARING_ATTENTION = (PrefixSharingSelfAttention, PrefixSharingMLASelfAttention)
 
 __all__ = ["check_sharing_model", "stock_modules"]
 
@@ -37,7 +40,7 @@ def stock_modules(model: torch.nn.Module) -> list[str]:
     for name, module in model.named_modules():
         if isinstance(module, Attention):
             core = getattr(module, "core_attention", None)
-            if not isinstance(module, PrefixSharingSelfAttention):
+            if not isinstance(module, _SHARING_ATTENTION):
                 found.append(f"{name} ({type(module).__qualname__})")
             elif not isinstance(core, PrefixSharingCoreAttention):
                 found.append(f"{name}.core_attention ({type(core).__qualname__})")

@@ -16,7 +16,7 @@ from .checks import UnsupportedSetupError
 from .core_attention import PrefixSharingCoreAttention
 from .packed_seq import PlanPackedSeqParams
 
-__all__ = ["PrefixSharingSelfAttention"]
+__all__ = ["PrefixSharingSelfAttention", "check_planned_call"]
 
 _FORWARD_SIGNATURE = inspect.signature(Attention.forward)
 RotaryTables = tuple[torch.Tensor | None, torch.Tensor | None]
@@ -53,13 +53,7 @@ class PrefixSharingSelfAttention(SelfAttention):
         params = call.arguments.get("packed_seq_params")
         if not isinstance(params, PlanPackedSeqParams):
             return super().forward(*args, **kwargs)
-        self._check_layout(call.arguments["hidden_states"], params)
-        inference = (call.arguments.get(n) for n in ("inference_context", "inference_params"))
-        if any(i is not None for i in inference):
-            raise UnsupportedSetupError(
-                "prefix sharing is for training and scoring forwards; it does not support an "
-                "inference_context (KV cache)"
-            )
+        check_planned_call(self.config, call.arguments, params)
         tables = call.arguments.get("rotary_pos_emb")
         if tables is not None and not self._rope_skipped():
             self._token_rotary = _per_token_tables(params, tables)
@@ -94,18 +88,27 @@ class PrefixSharingSelfAttention(SelfAttention):
         no_rope = self.config.no_rope_freq
         return bool(no_rope and no_rope[self.layer_number - 1])
 
-    def _check_layout(self, hidden_states: torch.Tensor, params: PlanPackedSeqParams) -> None:
-        """Stages exchange only activations: a stage that planned another micro-batch would
-        read them in the wrong layout. A different token count shows it at the first layer."""
-        tokens = hidden_states.size(0)  # [s, b, h]; s is split across TP ranks under SP
-        if self.config.sequence_parallel:
-            tokens *= self.config.tensor_model_parallel_size
-        tokens *= self.config.context_parallel_size  # each CP rank holds a slice of the rows
-        if tokens != params.plan.num_tokens_flat:
-            raise UnsupportedSetupError(
-                f"this layer received {tokens} tokens but the micro-batch's plan lays out "
-                f"{params.plan.num_tokens_flat}: were the pipeline stages given different plans?"
-            )
+
+def check_planned_call(config: Any, arguments: dict[str, Any], params: PlanPackedSeqParams) -> None:
+    """Refuses a planned attention call that sharing cannot serve: a KV cache, or hidden states
+    laid out for another plan (stages exchange only activations, so a stage that planned another
+    micro-batch would read them in the wrong layout; a different token count shows it at the
+    first layer). ``arguments`` are the attention forward's bound arguments."""
+    inference = (arguments.get(n) for n in ("inference_context", "inference_params"))
+    if any(i is not None for i in inference):
+        raise UnsupportedSetupError(
+            "prefix sharing is for training and scoring forwards; it does not support an "
+            "inference_context (KV cache)"
+        )
+    tokens = arguments["hidden_states"].size(0)  # [s, b, h]; s is split across TP ranks under SP
+    if config.sequence_parallel:
+        tokens *= config.tensor_model_parallel_size
+    tokens *= config.context_parallel_size  # each CP rank holds a slice of the rows
+    if tokens != params.plan.num_tokens_flat:
+        raise UnsupportedSetupError(
+            f"this layer received {tokens} tokens but the micro-batch's plan lays out "
+            f"{params.plan.num_tokens_flat}: were the pipeline stages given different plans?"
+        )
 
 
 def _per_token_tables(

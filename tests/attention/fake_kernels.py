@@ -10,7 +10,7 @@ Sources:
 - Transformer Engine: ``DotProductAttention`` docstrings, NVIDIA/TransformerEngine
   ``transformer_engine/pytorch/attention/dot_product_attention/dot_product_attention.py``
   (thd format, int32 cu_seqlens of equal shape, ``padding_causal_bottom_right``, output
-  ``[t, h*d]``).
+  ``[t, h*dv]``; ``kv_channels`` an int or a ``(k_channels, v_channels)`` tuple).
 - torch_npu: Ascend/op-plugin ``docs/context/torch_npu-npu_fusion_attention.md`` (TND layout,
   cumulative ``actual_seq_qlen``/``actual_seq_kvlen`` without a leading 0, sparse_mode 3 =
   rightDownCausal with the compressed 2048x2048 mask, sparse_mode 4 = band of pre_tockens /
@@ -76,10 +76,16 @@ def _segment_attention(q, k, v, bounds_q, bounds_k, scale, left=None):
     return torch.cat(out).to(q.dtype)
 
 
-def _check_qkv(q, k, v):
+def _check_qkv(q, k, v, v_head_dim=None):
+    """``v_head_dim``: the value head dim a kernel was told (TE's ``kv_channels=(dk, dv)``);
+    None: one head dim for q, k and v (flash-attn 2)."""
     assert q.dim() == k.dim() == v.dim() == 3, "q, k, v must be (tokens, heads, headdim)"
     assert q.dtype == k.dtype == v.dtype, "q, k, v must share a dtype"
-    assert k.shape == v.shape, "k and v must have the same shape"
+    if v_head_dim is None:
+        assert k.shape == v.shape, "k and v must have the same shape"
+    else:
+        assert k.shape[:-1] == v.shape[:-1], "k and v must have the same tokens and heads"
+        assert v.size(-1) == v_head_dim, "v's head dim must equal kv_channels[1]"
     assert q.size(-1) == k.size(-1), "q and k must have the same head dim"
     assert q.size(1) % k.size(1) == 0, "query heads must be a multiple of key/value heads"
 
@@ -162,7 +168,9 @@ class _DotProductAttention(torch.nn.Module):
     ):
         super().__init__()
         self.num_attention_heads = num_attention_heads
-        self.kv_channels = kv_channels
+        self.kv_channels = kv_channels  # an int, or (key, value) head dims
+        self.k_channels, self.v_channels = (
+            kv_channels if isinstance(kv_channels, tuple) else (kv_channels, kv_channels))
         self.num_gqa_groups = num_attention_heads if num_gqa_groups is None else num_gqa_groups
         assert num_attention_heads % self.num_gqa_groups == 0, (
             "The number of attention heads must be divisible by the number of GQA groups"
@@ -171,7 +179,7 @@ class _DotProductAttention(torch.nn.Module):
         self.qkv_format = qkv_format
         self.attn_mask_type = attn_mask_type.replace(",", "_")
         assert tp_size == 1 and attention_type == "self"
-        self.softmax_scale = kv_channels**-0.5 if softmax_scale is None else softmax_scale
+        self.softmax_scale = self.k_channels**-0.5 if softmax_scale is None else softmax_scale
         type(self).instances.append(self)
 
     def forward(
@@ -182,12 +190,12 @@ class _DotProductAttention(torch.nn.Module):
         core_attention_bias=None, alibi_slopes=None,
     ):
         q, k, v = query_layer, key_layer, value_layer
-        _check_qkv(q, k, v)
+        _check_qkv(q, k, v, v_head_dim=self.v_channels)
         assert q.dtype in (torch.float16, torch.bfloat16), f"TE has no {q.dtype} THD kernel"
         assert q.size(-1) <= 256, "no TE THD kernel for head dims above 256"
         assert q.size(1) == self.num_attention_heads, "q must have num_attention_heads heads"
         assert k.size(1) == self.num_gqa_groups, "k/v must have num_gqa_groups heads"
-        assert q.size(-1) == self.kv_channels, "head dim must equal kv_channels"
+        assert q.size(-1) == self.k_channels, "q/k head dim must equal kv_channels (or its [0])"
         assert self.attention_dropout == 0.0, "expected attention_dropout=0.0"
         qkv_format = self.qkv_format if qkv_format is None else qkv_format
         attn_mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
@@ -212,7 +220,7 @@ class _DotProductAttention(torch.nn.Module):
             q, k, v, cu_seqlens_q.tolist(), cu_seqlens_kv.tolist(), self.softmax_scale,
             None if window_size is None else window_size[0],
         )
-        return out.view(*out.shape[:-2], -1)  # thd output: [t, h*d]
+        return out.view(*out.shape[:-2], -1)  # thd output: [t, h*dv]
 
 
 def install_transformer_engine(monkeypatch: pytest.MonkeyPatch,

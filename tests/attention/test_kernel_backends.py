@@ -12,7 +12,7 @@ import torch
 from prefix_sharing.attention import varlen_attention, varlen_attention_torch
 from prefix_sharing.attention import npu_backend, te_backend
 from prefix_sharing.attention.backends import get_backend, resolve_backend
-from prefix_sharing.errors import InputError, MissingPackageError
+from prefix_sharing.errors import InputError, MissingPackageError, UnsupportedSetup
 from tests.attention import fake_kernels
 
 # tails of every kind: whole sequence, one token over many keys, one token over one key, odd pairs
@@ -25,16 +25,20 @@ def cu(lens, dtype=torch.int32):
     return torch.tensor([0, *lens]).cumsum(0).to(dtype)
 
 
-def inputs(heads, kv_heads, dtype, seed=0):
+def inputs(heads, kv_heads, dtype, seed=0, v_head_dim=HEAD_DIM):
     g = torch.Generator().manual_seed(seed)
 
-    def tensor(tokens, h):
-        return torch.randn(tokens, h, HEAD_DIM, generator=g, dtype=torch.float64).to(dtype)
+    def tensor(tokens, h, d=HEAD_DIM):
+        return torch.randn(tokens, h, d, generator=g, dtype=torch.float64).to(dtype)
 
     q = tensor(sum(Q_LENS), heads).requires_grad_()
     k = tensor(sum(K_LENS), kv_heads).requires_grad_()
-    v = tensor(sum(K_LENS), kv_heads).requires_grad_()
+    v = tensor(sum(K_LENS), kv_heads, v_head_dim).requires_grad_()
     return q, k, v
+
+
+# multi-latent attention's shape in small: q/k head dim 8, v head dim 5 (DeepSeek-V3: 192 / 128)
+MLA_V_HEAD_DIM = 5
 
 
 def reference(q, k, v, scale):
@@ -74,7 +78,7 @@ def check_against_reference(backend, q, k, v, scale, tol, cu_dtype=torch.int32):
         backend=backend,
     )
     ref, ref_inputs = reference(q, k, v, scale)
-    assert out.shape == q.shape and out.dtype == q.dtype
+    assert out.shape == (*q.shape[:-1], v.size(-1)) and out.dtype == q.dtype
     torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
 
     g = torch.Generator().manual_seed(1)
@@ -101,6 +105,23 @@ def test_flash_attn_takes_int64_cu_seqlens(flash):
     check_against_reference("flash_attn", q, k, v, None, tol=1e-2, cu_dtype=torch.int64)
 
 
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2)])
+def test_flash_attn_pads_a_smaller_value_head_dim_and_trims_the_output(flash, heads, kv_heads):
+    """flash-attn 2 takes one head dim (its fake asserts k.shape == v.shape): V goes in
+    zero-padded to q's, the output and V's gradient come back at V's own width."""
+    q, k, v = inputs(heads, kv_heads, torch.float16, v_head_dim=MLA_V_HEAD_DIM)
+    check_against_reference("flash_attn", q, k, v, 0.3, tol=2e-3)
+    assert len(flash.calls) == 1
+
+
+def test_flash_attn_refuses_a_larger_value_head_dim(flash):
+    q, k, v = inputs(4, 2, torch.float16, v_head_dim=HEAD_DIM + 1)
+    with pytest.raises(UnsupportedSetup, match="value head dim 9 is larger"):
+        varlen_attention(q, k, v, cu(Q_LENS), cu(K_LENS), max(Q_LENS), max(K_LENS),
+                         backend="flash_attn")
+    assert flash.calls == []
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_flash_attn_refuses_full_precision_before_the_kernel(flash, dtype):
     q, k, v = inputs(4, 2, dtype)
@@ -121,6 +142,20 @@ def test_te_matches_reference(te, heads, kv_heads, scale):
     assert (module.num_attention_heads, module.num_gqa_groups, module.kv_channels) == (
         heads, kv_heads, HEAD_DIM)
     assert module.softmax_scale == (HEAD_DIM**-0.5 if scale is None else scale)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2)])
+def test_te_takes_different_key_and_value_head_dims(te, heads, kv_heads):
+    q, k, v = inputs(heads, kv_heads, torch.bfloat16, v_head_dim=MLA_V_HEAD_DIM)
+    check_against_reference("te", q, k, v, None, tol=1e-2)
+    (module,) = te.instances
+    assert module.kv_channels == (HEAD_DIM, MLA_V_HEAD_DIM)
+    assert module.softmax_scale == HEAD_DIM**-0.5  # the key's head dim, as TE defaults it
+
+
+def test_torch_takes_different_key_and_value_head_dims():
+    q, k, v = inputs(4, 2, torch.float32, v_head_dim=MLA_V_HEAD_DIM)
+    check_against_reference("torch", q, k, v, 0.3, tol=1e-5)
 
 
 def test_te_builds_one_module_per_configuration(te):

@@ -68,3 +68,9 @@ def test_the_megatron_engine_refuses_the_hybrid_preset_in_one_line(capfd):
     code, out, err = run(capfd, "verify", "--model", "tiny-hybrid")
     assert code == 2 and out == ""
     assert "Gated DeltaNet layers" in err and len(err.strip().splitlines()) == 1
+
+
+def test_an_mla_preset_is_refused_on_the_hf_engine_in_one_line(capfd):
+    code, _, err = run(capfd, "verify", "--engine", "hf", "--model", "tiny-mla",
+                       "--workload", "tree")
+    assert code == 2 and "tiny-mla preset (multi-latent attention) runs on the megatron" in err

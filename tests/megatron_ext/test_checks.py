@@ -39,7 +39,6 @@ def core_attention(config: TransformerConfig) -> PrefixSharingCoreAttention:
     (dict(context_parallel_size=2, num_moe_experts=4, calculate_per_token_loss=True),
      "context_parallel_size=2 with num_moe_experts and calculate_per_token_loss=True"),
     (dict(window_size=(8, 2)), r"window_size=\(8, 2\): a causal sliding window.*\(8, 0\)"),
-    (dict(multi_latent_attention=True), "multi_latent_attention=True"),
     (dict(mrope_section=[2, 2, 2]), "mrope_section is set"),
     (dict(num_layers=4, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
           pipeline_dtype=torch.float32), "virtual_pipeline_model_parallel_size=2: interleaved"),
@@ -47,6 +46,30 @@ def core_attention(config: TransformerConfig) -> PrefixSharingCoreAttention:
 def test_layer_refuses_settings_it_cannot_serve(setting, message):
     with pytest.raises(UnsupportedSetupError, match=message):
         core_attention(TransformerConfig(**{**BASE, **setting}))
+
+
+@pytest.mark.parametrize("setting, message", [
+    (dict(experimental_attention_variant="dsa"),
+     "experimental_attention_variant='dsa': DeepSeek sparse attention"),
+    (dict(mtp_num_layers=1), "mtp_num_layers=1: multi-token prediction"),
+    (dict(multi_latent_attention=True, context_parallel_size=2),
+     "context_parallel_size=2 with multi_latent_attention=True"),
+])
+def test_deepseek_settings_sharing_cannot_serve_are_refused(setting, message):
+    """DSA's top-k indexer, MTP and MLA under context parallelism. Set on a built config:
+    megatron's own validation of these settings asks for unrelated fields (DSA's indexer
+    sizes, MLA's head dims) that do not change what is refused."""
+    config = TransformerConfig(**BASE)
+    for name, value in setting.items():
+        setattr(config, name, value)
+    with pytest.raises(UnsupportedSetupError, match=message):
+        check_layer_config(config)
+
+
+def test_multi_latent_attention_is_served():
+    config = TransformerConfig(**BASE)
+    config.multi_latent_attention = True
+    check_layer_config(config)
 
 
 def test_context_parallel_layer_is_built_but_plain_inputs_are_refused():

@@ -9,9 +9,11 @@ import functools
 import pytest
 from megatron.core.models.gpt import gpt_layer_specs as stock
 from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
 from prefix_sharing.megatron_ext import (
     PrefixSharingCoreAttention,
+    PrefixSharingMLASelfAttention,
     PrefixSharingRouter,
     PrefixSharingSelfAttention,
     PrefixSharingTransformerLayer,
@@ -74,10 +76,12 @@ def test_with_prefix_sharing_copies_and_leaves_the_input_alone():
     assert shared.submodules.self_attention.module is PrefixSharingSelfAttention
 
 
-def test_multi_latent_attention_spec_is_refused():
+def test_multi_latent_attention_spec_gets_the_sharing_mla_and_core_attention():
     mla = stock.get_gpt_layer_local_spec(multi_latent_attention=True)
-    with pytest.raises(ValueError, match="self_attention is a SelfAttention ModuleSpec"):
-        with_prefix_sharing(mla)
+    attention = with_prefix_sharing(mla).submodules.self_attention
+    assert attention.module is PrefixSharingMLASelfAttention
+    assert attention.submodules.core_attention.module is PrefixSharingCoreAttention
+    assert mla.submodules.self_attention.module is MLASelfAttention  # the input is left alone
 
 
 @pytest.mark.skipif(stock.HAVE_TE, reason="checks the message shown without Transformer Engine")

@@ -187,11 +187,15 @@ def test_moe_with_another_router_is_refused():
         with_prefix_sharing(spec)
 
 
-def test_multi_latent_attention_is_refused_naming_the_layer():
+def test_an_attention_it_does_not_know_is_refused_naming_the_layer():
+    from megatron.core.transformer.attention import CrossAttention
+
     layers = [stock.get_gpt_layer_local_spec(),
-              stock.get_gpt_layer_local_spec(multi_latent_attention=True)]
-    with pytest.raises(UnsupportedSpecError, match=r"layer 2 has self_attention=ModuleSpec\("
-                                                   "MLASelfAttention"):
+              stock.get_gpt_layer_local_spec(multi_latent_attention=True),
+              stock.get_gpt_layer_local_spec()]
+    layers[2].submodules.self_attention.module = CrossAttention
+    with pytest.raises(UnsupportedSpecError, match=r"layer 3 has self_attention=ModuleSpec\("
+                                                   "CrossAttention"):
         with_prefix_sharing(layers)
 
 
