@@ -23,13 +23,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from prefix_sharing import PrefixSharingConfig
 from prefix_sharing.workloads import make_workload
 
 from ._distributed import PRESET, run_distributed, tiny_gpt
-from ._equivalence import WORKLOADS
+from ._equivalence import SHARE_EVERY_PREFIX, WORKLOADS
 
-SHARE_EVERY_PREFIX = PrefixSharingConfig(min_prefix_len=1, backend="torch")
 MODELS = {"dense": {}, "window_qk_norm": dict(window_size=(4, 0), qk_layernorm=True)}
 
 
@@ -54,7 +52,7 @@ def _step(model: torch.nn.Module, sequences: list[torch.Tensor], layout: str) ->
     model.zero_grad(set_to_none=True)
     with _CountOps() as counter:
         if layout == "stock":
-            inputs, stats_batch = stock_thd_batch(sequences, backend="torch")
+            inputs, stats_batch = stock_thd_batch(sequences, backend=SHARE_EVERY_PREFIX.backend)
             logits = model(inputs.input_ids, inputs.position_ids, None,
                            packed_seq_params=inputs.packed_seq_params)
             stats = stock_thd_token_stats(logits, inputs, stats_batch)
