@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
 import logging
 import sys
 from types import ModuleType
@@ -52,7 +53,7 @@ def enable_cpu_megatron() -> None:
     # Imported before anything is patched, so that without megatron nothing changes.
     from megatron.core.fusions import fused_softmax
     from megatron.core.tensor_parallel import random as megatron_random
-    from megatron.core.transformer import torch_norm
+    from megatron.core.transformer import attention, torch_norm
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
     _redirect_current_device()
@@ -64,6 +65,8 @@ def enable_cpu_megatron() -> None:
     _redirect_default_causal_mask(fused_softmax)
     _redirect_megatron_cuda_tensors()
     _allow_sequence_parallel_torch_norm(torch_norm)
+    _torch_gated_delta_net_l2norm()
+    _eager_jit_fusions(attention)
     _enabled = True
 
 
@@ -178,6 +181,49 @@ def _allow_sequence_parallel_torch_norm(torch_norm: ModuleType) -> None:
         return norm
 
     torch_norm.WrappedTorchNorm.__new__ = staticmethod(build_sequence_parallel)
+
+
+def _torch_gated_delta_net_l2norm() -> None:
+    # ssm/gated_delta_net/common.py (megatron-core 0.19; gated_delta_net.py before) L2-normalises
+    # the GDN queries and keys with flash-linear-attention's `l2norm`, a Triton kernel that has
+    # no CPU driver. The same function in torch: x / sqrt(sum(x^2) + eps) over the last dim,
+    # computed in float32 or wider and returned in x's dtype (or output_dtype), fla's defaults.
+    for name in ("megatron.core.ssm.gated_delta_net.common", "megatron.core.ssm.gated_delta_net"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:  # no GDN in this release, or flash-linear-attention missing
+            continue
+        if getattr(module, "l2norm", None) is not None:
+            module.l2norm = _torch_l2norm
+            return
+
+
+def _eager_jit_fusions(attention: ModuleType) -> None:
+    # Methods decorated with megatron's `jit_fuser`, which is `torch.compile` - the GDN module's
+    # `_prepare_input_for_gated_delta_rule`, `_compute_g_and_beta`, `_apply_gated_norm`
+    # (megatron-core 0.19), the attention's `_apply_output_gate` - make inductor compile C++ on
+    # a CPU for every new shape and dtype (10-30 s each, minutes for a few micro-batches), for
+    # elementwise fusions a GPU benefits from. Their undecorated functions compute the same;
+    # the classes get those back.
+    classes = [attention.Attention]
+    try:
+        from megatron.core.ssm.gated_delta_net.common import _GDNBase
+
+        classes.append(_GDNBase)
+    except ImportError:  # before 0.19, or flash-linear-attention missing
+        pass
+    for cls in classes:
+        for name, value in list(vars(cls).items()):
+            original = getattr(value, "_torchdynamo_orig_callable", None)
+            if original is not None:
+                setattr(cls, name, original)
+
+
+def _torch_l2norm(x: torch.Tensor, eps: float = 1e-6,
+                  output_dtype: torch.dtype | None = None) -> torch.Tensor:
+    wide = x.to(torch.promote_types(x.dtype, torch.float32))
+    y = wide * torch.rsqrt((wide * wide).sum(-1, keepdim=True) + eps)
+    return y.to(x.dtype if output_dtype is None else output_dtype)
 
 
 def _redirect_megatron_cuda_tensors() -> None:
