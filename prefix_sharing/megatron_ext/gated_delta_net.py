@@ -27,11 +27,12 @@ release whose module this class was written against (0.16.1 and 0.17.1 have no p
 
 from __future__ import annotations
 
-import importlib.util
 from functools import partial
 from typing import Any
 
-if importlib.util.find_spec("megatron.core.ssm.gated_delta_net.gdn") is None:
+from .layer_specs import serves_gated_delta_net
+
+if not serves_gated_delta_net():
     raise ImportError(
         "prefix_sharing.megatron_ext.gated_delta_net needs megatron-core 0.19.2's Gated DeltaNet "
         "(megatron.core.ssm.gated_delta_net.gdn, Python >= 3.12)"

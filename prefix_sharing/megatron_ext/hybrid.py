@@ -64,6 +64,7 @@ from .layer_specs import (  # noqa: E402
     GDN_NOT_SERVED,
     gdn_layer_spec,
     replaced,
+    serves_gated_delta_net,
     sharing_attention_layer,
     sharing_gdn_layer,
     sharing_router_mlp,
@@ -157,7 +158,7 @@ def with_prefix_sharing(stack_spec: ModuleSpec) -> ModuleSpec:
                 value, f"hybrid layer {SLOT_SYMBOLS[field.name]!r}"))
         elif field.name == "moe_layer":
             setattr(slots, field.name, _share_moe(value, SLOT_SYMBOLS[field.name]))
-        elif field.name == "gdn_layer" and _serves_gdn():
+        elif field.name == "gdn_layer" and serves_gated_delta_net():
             setattr(slots, field.name, sharing_gdn_layer(value, "hybrid layer 'G'"))
         else:  # known not-yet slots, and slots of a later megatron-core this does not know
             symbol = SLOT_SYMBOLS.get(field.name, field.name)
@@ -165,11 +166,6 @@ def with_prefix_sharing(stack_spec: ModuleSpec) -> ModuleSpec:
             setattr(slots, field.name, ModuleSpec(
                 module=UnsupportedHybridLayer, params={"symbol": symbol, "reason": reason}))
     return spec
-
-
-def _serves_gdn() -> bool:
-    """Whether this megatron-core's Gated DeltaNet is the one the sharing mixer subclasses."""
-    return importlib.util.find_spec("megatron.core.ssm.gated_delta_net.gdn") is not None
 
 
 def _share_moe(layer: Any, symbol: str) -> ModuleSpec:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import importlib.util
 import inspect
 from typing import Any, Callable
 
@@ -44,6 +45,7 @@ from .self_attention import PrefixSharingSelfAttention
 __all__ = [
     "UnsupportedSpecError",
     "gdn_layer_spec",
+    "serves_gated_delta_net",
     "sharing_gdn_layer",
     "with_prefix_sharing",
     "register_spec_form",
@@ -161,6 +163,15 @@ GDN_NOT_SERVED = (
     "(megatron.core.ssm.gated_delta_net); 0.16.1 and 0.17.1 have no packed path and 0.18.2's "
     "module differs: install megatron-core==0.19.2 (Python >= 3.12)"
 )
+
+
+def serves_gated_delta_net() -> bool:
+    """Whether this megatron-core has 0.19.2's Gated DeltaNet package, the module the sharing
+    mixer subclasses (before, ``megatron.core.ssm.gated_delta_net`` is a plain module)."""
+    try:
+        return importlib.util.find_spec("megatron.core.ssm.gated_delta_net.gdn") is not None
+    except ModuleNotFoundError:  # no package of that name: 0.16 - 0.18
+        return False
 
 
 def sharing_gdn_layer(layer_spec: ModuleSpec, where: str) -> ModuleSpec:

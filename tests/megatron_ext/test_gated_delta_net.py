@@ -26,11 +26,12 @@ import pytest
 import torch
 
 from prefix_sharing.equivalence import FP32_RTOL, within_tolerance
+from prefix_sharing.megatron_ext.layer_specs import serves_gated_delta_net
 
 from ._distributed import run_distributed
 from ._equivalence import SHARE_EVERY_PREFIX, WORKLOADS
 
-HAVE_GDN = importlib.util.find_spec("megatron.core.ssm.gated_delta_net.gdn") is not None
+HAVE_GDN = serves_gated_delta_net()
 HAVE_FLA = importlib.util.find_spec("fla") is not None
 needs_gdn = pytest.mark.skipif(
     not (HAVE_GDN and HAVE_FLA),
