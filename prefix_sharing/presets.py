@@ -43,22 +43,15 @@ class ModelPreset:
     # megatron's softmax_type: "learnable" adds a learned sink logit per head to every query's
     # softmax denominator (gpt-oss's sinks), "off-by-one" a fixed zero one
     softmax_type: str = "vanilla"
-    # Hybrid (Qwen3.5 / Qwen3-Next): the Megatron engine builds a HybridModel of this layer
-    # pattern (megatron's symbols: 'G' Gated DeltaNet, '*' attention, '-' MLP, 'E' MoE; one
-    # decoder layer of the HF model is a mixer symbol followed by its MLP symbol); None: a GPT.
-    hybrid_pattern: str | None = None
-    # the Gated DeltaNet layers' shape (the names of megatron's TransformerConfig and of the
-    # HF configs alike): key and value heads, their dims, the causal convolution's width
-    linear_num_key_heads: int | None = None
-    linear_num_value_heads: int | None = None
-    linear_key_head_dim: int | None = None
-    linear_value_head_dim: int | None = None
-    linear_conv_kernel_dim: int | None = None
-    # Qwen3.5's full-attention layers: a sigmoid output gate, norms on queries and keys, and
-    # rotary embedding on this fraction of each head's dims
-    attention_output_gate: bool = False
-    qk_layernorm: bool = False
-    rotary_percent: float = 1.0
+    # Gated DeltaNet hybrids (Qwen3.5 / Qwen3-Next): every full_attention_every-th layer
+    # (1-based) is gated full attention, the others Gated DeltaNet layers with these heads
+    # (key heads, value heads, one head dim for both) and a causal convolution this wide.
+    # None: every layer is attention.
+    full_attention_every: int | None = None
+    linear_num_key_heads: int = 2
+    linear_num_value_heads: int = 4
+    linear_head_dim: int = 16
+    linear_conv_kernel_dim: int = 4
     # the transformers family ``--engine hf`` builds (None: chosen from the shape, see
     # prefix_sharing.engines.hf.family_of); the Megatron engine builds its GPT of this shape
     hf_family: str | None = None
@@ -78,6 +71,21 @@ class ModelPreset:
         if self.window_full_every is None:
             return self.window_size
         return None if layer % self.window_full_every == 0 else self.window_size
+
+    def layer_is_recurrent(self, layer: int) -> bool:
+        """Whether 1-based ``layer`` is a Gated DeltaNet layer (see ``full_attention_every``)."""
+        return self.full_attention_every is not None and layer % self.full_attention_every != 0
+
+    @property
+    def hybrid_pattern(self) -> str | None:
+        """The Megatron ``HybridModel`` layer pattern of a Gated DeltaNet hybrid (``None`` for
+        a GPT): per layer its mixer, ``G`` (Gated DeltaNet) or ``*`` (attention), then its MLP,
+        ``-`` (dense) or ``E`` (experts) - ``"G-G-G-*-"`` for tiny-hybrid."""
+        if self.full_attention_every is None:
+            return None
+        mlp = "E" if self.num_experts else "-"
+        return "".join(("G" if self.layer_is_recurrent(layer) else "*") + mlp
+                       for layer in range(1, self.num_layers + 1))
 
     def fitted_to(self, max_token_id: int, tensor_parallel: int = 1) -> ModelPreset:
         """This shape with a vocabulary that holds ``max_token_id``.
@@ -119,14 +127,10 @@ PRESETS: dict[str, ModelPreset] = {
                             hf_family="gemma3_text"),
         dataclasses.replace(_TINY, name="tiny-gemma4", window_size=8, window_full_every=2,
                             hf_family="gemma4_text"),
-        # Qwen3.5's shape: 3 Gated DeltaNet layers to 1 gated full-attention layer (output gate,
-        # QK-norm, rotary on a quarter of the head dims), each followed by its MLP; GDN with 2
-        # key heads over 4 value heads of 16 dims, a 4-wide convolution
-        dataclasses.replace(_TINY, name="tiny-hybrid", num_layers=4, hybrid_pattern="G-G-G-*-",
-                            linear_num_key_heads=2, linear_num_value_heads=4,
-                            linear_key_head_dim=16, linear_value_head_dim=16,
-                            linear_conv_kernel_dim=4, attention_output_gate=True,
-                            qk_layernorm=True, rotary_percent=0.25, hf_family="qwen3_5_text"),
+        # Qwen3.5's layout (--engine hf: transformers' qwen3_5_text): three Gated DeltaNet
+        # layers, then one gated full-attention layer (output gate, partial rotary, QK-norm)
+        dataclasses.replace(_TINY, name="tiny-hybrid", num_layers=4, full_attention_every=4,
+                            hf_family="qwen3_5_text"),
         # big enough that matrix products dominate, as on a real model; minutes on CPU
         ModelPreset("small", num_layers=4, hidden_size=512, num_attention_heads=8,
                     num_query_groups=2, ffn_hidden_size=1408, vocab_size=8192,

@@ -173,16 +173,22 @@ def transformer_config(preset: ModelPreset, dtype: torch.dtype = torch.float32,
 
 
 def _hybrid_settings(preset: ModelPreset) -> dict[str, Any]:
-    """The Gated DeltaNet shape and Qwen3.5-style attention settings a preset names (only those
-    it sets: megatron-core 0.16.1's config has no ``attention_output_gate``)."""
-    settings = {name: getattr(preset, name) for name in (
-        "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-        "linear_value_head_dim", "linear_conv_kernel_dim") if getattr(preset, name) is not None}
-    if preset.attention_output_gate:
-        settings["attention_output_gate"] = True
-    if preset.qk_layernorm:
-        settings["qk_layernorm"] = True
-    return settings
+    """A Gated DeltaNet hybrid's settings (Qwen3.5's shape): the GDN heads, head dims and
+    convolution width, and its full-attention layers' sigmoid output gate and QK-norm (their
+    rotary on a quarter of the head dims: :data:`QWEN35_ROTARY_PERCENT`). Nothing for a GPT
+    (megatron-core 0.16.1's config has no ``attention_output_gate``)."""
+    if preset.full_attention_every is None:
+        return {}
+    return dict(linear_num_key_heads=preset.linear_num_key_heads,
+                linear_num_value_heads=preset.linear_num_value_heads,
+                linear_key_head_dim=preset.linear_head_dim,
+                linear_value_head_dim=preset.linear_head_dim,
+                linear_conv_kernel_dim=preset.linear_conv_kernel_dim,
+                attention_output_gate=True, qk_layernorm=True)
+
+
+# Qwen3.5 / Qwen3-Next rotate a quarter of each attention head's dims (partial_rotary_factor)
+QWEN35_ROTARY_PERCENT = 0.25
 
 
 def hybrid_model(
@@ -276,9 +282,11 @@ def _batched_float64_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
 
 def _rope_arguments(config_overrides: dict[str, Any],
                     preset: ModelPreset | None = None) -> dict[str, Any]:
-    """The model constructor's rotary arguments, taken out of ``config_overrides`` (defaults:
-    the preset's ``rotary_percent``)."""
-    rotary_percent = 1.0 if preset is None else preset.rotary_percent
+    """The model constructor's rotary arguments, taken out of ``config_overrides`` (default
+    ``rotary_percent``: Qwen3.5's quarter for a Gated DeltaNet hybrid preset, else 1)."""
+    rotary_percent = 1.0
+    if preset is not None and preset.full_attention_every is not None:
+        rotary_percent = QWEN35_ROTARY_PERCENT
     rope = dict(position_embedding_type="rope", rotary_percent=rotary_percent)
     rope.update({k: config_overrides.pop(k) for k in list(rope) if k in config_overrides})
     return rope

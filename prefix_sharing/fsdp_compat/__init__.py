@@ -10,21 +10,31 @@ Usage::
 
 Modules: :mod:`.attention` (the attention function transformers calls), :mod:`.forward` (the
 model call and the log-probs), :mod:`.response_rows` (the LM head on response rows only),
-:mod:`.moe` (the exact router loss), :mod:`.models` (families, seeded models, what is
-refused), :mod:`.fsdp` (FSDP2 wrapping), :mod:`.runs` (plain and shared runs for the
-equivalence checks), :mod:`.prefix_grouper_peer` (the PrefixGrouper reference). transformers
-is imported only when a function needs it.
+:mod:`.moe` (the exact router loss), :mod:`.gated_deltanet` (Qwen3.5 / Qwen3-Next's recurrent
+layers on the plan), :mod:`.models` (families, seeded models, what is refused), :mod:`.fsdp`
+(FSDP2 wrapping), :mod:`.runs` (plain and shared runs for the equivalence checks;
+:mod:`.plain_kernels`, the recurrence of their plain runs), :mod:`.prefix_grouper_peer` (the
+PrefixGrouper reference). transformers is imported only when a function needs it.
 """
 
 from .attention import ATTENTION_NAME, prefix_sharing_attention, register_attention
 from .forward import SharedForward, enable_prefix_sharing, model_kwargs, shared_forward
-from .models import FAMILIES, build_model, check_supported, hf_config
+from .models import (
+    ATTENTION_FAMILIES,
+    FAMILIES,
+    HYBRID_FAMILIES,
+    build_model,
+    check_supported,
+    hf_config,
+)
 from .moe import router_aux_loss, row_multiplicity
 from .response_rows import ResponseRows, response_rows
 
 __all__ = [
+    "ATTENTION_FAMILIES",
     "ATTENTION_NAME",
     "FAMILIES",
+    "HYBRID_FAMILIES",
     "ResponseRows",
     "SharedForward",
     "build_model",

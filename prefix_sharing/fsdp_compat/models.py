@@ -4,7 +4,8 @@ The families this shim is tested on: Llama, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNo
 Qwen3-MoE (top-k routed experts; its load-balancing loss is kept exact by
 :func:`prefix_sharing.fsdp_compat.router_aux_loss`), gpt-oss (alternating sliding-window and
 full layers, learned attention sinks, MoE, YaRN RoPE), Gemma 3 and Gemma 4 text models (sliding
-local layers, every ``window_full_every``-th layer global). Any other decoder whose attention goes
+local layers, every ``window_full_every``-th layer global), and the Gated DeltaNet hybrids
+Qwen3.5 (``qwen3_5_text``, ``qwen3_5_moe_text``) and Qwen3-Next (see :mod:`.gated_deltanet`). Any other decoder whose attention goes
 through ``AttentionInterface`` works the same way, once :func:`check_supported` accepts it.
 """
 
@@ -16,11 +17,14 @@ import torch
 
 from ..errors import MissingPackageError
 from ..presets import ModelPreset
+from .gated_deltanet import HYBRID_FAMILIES, check_recurrent_layers
 
-__all__ = ["FAMILIES", "hf_config", "build_model", "check_supported"]
+__all__ = ["ATTENTION_FAMILIES", "FAMILIES", "HYBRID_FAMILIES", "hf_config", "build_model", "check_supported"]
 
-FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3_moe", "gpt_oss", "gemma3_text",
-                             "gemma4_text")
+# families whose token mixing is attention only
+ATTENTION_FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3_moe", "gpt_oss",
+                                       "gemma3_text", "gemma4_text")
+FAMILIES: tuple[str, ...] = (*ATTENTION_FAMILIES, *HYBRID_FAMILIES)
 # transformers has no SDPA path for these (gpt-oss's sinks): the plain model runs eager
 _EAGER_ONLY = frozenset({"gpt_oss"})
 # the sliding window of the windowed families when the preset has none
@@ -67,6 +71,12 @@ def hf_config(family: str, preset: ModelPreset, **overrides: Any) -> Any:
     elif family == "qwen3":
         config_cls = transformers.Qwen3Config
         shape.update(head_dim=preset.head_dim, attention_bias=preset.add_qkv_bias)
+    elif family in HYBRID_FAMILIES:
+        config_cls, extra = _hybrid_family(transformers, family, preset)
+        shape.update(extra)
+        shape.pop("rope_theta")  # these take rope_parameters
+        if family == "qwen3_5_moe_text":
+            shape.pop("intermediate_size")  # every MLP is sparse
     elif family in ("gpt_oss", "gemma3_text", "gemma4_text"):
         config_cls, extra = _windowed_family(transformers, family, preset)
         shape.update(extra)
@@ -116,6 +126,33 @@ def _windowed_family(transformers: Any, family: str, preset: ModelPreset) -> tup
         global_head_dim=preset.head_dim, num_global_key_value_heads=preset.num_query_groups)
 
 
+def _hybrid_family(transformers: Any, family: str, preset: ModelPreset) -> tuple[Any, dict]:
+    """Qwen3.5 (dense, MoE) and Qwen3-Next: Gated DeltaNet layers with every
+    ``full_attention_every``-th layer (4 when the preset says nothing, as the real models) gated
+    full attention; rotary on a quarter of the head dim, q/k RMSNorm, output gate."""
+    every = preset.full_attention_every or 4
+    layer_types = ["full_attention" if (i + 1) % every == 0 else "linear_attention"
+                   for i in range(preset.num_layers)]
+    extra = dict(
+        head_dim=preset.head_dim, layer_types=layer_types, attention_dropout=0.0,
+        attention_bias=preset.add_qkv_bias,
+        rope_parameters=dict(rope_type="default", rope_theta=preset.rotary_base,
+                             partial_rotary_factor=0.25),
+        linear_num_key_heads=preset.linear_num_key_heads,
+        linear_num_value_heads=preset.linear_num_value_heads,
+        linear_key_head_dim=preset.linear_head_dim, linear_value_head_dim=preset.linear_head_dim,
+        linear_conv_kernel_dim=preset.linear_conv_kernel_dim)
+    if family == "qwen3_5_text":
+        return transformers.Qwen3_5TextConfig, extra
+    moe_width = preset.moe_ffn_hidden_size or max(1, preset.ffn_hidden_size // 2)
+    extra.update(num_experts=preset.num_experts or 4, num_experts_per_tok=preset.moe_router_topk,
+                 moe_intermediate_size=moe_width, shared_expert_intermediate_size=moe_width)
+    if family == "qwen3_next":
+        extra.update(decoder_sparse_step=1, norm_topk_prob=True, mlp_only_layers=[])
+        return transformers.Qwen3NextConfig, extra
+    return transformers.Qwen3_5MoeTextConfig, extra
+
+
 def build_model(
     family: str,
     preset: ModelPreset,
@@ -146,8 +183,9 @@ def check_supported(model: torch.nn.Module) -> None:
     """Refuses, with one clear error, a model whose attention the shim would change.
 
     Sliding-window layers and learned sinks are served (see
-    :func:`~prefix_sharing.fsdp_compat.attention.prefix_sharing_attention`); attention logit
-    soft-capping and bidirectional attention are refused.
+    :func:`~prefix_sharing.fsdp_compat.attention.prefix_sharing_attention`), and the Gated
+    DeltaNet layers of :data:`HYBRID_FAMILIES`; attention logit soft-capping, bidirectional
+    attention, other recurrent layers and MTP modules are refused.
     """
     config = model.config
     model_type = getattr(config, "model_type", type(model).__name__)
@@ -165,6 +203,9 @@ def check_supported(model: torch.nn.Module) -> None:
         raise ValueError(f"{model_type} attends bidirectionally (use_bidirectional_attention="
                          f"{config.use_bidirectional_attention!r}); prefix sharing needs causal "
                          "attention")
-    if not getattr(model, "_supports_attention_backend", False):
+    # the hybrids' attention layers call AttentionInterface though the model does not say so
+    if not getattr(model, "_supports_attention_backend", False) and model_type not in (
+            HYBRID_FAMILIES):
         raise ValueError(f"{model_type} does not route its attention through transformers' "
                          "AttentionInterface, so the sharing attention cannot be installed")
+    check_recurrent_layers(model)

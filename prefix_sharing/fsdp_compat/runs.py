@@ -2,7 +2,9 @@
 
 The plain run is transformers' own attention (``eager`` or ``sdpa``) on the right-padded batch
 with its padding mask, log-probs from the full logits one sequence at a time: no code of this
-package on its path. (One forward per micro-batch, as the shared run: FSDP ranks must issue the
+package on its path, except the gated delta rule of Qwen3.5 / Qwen3-Next layers
+(:mod:`.plain_kernels`: transformers' own torch code in float32, the token-by-token recurrence
+in float64). (One forward per micro-batch, as the shared run: FSDP ranks must issue the
 same collectives.)
 The shared run is :func:`~prefix_sharing.fsdp_compat.shared_forward` on the plan. Both return
 :class:`~prefix_sharing.equivalence.RunOutputs` (gradients gathered whole under FSDP2), which
@@ -21,6 +23,7 @@ from ..equivalence import RunOutputs, plain_token_log_probs
 from ..planner import PromptGroup
 from .forward import shared_forward
 from .fsdp import full_gradients
+from .plain_kernels import plain_gdn_kernel
 
 __all__ = ["plain_run", "shared_run"]
 
@@ -43,7 +46,9 @@ def plain_run(model: torch.nn.Module, sequences: Sequence[torch.Tensor],
         return (packed, *plain_token_log_probs(packed / temperature,
                                                [s.to(device) for s in sequences]))
 
-    return _with_full_gradients(model, RunOutputs.collect(model, forward, weights.to(device)))
+    with plain_gdn_kernel(model):
+        run = RunOutputs.collect(model, forward, weights.to(device))
+    return _with_full_gradients(model, run)
 
 
 def shared_run(model: torch.nn.Module, sequences: Sequence[torch.Tensor], weights: torch.Tensor,

@@ -11,7 +11,7 @@ import torch
 
 from prefix_sharing.config import PrefixSharingConfig
 from prefix_sharing.equivalence import advantages, compare_runs, within_tolerance
-from prefix_sharing.fsdp_compat import FAMILIES, model_kwargs, shared_forward
+from prefix_sharing.fsdp_compat import ATTENTION_FAMILIES, model_kwargs, shared_forward
 from prefix_sharing.fsdp_compat.runs import plain_run, shared_run
 from prefix_sharing.planner import build_plan
 from prefix_sharing.workloads import WORKLOADS, make_workload
@@ -19,7 +19,7 @@ from prefix_sharing.workloads import WORKLOADS, make_workload
 from ._models import EVERY_PREFIX, PRESET, compare_shared_to_plain, plain_and_shared
 
 @pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ATTENTION_FAMILIES)
 def test_every_family_and_attention_matches_the_plain_forward(family, attn_implementation):
     plain, shared = plain_and_shared(family, attn_implementation)
     comparison = compare_shared_to_plain(

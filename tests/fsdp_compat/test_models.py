@@ -8,12 +8,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from prefix_sharing.fsdp_compat import FAMILIES, build_model, check_supported, enable_prefix_sharing
+from prefix_sharing.fsdp_compat import ATTENTION_FAMILIES, build_model, check_supported, enable_prefix_sharing
 
 from ._models import PRESET
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ATTENTION_FAMILIES)
 def test_the_same_seed_gives_the_same_weights_and_the_preset_shape(family):
     a, b = (build_model(family, PRESET, seed=3) for _ in range(2))
     for (name, p), q in zip(a.named_parameters(), b.parameters()):
@@ -61,7 +61,7 @@ def test_enabling_switches_the_attention_in_place():
     assert model.config._attn_implementation == "prefix_sharing"
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ATTENTION_FAMILIES)
 def test_the_rotary_base_is_the_presets(family):
     preset = dataclasses.replace(PRESET, rotary_base=1_000_000.0)
     model = build_model(family, preset)

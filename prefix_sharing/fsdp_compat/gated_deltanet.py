@@ -1,0 +1,153 @@
+"""Gated DeltaNet layers of transformers' Qwen3.5 / Qwen3-Next under the sharing plan.
+
+The GDN module of ``qwen3_next``, ``qwen3_5_text`` and ``qwen3_5_moe_text`` is its own forward
+(projections, a causal convolution, the gated delta rule, a gated RMSNorm, an output
+projection); nothing in it reads a plan, and run stock on the flat layout it would carry one
+sequence's state into the next segment. :func:`install_sharing_gdn` therefore switches every such
+module, in place, to a subclass whose forward runs the convolution and the recurrence over the
+plan's :class:`~prefix_sharing.recurrent.RecurrenceSchedule` (each reuser's tail starts from its
+provider's state at the branch point, differentiably) and keeps everything else: the module's
+own parameters, names and projections. Their attention layers already call transformers'
+``AttentionInterface`` with the output gate, partial rotary and QK-norm applied around it, so
+the sharing attention serves them unchanged.
+
+Refused: a model that holds multi-token-prediction modules (transformers drops Qwen3.5's
+``mtp.*`` weights on load, so a stock model has none; a model that trains them would need them
+shared too), a stock GDN module left in place while sharing (:func:`check_sharing_gdn`), and
+recurrent layers of any other family (Mamba-2 hybrids such as ``nemotron_h`` are not served).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import UnsupportedSetup
+from ..plan import SharingPlan
+from ..recurrent import (
+    causal_conv1d_over_schedule,
+    gated_delta_rule_over_schedule,
+    recurrence_schedule,
+)
+
+__all__ = ["HYBRID_FAMILIES", "install_sharing_gdn", "check_sharing_gdn",
+           "check_recurrent_layers"]
+
+HYBRID_FAMILIES: tuple[str, ...] = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+_PLAN_KWARG, _BACKEND_KWARG = "sharing_plan", "sharing_backend"  # as in .attention
+# layer kinds whose tokens depend on earlier tokens only through attention
+_ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
+# recurrent (state-space / linear-attention) module class names of other families
+_OTHER_RECURRENT_MARKERS = ("Mamba", "GatedDeltaNet", "LinearAttention", "ShortConv")
+
+
+def _is_gdn(module: torch.nn.Module) -> bool:
+    return type(module).__name__.endswith("GatedDeltaNet") or getattr(
+        module, "_prefix_sharing_gdn", False)
+
+
+def check_recurrent_layers(model: torch.nn.Module) -> None:
+    """Refuses recurrent layers sharing cannot serve, and MTP modules in the hybrid families."""
+    config = model.config
+    model_type = getattr(config, "model_type", type(model).__name__)
+    if model_type in HYBRID_FAMILIES:
+        mtp = [name for name, _ in model.named_children() if name.startswith("mtp")]
+        if mtp or any(".mtp" in name for name, _ in model.named_modules()):
+            raise UnsupportedSetup(
+                f"{model_type} holds multi-token-prediction modules ({mtp or 'mtp.*'}); prefix "
+                "sharing does not train MTP layers (RL recipes turn them off): drop them")
+        return
+    kinds = sorted(set(getattr(config, "layer_types", None) or ()) - _ATTENTION_LAYER_TYPES)
+    recurrent = sorted({type(m).__name__ for m in model.modules()
+                        if any(marker in type(m).__name__ for marker in _OTHER_RECURRENT_MARKERS)})
+    if kinds or recurrent:
+        raise UnsupportedSetup(
+            f"{model_type} has recurrent layers ({', '.join(kinds + recurrent)}) that carry a "
+            f"state across tokens; prefix sharing serves Gated DeltaNet hybrids "
+            f"({', '.join(HYBRID_FAMILIES)}) only - Mamba-2 hybrids such as nemotron_h are not "
+            "served yet")
+
+
+def install_sharing_gdn(model: torch.nn.Module) -> int:
+    """Switches every GDN module of ``model`` (in place) to its sharing subclass; returns how
+    many. The modules keep their parameters; call it before wrapping the model (FSDP)."""
+    count = 0
+    for module in model.modules():
+        if _is_gdn(module) and not getattr(module, "_prefix_sharing_gdn", False):
+            module.__class__ = _sharing_class(type(module))
+            count += 1
+    return count
+
+
+def check_sharing_gdn(model: torch.nn.Module) -> None:
+    """Raises when a stock GDN module is left in a model that runs the sharing plan."""
+    stock = [name for name, m in model.named_modules()
+             if _is_gdn(m) and not getattr(m, "_prefix_sharing_gdn", False)]
+    if stock:
+        raise UnsupportedSetup(
+            f"stock Gated DeltaNet modules ({', '.join(stock[:3])}{', ...' if len(stock) > 3 else ''}"
+            ") would carry one sequence's state into the next on the flat layout: call "
+            "enable_prefix_sharing(model) after the model is complete")
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _sharing_class(stock: type) -> type:
+    if stock not in _CLASSES:
+        _CLASSES[stock] = type(f"PrefixSharing{stock.__name__}", (stock,),
+                               {"forward": _sharing_forward, "_prefix_sharing_gdn": True,
+                                "__module__": __name__})
+    return _CLASSES[stock]
+
+
+def _sharing_forward(self: Any, hidden_states: torch.Tensor, cache: Any = None,
+                     attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+    """The GDN layer on the plan's flat layout: ``(1, T_flat, hidden) -> (1, T_flat, hidden)``.
+
+    Projections, gates and norms as transformers computes them; the convolution reads each
+    row's predecessors on its own path, and the gated delta rule runs bucket by bucket from
+    the parents' states (:mod:`prefix_sharing.recurrent`).
+    """
+    plan = kwargs.get(_PLAN_KWARG)
+    if not isinstance(plan, SharingPlan):
+        raise ValueError(f"layer {self.layer_idx}'s sharing Gated DeltaNet needs the micro-batch's "
+                         f"plan: call the model with {_PLAN_KWARG}=plan (shared_forward does)")
+    if cache is not None or attention_mask is not None:
+        raise ValueError("the sharing Gated DeltaNet takes no cache (use_cache=False) and no "
+                         "attention_mask (the plan lays out unpadded sequences)")
+    if hidden_states.dim() != 3 or hidden_states.size(0) != 1:
+        raise ValueError(f"the flat layout is one row of tokens; got {tuple(hidden_states.shape)}")
+    schedule = recurrence_schedule(plan)
+    backend = "torch" if kwargs.get(_BACKEND_KWARG) == "torch" else "auto"
+    x = hidden_states[0]  # [T, hidden]
+    total = x.size(0)
+    mixed_qkv, z, b, a = _projections(self, x)  # [T, 2*key_dim + value_dim], [T, HV, Vd], ...
+    mixed_qkv = causal_conv1d_over_schedule(mixed_qkv, self.conv1d.weight.squeeze(1),
+                                            self.conv1d.bias, schedule,
+                                            activation=self.activation, backend=backend)
+    q, k, v = torch.split(mixed_qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+    q = q.reshape(total, -1, self.head_k_dim)  # [T, H, K]
+    k = k.reshape(total, -1, self.head_k_dim)
+    v = v.reshape(total, -1, self.head_v_dim)  # [T, HV, V]
+    beta = b.sigmoid()
+    g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, HV]
+    core = gated_delta_rule_over_schedule(q, k, v, g, beta, schedule,
+                                          use_qk_l2norm_in_kernel=True, backend=backend)
+    core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+    return self.out_proj(core.reshape(1, total, -1))
+
+
+def _projections(self: Any, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``(mixed_qkv [T, 2*key_dim + value_dim], z [T, HV, Vd], b [T, HV], a [T, HV])``:
+    Qwen3-Next projects q/k/v/z and b/a grouped per key head, Qwen3.5 projects each apart."""
+    total = x.size(0)
+    if hasattr(self, "in_proj_qkvz"):  # Qwen3-Next
+        q, k, v, z, b, a = self.fix_query_key_value_ordering(self.in_proj_qkvz(x[None]),
+                                                             self.in_proj_ba(x[None]))
+        mixed = torch.cat([t.reshape(total, -1) for t in (q, k, v)], dim=-1)
+        return mixed, z[0], b[0], a[0]
+    z = self.in_proj_z(x).reshape(total, -1, self.head_v_dim)
+    return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)

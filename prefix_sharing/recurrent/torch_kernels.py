@@ -1,0 +1,231 @@
+"""Pure-torch Gated DeltaNet kernels (any device, CPU included): the reference backend.
+
+The gated delta rule, per value head, with state ``S`` of shape ``(K, V)``::
+
+    S <- exp(g_t) * S                            decay
+    u_t = beta_t * (v_t - S^T k_t)               the part of v_t the state does not predict
+    S <- S + k_t u_t^T                           delta-rule write
+    o_t = S^T (scale * q_t)                      read
+
+:func:`gated_delta_rule_recurrent` runs it token by token (the readable reference);
+:func:`chunk_gated_delta_rule_torch` computes the same thing chunk by chunk. Inside a chunk of
+``C`` tokens with ``gamma_i`` the cumulative log decay since the chunk start and ``S0`` the
+state entering it, the writes solve the unit lower-triangular system
+``(I + A) U = beta V - diag(beta e^gamma) K S0`` with
+``A_ij = beta_i e^(gamma_i - gamma_j) k_i.k_j`` (``j < i``); then
+``O = (Q e^gamma) S0 + (QK^T * D) U`` with ``D_ij = e^(gamma_i - gamma_j)`` (``j <= i``) and the
+state leaving the chunk is ``e^gamma_C S0 + (K e^(gamma_C - gamma))^T U``. Only the scan over
+chunks is sequential; all sequences of a varlen call run together, padded to whole chunks with
+``beta = k = v = 0, g = 0`` tokens, which leave the state unchanged.
+
+:func:`causal_conv1d_torch` is the depthwise causal convolution as a gather over each row's
+predecessors on its path (see :mod:`.schedule`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import InputError
+
+__all__ = ["chunk_gated_delta_rule_torch", "gated_delta_rule_recurrent", "causal_conv1d_torch",
+           "l2_normalize"]
+
+L2_EPS = 1e-6  # fla's and transformers' epsilon inside the q/k L2 norm
+
+
+def l2_normalize(x: torch.Tensor) -> torch.Tensor:
+    """``x / sqrt(sum(x^2) + 1e-6)`` over the last dim, as fla's ``use_qk_l2norm_in_kernel``."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2_EPS)
+
+
+def _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel):
+    """Compute dtype (float64 stays float64, else float32), grouped heads expanded, q scaled."""
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    heads, value_heads = q.size(1), v.size(1)
+    if value_heads % heads:
+        raise InputError(f"value heads ({value_heads}) must be a multiple of q/k heads ({heads})")
+    q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
+    if use_qk_l2norm_in_kernel:
+        q, k = l2_normalize(q), l2_normalize(k)
+    if value_heads != heads:  # value head h reads q/k head h // (value_heads // heads)
+        q, k = (x.repeat_interleave(value_heads // heads, dim=1) for x in (q, k))
+    q = q * (q.size(-1) ** -0.5 if scale is None else scale)
+    return q, k, v, g, beta
+
+
+def gated_delta_rule_recurrent(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    cu_seqlens_host: Sequence[int] | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule token by token: the reference the chunked kernels are checked on.
+
+    Same arguments as :func:`chunk_gated_delta_rule_torch`; always returns the final states.
+    All sequences step together (padded, see :func:`_padded_index`), one token per step.
+    """
+    out_dtype = v.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
+    index, keep = _padded_index(cu_seqlens_host, q.size(0), 1, q.device)
+    q, k, v, g, beta = (_padded(x, index) for x in (q, k, v, g, beta))  # [N, L, HV, ...]
+    state = (q.new_zeros(q.size(0), v.size(2), q.size(3), v.size(3)) if initial_state is None
+             else initial_state.to(q.dtype))  # [N, HV, K, V]
+    outs = []
+    for t in range(q.size(1)):
+        state = state * g[:, t].exp()[..., None, None]
+        u = beta[:, t, :, None] * (v[:, t] - torch.einsum("nhkv,nhk->nhv", state, k[:, t]))
+        state = state + k[:, t, :, :, None] * u[:, :, None, :]
+        outs.append(torch.einsum("nhkv,nhk->nhv", state, q[:, t]))
+    out = torch.stack(outs, 1).flatten(0, 1).index_select(0, keep)
+    return out.to(out_dtype), state
+
+
+def _padded_index(cu_seqlens_host: Sequence[int] | None, total: int, multiple: int,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(index [N, L], keep [total])``: each sequence's rows padded to a common length ``L``
+    (a multiple of ``multiple``) with row ``total`` (an appended zero row), and the padded
+    positions that hold real tokens, in token order. Built on the host: no device sync."""
+    bounds = tuple(cu_seqlens_host) if cu_seqlens_host is not None else (0, total)
+    if bounds[-1] != total:
+        raise InputError(f"cu_seqlens ends at {bounds[-1]} but the inputs hold {total} tokens")
+    lens = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    length = max(1, -(-max(lens, default=0) // multiple)) * multiple
+    index = torch.full((len(lens), length), total, dtype=torch.long)
+    keep = []
+    for n, (start, size) in enumerate(zip(bounds[:-1], lens)):
+        index[n, :size] = torch.arange(start, start + size)
+        keep.append(torch.arange(n * length, n * length + size))
+    return index.to(device), torch.cat(keep).to(device)
+
+
+def _padded(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x [total, ...]`` -> ``[N, L, ...]``, zeros past each sequence's end. Zero tokens
+    (``g = beta = k = v = 0``) leave the state unchanged."""
+    return torch.cat([x, x.new_zeros(1, *x.shape[1:])])[index]
+
+
+def chunk_gated_delta_rule_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens_host: Sequence[int] | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The chunked gated delta rule over varlen sequences, each from its own initial state.
+
+    Args:
+        q, k: ``(total, H, K)``.
+        v: ``(total, HV, V)``; ``HV`` a multiple of ``H`` (value head ``h`` reads q/k head
+            ``h // (HV // H)``).
+        g: ``(total, HV)``, log decays (``<= 0``).
+        beta: ``(total, HV)``, write strengths.
+        scale: multiplies q; ``K ** -0.5`` when ``None``.
+        initial_state: ``(N, HV, K, V)``, one per sequence; zeros when ``None``.
+        output_final_state: also return each sequence's final state.
+        cu_seqlens_host: ``N + 1`` host ints, the sequences' boundaries; one sequence when
+            ``None``.
+        use_qk_l2norm_in_kernel: L2-normalise q and k first.
+        chunk_size: tokens per chunk.
+
+    Returns:
+        ``(o, final_state)``: ``o`` ``(total, HV, V)`` in v's dtype, ``final_state``
+        ``(N, HV, K, V)`` in the compute dtype (float32, float64 for float64 inputs) or
+        ``None``. Computed in float32 (float64 for float64 inputs); differentiable in every
+        input, the initial state included.
+    """
+    out_dtype = v.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
+    value_heads, key_dim, value_dim, size = v.size(1), q.size(2), v.size(2), chunk_size
+    index, keep = _padded_index(cu_seqlens_host, q.size(0), size, q.device)
+    num_seqs, num_chunks = index.size(0), index.size(1) // size
+
+    def chunked(x: torch.Tensor) -> torch.Tensor:
+        # [total, HV, ...] -> [N, HV, num_chunks, C, ...]
+        x = _padded(x, index)
+        return x.view(num_seqs, num_chunks, size, *x.shape[2:]).movedim(3, 1)
+
+    q, k, v, g, beta = (chunked(x) for x in (q, k, v, g, beta))
+    gamma = g.cumsum(-1)  # [N, HV, nc, C], log decay from the chunk start
+    lower = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
+    decay = (gamma[..., :, None] - gamma[..., None, :]).masked_fill(~lower, float("-inf")).exp()
+    system = (beta[..., :, None] * (k @ k.transpose(-1, -2)) * decay).tril(-1)
+    system = system + torch.eye(size, dtype=q.dtype, device=q.device)
+    writes = torch.linalg.solve_triangular(system, beta[..., None] * v, upper=False,
+                                           unitriangular=True)  # [.., C, V]
+    state_reads = torch.linalg.solve_triangular(
+        system, (beta * gamma.exp())[..., None] * k, upper=False, unitriangular=True)  # [.., C, K]
+    scores = (q @ k.transpose(-1, -2)) * decay  # [.., C, C]
+    q_decayed = q * gamma.exp()[..., None]
+    k_decayed = k * (gamma[..., -1:] - gamma).exp()[..., None]
+    chunk_decay = gamma[..., -1].exp()[..., None, None]  # [N, HV, nc, 1, 1]
+
+    state = (q.new_zeros(num_seqs, value_heads, key_dim, value_dim) if initial_state is None
+             else initial_state.to(q.dtype))
+    outs = []
+    for c in range(num_chunks):
+        u = writes[:, :, c] - state_reads[:, :, c] @ state  # [N, HV, C, V]
+        outs.append(q_decayed[:, :, c] @ state + scores[:, :, c] @ u)
+        state = state * chunk_decay[:, :, c] + k_decayed[:, :, c].transpose(-1, -2) @ u
+    out = torch.stack(outs, 2).movedim(1, 3).flatten(0, 2)  # [N * L, HV, V]
+    out = out.index_select(0, keep)
+    return out.to(out_dtype), state if output_final_state else None
+
+
+_ACTIVATIONS = {None: lambda x: x, "silu": F.silu, "swish": F.silu}
+
+
+def causal_conv1d_torch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    predecessors: torch.Tensor,
+    activation: str | None = None,
+) -> torch.Tensor:
+    """Depthwise causal convolution of every row with the rows before it on its path.
+
+    ``out[t] = act(bias + sum_w weight[:, w] * x[p_w(t)])`` where ``p_{W-1}(t) = t`` and
+    ``p_0..p_{W-2}`` are ``predecessors[t]`` (oldest first, ``-1`` reads zeros): with the
+    plain layout that is ``F.conv1d(padding=W-1, groups=D)`` cut to causal.
+
+    Args:
+        x: ``(total, D)``.
+        weight: ``(D, W)``.
+        bias: ``(D,)`` or ``None``.
+        predecessors: ``(total, W - 1)`` int64 rows of ``x`` (see
+            :meth:`~prefix_sharing.recurrent.schedule.RecurrenceSchedule.conv_predecessors`).
+        activation: ``None``, ``"silu"`` or ``"swish"``.
+
+    Returns:
+        ``(total, D)`` in x's dtype, differentiable (the gather's backward scatter-adds).
+    """
+    if activation not in _ACTIVATIONS:
+        raise InputError(f"causal conv activation {activation!r} is not one of "
+                         f"{sorted(a for a in _ACTIVATIONS if a)} or None")
+    width = weight.size(1)
+    if predecessors.shape != (x.size(0), width - 1):
+        raise InputError(f"predecessors must be ({x.size(0)}, {width - 1}); "
+                         f"got {tuple(predecessors.shape)}")
+    padded = torch.cat([x.new_zeros(1, x.size(1)), x]).to(weight.dtype)  # row 0: zeros
+    out = x.to(weight.dtype) * weight[:, -1]
+    for w in range(width - 1):
+        out = out + padded.index_select(0, predecessors[:, w] + 1) * weight[:, w]
+    if bias is not None:
+        out = out + bias
+    return _ACTIVATIONS[activation](out).to(x.dtype)
