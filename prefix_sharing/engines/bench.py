@@ -55,11 +55,11 @@ class BenchRequest:
 
 def bench_job(rank: int, request: BenchRequest) -> list[dict]:
     """Runs in one rank (see :mod:`prefix_sharing.engines.launch`); one result per workload."""
-    from .megatron import gpt_model
+    from .megatron import preset_model
 
     if not torch.cuda.is_available():
         keep_freed_memory_in_heap()
-    model = gpt_model(request.preset, layout="shared", dtype=request.dtype)
+    model = preset_model(request.preset, layout="shared", dtype=request.dtype)
     progress = Progress(sum(_steps(request, w) for w in request.workloads), request.progress)
     results = [time_workload(model, w, request, progress) for w in request.workloads]
     progress.close()

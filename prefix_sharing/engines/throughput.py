@@ -89,11 +89,11 @@ def bench_throughput(args, engine, model: ModelPreset, config: PrefixSharingConf
 
 def throughput_job(rank: int, request: ThroughputRequest) -> list[dict]:
     """Runs in one rank (see :mod:`prefix_sharing.engines.launch`)."""
-    from .megatron import gpt_model
+    from .megatron import preset_model
 
     if not torch.cuda.is_available():
         keep_freed_memory_in_heap()
-    model = gpt_model(request.preset, layout="shared", dtype=request.dtype)
+    model = preset_model(request.preset, layout="shared", dtype=request.dtype)
     splits = [_splits(w, request) for w in request.workloads]
     steps = sum(len(s.micro_batches) for pair in splits for s in pair.values())
     steps += len(request.workloads) if request.cross_micro_batch else 0

@@ -117,15 +117,16 @@ def test_a_hybrid_gdn_slot_on_another_release_refuses_when_built_naming_0_19_2()
 
 
 # ----------------------------------------------------------------------------- models
-def _exactness_job(rank: int, overrides: dict) -> dict:
-    """Shared, stock fp32 and stock float64 runs of the GDN workloads; the control; the
-    refusal of a sharing model whose GDN layers are stock."""
+def _exactness_job(rank: int, overrides: dict, workloads: list[str], controls: bool) -> dict:
+    """Shared, stock fp32 and stock float64 runs of ``workloads``; with ``controls``, the
+    dropped-state control and the refusal of a sharing model whose GDN layers are stock."""
     from prefix_sharing.engines.megatron import compare, forward_backward, hybrid_model
     from prefix_sharing.megatron_ext import UnsupportedSetupError, gated_delta_net, hybrid
     from prefix_sharing.presets import PRESETS, sharp
     from prefix_sharing.recurrent import chunk_gated_delta_rule
 
-    preset, batches = sharp(PRESETS["tiny-hybrid"]), _batches()
+    preset = sharp(PRESETS["tiny-hybrid"])
+    batches = [_batches()[GDN_WORKLOADS.index(name)] for name in workloads]
     ours = hybrid_model(preset, **overrides)
     stock = hybrid_model(preset, layout="padded", **overrides)
     reference = hybrid_model(preset, layout="padded", dtype=torch.float64, **overrides)
@@ -139,6 +140,8 @@ def _exactness_job(rank: int, overrides: dict) -> dict:
         report["batches"].append({"shared": compare(shared, exact), "plain": compare(plain, exact),
                                   "vs_plain": compare(shared, plain).max_rel_diff,
                                   "grads": sorted(shared.grads)})
+    if not controls:
+        return report
 
     # control: every query segment's rule from a zero state (the reusers' states dropped)
     def zero_states(q, k, v, g, beta, schedule, **kwargs):
@@ -169,53 +172,60 @@ def _exactness_job(rank: int, overrides: dict) -> dict:
     return report
 
 
-PARALLEL = {"tp1": (1, {}), "tp2": (2, {"sequence_parallel": True})}
-
-
-@pytest.fixture(scope="module", params=list(PARALLEL))
-def runs(request):
+@pytest.fixture(scope="module")
+def one_rank():
     if not (HAVE_GDN and HAVE_FLA):
         pytest.skip(needs_gdn.kwargs["reason"])
-    tp, overrides = PARALLEL[request.param]
-    return request.param, run_distributed(_exactness_job, tp, overrides, tp=tp, timeout=900)
+    return run_distributed(_exactness_job, 1, {}, GDN_WORKLOADS, True, timeout=900)
 
 
-def test_shared_gdn_hybrid_is_exact_against_the_stock_model_in_float64(runs):
-    name, ranks = runs
-    for rank, report in enumerate(ranks):
+@pytest.fixture(scope="module")
+def two_ranks():
+    """TP=2 with sequence parallelism: each rank runs half the GDN heads (and the attention's),
+    the projections gather and scatter the tokens; the shapes with state passing only."""
+    if not (HAVE_GDN and HAVE_FLA):
+        pytest.skip(needs_gdn.kwargs["reason"])
+    return run_distributed(_exactness_job, 2, {"sequence_parallel": True}, TP2_WORKLOADS, False,
+                           tp=2, timeout=900)
+
+
+TP2_WORKLOADS = ["tree", "agent"]
+LAYOUTS = {"one_rank": GDN_WORKLOADS, "two_ranks": TP2_WORKLOADS}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_shared_gdn_hybrid_is_exact_against_the_stock_model_in_float64(layout, request):
+    for rank, report in enumerate(request.getfixturevalue(layout)):
         assert report["layers"] == ["PrefixSharingGatedDeltaNet", "MLPLayer"] * 3 + [
             "PrefixSharingSelfAttention", "MLPLayer"]
-        for workload, batch in zip(GDN_WORKLOADS, report["batches"]):
+        for workload, batch in zip(LAYOUTS[layout], report["batches"], strict=True):
             verdict = within_tolerance(batch["shared"], batch["plain"], torch.float32)
-            assert all(verdict.values()), (name, rank, workload, batch)
+            assert all(verdict.values()), (layout, rank, workload, batch)
             # every GDN parameter has a gradient that was compared
             for param in ("conv1d.weight", "A_log", "dt_bias", "in_proj.weight", "out_norm.weight",
                           "out_proj.weight"):
                 assert f"decoder.layers.0.self_attention.{param}" in batch["grads"], param
 
 
-def test_shared_gdn_hybrid_is_within_the_fp32_tolerance_of_the_stock_fp32_run(runs):
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_shared_gdn_hybrid_is_within_the_fp32_tolerance_of_the_stock_fp32_run(layout, request):
     """The fixed rule too: 1e-5 relative on outputs; gradients, whose rounding the float64
     verdict above judges, within 10x that (the chunked rule reassociates sums)."""
-    name, ranks = runs
-    for report in ranks:
-        for workload, batch in zip(GDN_WORKLOADS, report["batches"]):
+    for report in request.getfixturevalue(layout):
+        for workload, batch in zip(LAYOUTS[layout], report["batches"], strict=True):
             for quantity, diff in batch["vs_plain"].items():
                 bound = 10 * FP32_RTOL if quantity == "grads" else FP32_RTOL
-                assert diff <= bound, (name, workload, quantity, batch["vs_plain"])
+                assert diff <= bound, (layout, workload, quantity, batch["vs_plain"])
 
 
-def test_dropping_the_reusers_state_is_seen(runs):
+def test_dropping_the_reusers_state_is_seen(one_rank):
     """What the state passing is for: without it, a reuser's tail is another sequence."""
-    _, ranks = runs
-    for report in ranks:
-        assert min(report["control"][q] for q in ("logits", "log_probs", "grads")) > 1e-3, \
-            report["control"]
+    control = one_rank[0]["control"]
+    assert min(control[q] for q in ("logits", "log_probs", "grads")) > 1e-3, control
 
 
-def test_a_sharing_model_with_a_stock_gdn_mixer_is_refused(runs):
-    _, ranks = runs
-    message = ranks[0]["stock_gdn_refused"]
+def test_a_sharing_model_with_a_stock_gdn_mixer_is_refused(one_rank):
+    message = one_rank[0]["stock_gdn_refused"]
     assert message is not None and "decoder.layers.0.self_attention (GatedDeltaNet)" in message
 
 
