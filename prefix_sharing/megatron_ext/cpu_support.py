@@ -23,9 +23,10 @@ from typing import Any, Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["enable_cpu_megatron"]
+__all__ = ["enable_cpu_megatron", "enable_cpu_gated_delta_net"]
 
 _enabled = False
+_gdn_enabled = False
 
 
 def enable_cpu_megatron() -> None:
@@ -65,9 +66,31 @@ def enable_cpu_megatron() -> None:
     _redirect_default_causal_mask(fused_softmax)
     _redirect_megatron_cuda_tensors()
     _allow_sequence_parallel_torch_norm(torch_norm)
-    _torch_gated_delta_net_l2norm()
-    _eager_jit_fusions(attention)
+    _eager_jit_fusions(attention.Attention)
     _enabled = True
+    if "megatron.core.ssm.gated_delta_net" in sys.modules:
+        enable_cpu_gated_delta_net()
+
+
+def enable_cpu_gated_delta_net() -> None:
+    """The CPU redirections of megatron's Gated DeltaNet module, once per process; nothing
+    unless :func:`enable_cpu_megatron` ran (then it is a CPU-only process).
+
+    Separate from :func:`enable_cpu_megatron` because importing the GDN module imports
+    flash-linear-attention (about a second), which only hybrid models need: the code that
+    builds a GDN layer (:func:`~.layer_specs.gdn_layer_spec`, :mod:`.gated_delta_net`) calls it.
+    """
+    global _gdn_enabled
+    if not _enabled or _gdn_enabled:
+        return
+    _torch_gated_delta_net_l2norm()
+    try:
+        from megatron.core.ssm.gated_delta_net.common import _GDNBase
+    except ImportError:  # before 0.19 (its GDN is compiled as it is), or no fla
+        pass
+    else:
+        _eager_jit_fusions(_GDNBase)
+    _gdn_enabled = True
 
 
 def _redirect_current_device() -> None:
@@ -198,25 +221,17 @@ def _torch_gated_delta_net_l2norm() -> None:
             return
 
 
-def _eager_jit_fusions(attention: ModuleType) -> None:
-    # Methods decorated with megatron's `jit_fuser`, which is `torch.compile` - the GDN module's
-    # `_prepare_input_for_gated_delta_rule`, `_compute_g_and_beta`, `_apply_gated_norm`
-    # (megatron-core 0.19), the attention's `_apply_output_gate` - make inductor compile C++ on
-    # a CPU for every new shape and dtype (10-30 s each, minutes for a few micro-batches), for
-    # elementwise fusions a GPU benefits from. Their undecorated functions compute the same;
-    # the classes get those back.
-    classes = [attention.Attention]
-    try:
-        from megatron.core.ssm.gated_delta_net.common import _GDNBase
-
-        classes.append(_GDNBase)
-    except ImportError:  # before 0.19, or flash-linear-attention missing
-        pass
-    for cls in classes:
-        for name, value in list(vars(cls).items()):
-            original = getattr(value, "_torchdynamo_orig_callable", None)
-            if original is not None:
-                setattr(cls, name, original)
+def _eager_jit_fusions(cls: type) -> None:
+    # Methods decorated with megatron's `jit_fuser`, which is `torch.compile` - the attention's
+    # `_apply_output_gate`, the GDN module's `_prepare_input_for_gated_delta_rule`,
+    # `_compute_g_and_beta` and `_apply_gated_norm` (megatron-core 0.19) - make inductor compile
+    # C++ on a CPU for every new shape and dtype (10-30 s each, minutes for a few
+    # micro-batches), for elementwise fusions a GPU benefits from. Their undecorated functions
+    # compute the same; the class gets those back.
+    for name, value in list(vars(cls).items()):
+        original = getattr(value, "_torchdynamo_orig_callable", None)
+        if original is not None:
+            setattr(cls, name, original)
 
 
 def _torch_l2norm(x: torch.Tensor, eps: float = 1e-6,

@@ -213,6 +213,10 @@ def gdn_layer_spec(norm: Any) -> ModuleSpec:
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
     from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
+    from .cpu_support import enable_cpu_gated_delta_net
+
+    enable_cpu_gated_delta_net()  # in a CPU process: fla's Triton l2norm has no CPU driver
+
     return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
         input_layernorm=norm,
         self_attention=ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(

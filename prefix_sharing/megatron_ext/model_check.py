@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 from megatron.core.transformer.attention import Attention
 from megatron.core.transformer.moe.router import Router
+from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock
 
 from .checks import UnsupportedSetupError
 from .core_attention import PrefixSharingCoreAttention
@@ -69,14 +70,22 @@ def _is_stock_recurrent_mixer(module: torch.nn.Module) -> bool:
 
 def check_sharing_model(model: torch.nn.Module | Sequence[torch.nn.Module]) -> None:
     """Raises unless every attention, MoE router and recurrent mixer of ``model`` (or of each
-    model chunk) is the prefix-sharing one.
+    model chunk) is the prefix-sharing one, and it has no multi-token prediction block.
 
     Raises:
-        UnsupportedSetupError: naming each stock module found.
+        UnsupportedSetupError: naming the MTP block, or each stock module found.
     """
     for chunk in model if isinstance(model, Sequence) else [model]:
         if chunk in _CHECKED:
             continue
+        mtp = [name for name, module in chunk.named_modules()
+               if isinstance(module, MultiTokenPredictionBlock)]
+        if mtp:
+            raise UnsupportedSetupError(
+                f"prefix sharing does not support multi-token prediction ({', '.join(mtp)}): an "
+                "MTP layer reads each sequence's next tokens, and a shared prefix row has one "
+                "per reuser; RL trains without it: build the model with mtp_num_layers=None"
+            )
         found = stock_modules(chunk)
         if found:
             raise UnsupportedSetupError(
