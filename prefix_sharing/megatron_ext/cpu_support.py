@@ -237,7 +237,7 @@ def _eager_jit_fusions(cls: type) -> None:
 def _torch_l2norm(x: torch.Tensor, eps: float = 1e-6,
                   output_dtype: torch.dtype | None = None) -> torch.Tensor:
     wide = x.to(torch.promote_types(x.dtype, torch.float32))
-    y = wide * torch.rsqrt((wide * wide).sum(-1, keepdim=True) + eps)
+    y = wide * (1 / torch.sqrt((wide * wide).sum(-1, keepdim=True) + eps))
     return y.to(x.dtype if output_dtype is None else output_dtype)
 
 

@@ -91,8 +91,9 @@ SLOT_SYMBOLS = {
 # Slots sharing cannot serve yet, and why (the error says it when a pattern builds one).
 _NOT_YET = {
     "mamba_layer": "Mamba: a reuser's tail must start from its provider's conv and SSM state, "
-                   "which megatron's Mamba mixer does not take (its mamba_ssm / causal-conv1d "
-                   "kernels are CUDA-only, and its packed path starts every sequence from zero)",
+                   "but megatron's Mamba mixer trains through mamba_ssm's fused "
+                   "mamba_split_conv1d_scan_combined, which starts every packed sequence from "
+                   "zero and takes no initial state (and mamba_ssm does not run on a CPU)",
     "gdn_layer": GDN_NOT_SERVED,  # on a release without the 0.19.2 module
     "dsa_layer": "DeepSeek sparse attention: its indexer and MLA attention get no K/V injection",
     "mla_layer": "multi-latent attention: its core attention gets no K/V injection",
