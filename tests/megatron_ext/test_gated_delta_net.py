@@ -183,14 +183,14 @@ def one_rank():
 @pytest.fixture(scope="module")
 def two_ranks():
     """TP=2 with sequence parallelism: each rank runs half the GDN heads (and the attention's),
-    the projections gather and scatter the tokens; the shapes with state passing only."""
+    the projections gather and scatter the tokens."""
     if not (HAVE_GDN and HAVE_FLA):
         pytest.skip(needs_gdn.kwargs["reason"])
     return run_distributed(_exactness_job, 2, {"sequence_parallel": True}, TP2_WORKLOADS, False,
                            tp=2, timeout=900)
 
 
-TP2_WORKLOADS = ["tree", "agent"]
+TP2_WORKLOADS = GDN_WORKLOADS
 LAYOUTS = {"one_rank": GDN_WORKLOADS, "two_ranks": TP2_WORKLOADS}
 
 
