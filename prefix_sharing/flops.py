@@ -3,7 +3,13 @@
 Counted: every linear layer (QKV, output projection, MLP, LM head) at 2 FLOPs per multiply-add
 per computed token, and attention at 4 * heads * head_dim FLOPs per (query, key) pair the causal
 mask allows (scores and the weighted sum; on a sliding-window layer, the pairs inside the
-window). The backward pass costs twice the forward. Norms,
+window). On a Gated DeltaNet hybrid (``full_attention_every``), each recurrent layer costs per
+computed token its projections (q, k, v, output gate z, beta, decay; output), its causal
+convolution, and the chunked gated delta rule's products at chunk size 64 (per value head
+``6 K V`` for the state's reads and writes, ``C (5 K + 3 V)`` for the intra-chunk products and
+triangular solves): linear in the tokens, like an MLP, so sharing saves it in the token ratio;
+the attention layers of a hybrid gate their output (a q projection twice as wide). The backward
+pass costs twice the forward. Norms,
 rotary embedding, softmax and the K/V gather are not counted: they are memory-bound and small
 beside the products. ``tests/test_flops.py`` checks this against the matrix products torch's
 ``FlopCounterMode`` counts on the Megatron engine's real steps: equal, once the masked half of
@@ -36,7 +42,8 @@ def count_flops(plan: SharingPlan, model: ModelPreset) -> FlopCount:
     """Forward+backward FLOPs of the plain forward of ``plan``'s sequences and of the plan."""
     per_token = _linear_flops_per_token(model)
     per_pair = 4 * model.num_attention_heads * model.head_dim
-    windows = [model.layer_window(layer) for layer in range(1, model.num_layers + 1)]
+    windows = [model.layer_window(layer) for layer in range(1, model.num_layers + 1)
+               if not model.layer_is_recurrent(layer)]
     plain_pairs = sum(_pairs(n, n, w) for n in plan.seq_lens for w in windows)
     shared_pairs = sum(_plan_pairs(plan, w) for w in windows)
     plain = per_token * plan.num_tokens_total + per_pair * plain_pairs
@@ -46,10 +53,28 @@ def count_flops(plan: SharingPlan, model: ModelPreset) -> FlopCount:
 
 def _linear_flops_per_token(model: ModelPreset) -> int:
     h, d = model.hidden_size, model.head_dim
-    qkv = h * (model.num_attention_heads + 2 * model.num_query_groups) * d
+    recurrent = sum(map(model.layer_is_recurrent, range(1, model.num_layers + 1)))
+    gate = 1 if model.full_attention_every is None else 2  # the hybrids' output gate
+    qkv = h * (gate * model.num_attention_heads + 2 * model.num_query_groups) * d
     proj = model.num_attention_heads * d * h
     mlp = 3 * h * model.ffn_hidden_size  # SwiGLU: gate, up, down
-    return 2 * (model.num_layers * (qkv + proj + mlp) + h * model.vocab_size)
+    attention = (model.num_layers - recurrent) * (qkv + proj)
+    return 2 * (attention + recurrent * _recurrent_macs_per_token(model)
+                + model.num_layers * mlp + h * model.vocab_size)
+
+
+_GDN_CHUNK = 64
+
+
+def _recurrent_macs_per_token(model: ModelPreset) -> int:
+    """Multiply-adds of one Gated DeltaNet layer per computed token (see the module doc)."""
+    h, k, v = model.hidden_size, model.linear_head_dim, model.linear_head_dim
+    key_dim, value_dim = model.linear_num_key_heads * k, model.linear_num_value_heads * v
+    heads = model.linear_num_value_heads
+    projections = h * (2 * key_dim + 2 * value_dim + 2 * heads) + value_dim * h
+    conv = model.linear_conv_kernel_dim * (2 * key_dim + value_dim)
+    rule = heads * (3 * k * v + _GDN_CHUNK * (5 * k + 3 * v) // 2)
+    return projections + conv + rule
 
 
 def _pairs(s: int, L: int, window: int | None) -> int:

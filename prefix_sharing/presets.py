@@ -135,6 +135,12 @@ PRESETS: dict[str, ModelPreset] = {
         ModelPreset("small", num_layers=4, hidden_size=512, num_attention_heads=8,
                     num_query_groups=2, ffn_hidden_size=1408, vocab_size=8192,
                     max_sequence_length=8192),
+        # "small" as a Qwen3.5-style hybrid (--engine hf): 3 Gated DeltaNet layers (4 key heads,
+        # 8 value heads of 64: q/k half, v the full hidden width, as Qwen3.5's) to 1 attention
+        ModelPreset("small-hybrid", num_layers=4, hidden_size=512, num_attention_heads=8,
+                    num_query_groups=2, ffn_hidden_size=1408, vocab_size=8192,
+                    max_sequence_length=8192, full_attention_every=4, linear_num_key_heads=4,
+                    linear_num_value_heads=8, linear_head_dim=64, hf_family="qwen3_5_text"),
         # Qwen2.5-0.5B's architecture (config.json of Qwen/Qwen2.5-0.5B), random weights
         ModelPreset("qwen2.5-0.5b", num_layers=24, hidden_size=896, num_attention_heads=14,
                     num_query_groups=2, ffn_hidden_size=4864, vocab_size=151936,

@@ -107,3 +107,23 @@ def test_windowed_layers_count_the_pairs_inside_the_window():
     ours, theirs = count_flops(plan, model), count_flops(plan, full)
     assert theirs.plain - ours.plain == per_pair * saved[0]
     assert theirs.shared - ours.shared == per_pair * saved[1]
+
+
+def test_recurrent_layers_are_counted_per_token():
+    """A Gated DeltaNet hybrid: its recurrent layers cost the same per computed token whatever
+    the sharing (no (query, key) pairs), so their share of the count saves exactly the token
+    ratio, and the more of them, the closer the hybrid's ratio to the token ratio."""
+    from prefix_sharing.presets import PRESETS
+
+    hybrid = PRESETS["tiny-hybrid"]  # 3 recurrent layers, 1 attention layer
+    plan = build_plan(make_workload("tree", vocab_size=hybrid.vocab_size).sequences, CONFIG)
+    none = build_plan(make_workload("none", vocab_size=hybrid.vocab_size).sequences, CONFIG)
+    assert count_flops(none, hybrid).ratio == 1.0
+    ratio = count_flops(plan, hybrid).ratio
+    # 7 recurrent layers to 1 attention layer; and the same stack all attention (gated)
+    more = count_flops(plan, dataclasses.replace(hybrid, num_layers=8, full_attention_every=8))
+    attention = count_flops(plan, dataclasses.replace(hybrid, full_attention_every=1))
+    assert attention.plain != count_flops(plan, hybrid).plain
+    low, high = sorted([plan.token_ratio, attention.ratio])
+    assert low < ratio < high
+    assert abs(more.ratio - plan.token_ratio) < abs(ratio - plan.token_ratio)

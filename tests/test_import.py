@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 OPTIONAL = ["megatron", "transformers", "verl", "flash_attn", "transformer_engine", "torch_npu",
-            "mindspeed", "prefix_grouper"]
+            "mindspeed", "prefix_grouper", "fla"]
 
 FINDERS = "[type(f).__name__ for f in sys.meta_path if 'prefix_sharing' in type(f).__module__]"
 
@@ -22,7 +22,8 @@ def _python(code: str, **env: str) -> subprocess.CompletedProcess:
 
 def test_core_import_pulls_in_no_optional_framework():
     code = (
-        "import sys, prefix_sharing, prefix_sharing.attention, prefix_sharing.logprobs;"
+        "import sys, prefix_sharing, prefix_sharing.attention, prefix_sharing.logprobs,"
+        " prefix_sharing.recurrent;"
         f"print([m for m in {OPTIONAL!r} if m in sys.modules])"
     )
     out = _python(code)

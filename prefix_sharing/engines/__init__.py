@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from ..errors import InputError, MissingPackageError
+from ..errors import InputError, MissingPackageError, UnsupportedSetup
 from ..presets import ModelPreset
 from .bench import BenchRequest, bench_job
 from .hf import HFEngine
@@ -42,6 +42,7 @@ class Engine:
         if tp * pp * cp > limit:
             raise InputError(f"tp x pp x cp = {tp * pp * cp} ranks, but at most {limit} {unit} "
                              "can run here")
+        _refuse_recurrent_layers(model)
         problems = []
         if model.num_attention_heads % tp:
             problems.append(f"its {model.num_attention_heads} attention heads")
@@ -86,7 +87,17 @@ class Engine:
 
     def bench(self, request: BenchRequest) -> list[dict]:
         self.check_installed()
+        _refuse_recurrent_layers(request.preset)
         return run_distributed(bench_job, 1, request, timeout=3600)[0]
+
+
+def _refuse_recurrent_layers(model: ModelPreset) -> None:
+    """The megatron engine builds GPT layers of a preset's shape: a hybrid preset's Gated
+    DeltaNet layers would silently become attention layers."""
+    if model.full_attention_every is not None:
+        raise UnsupportedSetup(
+            f"the {model.name} preset has Gated DeltaNet layers, which the megatron engine does "
+            "not build: use --engine hf")
 
 
 ENGINES: dict[str, Engine | HFEngine] = {"megatron": Engine("megatron", "megatron.core", "megatron"),

@@ -9,7 +9,9 @@ plan's :class:`~prefix_sharing.recurrent.RecurrenceSchedule` (each reuser's tail
 provider's state at the branch point, differentiably) and keeps everything else: the module's
 own parameters, names and projections. Their attention layers already call transformers'
 ``AttentionInterface`` with the output gate, partial rotary and QK-norm applied around it, so
-the sharing attention serves them unchanged.
+the sharing attention serves them unchanged. The recurrent kernels follow the forward's
+``sharing_backend``: ``"torch"`` runs the torch kernels, any other choice ``"auto"`` (fla on
+CUDA when installed, else torch).
 
 Refused: a model that holds multi-token-prediction modules (transformers drops Qwen3.5's
 ``mtp.*`` weights on load, so a stock model has none; a model that trains them would need them
@@ -31,12 +33,12 @@ from ..recurrent import (
     gated_delta_rule_over_schedule,
     recurrence_schedule,
 )
+from .attention import BACKEND_KWARG, PLAN_KWARG
 
 __all__ = ["HYBRID_FAMILIES", "install_sharing_gdn", "check_sharing_gdn",
            "check_recurrent_layers"]
 
 HYBRID_FAMILIES: tuple[str, ...] = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
-_PLAN_KWARG, _BACKEND_KWARG = "sharing_plan", "sharing_backend"  # as in .attention
 # layer kinds whose tokens depend on earlier tokens only through attention
 _ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
 # recurrent (state-space / linear-attention) module class names of other families
@@ -111,17 +113,17 @@ def _sharing_forward(self: Any, hidden_states: torch.Tensor, cache: Any = None,
     row's predecessors on its own path, and the gated delta rule runs bucket by bucket from
     the parents' states (:mod:`prefix_sharing.recurrent`).
     """
-    plan = kwargs.get(_PLAN_KWARG)
+    plan = kwargs.get(PLAN_KWARG)
     if not isinstance(plan, SharingPlan):
         raise ValueError(f"layer {self.layer_idx}'s sharing Gated DeltaNet needs the micro-batch's "
-                         f"plan: call the model with {_PLAN_KWARG}=plan (shared_forward does)")
+                         f"plan: call the model with {PLAN_KWARG}=plan (shared_forward does)")
     if cache is not None or attention_mask is not None:
         raise ValueError("the sharing Gated DeltaNet takes no cache (use_cache=False) and no "
                          "attention_mask (the plan lays out unpadded sequences)")
     if hidden_states.dim() != 3 or hidden_states.size(0) != 1:
         raise ValueError(f"the flat layout is one row of tokens; got {tuple(hidden_states.shape)}")
     schedule = recurrence_schedule(plan)
-    backend = "torch" if kwargs.get(_BACKEND_KWARG) == "torch" else "auto"
+    backend = "torch" if kwargs.get(BACKEND_KWARG) == "torch" else "auto"
     x = hidden_states[0]  # [T, hidden]
     total = x.size(0)
     mixed_qkv, z, b, a = _projections(self, x)  # [T, 2*key_dim + value_dim], [T, HV, Vd], ...

@@ -142,7 +142,10 @@ def chunk_gated_delta_rule_torch(
         cu_seqlens_host: ``N + 1`` host ints, the sequences' boundaries; one sequence when
             ``None``.
         use_qk_l2norm_in_kernel: L2-normalise q and k first.
-        chunk_size: tokens per chunk.
+        chunk_size: tokens per chunk at most; when every sequence is shorter, the chunk
+            shrinks to the longest one rounded up to a power of two (short pieces of a
+            schedule bucket are then not padded to a whole 64-token chunk; the result is the
+            same rule, rounded differently).
 
     Returns:
         ``(o, final_state)``: ``o`` ``(total, HV, V)`` in v's dtype, ``final_state``
@@ -152,8 +155,11 @@ def chunk_gated_delta_rule_torch(
     """
     out_dtype = v.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
-    value_heads, key_dim, value_dim, size = v.size(1), q.size(2), v.size(2), chunk_size
-    index, keep = _padded_index(cu_seqlens_host, q.size(0), size, q.device)
+    bounds = tuple(cu_seqlens_host) if cu_seqlens_host is not None else (0, q.size(0))
+    longest = max((b - a for a, b in zip(bounds[:-1], bounds[1:])), default=1)
+    size = min(chunk_size, 1 << max(0, longest - 1).bit_length())
+    value_heads, key_dim, value_dim = v.size(1), q.size(2), v.size(2)
+    index, keep = _padded_index(bounds, q.size(0), size, q.device)
     num_seqs, num_chunks = index.size(0), index.size(1) // size
 
     def chunked(x: torch.Tensor) -> torch.Tensor:

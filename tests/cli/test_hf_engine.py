@@ -25,6 +25,7 @@ def run(capfd, *argv):
     ("--workload", "tree"),
     ("--workload", "grpo", "--mode", "prompt_only", "--dtype", "bfloat16", "--steps", "2"),
     ("--workload", "agent", "--model", "tiny-moe"),
+    ("--workload", "tree", "--model", "tiny-hybrid"),  # Qwen3.5: 3 Gated DeltaNet : 1 attention
 ])
 def test_verify_passes_on_the_hf_engine(capfd, argv):
     code, out, _ = run(capfd, "verify", "--engine", "hf", "--json", *argv)
@@ -61,3 +62,9 @@ def test_bench_table_has_a_prefix_grouper_row(capfd):
     assert code == 0
     rows = [line.split() for line in out.splitlines() if line.startswith("tree")]
     assert [r[1] for r in rows] == ["arbitrary", "prompt_only", "PG"]
+
+
+def test_the_megatron_engine_refuses_the_hybrid_preset_in_one_line(capfd):
+    code, out, err = run(capfd, "verify", "--model", "tiny-hybrid")
+    assert code == 2 and out == ""
+    assert "Gated DeltaNet layers" in err and len(err.strip().splitlines()) == 1

@@ -40,3 +40,26 @@ def fsdp_equivalence_job(rank: int, family: str) -> dict[bool, tuple[Comparison,
                                   plain_run(plain, workload.sequences, weights))
         results[checkpointing] = (comparison, len(calls))
     return results
+
+
+def fsdp_hybrid_job(rank: int) -> tuple[Comparison, int]:
+    """The tiny-hybrid Qwen3.5 (3 Gated DeltaNet layers, 1 attention layer) in float64 under
+    FSDP2 with gradient checkpointing, plain and shared, on this rank's micro-batch; the
+    comparison and how many times the shared GDN layers ran (twice per layer: checkpointing
+    recomputes them in backward, with the plan in their keywords)."""
+    import torch
+
+    preset = PRESETS["tiny-hybrid"]
+    workload = make_workload(RANK_WORKLOADS[rank], vocab_size=preset.vocab_size)
+    weights = advantages(workload.num_tokens, seed=rank)
+    plain = build_model("qwen3_5_text", preset, dtype=torch.float64)
+    shared = enable_prefix_sharing(copy.deepcopy(plain))
+    for model in (plain, shared):
+        shard_model(model, gradient_checkpointing=True).train()
+    calls = []
+    for layer in shared.model.layers[:3]:
+        layer.linear_attn.register_forward_hook(lambda *_: calls.append(1))
+    comparison = compare_runs(
+        shared_run(shared, workload.sequences, weights, PrefixSharingConfig(min_prefix_len=1)),
+        plain_run(plain, workload.sequences, weights))
+    return comparison, len(calls)

@@ -138,3 +138,9 @@ def test_hybrid_shape_three_gdn_layers_to_one_attention_with_partial_rotary(fami
         HYBRID.linear_conv_kernel_dim)
     assert attention.head_dim == HYBRID.head_dim
     assert model.model.rotary_emb.inv_freq.numel() * 2 == HYBRID.head_dim // 4  # a quarter rotates
+
+
+def test_a_sharing_gdn_layer_called_without_a_plan_says_so():
+    _, shared, _ = hybrid_models("qwen3_5_text")
+    with pytest.raises(ValueError, match="layer 0's sharing Gated DeltaNet needs the micro-batch"):
+        shared(input_ids=torch.tensor([[1, 2, 3]]), use_cache=False)
