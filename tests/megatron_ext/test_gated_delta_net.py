@@ -25,7 +25,8 @@ import importlib.util
 import pytest
 import torch
 
-from prefix_sharing.equivalence import FP32_RTOL, within_tolerance
+from prefix_sharing import PrefixSharingConfig
+from prefix_sharing.equivalence import FP32_RTOL, Comparison, within_tolerance
 from prefix_sharing.megatron_ext.layer_specs import serves_gated_delta_net
 
 from ._distributed import run_distributed
@@ -38,6 +39,7 @@ needs_gdn = pytest.mark.skipif(
     reason="sharing Gated DeltaNet layers needs megatron-core 0.19.2 (Python 3.12) and "
            "flash-linear-attention (pip install fla-core), which megatron's GDN module imports")
 GDN_WORKLOADS = ["grpo", "steprl", "tree", "agent", "none"]
+NOTHING_SHARED = PrefixSharingConfig(mode="off")
 
 
 def _batches() -> list[list[torch.Tensor]]:
@@ -136,10 +138,13 @@ def _exactness_job(rank: int, overrides: dict, workloads: list[str], controls: b
     plains = []
     for batch in batches:
         shared = forward_backward(ours, [batch], "shared", SHARE_EVERY_PREFIX)
+        unshared = forward_backward(ours, [batch], "shared", NOTHING_SHARED)
         plain = forward_backward(stock, [batch], "padded")
         plains.append(plain)
         exact = forward_backward(reference, [batch], "padded")
-        report["batches"].append({"shared": compare(shared, exact), "plain": compare(plain, exact),
+        report["batches"].append({"shared": compare(shared, exact),
+                                  "unshared": compare(unshared, exact),
+                                  "plain": compare(plain, exact),
                                   "vs_plain": compare(shared, plain).max_rel_diff,
                                   "grads": sorted(shared.grads)})
     if not controls:
@@ -194,13 +199,25 @@ TP2_WORKLOADS = GDN_WORKLOADS
 LAYOUTS = {"one_rank": GDN_WORKLOADS, "two_ranks": TP2_WORKLOADS}
 
 
+def _worse(a: Comparison, b: Comparison) -> Comparison:
+    """Per quantity, the larger of two runs' differences from the same reference."""
+    return Comparison({q: max(a.max_abs_diff[q], b.max_abs_diff[q]) for q in a.max_abs_diff},
+                      {q: max(a.max_rel_diff[q], b.max_rel_diff[q]) for q in a.max_rel_diff})
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_shared_gdn_hybrid_is_exact_against_the_stock_model_in_float64(layout, request):
+    """The float64 verdict: the shared run no further from the stock model in float64 than 2x
+    (grads 3x) a plain fp32 run is. Two plain fp32 runs are correct and round differently -
+    megatron's stock model (its torch chunked rule) and this model with nothing shared (the
+    project's torch kernel, which in fp32 lands up to 4x further from float64 on some
+    gradients of these tiny batches) - so the allowance is set by the further of the two."""
     for rank, report in enumerate(request.getfixturevalue(layout)):
         assert report["layers"] == ["PrefixSharingGatedDeltaNet", "MLPLayer"] * 3 + [
             "PrefixSharingSelfAttention", "MLPLayer"]
         for workload, batch in zip(LAYOUTS[layout], report["batches"], strict=True):
-            verdict = within_tolerance(batch["shared"], batch["plain"], torch.float32)
+            plain = _worse(batch["plain"], batch["unshared"])
+            verdict = within_tolerance(batch["shared"], plain, torch.float32)
             assert all(verdict.values()), (layout, rank, workload, batch)
             # every GDN parameter has a gradient that was compared
             for param in ("conv1d.weight", "A_log", "dt_bias", "in_proj.weight", "out_norm.weight",
