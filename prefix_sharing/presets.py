@@ -102,6 +102,17 @@ class ModelPreset:
         """Whether 1-based ``layer`` is a Gated DeltaNet layer (see ``full_attention_every``)."""
         return self.full_attention_every is not None and layer % self.full_attention_every != 0
 
+    @property
+    def hybrid_pattern(self) -> str | None:
+        """The Megatron ``HybridModel`` layer pattern of a Gated DeltaNet hybrid (``None`` for
+        a GPT): per layer its mixer, ``G`` (Gated DeltaNet) or ``*`` (attention), then its MLP,
+        ``-`` (dense) or ``E`` (experts) - ``"G-G-G-*-"`` for tiny-hybrid."""
+        if self.full_attention_every is None:
+            return None
+        mlp = "E" if self.num_experts else "-"
+        return "".join(("G" if self.layer_is_recurrent(layer) else "*") + mlp
+                       for layer in range(1, self.num_layers + 1))
+
     def fitted_to(self, max_token_id: int, tensor_parallel: int = 1) -> ModelPreset:
         """This shape with a vocabulary that holds ``max_token_id``.
 

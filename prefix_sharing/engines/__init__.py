@@ -16,7 +16,7 @@ import torch
 
 from ..errors import InputError, MissingPackageError, UnsupportedSetup
 from ..presets import ModelPreset
-from .bench import BenchRequest, bench_job
+from .bench import BenchRequest, bench_job, check_plain_step_runs
 from .bench_cp import ContextParallelBenchRequest, context_parallel_bench_job
 from .hf import HFEngine
 from .launch import run_distributed
@@ -43,7 +43,7 @@ class Engine:
         if tp * pp * cp > limit:
             raise InputError(f"tp x pp x cp = {tp * pp * cp} ranks, but at most {limit} {unit} "
                              "can run here")
-        _refuse_recurrent_layers(model)
+        _check_recurrent_layers(model, tp, cp)
         problems = []
         if model.num_attention_heads % tp:
             problems.append(f"its {model.num_attention_heads} attention heads")
@@ -88,7 +88,8 @@ class Engine:
 
     def bench(self, request: BenchRequest) -> list[dict]:
         self.check_installed()
-        _refuse_recurrent_layers(request.preset)
+        _check_recurrent_layers(request.preset)
+        check_plain_step_runs(request.preset)
         return run_distributed(bench_job, 1, request, timeout=3600)[0]
 
     def bench_context_parallel(self, request: ContextParallelBenchRequest, tp: int, pp: int,
@@ -102,13 +103,24 @@ class Engine:
         return ranks[tp * cp * (pp - 1)]
 
 
-def _refuse_recurrent_layers(model: ModelPreset) -> None:
-    """The megatron engine builds GPT layers of a preset's shape: a hybrid preset's Gated
-    DeltaNet layers would silently become attention layers."""
-    if model.full_attention_every is not None:
-        raise UnsupportedSetup(
-            f"the {model.name} preset has Gated DeltaNet layers, which the megatron engine does "
-            "not build: use --engine hf")
+def _check_recurrent_layers(model: ModelPreset, tp: int = 1, cp: int = 1) -> None:
+    """A hybrid preset's Gated DeltaNet layers: the megatron engine builds them (a HybridModel,
+    :func:`~.megatron.preset_model`) on megatron-core 0.19.2, whose GDN module it shares; any
+    other release would have to build them as something else, so it is refused."""
+    if model.full_attention_every is None:
+        return
+    from ..megatron_ext.layer_specs import GDN_NOT_SERVED, serves_gated_delta_net
+
+    if not serves_gated_delta_net():
+        raise UnsupportedSetup(f"the {model.name} preset has Gated DeltaNet layers, and this "
+                               f"megatron-core cannot share them: {GDN_NOT_SERVED}; or use "
+                               "--engine hf")
+    if cp > 1:
+        raise UnsupportedSetup(f"the {model.name} preset has Gated DeltaNet layers, which "
+                               "prefix sharing does not run under context parallelism; use cp=1")
+    if model.linear_num_key_heads % tp:
+        raise UnsupportedSetup(f"tp={tp} does not divide the {model.name} preset's "
+                               f"{model.linear_num_key_heads} Gated DeltaNet key heads")
 
 
 ENGINES: dict[str, Engine | HFEngine] = {"megatron": Engine("megatron", "megatron.core", "megatron"),

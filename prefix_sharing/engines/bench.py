@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from ..config import PrefixSharingConfig
+from ..errors import UnsupportedSetup
 from ..flops import count_flops
 from ..planner import PromptGroup, build_plan
 from ..presets import ModelPreset
@@ -55,15 +56,32 @@ class BenchRequest:
 
 def bench_job(rank: int, request: BenchRequest) -> list[dict]:
     """Runs in one rank (see :mod:`prefix_sharing.engines.launch`); one result per workload."""
-    from .megatron import gpt_model
+    from .megatron import preset_model
 
+    check_plain_step_runs(request.preset)
     if not torch.cuda.is_available():
         keep_freed_memory_in_heap()
-    model = gpt_model(request.preset, layout="shared", dtype=request.dtype)
+    model = preset_model(request.preset, layout="shared", dtype=request.dtype)
     progress = Progress(sum(_steps(request, w) for w in request.workloads), request.progress)
     results = [time_workload(model, w, request, progress) for w in request.workloads]
     progress.close()
     return results
+
+
+def check_plain_step_runs(preset: ModelPreset) -> None:
+    """Refuses a Gated DeltaNet hybrid without a GPU: the plain step bench times is megatron's
+    own THD step, whose GDN layers run flash-linear-attention's Triton kernels only.
+
+    Raises:
+        UnsupportedSetup: naming the preset and what runs instead.
+    """
+    pattern = preset.hybrid_pattern or ""
+    if "G" in pattern and not torch.cuda.is_available():
+        raise UnsupportedSetup(
+            f"bench --model {preset.name}: the plain step it times is megatron's stock THD step, "
+            "whose Gated DeltaNet layers need flash-linear-attention's CUDA kernels; run it on "
+            f"a GPU, or check exactness on this machine with verify --model {preset.name}"
+        )
 
 
 def time_workload(model: torch.nn.Module, workload: BenchWorkload, request: BenchRequest,

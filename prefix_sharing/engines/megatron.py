@@ -50,6 +50,7 @@ __all__ = [
     "stock_thd_token_stats",
     "gpt_model",
     "hybrid_model",
+    "preset_model",
     "transformer_config",
     "seed_weights",
     "full_grads",
@@ -89,7 +90,7 @@ def gpt_model(
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    rope = _rope_arguments(config_overrides)
+    rope = _rope_arguments(config_overrides, preset)
     config = transformer_config(preset, dtype, **config_overrides)
     if layer_spec is None:
         layer_spec = _local_spec(preset, config, layout)
@@ -106,6 +107,14 @@ def gpt_model(
         **rope,
     )
     return _placed_and_seeded(model, preset, dtype, seed)
+
+
+def preset_model(preset: ModelPreset, **kwargs: Any) -> torch.nn.Module:
+    """The model a preset describes: its ``HybridModel`` when it names a ``hybrid_pattern``
+    (:func:`hybrid_model`), else its ``GPTModel`` (:func:`gpt_model`); same keywords."""
+    if preset.hybrid_pattern is not None:
+        return hybrid_model(preset, **kwargs)
+    return gpt_model(preset, **kwargs)
 
 
 def transformer_config(preset: ModelPreset, dtype: torch.dtype = torch.float32,
@@ -149,6 +158,7 @@ def transformer_config(preset: ModelPreset, dtype: torch.dtype = torch.float32,
                         window_attn_skip_freq=preset.window_full_every)
     if preset.softmax_type != "vanilla":
         settings.update(softmax_type=preset.softmax_type)
+    settings.update(_hybrid_settings(preset))
     settings.update(overrides)
     # megatron-core 0.16.1's TransformerConfig has no YaRN fields; GPTModel and the attention
     # read them with getattr, as from Megatron-Bridge's config subclasses
@@ -165,9 +175,28 @@ def transformer_config(preset: ModelPreset, dtype: torch.dtype = torch.float32,
     return config
 
 
+def _hybrid_settings(preset: ModelPreset) -> dict[str, Any]:
+    """A Gated DeltaNet hybrid's settings (Qwen3.5's shape): the GDN heads, head dims and
+    convolution width, and its full-attention layers' sigmoid output gate and QK-norm (their
+    rotary on a quarter of the head dims: :data:`QWEN35_ROTARY_PERCENT`). Nothing for a GPT
+    (megatron-core 0.16.1's config has no ``attention_output_gate``)."""
+    if preset.full_attention_every is None:
+        return {}
+    return dict(linear_num_key_heads=preset.linear_num_key_heads,
+                linear_num_value_heads=preset.linear_num_value_heads,
+                linear_key_head_dim=preset.linear_head_dim,
+                linear_value_head_dim=preset.linear_head_dim,
+                linear_conv_kernel_dim=preset.linear_conv_kernel_dim,
+                attention_output_gate=True, qk_layernorm=True)
+
+
+# Qwen3.5 / Qwen3-Next rotate a quarter of each attention head's dims (partial_rotary_factor)
+QWEN35_ROTARY_PERCENT = 0.25
+
+
 def hybrid_model(
     preset: ModelPreset,
-    pattern: str,
+    pattern: str | None = None,
     *,
     layout: str = "shared",
     dtype: torch.dtype = torch.float32,
@@ -176,11 +205,13 @@ def hybrid_model(
     **config_overrides: Any,
 ) -> torch.nn.Module:
     """This rank's ``HybridModel`` of a ``preset``'s shape, its layers from ``pattern`` (e.g.
-    ``"*-*E"``: attention, MLP, attention, MoE), seeded weights (megatron-core >= 0.18).
+    ``"*-*E"``: attention, MLP, attention, MoE; default: the preset's ``hybrid_pattern``),
+    seeded weights (megatron-core >= 0.18; Gated DeltaNet layers ``G``: 0.19.2).
 
     ``layout="padded"`` builds megatron's modules as they are (the local, TE-free hybrid stack
     spec), anything else the prefix-sharing one; ``stack_spec`` a ``HybridStack`` spec to use
-    instead; ``config_overrides`` as for :func:`gpt_model`.
+    instead; ``config_overrides`` as for :func:`gpt_model`. On a CPU the padded model's GDN
+    layers run megatron's own torch path (see :func:`_gdn_on_cpu`).
     """
     from megatron.core import parallel_state
     from megatron.core.models.hybrid.hybrid_layer_allocation import get_hybrid_total_layer_count
@@ -188,7 +219,13 @@ def hybrid_model(
 
     from ..megatron_ext import hybrid
 
-    rope = _rope_arguments(config_overrides)
+    pattern = preset.hybrid_pattern if pattern is None else pattern
+    if pattern is None:
+        raise ValueError(f"the preset {preset.name!r} names no hybrid layer pattern; pass one")
+    rope = _rope_arguments(config_overrides, preset)
+    stock_gdn_on_cpu = layout == "padded" and "G" in pattern and not torch.cuda.is_available()
+    if stock_gdn_on_cpu:
+        config_overrides.setdefault("deterministic_mode", True)
     config = transformer_config(preset, dtype, num_layers=get_hybrid_total_layer_count(pattern),
                                 **config_overrides)
     if stack_spec is None:
@@ -209,6 +246,8 @@ def hybrid_model(
         rotary_base=preset.rotary_base,
         **rope,
     )
+    if stock_gdn_on_cpu:
+        _gdn_on_cpu(model, dtype)
     return _placed_and_seeded(model, preset, dtype, seed)
 
 
@@ -236,9 +275,46 @@ def _local_spec(preset: ModelPreset, config: Any, layout: str) -> Any:
     return spec
 
 
-def _rope_arguments(config_overrides: dict[str, Any]) -> dict[str, Any]:
-    """The model constructor's rotary arguments, taken out of ``config_overrides``."""
-    rope = dict(position_embedding_type="rope", rotary_percent=1.0)
+def _gdn_on_cpu(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Megatron's stock GDN layers on a CPU: its torch path (``deterministic_mode``: a torch
+    ``conv1d`` and megatron's ``torch_chunk_gated_delta_rule``, set by :func:`hybrid_model`; fla's
+    Triton kernels need a GPU). That rule computes in float32 whatever its inputs, so a float64
+    reference model's GDN layers run the project's torch rule instead, which keeps float64 (it
+    is checked against a token-by-token recurrence in ``tests/recurrent``)."""
+    if dtype != torch.float64:
+        return
+    for module in model.modules():
+        if hasattr(module, "gated_delta_rule"):
+            module.gated_delta_rule = _batched_float64_rule
+
+
+def _batched_float64_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, g: torch.Tensor,
+                          beta: torch.Tensor, initial_state: Any = None,
+                          output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
+                          cu_seqlens: Any = None) -> tuple[torch.Tensor, None]:
+    """Megatron's ``gated_delta_rule`` call (``[b, s, heads, dim]``, no packing, no state) on
+    the project's torch kernel: the ``b`` sequences as ``b`` varlen segments of ``s`` tokens."""
+    from ..recurrent import chunk_gated_delta_rule
+
+    if initial_state is not None or output_final_state or cu_seqlens is not None:
+        raise ValueError("the float64 reference rule serves megatron's padded [b, s] call only")
+    batch, length = q.shape[:2]
+    out, _ = chunk_gated_delta_rule(
+        *(x.flatten(0, 1) for x in (q, k, v, g, beta)),
+        cu_seqlens=torch.arange(0, (batch + 1) * length, length, dtype=torch.int32),
+        cu_seqlens_host=tuple(range(0, (batch + 1) * length, length)),
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, backend="torch")
+    return out.view(batch, length, *out.shape[1:]), None
+
+
+def _rope_arguments(config_overrides: dict[str, Any],
+                    preset: ModelPreset | None = None) -> dict[str, Any]:
+    """The model constructor's rotary arguments, taken out of ``config_overrides`` (default
+    ``rotary_percent``: Qwen3.5's quarter for a Gated DeltaNet hybrid preset, else 1)."""
+    rotary_percent = 1.0
+    if preset is not None and preset.full_attention_every is not None:
+        rotary_percent = QWEN35_ROTARY_PERCENT
+    rope = dict(position_embedding_type="rope", rotary_percent=rotary_percent)
     rope.update({k: config_overrides.pop(k) for k in list(rope) if k in config_overrides})
     return rope
 
@@ -423,7 +499,7 @@ def seed_weights(model: torch.nn.Module, seed: int, std: float = 0.05) -> None:
             is_norm = "norm" in global_name and global_name.endswith("weight")
             full = 1 + 0.1 * full if is_norm else std * full
             if sharded:
-                chunks = full.chunk(tp_size * param.partition_stride, dim=param.partition_dim)
+                chunks = full.chunk(tp_size * _stride(param), dim=param.partition_dim)
                 full = torch.cat(chunks[tp_rank::tp_size], dim=param.partition_dim)
             param.copy_(full)
         for name, buffer in model.named_buffers():
@@ -433,6 +509,12 @@ def seed_weights(model: torch.nn.Module, seed: int, std: float = 0.05) -> None:
                 gen = torch.Generator().manual_seed(
                     seed * 1_000_003 + zlib.crc32(_global_name(model, name).encode()))
                 buffer.copy_(std * torch.randn(buffer.shape, generator=gen))
+
+
+def _stride(param: torch.nn.Parameter) -> int:
+    """A tensor-parallel parameter's ``partition_stride``; megatron's GDN marks its
+    convolution and gate parameters split along dim 0 without one (stride 1)."""
+    return getattr(param, "partition_stride", 1)
 
 
 def finalize_sequence_parallel_grads(model: torch.nn.Module) -> None:
@@ -480,7 +562,7 @@ def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     for name, param in model.named_parameters():
         grad = param.grad.detach().clone()
         if getattr(param, "tensor_model_parallel", False):
-            dim, stride = param.partition_dim, param.partition_stride
+            dim, stride = param.partition_dim, _stride(param)
             shards = [torch.empty_like(grad) for _ in range(tp_size)]
             torch.distributed.all_gather(shards, grad, group=group)
             per_shard = [shard.chunk(stride, dim=dim) for shard in shards]

@@ -30,8 +30,8 @@ from ..config import PrefixSharingConfig
 from ..cross_micro_batch import plan_group
 from ..errors import InputError
 from ..presets import ModelPreset
-from .bench import (BenchWorkload, Progress, keep_freed_memory_in_heap,
-                    megatron_training_step, timed)
+from .bench import (BenchWorkload, Progress, check_plain_step_runs,
+                    keep_freed_memory_in_heap, megatron_training_step, timed)
 from .launch import run_distributed
 
 __all__ = ["ThroughputRequest", "run_throughput", "throughput_job", "time_split", "table",
@@ -89,11 +89,12 @@ def bench_throughput(args, engine, model: ModelPreset, config: PrefixSharingConf
 
 def throughput_job(rank: int, request: ThroughputRequest) -> list[dict]:
     """Runs in one rank (see :mod:`prefix_sharing.engines.launch`)."""
-    from .megatron import gpt_model
+    from .megatron import preset_model
 
+    check_plain_step_runs(request.preset)
     if not torch.cuda.is_available():
         keep_freed_memory_in_heap()
-    model = gpt_model(request.preset, layout="shared", dtype=request.dtype)
+    model = preset_model(request.preset, layout="shared", dtype=request.dtype)
     splits = [_splits(w, request) for w in request.workloads]
     steps = sum(len(s.micro_batches) for pair in splits for s in pair.values())
     steps += len(request.workloads) if request.cross_micro_batch else 0

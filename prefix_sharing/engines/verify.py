@@ -65,14 +65,14 @@ def reference_dtype(dtype: torch.dtype) -> torch.dtype:
 def verify_job(rank: int, request: VerifyRequest) -> list[list[dict]]:
     """Runs on every rank (see :mod:`prefix_sharing.engines.launch`); returns, per micro-batch
     and step, this rank's largest differences (outputs on the last stage, this stage's grads)."""
-    from .megatron import gpt_model
+    from .megatron import preset_model
 
     replay = {} if request.routes is None else {"moe_enable_routing_replay": True}
     build = dict(dtype=request.dtype, seed=request.seed, **replay)
     models = {
-        "shared": gpt_model(request.preset, layout="shared", **build),
-        "plain": gpt_model(request.preset, layout="padded", **build),
-        "reference": gpt_model(request.preset, layout="padded", seed=request.seed,
+        "shared": preset_model(request.preset, layout="shared", **build),
+        "plain": preset_model(request.preset, layout="padded", **build),
+        "reference": preset_model(request.preset, layout="padded", seed=request.seed,
                                dtype=reference_dtype(request.dtype), **replay),
     }
     initial = [p.detach().clone() for p in models["plain"].parameters()]
@@ -87,10 +87,10 @@ def verify_job(rank: int, request: VerifyRequest) -> list[list[dict]]:
 def plain_runs_job(rank: int, request: VerifyRequest) -> list[dict]:
     """The plain and the reference runs of every micro-batch at context-parallel size 1 (one
     step), for :func:`verify_cp_job`: megatron's stock attention cannot split a sequence."""
-    from .megatron import forward_backward, gpt_model
+    from .megatron import forward_backward, preset_model
 
-    plain = gpt_model(request.preset, layout="padded", dtype=request.dtype, seed=request.seed)
-    reference = gpt_model(request.preset, layout="padded", seed=request.seed,
+    plain = preset_model(request.preset, layout="padded", dtype=request.dtype, seed=request.seed)
+    reference = preset_model(request.preset, layout="padded", seed=request.seed,
                           dtype=reference_dtype(request.dtype))
     return [{"plain": forward_backward(plain, [sequences], "padded"),
              "reference": forward_backward(reference, [sequences], "padded")}
@@ -105,12 +105,12 @@ def verify_cp_job(
     pipeline-parallel position (same weights: seeded by parameter name)."""
     from megatron.core import parallel_state
 
-    from .megatron import compare, forward_backward, gpt_model
+    from .megatron import compare, forward_backward, preset_model
 
     plain_rank = (parallel_state.get_tensor_model_parallel_rank()
                   + parallel_state.get_tensor_model_parallel_world_size()
                   * parallel_state.get_pipeline_model_parallel_rank())
-    model = gpt_model(request.preset, layout="shared", dtype=request.dtype, seed=request.seed)
+    model = preset_model(request.preset, layout="shared", dtype=request.dtype, seed=request.seed)
     reports = []
     for (sequences, groups), runs in zip(request.batches, plain_ranks[plain_rank]):
         shared = forward_backward(model, [sequences], "shared", request.config, [groups])

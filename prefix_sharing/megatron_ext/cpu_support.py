@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
 import logging
 import sys
 from types import ModuleType
@@ -22,9 +23,10 @@ from typing import Any, Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["enable_cpu_megatron"]
+__all__ = ["enable_cpu_megatron", "enable_cpu_gated_delta_net"]
 
 _enabled = False
+_gdn_enabled = False
 
 
 def enable_cpu_megatron() -> None:
@@ -52,7 +54,7 @@ def enable_cpu_megatron() -> None:
     # Imported before anything is patched, so that without megatron nothing changes.
     from megatron.core.fusions import fused_softmax
     from megatron.core.tensor_parallel import random as megatron_random
-    from megatron.core.transformer import torch_norm
+    from megatron.core.transformer import attention, torch_norm
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
     _redirect_current_device()
@@ -65,7 +67,31 @@ def enable_cpu_megatron() -> None:
     _redirect_megatron_cuda_tensors()
     _allow_sequence_parallel_torch_norm(torch_norm)
     _mla_without_te()
+    _eager_jit_fusions(attention.Attention)
     _enabled = True
+    if "megatron.core.ssm.gated_delta_net" in sys.modules:
+        enable_cpu_gated_delta_net()
+
+
+def enable_cpu_gated_delta_net() -> None:
+    """The CPU redirections of megatron's Gated DeltaNet module, once per process; nothing
+    unless :func:`enable_cpu_megatron` ran (then it is a CPU-only process).
+
+    Separate from :func:`enable_cpu_megatron` because importing the GDN module imports
+    flash-linear-attention (about a second), which only hybrid models need: the code that
+    builds a GDN layer (:func:`~.layer_specs.gdn_layer_spec`, :mod:`.gated_delta_net`) calls it.
+    """
+    global _gdn_enabled
+    if not _enabled or _gdn_enabled:
+        return
+    _torch_gated_delta_net_l2norm()
+    try:
+        from megatron.core.ssm.gated_delta_net.common import _GDNBase
+    except ImportError:  # before 0.19 (its GDN is compiled as it is), or no fla
+        pass
+    else:
+        _eager_jit_fusions(_GDNBase)
+    _gdn_enabled = True
 
 
 def _redirect_current_device() -> None:
@@ -192,6 +218,41 @@ def _mla_without_te() -> None:
 
     if importlib.util.find_spec("transformer_engine") is None:
         multi_latent_attention.HAVE_TE = False
+
+
+def _torch_gated_delta_net_l2norm() -> None:
+    # ssm/gated_delta_net/common.py (megatron-core 0.19; gated_delta_net.py before) L2-normalises
+    # the GDN queries and keys with flash-linear-attention's `l2norm`, a Triton kernel that has
+    # no CPU driver. The same function in torch: x / sqrt(sum(x^2) + eps) over the last dim,
+    # computed in float32 or wider and returned in x's dtype (or output_dtype), fla's defaults.
+    for name in ("megatron.core.ssm.gated_delta_net.common", "megatron.core.ssm.gated_delta_net"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:  # no GDN in this release, or flash-linear-attention missing
+            continue
+        if getattr(module, "l2norm", None) is not None:
+            module.l2norm = _torch_l2norm
+            return
+
+
+def _eager_jit_fusions(cls: type) -> None:
+    # Methods decorated with megatron's `jit_fuser`, which is `torch.compile` - the attention's
+    # `_apply_output_gate`, the GDN module's `_prepare_input_for_gated_delta_rule`,
+    # `_compute_g_and_beta` and `_apply_gated_norm` (megatron-core 0.19) - make inductor compile
+    # C++ on a CPU for every new shape and dtype (10-30 s each, minutes for a few
+    # micro-batches), for elementwise fusions a GPU benefits from. Their undecorated functions
+    # compute the same; the class gets those back.
+    for name, value in list(vars(cls).items()):
+        original = getattr(value, "_torchdynamo_orig_callable", None)
+        if original is not None:
+            setattr(cls, name, original)
+
+
+def _torch_l2norm(x: torch.Tensor, eps: float = 1e-6,
+                  output_dtype: torch.dtype | None = None) -> torch.Tensor:
+    wide = x.to(torch.promote_types(x.dtype, torch.float32))
+    y = wide * (1 / torch.sqrt((wide * wide).sum(-1, keepdim=True) + eps))
+    return y.to(x.dtype if output_dtype is None else output_dtype)
 
 
 def _redirect_megatron_cuda_tensors() -> None:

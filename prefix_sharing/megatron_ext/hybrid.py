@@ -9,15 +9,18 @@ Mamba, ``G`` Gated DeltaNet, ``D`` DeepSeek sparse attention, ``+`` multi-latent
 layers need no new plumbing; only the stack spec changes:
 
 - :func:`with_prefix_sharing` swaps, in a stock or local stack spec, the attention slot's
-  self-attention and core attention, and the MoE slot's layer class and router (the layer hands
-  the plan to its router, whose batch statistics then count the plain batch, see :mod:`.moe`).
-  MLP layers are per token and stay stock. Slots the sharing layers cannot serve yet (Mamba and
-  GDN carry a state across the prefix; MLA and DSA have their own attention) are replaced by a
+  self-attention and core attention, the Gated DeltaNet slot's mixer (megatron-core 0.19.2:
+  the state carried across shared prefixes, see :mod:`.gated_delta_net`), and the MoE slot's
+  layer class and router (the layer hands the plan to its router, whose batch statistics then
+  count the plain batch, see :mod:`.moe`). MLP layers are per token and stay stock. Slots the
+  sharing layers cannot serve (Mamba carries a state that megatron's Mamba kernels cannot start
+  from a provider's; MLA and DSA have their own attention; GDN before 0.19.2) are replaced by a
   spec that raises when a pattern actually builds one: a stock spec fills every slot, and a
   model without those symbols must still build.
 - :func:`get_hybrid_stack_local_spec` is the stack spec without Transformer Engine (the stock
   ``hybrid_stack_spec`` is built from TE classes, and ``HybridStack`` hard-codes a TE final
-  norm): megatron's own local GPT layer parts, split into the attention, MLP and MoE slots.
+  norm): megatron's own local GPT layer parts, split into the attention, MLP and MoE slots,
+  and megatron's ``GatedDeltaNet`` with local linear layers and norm in the GDN slot.
 
 Importing this module needs a megatron-core with ``models/hybrid`` (0.18 or later); the package
 ``prefix_sharing.megatron_ext`` does not import it.
@@ -57,7 +60,15 @@ from megatron.core.transformer.transformer_layer import (  # noqa: E402
 )
 
 from .checks import UnsupportedSetupError  # noqa: E402
-from .layer_specs import replaced, sharing_attention_layer, sharing_router_mlp  # noqa: E402
+from .layer_specs import (  # noqa: E402
+    GDN_NOT_SERVED,
+    gdn_layer_spec,
+    replaced,
+    serves_gated_delta_net,
+    sharing_attention_layer,
+    sharing_gdn_layer,
+    sharing_router_mlp,
+)
 from .moe import PrefixSharingTransformerLayer  # noqa: E402
 
 __all__ = [
@@ -79,8 +90,11 @@ SLOT_SYMBOLS = {
 }
 # Slots sharing cannot serve yet, and why (the error says it when a pattern builds one).
 _NOT_YET = {
-    "mamba_layer": "Mamba: a reuser's tail must start from its provider's recurrent state",
-    "gdn_layer": "Gated DeltaNet: a reuser's tail must start from its provider's recurrent state",
+    "mamba_layer": "Mamba: a reuser's tail must start from its provider's conv and SSM state, "
+                   "but megatron's Mamba mixer trains through mamba_ssm's fused "
+                   "mamba_split_conv1d_scan_combined, which starts every packed sequence from "
+                   "zero and takes no initial state (and mamba_ssm does not run on a CPU)",
+    "gdn_layer": GDN_NOT_SERVED,  # on a release without the 0.19.2 module
     "dsa_layer": "DeepSeek sparse attention: its indexer and MLA attention get no K/V injection",
     "mla_layer": "multi-latent attention: its core attention gets no K/V injection",
 }
@@ -102,7 +116,8 @@ class UnsupportedHybridLayer(torch.nn.Module):
     def __init__(self, *args: Any, symbol: str, reason: str, **kwargs: Any) -> None:
         raise UnsupportedSetupError(
             f"prefix sharing does not support the hybrid layer {symbol!r} yet ({reason}); "
-            "use a pattern of attention ('*'), MLP ('-') and MoE ('E') layers"
+            "use a pattern of attention ('*'), Gated DeltaNet ('G', megatron-core 0.19.2), MLP "
+            "('-') and MoE ('E') layers"
         )
 
 
@@ -115,9 +130,10 @@ def with_prefix_sharing(stack_spec: ModuleSpec) -> ModuleSpec:
 
     Returns:
         The copy: in ``attention_layer`` the sharing self-attention and core attention; in
-        ``moe_layer`` the sharing layer class and router; ``mlp_layer`` unchanged; every other
-        filled slot (``M``, ``G``, ``D``, ``+``, and multi-token prediction) a spec that raises
-        :class:`~.checks.UnsupportedSetupError` naming its symbol when a pattern builds it.
+        ``gdn_layer`` the sharing Gated DeltaNet (megatron-core 0.19.2); in ``moe_layer`` the
+        sharing layer class and router; ``mlp_layer`` unchanged; every other filled slot
+        (``M``, ``D``, ``+``, ``G`` on other releases, and multi-token prediction) a spec that
+        raises :class:`~.checks.UnsupportedSetupError` naming its symbol when a pattern builds it.
 
     Raises:
         ValueError: for a stack, attention or MoE layer spec in a form it does not recognise
@@ -149,6 +165,8 @@ def with_prefix_sharing(stack_spec: ModuleSpec) -> ModuleSpec:
                 value, f"hybrid layer {SLOT_SYMBOLS[field.name]!r}"))
         elif field.name == "moe_layer":
             setattr(slots, field.name, _share_moe(value, SLOT_SYMBOLS[field.name]))
+        elif field.name == "gdn_layer" and serves_gated_delta_net():
+            setattr(slots, field.name, sharing_gdn_layer(value, "hybrid layer 'G'"))
         else:  # known not-yet slots, and slots of a later megatron-core this does not know
             symbol = SLOT_SYMBOLS.get(field.name, field.name)
             reason = _NOT_YET.get(field.name, f"a HybridStackSubmodules.{field.name} layer")
@@ -235,7 +253,10 @@ def get_hybrid_stack_local_spec(
 
     The attention (``*``), MLP (``-``) and MoE (``E``) slots are the parts of megatron's
     ``get_gpt_layer_local_spec``: a layer of one of them computes what a GPT layer's matching
-    half computes. Other slots stay empty (megatron has no local Mamba or GDN mixer).
+    half computes. The Gated DeltaNet slot (``G``) is megatron's ``GatedDeltaNet`` with local
+    linear layers and norms (:func:`~.layer_specs.gdn_layer_spec`; building it needs
+    flash-linear-attention installed, as megatron's module asks). Mamba and the MLA slots stay
+    empty (megatron has no local Mamba mixer or MLA core attention).
     Wrap it in :func:`with_prefix_sharing` for the sharing model.
 
     Args:
@@ -260,5 +281,6 @@ def get_hybrid_stack_local_spec(
             attention_layer=ModuleSpec(module=TransformerLayer, submodules=attention),
             mlp_layer=ModuleSpec(module=MLPLayer, submodules=mlp),
             moe_layer=ModuleSpec(module=MoETransformerLayer, submodules=moe),
+            gdn_layer=gdn_layer_spec(dense.input_layernorm),
         ),
     )

@@ -5,7 +5,10 @@ Composition the megatron-core way: take the stock layer spec, copy it, replace
 :class:`~.mla.PrefixSharingMLASelfAttention`) and
 ``self_attention.submodules.core_attention`` (K/V injection), keep everything else - norms,
 linear layers, MLP or MoE, TE or local flavour. In an MoE layer the router and the layer class
-are swapped too, so the router's batch statistics count the plain batch (see :mod:`.moe`).
+are swapped too, so the router's batch statistics count the plain batch (see :mod:`.moe`). A
+layer whose ``self_attention`` is megatron's Gated DeltaNet (the experimental-attention-variant
+specs, a hybrid stack's ``G``) gets the sharing GDN mixer instead (:mod:`.gated_delta_net`,
+megatron-core 0.19.2; refused, naming that release, on the others).
 
 The forms differ by megatron-core release, and each is recognised by what it is, not by the
 release: a layer is a ``ModuleSpec`` of a ``TransformerLayer``; its MoE ``mlp`` a ``ModuleSpec``
@@ -21,10 +24,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import importlib.util
 import inspect
 from typing import Any, Callable
 
 from megatron.core.models.gpt import gpt_layer_specs
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.moe.moe_layer import BaseMoELayer
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
@@ -34,6 +39,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from .checks import UnsupportedSetupError
+from .release import installed_release
 from .core_attention import PrefixSharingCoreAttention
 from .mla import PrefixSharingMLASelfAttention
 from .moe import PrefixSharingRouter, PrefixSharingTransformerLayer
@@ -41,6 +47,9 @@ from .self_attention import PrefixSharingSelfAttention
 
 __all__ = [
     "UnsupportedSpecError",
+    "gdn_layer_spec",
+    "serves_gated_delta_net",
+    "sharing_gdn_layer",
     "with_prefix_sharing",
     "register_spec_form",
     "get_gpt_layer_local_spec",
@@ -112,7 +121,10 @@ def _sharing_layer(layer_spec: Any, where: str) -> ModuleSpec:
             f"with_prefix_sharing: {where} is {_describe(layer_spec)}, not a ModuleSpec of a "
             "TransformerLayer"
         )
-    spec = sharing_attention_layer(layer_spec, where)
+    if _is_gated_delta_net(getattr(layer_spec.submodules.self_attention, "module", None)):
+        spec = sharing_gdn_layer(layer_spec, where)
+    else:
+        spec = sharing_attention_layer(layer_spec, where)
     mlp = spec.submodules.mlp
     target = _built_class(mlp)
     if target is None:
@@ -151,6 +163,83 @@ def sharing_attention_layer(layer_spec: ModuleSpec, where: str) -> ModuleSpec:
     attention = replaced(attention, core_attention=ModuleSpec(module=PrefixSharingCoreAttention))
     attention.module = sharing
     return replaced(layer_spec, self_attention=attention)
+
+
+# Why a Gated DeltaNet layer is refused on a release other than 0.19.2 (hybrid.py says it too).
+GDN_NOT_SERVED = (
+    "Gated DeltaNet: prefix sharing carries its state with megatron-core 0.19.2's GatedDeltaNet "
+    "(megatron.core.ssm.gated_delta_net); 0.16.1 and 0.17.1 have no packed path and 0.18.2's "
+    "module differs: install megatron-core==0.19.2 (Python >= 3.12)"
+)
+
+
+def serves_gated_delta_net() -> bool:
+    """Whether this megatron-core has 0.19.2's Gated DeltaNet package, the module the sharing
+    mixer subclasses (before, ``megatron.core.ssm.gated_delta_net`` is a plain module)."""
+    try:
+        return importlib.util.find_spec("megatron.core.ssm.gated_delta_net.gdn") is not None
+    except ModuleNotFoundError:  # no package of that name: 0.16 - 0.18
+        return False
+
+
+def sharing_gdn_layer(layer_spec: ModuleSpec, where: str) -> ModuleSpec:
+    """A copy of a layer spec whose Gated DeltaNet mixer (``self_attention``) is the sharing
+    one, everything else (input norm, projections' classes, output norm, MLP) kept.
+
+    Raises:
+        UnsupportedSpecError: on a megatron-core other than 0.19.2, naming the installed one;
+            or when ``self_attention`` is not a ``GatedDeltaNet`` ``ModuleSpec``.
+    """
+    mixer = getattr(getattr(layer_spec, "submodules", None), "self_attention", None)
+    if not (isinstance(layer_spec, ModuleSpec) and isinstance(mixer, ModuleSpec)
+            and _is_gated_delta_net(mixer.module)):
+        raise UnsupportedSpecError(
+            f"with_prefix_sharing: {where} must be a layer spec whose self_attention is a "
+            f"GatedDeltaNet ModuleSpec; got self_attention={_describe(mixer)}"
+        )
+    try:
+        from .gated_delta_net import PrefixSharingGatedDeltaNet
+    except ImportError as error:
+        raise UnsupportedSpecError(f"with_prefix_sharing: {where} is a {GDN_NOT_SERVED} (this "
+                                   f"is megatron-core {installed_release()})") from error
+    if not issubclass(PrefixSharingGatedDeltaNet, mixer.module):
+        raise UnsupportedSpecError(
+            f"with_prefix_sharing: {where}'s mixer is {mixer.module.__qualname__}; only "
+            "megatron's GatedDeltaNet is replaced by the prefix-sharing one"
+        )
+    mixer = copy.copy(mixer)
+    mixer.module = PrefixSharingGatedDeltaNet
+    return replaced(layer_spec, self_attention=mixer)
+
+
+def gdn_layer_spec(norm: Any) -> ModuleSpec:
+    """A stock Gated DeltaNet layer of megatron's local (TE-free) modules: ``norm`` (the local
+    spec's norm class, which follows ``config.normalization``) before the mixer and on its
+    output heads, column- and row-parallel linear layers for its projections. The TE form
+    (megatron's ``hybrid_stack_spec``) fuses the input norm into the projection instead."""
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+    from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
+
+    from .cpu_support import enable_cpu_gated_delta_net
+
+    enable_cpu_gated_delta_net()  # in a CPU process: fla's Triton l2norm has no CPU driver
+
+    return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        input_layernorm=norm,
+        self_attention=ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
+            in_proj=ColumnParallelLinear, out_norm=norm, out_proj=RowParallelLinear)),
+        self_attn_bda=get_bias_dropout_add,
+    ))
+
+
+def _is_gated_delta_net(module: Any) -> bool:
+    """Whether ``module`` is megatron's GatedDeltaNet or a subclass (told by name, so that it
+    works on every release, wherever the class lives)."""
+    return inspect.isclass(module) and any(
+        cls.__name__ == "GatedDeltaNet"
+        and cls.__module__.startswith("megatron.core.ssm.gated_delta_net")
+        for cls in module.__mro__)
 
 
 def sharing_router_mlp(mlp: ModuleSpec | functools.partial, where: str) -> Any:

@@ -4,8 +4,8 @@
 rest, but a model can be built other ways: a hand-made spec, a framework's own builder, a layer
 spec that took a new form in a later megatron-core. A stock module left in such a model reads
 the flat layout as if it were the plain batch - a stock router computes its load-balancing
-statistics on the deduplicated rows, a stock attention misses the shared prefix - and nothing
-would fail. So the entry points that run a plan through a model call
+statistics on the deduplicated rows, a stock attention misses the shared prefix, a stock Gated
+DeltaNet or Mamba mixer starts every reuser's tail from a zero state - and nothing would fail. So the entry points that run a plan through a model call
 :func:`check_sharing_model` first; it walks the model's modules once per model.
 """
 
@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 from megatron.core.transformer.attention import Attention
 from megatron.core.transformer.moe.router import Router
+from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock
 
 from .checks import UnsupportedSetupError
 from .core_attention import PrefixSharingCoreAttention
@@ -33,9 +34,9 @@ _CHECKED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
 
 def stock_modules(model: torch.nn.Module) -> list[str]:
-    """``"name (Class)"`` of every attention, core attention or router of ``model`` that would
-    not serve a sharing plan: not the prefix-sharing class, or a sharing router that no layer
-    hands the plan to."""
+    """``"name (Class)"`` of every attention, core attention, router or recurrent mixer (Gated
+    DeltaNet, Mamba) of ``model`` that would not serve a sharing plan: not the prefix-sharing
+    class, or a sharing router that no layer hands the plan to."""
     found = []
     for name, module in model.named_modules():
         if isinstance(module, Attention):
@@ -49,19 +50,45 @@ def stock_modules(model: torch.nn.Module) -> list[str]:
                 found.append(f"{name} ({type(module).__qualname__})")
             elif module.fed_by is None:
                 found.append(f"{name} (PrefixSharingRouter that no layer hands a plan)")
+        elif _is_stock_recurrent_mixer(module):
+            found.append(f"{name} ({type(module).__qualname__})")
     return found
 
 
+# megatron's recurrent mixers, by (module prefix, class name): told by name, so that releases
+# without them (or where they live elsewhere) need not import them
+_RECURRENT_MIXERS = (("megatron.core.ssm.gated_delta_net", "GatedDeltaNet"),
+                     ("megatron.core.ssm.mamba_mixer", "MambaMixer"))
+_SHARING_MIXER = ("prefix_sharing.megatron_ext.gated_delta_net", "PrefixSharingGatedDeltaNet")
+
+
+def _is_stock_recurrent_mixer(module: torch.nn.Module) -> bool:
+    """A Gated DeltaNet or Mamba mixer (or subclass) that is not the prefix-sharing GDN."""
+    classes = [(cls.__module__, cls.__name__) for cls in type(module).__mro__]
+    if _SHARING_MIXER in classes:
+        return False
+    return any(mod.startswith(prefix) and cls == name
+               for mod, cls in classes for prefix, name in _RECURRENT_MIXERS)
+
+
 def check_sharing_model(model: torch.nn.Module | Sequence[torch.nn.Module]) -> None:
-    """Raises unless every attention and MoE router of ``model`` (or of each model chunk) is
-    the prefix-sharing one.
+    """Raises unless every attention, MoE router and recurrent mixer of ``model`` (or of each
+    model chunk) is the prefix-sharing one, and it has no multi-token prediction block.
 
     Raises:
-        UnsupportedSetupError: naming each stock module found.
+        UnsupportedSetupError: naming the MTP block, or each stock module found.
     """
     for chunk in model if isinstance(model, Sequence) else [model]:
         if chunk in _CHECKED:
             continue
+        mtp = [name for name, module in chunk.named_modules()
+               if isinstance(module, MultiTokenPredictionBlock)]
+        if mtp:
+            raise UnsupportedSetupError(
+                f"prefix sharing does not support multi-token prediction ({', '.join(mtp)}): an "
+                "MTP layer reads each sequence's next tokens, and a shared prefix row has one "
+                "per reuser; RL trains without it: build the model with mtp_num_layers=None"
+            )
         found = stock_modules(chunk)
         if found:
             raise UnsupportedSetupError(

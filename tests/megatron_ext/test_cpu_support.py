@@ -126,6 +126,21 @@ def test_module_imports_without_megatron(monkeypatch: pytest.MonkeyPatch) -> Non
     assert torch.cuda.current_device is current_device  # failed before patching anything
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_the_gdn_l2_norm_is_fla_s_kernel_in_torch(dtype: torch.dtype) -> None:
+    """fla's Triton ``l2norm`` (``fla/modules/norm/l2norm.py``, 0.6.0): in float32,
+    ``x * 1 / sqrt(sum(x * x) + eps)`` over the last dim, ``eps = 1e-6``, stored in x's dtype.
+    The CPU stand-in computes that (float64 stays float64), tiny rows included, where eps
+    matters."""
+    x = torch.randn(3, 7, 4, 16, dtype=torch.float64)
+    x[0, 0] *= 1e-4
+    wide = x.to(dtype).to(torch.promote_types(dtype, torch.float32))
+    expected = (wide * (1 / torch.sqrt((wide**2).sum(-1, keepdim=True) + 1e-6))).to(dtype)
+    got = cpu_support._torch_l2norm(x.to(dtype))
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, expected)  # the dtype's own rounding
+
+
 def test_refuses_on_cuda_machine(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(RuntimeError, match="CUDA is available"):
