@@ -21,7 +21,7 @@ from .checks import UnsupportedSetupError, check_layer_config, check_sharing_all
 from .context_parallel import ContextParallelSlice, gather_rows
 from .packed_seq import PlanPackedSeqParams
 
-__all__ = ["PrefixSharingCoreAttention"]
+__all__ = ["PrefixSharingCoreAttention", "require_sharing_core_attention"]
 
 
 class PrefixSharingCoreAttention(DotProductAttention):
@@ -270,3 +270,14 @@ def _host_boundaries(
     cached = _HostBoundaries(max_q, max_kv, *lists)
     setattr(params, _HOST_ATTR, cached)
     return cached
+
+
+def require_sharing_core_attention(attention: Any) -> None:
+    """Refuses an attention layer whose spec gave it a stock core attention: that one would
+    attend without the shared prefix's keys."""
+    if not isinstance(attention.core_attention, PrefixSharingCoreAttention):
+        raise UnsupportedSetupError(
+            f"{type(attention).__qualname__} (layer {attention.layer_number}) needs the "
+            "PrefixSharingCoreAttention; its spec gave "
+            f"{type(attention.core_attention).__qualname__}"
+        )

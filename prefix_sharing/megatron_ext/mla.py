@@ -35,8 +35,7 @@ from typing import Any
 import torch
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
-from .checks import UnsupportedSetupError
-from .core_attention import PrefixSharingCoreAttention
+from .core_attention import require_sharing_core_attention
 from .packed_seq import PlanPackedSeqParams
 from .self_attention import check_planned_call
 
@@ -59,13 +58,7 @@ class PrefixSharingMLASelfAttention(MLASelfAttention):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        # A stock core attention here would attend without the shared prefix's keys.
-        if not isinstance(self.core_attention, PrefixSharingCoreAttention):
-            raise UnsupportedSetupError(
-                f"PrefixSharingMLASelfAttention (layer {self.layer_number}) needs the "
-                "PrefixSharingCoreAttention; its spec gave "
-                f"{type(self.core_attention).__qualname__}"
-            )
+        require_sharing_core_attention(self)
         self.rotary_pos_emb.register_forward_hook(self._per_token_rotary)
 
     def forward(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:

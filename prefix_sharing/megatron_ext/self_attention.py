@@ -13,7 +13,7 @@ from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
 from megatron.core.transformer.attention import Attention, SelfAttention
 
 from .checks import UnsupportedSetupError
-from .core_attention import PrefixSharingCoreAttention
+from .core_attention import require_sharing_core_attention
 from .packed_seq import PlanPackedSeqParams
 
 __all__ = ["PrefixSharingSelfAttention", "check_planned_call"]
@@ -40,13 +40,7 @@ class PrefixSharingSelfAttention(SelfAttention):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        # A stock core attention here would attend without the shared prefix's keys.
-        if not isinstance(self.core_attention, PrefixSharingCoreAttention):
-            raise UnsupportedSetupError(
-                f"PrefixSharingSelfAttention (layer {self.layer_number}) needs the "
-                "PrefixSharingCoreAttention; its spec gave "
-                f"{type(self.core_attention).__qualname__}"
-            )
+        require_sharing_core_attention(self)
 
     def forward(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         call = _FORWARD_SIGNATURE.bind(self, *args, **kwargs)
