@@ -15,7 +15,6 @@ import json
 
 from ..engines import get_engine
 from ..engines.bench import BenchRequest, BenchWorkload
-from ..engines.bench_cp import ContextParallelBenchRequest
 from ..engines.bench_cp import table as cp_table
 from ..engines.throughput import bench_throughput
 from ..presets import get_preset
@@ -111,8 +110,7 @@ def _bench_context_parallel(args: argparse.Namespace, engine, model, config, wor
                                     ("--cross-micro-batch", args.cross_micro_batch)) if on]
     if others:
         raise InputError(f"--cp times one step per workload; leave out {', '.join(others)}")
-    request = ContextParallelBenchRequest(workloads, config, model, repeats=args.repeats,
-                                          dtype=dtype)
+    request = BenchRequest(workloads, config, model, repeats=args.repeats, dtype=dtype)
     results = engine.bench_context_parallel(request, args.tp, args.pp, args.cp)
     report = {"engine": engine.name, "model": model.name, "dtype": args.dtype,
               "backend": config.backend, "tp": args.tp, "pp": args.pp, "cp": args.cp,

@@ -17,7 +17,7 @@ import torch
 from ..errors import InputError, MissingPackageError, UnsupportedSetup
 from ..presets import ModelPreset
 from .bench import BenchRequest, bench_job, check_plain_step_runs
-from .bench_cp import ContextParallelBenchRequest, context_parallel_bench_job
+from .bench_cp import context_parallel_bench_job
 from .hf import HFEngine
 from .launch import run_distributed
 from .verify import VerifyRequest, plain_runs_job, summarize, verify_cp_job, verify_job
@@ -92,7 +92,7 @@ class Engine:
         check_plain_step_runs(request.preset)
         return run_distributed(bench_job, 1, request, timeout=3600)[0]
 
-    def bench_context_parallel(self, request: ContextParallelBenchRequest, tp: int, pp: int,
+    def bench_context_parallel(self, request: BenchRequest, tp: int, pp: int,
                                cp: int) -> list[dict]:
         """``bench --cp N``: plain CP vs shared CP on ``tp x pp x cp`` ranks; the results of
         the first rank of the last pipeline stage (see :mod:`.bench_cp`)."""

@@ -26,22 +26,10 @@ from typing import Any
 import torch
 
 from ..config import PrefixSharingConfig
-from ..presets import ModelPreset
-from .bench import BenchWorkload, Progress, keep_freed_memory_in_heap, timed
+from .bench import BenchRequest, BenchWorkload, Progress, keep_freed_memory_in_heap, timed
 
-__all__ = ["ContextParallelBenchRequest", "context_parallel_bench_job", "CollectiveBytes",
+__all__ = ["context_parallel_bench_job", "CollectiveBytes",
            "counting_collectives", "table"]
-
-
-@dataclasses.dataclass(frozen=True)
-class ContextParallelBenchRequest:
-    workloads: list[BenchWorkload]
-    config: PrefixSharingConfig
-    preset: ModelPreset
-    repeats: int = 5
-    warmup: int = 1
-    dtype: torch.dtype = torch.float32
-    progress: bool = True
 
 
 @dataclasses.dataclass
@@ -86,7 +74,7 @@ def counting_collectives(group: torch.distributed.ProcessGroup) -> Iterator[Coll
         mappings.dist_all_gather_func, mappings.dist_reduce_scatter_func = gather, scatter
 
 
-def context_parallel_bench_job(rank: int, request: ContextParallelBenchRequest) -> list[dict]:
+def context_parallel_bench_job(rank: int, request: BenchRequest) -> list[dict]:
     """Runs on every rank of ``tp x pp x cp`` (see :mod:`.launch`); one result per workload."""
     from megatron.core import parallel_state
 
@@ -159,7 +147,7 @@ def _training_step(model: torch.nn.Module, workload: BenchWorkload,
     return step
 
 
-def _report(workload: BenchWorkload, request: ContextParallelBenchRequest,
+def _report(workload: BenchWorkload, request: BenchRequest,
             model: torch.nn.Module, times: dict[str, list[float]],
             counted: dict[str, CollectiveBytes], rows: dict[str, int]) -> dict:
     from megatron.core import parallel_state
