@@ -46,7 +46,7 @@ def run_distributed(
     pp: int = 1,
     cp: int = 1,
     seed: int = 1234,
-    timeout: float = 120.0,
+    timeout: float = 600.0,
 ) -> list[Any]:
     """Run ``fn(rank, *args)`` on ``world_size`` spawned gloo ranks; return each rank's result.
 

@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 from prefix_sharing.engines.launch import free_port
 
 
-def run_gloo(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0) -> list:
+def run_gloo(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 600.0) -> list:
     """``fn(rank, *args)`` on ``world_size`` spawned gloo ranks; each rank's (picklable) result.
 
     A rank's exception is re-raised here with its traceback (``mp.ProcessRaisedException``).
