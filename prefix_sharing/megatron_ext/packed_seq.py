@@ -133,6 +133,7 @@ def prepare_micro_batch(
     pad_to_multiple_of: int | None = None,
     device: torch.device | str | None = None,
     routes: Sequence[TokenSequence] | None = None,
+    replay_routes: bool = True,
     record_routes: bool = False,
 ) -> MicroBatch:
     """Plans a micro-batch and builds the ``GPTModel`` inputs for it.
@@ -152,6 +153,9 @@ def prepare_micro_batch(
             ``[L_i, moe_layers, topk]`` integer array per sequence (verl's ``routed_experts``
             layout, MoE layers of the whole model): prefixes are shared only as far as the
             routes agree, and every computed row replays its tokens' route.
+        replay_routes: ``False``: plan with ``routes`` but replay nothing - a forward (or a
+            pipeline stage without MoE layers) that must lay the micro-batch out as the
+            replaying ones do.
         record_routes: the MoE routers record their routes in this forward (their
             ``RouterReplay`` set to ``RECORD``); read them per plain token with
             :func:`~prefix_sharing.megatron_ext.routing_replay.recorded_routes`.
@@ -176,7 +180,7 @@ def prepare_micro_batch(
         assert_same_plan(plan, cp_group)
         cp = slice_plan(plan, torch.distributed.get_rank(cp_group), cp_size, cp_group,
                         device)  # host work, once per micro-batch
-    replayed = None if routes is None else flat_routes(plan, routes, device)
+    replayed = None if routes is None or not replay_routes else flat_routes(plan, routes, device)
     plan = plan.to(device, non_blocking=True)
     rows = slice(None) if cp is None else slice(cp.row_start, cp.row_stop)
     return MicroBatch(

@@ -186,9 +186,9 @@ def shared_forward(
     Arguments as verl passes them (``input_ids``: jagged nested ``(bsz, j1)``), plus the
     sharing config, the micro-batch's prompt groups (``prompt_only``), whether to return the
     entropy, where to count tokens, and the micro-batch's routes for ``router_replay``
-    (:func:`.routing_replay.micro_batch_routes`), replayed when verl has set the routers to
-    replay, and where an ``R2`` recording goes when verl has set them to record
-    (``route_recorder``). verl's own ``logits_processor`` is not called: its
+    (:func:`.routing_replay.micro_batch_routes`: they shape the plan whenever given), replayed
+    when verl has set the routers to replay, and where an ``R2`` recording goes when verl has
+    set them to record (``route_recorder``). verl's own ``logits_processor`` is not called: its
     labels are laid out per sample, the flat layout has one row per computed token.
 
     Under context parallelism verl's ``local_cp_size`` / ``cp_layout`` (its zigzag split and
@@ -210,7 +210,9 @@ def shared_forward(
     check_sharing_model(model)
     sequences = list(input_ids.unbind())
     action = router_action(unwrap_model(model))
-    routes = replay_routes if action in ("replay_forward", "replay_backward") else None
+    # the routes shape the plan wherever they come with the micro-batch, so a pipeline stage
+    # without MoE layers (whose chunk shows no action) lays it out as the replaying stages do
+    replays = replay_routes is not None and action in ("replay_forward", "replay_backward")
     records = route_recorder is not None and action == "record"
     # the plan's flat layout replaces verl's per-sample CP padding and zigzag split: padded to
     # CP x TP, each CP rank runs its contiguous slice of rows (then sequence parallel splits it)
@@ -218,10 +220,11 @@ def shared_forward(
         sequences, sharing, groups=groups,
         pad_to_multiple_of=(parallel_state.get_tensor_model_parallel_world_size()
                             * parallel_state.get_context_parallel_world_size()),
-        device=input_ids.device, routes=routes, record_routes=records,
+        device=input_ids.device, routes=replay_routes, replay_routes=replays,
+        record_routes=records,
     )
     if metrics is not None:
-        metrics.add(mb.plan, replayed=routes is not None)
+        metrics.add(mb.plan, replayed=replay_routes is not None)
     output = model(input_ids=mb.input_ids, attention_mask=None, position_ids=mb.position_ids,
                    packed_seq_params=mb.packed_seq_params)
     if route_recorder is not None:

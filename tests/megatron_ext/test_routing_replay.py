@@ -122,7 +122,14 @@ def _switch_and_refusals_job(rank: int) -> dict:
     for freq in (1, 2, [0, 1, 1, 0]):
         config.moe_layer_freq, config.num_layers = freq, 4
         indices[str(freq)] = [moe_layer_index(config, n) for n in range(1, 5)]
+    # routes that diverge shape the plan without being replayed (a stage that does not replay)
+    diverged, _ = diverge_inside_shared_prefix(seqs, routes, 8, EVERY_PREFIX)
+    cut = prepare_micro_batch(seqs, EVERY_PREFIX, pad_to_multiple_of=4, routes=diverged)
+    planned_only = prepare_micro_batch(seqs, EVERY_PREFIX, pad_to_multiple_of=4, routes=diverged,
+                                       replay_routes=False)
     return {
+        "planned_only": (planned_only.packed_seq_params.routes is None,
+                         planned_only.plan.digest() == cut.plan.digest() != mb.plan.digest()),
         "refusals": _refusals(),
         "flat_equals_packed_at_each_row": all(
             torch.equal(flat[row], packed[mb.plan.kv_index.tolist().index(row)])
@@ -136,6 +143,7 @@ def _switch_and_refusals_job(rank: int) -> dict:
 def test_flat_routes_the_replay_switch_and_refusals():
     report = run_distributed(_switch_and_refusals_job, 1, timeout=300)[0]
     assert report["flat_equals_packed_at_each_row"]
+    assert report["planned_only"] == (True, True)
     assert report["shape"] == (8, 3, 2)  # 6 rows + 2 pad rows, 3 MoE layers, top-2
     assert report["inside"] == ("replay_forward", True) and report["restored"]
     assert report["indices"] == {"1": [0, 1, 2, 3], "2": [0, 1, 1, 2], "[0, 1, 1, 0]": [0, 0, 1, 2]}
