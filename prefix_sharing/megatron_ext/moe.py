@@ -60,6 +60,8 @@ duration of its forward (also when full recomputation replays that forward).
 Routing replay: the recorded routes of the flat rows travel with the plan (see
 :mod:`.routing_replay`); the router replays its layer's column of them, laid out like the
 tokens its top-k sees (the flat rows, or the plain view), through megatron's ``RouterReplay``.
+A recording forward (the plan's ``record_routes``) records the flat rows; it runs without
+statistics (verl records in a forward without grad), else the top-k would see the plain view.
 """
 
 from __future__ import annotations
@@ -230,6 +232,7 @@ class PrefixSharingRouter(TopKRouter):
         # the z-loss weights of the plain slice being routed (context parallelism only)
         self._z_loss_weights: torch.Tensor | None = None
         self._routes: torch.Tensor | None = None
+        self._records = False
         # The layer class that hands this router its plan (set by that layer); a router no layer
         # feeds would route the flat rows as if they were the plain batch.
         self.fed_by: str | None = None
@@ -238,25 +241,32 @@ class PrefixSharingRouter(TopKRouter):
         self.moe_layer_index: int | None = None
 
     @contextlib.contextmanager
-    def reading(self, plan: SharingPlan | None,
-                routes: torch.Tensor | None = None) -> Iterator[None]:
+    def reading(self, plan: SharingPlan | None, routes: torch.Tensor | None = None,
+                records: bool = False) -> Iterator[None]:
         """Routes with ``plan``'s plain batch inside the block (None: the tokens as given),
         replaying ``routes`` (``[T_flat, moe_layers, topk]``, the flat rows' recorded routes)
-        when given."""
-        previous, self._plan, self._routes = (self._plan, self._routes), plan, routes
+        when given, or recording the flat rows' routes when ``records``."""
+        previous = (self._plan, self._routes, self._records)
+        self._plan, self._routes, self._records = plan, routes, records
         try:
             yield
         finally:
-            self._plan, self._routes = previous
+            self._plan, self._routes, self._records = previous
 
     def routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
         if self._plan is None:
             return super().routing(logits, padding_mask=padding_mask)
-        check_replay_state(getattr(self, "router_replay", None), self._routes is not None)
-        if self._routes is not None and self.cp_group.size() > 1:
+        check_replay_state(getattr(self, "router_replay", None), self._routes is not None,
+                           self._records)
+        if (self._routes is not None or self._records) and self.cp_group.size() > 1:
             raise UnsupportedSetupError(
                 "routing replay with sharing under context parallelism (context_parallel_size="
                 f"{self.cp_group.size()}) is not supported yet: use context_parallel_size=1")
+        if self._records and self._computes_statistics():
+            raise UnsupportedSetupError(
+                "recording routes with sharing in a forward that keeps router statistics "
+                "(grad enabled with aux loss, z-loss or expert bias): record in a forward "
+                "without grad, as verl's compute_log_prob does")
         if not self._computes_statistics():
             with replaying(getattr(self, "router_replay", None),
                            self._flat_routes(self._sharding_group())):
@@ -417,5 +427,6 @@ class PrefixSharingTransformerLayer(TransformerLayer):
         params = kwargs.get("packed_seq_params")
         plan = params.plan if isinstance(params, PlanPackedSeqParams) else None
         routes = params.routes if isinstance(params, PlanPackedSeqParams) else None
-        with self.mlp.router.reading(plan, routes):
+        records = isinstance(params, PlanPackedSeqParams) and params.record_routes
+        with self.mlp.router.reading(plan, routes, records):
             return super().forward(*args, **kwargs)

@@ -54,6 +54,8 @@ class PlanPackedSeqParams(PackedSeqParams):
             micro-batch, read by a suffix micro-batch whose plan addresses those rows first.
         routes: ``[T_flat, moe_layers, topk]`` int64, the recorded route of every flat row, for
             MoE routing replay (:mod:`.routing_replay`), or ``None``.
+        record_routes: the routers record the flat rows' routes in this forward (read them
+            with :func:`.routing_replay.recorded_routes`).
     """
 
     plan: SharingPlan | None = None
@@ -61,6 +63,7 @@ class PlanPackedSeqParams(PackedSeqParams):
     cp: ContextParallelSlice | None = None
     prefix_kv: PrefixKV | None = None
     routes: torch.Tensor | None = None
+    record_routes: bool = False
     _rotary_cache: tuple[torch.Tensor, torch.Tensor] | None = dataclasses.field(
         default=None, init=False, repr=False, compare=False
     )
@@ -69,7 +72,8 @@ class PlanPackedSeqParams(PackedSeqParams):
     def from_plan(cls, plan: SharingPlan, backend: str = "auto", *,
                   cp: ContextParallelSlice | None = None,
                   prefix_kv: PrefixKV | None = None,
-                  routes: torch.Tensor | None = None) -> PlanPackedSeqParams:
+                  routes: torch.Tensor | None = None,
+                  record_routes: bool = False) -> PlanPackedSeqParams:
         return cls(
             qkv_format="thd",
             cu_seqlens_q=plan.cu_seqlens_q,
@@ -83,6 +87,7 @@ class PlanPackedSeqParams(PackedSeqParams):
             cp=cp,
             prefix_kv=prefix_kv,
             routes=routes,
+            record_routes=record_routes,
         )
 
     def per_token_rotary(self, table: torch.Tensor) -> torch.Tensor:
@@ -128,6 +133,8 @@ def prepare_micro_batch(
     pad_to_multiple_of: int | None = None,
     device: torch.device | str | None = None,
     routes: Sequence[TokenSequence] | None = None,
+    replay_routes: bool = True,
+    record_routes: bool = False,
 ) -> MicroBatch:
     """Plans a micro-batch and builds the ``GPTModel`` inputs for it.
 
@@ -146,6 +153,12 @@ def prepare_micro_batch(
             ``[L_i, moe_layers, topk]`` integer array per sequence (verl's ``routed_experts``
             layout, MoE layers of the whole model): prefixes are shared only as far as the
             routes agree, and every computed row replays its tokens' route.
+        replay_routes: ``False``: plan with ``routes`` but replay nothing - a forward (or a
+            pipeline stage without MoE layers) that must lay the micro-batch out as the
+            replaying ones do.
+        record_routes: the MoE routers record their routes in this forward (their
+            ``RouterReplay`` set to ``RECORD``); read them per plain token with
+            :func:`~prefix_sharing.megatron_ext.routing_replay.recorded_routes`.
 
     Returns:
         A :class:`MicroBatch`; call ``model(mb.input_ids, mb.position_ids, None,
@@ -167,7 +180,7 @@ def prepare_micro_batch(
         assert_same_plan(plan, cp_group)
         cp = slice_plan(plan, torch.distributed.get_rank(cp_group), cp_size, cp_group,
                         device)  # host work, once per micro-batch
-    replayed = None if routes is None else flat_routes(plan, routes, device)
+    replayed = None if routes is None or not replay_routes else flat_routes(plan, routes, device)
     plan = plan.to(device, non_blocking=True)
     rows = slice(None) if cp is None else slice(cp.row_start, cp.row_stop)
     return MicroBatch(
@@ -175,7 +188,8 @@ def prepare_micro_batch(
         input_ids=plan.input_ids[rows].unsqueeze(0),  # [1, T_flat (/ CP)]: THD is batch 1
         position_ids=plan.position_ids[rows].unsqueeze(0),
         packed_seq_params=PlanPackedSeqParams.from_plan(plan, config.backend, cp=cp,
-                                                        routes=replayed),
+                                                        routes=replayed,
+                                                        record_routes=record_routes),
         cp=cp,
     )
 

@@ -16,6 +16,13 @@ its top-k sees tokens (the flat rows, or the plain batch view when it keeps batc
 see :mod:`.moe`), to megatron's own replay mechanism for the duration of the call
 (:func:`replaying`): the router's ``RouterReplay`` instance, which only exists when the config
 asks for replay, set to replay those indices and restored afterwards.
+
+Recording (verl's ``R2``: routes recorded in one forward, replayed in a later one) runs over the
+computed rows: a flat row's hidden state is each of its plain tokens', so its top-k is theirs.
+A forward that records asks for it (``prepare_micro_batch(record_routes=True)``); each router
+then records the flat rows it routes, and :func:`recorded_routes` gathers them (over the
+sequence-parallel group) and hands every plain token its row's route - the recording a
+forward without sharing makes, in the packed plain order.
 """
 
 from __future__ import annotations
@@ -30,7 +37,8 @@ import torch
 from ..plan import SharingPlan
 from .checks import UnsupportedSetupError
 
-__all__ = ["flat_routes", "moe_layer_index", "num_moe_layers", "replaying", "check_replay_state"]
+__all__ = ["flat_routes", "moe_layer_index", "num_moe_layers", "replaying", "check_replay_state",
+           "recorded_routes"]
 
 
 def flat_routes(plan: SharingPlan, routes: Sequence[Any],
@@ -86,13 +94,14 @@ def _action_name(replay: Any) -> str | None:
     return None if action is None else action.value
 
 
-def check_replay_state(replay: Any, has_routes: bool) -> None:
+def check_replay_state(replay: Any, has_routes: bool, records: bool = False) -> None:
     """Refuses a router replay state that sharing cannot serve, when a plan is read.
 
     ``replay`` is the router's ``RouterReplay`` (None unless the config asks for replay).
     Megatron's own replay targets and recordings are laid out per token of the model's input;
     the flat layout is not that, so a plan's routes must come with the micro-batch, and a
-    recording must be made by a forward without a plan.
+    recording is of the flat rows: it is accepted only from a forward that asked to record
+    (``records``), whose caller reads it with :func:`recorded_routes`.
     """
     if replay is None:
         if has_routes:
@@ -102,9 +111,16 @@ def check_replay_state(replay: Any, has_routes: bool) -> None:
         return
     action = _action_name(replay)
     if action == "record":
+        if not records:
+            raise UnsupportedSetupError(
+                "router replay action RECORD with a sharing plan: recorded routes would be the "
+                "flat rows'; plan with prepare_micro_batch(record_routes=True) and read them "
+                "with recorded_routes, or record with a forward that does not share (no plan)")
+        return
+    if records:
         raise UnsupportedSetupError(
-            "router replay action RECORD with a sharing plan: recorded routes would be the flat "
-            "rows'; record them with a forward that does not share (no plan), then replay")
+            f"a sharing plan asks to record routes but the router replay action is {action}; "
+            "set RouterReplayAction.RECORD for the recording forward")
     if action is not None and not has_routes:
         raise UnsupportedSetupError(
             f"router replay action {action.upper()} with a sharing plan but no routes with the "
@@ -137,3 +153,41 @@ def replaying(replay: Any, indices: torch.Tensor | None) -> Iterator[None]:
     finally:
         for name, value in saved.items():
             setattr(replay, name, value)
+
+
+def recorded_routes(model: torch.nn.Module, plan: SharingPlan) -> torch.Tensor:
+    """Every plain token's route as a recording forward with ``plan`` left it in ``model``'s
+    routers: ``[T_total, routers, topk]`` int64, sequences packed in plan order, the routers
+    (this model chunk's, e.g. one pipeline stage's) in layer order.
+
+    Each router recorded the flat rows it routed (under sequence parallelism, its slice); the
+    slices are all-gathered over that group and every plain token takes its row's route
+    (``kv_index``). A chunk without MoE layers gives ``[T_total, 0, topk]``.
+    """
+    from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+    from .moe import PrefixSharingRouter
+
+    routers = sorted((m for m in model.modules() if isinstance(m, PrefixSharingRouter)),
+                     key=lambda router: router.layer_number)
+    kv_index = plan.kv_index
+    if not routers:
+        topk = model.config.moe_router_topk
+        return torch.empty(plan.num_tokens_total, 0, topk, dtype=torch.int64,
+                           device=kv_index.device)
+    missing = [r.layer_number for r in routers
+               if getattr(getattr(r, "router_replay", None), "recorded_topk_idx", None) is None]
+    if missing:
+        raise UnsupportedSetupError(
+            f"routing replay: the routers of layers {missing} recorded no routes in this forward "
+            "(set RouterReplayAction.RECORD and plan with record_routes=True)")
+    rows = torch.stack([r.router_replay.recorded_topk_idx.to(torch.int64) for r in routers],
+                       dim=1)  # [T_flat / shards, routers, topk]
+    group = routers[0]._sharding_group()
+    if group is not None:  # [T_flat, routers, topk]: every rank's slice, in group-rank order
+        rows = gather_from_sequence_parallel_region(rows, tensor_parallel_output_grad=False,
+                                                    group=group)
+    if rows.size(0) != plan.num_tokens_flat:
+        raise ValueError(f"the routers recorded {rows.size(0)} rows; the plan has "
+                         f"{plan.num_tokens_flat}")
+    return rows.index_select(0, kv_index.to(rows.device))  # [T_total, routers, topk]

@@ -25,7 +25,7 @@ import torch
 from ..config import PrefixSharingConfig
 from ..errors import UnsupportedSetup
 from ..planner import PromptGroup, prompt_groups
-from .routing_replay import replay_mode_problems, replaying_now
+from .routing_replay import RouteRecorder, replay_mode_problems, router_action
 
 __all__ = [
     "PrefixSharingSetupError",
@@ -60,7 +60,8 @@ def check_engine_setup(engine_config: Any, model_config: Any | None = None) -> N
       sample, which a shared row cannot give (one row serves several next tokens);
     - MTP training: its labels are laid out per sample as well;
     - a value model or a multimodal model: sharing covers text-only language models;
-    - ``router_replay.mode='R2'`` (Megatron; :mod:`.routing_replay`): ``R3`` is accepted.
+    - ``router_replay`` with ``context_parallel_size > 1`` (Megatron; :mod:`.routing_replay`):
+      ``R2`` and ``R3`` are accepted otherwise.
     """
     problems = []
     if getattr(engine_config, "dynamic_context_parallel", False):
@@ -177,6 +178,7 @@ def shared_forward(
     calculate_entropy: bool,
     metrics: SharingMetrics | None = None,
     replay_routes: list[torch.Tensor] | None = None,
+    route_recorder: RouteRecorder | None = None,
     **_verl_kwargs: Any,
 ) -> Any:
     """verl's ``gptmodel_forward_model_engine`` for one micro-batch, computing shared prefixes once.
@@ -184,8 +186,9 @@ def shared_forward(
     Arguments as verl passes them (``input_ids``: jagged nested ``(bsz, j1)``), plus the
     sharing config, the micro-batch's prompt groups (``prompt_only``), whether to return the
     entropy, where to count tokens, and the micro-batch's routes for ``router_replay``
-    (:func:`.routing_replay.micro_batch_routes`), replayed when verl has set the routers to
-    replay. verl's own ``logits_processor`` is not called: its
+    (:func:`.routing_replay.micro_batch_routes`: they shape the plan whenever given), replayed
+    when verl has set the routers to replay, and where an ``R2`` recording goes when verl has
+    set them to record (``route_recorder``). verl's own ``logits_processor`` is not called: its
     labels are laid out per sample, the flat layout has one row per computed token.
 
     Under context parallelism verl's ``local_cp_size`` / ``cp_layout`` (its zigzag split and
@@ -206,20 +209,26 @@ def shared_forward(
                                       "head, no vision inputs)")
     check_sharing_model(model)
     sequences = list(input_ids.unbind())
-    routes = replay_routes if replay_routes is not None and replaying_now(unwrap_model(model)) \
-        else None
+    action = router_action(unwrap_model(model))
+    # the routes shape the plan wherever they come with the micro-batch, so a pipeline stage
+    # without MoE layers (whose chunk shows no action) lays it out as the replaying stages do
+    replays = replay_routes is not None and action in ("replay_forward", "replay_backward")
+    records = route_recorder is not None and action == "record"
     # the plan's flat layout replaces verl's per-sample CP padding and zigzag split: padded to
     # CP x TP, each CP rank runs its contiguous slice of rows (then sequence parallel splits it)
     mb = prepare_micro_batch(
         sequences, sharing, groups=groups,
         pad_to_multiple_of=(parallel_state.get_tensor_model_parallel_world_size()
                             * parallel_state.get_context_parallel_world_size()),
-        device=input_ids.device, routes=routes,
+        device=input_ids.device, routes=replay_routes, replay_routes=replays,
+        record_routes=records,
     )
     if metrics is not None:
-        metrics.add(mb.plan, replayed=routes is not None)
+        metrics.add(mb.plan, replayed=replay_routes is not None)
     output = model(input_ids=mb.input_ids, attention_mask=None, position_ids=mb.position_ids,
                    packed_seq_params=mb.packed_seq_params)
+    if route_recorder is not None:
+        route_recorder.ran(unwrap_model(model), mb.plan)
     if not unwrap_model(model).post_process or logits_processor is None:
         return output  # an inner pipeline stage: activations for the next one
     temperature = micro_batch_temperature((logits_processor_args or {}).get("temperature"))

@@ -16,9 +16,11 @@ imports its module):
   registered for. That subclass builds its model with the prefix-sharing layer spec
   (:func:`install_layer_spec`), reads each micro-batch (with its ``uid``) in ``forward_step``,
   splits dynamic batches keeping sharing groups together and reports the step's token counts in
-  verl's metrics (:class:`.engine.SharingEngineMixin`); under ``router_replay.mode='R3'`` the
-  micro-batch's ``routed_experts`` go with the plan (:mod:`.routing_replay`). With sharing off
-  every method is verl's own;
+  verl's metrics (:class:`.engine.SharingEngineMixin`); under ``router_replay`` the
+  micro-batch's ``routed_experts`` go with the plan, and an ``R2`` recording forward's routes
+  reach verl per plain token through its own ``merge_router_topk_indices`` call
+  (:func:`patch_route_merge`, :mod:`.routing_replay`). With sharing off every method is verl's
+  own;
 - ``verl.workers.engine.utils``: the dynamic-batch-size split keeps sharing groups together
   (:mod:`.microbatch`).
 
@@ -51,10 +53,11 @@ from .patchsets import PatchSet, register
 from .switched_off import off_hooks
 
 __all__ = ["PATCHSETS", "share_layer_spec", "install_layer_spec", "patch_forward_fn_lookup",
-           "patch_engine", "current_micro_batch"]
+           "patch_engine", "patch_route_merge", "current_micro_batch"]
 
-# The forward keywords (sharing, groups, calculate_entropy, metrics, and the cross-micro-batch
-# part or None) of the micro-batch being run; None outside a sharing engine's forward_step.
+# The forward keywords (sharing, groups, calculate_entropy, metrics, routes, the R2 recorder,
+# and the cross-micro-batch part or None) of the micro-batch being run; None outside a sharing
+# engine's forward_step.
 _CURRENT: contextvars.ContextVar[dict | None] = contextvars.ContextVar("prefix_sharing_mb",
                                                                      default=None)
 
@@ -135,7 +138,7 @@ def patch_engine(module: ModuleType) -> None:
     from verl.utils import tensordict_utils as tu
 
     from .mcore import micro_batch_groups
-    from .routing_replay import micro_batch_routes
+    from .routing_replay import RouteRecorder, micro_batch_routes
 
     stock = module.MegatronEngineWithLMHead
 
@@ -161,13 +164,15 @@ def patch_engine(module: ModuleType) -> None:
             if self.prefix_sharing.mode == "prompt_only":
                 groups = micro_batch_groups(batch, batch["input_ids"].size(0))
             record = active_split()
+            replay_mode = getattr(getattr(self.engine_config, "router_replay", None), "mode",
+                                  "disabled")
             forward_kwargs = dict(
                 sharing=self.prefix_sharing, groups=groups,
                 calculate_entropy=tu.get_non_tensor_data(batch, key="calculate_entropy",
                                                          default=False),
                 metrics=self._sharing_metrics,
-                replay_routes=micro_batch_routes(batch, getattr(getattr(
-                    self.engine_config, "router_replay", None), "mode", "disabled")),
+                replay_routes=micro_batch_routes(batch, replay_mode),
+                route_recorder=RouteRecorder() if replay_mode == "R2" else None,
                 part=None if record is None else record.part(batch),
             )
             with current_micro_batch(forward_kwargs):
@@ -175,6 +180,29 @@ def patch_engine(module: ModuleType) -> None:
                                             postprocess_micro_batch_func)
 
     install_engine(module, stock, PrefixSharingMegatronEngine)
+    patch_route_merge(module)
+
+
+def patch_route_merge(module: ModuleType) -> None:
+    """``merge_router_topk_indices`` in ``module`` (verl's Megatron engine, which calls it in
+    ``forward_step`` after an ``R2`` recording forward) appends the sharing forward's routes
+    per plain token (:class:`.routing_replay.RouteRecorder`) for a sharing micro-batch, and is
+    verl's own otherwise. Idempotent."""
+    stock = module.merge_router_topk_indices
+    if getattr(stock, "_prefix_sharing", False):
+        return
+
+    @functools.wraps(stock)
+    def merge_router_topk_indices(attention_mask, input_ids, mini_layer_topk_idx_list,
+                                  *args: Any, **kwargs: Any) -> None:
+        current = _CURRENT.get()
+        recorder = None if current is None else current.get("route_recorder")
+        if recorder is None:
+            return stock(attention_mask, input_ids, mini_layer_topk_idx_list, *args, **kwargs)
+        mini_layer_topk_idx_list.append(recorder.merged())
+
+    merge_router_topk_indices._prefix_sharing = True
+    module.merge_router_topk_indices = merge_router_topk_indices
 
 
 PATCHSETS = tuple(

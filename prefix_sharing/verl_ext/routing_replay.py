@@ -1,22 +1,29 @@
 """verl's ``router_replay`` in the Megatron engine with prefix sharing: the routes to replay.
 
-verl (0.8.0 and 0.9.1) has two modes. ``R3`` replays the routes the rollout engine recorded
-(``routed_experts`` in the batch, per sample ``[tokens, layers, topk]``); ``R2`` records routes in
-``compute_log_prob``'s forward and replays them in the update. Under sharing:
+verl (0.8.0 and 0.9.1) has two modes, both accepted with sharing:
 
-- ``R3`` is accepted. Each micro-batch's ``routed_experts`` become the plan's routes
-  (:func:`micro_batch_routes`): the planner shares a prefix only as far as the routes agree, and
-  every computed row replays its tokens' route (:mod:`prefix_sharing.megatron_ext.routing_replay`).
-  verl 0.9.1 routes some rows natively (``build_r3_replay_mask``: each sample's last row, whose
-  rollout route is missing; every row of a sample without a response): those rows get the
-  route ``-1``, which the planner treats as a route of its own and the router replays as "native"
-  through verl's replay mask. verl 0.8.0 replays every row, as here.
-- ``R2`` is refused (:func:`replay_mode_problems`): its recording forward would record the
-  flat rows' routes in verl's per-sample layout.
+- ``R3`` replays the routes the rollout engine recorded (``routed_experts`` in the batch, per
+  sample ``[tokens, layers, topk]``). Each micro-batch's ``routed_experts`` become the plan's
+  routes (:func:`micro_batch_routes`): the planner shares a prefix only as far as the routes
+  agree, and every computed row replays its tokens' route
+  (:mod:`prefix_sharing.megatron_ext.routing_replay`). verl 0.9.1 routes some rows natively
+  (``build_r3_replay_mask``: each sample's last row, whose rollout route is missing; every row of
+  a sample without a response): those rows get the route ``-1``, which the planner treats as a
+  route of its own and the router replays as "native" through verl's replay mask. verl 0.8.0
+  replays every row, as here.
+- ``R2`` records routes in ``compute_log_prob``'s forward (verl sets the routers to ``RECORD``)
+  and replays them in the update. The recording forward shares: the routers record the computed
+  rows, and :class:`RouteRecorder` hands every plain token its row's route in verl's per-sample
+  layout, in place of verl's ``merge_router_topk_indices`` (which unpacks verl's own packed
+  layout) - so verl stores, gathers over pipeline stages, restores to batch order and later
+  returns exactly what a forward without sharing records (a row's hidden state is each of its
+  tokens'). The update then replays them like ``R3`` routes (no native rows): the plan of an
+  update micro-batch is built with them, so micro-batches may be split differently in the two
+  forwards.
 
-verl sets the replay action on the routers inside ``forward_step``, before it calls the forward
-function; :func:`replaying_now` reads it there, so the routes go with the micro-batch exactly when
-verl would replay them.
+verl sets the replay action on the routers before it calls the forward function;
+:func:`router_action` reads it there, so the routes go with the micro-batch exactly when verl
+would replay (or record) them.
 """
 
 from __future__ import annotations
@@ -25,45 +32,48 @@ from typing import Any
 
 import torch
 
-__all__ = ["replay_mode_problems", "micro_batch_routes", "replaying_now"]
+__all__ = ["replay_mode_problems", "micro_batch_routes", "router_action", "RouteRecorder"]
 
 
 def replay_mode_problems(engine_config: Any) -> list[str]:
-    """The ``router_replay`` setting sharing cannot run with, as problem strings."""
+    """The ``router_replay`` settings sharing cannot run with, as problem strings."""
     mode = getattr(getattr(engine_config, "router_replay", None), "mode", "disabled")
-    if mode == "R2":
-        return ["router_replay.mode='R2' (it records routes in a forward whose rows are shared, "
-                "in verl's per-sample layout; use 'R3', which replays the rollout's routes)"]
+    cp = getattr(engine_config, "context_parallel_size", 1)
+    if mode != "disabled" and cp > 1:
+        return [f"router_replay.mode={mode!r} with context_parallel_size={cp} (routing replay "
+                "under context parallelism is not supported with sharing yet)"]
     return []
 
 
-def replaying_now(model: Any) -> bool:
-    """Whether verl has set this model chunk's routers to replay (forward or recompute)."""
+def router_action(model: Any) -> str | None:
+    """The replay action verl has set on this model chunk's routers (``"record"``,
+    ``"replay_forward"``, ``"replay_backward"``), or None (no replay, or no MoE layer here)."""
     for module in model.modules():
-        replay = getattr(module, "router_replay", None)
-        action = getattr(replay, "router_replay_action", None)
+        action = getattr(getattr(module, "router_replay", None), "router_replay_action", None)
         if action is not None:
-            return action.value in ("replay_forward", "replay_backward")
-    return False
+            return action.value
+    return None
 
 
 def micro_batch_routes(batch: Any, mode: str) -> list[torch.Tensor] | None:
     """The micro-batch's routes as the plan takes them, one ``[tokens, layers, topk]`` int64
     tensor per sample (``-1`` where verl routes natively), or None when ``mode`` replays
-    nothing."""
+    nothing or (``R2``) the batch has none yet: its recording forward."""
     from .mcore import PrefixSharingSetupError
 
-    if mode != "R3":
+    if mode not in ("R2", "R3"):
         return None
     routed = batch.get("routed_experts", None)
     if routed is None:
+        if mode == "R2":
+            return None
         raise PrefixSharingSetupError(
             "router_replay.mode='R3' with prefix sharing: the micro-batch has no routed_experts "
             "(the rollout's routes)")
     input_ids = batch["input_ids"]
     parts = list(routed.unbind()) if routed.is_nested else list(routed)
     lengths = input_ids.offsets().diff().tolist()
-    native = _native_rows(input_ids, batch)
+    native = _native_rows(input_ids, batch) if mode == "R3" else None
     routes = []
     for i, (part, length) in enumerate(zip(parts, lengths, strict=True)):
         part = part.to(torch.int64)
@@ -87,3 +97,30 @@ def _native_rows(input_ids: torch.Tensor, batch: Any) -> list[torch.Tensor] | No
         return None
     mask = build_r3_replay_mask(input_ids, batch["response_mask"])
     return [~m.bool() for m in mask.unbind()]
+
+
+class RouteRecorder:
+    """One micro-batch's ``R2`` recording under sharing: the shared forward says which model
+    chunk ran with which plan (:meth:`ran`), and verl's per-micro-batch merge, right after that
+    forward, reads the routers' recording through it (:meth:`merged`)."""
+
+    def __init__(self) -> None:
+        self._ran: tuple[Any, Any] | None = None
+
+    def ran(self, model: Any, plan: Any) -> None:
+        """The shared forward ran ``model`` (one chunk, unwrapped) with ``plan``."""
+        self._ran = (model, plan)
+
+    def merged(self) -> torch.Tensor:
+        """What verl's ``merge_router_topk_indices`` appends for this micro-batch: every
+        sample's routes as its plain tokens would have recorded them, a jagged
+        ``[samples, tokens, moe_layers_of_this_chunk, topk]`` int16 tensor on the CPU."""
+        from ..megatron_ext.routing_replay import recorded_routes
+
+        if self._ran is None:
+            raise RuntimeError("router_replay R2: verl merges recorded routes of a micro-batch "
+                               "that the sharing forward did not run")
+        model, plan = self._ran
+        with torch.no_grad():
+            parts = plan.split(recorded_routes(model, plan).to("cpu", torch.int16))
+        return torch.nested.as_nested_tensor(parts, layout=torch.jagged)

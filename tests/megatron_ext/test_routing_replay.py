@@ -8,6 +8,10 @@ plan must stop sharing. They are not the model's own top-k, so a run without rep
 the comparison shows the routes were replayed. Router variants: the preset's statistics (the
 router routes the plain view), DeepSeek-V3's sigmoid + expert bias, and no statistics (the
 router routes the flat rows). One rank, and TP=2 with sequence parallelism.
+
+Recording (verl's R2 records routes in one forward to replay them later): a no-grad sharing
+forward planned with ``record_routes=True`` records the flat rows, and ``recorded_routes`` hands
+every plain token its row's route - equal to what the stock spec records on the padded batch.
 """
 
 from __future__ import annotations
@@ -67,7 +71,7 @@ def _refusals() -> dict:
     """What each replay state sharing cannot serve raises (inside a rank)."""
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
-    from prefix_sharing.megatron_ext import UnsupportedSetupError
+    from prefix_sharing.megatron_ext import UnsupportedSetupError, prepare_micro_batch
 
     batches, routes = batches_and_routes(False)
     batches, routes = batches[:1], routes[:1]
@@ -85,6 +89,17 @@ def _refusals() -> dict:
         for layer in model.decoder.layers:
             layer.mlp.router.router_replay.set_router_replay_action(action)
         attempt(action.value, model)
+    # a forward planned to record: with grad the preset's router keeps statistics (it would
+    # record the plain view), and without RECORD there is nothing to record
+    mb = prepare_micro_batch(batches[0], EVERY_PREFIX, device="cpu", record_routes=True)
+    for name, action in (("record_with_grad", RouterReplayAction.RECORD),
+                         ("record_no_action", None)):
+        for layer in model.decoder.layers:
+            layer.mlp.router.router_replay.router_replay_action = action
+        try:
+            model(mb.input_ids, mb.position_ids, None, packed_seq_params=mb.packed_seq_params)
+        except UnsupportedSetupError as e:
+            errors[name] = str(e)
     return errors
 
 
@@ -107,7 +122,14 @@ def _switch_and_refusals_job(rank: int) -> dict:
     for freq in (1, 2, [0, 1, 1, 0]):
         config.moe_layer_freq, config.num_layers = freq, 4
         indices[str(freq)] = [moe_layer_index(config, n) for n in range(1, 5)]
+    # routes that diverge shape the plan without being replayed (a stage that does not replay)
+    diverged, _ = diverge_inside_shared_prefix(seqs, routes, 8, EVERY_PREFIX)
+    cut = prepare_micro_batch(seqs, EVERY_PREFIX, pad_to_multiple_of=4, routes=diverged)
+    planned_only = prepare_micro_batch(seqs, EVERY_PREFIX, pad_to_multiple_of=4, routes=diverged,
+                                       replay_routes=False)
     return {
+        "planned_only": (planned_only.packed_seq_params.routes is None,
+                         planned_only.plan.digest() == cut.plan.digest() != mb.plan.digest()),
         "refusals": _refusals(),
         "flat_equals_packed_at_each_row": all(
             torch.equal(flat[row], packed[mb.plan.kv_index.tolist().index(row)])
@@ -121,6 +143,7 @@ def _switch_and_refusals_job(rank: int) -> dict:
 def test_flat_routes_the_replay_switch_and_refusals():
     report = run_distributed(_switch_and_refusals_job, 1, timeout=300)[0]
     assert report["flat_equals_packed_at_each_row"]
+    assert report["planned_only"] == (True, True)
     assert report["shape"] == (8, 3, 2)  # 6 rows + 2 pad rows, 3 MoE layers, top-2
     assert report["inside"] == ("replay_forward", True) and report["restored"]
     assert report["indices"] == {"1": [0, 1, 2, 3], "2": [0, 1, 1, 2], "[0, 1, 1, 0]": [0, 0, 1, 2]}
@@ -128,6 +151,9 @@ def test_flat_routes_the_replay_switch_and_refusals():
     assert "moe_enable_routing_replay=False" in errors["no_flag"]
     assert "REPLAY_FORWARD with a sharing plan but no routes" in errors["replay_forward"]
     assert "RECORD with a sharing plan" in errors["record"]
+    assert "keeps router statistics" in errors["record_with_grad"]
+    assert "asks to record routes but the router replay action is None" in errors[
+        "record_no_action"]
 
 
 # ----------------------------------------------------------------------------- the model
@@ -155,13 +181,58 @@ def _replay_job(rank: int, cases: list[tuple[str, bool]]) -> dict:
     # the routes are not the model's own: without replay (last case) the log-probs differ
     native = forward_backward(ours, batches, "shared", EVERY_PREFIX)
     report["native_vs_padded"] = compare(native, padded).max_rel_diff
+    report["recorded"] = _recordings(ours, stock, batches[0])
     return report
+
+
+def _recordings(ours, stock, seqs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every plain token's route ``[T_total, moe_layers, topk]`` as a no-grad forward records
+    it: the sharing model's (its flat rows, through ``recorded_routes``) and the stock model's
+    on the right-padded batch (its router sees ``[s, b]`` s-major, this rank's slice of ``s``
+    under sequence parallelism)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    from prefix_sharing.megatron_ext import prepare_micro_batch
+    from prefix_sharing.megatron_ext.routing_replay import recorded_routes
+
+    def record(model):
+        for layer in model.decoder.layers:
+            layer.mlp.router.router_replay.clear_indices()
+            layer.mlp.router.router_replay.set_router_replay_action(RouterReplayAction.RECORD)
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    longest = max(len(s) for s in seqs)
+    longest += -longest % tp
+    tokens = torch.zeros(len(seqs), longest, dtype=torch.long)
+    padding = torch.ones(len(seqs), longest, dtype=torch.bool)
+    for row, s in enumerate(seqs):
+        tokens[row, : len(s)], padding[row, : len(s)] = s, False
+    with torch.no_grad():
+        record(ours)
+        mb = prepare_micro_batch(seqs, EVERY_PREFIX, device="cpu", record_routes=True)
+        ours(mb.input_ids, mb.position_ids, None, packed_seq_params=mb.packed_seq_params)
+        shared = recorded_routes(ours, mb.plan)
+        record(stock)
+        stock(tokens, torch.arange(longest).expand_as(tokens), None, padding_mask=padding)
+        rows = torch.stack([layer.mlp.router.router_replay.recorded_topk_idx
+                            for layer in stock.decoder.layers], dim=1)  # [s / TP * b, L, k]
+        if tp > 1:
+            rows = gather_from_sequence_parallel_region(rows, tensor_parallel_output_grad=False)
+        rows = rows.view(longest, len(seqs), *rows.shape[1:])  # [s, b, L, k]
+        plain = torch.cat([rows[: len(s), j] for j, s in enumerate(seqs)])
+    return shared, plain
 
 
 def _check(ranks: list[dict], cases: list[tuple[str, bool]]) -> None:
     for rank, report in enumerate(ranks):
-        assert len(report) == len(cases) + 1, report.keys()
+        assert len(report) == len(cases) + 2, report.keys()
         assert report.pop("native_vs_padded")["log_probs"] > 1e-3, rank
+        shared, plain = report.pop("recorded")
+        assert shared.shape == plain.shape == (plain.size(0), PRESET.num_layers,
+                                               PRESET.moe_router_topk), rank
+        assert torch.equal(shared, plain), f"rank {rank}: recorded routes differ"
         for case, r in report.items():
             worst = {q: d for q, d in r["shared_vs_padded"].items() if d > FP32_RTOL}
             assert not worst, f"rank {rank} {case}: {worst}"

@@ -7,7 +7,15 @@ prefixes and for routes with one token diverging inside one (where the plan stop
 step reports ``prefix_sharing/route_divergent_prefix_tokens``). On 0.9.1 verl routes each
 sample's last row natively under R3 (its replay mask); sharing keeps those rows native too. The
 routes are not the model's own top-k, so the sharing-off run without replay differs: the
-comparison shows they were replayed. ``R2`` is refused by name.
+comparison shows they were replayed.
+
+``R2`` (routes recorded in ``infer_batch``'s forward, replayed in ``forward_backward_batch``)
+with sharing on gives what verl's own R2 gives with sharing off: the recorded routes themselves
+(``routed_experts`` in ``infer_batch``'s output, every token's, equal), old log-probs, entropy,
+``ppo_loss`` and every gradient, with the update split into three micro-batches where the
+recording ran one. Control: the recorded routes shifted by one token replay differently (the
+result moves away from the unshifted one) and still equal verl's own replay of the same shifted
+routes.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import pytest
 from tests.verl_ext._requires import require_verl
 
 pytest.importorskip("verl")
+import torch  # noqa: E402
 from importlib.metadata import version  # noqa: E402
 
 require_verl(version("verl") if version("verl") in ("0.8.0", "0.9.1") else "0.9.1")
@@ -79,16 +88,36 @@ def _engine(config):
     return engine
 
 
-def _batch(workload: str, routes: list):
+def _batch(workload: str, routes: list | None, micro_batch_size: int = BATCH):
     import torch
     from verl.utils import tensordict_utils as tu
 
     from tests.verl_ext._batch import make_batch
 
-    data = make_batch(workload, vocab_size=PRESET.vocab_size, micro_batch_size=BATCH)
-    data["routed_experts"] = torch.nested.as_nested_tensor(routes, layout=torch.jagged)
+    data = make_batch(workload, vocab_size=PRESET.vocab_size, micro_batch_size=micro_batch_size)
+    if routes is not None:
+        data["routed_experts"] = torch.nested.as_nested_tensor(routes, layout=torch.jagged)
     tu.assign_non_tensor(data, enable_routing_replay=True)
     return data
+
+
+def _r2(workload: str, sharing: dict | None, shift: bool) -> dict:
+    """verl's R2 step: ``infer_batch`` records (one micro-batch), ``forward_backward_batch``
+    replays the recording (three micro-batches), shifted by one token when ``shift``; on a
+    fresh engine with the preset's weights."""
+    from verl.workers.utils.losses import ppo_loss
+
+    from tests.verl_ext._batch import plain_output
+
+    config = _config(sharing, "R2")
+    engine = _engine(config)
+    infer = plain_output(engine.infer_batch(_batch(workload, None)))
+    recorded = [r.long() for r in infer["model_output"]["routed_experts"]]
+    replayed = [r.roll(1, 0) for r in recorded] if shift else recorded
+    train = engine.forward_backward_batch(_batch(workload, replayed, micro_batch_size=2),
+                                          partial(ppo_loss, config=config))
+    grads = {n: p.grad.clone() for n, p in engine.module[0].named_parameters()}
+    return {"infer": infer, "train": plain_output(train), "grads": grads, "routes": recorded}
 
 
 def _job(rank: int, workload: str) -> dict:
@@ -118,12 +147,9 @@ def _job(rank: int, workload: str) -> dict:
             grads = {n: p.grad.clone() for n, p in engine.module[0].named_parameters()}
             results[routes_name, name] = {"infer": plain_output(infer),
                                           "train": plain_output(train), "grads": grads}
-    errors = {}
-    try:
-        _engine(_config(SHARING, "R2"))
-    except ValueError as e:
-        errors["R2"] = str(e)
-    results["errors"] = errors
+    for shift in (False, True):
+        for name, sharing in (("shared", SHARING), ("plain", None)):
+            results["R2", shift, name] = _r2(workload, sharing, shift)
     return results
 
 
@@ -147,5 +173,22 @@ def test_route_divergence_reaches_verls_metrics(results):
     assert metric not in results["agree", "plain"]["train"]["metrics"]
 
 
-def test_r2_is_refused_by_name(results):
-    assert "router_replay.mode='R2'" in results["errors"]["R2"]
+def test_r2_with_sharing_equals_verls_r2_without(results):
+    shared, plain = results["R2", False, "shared"], results["R2", False, "plain"]
+    for i, (s, p) in enumerate(zip(shared["routes"], plain["routes"], strict=True)):
+        assert s.shape == p.shape and s.size(1) == PRESET.num_layers, f"routes[{i}] shape"
+        assert torch.equal(s, p), f"R2 recorded routes of sample {i} differ"
+    assert len(plain["train"]["loss"]) == 3  # the update re-split the recorded batch
+    same_outputs(shared, plain, "R2")
+    metric = "prefix_sharing/route_divergent_prefix_tokens"
+    assert shared["train"]["metrics"][metric] == [0.0]  # recorded routes agree where shared
+
+
+def test_r2_replays_what_it_is_given(results):
+    """The control: a replayed route shifted by one token changes the step, with and without
+    sharing alike."""
+    shifted = results["R2", True, "shared"]
+    same_outputs(shifted, results["R2", True, "plain"], "R2 shifted")
+    unshifted = results["R2", False, "plain"]
+    with pytest.raises(AssertionError, match="relative error"):
+        same_outputs(shifted, unshifted, "R2 shifted vs unshifted")

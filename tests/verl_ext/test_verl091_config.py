@@ -35,6 +35,8 @@ def test_a_typo_in_the_block_fails_at_config_time():
     (dict(dynamic_context_parallel=True), "dynamic_context_parallel=True"),
     (dict(use_remove_padding=False), "use_remove_padding=False"),
     (dict(use_fused_kernels=True), "use_fused_kernels=True"),
+    (dict(context_parallel_size=2, router_replay=SimpleNamespace(mode="R2")),
+     "router_replay.mode='R2' with context_parallel_size=2"),
 ])
 def test_settings_sharing_cannot_honour_raise_one_clear_error(setting, message):
     from verl.workers.engine.base import EngineRegistry
