@@ -100,14 +100,15 @@ def _sharing_forward(self: Any, hidden_states: torch.Tensor, cache: Any = None,
         [self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)  # [T, I], [T, xBC], [T, H]
     xbc = causal_conv1d_over_schedule(xbc, self.conv1d.weight.squeeze(1), self.conv1d.bias,
                                       schedule, activation=self.activation, backend=backend)
-    x, B, C = torch.split(xbc, [self.intermediate_size, groups_dim, groups_dim], dim=-1)
+    dt = discretize_dt(dt, self.dt_bias, self.time_step_limit)  # [T, H], in the model's dtype
     A = -torch.exp(self.A_log.float())  # [H], float32 as in the stock mixer
-    # the stock torch scan runs on float32 inputs and hands the norm its float32 output (a
+    # the stock torch scan runs on float32 x, dt, B, C and hands the norm its float32 output (a
     # float64 model stays float64 here, as its float64 reference does)
-    x = x.to(torch.promote_types(x.dtype, torch.float32))
+    x, B, C, dt = (t.to(torch.promote_types(t.dtype, torch.float32))
+                   for t in (*torch.split(xbc, [self.intermediate_size, groups_dim, groups_dim],
+                                          dim=-1), dt))
     y = ssd_over_schedule(
-        x.reshape(total, self.num_heads, self.head_dim),  # [T, H, P]
-        discretize_dt(dt, self.dt_bias, self.time_step_limit), A,
+        x.reshape(total, self.num_heads, self.head_dim), dt, A,  # [T, H, P], [T, H], [H]
         B.reshape(total, self.n_groups, self.ssm_state_size),  # [T, G, N]
         C.reshape(total, self.n_groups, self.ssm_state_size), schedule, D=self.D,
         backend=backend)

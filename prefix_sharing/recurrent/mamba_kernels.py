@@ -33,7 +33,7 @@ from .torch_kernels import _padded, _padded_index
 
 __all__ = ["MAMBA_CHUNK_SIZE", "chunk_scan_arguments", "chunk_ssd_mamba"]
 
-MAMBA_CHUNK_SIZE = 256  # the chunk size Mamba-2 / Nemotron-H checkpoints run the kernel at
+MAMBA_CHUNK_SIZE = 256  # mamba_ssm's Mamba2 default; any chunk size gives the same scan
 
 
 def chunk_scan_arguments(
