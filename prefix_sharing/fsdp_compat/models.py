@@ -82,6 +82,10 @@ def hf_config(family: str, preset: ModelPreset, **overrides: Any) -> Any:
         if family == "qwen3_5_moe_text":
             shape.pop("intermediate_size")  # every MLP is sparse
     elif family in MAMBA_HYBRID_FAMILIES:
+        if not hasattr(transformers, "NemotronHConfig"):
+            raise MissingPackageError(f"nemotron_h needs a transformers release with Nemotron-H "
+                                      f"(installed: {transformers.__version__}); pip install -U "
+                                      "transformers")
         config_cls, extra = transformers.NemotronHConfig, _mamba_family(preset)
         shape.update(extra)
         for name in ("rope_theta", "num_hidden_layers"):  # no rotary; the pattern sets the depth

@@ -4,7 +4,7 @@ A reuser's tail starts from its provider's state at the branch point. :mod:`.sch
 plan into pieces, parents and depth buckets once per micro-batch; :mod:`.gated_delta` runs the
 Gated DeltaNet kernels (torch reference or flash-linear-attention) over that schedule, and
 :mod:`.ssd` the Mamba-2 scan (torch reference or mamba_ssm) with the same state passing.
-Layer-free: framework adapters (HuggingFace, Megatron) build their GDN modules on it.
+Layer-free: framework adapters (HuggingFace, Megatron) build their GDN and Mamba-2 modules on it.
 """
 
 from .gated_delta import (

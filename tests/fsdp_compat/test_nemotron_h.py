@@ -28,6 +28,8 @@ from prefix_sharing.workloads import make_workload
 
 from ._models import EVERY_PREFIX
 
+pytest.importorskip("transformers.models.nemotron_h", reason="Nemotron-H needs transformers 5")
+
 PRESET = sharp(PRESETS["tiny-nemotron-h"])
 
 
