@@ -10,7 +10,13 @@ v, output gate z, beta, decay; output), its causal convolution, and the chunked 
 rule's products at chunk size 64 (per value head ``6 K V`` for the state's reads and writes,
 ``C (5 K + 3 V)`` for the intra-chunk products and triangular solves): linear in the tokens, like
 an MLP, so sharing saves it in the token ratio; the attention layers of a hybrid gate their
-output (a q projection twice as wide). The backward pass costs twice the forward. Norms,
+output (a q projection twice as wide). On a Mamba-2 hybrid (``mamba``, Nemotron-H) each layer
+of the pattern costs its own kind: a Mamba-2 mixer its input projection (z, x, B, C, dt), its
+causal convolution over x, B and C, the SSD scan at chunk size 64 (per head ``2 P N`` for the
+state's write and read, ``C (N + P) / 2`` for the intra-chunk scores and their weighted sum)
+and its output projection; an attention layer its projections (no gate) and pairs; an MLP its
+up and down projections (not gated); an MoE layer its router, top-k experts and shared expert
+(up and down each). The backward pass costs twice the forward. Norms,
 rotary embedding, softmax and the K/V gather are not counted: they are memory-bound and small
 beside the products. ``tests/test_flops.py`` checks this against the matrix products torch's
 ``FlopCounterMode`` counts on the Megatron engine's real steps: equal, once the masked half of
@@ -43,13 +49,20 @@ def count_flops(plan: SharingPlan, model: ModelPreset) -> FlopCount:
     """Forward+backward FLOPs of the plain forward of ``plan``'s sequences and of the plan."""
     per_token = _linear_flops_per_token(model)
     per_pair = _attention_flops_per_pair(model)
-    windows = [model.layer_window(layer) for layer in range(1, model.num_layers + 1)
-               if not model.layer_is_recurrent(layer)]
+    windows = [model.layer_window(layer) for layer in _attention_layers(model)]
     plain_pairs = sum(_pairs(n, n, w) for n in plan.seq_lens for w in windows)
     shared_pairs = sum(_plan_pairs(plan, w) for w in windows)
     plain = per_token * plan.num_tokens_total + per_pair * plain_pairs
     shared = per_token * plan.num_tokens_unique + per_pair * shared_pairs
     return FlopCount(_FORWARD_AND_BACKWARD * plain, _FORWARD_AND_BACKWARD * shared)
+
+
+def _attention_layers(model: ModelPreset) -> list[int]:
+    """The 1-based layers that attend (a hybrid's others are recurrent, MLP or MoE layers)."""
+    layers = range(1, model.num_layers + 1)
+    if model.mamba is not None:
+        return [layer for layer in layers if model.mamba.pattern[layer - 1] == "*"]
+    return [layer for layer in layers if not model.layer_is_recurrent(layer)]
 
 
 def _attention_flops_per_pair(model: ModelPreset) -> int:
@@ -62,6 +75,9 @@ def _attention_flops_per_pair(model: ModelPreset) -> int:
 
 def _linear_flops_per_token(model: ModelPreset) -> int:
     h = model.hidden_size
+    if model.mamba is not None:
+        return 2 * (sum(map(_mamba_hybrid_layer_macs(model).__getitem__, model.mamba.pattern))
+                    + h * model.vocab_size)
     layers = range(1, model.num_layers + 1)
     recurrent = sum(map(model.layer_is_recurrent, layers))
     mlps = sum(_mlp_macs(model, layer) for layer in layers)
@@ -109,6 +125,25 @@ def _recurrent_macs_per_token(model: ModelPreset) -> int:
     conv = model.linear_conv_kernel_dim * (2 * key_dim + value_dim)
     rule = heads * (3 * k * v + _GDN_CHUNK * (5 * k + 3 * v) // 2)
     return projections + conv + rule
+
+
+_SSD_CHUNK = 64
+
+
+def _mamba_hybrid_layer_macs(model: ModelPreset) -> dict[str, int]:
+    """Multiply-adds per computed token of each Nemotron-H layer kind (see the module doc)."""
+    h, m = model.hidden_size, model.mamba
+    inner, groups = m.inner_size, m.n_groups * m.state_size
+    mixer = (h * (2 * inner + 2 * groups + m.num_heads) + m.conv_kernel * (inner + 2 * groups)
+             + m.num_heads * (2 * m.head_dim * m.state_size
+                              + _SSD_CHUNK * (m.state_size + m.head_dim) // 2)
+             + inner * h)
+    n, d = model.num_attention_heads, model.head_dim
+    routed = model.moe_ffn_hidden_size or max(1, model.ffn_hidden_size // 2)
+    experts = ((model.num_experts or 4) * h + model.moe_router_topk * 2 * h * routed
+               + 2 * h * (model.moe_shared_expert_size or routed))
+    return {"M": mixer, "*": h * (n + 2 * model.num_query_groups) * d + n * d * h,
+            "-": 2 * h * model.ffn_hidden_size, "E": experts}
 
 
 def _pairs(s: int, L: int, window: int | None) -> int:

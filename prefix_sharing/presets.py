@@ -6,7 +6,8 @@ import dataclasses
 
 from .errors import InputError
 
-__all__ = ["MLAShape", "ModelPreset", "PRESETS", "get_preset", "sharp", "VOCAB_MULTIPLE", "SHARP_INIT_STD"]
+__all__ = ["MLAShape", "MambaShape", "ModelPreset", "PRESETS", "get_preset", "sharp",
+           "VOCAB_MULTIPLE", "SHARP_INIT_STD"]
 
 VOCAB_MULTIPLE = 128  # Megatron-LM's default make_vocab_size_divisible_by
 MAX_RANDOM_VOCAB = 1 << 20  # real tokenizers stay below 300k
@@ -28,6 +29,31 @@ class MLAShape:
     @property
     def q_head_dim(self) -> int:
         return self.qk_head_dim + self.qk_pos_emb_head_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class MambaShape:
+    """A Mamba-2 hybrid's layout (Nemotron-H): ``pattern`` has one letter per layer, ``M`` a
+    Mamba-2 mixer, ``*`` attention, ``-`` an MLP, ``E`` an MoE layer (transformers'
+    ``hybrid_override_pattern``); each mixer has ``num_heads`` SSD heads of ``head_dim``
+    channels, a state of ``state_size`` per channel with B/C in ``n_groups`` groups, and a
+    causal convolution ``conv_kernel`` wide over x, B and C."""
+
+    pattern: str
+    num_heads: int = 4
+    head_dim: int = 16
+    state_size: int = 16
+    n_groups: int = 2
+    conv_kernel: int = 4
+
+    @property
+    def num_mixers(self) -> int:
+        return self.pattern.count("M")
+
+    @property
+    def inner_size(self) -> int:
+        """The mixer's x width (``num_heads * head_dim``)."""
+        return self.num_heads * self.head_dim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +104,10 @@ class ModelPreset:
     linear_num_value_heads: int = 4
     linear_head_dim: int = 16
     linear_conv_kernel_dim: int = 4
+    # Mamba-2 hybrid (Nemotron-H, --engine hf only): the layer pattern and the mixers' shape
+    # (num_layers is the pattern's length; E layers use num_experts / moe_ffn_hidden_size /
+    # moe_shared_expert_size, - layers ffn_hidden_size). None: not a Mamba hybrid.
+    mamba: MambaShape | None = None
     # the transformers family ``--engine hf`` builds (None: chosen from the shape, see
     # prefix_sharing.engines.hf.family_of); the Megatron engine builds its GPT of this shape
     hf_family: str | None = None
@@ -157,6 +187,12 @@ PRESETS: dict[str, ModelPreset] = {
         # layers, then one gated full-attention layer (output gate, partial rotary, QK-norm)
         dataclasses.replace(_TINY, name="tiny-hybrid", num_layers=4, full_attention_every=4,
                             hf_family="qwen3_5_text"),
+        # Nemotron-H's layout (--engine hf: transformers' nemotron_h): Mamba-2 mixers (4 heads of
+        # 16, state 16, 2 groups), an MLP, one attention layer and an MoE layer (4 experts,
+        # top-2, a shared expert)
+        dataclasses.replace(_TINY, name="tiny-nemotron-h", num_layers=5, num_experts=4,
+                            moe_ffn_hidden_size=32, moe_shared_expert_size=32,
+                            mamba=MambaShape(pattern="M-M*E"), hf_family="nemotron_h"),
         # DeepSeek-V3's shape, tiny: MLA with q LoRA (q/k 24 channels per head, 16 of them
         # rotary-free, v 16), MoE of 8 experts top-2 with a shared expert, sigmoid routing with
         # expert bias, the first layer dense

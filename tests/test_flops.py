@@ -149,3 +149,39 @@ def test_recurrent_layers_are_counted_per_token():
     low, high = sorted([plan.token_ratio, attention.ratio])
     assert low < ratio < high
     assert abs(more.ratio - plan.token_ratio) < abs(ratio - plan.token_ratio)
+
+
+def test_mamba_hybrid_layers_count_what_torch_counts():
+    """Nemotron-H (tiny-nemotron-h, pattern ``M-M*E``): the linear layers the model counts per
+    token - Mamba-2 input/output projections, attention, non-gated MLP, MoE router, top-k and
+    shared experts, LM head - are the matrix products torch counts on transformers' own
+    forward (``aten.mm``); the mixers' convolution and SSD scan, counted on top, are per token
+    too, so the count's ratio lies between the token ratio and the same stack's attention-only
+    ratio, and a batch without sharing has ratio 1."""
+    pytest.importorskip("transformers.models.nemotron_h")
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from prefix_sharing.flops import _SSD_CHUNK, _mamba_hybrid_layer_macs
+    from prefix_sharing.fsdp_compat import build_model
+
+    preset = get_preset("tiny-nemotron-h")
+    model = build_model("nemotron_h", preset)
+    model.set_experts_implementation("eager")  # one F.linear per expert: products torch sees
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(input_ids=torch.arange(1, 38)[None], use_cache=False)
+    mamba = preset.mamba
+    conv_width = mamba.inner_size + 2 * mamba.n_groups * mamba.state_size  # x, B, C
+    scan_and_conv = (mamba.num_heads * (2 * mamba.head_dim * mamba.state_size
+                                        + _SSD_CHUNK * (mamba.state_size + mamba.head_dim) // 2)
+                     + mamba.conv_kernel * conv_width)
+    macs = _mamba_hybrid_layer_macs(preset)
+    linear = (sum(macs[kind] for kind in mamba.pattern) - mamba.num_mixers * scan_and_conv
+              + preset.hidden_size * preset.vocab_size)
+    assert counter.get_flop_counts()["Global"][torch.ops.aten.mm] == 2 * linear * 37
+
+    plan = build_plan(make_workload("tree", vocab_size=preset.vocab_size).sequences, CONFIG)
+    none = build_plan(make_workload("none", vocab_size=preset.vocab_size).sequences, CONFIG)
+    assert count_flops(none, preset).ratio == 1.0
+    attention = dataclasses.replace(preset, mamba=dataclasses.replace(mamba, pattern="*-**E"))
+    assert plan.token_ratio > count_flops(plan, preset).ratio > count_flops(plan, attention).ratio

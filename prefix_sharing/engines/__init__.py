@@ -103,10 +103,23 @@ class Engine:
         return ranks[tp * cp * (pp - 1)]
 
 
+# why megatron-core's Mamba stays refused (checked on 0.19.2, ssm/mamba_mixer.py)
+MAMBA_NOT_SERVED = (
+    "megatron-core's MambaMixer trains through mamba_ssm's fused "
+    "mamba_split_conv1d_scan_combined with packed sequences kept apart by seq_idx, each "
+    "starting from a zero state and with no initial-state input (the kernel takes one initial "
+    "state per batch row), so a reuser's tail cannot start from its provider's state at the "
+    "branch point; and its kernels are CUDA-only")
+
+
 def _check_recurrent_layers(model: ModelPreset, tp: int = 1, cp: int = 1) -> None:
     """A hybrid preset's Gated DeltaNet layers: the megatron engine builds them (a HybridModel,
     :func:`~.megatron.preset_model`) on megatron-core 0.19.2, whose GDN module it shares; any
-    other release would have to build them as something else, so it is refused."""
+    other release would have to build them as something else, so it is refused. A Mamba-2
+    hybrid preset is refused on every release (see :data:`MAMBA_NOT_SERVED`)."""
+    if model.mamba is not None:
+        raise UnsupportedSetup(f"the {model.name} preset has Mamba-2 layers, which the megatron "
+                               f"engine does not share: {MAMBA_NOT_SERVED}; use --engine hf")
     if model.full_attention_every is None:
         return
     from ..megatron_ext.layer_specs import GDN_NOT_SERVED, serves_gated_delta_net

@@ -153,13 +153,14 @@ def _step(model: torch.nn.Module, workload: BenchWorkload, config: PrefixSharing
 
 def _prefix_grouper_peer(model: torch.nn.Module, workload: BenchWorkload) -> dict:
     """PrefixGrouper's step on a grouped batch (none for a batch without prompt groups, nor for
-    a Gated DeltaNet hybrid: PrefixGrouper shares attention only); the tokens it computes are
+    a Gated DeltaNet or Mamba-2 hybrid: PrefixGrouper shares attention only); the tokens it computes are
     its padded grid, ``groups x longest group``."""
-    from ..fsdp_compat import HYBRID_FAMILIES
+    from ..fsdp_compat import HYBRID_FAMILIES, MAMBA_HYBRID_FAMILIES
     from ..fsdp_compat.prefix_grouper_peer import (PEER_ATTENTION_NAME, grouped_batch,
                                                    prefix_grouper_forward)
 
-    if workload.groups is None or model.config.model_type in HYBRID_FAMILIES:
+    if workload.groups is None or model.config.model_type in (*HYBRID_FAMILIES,
+                                                              *MAMBA_HYBRID_FAMILIES):
         return {}
     device = model.get_input_embeddings().weight.device
 

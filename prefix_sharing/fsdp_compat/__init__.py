@@ -11,8 +11,9 @@ Usage::
 Modules: :mod:`.attention` (the attention function transformers calls), :mod:`.forward` (the
 model call and the log-probs), :mod:`.response_rows` (the LM head on response rows only),
 :mod:`.moe` (the exact router loss), :mod:`.gated_deltanet` (Qwen3.5 / Qwen3-Next's recurrent
-layers on the plan), :mod:`.models` (families, seeded models, what is refused), :mod:`.fsdp`
-(FSDP2 wrapping), :mod:`.runs` (plain and shared runs for the equivalence checks;
+layers on the plan), :mod:`.mamba2` (Nemotron-H's Mamba-2 mixers on the plan), :mod:`.models`
+(families, seeded models, what is refused), :mod:`.fsdp` (FSDP2 wrapping), :mod:`.runs` (plain
+and shared runs for the equivalence checks;
 :mod:`.plain_kernels`, the recurrence of their plain runs), :mod:`.prefix_grouper_peer` (the
 PrefixGrouper reference). transformers is imported only when a function needs it.
 """
@@ -23,6 +24,7 @@ from .models import (
     ATTENTION_FAMILIES,
     FAMILIES,
     HYBRID_FAMILIES,
+    MAMBA_HYBRID_FAMILIES,
     build_model,
     check_supported,
     hf_config,
@@ -35,6 +37,7 @@ __all__ = [
     "ATTENTION_NAME",
     "FAMILIES",
     "HYBRID_FAMILIES",
+    "MAMBA_HYBRID_FAMILIES",
     "ResponseRows",
     "SharedForward",
     "build_model",

@@ -20,6 +20,7 @@ from ..plan import SharingPlan
 from ..planner import PromptGroup, build_plan
 from .attention import ATTENTION_NAME, BACKEND_KWARG, PLAN_KWARG, register_attention
 from .gated_deltanet import check_sharing_gdn, install_sharing_gdn
+from .mamba2 import check_sharing_mamba, install_sharing_mamba
 from .models import check_supported
 from .moe import router_aux_loss
 from .response_rows import ResponseRows, response_rows
@@ -29,7 +30,7 @@ __all__ = ["enable_prefix_sharing", "SharedForward", "shared_forward", "model_kw
 
 def enable_prefix_sharing(model: torch.nn.Module) -> torch.nn.Module:
     """Switches ``model`` (in place) to the sharing attention, and its Gated DeltaNet layers
-    (Qwen3.5, Qwen3-Next) to the sharing recurrence; returns it.
+    (Qwen3.5, Qwen3-Next) and Mamba-2 mixers (Nemotron-H) to the sharing recurrence; returns it.
 
     Call it before wrapping the model (FSDP, gradient checkpointing). From then on every
     forward needs a plan: use :func:`shared_forward`, or pass :func:`model_kwargs`.
@@ -38,6 +39,7 @@ def enable_prefix_sharing(model: torch.nn.Module) -> torch.nn.Module:
     register_attention()
     model.set_attn_implementation(ATTENTION_NAME)
     install_sharing_gdn(model)
+    install_sharing_mamba(model)
     return model
 
 
@@ -117,6 +119,7 @@ def shared_forward(
         raise ValueError("the model does not use the sharing attention: call "
                          "enable_prefix_sharing(model) first (before wrapping it)")
     check_sharing_gdn(model)
+    check_sharing_mamba(model)
     if plan is None:
         plan = build_plan(sequences, config, groups=groups)
     plan = plan.to(model.get_input_embeddings().weight.device)

@@ -13,10 +13,11 @@ the sharing attention serves them unchanged. The recurrent kernels follow the fo
 ``sharing_backend``: ``"torch"`` runs the torch kernels, any other choice ``"auto"`` (fla on
 CUDA when installed, else torch).
 
-Refused: a model that holds multi-token-prediction modules (transformers drops Qwen3.5's
-``mtp.*`` weights on load, so a stock model has none; a model that trains them would need them
-shared too), a stock GDN module left in place while sharing (:func:`check_sharing_gdn`), and
-recurrent layers of any other family (Mamba-2 hybrids such as ``nemotron_h`` are not served).
+Refused: a model that holds multi-token-prediction modules (transformers drops Qwen3.5's and
+Nemotron-H's ``mtp.*`` weights on load, so a stock model has none; a model that trains them
+would need them shared too), a stock GDN module left in place while sharing
+(:func:`check_sharing_gdn`), and recurrent layers of any family but these and Nemotron-H
+(:mod:`.mamba2`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from ..recurrent import (
     recurrence_schedule,
 )
 from .attention import BACKEND_KWARG, PLAN_KWARG
+from .mamba2 import MAMBA_HYBRID_FAMILIES
 
 __all__ = ["HYBRID_FAMILIES", "install_sharing_gdn", "check_sharing_gdn",
            "check_recurrent_layers"]
@@ -51,10 +53,11 @@ def _is_gdn(module: torch.nn.Module) -> bool:
 
 
 def check_recurrent_layers(model: torch.nn.Module) -> None:
-    """Refuses recurrent layers sharing cannot serve, and MTP modules in the hybrid families."""
+    """Refuses recurrent layers sharing cannot serve, and MTP modules in the hybrid families
+    (the Gated DeltaNet ones here, the Mamba-2 ones of :mod:`.mamba2`)."""
     config = model.config
     model_type = getattr(config, "model_type", type(model).__name__)
-    if model_type in HYBRID_FAMILIES:
+    if model_type in (*HYBRID_FAMILIES, *MAMBA_HYBRID_FAMILIES):
         mtp = [name for name, _ in model.named_children() if name.startswith("mtp")]
         if mtp or any(".mtp" in name for name, _ in model.named_modules()):
             raise UnsupportedSetup(
@@ -68,8 +71,8 @@ def check_recurrent_layers(model: torch.nn.Module) -> None:
         raise UnsupportedSetup(
             f"{model_type} has recurrent layers ({', '.join(kinds + recurrent)}) that carry a "
             f"state across tokens; prefix sharing serves Gated DeltaNet hybrids "
-            f"({', '.join(HYBRID_FAMILIES)}) only - Mamba-2 hybrids such as nemotron_h are not "
-            "served yet")
+            f"({', '.join(HYBRID_FAMILIES)}) and the Mamba-2 hybrid nemotron_h only (not "
+            "mamba, mamba2, bamba, jamba, zamba2, falcon_h1, granitemoehybrid)")
 
 
 def install_sharing_gdn(model: torch.nn.Module) -> int:

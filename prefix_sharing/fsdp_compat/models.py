@@ -5,8 +5,10 @@ Qwen3-MoE (top-k routed experts; its load-balancing loss is kept exact by
 :func:`prefix_sharing.fsdp_compat.router_aux_loss`), gpt-oss (alternating sliding-window and
 full layers, learned attention sinks, MoE, YaRN RoPE), Gemma 3 and Gemma 4 text models (sliding
 local layers, every ``window_full_every``-th layer global), and the Gated DeltaNet hybrids
-Qwen3.5 (``qwen3_5_text``, ``qwen3_5_moe_text``) and Qwen3-Next (see :mod:`.gated_deltanet`). Any other decoder whose attention goes
-through ``AttentionInterface`` works the same way, once :func:`check_supported` accepts it.
+Qwen3.5 (``qwen3_5_text``, ``qwen3_5_moe_text``) and Qwen3-Next (see :mod:`.gated_deltanet`), and
+the Mamba-2 hybrid Nemotron-H (``nemotron_h``, see :mod:`.mamba2`). Any other decoder whose
+attention goes through ``AttentionInterface`` works the same way, once :func:`check_supported`
+accepts it.
 """
 
 from __future__ import annotations
@@ -15,16 +17,18 @@ from typing import Any
 
 import torch
 
-from ..errors import MissingPackageError
+from ..errors import InputError, MissingPackageError
 from ..presets import ModelPreset
 from .gated_deltanet import HYBRID_FAMILIES, check_recurrent_layers
+from .mamba2 import MAMBA_HYBRID_FAMILIES
 
-__all__ = ["ATTENTION_FAMILIES", "FAMILIES", "HYBRID_FAMILIES", "hf_config", "build_model", "check_supported"]
+__all__ = ["ATTENTION_FAMILIES", "FAMILIES", "HYBRID_FAMILIES", "MAMBA_HYBRID_FAMILIES",
+           "hf_config", "build_model", "check_supported"]
 
 # families whose token mixing is attention only
 ATTENTION_FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3_moe", "gpt_oss",
                                        "gemma3_text", "gemma4_text")
-FAMILIES: tuple[str, ...] = (*ATTENTION_FAMILIES, *HYBRID_FAMILIES)
+FAMILIES: tuple[str, ...] = (*ATTENTION_FAMILIES, *HYBRID_FAMILIES, *MAMBA_HYBRID_FAMILIES)
 # transformers has no SDPA path for these (gpt-oss's sinks): the plain model runs eager
 _EAGER_ONLY = frozenset({"gpt_oss"})
 # the sliding window of the windowed families when the preset has none
@@ -77,6 +81,15 @@ def hf_config(family: str, preset: ModelPreset, **overrides: Any) -> Any:
         shape.pop("rope_theta")  # these take rope_parameters
         if family == "qwen3_5_moe_text":
             shape.pop("intermediate_size")  # every MLP is sparse
+    elif family in MAMBA_HYBRID_FAMILIES:
+        if not hasattr(transformers, "NemotronHConfig"):
+            raise MissingPackageError(f"nemotron_h needs a transformers release with Nemotron-H "
+                                      f"(installed: {transformers.__version__}); pip install -U "
+                                      "transformers")
+        config_cls, extra = transformers.NemotronHConfig, _mamba_family(preset)
+        shape.update(extra)
+        for name in ("rope_theta", "num_hidden_layers"):  # no rotary; the pattern sets the depth
+            shape.pop(name)
     elif family in ("gpt_oss", "gemma3_text", "gemma4_text"):
         config_cls, extra = _windowed_family(transformers, family, preset)
         shape.update(extra)
@@ -153,6 +166,25 @@ def _hybrid_family(transformers: Any, family: str, preset: ModelPreset) -> tuple
     return transformers.Qwen3_5MoeTextConfig, extra
 
 
+def _mamba_family(preset: ModelPreset) -> dict:
+    """Nemotron-H: one layer per letter of the preset's pattern (``M`` Mamba-2, ``*``
+    attention, ``-`` MLP, ``E`` MoE: top-k sigmoid-routed experts and a shared expert)."""
+    mamba = preset.mamba
+    if mamba is None or len(mamba.pattern) != preset.num_layers:
+        raise InputError(f"nemotron_h needs a preset with a Mamba-2 layer pattern of num_layers "
+                         f"({preset.num_layers}) letters; {preset.name} has "
+                         f"{None if mamba is None else mamba.pattern!r}")
+    width = preset.moe_ffn_hidden_size or max(1, preset.ffn_hidden_size // 2)
+    return dict(
+        hybrid_override_pattern=mamba.pattern, head_dim=preset.head_dim,
+        attention_bias=preset.add_qkv_bias, mamba_num_heads=mamba.num_heads,
+        mamba_head_dim=mamba.head_dim, ssm_state_size=mamba.state_size, n_groups=mamba.n_groups,
+        conv_kernel=mamba.conv_kernel, n_routed_experts=preset.num_experts or 4,
+        num_experts_per_tok=preset.moe_router_topk, moe_intermediate_size=width,
+        moe_shared_expert_intermediate_size=preset.moe_shared_expert_size or width,
+        n_group=1, topk_group=1)
+
+
 def build_model(
     family: str,
     preset: ModelPreset,
@@ -183,8 +215,9 @@ def check_supported(model: torch.nn.Module) -> None:
     """Refuses, with one clear error, a model whose attention the shim would change.
 
     Sliding-window layers and learned sinks are served (see
-    :func:`~prefix_sharing.fsdp_compat.attention.prefix_sharing_attention`), and the Gated
-    DeltaNet layers of :data:`HYBRID_FAMILIES`; attention logit soft-capping, bidirectional
+    :func:`~prefix_sharing.fsdp_compat.attention.prefix_sharing_attention`), the Gated
+    DeltaNet layers of :data:`HYBRID_FAMILIES` and the Mamba-2 mixers of
+    :data:`MAMBA_HYBRID_FAMILIES`; attention logit soft-capping, bidirectional
     attention, other recurrent layers and MTP modules are refused.
     """
     config = model.config
@@ -205,7 +238,7 @@ def check_supported(model: torch.nn.Module) -> None:
                          "attention")
     # the hybrids' attention layers call AttentionInterface though the model does not say so
     if not getattr(model, "_supports_attention_backend", False) and model_type not in (
-            HYBRID_FAMILIES):
+            *HYBRID_FAMILIES, *MAMBA_HYBRID_FAMILIES):
         raise ValueError(f"{model_type} does not route its attention through transformers' "
                          "AttentionInterface, so the sharing attention cannot be installed")
     check_recurrent_layers(model)

@@ -1,4 +1,5 @@
-"""The gated delta rule the *plain* (reference) runs of Qwen3.5 / Qwen3-Next compute with.
+"""The recurrences the *plain* (reference) runs of the hybrids compute with: the gated delta rule
+of Qwen3.5 / Qwen3-Next and the Mamba-2 scan of Nemotron-H.
 
 transformers' GDN layers call a module-level ``torch_chunk_gated_delta_rule``, which transformers
 binds at import to flash-linear-attention's Triton kernel when ``fla`` is installed (CUDA only:
@@ -13,6 +14,12 @@ float64 model. Neither serves a CPU equivalence check, so for the duration of a 
   kernel-hub decorator), as it runs without fla;
 - on an accelerator at low precision: left alone.
 
+Nemotron-H's Mamba-2 mixers call a module-level ``mamba2_chunk_scan`` the same way (bound to
+mamba_ssm's kernel when installed, else a torch scan that computes in float32 even for a float64
+model); :func:`plain_ssd_kernel` rebinds it alike: the float64 token-by-token SSD recurrence
+(:func:`prefix_sharing.recurrent.ssd_torch.ssd_recurrent`) for a float64 model, transformers'
+own torch scan otherwise on CPU, left alone on an accelerator at low precision.
+
 Everything else in the plain run - projections, convolution, norms, attention, padding masks -
 stays transformers' own code.
 """
@@ -26,31 +33,48 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
+from ..recurrent.ssd_torch import ssd_recurrent
 from ..recurrent.torch_kernels import gated_delta_rule_recurrent
 
-__all__ = ["plain_gdn_kernel"]
+__all__ = ["plain_gdn_kernel", "plain_ssd_kernel"]
 
 _NAME = "torch_chunk_gated_delta_rule"
+_SSD_NAME = "mamba2_chunk_scan"
 
 
 @contextlib.contextmanager
 def plain_gdn_kernel(model: torch.nn.Module) -> Iterator[None]:
     """Within the block, ``model``'s GDN layers (if any) use the kernel described above."""
-    gdn = next((m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")), None)
-    module = None if gdn is None else _modeling_module(gdn)
+    with _rebound(model, "GatedDeltaNet", _NAME, _recurrence_float64):
+        yield
+
+
+@contextlib.contextmanager
+def plain_ssd_kernel(model: torch.nn.Module) -> Iterator[None]:
+    """Within the block, ``model``'s Mamba-2 mixers (if any) use the scan described above."""
+    with _rebound(model, "Mamba2Mixer", _SSD_NAME, _ssd_recurrence_float64):
+        yield
+
+
+@contextlib.contextmanager
+def _rebound(model: torch.nn.Module, class_suffix: str, name: str,
+             float64_kernel: Any) -> Iterator[None]:
+    """Rebinds ``name`` in the modeling module of ``model``'s first ``*class_suffix`` layer."""
+    layer = next((m for m in model.modules() if type(m).__name__.endswith(class_suffix)), None)
+    module = None if layer is None else _modeling_module(layer)
     dtype = next(model.parameters()).dtype
-    if module is None or not hasattr(module, _NAME) or (
+    if module is None or not hasattr(module, name) or (
             dtype != torch.float64 and next(model.parameters()).device.type != "cpu"):
         yield
         return
-    original = getattr(module, _NAME)
-    setattr(module, _NAME, _recurrence_float64 if dtype == torch.float64
-            else inspect.unwrap(original))
+    original = getattr(module, name)
+    setattr(module, name, float64_kernel if dtype == torch.float64 else inspect.unwrap(original))
     try:
         yield
     finally:
-        setattr(module, _NAME, original)
+        setattr(module, name, original)
 
 
 def _modeling_module(gdn: torch.nn.Module) -> Any:
@@ -74,3 +98,25 @@ def _recurrence_float64(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
     return out.view(batch, length, *out.shape[1:]).to(value.dtype), (
         final if output_final_state else None)
+
+
+def _ssd_recurrence_float64(hidden_states: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
+                            B: torch.Tensor, C: torch.Tensor, chunk_size: int,
+                            D: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
+                            initial_states: torch.Tensor | None = None,
+                            dt_softplus: bool = False,
+                            dt_limit: tuple[float, float] = (0.0, float("inf")),
+                            return_final_states: bool = False, **_: Any) -> Any:
+    """transformers' ``mamba2_chunk_scan`` call (batch-major ``[B, T, H, P]``, each row one
+    sequence; ``dt`` raw) on the float64 token-by-token recurrence."""
+    batch, length = hidden_states.shape[:2]
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(dt.dtype)
+    if dt_softplus:
+        dt = F.softplus(dt)
+    dt = dt.clamp(min=dt_limit[0], max=dt_limit[1])
+    flat = [t.reshape(batch * length, *t.shape[2:]).double() for t in (hidden_states, dt, B, C)]
+    out, final = ssd_recurrent(*flat[:2], A.double(), *flat[2:], D=D, initial_state=initial_states,
+                               cu_seqlens_host=range(0, batch * length + 1, length))
+    out = out.view(batch, length, *out.shape[1:])
+    return (out, final) if return_final_states else out

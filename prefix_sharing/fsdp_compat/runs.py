@@ -2,10 +2,10 @@
 
 The plain run is transformers' own attention (``eager`` or ``sdpa``) on the right-padded batch
 with its padding mask, log-probs from the full logits one sequence at a time: no code of this
-package on its path, except the gated delta rule of Qwen3.5 / Qwen3-Next layers
-(:mod:`.plain_kernels`: transformers' own torch code in float32, the token-by-token recurrence
-in float64). (One forward per micro-batch, as the shared run: FSDP ranks must issue the
-same collectives.)
+package on its path, except the gated delta rule of Qwen3.5 / Qwen3-Next layers and the
+Mamba-2 scan of Nemotron-H (:mod:`.plain_kernels`: transformers' own torch code in float32,
+the token-by-token recurrence in float64). (One forward per micro-batch, as the shared run:
+FSDP ranks must issue the same collectives.)
 The shared run is :func:`~prefix_sharing.fsdp_compat.shared_forward` on the plan. Both return
 :class:`~prefix_sharing.equivalence.RunOutputs` (gradients gathered whole under FSDP2), which
 ``compare_runs`` and ``within_tolerance`` judge.
@@ -23,7 +23,7 @@ from ..equivalence import RunOutputs, plain_token_log_probs
 from ..planner import PromptGroup
 from .forward import shared_forward
 from .fsdp import full_gradients
-from .plain_kernels import plain_gdn_kernel
+from .plain_kernels import plain_gdn_kernel, plain_ssd_kernel
 
 __all__ = ["plain_run", "shared_run"]
 
@@ -46,7 +46,7 @@ def plain_run(model: torch.nn.Module, sequences: Sequence[torch.Tensor],
         return (packed, *plain_token_log_probs(packed / temperature,
                                                [s.to(device) for s in sequences]))
 
-    with plain_gdn_kernel(model):
+    with plain_gdn_kernel(model), plain_ssd_kernel(model):
         run = RunOutputs.collect(model, forward, weights.to(device))
     return _with_full_gradients(model, run)
 

@@ -224,14 +224,17 @@ def causal_conv1d_torch(
     if activation not in _ACTIVATIONS:
         raise InputError(f"causal conv activation {activation!r} is not one of "
                          f"{sorted(a for a in _ACTIVATIONS if a)} or None")
-    width = weight.size(1)
+    width, weight_dtype = weight.size(1), weight.dtype
     if predecessors.shape != (x.size(0), width - 1):
         raise InputError(f"predecessors must be ({x.size(0)}, {width - 1}); "
                          f"got {tuple(predecessors.shape)}")
-    padded = torch.cat([x.new_zeros(1, x.size(1)), x]).to(weight.dtype)  # row 0: zeros
-    out = x.to(weight.dtype) * weight[:, -1]
+    # accumulate in float32 at least and round once to the weight's dtype, as F.conv1d does
+    compute = torch.promote_types(weight.dtype, torch.float32)
+    weight = weight.to(compute)
+    padded = torch.cat([x.new_zeros(1, x.size(1)), x]).to(compute)  # row 0: zeros
+    out = x.to(compute) * weight[:, -1]
     for w in range(width - 1):
         out = out + padded.index_select(0, predecessors[:, w] + 1) * weight[:, w]
     if bias is not None:
-        out = out + bias
-    return _ACTIVATIONS[activation](out).to(x.dtype)
+        out = out + bias.to(compute)
+    return _ACTIVATIONS[activation](out.to(weight_dtype)).to(x.dtype)

@@ -26,6 +26,7 @@ def run(capfd, *argv):
     ("--workload", "grpo", "--mode", "prompt_only", "--dtype", "bfloat16", "--steps", "2"),
     ("--workload", "agent", "--model", "tiny-moe"),
     ("--workload", "tree", "--model", "tiny-hybrid"),  # Qwen3.5: 3 Gated DeltaNet : 1 attention
+    ("--workload", "tree", "--model", "tiny-nemotron-h"),  # Mamba-2, MLP, attention, MoE
 ])
 def test_verify_passes_on_the_hf_engine(capfd, argv):
     code, out, _ = run(capfd, "verify", "--engine", "hf", "--json", *argv)
@@ -71,6 +72,13 @@ def test_the_megatron_engine_refuses_to_bench_the_hybrid_preset_on_cpu_in_one_li
     code, out, err = run(capfd, "bench", "--model", "tiny-hybrid")
     assert code == 2 and out == ""
     assert "Gated DeltaNet layers" in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_megatron_engine_refuses_the_mamba_hybrid_preset_in_one_line(capfd):
+    code, out, err = run(capfd, "verify", "--model", "tiny-nemotron-h", "--workload", "tree")
+    assert code == 2 and out == ""
+    assert "tiny-nemotron-h preset has Mamba-2 layers" in err and "--engine hf" in err
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_an_mla_preset_is_refused_on_the_hf_engine_in_one_line(capfd):

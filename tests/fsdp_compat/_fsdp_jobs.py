@@ -42,23 +42,30 @@ def fsdp_equivalence_job(rank: int, family: str) -> dict[bool, tuple[Comparison,
     return results
 
 
-def fsdp_hybrid_job(rank: int) -> tuple[Comparison, int]:
-    """The tiny-hybrid Qwen3.5 (3 Gated DeltaNet layers, 1 attention layer) in float64 under
+def fsdp_hybrid_job(rank: int, family: str, preset_name: str) -> tuple[Comparison, int]:
+    """A hybrid preset (tiny-hybrid as Qwen3.5: 3 Gated DeltaNet layers, 1 attention layer;
+    tiny-nemotron-h as Nemotron-H: 2 Mamba-2 mixers, MLP, attention, MoE) in float64 under
     FSDP2 with gradient checkpointing, plain and shared, on this rank's micro-batch; the
-    comparison and how many times the shared GDN layers ran (twice per layer: checkpointing
-    recomputes them in backward, with the plan in their keywords)."""
+    comparison and how many times the shared recurrent layers were called (twice per layer:
+    checkpointing recomputes them in backward, with the plan in their keywords)."""
     import torch
 
-    preset = PRESETS["tiny-hybrid"]
+    preset = PRESETS[preset_name]
     workload = make_workload(RANK_WORKLOADS[rank], vocab_size=preset.vocab_size)
     weights = advantages(workload.num_tokens, seed=rank)
-    plain = build_model("qwen3_5_text", preset, dtype=torch.float64)
+    plain = build_model(family, preset, dtype=torch.float64)
+    if hasattr(plain, "set_experts_implementation"):
+        plain.set_experts_implementation("eager")  # grouped_mm has no float64 kernel
     shared = enable_prefix_sharing(copy.deepcopy(plain))
     for model in (plain, shared):
         shard_model(model, gradient_checkpointing=True).train()
     calls = []
-    for layer in shared.model.layers[:3]:
-        layer.linear_attn.register_forward_hook(lambda *_: calls.append(1))
+    for module in shared.modules():
+        if getattr(module, "_prefix_sharing_gdn", False) or getattr(
+                module, "_prefix_sharing_mamba", False):
+            # a pre-hook: the recompute stops early (torch's non-reentrant checkpointing) once
+            # it has what backward needs - inside a Nemotron-H block's mixer, its last module
+            module.register_forward_pre_hook(lambda *_: calls.append(1))
     comparison = compare_runs(
         shared_run(shared, workload.sequences, weights, PrefixSharingConfig(min_prefix_len=1)),
         plain_run(plain, workload.sequences, weights))

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from prefix_sharing.equivalence import within_tolerance
 
 from ._fsdp_jobs import fsdp_equivalence_job, fsdp_hybrid_job
@@ -20,11 +22,16 @@ def test_fsdp2_two_ranks_with_and_without_checkpointing_match_the_plain_step():
             assert attention_calls == PRESET.num_layers * (2 if checkpointing else 1)
 
 
-def test_fsdp2_hybrid_gdn_model_with_checkpointing_matches_the_plain_step():
-    """Qwen3.5-shaped: the sharing GDN modules survive fully_shard and checkpointing. In
-    float64, so the fixed 1e-5 rule applies (in float32 the recurrence's own rounding exceeds
-    it, see test_gated_deltanet.py)."""
-    ranks = run_gloo(fsdp_hybrid_job, 2, timeout=300)
-    for rank, (comparison, gdn_calls) in enumerate(ranks):
+@pytest.mark.parametrize("family, preset, recurrent_layers", [
+    ("qwen3_5_text", "tiny-hybrid", 3), ("nemotron_h", "tiny-nemotron-h", 2)])
+def test_fsdp2_hybrid_model_with_checkpointing_matches_the_plain_step(family, preset,
+                                                                      recurrent_layers):
+    """Qwen3.5- and Nemotron-H-shaped: the sharing GDN modules / Mamba-2 mixers survive
+    fully_shard and checkpointing. In float64, so the fixed 1e-5 rule applies (in float32 the
+    recurrence's own rounding exceeds it, see test_gated_deltanet.py)."""
+    if family == "nemotron_h":
+        pytest.importorskip("transformers.models.nemotron_h")
+    ranks = run_gloo(fsdp_hybrid_job, 2, family, preset, timeout=300)
+    for rank, (comparison, calls) in enumerate(ranks):
         assert all(within_tolerance(comparison).values()), (rank, comparison.max_rel_diff)
-        assert gdn_calls == 3 * 2
+        assert calls == recurrent_layers * 2

@@ -79,6 +79,22 @@ def test_gather_convolution_equals_conv1d_on_one_sequence(activation):
     torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
 
 
+def test_gather_convolution_in_bfloat16_rounds_once_as_conv1d():
+    """bf16: accumulated in float32 and rounded once to bf16 before the activation, as
+    ``F.conv1d`` in bf16 does (rounding after every tap is several bf16 steps off)."""
+    gen = torch.Generator().manual_seed(1)
+    x, weight, bias = (torch.randn(40, 64, generator=gen).bfloat16(),
+                       torch.randn(64, 4, generator=gen).bfloat16(),
+                       torch.randn(64, generator=gen).bfloat16())
+    back = torch.arange(40)[:, None] - torch.arange(3, 0, -1)[None, :]
+    out = causal_conv1d_torch(x, weight, bias, back.clamp(min=-1), "silu")
+    ref = F.silu(F.conv1d(x.T[None], weight[:, None], bias, padding=3, groups=64)[0, :, :40].T)
+    exact = F.silu(F.conv1d(x.double().T[None], weight.double()[:, None], bias.double(),
+                            padding=3, groups=64)[0, :, :40].T)
+    assert out.dtype == torch.bfloat16
+    assert (out.double() - exact).abs().max() <= (ref.double() - exact).abs().max()
+
+
 def test_convolution_refuses_unknown_activation_and_bad_predecessors():
     x, weight = torch.zeros(3, 2), torch.zeros(2, 4)
     with pytest.raises(ValueError, match="activation 'gelu'"):
