@@ -60,6 +60,8 @@ duration of its forward (also when full recomputation replays that forward).
 Routing replay: the recorded routes of the flat rows travel with the plan (see
 :mod:`.routing_replay`); the router replays its layer's column of them, laid out like the
 tokens its top-k sees (the flat rows, or the plain view), through megatron's ``RouterReplay``.
+Under sequence and context parallelism that is this rank's slice: the flat rows it holds
+(chunk ``c * TP + t`` of the flat layout), or the slice of the padded plain batch it routes.
 """
 
 from __future__ import annotations
@@ -253,10 +255,6 @@ class PrefixSharingRouter(TopKRouter):
         if self._plan is None:
             return super().routing(logits, padding_mask=padding_mask)
         check_replay_state(getattr(self, "router_replay", None), self._routes is not None)
-        if self._routes is not None and self.cp_group.size() > 1:
-            raise UnsupportedSetupError(
-                "routing replay with sharing under context parallelism (context_parallel_size="
-                f"{self.cp_group.size()}) is not supported yet: use context_parallel_size=1")
         if not self._computes_statistics():
             with replaying(getattr(self, "router_replay", None),
                            self._flat_routes(self._sharding_group())):

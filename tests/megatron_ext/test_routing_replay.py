@@ -7,7 +7,7 @@ token's route changed inside a shared prefix (:func:`diverge_inside_shared_prefi
 plan must stop sharing. They are not the model's own top-k, so a run without replay differs:
 the comparison shows the routes were replayed. Router variants: the preset's statistics (the
 router routes the plain view), DeepSeek-V3's sigmoid + expert bias, and no statistics (the
-router routes the flat rows). One rank, and TP=2 with sequence parallelism.
+router routes the flat rows). One rank, TP=2 with sequence parallelism, and CP=2.
 """
 
 from __future__ import annotations
@@ -131,25 +131,40 @@ def test_flat_routes_the_replay_switch_and_refusals():
 
 
 # ----------------------------------------------------------------------------- the model
-def _replay_job(rank: int, cases: list[tuple[str, bool]]) -> dict:
-    """Per (router variant, diverging routes?): shared + replay against stock + replay, and the
-    shared run without replay against the same stock run."""
+def _settings(name: str) -> dict:
     from megatron.core import parallel_state
 
+    # megatron-core refuses MoE under tensor parallelism without sequence parallelism
+    sequence_parallel = parallel_state.get_tensor_model_parallel_world_size() > 1
+    return dict(VARIANTS[name], sequence_parallel=sequence_parallel,
+                moe_enable_routing_replay=True)
+
+
+def _stock_replay_job(rank: int, cases: list[tuple[str, bool]]) -> dict:
+    """Megatron's stock spec + replay on the padded batch, per case."""
     from .test_moe import stock_spec_with_masked_bias_counts
 
-    sequence_parallel = parallel_state.get_tensor_model_parallel_world_size() > 1
+    runs = {}
+    for name, diverge in cases:
+        batches, routes = batches_and_routes(diverge)
+        stock = gpt_model(PRESET, layout="padded", **_settings(name),
+                          layer_spec=stock_spec_with_masked_bias_counts(dict(
+                              num_moe_experts=PRESET.num_experts)))
+        runs[name, diverge] = forward_backward(stock, batches, "padded", routes=routes)
+    return runs
+
+
+def _replay_job(rank: int, cases: list[tuple[str, bool]], stock: dict | None = None) -> dict:
+    """Per (router variant, diverging routes?): shared + replay against stock + replay, and the
+    shared run without replay against the same stock run. ``stock``: the stock runs, made
+    elsewhere (at context-parallel size 1, where megatron's own attention runs); else here."""
+    stock = _stock_replay_job(rank, cases) if stock is None else stock
     report = {}
     for name, diverge in cases:
         batches, routes = batches_and_routes(diverge)
-        settings = dict(VARIANTS[name], sequence_parallel=sequence_parallel,
-                        moe_enable_routing_replay=True)
-        ours = gpt_model(PRESET, layout="shared", **settings)
-        stock = gpt_model(PRESET, layout="padded", **settings,
-                          layer_spec=stock_spec_with_masked_bias_counts(dict(
-                              num_moe_experts=PRESET.num_experts)))
+        ours = gpt_model(PRESET, layout="shared", **_settings(name))
         shared = forward_backward(ours, batches, "shared", EVERY_PREFIX, routes=routes)
-        padded = forward_backward(stock, batches, "padded", routes=routes)
+        padded = stock[name, diverge]
         report[f"{name}/{'diverge' if diverge else 'agree'}"] = {
             "shared_vs_padded": compare(shared, padded).max_rel_diff}
     # the routes are not the model's own: without replay (last case) the log-probs differ
@@ -179,3 +194,12 @@ def test_shared_replay_equals_stock_replay_under_tensor_parallelism():
     padded plain view (sigmoid scores + expert bias keep statistics) or of the flat rows."""
     cases = [("expert_bias", True), ("no_statistics", True)]
     _check(run_distributed(_replay_job, 2, cases, tp=2, timeout=600), cases)
+
+
+def test_shared_replay_under_context_parallelism_equals_stock_replay_at_cp1():
+    """CP=2: each rank replays the routes of its slice - of the padded plain view its router
+    routes for the statistics (routes that agree), of the flat rows without statistics (a route
+    diverging inside a shared prefix) - against the stock spec + replay on one rank."""
+    cases = [("preset", False), ("no_statistics", True)]
+    stock = run_distributed(_stock_replay_job, 1, cases, timeout=600)[0]
+    _check(run_distributed(_replay_job, 2, cases, stock, cp=2, timeout=600), cases)
