@@ -25,7 +25,7 @@ import torch
 from ..config import PrefixSharingConfig
 from ..errors import UnsupportedSetup
 from ..planner import PromptGroup, prompt_groups
-from .routing_replay import replay_mode_problems, replaying_now
+from .routing_replay import check_padded_statistics, replay_mode_problems, replaying_now
 
 __all__ = [
     "PrefixSharingSetupError",
@@ -208,6 +208,8 @@ def shared_forward(
     sequences = list(input_ids.unbind())
     routes = replay_routes if replay_routes is not None and replaying_now(unwrap_model(model)) \
         else None
+    if routes is not None:
+        check_padded_statistics(unwrap_model(model))
     # the plan's flat layout replaces verl's per-sample CP padding and zigzag split: padded to
     # CP x TP, each CP rank runs its contiguous slice of rows (then sequence parallel splits it)
     mb = prepare_micro_batch(

@@ -14,6 +14,10 @@ verl (0.8.0 and 0.9.1) has two modes. ``R3`` replays the routes the rollout engi
 - ``R2`` is refused (:func:`replay_mode_problems`): its recording forward would record the
   flat rows' routes in verl's per-sample layout.
 
+Router statistics kept on a padded plain batch (under context or sequence parallelism, or with
+a per-sequence aux loss) are refused with replay (:func:`check_padded_statistics`): verl's
+replay patch drops megatron's padding mask.
+
 verl sets the replay action on the routers inside ``forward_step``, before it calls the forward
 function; :func:`replaying_now` reads it there, so the routes go with the micro-batch exactly when
 verl would replay them.
@@ -25,7 +29,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["replay_mode_problems", "micro_batch_routes", "replaying_now"]
+__all__ = ["replay_mode_problems", "micro_batch_routes", "replaying_now",
+           "check_padded_statistics"]
 
 
 def replay_mode_problems(engine_config: Any) -> list[str]:
@@ -45,6 +50,32 @@ def replaying_now(model: Any) -> bool:
         if action is not None:
             return action.value in ("replay_forward", "replay_backward")
     return False
+
+
+def check_padded_statistics(model: Any) -> None:
+    """Refuses replay with router statistics kept on the padded plain batch.
+
+    verl's router-replay patch replaces megatron's ``TopKRouter.routing`` with one that drops
+    the ``padding_mask``: its z-loss, load-balancing losses and expert-bias counts take every
+    position of the batch it is given. Under sharing the router gives it the plain batch
+    padded per sequence whenever a rank routes a slice of it (context parallelism, or tensor
+    parallelism with sequence parallelism) or a per-sequence aux loss is on
+    (:meth:`~prefix_sharing.megatron_ext.moe.PrefixSharingRouter.routes_padded_batch`), so the
+    padding would enter the statistics. Without statistics, or on the packed batch, replay is
+    exact.
+    """
+    from ..megatron_ext.moe import PrefixSharingRouter
+    from .mcore import PrefixSharingSetupError
+
+    for module in model.modules():
+        if (isinstance(module, PrefixSharingRouter) and module.keeps_statistics()
+                and module.routes_padded_batch()):
+            raise PrefixSharingSetupError(
+                "router_replay.mode='R3' with prefix sharing and MoE router statistics (aux "
+                "loss, z-loss or expert bias) under context_parallel_size > 1, tensor "
+                "parallelism or a per-sequence aux loss: verl's replay patch drops megatron's "
+                "padding mask, and the router's slice of the plain batch is padded; turn the "
+                "router statistics off or use context_parallel_size=1, tensor parallel size 1")
 
 
 def micro_batch_routes(batch: Any, mode: str) -> list[torch.Tensor] | None:
