@@ -89,8 +89,9 @@ def _refusals() -> dict:
 
 
 def _switch_and_refusals_job(rank: int) -> dict:
-    from prefix_sharing.megatron_ext import prepare_micro_batch
-    from prefix_sharing.megatron_ext.routing_replay import moe_layer_index, replaying
+    from prefix_sharing.megatron_ext import UnsupportedSetupError, prepare_micro_batch
+    from prefix_sharing.megatron_ext.routing_replay import (moe_layer_index, replaying,
+                                                           route_column)
 
     seqs = [torch.tensor([5, 6, 7, 8]), torch.tensor([5, 6, 7, 9, 9]), torch.tensor([5, 6])]
     routes = recorded_routes(seqs, 3, 2, 8)
@@ -107,6 +108,12 @@ def _switch_and_refusals_job(rank: int) -> dict:
     for freq in (1, 2, [0, 1, 1, 0]):
         config.moe_layer_freq, config.num_layers = freq, 4
         indices[str(freq)] = [moe_layer_index(config, n) for n in range(1, 5)]
+    # routes of the MoE layers only, or of every layer (verl's R3, dense layers included)
+    columns = {width: [route_column(config, n, width) for n in (2, 3)] for width in (2, 4)}
+    try:
+        route_column(config, 2, 3)
+    except UnsupportedSetupError as e:
+        columns[3] = str(e)
     return {
         "refusals": _refusals(),
         "flat_equals_packed_at_each_row": all(
@@ -114,7 +121,7 @@ def _switch_and_refusals_job(rank: int) -> dict:
             for row in range(mb.plan.num_tokens_unique)),
         "shape": tuple(flat.shape), "inside": inside,
         "restored": (replay.router_replay_action, replay.target_topk_idx) == before,
-        "indices": indices,
+        "indices": indices, "columns": columns,
     }
 
 
@@ -124,6 +131,10 @@ def test_flat_routes_the_replay_switch_and_refusals():
     assert report["shape"] == (8, 3, 2)  # 6 rows + 2 pad rows, 3 MoE layers, top-2
     assert report["inside"] == ("replay_forward", True) and report["restored"]
     assert report["indices"] == {"1": [0, 1, 2, 3], "2": [0, 1, 1, 2], "[0, 1, 1, 0]": [0, 0, 1, 2]}
+    # the shared and the stock replay both pick columns so (a stock replay that took the MoE
+    # ordinal of R3-wide routes failed `verify --model tiny-mla --routing-replay`)
+    assert report["columns"][2] == [0, 1] and report["columns"][4] == [1, 2]
+    assert "hold 3 layers; this model has 2 MoE layers of 4" in report["columns"][3]
     errors = report["refusals"]
     assert "moe_enable_routing_replay=False" in errors["no_flag"]
     assert "REPLAY_FORWARD with a sharing plan but no routes" in errors["replay_forward"]
