@@ -7,9 +7,10 @@ positions), the per-head K (24 channels) and V (16) all-gathered over CP, dK / d
 reduce-scattered back. GRPO, tree and agent micro-batches. Compared: logits, log-probs,
 entropy, loss, every gradient, and - ``tiny-mla`` being MoE with sigmoid scores and an expert
 bias - the router statistics megatron keeps (the aux loss it logs, the expert-bias token counts
-and the bias update they give), the per-rank shares summed over the CP group as megatron's logging and ``finalize_model_grads`` sum them; fp32, 1e-5
-relative. A rotary table not sliced to the rank's rows (every rank rotating its rows at the
-first rank's positions) must move the tree micro-batch's log-probs.
+and the bias update they give), the per-rank shares summed over the CP group as megatron's
+logging and ``finalize_model_grads`` sum them; fp32, 1e-5 relative. A rotary table not sliced
+to the rank's rows (every rank rotating its rows at the first rank's positions) must move the
+tree micro-batch's log-probs.
 """
 
 from __future__ import annotations
