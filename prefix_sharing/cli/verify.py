@@ -128,8 +128,8 @@ def _replay_routes(args: argparse.Namespace, engine: str, model: ModelPreset, se
         raise InputError(f"--routing-replay replays MoE routes on the megatron engine; got "
                          f"--engine {engine} with the {model.name} preset "
                          f"({model.num_experts or 'no'} experts)")
-    if args.token_budget is not None or args.cp != 1:
-        raise InputError("--routing-replay runs without --token-budget and with --cp 1")
+    if args.token_budget is not None:
+        raise InputError("--routing-replay runs without --token-budget")
     routes = recorded_routes(sequences, model.num_layers, model.moe_router_topk,
                              model.num_experts)
     if not build_plan(sequences, config, groups=groups).has_sharing:

@@ -801,13 +801,14 @@ def _routers_replaying(model: torch.nn.Module) -> list[Any]:
 
 def _replay_padded(model: torch.nn.Module, routes: Sequence[torch.Tensor], length: int) -> None:
     """Sets every stock router of this stage to replay ``routes`` (per sequence ``[L_i,
-    moe_layers, topk]``) on the right-padded ``[b, length]`` batch: the router's top-k sees
-    ``[s, b]`` flattened s-major, under sequence parallelism this rank's slice of ``s``; pad
-    positions replay experts ``0..topk-1`` (their outputs are never read)."""
+    moe_layers or layers, topk]``, the column as ``route_column`` picks it) on the right-padded
+    ``[b, length]`` batch: the router's top-k sees ``[s, b]`` flattened s-major, under sequence
+    parallelism this rank's slice of ``s``; pad positions replay experts ``0..topk-1`` (their
+    outputs are never read)."""
     from megatron.core import parallel_state
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
-    from ..megatron_ext.routing_replay import moe_layer_index
+    from ..megatron_ext.routing_replay import route_column
 
     routers = _routers_replaying(model)
     if not routers:
@@ -822,7 +823,7 @@ def _replay_padded(model: torch.nn.Module, routes: Sequence[torch.Tensor], lengt
         plain = plain.chunk(parallel_state.get_tensor_model_parallel_world_size())[
             parallel_state.get_tensor_model_parallel_rank()]
     for router in routers:
-        column = plain[:, :, moe_layer_index(model.config, router.layer_number)]
+        column = plain[:, :, route_column(model.config, router.layer_number, moe_layers)]
         router.router_replay.set_target_indices(column.reshape(-1, topk).to(router.weight.device))
         router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 

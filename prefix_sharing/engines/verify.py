@@ -67,7 +67,7 @@ def verify_job(rank: int, request: VerifyRequest) -> list[list[dict]]:
     and step, this rank's largest differences (outputs on the last stage, this stage's grads)."""
     from .megatron import preset_model
 
-    replay = {} if request.routes is None else {"moe_enable_routing_replay": True}
+    replay = _replay_settings(request)
     build = dict(dtype=request.dtype, seed=request.seed, **replay)
     models = {
         "shared": preset_model(request.preset, layout="shared", **build),
@@ -77,11 +77,22 @@ def verify_job(rank: int, request: VerifyRequest) -> list[list[dict]]:
     }
     initial = [p.detach().clone() for p in models["plain"].parameters()]
     reports = []
-    for i, (sequences, groups) in enumerate(request.batches):
+    for (sequences, groups), routes in zip(request.batches, _batch_routes(request)):
         _copy_weights(initial, models["plain"])
-        routes = None if request.routes is None else [request.routes[i]]
         reports.append(_verify_batch(models, [sequences], [groups], request, routes))
     return reports
+
+
+def _replay_settings(request: VerifyRequest) -> dict:
+    """The model settings the request's routes need (none without routes)."""
+    return {} if request.routes is None else {"moe_enable_routing_replay": True}
+
+
+def _batch_routes(request: VerifyRequest) -> list[list | None]:
+    """Per micro-batch, the ``routes`` argument of its one-micro-batch forward_backward."""
+    if request.routes is None:
+        return [None] * len(request.batches)
+    return [[r] for r in request.routes]
 
 
 def plain_runs_job(rank: int, request: VerifyRequest) -> list[dict]:
@@ -89,12 +100,14 @@ def plain_runs_job(rank: int, request: VerifyRequest) -> list[dict]:
     step), for :func:`verify_cp_job`: megatron's stock attention cannot split a sequence."""
     from .megatron import forward_backward, preset_model
 
-    plain = preset_model(request.preset, layout="padded", dtype=request.dtype, seed=request.seed)
+    replay = _replay_settings(request)
+    plain = preset_model(request.preset, layout="padded", dtype=request.dtype, seed=request.seed,
+                         **replay)
     reference = preset_model(request.preset, layout="padded", seed=request.seed,
-                          dtype=reference_dtype(request.dtype))
-    return [{"plain": forward_backward(plain, [sequences], "padded"),
-             "reference": forward_backward(reference, [sequences], "padded")}
-            for sequences, _ in request.batches]
+                             dtype=reference_dtype(request.dtype), **replay)
+    return [{"plain": forward_backward(plain, [sequences], "padded", routes=routes),
+             "reference": forward_backward(reference, [sequences], "padded", routes=routes)}
+            for (sequences, _), routes in zip(request.batches, _batch_routes(request))]
 
 
 def verify_cp_job(
@@ -110,10 +123,13 @@ def verify_cp_job(
     plain_rank = (parallel_state.get_tensor_model_parallel_rank()
                   + parallel_state.get_tensor_model_parallel_world_size()
                   * parallel_state.get_pipeline_model_parallel_rank())
-    model = preset_model(request.preset, layout="shared", dtype=request.dtype, seed=request.seed)
+    model = preset_model(request.preset, layout="shared", dtype=request.dtype, seed=request.seed,
+                         **_replay_settings(request))
     reports = []
-    for (sequences, groups), runs in zip(request.batches, plain_ranks[plain_rank]):
-        shared = forward_backward(model, [sequences], "shared", request.config, [groups])
+    for (sequences, groups), runs, routes in zip(request.batches, plain_ranks[plain_rank],
+                                                 _batch_routes(request)):
+        shared = forward_backward(model, [sequences], "shared", request.config, [groups],
+                                  routes=routes)
         reports.append([{"shared": compare(shared, runs["reference"]),
                          "plain": compare(runs["plain"], runs["reference"]),
                          "vs_plain": compare(shared, runs["plain"]),

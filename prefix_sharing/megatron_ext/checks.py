@@ -78,11 +78,6 @@ def _context_parallel_problems(config: TransformerConfig) -> list[str]:
             "weighted per token as at CP=1 for megatron's per-micro-batch loss only; use "
             "calculate_per_token_loss=False"
         )
-    if config.multi_latent_attention:
-        problems.append(
-            cp + "multi_latent_attention=True: MLA's rotary table would be split per rank "
-            "before the per-token gather; use context_parallel_size=1 for MLA"
-        )
     return problems
 
 

@@ -13,6 +13,12 @@ per-head keys (``qk_head_dim`` no-position channels, the rotary key appended) an
   (``plan.position_ids``): megatron's own ``apply_rotary_pos_emb`` then rotates every token at
   its absolute position in one elementwise pass - the interleaved or rotate-half layout, the
   MLA de-interleave, YaRN's ``mscale``, all as megatron computes them.
+  Under context parallelism each rank's rows are its contiguous slice of the flat layout and
+  the table its slice of those rows (the plan's absolute positions); megatron's own table is
+  requested unsplit (its BSHD call would cut it into zigzag chunks of ``0..T_flat-1``).
+- **Context parallelism**: the per-head K and V (192 / 128 channels on DeepSeek-V3) are
+  all-gathered over the CP group in the core attention, as for GQA
+  (:mod:`.context_parallel`); dK / dV are reduce-scattered back.
 - **K/V injection** happens on the per-head keys and values after the up-projection, in the
   shared :class:`~.core_attention.PrefixSharingCoreAttention` (which takes the different key
   and value head dims, 192 / 128 on DeepSeek-V3). Gathering the compressed latent plus the
@@ -59,6 +65,7 @@ class PrefixSharingMLASelfAttention(MLASelfAttention):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         require_sharing_core_attention(self)
+        self.rotary_pos_emb.register_forward_pre_hook(self._whole_rotary_table, with_kwargs=True)
         self.rotary_pos_emb.register_forward_hook(self._per_token_rotary)
 
     def forward(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -116,6 +123,18 @@ class PrefixSharingMLASelfAttention(MLASelfAttention):
             query, key, value, attention_mask, packed_seq_params=packed_seq_params,
             attn_mask_type=attn_mask_type, **extra_kwargs,
         )
+
+    def _whole_rotary_table(self, module: torch.nn.Module, args: Any,
+                            kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]] | None:
+        """Forward pre-hook on megatron's rotary embedding: during a planned forward, the
+        table is asked for as for a packed batch (``packed_seq=True``), which megatron never
+        splits over context-parallel ranks. Its BSHD call would otherwise return this CP
+        rank's zigzag chunks of positions ``0..T_flat-1``, not the absolute positions that
+        :meth:`_per_token_rotary` reads its rows at."""
+        del module
+        if self._planned is None:
+            return None
+        return args, {**kwargs, "packed_seq": True}
 
     def _per_token_rotary(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
         """Forward hook on megatron's rotary embedding: during a planned forward, its table of

@@ -60,6 +60,8 @@ duration of its forward (also when full recomputation replays that forward).
 Routing replay: the recorded routes of the flat rows travel with the plan (see
 :mod:`.routing_replay`); the router replays its layer's column of them, laid out like the
 tokens its top-k sees (the flat rows, or the plain view), through megatron's ``RouterReplay``.
+Under sequence and context parallelism that is this rank's slice: the flat rows it holds
+(chunk ``c * TP + t`` of the flat layout), or the slice of the padded plain batch it routes.
 A recording forward (the plan's ``record_routes``) records the flat rows; it runs without
 statistics (verl records in a forward without grad), else the top-k would see the plain view.
 """
@@ -84,7 +86,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from ..plan import SharingPlan
 from .checks import UnsupportedSetupError
 from .packed_seq import PlanPackedSeqParams
-from .routing_replay import check_replay_state, moe_layer_index, num_moe_layers, replaying
+from .routing_replay import check_replay_state, moe_layer_index, replaying, route_column
 
 __all__ = ["PlainBatchView", "PrefixSharingRouter", "PrefixSharingTransformerLayer"]
 
@@ -258,10 +260,10 @@ class PrefixSharingRouter(TopKRouter):
             return super().routing(logits, padding_mask=padding_mask)
         check_replay_state(getattr(self, "router_replay", None), self._routes is not None,
                            self._records)
-        if (self._routes is not None or self._records) and self.cp_group.size() > 1:
+        if self._records and self.cp_group.size() > 1:
             raise UnsupportedSetupError(
-                "routing replay with sharing under context parallelism (context_parallel_size="
-                f"{self.cp_group.size()}) is not supported yet: use context_parallel_size=1")
+                "recording routes with sharing under context parallelism (context_parallel_size="
+                f"{self.cp_group.size()}) is not supported yet: record at context_parallel_size=1")
         if self._records and self._computes_statistics():
             raise UnsupportedSetupError(
                 "recording routes with sharing in a forward that keeps router statistics "
@@ -283,9 +285,8 @@ class PrefixSharingRouter(TopKRouter):
         shards = 1 if group is None else group.size()
         context_parallel = self.cp_group.size() > 1
         tp_slices = self.tp_group.size() if self.config.sequence_parallel else 1
-        view = plain_batch_view(self._plan,
-                                self.get_aux_loss_coeff("seq_aux_loss") > 0 or shards > 1,
-                                shards, group.rank() if shards > 1 else 0,
+        view = plain_batch_view(self._plan, self.routes_padded_batch(), shards,
+                                group.rank() if shards > 1 else 0,
                                 tp_slices if context_parallel else None)
         flat_logits = logits.reshape(-1, self.num_experts)  # [T_flat / shards, E]
         if shards > 1:  # backward: reduce-scatter, each rank's uses of every row summed
@@ -301,6 +302,14 @@ class PrefixSharingRouter(TopKRouter):
             probs = gather_from_sequence_parallel_region(probs, group=group)
             routing_map = gather_from_sequence_parallel_region(routing_map, group=group)
         return view.select(probs), view.select(routing_map)  # [T_flat / shards, E] each
+
+    def routes_padded_batch(self) -> bool:
+        """Whether the statistics are kept on the padded ``[s, b]`` plain batch (per-sequence
+        aux loss, or a slice of it per sequence- / context-parallel rank), whose padding only
+        megatron's ``padding_mask`` keeps out of them; else on the packed one (no padding)."""
+        group = self._sharding_group()
+        return self.get_aux_loss_coeff("seq_aux_loss") > 0 or (
+            group is not None and group.size() > 1)
 
     def _sharding_group(self) -> torch.distributed.ProcessGroup | None:
         """The group whose ranks each hold a slice of the flat rows (in group-rank order) and
@@ -339,13 +348,11 @@ class PrefixSharingRouter(TopKRouter):
             raise UnsupportedSetupError(
                 f"routing replay with sharing: the layer holding this router ({self.fed_by}) "
                 "does not say which MoE layer it is; replay is supported in GPTModel layers")
-        moe_layers, layers = num_moe_layers(self.config), self.config.num_layers
-        if routes.size(1) not in (moe_layers, layers) or routes.size(2) != self.topk:
+        if routes.size(2) != self.topk:
             raise UnsupportedSetupError(
                 f"the replayed routes are [tokens, {routes.size(1)}, {routes.size(2)}]; this "
-                f"model has {moe_layers} MoE layers of {layers} layers, top-{self.topk}")
-        index = self.moe_layer_index if routes.size(1) == moe_layers else self.layer_number - 1
-        return routes[:, index]
+                f"model routes top-{self.topk}")
+        return routes[:, route_column(self.config, self.layer_number, routes.size(1))]
 
     def _flat_routes(self, group: torch.distributed.ProcessGroup | None) -> torch.Tensor | None:
         """The routes of the flat rows this rank routes (its slice over ``group``, see

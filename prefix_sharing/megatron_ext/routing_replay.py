@@ -37,8 +37,8 @@ import torch
 from ..plan import SharingPlan
 from .checks import UnsupportedSetupError
 
-__all__ = ["flat_routes", "moe_layer_index", "num_moe_layers", "replaying", "check_replay_state",
-           "recorded_routes"]
+__all__ = ["flat_routes", "moe_layer_index", "num_moe_layers", "route_column", "replaying",
+           "check_replay_state", "recorded_routes"]
 
 
 def flat_routes(plan: SharingPlan, routes: Sequence[Any],
@@ -82,6 +82,21 @@ def moe_layer_index(config: Any, layer_number: int) -> int:
     """The MoE layer ordinal (0-based, over the whole model, as verl's ``routed_experts`` and
     megatron's replay list number them) of the 1-based global ``layer_number``."""
     return sum(_moe_pattern(config)[: layer_number - 1])
+
+
+def route_column(config: Any, layer_number: int, width: int) -> int:
+    """The column of ``[tokens, width, topk]`` recorded routes that the MoE layer numbered
+    ``layer_number`` (1-based, global) replays: ``width`` is either the model's MoE layers
+    (verl's R2, megatron's replay list) or all its layers (verl's R3 ``routed_experts``, dense
+    layers included), as verl reads them."""
+    moe_layers, layers = num_moe_layers(config), config.num_layers
+    if width == moe_layers:
+        return moe_layer_index(config, layer_number)
+    if width == layers:
+        return layer_number - 1
+    raise UnsupportedSetupError(
+        f"the replayed routes hold {width} layers; this model has {moe_layers} MoE layers of "
+        f"{layers} layers")
 
 
 def _action(replay: Any, name: str) -> Any:

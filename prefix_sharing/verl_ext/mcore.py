@@ -25,7 +25,8 @@ import torch
 from ..config import PrefixSharingConfig
 from ..errors import UnsupportedSetup
 from ..planner import PromptGroup, prompt_groups
-from .routing_replay import RouteRecorder, replay_mode_problems, router_action
+from .routing_replay import (RouteRecorder, check_padded_statistics, replay_mode_problems,
+                             router_action)
 
 __all__ = [
     "PrefixSharingSetupError",
@@ -214,6 +215,8 @@ def shared_forward(
     # without MoE layers (whose chunk shows no action) lays it out as the replaying stages do
     replays = replay_routes is not None and action in ("replay_forward", "replay_backward")
     records = route_recorder is not None and action == "record"
+    if replays:
+        check_padded_statistics(unwrap_model(model))
     # the plan's flat layout replaces verl's per-sample CP padding and zigzag split: padded to
     # CP x TP, each CP rank runs its contiguous slice of rows (then sequence parallel splits it)
     mb = prepare_micro_batch(

@@ -21,9 +21,14 @@ verl (0.8.0 and 0.9.1) has two modes, both accepted with sharing:
   update micro-batch is built with them, so micro-batches may be split differently in the two
   forwards.
 
-verl sets the replay action on the routers before it calls the forward function;
-:func:`router_action` reads it there, so the routes go with the micro-batch exactly when verl
-would replay (or record) them.
+``R3`` runs under context parallelism; ``R2``'s recording forward does not yet (refused by
+:func:`replay_mode_problems`). Router statistics kept on a padded plain batch (under context or
+sequence parallelism, or with a per-sequence aux loss) are refused with replay
+(:func:`check_padded_statistics`): verl's replay patch drops megatron's padding mask.
+
+verl sets the replay action on the routers inside ``forward_step``, before it calls the forward
+function; :func:`router_action` reads it there, so the routes go with the micro-batch exactly
+when verl would replay (or record) them.
 """
 
 from __future__ import annotations
@@ -32,16 +37,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["replay_mode_problems", "micro_batch_routes", "router_action", "RouteRecorder"]
+__all__ = ["replay_mode_problems", "micro_batch_routes", "router_action",
+           "check_padded_statistics", "RouteRecorder"]
 
 
 def replay_mode_problems(engine_config: Any) -> list[str]:
     """The ``router_replay`` settings sharing cannot run with, as problem strings."""
     mode = getattr(getattr(engine_config, "router_replay", None), "mode", "disabled")
     cp = getattr(engine_config, "context_parallel_size", 1)
-    if mode != "disabled" and cp > 1:
-        return [f"router_replay.mode={mode!r} with context_parallel_size={cp} (routing replay "
-                "under context parallelism is not supported with sharing yet)"]
+    if mode == "R2" and cp > 1:
+        return [f"router_replay.mode='R2' with context_parallel_size={cp} (recording routes "
+                "under context parallelism is not supported with sharing yet; R3 is)"]
     return []
 
 
@@ -53,6 +59,32 @@ def router_action(model: Any) -> str | None:
         if action is not None:
             return action.value
     return None
+
+
+def check_padded_statistics(model: Any) -> None:
+    """Refuses replay with router statistics kept on the padded plain batch.
+
+    verl's router-replay patch replaces megatron's ``TopKRouter.routing`` with one that drops
+    the ``padding_mask``: its z-loss, load-balancing losses and expert-bias counts take every
+    position of the batch it is given. Under sharing the router gives it the plain batch
+    padded per sequence whenever a rank routes a slice of it (context parallelism, or tensor
+    parallelism with sequence parallelism) or a per-sequence aux loss is on
+    (:meth:`~prefix_sharing.megatron_ext.moe.PrefixSharingRouter.routes_padded_batch`), so the
+    padding would enter the statistics. Without statistics, or on the packed batch, replay is
+    exact.
+    """
+    from ..megatron_ext.moe import PrefixSharingRouter
+    from .mcore import PrefixSharingSetupError
+
+    for module in model.modules():
+        if (isinstance(module, PrefixSharingRouter) and module.keeps_statistics()
+                and module.routes_padded_batch()):
+            raise PrefixSharingSetupError(
+                "router_replay (R2 or R3) with prefix sharing and MoE router statistics (aux "
+                "loss, z-loss or expert bias) under context_parallel_size > 1, tensor "
+                "parallelism or a per-sequence aux loss: verl's replay patch drops megatron's "
+                "padding mask, and the router's slice of the plain batch is padded; turn the "
+                "router statistics off or use context_parallel_size=1, tensor parallel size 1")
 
 
 def micro_batch_routes(batch: Any, mode: str) -> list[torch.Tensor] | None:

@@ -52,11 +52,9 @@ def test_layer_refuses_settings_it_cannot_serve(setting, message):
     (dict(experimental_attention_variant="dsa"),
      "experimental_attention_variant='dsa': DeepSeek sparse attention"),
     (dict(mtp_num_layers=1), "mtp_num_layers=1: multi-token prediction"),
-    (dict(multi_latent_attention=True, context_parallel_size=2),
-     "context_parallel_size=2 with multi_latent_attention=True"),
 ])
 def test_deepseek_settings_sharing_cannot_serve_are_refused(setting, message):
-    """DSA's top-k indexer, MTP and MLA under context parallelism. Set on a built config:
+    """DSA's top-k indexer and MTP. Set on a built config:
     megatron's own validation of these settings asks for unrelated fields (DSA's indexer
     sizes, MLA's head dims) that do not change what is refused."""
     config = TransformerConfig(**BASE)
@@ -66,9 +64,12 @@ def test_deepseek_settings_sharing_cannot_serve_are_refused(setting, message):
         check_layer_config(config)
 
 
-def test_multi_latent_attention_is_served():
+@pytest.mark.parametrize("context_parallel_size", [1, 2])
+def test_multi_latent_attention_is_served(context_parallel_size):
+    """Also under context parallelism (tests/megatron_ext/test_context_parallel_mla.py)."""
     config = TransformerConfig(**BASE)
     config.multi_latent_attention = True
+    config.context_parallel_size = context_parallel_size
     check_layer_config(config)
 
 

@@ -157,7 +157,7 @@ def micro_batches(dp_rank: int) -> list[list[torch.Tensor]]:
 
 
 def _routers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    return [layer.mlp.router for layer in model.decoder.layers]
+    return [layer.mlp.router for layer in model.decoder.layers if hasattr(layer.mlp, "router")]
 
 
 def _metrics_tracker():

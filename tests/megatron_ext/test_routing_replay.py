@@ -7,7 +7,7 @@ token's route changed inside a shared prefix (:func:`diverge_inside_shared_prefi
 plan must stop sharing. They are not the model's own top-k, so a run without replay differs:
 the comparison shows the routes were replayed. Router variants: the preset's statistics (the
 router routes the plain view), DeepSeek-V3's sigmoid + expert bias, and no statistics (the
-router routes the flat rows). One rank, and TP=2 with sequence parallelism.
+router routes the flat rows). One rank, TP=2 with sequence parallelism, and CP=2.
 
 Recording (verl's R2 records routes in one forward to replay them later): a no-grad sharing
 forward planned with ``record_routes=True`` records the flat rows, and ``recorded_routes`` hands
@@ -104,8 +104,9 @@ def _refusals() -> dict:
 
 
 def _switch_and_refusals_job(rank: int) -> dict:
-    from prefix_sharing.megatron_ext import prepare_micro_batch
-    from prefix_sharing.megatron_ext.routing_replay import moe_layer_index, replaying
+    from prefix_sharing.megatron_ext import UnsupportedSetupError, prepare_micro_batch
+    from prefix_sharing.megatron_ext.routing_replay import (moe_layer_index, replaying,
+                                                           route_column)
 
     seqs = [torch.tensor([5, 6, 7, 8]), torch.tensor([5, 6, 7, 9, 9]), torch.tensor([5, 6])]
     routes = recorded_routes(seqs, 3, 2, 8)
@@ -127,6 +128,12 @@ def _switch_and_refusals_job(rank: int) -> dict:
     cut = prepare_micro_batch(seqs, EVERY_PREFIX, pad_to_multiple_of=4, routes=diverged)
     planned_only = prepare_micro_batch(seqs, EVERY_PREFIX, pad_to_multiple_of=4, routes=diverged,
                                        replay_routes=False)
+    # routes of the MoE layers only, or of every layer (verl's R3, dense layers included)
+    columns = {width: [route_column(config, n, width) for n in (2, 3)] for width in (2, 4)}
+    try:
+        route_column(config, 2, 3)
+    except UnsupportedSetupError as e:
+        columns[3] = str(e)
     return {
         "planned_only": (planned_only.packed_seq_params.routes is None,
                          planned_only.plan.digest() == cut.plan.digest() != mb.plan.digest()),
@@ -136,7 +143,7 @@ def _switch_and_refusals_job(rank: int) -> dict:
             for row in range(mb.plan.num_tokens_unique)),
         "shape": tuple(flat.shape), "inside": inside,
         "restored": (replay.router_replay_action, replay.target_topk_idx) == before,
-        "indices": indices,
+        "indices": indices, "columns": columns,
     }
 
 
@@ -147,6 +154,10 @@ def test_flat_routes_the_replay_switch_and_refusals():
     assert report["shape"] == (8, 3, 2)  # 6 rows + 2 pad rows, 3 MoE layers, top-2
     assert report["inside"] == ("replay_forward", True) and report["restored"]
     assert report["indices"] == {"1": [0, 1, 2, 3], "2": [0, 1, 1, 2], "[0, 1, 1, 0]": [0, 0, 1, 2]}
+    # the shared and the stock replay both pick columns so (a stock replay that took the MoE
+    # ordinal of R3-wide routes failed `verify --model tiny-mla --routing-replay`)
+    assert report["columns"][2] == [0, 1] and report["columns"][4] == [1, 2]
+    assert "hold 3 layers; this model has 2 MoE layers of 4" in report["columns"][3]
     errors = report["refusals"]
     assert "moe_enable_routing_replay=False" in errors["no_flag"]
     assert "REPLAY_FORWARD with a sharing plan but no routes" in errors["replay_forward"]
@@ -157,25 +168,40 @@ def test_flat_routes_the_replay_switch_and_refusals():
 
 
 # ----------------------------------------------------------------------------- the model
-def _replay_job(rank: int, cases: list[tuple[str, bool]]) -> dict:
-    """Per (router variant, diverging routes?): shared + replay against stock + replay, and the
-    shared run without replay against the same stock run."""
+def _settings(name: str) -> dict:
     from megatron.core import parallel_state
 
+    # megatron-core refuses MoE under tensor parallelism without sequence parallelism
+    sequence_parallel = parallel_state.get_tensor_model_parallel_world_size() > 1
+    return dict(VARIANTS[name], sequence_parallel=sequence_parallel,
+                moe_enable_routing_replay=True)
+
+
+def _stock_replay_job(rank: int, cases: list[tuple[str, bool]]) -> dict:
+    """Megatron's stock spec + replay on the padded batch, per case."""
     from .test_moe import stock_spec_with_masked_bias_counts
 
-    sequence_parallel = parallel_state.get_tensor_model_parallel_world_size() > 1
+    runs = {}
+    for name, diverge in cases:
+        batches, routes = batches_and_routes(diverge)
+        stock = gpt_model(PRESET, layout="padded", **_settings(name),
+                          layer_spec=stock_spec_with_masked_bias_counts(dict(
+                              num_moe_experts=PRESET.num_experts)))
+        runs[name, diverge] = forward_backward(stock, batches, "padded", routes=routes)
+    return runs
+
+
+def _replay_job(rank: int, cases: list[tuple[str, bool]], stock: dict | None = None) -> dict:
+    """Per (router variant, diverging routes?): shared + replay against stock + replay, and the
+    shared run without replay against the same stock run. ``stock``: the stock runs, made
+    elsewhere (at context-parallel size 1, where megatron's own attention runs); else here."""
+    stock = _stock_replay_job(rank, cases) if stock is None else stock
     report = {}
     for name, diverge in cases:
         batches, routes = batches_and_routes(diverge)
-        settings = dict(VARIANTS[name], sequence_parallel=sequence_parallel,
-                        moe_enable_routing_replay=True)
-        ours = gpt_model(PRESET, layout="shared", **settings)
-        stock = gpt_model(PRESET, layout="padded", **settings,
-                          layer_spec=stock_spec_with_masked_bias_counts(dict(
-                              num_moe_experts=PRESET.num_experts)))
+        ours = gpt_model(PRESET, layout="shared", **_settings(name))
         shared = forward_backward(ours, batches, "shared", EVERY_PREFIX, routes=routes)
-        padded = forward_backward(stock, batches, "padded", routes=routes)
+        padded = stock[name, diverge]
         report[f"{name}/{'diverge' if diverge else 'agree'}"] = {
             "shared_vs_padded": compare(shared, padded).max_rel_diff}
     # the routes are not the model's own: without replay (last case) the log-probs differ
@@ -250,3 +276,12 @@ def test_shared_replay_equals_stock_replay_under_tensor_parallelism():
     padded plain view (sigmoid scores + expert bias keep statistics) or of the flat rows."""
     cases = [("expert_bias", True), ("no_statistics", True)]
     _check(run_distributed(_replay_job, 2, cases, tp=2, timeout=600), cases)
+
+
+def test_shared_replay_under_context_parallelism_equals_stock_replay_at_cp1():
+    """CP=2: each rank replays the routes of its slice - of the padded plain view its router
+    routes for the statistics (routes that agree), of the flat rows without statistics (a route
+    diverging inside a shared prefix) - against the stock spec + replay on one rank."""
+    cases = [("preset", False), ("no_statistics", True)]
+    stock = run_distributed(_stock_replay_job, 1, cases, timeout=600)[0]
+    _check(run_distributed(_replay_job, 2, cases, stock, cp=2, timeout=600), cases)

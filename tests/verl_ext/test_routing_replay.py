@@ -7,7 +7,8 @@ prefixes and for routes with one token diverging inside one (where the plan stop
 step reports ``prefix_sharing/route_divergent_prefix_tokens``). On 0.9.1 verl routes each
 sample's last row natively under R3 (its replay mask); sharing keeps those rows native too. The
 routes are not the model's own top-k, so the sharing-off run without replay differs: the
-comparison shows they were replayed.
+comparison shows they were replayed. Also at ``context_parallel_size=2`` (sharing on, router
+statistics off) against verl's R3 at CP=1.
 
 ``R2`` (routes recorded in ``infer_batch``'s forward, replayed in ``forward_backward_batch``)
 with sharing on gives what verl's own R2 gives with sharing off: the recorded routes themselves
@@ -15,7 +16,7 @@ with sharing on gives what verl's own R2 gives with sharing off: the recorded ro
 ``ppo_loss`` and every gradient, with the update split into three micro-batches where the
 recording ran one. Control: the recorded routes shifted by one token replay differently (the
 result moves away from the unshifted one) and still equal verl's own replay of the same shifted
-routes.
+routes. ``R2`` under context parallelism is refused by name.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ MOE = dict(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01,
            enable_routing_replay=True)  # verl 0.8.0 reads its own flag (its patched config takes it)
 
 
-def _config(prefix_grouper: dict | None, mode: str):
+def _config(prefix_grouper: dict | None, mode: str, context_parallel_size: int = 1):
     from omegaconf import OmegaConf
     from verl.utils.config import omega_conf_to_dataclass
 
@@ -53,7 +54,7 @@ def _config(prefix_grouper: dict | None, mode: str):
         _target_="verl.workers.config.McoreActorConfig", rollout_n=3, ppo_mini_batch_size=4,
         ppo_micro_batch_size_per_gpu=2, use_kl_loss=True, kl_loss_coef=0.1, entropy_coeff=0.01,
         megatron=dict(_target_="verl.workers.config.McoreEngineConfig", use_mbridge=True,
-                      vanilla_mbridge=True,
+                      vanilla_mbridge=True, context_parallel_size=context_parallel_size,
                       router_replay=dict(_target_="verl.workers.config.EngineRouterReplayConfig",
                                          mode=mode)),
     )
@@ -120,11 +121,21 @@ def _r2(workload: str, sharing: dict | None, shift: bool) -> dict:
     return {"infer": infer, "train": plain_output(train), "grads": grads, "routes": recorded}
 
 
-def _job(rank: int, workload: str) -> dict:
+# (routes, run): "shared" is R3 with sharing on, "plain" verl's R3 with it off, "native" no replay
+RUNS = {"shared": (SHARING, "R3"), "plain": (None, "R3"), "native": (None, "disabled")}
+ONE_RANK = [("agree", "shared"), ("agree", "plain"), ("agree", "native"),
+            ("diverge", "shared"), ("diverge", "plain")]
+
+
+def _job(rank: int, workload: str, runs: list[tuple[str, str]] = ONE_RANK) -> dict:
+    """``runs`` at megatron's context-parallel size (``run_distributed(..., cp=)``): the
+    gradients then averaged over the CP group as megatron's DDP does (a no-op at CP=1)."""
+    from megatron.core import parallel_state
     from verl.workers.utils.losses import ppo_loss
 
-    from prefix_sharing.routes import diverge_inside_shared_prefix, recorded_routes
     from prefix_sharing.config import PrefixSharingConfig
+    from prefix_sharing.engines.megatron import finalize_context_parallel_grads
+    from prefix_sharing.routes import diverge_inside_shared_prefix, recorded_routes
     from tests.verl_ext._batch import make_batch, plain_output, use_cpu_platform
 
     use_cpu_platform()
@@ -133,20 +144,25 @@ def _job(rank: int, workload: str) -> dict:
                             PRESET.num_experts)
     diverged, _ = diverge_inside_shared_prefix(sequences, agree, PRESET.num_experts,
                                                PrefixSharingConfig(**SHARING))
+    cp = parallel_state.get_context_parallel_world_size()
     results = {}
-    for routes_name, routes in (("agree", agree), ("diverge", diverged)):
-        for name, sharing, mode in (("shared", SHARING, "R3"), ("plain", None, "R3"),
-                                    ("native", None, "disabled")):
-            if routes_name == "diverge" and name == "native":
-                continue
-            config = _config(sharing, mode)
-            engine = _engine(config)
-            infer = engine.infer_batch(_batch(workload, routes))
-            train = engine.forward_backward_batch(_batch(workload, routes),
-                                                  partial(ppo_loss, config=config))
-            grads = {n: p.grad.clone() for n, p in engine.module[0].named_parameters()}
-            results[routes_name, name] = {"infer": plain_output(infer),
-                                          "train": plain_output(train), "grads": grads}
+    for routes_name, name in runs:
+        routes = {"agree": agree, "diverge": diverged}[routes_name]
+        config = _config(*RUNS[name], context_parallel_size=cp)
+        engine = _engine(config)
+        infer = engine.infer_batch(_batch(workload, routes))
+        train = engine.forward_backward_batch(_batch(workload, routes),
+                                              partial(ppo_loss, config=config))
+        finalize_context_parallel_grads(engine.module[0])
+        grads = {n: p.grad.clone() for n, p in engine.module[0].named_parameters()}
+        results[routes_name, name] = {"infer": plain_output(infer),
+                                      "train": plain_output(train), "grads": grads}
+    return results
+
+
+def _one_rank_job(rank: int, workload: str) -> dict:
+    """R3 (``ONE_RANK``) and R2, each with sharing on and off."""
+    results = _job(rank, workload)
     for shift in (False, True):
         for name, sharing in (("shared", SHARING), ("plain", None)):
             results["R2", shift, name] = _r2(workload, sharing, shift)
@@ -155,7 +171,7 @@ def _job(rank: int, workload: str) -> dict:
 
 @pytest.fixture(scope="module")
 def results():
-    return run_distributed(_job, 1, "grpo", timeout=600)[0]
+    return run_distributed(_one_rank_job, 1, "grpo", timeout=600)[0]
 
 
 @pytest.mark.parametrize("routes", ["agree", "diverge"])
@@ -192,3 +208,49 @@ def test_r2_replays_what_it_is_given(results):
     unshifted = results["R2", False, "plain"]
     with pytest.raises(AssertionError, match="relative error"):
         same_outputs(shifted, unshifted, "R2 shifted vs unshifted")
+
+
+NO_STATISTICS = dict(moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+                     moe_z_loss_coeff=None)
+
+
+def _context_parallel_job(rank: int) -> dict:
+    """Without router statistics: verl's R3 with sharing off at CP=1 (the two ranks as data
+    parallel, the same batch), then R3 with sharing on at CP=2; and, with the statistics back,
+    the refusal; and R2's refusal at CP=2."""
+    from megatron.core import parallel_state
+
+    statistics = dict(MOE)
+    MOE.update(NO_STATISTICS)
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel()
+    results = _job(rank, "grpo", [("agree", "plain"), ("diverge", "plain")])
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(context_parallel_size=2)
+    results.update(_job(rank, "grpo", [("agree", "shared"), ("diverge", "shared")]))
+    MOE.update(statistics)
+    errors = {}
+    try:
+        _job(rank, "grpo", [("agree", "shared")])
+    except ValueError as e:
+        errors["statistics"] = str(e)
+    try:
+        _engine(_config(SHARING, "R2", context_parallel_size=2))
+    except ValueError as e:
+        errors["R2"] = str(e)
+    results["errors"] = errors
+    return results
+
+
+def test_routing_replay_at_cp2_with_sharing_equals_verls_at_cp1_without():
+    """``context_parallel_size=2``: each rank replays the routes of its half of the flat rows,
+    routes agreeing and diverging. With router statistics the router would hand verl's
+    patched routing (which drops megatron's padding mask) a padded slice of the plain batch:
+    refused by name; so is R2's recording under CP."""
+    for rank, result in enumerate(run_distributed(_context_parallel_job, 2, cp=2, timeout=600)):
+        for routes in ("agree", "diverge"):
+            same_outputs(result[routes, "shared"], result[routes, "plain"],
+                         f"CP rank {rank} R3 {routes}")
+        assert "verl's replay patch drops megatron's padding mask" in result["errors"][
+            "statistics"]
+        assert "router_replay.mode='R2' with context_parallel_size=2" in result["errors"]["R2"]
