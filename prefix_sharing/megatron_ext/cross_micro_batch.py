@@ -22,10 +22,19 @@ The loss must be a sum of per-token terms (as token-mean losses over a global ba
 ``token_loss(log_probs, entropy, positions)`` scores the tokens at ``positions`` of the group's
 packed order and is called once per micro-batch; the group's loss is the sum of its calls.
 
+MoE routers with batch statistics (aux / seq-aux / global-aux losses, z-loss, expert-bias
+counts, the logged losses) count each suffix micro-batch as the plain micro-batch of its samples,
+prefix included: what megatron's stock step computes when it runs the same samples in the same
+micro-batches (each forward's statistics are its own micro-batch's). The prefix's router logits
+are kept beside its K/V and read by every suffix's plain view, so the prefix tokens count once
+per sample holding them and their aux-loss gradients reach the prefix's router with the
+prefix's backward (see :mod:`.moe`). ``aux_loss_scale`` is the weight megatron's schedule gives
+each micro-batch's router losses (``1 / num_microbatches``).
+
 PP=1; tensor parallelism without sequence parallelism (each rank keeps its own K/V heads'
-prefix; log-probs through the vocab-parallel reductions); dense models, and MoE whose routers
-keep no batch statistics (routing is per token then). Pipeline parallelism, sequence
-parallelism, MoE with aux / z-losses or expert bias, and sliding windows are refused by name.
+prefix; log-probs through the vocab-parallel reductions); dense and MoE models. Pipeline
+parallelism, sequence parallelism (hence MoE under TP, which megatron requires it for) and
+sliding windows are refused by name.
 """
 
 from __future__ import annotations
@@ -41,7 +50,6 @@ from ..logprobs import token_log_probs
 from ..plan import SharingPlan
 from .checks import UnsupportedSetupError
 from .logprobs import vocab_shard
-from .moe import PrefixSharingRouter
 from .packed_seq import PlanPackedSeqParams
 from .prefix_kv import PrefixKV
 
@@ -81,6 +89,7 @@ def forward_backward_group(
     backend: str = "auto",
     temperature: float = 1.0,
     keep_logits: bool = False,
+    aux_loss_scale: float = 1.0,
 ) -> GroupRun:
     """Runs one group's micro-batches (see the module doc); parameter gradients accumulate
     into ``.grad`` (call ``model.zero_grad()`` first when starting a step).
@@ -94,9 +103,17 @@ def forward_backward_group(
         backend: attention kernel, as :class:`~.packed_seq.PlanPackedSeqParams` takes it.
         temperature: logits are divided by it before log-probs and entropy.
         keep_logits: also return every token's logits (for comparisons; ``T_total x V``).
+        aux_loss_scale: the gradient weight of each suffix micro-batch's MoE router losses
+            (megatron's schedule sets ``1 / num_microbatches`` of the step); set on
+            megatron's ``MoEAuxLossAutoScaler`` for the group's backwards.
     """
     check_group_model(model)
     device = next(model.parameters()).device
+    if get_attr_wrapped_model(model, "config").num_moe_experts:
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+        # shape [1], as megatron's schedule sets it
+        MoEAuxLossAutoScaler.set_loss_scale(torch.full((1,), float(aux_loss_scale), device=device))
     total = schedule.num_tokens_total
     out = _Collector(total, device, keep_logits)
     prefix_kv = PrefixKV()
@@ -230,12 +247,6 @@ def check_group_model(model: torch.nn.Module) -> None:
     if config.pipeline_model_parallel_size > 1:
         problems.append(f"pipeline_model_parallel_size={config.pipeline_model_parallel_size} "
                         "(PP=1 only)")
-    keeping = [name for name, module in model.named_modules()
-               if isinstance(module, PrefixSharingRouter) and module.keeps_statistics()]
-    if config.num_moe_experts and keeping:
-        problems.append(f"num_moe_experts={config.num_moe_experts} with router batch statistics "
-                        f"(aux / z-loss, expert bias; {keeping[0]}): they are not reweighted "
-                        "across micro-batches")
     if config.window_size is not None:
         problems.append(f"window_size={config.window_size} (the suffix gather is not trimmed)")
     if problems:

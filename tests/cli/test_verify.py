@@ -155,7 +155,7 @@ def test_token_budget_under_tensor_parallelism(capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--token-budget", "10"], "common prefix (15 tokens) exceeds token_budget=10"),
     (["--token-budget", "30", "--pp", "2"], "--token-budget (cross-micro-batch sharing) runs"),
-    (["--token-budget", "30", "--model", "tiny-moe"], "does not support the tiny-moe preset"),
+    (["--token-budget", "30", "--model", "tiny-window"], "does not support the tiny-window preset"),
 ])
 def test_token_budget_refusals_are_one_line(capsys, argv, message):
     code, out, err = verify(capsys, "--workload", "grpo", *argv)
