@@ -112,6 +112,11 @@ def _check_cross(args: argparse.Namespace, engine: str, model: ModelPreset,
     if model.window_size is not None:
         raise InputError(f"--token-budget does not support the {model.name} preset's sliding "
                          "windows yet")
+    if model.num_experts and args.tp != 1:
+        raise InputError(f"--token-budget with the {model.name} preset's MoE layers runs with "
+                         f"--tp 1; got --tp {args.tp} (megatron's MoE needs sequence "
+                         "parallelism under tensor parallelism, which cross-micro-batch sharing "
+                         "does not support)")
     members = [list(range(len(sequences)))] if groups is None else [g.members for g in groups]
     for m in members:
         with user_input(ValueError):
@@ -171,7 +176,7 @@ def _text(r: dict) -> str:
         lines.append(f"across micro-batches of <= {r['token_budget']} tokens: "
                      f"{r['num_micro_batches']} micro-batches, {r['tokens_computed']} tokens "
                      f"computed ({r['tokens_unique']} unique in the whole batch), "
-                     f"{r['held_bytes']} bytes of prefix K/V held; judged against the plain run "
+                     f"{r['held_bytes']} bytes of prefix K/V (and MoE router logits) held; judged against the plain run "
                      "of the same samples in the same micro-batches")
     lines.append("PASSED: shared == plain within tolerance" if r["passed"] else "FAILED")
     return "\n".join(lines)

@@ -26,7 +26,7 @@ from ..config import PrefixSharingConfig
 from ..cross_micro_batch import GroupSchedule, plan_group
 from ..equivalence import RunOutputs, advantages, at_least_fp32
 from ..planner import build_plan
-from .megatron import MicroBatchRun, full_grads
+from .megatron import MicroBatchRun, finalize_sequence_parallel_grads, full_grads
 
 __all__ = ["CrossMicroBatchRun", "forward_backward_cross"]
 
@@ -41,7 +41,8 @@ class CrossMicroBatchRun:
         schedules: each group's prefix and suffix micro-batches.
         plain_split: the batch indices of each plain micro-batch (one per suffix micro-batch,
             groups in order): what the reference runs as its micro-batches.
-        held_bytes: the largest prefix K/V (leaves and gradients) held across a group.
+        held_bytes: the largest prefix K/V (leaves and gradients; with MoE router statistics,
+            the router logits' too) held across a group.
         tokens_computed: tokens the model ran over all micro-batches.
         tokens_unique: tokens the whole batch's single plan computes.
     """
@@ -90,13 +91,19 @@ def forward_backward_cross(
             forward_backward_group`.
         collect: gather the outputs and gradients for a comparison (off for timing).
     """
+    from megatron.core import parallel_state
+
     from ..megatron_ext.cross_micro_batch import forward_backward_group
 
     groups = [list(range(len(sequences)))] if groups is None else [list(g) for g in groups]
     if sorted(i for g in groups for i in g) != list(range(len(sequences))):
         raise ValueError("groups must hold every sequence exactly once")
     device = next(model.parameters()).device
-    schedules = [plan_group([sequences[i] for i in members], token_budget, config)
+    # under sequence parallelism each micro-batch's rows split over the tensor-parallel ranks
+    multiple = (parallel_state.get_tensor_model_parallel_world_size()
+                if model.config.sequence_parallel else 1)
+    schedules = [plan_group([sequences[i] for i in members], token_budget, config,
+                            pad_to_multiple_of=multiple)
                  for members in groups]
     split = [[members[m] for m in suffix.members]
              for members, schedule in zip(groups, schedules) for suffix in schedule.suffixes]
@@ -132,6 +139,7 @@ def forward_backward_cross(
             rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in batch])
             outputs.append(RunOutputs(logits[rows], log_probs[rows], entropy[rows],
                                       terms.loss(j).cpu(), {}))
+        finalize_sequence_parallel_grads(model)  # as forward_backward does
         run = MicroBatchRun(outputs, full_grads(model), [])
     return CrossMicroBatchRun(run, schedules, split, held, computed, unique)
 

@@ -41,9 +41,12 @@ class PrefixKV:
             when it ran with grad: the tensors :meth:`backward` differentiates.
         router_leaves, router_outputs: ``layer_number -> [Lp, experts]`` router logits, as
             leaves and as recorded (MoE routers with batch statistics only).
+        rows: the prefix's real rows ``Lp``: a prefix micro-batch padded for sequence
+            parallelism records its first ``rows`` K/V rows only (None: every row).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, rows: int | None = None) -> None:
+        self.rows = rows
         self.mode: Mode = "record"
         self.leaves: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -57,9 +60,9 @@ class PrefixKV:
         ``cat(prefix leaves, own)`` (``[Lp + T, ng, hn]``) while reading, ``cat(recorded
         prefix, own)`` while reading last (:func:`read_through`)."""
         if self.mode == "record":
-            self.outputs[layer_number] = (key, value)
+            self.outputs[layer_number] = (key[: self.rows], value[: self.rows])
             if layer_number not in self.leaves:  # a recompute keeps the leaves and their grads
-                self.leaves[layer_number] = (_leaf(key), _leaf(value))
+                self.leaves[layer_number] = tuple(map(_leaf, self.outputs[layer_number]))
             return key, value
         k_leaf, v_leaf = self.leaves[layer_number]
         if self.mode == "read_last":
@@ -72,9 +75,9 @@ class PrefixKV:
         while recording (kept), ``cat(prefix leaf, own)`` (``[Lp + T, experts]``) while
         reading, ``cat(recorded prefix, own)`` while reading last."""
         if self.mode == "record":
-            self.router_outputs[layer_number] = logits
+            self.router_outputs[layer_number] = logits[: self.rows]
             if layer_number not in self.router_leaves:
-                self.router_leaves[layer_number] = _leaf(logits)
+                self.router_leaves[layer_number] = _leaf(logits[: self.rows])
             return logits
         prefix = self.router_leaves[layer_number]
         if self.mode == "read_last":

@@ -169,7 +169,8 @@ def check_cross_engine_setup(engine_config: Any) -> None:
 
 
 def check_cross_model(model) -> None:
-    """The group driver's refusals (PP, sequence parallelism, windows), plus activation
+    """The group driver's refusals (PP, windows), plus sequence parallelism (the group driver
+    runs it, verl's cross groups are not padded for it), plus activation
     recompute: a recomputed layer would run again with the group's K/V in whatever mode the
     last micro-batch left it; plus MoE routers with batch statistics: the group driver makes
     them those of the stock step on the same micro-batch split, but verl's stock step splits
@@ -181,6 +182,11 @@ def check_cross_model(model) -> None:
 
     check_group_model(model)
     config = get_attr_wrapped_model(model, "config")
+    if config.sequence_parallel:
+        raise PrefixSharingSetupError(
+            "prefix_grouper.cross_micro_batch does not support sequence_parallel=True in verl's "
+            "engine (its cross groups are not planned padded to the tensor-parallel size; set "
+            "sequence_parallel: false)")
     if config.recompute_granularity is not None:
         raise PrefixSharingSetupError(
             f"prefix_grouper.cross_micro_batch does not support recompute_granularity="

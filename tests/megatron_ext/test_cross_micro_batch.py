@@ -300,32 +300,55 @@ def test_moe_controls_fail(moe_report):
 
 
 def _tp2_job(rank: int) -> dict:
+    """TP=2 without and with sequence parallelism (each micro-batch's rows padded to 2 and
+    split over the ranks; the all-gather before attention hands it every row)."""
     from prefix_sharing.engines.cross_micro_batch import forward_backward_cross
     from prefix_sharing.engines.megatron import compare
 
     seqs = _group()
-    cross = forward_backward_cross(tiny_gpt("shared"), seqs, BUDGET, CONFIG)
-    (plain, _), (reference, _) = _split_runs(tiny_gpt, seqs, cross)
-    return {"vs_reference": compare(cross.run, reference), "plain": compare(plain, reference),
-            "figures": cross.report()}
+    report = {}
+    for sequence_parallel in (False, True):
+        def build(layout: str, **overrides) -> torch.nn.Module:
+            return tiny_gpt(layout, sequence_parallel=sequence_parallel, **overrides)
+
+        cross = forward_backward_cross(build("shared"), seqs, BUDGET, CONFIG)
+        (plain, _), (reference, _) = _split_runs(build, seqs, cross)
+        report[sequence_parallel] = {
+            "vs_reference": compare(cross.run, reference), "plain": compare(plain, reference),
+            "vs_plain": compare(cross.run, plain), "figures": cross.report(),
+            "rows": [s.plan.input_ids.numel() for g in cross.schedules for s in g.suffixes]}
+    return report
 
 
-def test_tensor_parallel_2_equals_the_plain_batch():
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_tensor_parallel_2_equals_the_plain_batch(tp2_report, sequence_parallel):
     """Each rank keeps its own K/V heads' prefix; the log-probs reduce over the vocabulary
     shards. Both ranks' outputs and (gathered) gradients pass the verdict."""
-    for run in run_distributed(_tp2_job, 2, tp=2, timeout=600):
+    for rank in tp2_report:
+        run = rank[sequence_parallel]
         verdict = within_tolerance(run["vs_reference"], run["plain"], torch.float32)
         assert all(verdict.values()), run["vs_reference"].max_rel_diff
-        # this rank's K/V heads only: half of TP=1's
+        for q, d in run["vs_plain"].max_rel_diff.items():
+            assert d <= FP32_RTOL, f"{q}: {d} from the plain fp32 run"
+        # this rank's K/V heads only (half of TP=1's), the prefix's real rows only
         head_dim = PRESET.hidden_size // PRESET.num_attention_heads
         (prefix_len,) = run["figures"]["prefix_lens"]
         assert run["figures"]["held_bytes"] == (2 * 2 * PRESET.num_layers * prefix_len
                                                 * PRESET.num_query_groups // 2 * head_dim * 4)
+        assert run["figures"]["tokens_computed"] == run["figures"]["tokens_unique"]
+        if sequence_parallel:
+            assert all(rows % 2 == 0 for rows in run["rows"]), run["rows"]
+
+
+@pytest.fixture(scope="module")
+def tp2_report() -> list[dict]:
+    return run_distributed(_tp2_job, 2, tp=2, timeout=600)
 
 
 def test_refuses_what_it_does_not_support_by_name():
     from prefix_sharing.megatron_ext import UnsupportedSetupError
     from prefix_sharing.megatron_ext.cross_micro_batch import check_group_model
+    from prefix_sharing.megatron_ext.moe import PrefixSharingRouter
 
     base = dict(sequence_parallel=False, pipeline_model_parallel_size=1,
                 num_moe_experts=None, window_size=None)
@@ -333,8 +356,17 @@ def test_refuses_what_it_does_not_support_by_name():
     def model_with(**config):
         return types.SimpleNamespace(config=types.SimpleNamespace(**{**base, **config}))
 
-    for field, value in (("sequence_parallel", True), ("pipeline_model_parallel_size", 2),
-                         ("window_size", (7, 0))):
+    for field, value in (("pipeline_model_parallel_size", 2), ("window_size", (7, 0))):
         with pytest.raises(UnsupportedSetupError, match=re.escape(f"{field}={value}")):
             check_group_model(model_with(**{field: value}))
     check_group_model(model_with(num_moe_experts=4))  # MoE runs, router statistics included
+    check_group_model(model_with(sequence_parallel=True))
+
+    router = mock.Mock(spec=PrefixSharingRouter)  # one that keeps aux-loss statistics
+    moe_sp = model_with(sequence_parallel=True, num_moe_experts=4)
+    moe_sp.named_modules = lambda: iter([("decoder.layers.0.mlp.router", router)])
+    with pytest.raises(UnsupportedSetupError, match="sequence_parallel=True with num_moe_experts=4 "
+                       "and router batch statistics .*decoder.layers.0"):
+        check_group_model(moe_sp)
+    router.keeps_statistics.return_value = False  # per-token routing: fine
+    check_group_model(moe_sp)
