@@ -355,6 +355,8 @@ class PrefixSharingRouter(TopKRouter):
         return view.select(probs), view.select(routing_map)  # [T_flat, E] each
 
     def is_aux_loss_enabled(self) -> bool:
+        """Megatron's answer, except while a group's prefix micro-batch routes (its tokens'
+        load-balancing terms belong to the suffix micro-batches' plain views)."""
         return not self._quiet and super().is_aux_loss_enabled()
 
     def _sharding_group(self) -> torch.distributed.ProcessGroup | None:
