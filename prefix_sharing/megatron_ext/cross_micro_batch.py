@@ -126,8 +126,11 @@ def forward_backward_group(
     if get_attr_wrapped_model(model, "config").num_moe_experts:
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-        # shape [1], as megatron's schedule sets it
-        MoEAuxLossAutoScaler.set_loss_scale(torch.full((1,), float(aux_loss_scale), device=device))
+        # set_loss_scale copies into the scale it holds: [1] when megatron's schedule made it,
+        # [] when the autoscaler's own backward did
+        held = MoEAuxLossAutoScaler.main_loss_backward_scale
+        MoEAuxLossAutoScaler.set_loss_scale(torch.full(
+            (1,) if held is None else held.shape, float(aux_loss_scale), device=device))
     total = schedule.num_tokens_total
     out = _Collector(total, device, keep_logits)
     prefix_kv = PrefixKV(rows=schedule.prefix_len)

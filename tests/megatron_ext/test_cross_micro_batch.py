@@ -126,6 +126,8 @@ MOE_VARIANTS = {
 def _moe_job(rank: int) -> dict:
     """One GRPO group (a 41-token prompt, 6 responses) under a 70-token budget on the tiny MoE
     preset, per variant; on the expert-bias one, two wrong constructions as controls."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
     from prefix_sharing.engines.cross_micro_batch import forward_backward_cross
     from prefix_sharing.engines.megatron import compare, gpt_model
 
@@ -136,14 +138,18 @@ def _moe_job(rank: int) -> dict:
         def build(layout: str, settings=settings, **overrides) -> torch.nn.Module:
             return gpt_model(MOE, layout=layout, **settings, **overrides)
 
-        runs = {"cross": None, **({"detached": _detached_prefix_logits,
+        runs = {"cross": None, **({"recomputed": None, "detached": _detached_prefix_logits,
                                    "computed_rows": _statistics_of_computed_rows}
                                   if variant == "expert_bias" else {})}
         for name, control in runs.items():
             ours = build("shared")
             reset_router_statistics(ours)
+            if name == "recomputed":  # after the last stock run (whose schedule needs [1]):
+                # the aux-loss scale as the autoscaler's own backward leaves it, shape []
+                MoEAuxLossAutoScaler.main_loss_backward_scale = torch.tensor(1.0)
             with control() if control else contextlib.nullcontext():
-                cross = forward_backward_cross(ours, w.sequences, 70, CONFIG)
+                cross = forward_backward_cross(ours, w.sequences, 70, CONFIG,
+                                               recompute_prefix=name == "recomputed")
             stats = router_statistics(ours)
             if name == "cross":
                 (plain, plain_stats), (reference, _) = _split_runs(build, w.sequences, cross)
@@ -250,11 +256,13 @@ def test_several_groups_each_with_its_prefix_once(report):
     assert figures["tokens_computed"] == figures["tokens_unique"]
 
 
-@pytest.mark.parametrize("variant", list(MOE_VARIANTS))
-def test_moe_equals_the_plain_micro_batches_statistics_included(moe_report, variant):
+@pytest.mark.parametrize("variant, mode", [(v, "cross") for v in MOE_VARIANTS]
+                         + [("expert_bias", "recomputed")])
+def test_moe_equals_the_plain_micro_batches_statistics_included(moe_report, variant, mode):
     """Outputs, loss, every gradient (routers included: they carry the aux and z-loss terms of
-    the prefix copies too), and every router statistic of the plain micro-batches."""
-    run = moe_report[variant, "cross"]
+    the prefix copies too), and every router statistic of the plain micro-batches; also with
+    the prefix recomputed (its router logits recorded without grad, then again with it)."""
+    run = moe_report[variant, mode]
     verdict = within_tolerance(run["vs_reference"], run["plain"], torch.float32)
     assert set(verdict) == set(QUANTITIES) and all(verdict.values()), (
         run["vs_reference"].max_rel_diff)
@@ -271,7 +279,8 @@ def test_moe_equals_the_plain_micro_batches_statistics_included(moe_report, vari
         assert all(run["tracker"][k][:run["routers"]] != 0), k
     figures = run["figures"]
     assert figures["num_micro_batches"] >= 3  # the prompt and 2+ suffixes
-    assert figures["tokens_computed"] == figures["tokens_unique"]
+    assert figures["tokens_computed"] == figures["tokens_unique"] + (
+        figures["prefix_lens"][0] if mode == "recomputed" else 0)
     # held: K/V leaves and grads, plus (with statistics) the router logits' leaves and grads
     (prefix_len,) = figures["prefix_lens"]
     head_dim = MOE.hidden_size // MOE.num_attention_heads
