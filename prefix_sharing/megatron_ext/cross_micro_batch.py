@@ -112,7 +112,8 @@ def forward_backward_group(
         temperature: logits are divided by it before log-probs and entropy.
         keep_logits: also return every token's logits (for comparisons; ``T_total x V``).
         aux_loss_scale: the gradient weight of each suffix micro-batch's MoE router losses
-            (megatron's schedule sets ``1 / num_microbatches`` of the step); set on
+            (megatron's schedule sets ``1 / num_microbatches`` of the step, 1 with
+            ``calculate_per_token_loss``); set on
             megatron's ``MoEAuxLossAutoScaler`` for the group's backwards.
     """
     check_group_model(model)
