@@ -129,6 +129,8 @@ def plan_group(
     sequences: Sequence[TokenSequence],
     token_budget: int,
     config: PrefixSharingConfig | None = None,
+    *,
+    pad_to_multiple_of: int = 1,
 ) -> GroupSchedule:
     """Cuts one group into its common prefix and suffix micro-batches of at most
     ``token_budget`` computed tokens.
@@ -142,6 +144,9 @@ def plan_group(
         sequences: the group's token ids, one unpadded 1-D sequence each (at least two).
         token_budget: computed tokens per micro-batch; the prefix must fit in one.
         config: what to share inside a suffix micro-batch (``mode`` must not be ``"off"``).
+        pad_to_multiple_of: pad each suffix micro-batch's own rows to a multiple of this
+            (sequence parallelism splits them over the tensor-parallel ranks); pad rows are
+            not counted against the budget.
 
     Raises:
         ValueError: fewer than two sequences, no common prefix, the prefix or one tail over
@@ -175,7 +180,7 @@ def plan_group(
     tails = [s[prefix_len:] for s in seqs]
     members = _pack(tails, token_budget, config)
     suffixes = tuple(
-        _suffix(m, tails, prefix_len, starts, config) for m in members
+        _suffix(m, tails, prefix_len, starts, config, pad_to_multiple_of) for m in members
     )
     prefix_ids = seqs[0][:prefix_len]
     return GroupSchedule(
@@ -242,8 +247,9 @@ def _cost(tails: list[torch.Tensor], config: PrefixSharingConfig) -> int:
 
 
 def _suffix(members: list[int], tails: list[torch.Tensor], prefix_len: int, starts: list[int],
-            config: PrefixSharingConfig) -> SuffixMicroBatch:
-    tail_plan = build_plan([tails[i] for i in members], config)
+            config: PrefixSharingConfig, pad_to_multiple_of: int) -> SuffixMicroBatch:
+    tail_plan = build_plan([tails[i] for i in members], config,
+                           pad_to_multiple_of=pad_to_multiple_of)
     return SuffixMicroBatch(
         members=tuple(members),
         plan=_with_external_prefix(tail_plan, prefix_len),
@@ -256,7 +262,8 @@ def _suffix(members: list[int], tails: list[torch.Tensor], prefix_len: int, star
 
 def _with_external_prefix(tail: SharingPlan, prefix_len: int) -> SharingPlan:
     """The tails' plan with ``prefix_len`` external rows in front of every key segment and
-    every sequence (see the module example)."""
+    every sequence (see the module example); a pad segment reads them too (its rows are
+    never read)."""
     prefix_rows = torch.arange(prefix_len)
     kv_lens = torch.diff(tail.cu_seqlens_kv.to(torch.int64))
     gather = torch.split(tail.kv_gather_index + prefix_len, kv_lens.tolist())

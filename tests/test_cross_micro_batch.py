@@ -62,6 +62,23 @@ def test_suffixes_fit_the_budget_and_address_prefix_then_own_rows(budget):
         assert torch.equal(suffix.tail_plan.position_ids + schedule.prefix_len, plan.position_ids)
 
 
+def test_padded_suffixes_keep_their_addressing_and_pad_after_their_own_rows():
+    """For sequence parallelism: each suffix's rows a multiple of 2; the pad segment's queries
+    are the pad rows (after every real row), which no sequence reads."""
+    seqs = _group()
+    plain = plan_group(seqs, 200, EVERY_PREFIX)
+    padded = plan_group(seqs, 200, EVERY_PREFIX, pad_to_multiple_of=2)
+    assert any(s.plan.num_padding for s in padded.suffixes)
+    for a, b in zip(plain.suffixes, padded.suffixes):
+        assert a.members == b.members and b.plan.input_ids.numel() % 2 == 0
+        assert torch.equal(a.plan.kv_index, b.plan.kv_index)
+        n = a.plan.input_ids.numel()
+        assert torch.equal(b.plan.input_ids[:n], a.plan.input_ids)
+        assert torch.equal(b.plan.cu_seqlens_q[:-1], a.plan.cu_seqlens_q) if b.plan.num_padding \
+            else torch.equal(b.plan.cu_seqlens_q, a.plan.cu_seqlens_q)
+        assert b.plan.num_tokens_unique == a.plan.num_tokens_unique
+
+
 def test_positions_cover_the_group_once_and_each_prefix_is_computed_once():
     seqs = _group()
     schedule = plan_group(seqs, 250, EVERY_PREFIX)

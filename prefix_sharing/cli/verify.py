@@ -7,8 +7,9 @@ log-probs, entropy, loss and gradients. Exit status 0 only when within tolerance
 
 With ``--token-budget N`` the shared run computes each group (a prompt group of the input, or
 the whole micro-batch) in micro-batches of at most N computed tokens, its common prefix once
-across them (cross-micro-batch sharing; PP=1, dense models), and is judged against the plain
-run of the whole batch.
+across them (cross-micro-batch sharing; PP=1, dense and MoE models), and is judged against the
+plain run of the same samples in the same micro-batches (one per suffix micro-batch, its samples
+whole: the stock step's split, over which MoE router statistics are taken).
 
 With ``--routing-replay`` (MoE presets) every run replays recorded routes (megatron's
 ``moe_enable_routing_replay``): routes that depend on each token's prefix, as a batch-invariant
@@ -108,9 +109,14 @@ def _check_cross(args: argparse.Namespace, engine: str, model: ModelPreset,
         raise InputError("--token-budget (cross-micro-batch sharing) runs on the megatron "
                          f"engine with --pp 1 and --cp 1; got --engine {engine} --pp {args.pp} "
                          f"--cp {args.cp}")
-    if model.num_experts or model.window_size is not None:
-        raise InputError(f"--token-budget does not support the {model.name} preset's MoE "
-                         "layers or sliding windows yet")
+    if model.window_size is not None:
+        raise InputError(f"--token-budget does not support the {model.name} preset's sliding "
+                         "windows yet")
+    if model.num_experts and args.tp != 1:
+        raise InputError(f"--token-budget with the {model.name} preset's MoE layers runs with "
+                         f"--tp 1; got --tp {args.tp} (megatron's MoE needs sequence "
+                         "parallelism under tensor parallelism, which cross-micro-batch sharing "
+                         "does not support)")
     members = [list(range(len(sequences)))] if groups is None else [g.members for g in groups]
     for m in members:
         with user_input(ValueError):
@@ -170,6 +176,7 @@ def _text(r: dict) -> str:
         lines.append(f"across micro-batches of <= {r['token_budget']} tokens: "
                      f"{r['num_micro_batches']} micro-batches, {r['tokens_computed']} tokens "
                      f"computed ({r['tokens_unique']} unique in the whole batch), "
-                     f"{r['held_bytes']} bytes of prefix K/V held")
+                     f"{r['held_bytes']} bytes of prefix K/V (and MoE router logits) held; judged against the plain run "
+                     "of the same samples in the same micro-batches")
     lines.append("PASSED: shared == plain within tolerance" if r["passed"] else "FAILED")
     return "\n".join(lines)

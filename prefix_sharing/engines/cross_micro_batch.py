@@ -1,11 +1,18 @@
 """The Megatron engine's cross-micro-batch run: a batch's groups over token-budget micro-batches.
 
-The same loss as :func:`~.megatron.forward_backward` gives the whole batch as one micro-batch
-(:func:`~prefix_sharing.equivalence.pg_loss` with the seeded advantages of micro-batch 0),
-written as its per-token terms so that each micro-batch scores its own tokens; so the result
-compares with :func:`~.megatron.compare` against any one-micro-batch run of the batch. Each
-group (by default the whole batch) runs as its prefix micro-batch plus suffix micro-batches
-(:func:`~prefix_sharing.cross_micro_batch.plan_group`); gradients accumulate over all groups.
+Each group (by default the whole batch) runs as its prefix micro-batch plus suffix
+micro-batches (:func:`~prefix_sharing.cross_micro_batch.plan_group`); gradients accumulate over
+all groups. Its reference is the stock step on the same split: the *plain micro-batches*, one
+per suffix micro-batch, each holding that suffix's samples whole (:attr:`CrossMicroBatchRun.
+plain_split`), run through megatron's schedule by :func:`~.megatron.forward_backward`. That is
+the split a trainer's stock step would run these samples in, and it decides the MoE router's
+batch statistics (each micro-batch's aux / z-losses are its own; see
+:mod:`prefix_sharing.megatron_ext.cross_micro_batch`). The loss is the one
+:func:`~.megatron.forward_backward` gives that split - per plain micro-batch ``j``
+:func:`~prefix_sharing.equivalence.pg_loss` with the seeded advantages of micro-batch ``j``,
+divided by the number of micro-batches as megatron's schedule does - written as per-token
+terms so that each cross micro-batch scores its own tokens; so the result compares with
+:func:`~.megatron.compare` against that run, micro-batch by micro-batch.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from ..config import PrefixSharingConfig
 from ..cross_micro_batch import GroupSchedule, plan_group
 from ..equivalence import RunOutputs, advantages, at_least_fp32
 from ..planner import build_plan
-from .megatron import MicroBatchRun, full_grads
+from .megatron import MicroBatchRun, finalize_sequence_parallel_grads, full_grads
 
 __all__ = ["CrossMicroBatchRun", "forward_backward_cross"]
 
@@ -29,16 +36,20 @@ class CrossMicroBatchRun:
     """A batch's run over micro-batches: comparable outputs, and what it cost.
 
     Attributes:
-        run: the batch's outputs as one micro-batch's, and the gradients (None when not
-            collected).
+        run: the batch's outputs per plain micro-batch (``plain_split``), and the gradients
+            (None when not collected).
         schedules: each group's prefix and suffix micro-batches.
-        held_bytes: the largest prefix K/V (leaves and gradients) held across a group.
+        plain_split: the batch indices of each plain micro-batch (one per suffix micro-batch,
+            groups in order): what the reference runs as its micro-batches.
+        held_bytes: the largest prefix K/V (leaves and gradients; with MoE router statistics,
+            the router logits' too) held across a group.
         tokens_computed: tokens the model ran over all micro-batches.
         tokens_unique: tokens the whole batch's single plan computes.
     """
 
     run: MicroBatchRun | None
     schedules: list[GroupSchedule]
+    plain_split: list[list[int]]
     held_bytes: int
     tokens_computed: int
     tokens_unique: int
@@ -80,36 +91,37 @@ def forward_backward_cross(
             forward_backward_group`.
         collect: gather the outputs and gradients for a comparison (off for timing).
     """
+    from megatron.core import parallel_state
+
     from ..megatron_ext.cross_micro_batch import forward_backward_group
 
     groups = [list(range(len(sequences)))] if groups is None else [list(g) for g in groups]
     if sorted(i for g in groups for i in g) != list(range(len(sequences))):
         raise ValueError("groups must hold every sequence exactly once")
     device = next(model.parameters()).device
+    # under sequence parallelism each micro-batch's rows split over the tensor-parallel ranks
+    multiple = (parallel_state.get_tensor_model_parallel_world_size()
+                if model.config.sequence_parallel else 1)
+    schedules = [plan_group([sequences[i] for i in members], token_budget, config,
+                            pad_to_multiple_of=multiple)
+                 for members in groups]
+    split = [[members[m] for m in suffix.members]
+             for members, schedule in zip(groups, schedules) for suffix in schedule.suffixes]
     starts = torch.tensor([0] + [len(s) for s in sequences]).cumsum(0)
     total = int(starts[-1])
-    weights = advantages(total, seed=0).to(device)
+    terms = _SplitLoss(split, starts, device)
     log_probs = torch.zeros(total)
     entropy = torch.zeros(total)
     logits: torch.Tensor | None = None
-    loss = torch.zeros(())
-    schedules, held, computed = [], 0, 0
+    held, computed = 0, 0
     model.zero_grad(set_to_none=True)
-    for members in groups:
-        schedule = plan_group([sequences[i] for i in members], token_budget, config)
+    for members, schedule in zip(groups, schedules):
         # group-packed position -> batch-packed position
         where = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in members]).to(device)
-
-        def token_loss(lp: torch.Tensor, ent: torch.Tensor, positions: torch.Tensor,
-                       where: torch.Tensor = where) -> torch.Tensor:
-            # pg_loss(all tokens) = the sum over micro-batches of their tokens' terms
-            picked = weights.index_select(0, where.index_select(0, positions))
-            return (-(picked * lp).sum() - 0.01 * ent.sum()) / total
-
-        group = forward_backward_group(model, schedule, token_loss,
-                                       recompute_prefix=recompute_prefix,
-                                       backend=config.backend, keep_logits=collect)
-        schedules.append(schedule)
+        group = forward_backward_group(
+            model, schedule, lambda lp, ent, positions, where=where: terms(lp, ent, where[positions]),
+            recompute_prefix=recompute_prefix, backend=config.backend, keep_logits=collect,
+            aux_loss_scale=1 / len(split))
         held, computed = max(held, group.held_bytes), computed + group.tokens_computed
         if not collect:
             continue
@@ -119,10 +131,51 @@ def forward_backward_cross(
         if logits is None:
             logits = group_logits.new_zeros(total, group_logits.size(1))
         logits[rows] = group_logits
-        loss = loss + group.loss.cpu()
     unique = build_plan(sequences, config).num_tokens_unique
     run = None
     if collect:
-        outputs = RunOutputs(logits, log_probs, entropy, loss, {})
-        run = MicroBatchRun([outputs], full_grads(model), [])
-    return CrossMicroBatchRun(run, schedules, held, computed, unique)
+        outputs = []
+        for j, batch in enumerate(split):
+            rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in batch])
+            outputs.append(RunOutputs(logits[rows], log_probs[rows], entropy[rows],
+                                      terms.loss(j).cpu(), {}))
+        finalize_sequence_parallel_grads(model)  # as forward_backward does
+        run = MicroBatchRun(outputs, full_grads(model), [])
+    return CrossMicroBatchRun(run, schedules, split, held, computed, unique)
+
+
+class _SplitLoss:
+    """The loss :func:`~.megatron.forward_backward` gives the plain micro-batches ``split``,
+    as per-token terms: token ``t`` of plain micro-batch ``j`` (``n_j`` tokens, ``M``
+    micro-batches) weighs ``-a_t / (n_j M)`` on its log-prob and ``-0.01 / (n_j M)`` on its
+    entropy, ``a`` the seeded advantages of micro-batch ``j``. Each call scores the tokens at
+    the given batch-packed positions and adds their terms to their micro-batch's loss."""
+
+    def __init__(self, split: list[list[int]], starts: torch.Tensor,
+                 device: torch.device) -> None:
+        total, count = int(starts[-1]), len(split)
+        self.on_log_prob = torch.zeros(total)
+        self.on_entropy = torch.zeros(total)
+        self.micro_batch = torch.zeros(total, dtype=torch.int64)
+        for j, batch in enumerate(split):
+            rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in batch])
+            n = rows.numel()
+            self.on_log_prob[rows] = -advantages(n, seed=j) / (n * count)
+            self.on_entropy[rows] = -0.01 / (n * count)
+            self.micro_batch[rows] = j
+        self.on_log_prob, self.on_entropy, self.micro_batch = (
+            t.to(device) for t in (self.on_log_prob, self.on_entropy, self.micro_batch))
+        self.sums = torch.zeros(count, dtype=torch.float64, device=device)
+
+    def __call__(self, log_probs: torch.Tensor, entropy: torch.Tensor,
+                 positions: torch.Tensor) -> torch.Tensor:
+        terms = (self.on_log_prob.index_select(0, positions).to(log_probs.dtype) * log_probs
+                 + self.on_entropy.index_select(0, positions).to(entropy.dtype) * entropy)
+        self.sums.index_add_(0, self.micro_batch.index_select(0, positions),
+                             terms.detach().double())
+        return terms.sum()
+
+    def loss(self, j: int) -> torch.Tensor:
+        """Plain micro-batch ``j``'s loss as :func:`~.megatron.forward_backward` records it
+        (before the schedule divides it by the number of micro-batches)."""
+        return (self.sums[j] * self.sums.numel()).float()

@@ -22,7 +22,10 @@ megatron's own ``RouterReplay`` on the padded batch.
 With a ``token_budget`` the shared run is the cross-micro-batch one
 (:mod:`~prefix_sharing.engines.cross_micro_batch`): each group (a prompt group of the batch, or
 the whole batch) as its prefix micro-batch and suffix micro-batches of at most that many
-computed tokens; it is judged against the plain run of the whole batch as one micro-batch.
+computed tokens; it is judged against the plain (and the reference) run of the same samples in
+the same micro-batches: one plain micro-batch per suffix micro-batch, its samples whole. That is
+the split a stock step would run them in, and what MoE router statistics (per micro-batch in
+megatron) are defined over.
 """
 
 from __future__ import annotations
@@ -156,6 +159,7 @@ def _verify_batch(models: dict, batch: list, groups: list, request: VerifyReques
             cross = _cross(models["shared"], batch[0], groups[0], request)
             shared = cross.run
             digest = "".join(p.digest() for s in cross.schedules for p in s.plans())
+            batch = [[batch[0][i] for i in members] for members in cross.plain_split]
         plain = forward_backward(models["plain"], batch, "padded", routes=routes)
         reference = forward_backward(models["reference"], batch, "padded", routes=routes)
         steps.append({"shared": compare(shared, reference), "plain": compare(plain, reference),

@@ -55,7 +55,7 @@ def enable_cpu_megatron() -> None:
     from megatron.core.fusions import fused_softmax
     from megatron.core.tensor_parallel import random as megatron_random
     from megatron.core.transformer import attention, torch_norm
-    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+    from megatron.core.transformer.moe import moe_utils, router, token_dispatcher
 
     _redirect_current_device()
     _redirect_cuda_rng(megatron_random)
@@ -68,6 +68,7 @@ def enable_cpu_megatron() -> None:
     _allow_sequence_parallel_torch_norm(torch_norm)
     _mla_without_te()
     _eager_jit_fusions(attention.Attention)
+    _eager_jit_fusions(router.TopKRouter)
     _enabled = True
     if "megatron.core.ssm.gated_delta_net" in sys.modules:
         enable_cpu_gated_delta_net()
@@ -238,7 +239,8 @@ def _torch_gated_delta_net_l2norm() -> None:
 def _eager_jit_fusions(cls: type) -> None:
     # Methods decorated with megatron's `jit_fuser`, which is `torch.compile` - the attention's
     # `_apply_output_gate`, the GDN module's `_prepare_input_for_gated_delta_rule`,
-    # `_compute_g_and_beta` and `_apply_gated_norm` (megatron-core 0.19) - make inductor compile
+    # `_compute_g_and_beta` and `_apply_gated_norm` (megatron-core 0.19), the MoE router's
+    # `_apply_expert_bias` (a stock router's expert-bias count) - make inductor compile
     # C++ on a CPU for every new shape and dtype (10-30 s each, minutes for a few
     # micro-batches), for elementwise fusions a GPU benefits from. Their undecorated functions
     # compute the same; the class gets those back.

@@ -22,10 +22,24 @@ The loss must be a sum of per-token terms (as token-mean losses over a global ba
 ``token_loss(log_probs, entropy, positions)`` scores the tokens at ``positions`` of the group's
 packed order and is called once per micro-batch; the group's loss is the sum of its calls.
 
-PP=1; tensor parallelism without sequence parallelism (each rank keeps its own K/V heads'
-prefix; log-probs through the vocab-parallel reductions); dense models, and MoE whose routers
-keep no batch statistics (routing is per token then). Pipeline parallelism, sequence
-parallelism, MoE with aux / z-losses or expert bias, and sliding windows are refused by name.
+MoE routers with batch statistics (aux / seq-aux / global-aux losses, z-loss, expert-bias
+counts, the logged losses) count each suffix micro-batch as the plain micro-batch of its samples,
+prefix included: what megatron's stock step computes when it runs the same samples in the same
+micro-batches (each forward's statistics are its own micro-batch's). The prefix's router logits
+are kept beside its K/V and read by every suffix's plain view, so the prefix tokens count once
+per sample holding them and their aux-loss gradients reach the prefix's router with the
+prefix's backward (see :mod:`.moe`). ``aux_loss_scale`` is the weight megatron's schedule gives
+each micro-batch's router losses (``1 / num_microbatches``).
+
+PP=1; tensor parallelism (each rank keeps its own K/V heads' prefix; log-probs through the
+vocab-parallel reductions), with or without sequence parallelism: the all-gather before the
+QKV projection hands core attention every row of the micro-batch, so the prefix K/V leaves are
+the same as without it; each micro-batch's rows are padded to a multiple of the
+tensor-parallel size (the schedule planned with ``pad_to_multiple_of``, the prefix
+micro-batch here) and the prefix's pad rows are not kept. Dense and MoE models. Pipeline
+parallelism, sliding windows, and MoE router statistics under sequence parallelism (which
+megatron's MoE needs under TP: each rank would route a slice of the prefix's logits) are
+refused by name.
 """
 
 from __future__ import annotations
@@ -36,9 +50,10 @@ from collections.abc import Callable
 import torch
 from megatron.core.utils import get_attr_wrapped_model
 
+from ..config import PrefixSharingConfig
 from ..cross_micro_batch import GroupSchedule
 from ..logprobs import token_log_probs
-from ..plan import SharingPlan
+from ..planner import build_plan
 from .checks import UnsupportedSetupError
 from .logprobs import vocab_shard
 from .moe import PrefixSharingRouter
@@ -59,7 +74,8 @@ class GroupRun:
         logits: ``(T_total, V)`` the same rows' logits (the whole vocabulary), when asked for
             (``keep_logits``).
         loss: the sum of the micro-batches' losses.
-        held_bytes: the prefix K/V leaves and their gradients, held across the group.
+        held_bytes: the prefix K/V leaves and their gradients, held across the group (with
+            MoE router statistics, the prefix's router logits and their gradients too).
         tokens_computed: tokens the model ran, over all micro-batches (a recomputed prefix
             counted twice).
     """
@@ -81,6 +97,7 @@ def forward_backward_group(
     backend: str = "auto",
     temperature: float = 1.0,
     keep_logits: bool = False,
+    aux_loss_scale: float = 1.0,
 ) -> GroupRun:
     """Runs one group's micro-batches (see the module doc); parameter gradients accumulate
     into ``.grad`` (call ``model.zero_grad()`` first when starting a step).
@@ -94,13 +111,31 @@ def forward_backward_group(
         backend: attention kernel, as :class:`~.packed_seq.PlanPackedSeqParams` takes it.
         temperature: logits are divided by it before log-probs and entropy.
         keep_logits: also return every token's logits (for comparisons; ``T_total x V``).
+        aux_loss_scale: the gradient weight of each suffix micro-batch's MoE router losses
+            (megatron's schedule sets ``1 / num_microbatches`` of the step, 1 with
+            ``calculate_per_token_loss``); set on
+            megatron's ``MoEAuxLossAutoScaler`` for the group's backwards.
     """
     check_group_model(model)
     device = next(model.parameters()).device
+    multiple = _sequence_parallel_size(model)
+    unpadded = [i for i, s in enumerate(schedule.suffixes) if s.plan.input_ids.numel() % multiple]
+    if unpadded:
+        raise ValueError(
+            f"suffix micro-batch {unpadded[0]}'s rows do not split over the {multiple} "
+            f"sequence-parallel ranks: plan the group with pad_to_multiple_of={multiple}")
+    if get_attr_wrapped_model(model, "config").num_moe_experts:
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+        # set_loss_scale copies into the scale it holds: [1] when megatron's schedule made it,
+        # [] when the autoscaler's own backward did
+        held = MoEAuxLossAutoScaler.main_loss_backward_scale
+        MoEAuxLossAutoScaler.set_loss_scale(torch.full(
+            (1,) if held is None else held.shape, float(aux_loss_scale), device=device))
     total = schedule.num_tokens_total
     out = _Collector(total, device, keep_logits)
-    prefix_kv = PrefixKV()
-    prefix = PrefixPass(schedule, prefix_kv, backend, temperature, device)
+    prefix_kv = PrefixKV(rows=schedule.prefix_len)
+    prefix = PrefixPass(schedule, prefix_kv, backend, temperature, device, multiple)
     if recompute_prefix:
         with torch.no_grad():
             prefix.forward(model)
@@ -131,20 +166,14 @@ def forward_backward_group(
 
 
 class PrefixPass:
-    """The prefix micro-batch: ``P`` alone (identity plan), recording its K/V."""
+    """The prefix micro-batch: ``P`` alone (identity plan; pad rows after it to a multiple of
+    ``pad_to_multiple_of``), recording its K/V."""
 
     def __init__(self, schedule: GroupSchedule, prefix_kv: PrefixKV, backend: str,
-                 temperature: float, device: torch.device) -> None:
-        n = schedule.prefix_len
-        ids = schedule.prefix_ids.to(device)
-        cu = torch.tensor([0, n], dtype=torch.int32)
-        plan = SharingPlan(
-            input_ids=ids, position_ids=torch.arange(n, device=device),
-            cu_seqlens_q=cu.to(device), cu_seqlens_kv=cu.to(device), max_seqlen_q=n,
-            max_seqlen_kv=n, cu_seqlens_q_host=(0, n), cu_seqlens_kv_host=(0, n),
-            kv_gather_index=torch.arange(n, device=device),
-            kv_index=torch.arange(n, device=device), seq_lens=(n,), prefix_lens=(0,),
-        )
+                 temperature: float, device: torch.device, pad_to_multiple_of: int = 1) -> None:
+        plan = build_plan([schedule.prefix_ids], PrefixSharingConfig(),
+                          pad_to_multiple_of=pad_to_multiple_of).to(device)
+        self.prefix_len = schedule.prefix_len
         self.params = PlanPackedSeqParams.from_plan(plan, backend, prefix_kv=prefix_kv)
         self.stats_plan = schedule.prefix_stats_plan.to(device)
         # the prefix rows of every sequence, without the placeholder position Lp
@@ -156,7 +185,7 @@ class PrefixPass:
     def forward(self, model: torch.nn.Module) -> torch.Tensor:
         plan = self.params.plan
         return model(plan.input_ids[None], plan.position_ids[None], None,
-                     packed_seq_params=self.params)[0]  # [Lp, V]
+                     packed_seq_params=self.params)[0]  # [Lp (+ pad rows), V]
 
     def stats(self, model: torch.nn.Module,
               with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None,
@@ -164,7 +193,7 @@ class PrefixPass:
         """Forward, then every sequence's log-probs and entropy at positions ``0 .. Lp-1``
         (``(N * Lp,)`` each, sequence-major: ``schedule.prefix_positions``' order), and a
         callable giving those positions' logits."""
-        logits = self.forward(model)
+        logits = self.forward(model)[: self.prefix_len]  # the pad rows' logits are not read
         # one placeholder row per sequence: the stats plan's position Lp, discarded
         rows = torch.cat([logits, logits.new_zeros(self.num_sequences, logits.size(1))])
         stats = token_log_probs(rows, self.stats_plan, temperature=self.temperature,
@@ -220,22 +249,31 @@ def _whole_vocab(logits: torch.Tensor) -> torch.Tensor:
     return gather_from_tensor_model_parallel_region(logits)
 
 
+def _sequence_parallel_size(model: torch.nn.Module) -> int:
+    """The number of ranks a micro-batch's rows are split over (1 without sequence
+    parallelism)."""
+    if not get_attr_wrapped_model(model, "config").sequence_parallel:
+        return 1
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_world_size()
+
+
 def check_group_model(model: torch.nn.Module) -> None:
     """Raises :class:`UnsupportedSetupError` naming every setting a group run cannot honour."""
     config = get_attr_wrapped_model(model, "config")
     problems = []
-    if config.sequence_parallel:
-        problems.append("sequence_parallel=True (the micro-batches' layouts are not padded to "
-                        "the tensor-parallel size)")
+    if config.sequence_parallel and config.num_moe_experts:
+        keeping = [name for name, module in model.named_modules()
+                   if isinstance(module, PrefixSharingRouter) and module.keeps_statistics()]
+        if keeping:
+            problems.append(f"sequence_parallel=True with num_moe_experts={config.num_moe_experts}"
+                            f" and router batch statistics (aux / z-loss, expert bias; "
+                            f"{keeping[0]}): each rank would route a slice of the prefix's "
+                            "router logits")
     if config.pipeline_model_parallel_size > 1:
         problems.append(f"pipeline_model_parallel_size={config.pipeline_model_parallel_size} "
                         "(PP=1 only)")
-    keeping = [name for name, module in model.named_modules()
-               if isinstance(module, PrefixSharingRouter) and module.keeps_statistics()]
-    if config.num_moe_experts and keeping:
-        problems.append(f"num_moe_experts={config.num_moe_experts} with router batch statistics "
-                        f"(aux / z-loss, expert bias; {keeping[0]}): they are not reweighted "
-                        "across micro-batches")
     if config.window_size is not None:
         problems.append(f"window_size={config.window_size} (the suffix gather is not trimmed)")
     if problems:

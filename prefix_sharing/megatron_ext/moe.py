@@ -44,6 +44,18 @@ CP=1 router gives it, ``coeff / TP / n`` with ``n`` the real tokens of the seque
 slice that holds it at CP=1 (:attr:`PlainBatchView.z_loss_weights`), and the rank's share is
 logged with ``tp_cp`` as its reduce group (their sum is the CP=1 value).
 
+Across micro-batches (:mod:`.cross_micro_batch`: a group's prefix computed once in its own
+micro-batch, its tails in suffix micro-batches) the plain micro-batch a suffix micro-batch
+stands for holds its samples whole, prefix included, as the stock step running the same samples
+in the same micro-batches does. So the prefix micro-batch routes its rows per token and keeps
+no statistic, its router logits are kept per layer beside its K/V
+(:meth:`.prefix_kv.PrefixKV.exchange_router_logits`), and each suffix micro-batch routes the
+plain view of ``cat(prefix logits, own logits)`` - its plan's ``kv_index`` already addresses
+the prefix's rows first. Every statistic is then megatron's own on that plain micro-batch (the
+global aux loss accumulates once per suffix, as once per plain micro-batch), and the gradients
+of the prefix copies' aux / z-loss terms gather in the kept logits' leaf and reach the
+prefix's router with the prefix's backward.
+
 "Sequence" in ``seq_aux_loss`` is a sequence of the micro-batch, as in megatron's padded
 ``[s, b]`` input. (On a plain THD batch megatron-core 0.16.1 does not read ``cu_seqlens`` there:
 its ``[T, 1]`` input makes the whole micro-batch one sequence.)
@@ -86,6 +98,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from ..plan import SharingPlan
 from .checks import UnsupportedSetupError
 from .packed_seq import PlanPackedSeqParams
+from .prefix_kv import PrefixKV
 from .routing_replay import check_replay_state, moe_layer_index, replaying, route_column
 
 __all__ = ["PlainBatchView", "PrefixSharingRouter", "PrefixSharingTransformerLayer"]
@@ -129,6 +142,11 @@ class PlainBatchView:
             z-loss of the unsplit batch routed in ``z_loss_slices`` sequence-parallel slices
             (``1 / (z_loss_slices * n)``, ``n`` the real tokens of the slice holding it; 0 at
             padding). Under context parallelism, where ``shards`` is ``TP x CP``.
+
+    With ``external_rows`` (a suffix micro-batch across micro-batches, whose ``kv_index``
+    addresses its group's ``external_rows`` prefix rows first) the rows index ``cat(prefix
+    rows, flat rows)``, the sentinel is ``external_rows + T_flat`` and ``readers`` cover the
+    flat rows only.
     """
 
     rows: torch.Tensor
@@ -138,18 +156,22 @@ class PlainBatchView:
 
     @classmethod
     def of(cls, plan: SharingPlan, per_sequence: bool, shards: int = 1,
-           shard: int = 0, z_loss_slices: int | None = None) -> PlainBatchView:
+           shard: int = 0, z_loss_slices: int | None = None,
+           external_rows: int = 0) -> PlainBatchView:
         """Shard ``shard`` of ``shards`` of the view of ``plan``: padded per sequence, or the
-        packed plain batch (one shard only); with ``z_loss_slices``, its z-loss weights."""
+        packed plain batch (one shard only); with ``z_loss_slices``, its z-loss weights; with
+        ``external_rows``, over a group's prefix rows and then the flat rows (one shard)."""
         if plan.num_tokens_flat % shards:
             raise ValueError(f"the flat layout's {plan.num_tokens_flat} rows do not split into "
                              f"{shards} sequence-parallel shards; plan with pad_to_multiple_of="
                              f"{shards}")
         if shards > 1 and not per_sequence:
             raise ValueError("the packed plain batch has one shard; shard it per sequence")
+        if shards > 1 and external_rows:
+            raise ValueError("a view over a group's external prefix rows has one shard")
         kv_index = plan.kv_index
+        sentinel = external_rows + plan.num_tokens_flat
         if per_sequence:
-            sentinel = plan.num_tokens_flat
             packed = torch.arange(plan.num_tokens_total, device=kv_index.device)
             seq = torch.searchsorted(plan.cu_seqlens[1:], packed, right=True)
             pos = packed - plan.cu_seqlens.index_select(0, seq)
@@ -162,23 +184,23 @@ class PlainBatchView:
             rows = kv_index.unsqueeze(1)  # [T_total, 1]
         positions = torch.arange(rows.numel(), device=kv_index.device)
         # one slot more, for the sentinel: padding positions land there and are dropped
-        readers = torch.zeros(plan.num_tokens_flat + 1, dtype=torch.int64,
+        readers = torch.zeros(sentinel + 1, dtype=torch.int64,
                               device=kv_index.device)
         readers.scatter_reduce_(0, rows.reshape(-1), positions, "amin", include_self=False)
         weights = None
         if z_loss_slices is not None:
             if not per_sequence:
                 raise ValueError("z-loss weights are those of the padded plain batch")
-            weights = _z_loss_weights(rows != plan.num_tokens_flat, max(plan.seq_lens),
+            weights = _z_loss_weights(rows != sentinel, max(plan.seq_lens),
                                       z_loss_slices).chunk(shards)[shard]
         rows = rows.chunk(shards)[shard]
-        return cls(rows, rows == plan.num_tokens_flat if per_sequence else None,
-                   readers[:-1].chunk(shards)[shard], weights)
+        return cls(rows, rows == sentinel if per_sequence else None,
+                   readers[external_rows:-1].chunk(shards)[shard], weights)
 
     def gather(self, flat: torch.Tensor) -> torch.Tensor:
         """``[s / shards, b, E]`` this shard's plain-batch rows of all flat rows ``[T_flat, E]``
-        (zeros at padding)."""
-        with_sentinel = torch.cat([flat, flat.new_zeros(1, flat.size(1))])  # [T_flat + 1, E]
+        (``[external_rows + T_flat, E]`` with external rows; zeros at padding)."""
+        with_sentinel = torch.cat([flat, flat.new_zeros(1, flat.size(1))])  # [rows + 1, E]
         return with_sentinel.index_select(0, self.rows.reshape(-1)).view(*self.rows.shape, -1)
 
     def select(self, plain: torch.Tensor) -> torch.Tensor:
@@ -201,17 +223,19 @@ def _z_loss_weights(real: torch.Tensor, longest: int, slices: int) -> torch.Tens
 
 # A plan's views, built once per micro-batch and shared by every MoE layer (the plan is frozen).
 _VIEWS: weakref.WeakKeyDictionary[
-    SharingPlan, dict[tuple[bool, int, int, int | None], PlainBatchView]
+    SharingPlan, dict[tuple[bool, int, int, int | None, int], PlainBatchView]
 ] = weakref.WeakKeyDictionary()
 
 
 def plain_batch_view(plan: SharingPlan, per_sequence: bool, shards: int = 1,
-                     shard: int = 0, z_loss_slices: int | None = None) -> PlainBatchView:
+                     shard: int = 0, z_loss_slices: int | None = None,
+                     external_rows: int = 0) -> PlainBatchView:
     """:meth:`PlainBatchView.of`, cached per plan."""
     views = _VIEWS.setdefault(plan, {})
-    key = (per_sequence, shards, shard, z_loss_slices)
+    key = (per_sequence, shards, shard, z_loss_slices, external_rows)
     if key not in views:
-        views[key] = PlainBatchView.of(plan, per_sequence, shards, shard, z_loss_slices)
+        views[key] = PlainBatchView.of(plan, per_sequence, shards, shard, z_loss_slices,
+                                       external_rows)
     return views[key]
 
 
@@ -224,13 +248,19 @@ class PrefixSharingRouter(TopKRouter):
     ``global_aux_loss``, the z-loss, the expert-bias counts and the aux-loss tracker are
     megatron's own on the plain batch - under sequence parallelism, each rank's are the stock
     router's on that rank's slice of it; under context parallelism, each rank's shares add up
-    over the group to the CP=1 router's (the z-loss weighted per token to that end).
+    over the group to the CP=1 router's (the z-loss weighted per token to that end); across
+    micro-batches (given the group's :class:`~.prefix_kv.PrefixKV`), each suffix micro-batch's
+    are the stock router's on its samples whole, the prefix micro-batch keeping none.
     """
+
+    # True while the prefix micro-batch of a group routes (its statistics are the suffixes')
+    _quiet: bool = False
 
     def __init__(self, config: Any, pg_collection: Any = None, **kwargs: Any) -> None:
         # kwargs: what the release's MoELayer also passes (0.17+: is_mtp_layer)
         super().__init__(config=config, pg_collection=pg_collection, **kwargs)
         self._plan: SharingPlan | None = None
+        self._prefix: PrefixKV | None = None
         # the z-loss weights of the plain slice being routed (context parallelism only)
         self._z_loss_weights: torch.Tensor | None = None
         self._routes: torch.Tensor | None = None
@@ -244,22 +274,25 @@ class PrefixSharingRouter(TopKRouter):
 
     @contextlib.contextmanager
     def reading(self, plan: SharingPlan | None, routes: torch.Tensor | None = None,
-                records: bool = False) -> Iterator[None]:
+                records: bool = False, prefix: PrefixKV | None = None) -> Iterator[None]:
         """Routes with ``plan``'s plain batch inside the block (None: the tokens as given),
         replaying ``routes`` (``[T_flat, moe_layers, topk]``, the flat rows' recorded routes)
-        when given, or recording the flat rows' routes when ``records``."""
-        previous = (self._plan, self._routes, self._records)
-        self._plan, self._routes, self._records = plan, routes, records
+        when given, or recording the flat rows' routes when ``records``; ``prefix``: the
+        group's prefix kept across micro-batches, if any."""
+        previous = (self._plan, self._routes, self._records, self._prefix)
+        self._plan, self._routes, self._records, self._prefix = plan, routes, records, prefix
         try:
             yield
         finally:
-            self._plan, self._routes, self._records = previous
+            self._plan, self._routes, self._records, self._prefix = previous
 
     def routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
         if self._plan is None:
             return super().routing(logits, padding_mask=padding_mask)
         check_replay_state(getattr(self, "router_replay", None), self._routes is not None,
                            self._records)
+        if self._prefix is not None and self.keeps_statistics():
+            return self._routing_across_micro_batches(logits, padding_mask)
         if self._records and self.cp_group.size() > 1:
             raise UnsupportedSetupError(
                 "recording routes with sharing under context parallelism (context_parallel_size="
@@ -311,6 +344,40 @@ class PrefixSharingRouter(TopKRouter):
         return self.get_aux_loss_coeff("seq_aux_loss") > 0 or (
             group is not None and group.size() > 1)
 
+    def _routing_across_micro_batches(self, logits: torch.Tensor,
+                                      padding_mask: torch.Tensor | None):
+        """A micro-batch of a group run across micro-batches (see the module doc): the prefix
+        micro-batch records its logits and routes per token without statistics; a suffix
+        micro-batch routes the plain view of ``cat(prefix logits, own logits)``."""
+        problems = [setting for setting, on in (
+            ("routing replay", self._routes is not None),
+            ("a padding_mask", padding_mask is not None),
+            ("sequence or context parallelism", self._sharding_group() is not None)) if on]
+        if problems:
+            raise UnsupportedSetupError(
+                "MoE router statistics across micro-batches do not support "
+                + ", ".join(problems))
+        flat_logits = logits.reshape(-1, self.num_experts)  # [T_flat, E]
+        if self._prefix.mode == "record":
+            self._prefix.exchange_router_logits(self.layer_number, flat_logits)
+            self._quiet = True
+            try:
+                return super().routing(logits)
+            finally:
+                self._quiet = False
+        if not self._computes_statistics():
+            return super().routing(logits)
+        rows = self._prefix.exchange_router_logits(self.layer_number, flat_logits)
+        view = plain_batch_view(self._plan, self.get_aux_loss_coeff("seq_aux_loss") > 0,
+                                external_rows=rows.size(0) - flat_logits.size(0))
+        probs, routing_map = super().routing(view.gather(rows), padding_mask=view.padding_mask)
+        return view.select(probs), view.select(routing_map)  # [T_flat, E] each
+
+    def is_aux_loss_enabled(self) -> bool:
+        """Megatron's answer, except while a group's prefix micro-batch routes (its tokens'
+        load-balancing terms belong to the suffix micro-batches' plain views)."""
+        return not self._quiet and super().is_aux_loss_enabled()
+
     def _sharding_group(self) -> torch.distributed.ProcessGroup | None:
         """The group whose ranks each hold a slice of the flat rows (in group-rank order) and
         route a slice of the plain batch: tensor x context parallel under sequence
@@ -323,6 +390,8 @@ class PrefixSharingRouter(TopKRouter):
         """Megatron's z-loss, except under context parallelism with a plan: there each plain
         token weighs what it does at CP=1 (see the module doc), which megatron's per-rank mean
         cannot give."""
+        if self._quiet:
+            return logits
         weights = self._z_loss_weights
         if weights is None:
             return super().apply_z_loss(logits, padding_mask=padding_mask)
@@ -378,7 +447,7 @@ class PrefixSharingRouter(TopKRouter):
         megatron-core 0.16.1's version masks ``[tokens, experts]`` with a ``[tokens]`` mask,
         which does not broadcast; this is that count with the mask per token.
         """
-        if self.enable_expert_bias and torch.is_grad_enabled():
+        if self.enable_expert_bias and torch.is_grad_enabled() and not self._quiet:
             with torch.no_grad():
                 if padding_mask is not None:
                     routing_map = routing_map & ~padding_mask.unsqueeze(-1)
@@ -386,7 +455,7 @@ class PrefixSharingRouter(TopKRouter):
 
     def keeps_statistics(self) -> bool:
         """Whether the config asks for any batch statistic of the router."""
-        return (self.is_aux_loss_enabled() or self.config.moe_z_loss_coeff is not None
+        return (super().is_aux_loss_enabled() or self.config.moe_z_loss_coeff is not None
                 or self.enable_expert_bias)
 
     def _computes_statistics(self) -> bool:
@@ -394,7 +463,7 @@ class PrefixSharingRouter(TopKRouter):
         outside training)."""
         if not torch.is_grad_enabled():
             return False
-        losses = self.is_aux_loss_enabled() or self.config.moe_z_loss_coeff is not None
+        losses = super().is_aux_loss_enabled() or self.config.moe_z_loss_coeff is not None
         return self.enable_expert_bias or (self.training and losses)
 
 
@@ -435,5 +504,6 @@ class PrefixSharingTransformerLayer(TransformerLayer):
         plan = params.plan if isinstance(params, PlanPackedSeqParams) else None
         routes = params.routes if isinstance(params, PlanPackedSeqParams) else None
         records = isinstance(params, PlanPackedSeqParams) and params.record_routes
-        with self.mlp.router.reading(plan, routes, records):
+        prefix = params.prefix_kv if isinstance(params, PlanPackedSeqParams) else None
+        with self.mlp.router.reading(plan, routes, records, prefix):
             return super().forward(*args, **kwargs)

@@ -5,6 +5,12 @@ micro-batch's core attention *reads* them as leaves (detached tensors that requi
 placed before its own rows, so its backward accumulates dK/dV into the leaves' ``.grad``. After
 the group's last suffix, :meth:`PrefixKV.backward` sends those sums into the prefix's graph.
 
+An MoE router that keeps batch statistics (aux / z-losses, expert-bias counts) does the same
+with the prefix's router logits (:meth:`PrefixKV.exchange_router_logits`): every suffix
+micro-batch's statistics count its samples' copies of the prefix tokens, as the plain
+micro-batch of those samples does, and their gradients reach the prefix's router through the
+leaves.
+
 A training loop that runs one backward per micro-batch (megatron's schedules, verl's engine)
 cannot call :meth:`PrefixKV.backward` itself after the last suffix; there the last suffix
 *reads through* (mode ``"read_last"``): it attends to the recorded K/V themselves, with the
@@ -33,12 +39,19 @@ class PrefixKV:
         leaves: ``layer_number -> (k, v)``, each ``[Lp, ng, hn]``, detached, requiring grad.
         outputs: ``layer_number -> (k, v)`` of the last recorded pass, still in its graph
             when it ran with grad: the tensors :meth:`backward` differentiates.
+        router_leaves, router_outputs: ``layer_number -> [Lp, experts]`` router logits, as
+            leaves and as recorded (MoE routers with batch statistics only).
+        rows: the prefix's real rows ``Lp``: a prefix micro-batch padded for sequence
+            parallelism records its first ``rows`` K/V rows only (None: every row).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, rows: int | None = None) -> None:
+        self.rows = rows
         self.mode: Mode = "record"
         self.leaves: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.router_leaves: dict[int, torch.Tensor] = {}
+        self.router_outputs: dict[int, torch.Tensor] = {}
 
     def exchange(
         self, layer_number: int, key: torch.Tensor, value: torch.Tensor
@@ -47,9 +60,9 @@ class PrefixKV:
         ``cat(prefix leaves, own)`` (``[Lp + T, ng, hn]``) while reading, ``cat(recorded
         prefix, own)`` while reading last (:func:`read_through`)."""
         if self.mode == "record":
-            self.outputs[layer_number] = (key, value)
+            self.outputs[layer_number] = (key[: self.rows], value[: self.rows])
             if layer_number not in self.leaves:  # a recompute keeps the leaves and their grads
-                self.leaves[layer_number] = (_leaf(key), _leaf(value))
+                self.leaves[layer_number] = tuple(map(_leaf, self.outputs[layer_number]))
             return key, value
         k_leaf, v_leaf = self.leaves[layer_number]
         if self.mode == "read_last":
@@ -57,10 +70,26 @@ class PrefixKV:
             k_leaf, v_leaf = read_through(k_out, k_leaf), read_through(v_out, v_leaf)
         return torch.cat([k_leaf, key]), torch.cat([v_leaf, value])
 
+    def exchange_router_logits(self, layer_number: int, logits: torch.Tensor) -> torch.Tensor:
+        """The router logits this layer's batch statistics read, ``[rows, experts]``: its own
+        while recording (kept), ``cat(prefix leaf, own)`` (``[Lp + T, experts]``) while
+        reading, ``cat(recorded prefix, own)`` while reading last."""
+        if self.mode == "record":
+            self.router_outputs[layer_number] = logits[: self.rows]
+            if layer_number not in self.router_leaves:
+                self.router_leaves[layer_number] = _leaf(logits[: self.rows])
+            return logits
+        prefix = self.router_leaves[layer_number]
+        if self.mode == "read_last":
+            prefix = read_through(self.router_outputs[layer_number], prefix)
+        return torch.cat([prefix, logits])
+
     def held_bytes(self) -> int:
         """Bytes held across the group: the leaves and their accumulated gradients
-        (2 x layers x Lp x K/V heads x head dim each, this rank)."""
+        (2 x layers x Lp x K/V heads x head dim each, this rank; plus layers x Lp x experts
+        for routers with batch statistics)."""
         tensors = [t for kv in self.leaves.values() for t in kv]
+        tensors += list(self.router_leaves.values())
         grads = [t.grad for t in tensors if t.grad is not None]
         return sum(t.numel() * t.element_size() for t in tensors + grads)
 
@@ -69,11 +98,13 @@ class PrefixKV:
         plus ``extra`` scalar losses of that pass (e.g. its own tokens' loss terms)."""
         tensors: list[torch.Tensor] = list(extra or [])
         grads: list[torch.Tensor | None] = [None] * len(tensors)
-        for layer, outs in self.outputs.items():
-            for out, leaf in zip(outs, self.leaves[layer]):
-                if leaf.grad is not None and out.requires_grad:
-                    tensors.append(out)
-                    grads.append(leaf.grad)
+        pairs = [pair for layer, outs in self.outputs.items()
+                 for pair in zip(outs, self.leaves[layer])]
+        pairs += [(out, self.router_leaves[layer]) for layer, out in self.router_outputs.items()]
+        for out, leaf in pairs:
+            if leaf.grad is not None and out.requires_grad:
+                tensors.append(out)
+                grads.append(leaf.grad)
         if not tensors:
             raise RuntimeError("nothing to backpropagate: the prefix pass ran without grad")
         torch.autograd.backward(tensors, grads)

@@ -135,7 +135,10 @@ def test_windowed_presets_pass(capsys, engine, model, workload):
 
 
 def test_token_budget_runs_each_group_across_micro_batches_with_its_prefix_once(capsys):
-    code, out, _ = verify(capsys, "--workload", "grpo", "--token-budget", 30, "--json")
+    """On the MoE preset (aux, seq-aux, global-aux losses, z-loss), judged against the plain
+    run of the same samples in the same micro-batches (the dense path: the TP test below)."""
+    code, out, _ = verify(capsys, "--model", "tiny-moe", "--workload", "grpo", "--token-budget",
+                          30, "--json")
     report = json.loads(out)
     assert code == 0 and report["passed"] and all(report["within_tolerance"].values())
     assert report["token_budget"] == 30 and report["prefix_lens"] == [15, 21, 13]
@@ -155,7 +158,8 @@ def test_token_budget_under_tensor_parallelism(capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--token-budget", "10"], "common prefix (15 tokens) exceeds token_budget=10"),
     (["--token-budget", "30", "--pp", "2"], "--token-budget (cross-micro-batch sharing) runs"),
-    (["--token-budget", "30", "--model", "tiny-moe"], "does not support the tiny-moe preset"),
+    (["--token-budget", "30", "--model", "tiny-window"], "does not support the tiny-window preset"),
+    (["--token-budget", "30", "--model", "tiny-moe", "--tp", "2"], "MoE layers runs with --tp 1"),
 ])
 def test_token_budget_refusals_are_one_line(capsys, argv, message):
     code, out, err = verify(capsys, "--workload", "grpo", *argv)

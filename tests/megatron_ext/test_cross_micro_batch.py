@@ -2,14 +2,22 @@
 
 One agent group (a 113-token common prefix, a branch at every turn, 9 episodes, 1452 tokens of
 which 444 are unique) runs in micro-batches of at most 150 computed tokens (the prefix and 3
-suffix micro-batches), with the prefix's graph kept and with it recomputed. Judged as
-``verify`` judges: against megatron's stock model run again in float64 on the same weights,
-no further than 2x (grads 3x) the plain fp32 run is; and within 1e-5 of the plain fp32 run.
-Memory: the saved activations' peak against the same group in one micro-batch.
+suffix micro-batches), with the prefix's graph kept and with it recomputed. The plain run is
+megatron's stock model on the same samples in the same micro-batches (one per suffix
+micro-batch, its samples whole: the stock step's split). Judged as ``verify`` judges: against
+that plain run repeated in float64 on the same weights, no further than 2x (grads 3x) the plain
+fp32 run is; and within 1e-5 of the plain fp32 run. Memory: the saved activations' peak against
+the same group in one micro-batch.
+
+MoE with router statistics (aux, seq-aux, global-aux losses and z-loss; then sigmoid scores
+with the expert bias): besides every output and gradient, the logged losses, the global aux
+loss's counts and the expert-bias counts equal the stock router's over the plain
+micro-batches; two wrong constructions fail.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 import types
 from unittest import mock
@@ -18,11 +26,13 @@ import pytest
 import torch
 
 from prefix_sharing import PrefixSharingConfig
-from prefix_sharing.equivalence import FP32_RTOL, QUANTITIES, within_tolerance
+from prefix_sharing.equivalence import FP32_RTOL, QUANTITIES, max_rel_diff, within_tolerance
+from prefix_sharing.presets import PRESETS, sharp
 from prefix_sharing.workloads import make_workload
 
 from ._distributed import PRESET, run_distributed, tiny_gpt
 from ._memory import SavedActivations
+from ._router_statistics import reset_router_statistics, router_statistics, routers
 
 CONFIG = PrefixSharingConfig(min_prefix_len=1, backend="torch")
 GROUP = dict(num_tasks=1, num_turns=3, branching=3, system_len=96, task_len=(16, 17),
@@ -34,18 +44,34 @@ def _group() -> list[torch.Tensor]:
     return make_workload("agent", vocab_size=PRESET.vocab_size, **GROUP).sequences
 
 
+def _split_runs(build, seqs, cross) -> tuple:
+    """The plain fp32 and float64 runs of the cross run's plain micro-batches (its
+    ``plain_split``), each a fresh model from ``build(layout, **overrides)``."""
+    from prefix_sharing.engines.megatron import forward_backward
+
+    batches = [[seqs[i] for i in members] for members in cross.plain_split]
+    runs = []
+    for dtype in (torch.float32, torch.float64):
+        model = build("padded", dtype=dtype)
+        reset_router_statistics(model) if model.config.num_moe_experts else None
+        run = forward_backward(model, batches, "padded")
+        runs.append((run, router_statistics(model) if model.config.num_moe_experts else {}))
+    return runs
+
+
 def _job(rank: int) -> dict:
     from prefix_sharing.engines.cross_micro_batch import forward_backward_cross
     from prefix_sharing.engines.megatron import compare, forward_backward
 
     seqs = _group()
     ours = tiny_gpt("shared")
-    plain = forward_backward(tiny_gpt("padded"), [seqs], "padded")
-    reference = forward_backward(tiny_gpt("padded", dtype=torch.float64), [seqs], "padded")
-    report = {"plain": compare(plain, reference)}
+    report = {}
     for name, recompute in (("kept", False), ("recomputed", True)):
         with SavedActivations(ours) as meter:
             cross = forward_backward_cross(ours, seqs, BUDGET, CONFIG, recompute_prefix=recompute)
+        if name == "kept":
+            (plain, _), (reference, _) = _split_runs(tiny_gpt, seqs, cross)
+            report["plain"] = compare(plain, reference)
         report[name] = {"vs_reference": compare(cross.run, reference),
                         "vs_plain": compare(cross.run, plain), "figures": cross.report(),
                         "peak": meter.peak}
@@ -54,7 +80,6 @@ def _job(rank: int) -> dict:
     report["one_micro_batch_peak"] = meter.peak
     report["dropped_dkv"] = _dropped_dkv(ours, seqs, reference)
     report["two_groups"] = _two_groups(ours)
-    report["moe"] = _moe_without_statistics()
     return report
 
 
@@ -75,37 +100,107 @@ def _dropped_dkv(model, seqs, reference) -> object:
 def _two_groups(model) -> dict:
     """Two GRPO groups (40-token prompts, 6 responses each) under a 70-token budget."""
     from prefix_sharing.engines.cross_micro_batch import forward_backward_cross
-    from prefix_sharing.engines.megatron import compare, forward_backward
+    from prefix_sharing.engines.megatron import compare
 
     w = make_workload("grpo", num_prompts=2, group_size=6, prompt_len=(40, 41),
                       response_len=(12, 24), vocab_size=PRESET.vocab_size, seed=5)
-    plain = forward_backward(tiny_gpt("padded"), [w.sequences], "padded")
-    reference = forward_backward(tiny_gpt("padded", dtype=torch.float64), [w.sequences], "padded")
     cross = forward_backward_cross(model, w.sequences, 70, CONFIG,
                                    groups=[g.members for g in w.groups])
+    (plain, _), (reference, _) = _split_runs(tiny_gpt, w.sequences, cross)
     return {"vs_reference": compare(cross.run, reference), "plain": compare(plain, reference),
             "figures": cross.report()}
 
 
-def _moe_without_statistics() -> dict:
-    """One GRPO group (a 41-token prompt, 6 responses) on the tiny MoE preset (8 experts,
-    top-2) with no aux / z-loss and no expert bias: routing is per token, so the flat rows route
-    as the plain tokens do."""
-    from prefix_sharing.engines.cross_micro_batch import forward_backward_cross
-    from prefix_sharing.engines.megatron import compare, forward_backward, gpt_model
-    from prefix_sharing.presets import PRESETS
+MOE = sharp(PRESETS["tiny-moe"])  # the tiny shape, 8 experts, top-2
+MOE_VARIANTS = {
+    # routing is per token: nothing to count across micro-batches
+    "no_statistics": dict(moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+                          moe_z_loss_coeff=None),
+    # the preset: softmax scores, aux + seq-aux + global-aux losses, z-loss
+    "losses": {},
+    # DeepSeek-V3 style on top: sigmoid scores and the expert bias's token counts
+    "expert_bias": dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True),
+}
 
-    def moe(layout: str, **overrides):
-        return gpt_model(PRESETS["tiny-moe"], layout=layout, moe_router_load_balancing_type="none",
-                         moe_aux_loss_coeff=0.0, moe_z_loss_coeff=None, **overrides)
+
+def _moe_job(rank: int) -> dict:
+    """One GRPO group (a 41-token prompt, 6 responses) under a 70-token budget on the tiny MoE
+    preset, per variant; on the expert-bias one, two wrong constructions as controls."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    from prefix_sharing.engines.cross_micro_batch import forward_backward_cross
+    from prefix_sharing.engines.megatron import compare, gpt_model
 
     w = make_workload("grpo", num_prompts=1, group_size=6, prompt_len=(40, 41),
-                      response_len=(12, 24), vocab_size=PRESET.vocab_size, seed=5)
-    plain = forward_backward(moe("padded"), [w.sequences], "padded")
-    reference = forward_backward(moe("padded", dtype=torch.float64), [w.sequences], "padded")
-    cross = forward_backward_cross(moe("shared"), w.sequences, 70, CONFIG)
-    return {"vs_reference": compare(cross.run, reference), "plain": compare(plain, reference),
-            "vs_plain": compare(cross.run, plain), "figures": cross.report()}
+                      response_len=(12, 24), vocab_size=MOE.vocab_size, seed=5)
+    report = {}
+    for variant, settings in MOE_VARIANTS.items():
+        def build(layout: str, settings=settings, **overrides) -> torch.nn.Module:
+            return gpt_model(MOE, layout=layout, **settings, **overrides)
+
+        runs = {"cross": None, **({"recomputed": None, "detached": _detached_prefix_logits,
+                                   "computed_rows": _statistics_of_computed_rows}
+                                  if variant == "expert_bias" else {})}
+        for name, control in runs.items():
+            ours = build("shared")
+            reset_router_statistics(ours)
+            if name == "recomputed":  # after the last stock run (whose schedule needs [1]):
+                # the aux-loss scale as the autoscaler's own backward leaves it, shape []
+                MoEAuxLossAutoScaler.main_loss_backward_scale = torch.tensor(1.0)
+            with control() if control else contextlib.nullcontext():
+                cross = forward_backward_cross(ours, w.sequences, 70, CONFIG,
+                                               recompute_prefix=name == "recomputed")
+            stats = router_statistics(ours)
+            if name == "cross":
+                (plain, plain_stats), (reference, _) = _split_runs(build, w.sequences, cross)
+            report[variant, name] = {
+                "vs_reference": compare(cross.run, reference), "plain": compare(plain, reference),
+                "vs_plain": compare(cross.run, plain), "figures": cross.report(),
+                "statistics": {k: max_rel_diff(v, plain_stats[k]) for k, v in stats.items()},
+                "statistic_names": sorted(plain_stats),
+                "tracker": {k: v for k, v in plain_stats.items() if k.startswith("tracker.")},
+                "routers": len(routers(ours)),
+            }
+    return report
+
+
+@contextlib.contextmanager
+def _detached_prefix_logits():
+    """Wrong: the suffixes' statistics read the prefix's router logits cut from the graph, so
+    the prefix copies' aux / z-loss gradients never reach the prefix's router."""
+    from prefix_sharing.megatron_ext.prefix_kv import PrefixKV
+
+    exchange = PrefixKV.exchange_router_logits
+
+    def detached(self, layer_number, logits):
+        rows = exchange(self, layer_number, logits)
+        if self.mode == "record":
+            return rows
+        prefix = rows.size(0) - logits.size(0)
+        return torch.cat([rows[:prefix].detach(), rows[prefix:]])
+
+    with mock.patch.object(PrefixKV, "exchange_router_logits", detached):
+        yield
+
+
+@contextlib.contextmanager
+def _statistics_of_computed_rows():
+    """Wrong: each micro-batch's statistics over the rows it computes (the prefix counted
+    once, in its own micro-batch), the naive construction."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from prefix_sharing.megatron_ext.moe import PrefixSharingRouter
+
+    def computed_rows(self, logits, padding_mask):
+        return TopKRouter.routing(self, logits, padding_mask=padding_mask)
+
+    with mock.patch.object(PrefixSharingRouter, "_routing_across_micro_batches", computed_rows):
+        yield
+
+
+@pytest.fixture(scope="module")
+def moe_report() -> dict:
+    return run_distributed(_moe_job, 1, timeout=600)[0]
 
 
 @pytest.fixture(scope="module")
@@ -161,61 +256,126 @@ def test_several_groups_each_with_its_prefix_once(report):
     assert figures["tokens_computed"] == figures["tokens_unique"]
 
 
-def test_moe_without_router_statistics_equals_the_plain_batch(report):
-    run = report["moe"]
+@pytest.mark.parametrize("variant, mode", [(v, "cross") for v in MOE_VARIANTS]
+                         + [("expert_bias", "recomputed")])
+def test_moe_equals_the_plain_micro_batches_statistics_included(moe_report, variant, mode):
+    """Outputs, loss, every gradient (routers included: they carry the aux and z-loss terms of
+    the prefix copies too), and every router statistic of the plain micro-batches; also with
+    the prefix recomputed (its router logits recorded without grad, then again with it)."""
+    run = moe_report[variant, mode]
     verdict = within_tolerance(run["vs_reference"], run["plain"], torch.float32)
-    assert set(verdict) == set(QUANTITIES), verdict
-    assert all(verdict.values()), run["vs_reference"].max_rel_diff
+    assert set(verdict) == set(QUANTITIES) and all(verdict.values()), (
+        run["vs_reference"].max_rel_diff)
     for q, d in run["vs_plain"].max_rel_diff.items():
         assert d <= FP32_RTOL, f"{q}: {d} from the plain fp32 run"
-    assert run["figures"]["num_micro_batches"] >= 3  # the prompt and 2+ suffixes
-    assert run["figures"]["tokens_computed"] == run["figures"]["tokens_unique"]
+    worst = {k: d for k, d in run["statistics"].items() if d > FP32_RTOL}
+    assert not worst, worst
+    assert set(run["statistics"]) == set(run["statistic_names"])
+    expected = {"no_statistics": set(), "losses": _LOSSES,
+                "expert_bias": _LOSSES | {"layer0.tokens_per_expert",
+                                          "layer0.expert_bias_update"}}[variant]
+    assert expected <= set(run["statistic_names"]), run["statistic_names"]
+    for k in (k for k in expected if k.startswith("tracker.")):  # logged, not zero
+        assert all(run["tracker"][k][:run["routers"]] != 0), k
+    figures = run["figures"]
+    assert figures["num_micro_batches"] >= 3  # the prompt and 2+ suffixes
+    assert figures["tokens_computed"] == figures["tokens_unique"] + (
+        figures["prefix_lens"][0] if mode == "recomputed" else 0)
+    # held: K/V leaves and grads, plus (with statistics) the router logits' leaves and grads
+    (prefix_len,) = figures["prefix_lens"]
+    head_dim = MOE.hidden_size // MOE.num_attention_heads
+    router_bytes = 0 if variant == "no_statistics" else 2 * run["routers"] * prefix_len * 8 * 4
+    assert figures["held_bytes"] == (2 * 2 * MOE.num_layers * prefix_len
+                                     * MOE.num_query_groups * head_dim * 4) + router_bytes
+
+
+_LOSSES = {"tracker.load_balancing_loss", "tracker.seq_load_balancing_loss",
+           "tracker.global_load_balancing_loss", "tracker.z_loss",
+           "layer0.global_tokens_per_expert"}
+
+
+def test_moe_controls_fail(moe_report):
+    """Cutting the prefix copies' router logits from the graph loses gradients only;
+    counting each micro-batch's computed rows loses the statistics (and the gradients)."""
+    detached = moe_report["expert_bias", "detached"]
+    verdict = within_tolerance(detached["vs_reference"], detached["plain"], torch.float32)
+    assert not verdict["grads"] and verdict["log_probs"] and verdict["loss"]
+    assert all(d <= FP32_RTOL for d in detached["statistics"].values())
+    computed = moe_report["expert_bias", "computed_rows"]
+    verdict = within_tolerance(computed["vs_reference"], computed["plain"], torch.float32)
+    assert not verdict["grads"]
+    for name in ("tracker.load_balancing_loss", "tracker.z_loss", "layer0.tokens_per_expert"):
+        assert computed["statistics"][name] > 1e-3, (name, computed["statistics"])
 
 
 def _tp2_job(rank: int) -> dict:
+    """TP=2 without and with sequence parallelism (each micro-batch's rows padded to 2 and
+    split over the ranks; the all-gather before attention hands it every row)."""
     from prefix_sharing.engines.cross_micro_batch import forward_backward_cross
-    from prefix_sharing.engines.megatron import compare, forward_backward
+    from prefix_sharing.engines.megatron import compare
 
     seqs = _group()
-    plain = forward_backward(tiny_gpt("padded"), [seqs], "padded")
-    reference = forward_backward(tiny_gpt("padded", dtype=torch.float64), [seqs], "padded")
-    cross = forward_backward_cross(tiny_gpt("shared"), seqs, BUDGET, CONFIG)
-    return {"vs_reference": compare(cross.run, reference), "plain": compare(plain, reference),
-            "figures": cross.report()}
+    report = {}
+    for sequence_parallel in (False, True):
+        def build(layout: str, **overrides) -> torch.nn.Module:
+            return tiny_gpt(layout, sequence_parallel=sequence_parallel, **overrides)
+
+        cross = forward_backward_cross(build("shared"), seqs, BUDGET, CONFIG)
+        (plain, _), (reference, _) = _split_runs(build, seqs, cross)
+        report[sequence_parallel] = {
+            "vs_reference": compare(cross.run, reference), "plain": compare(plain, reference),
+            "vs_plain": compare(cross.run, plain), "figures": cross.report(),
+            "rows": [s.plan.input_ids.numel() for g in cross.schedules for s in g.suffixes]}
+    return report
 
 
-def test_tensor_parallel_2_equals_the_plain_batch():
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_tensor_parallel_2_equals_the_plain_batch(tp2_report, sequence_parallel):
     """Each rank keeps its own K/V heads' prefix; the log-probs reduce over the vocabulary
     shards. Both ranks' outputs and (gathered) gradients pass the verdict."""
-    for run in run_distributed(_tp2_job, 2, tp=2, timeout=600):
+    for rank in tp2_report:
+        run = rank[sequence_parallel]
         verdict = within_tolerance(run["vs_reference"], run["plain"], torch.float32)
         assert all(verdict.values()), run["vs_reference"].max_rel_diff
-        # this rank's K/V heads only: half of TP=1's
+        for q, d in run["vs_plain"].max_rel_diff.items():
+            assert d <= FP32_RTOL, f"{q}: {d} from the plain fp32 run"
+        # this rank's K/V heads only (half of TP=1's), the prefix's real rows only
         head_dim = PRESET.hidden_size // PRESET.num_attention_heads
         (prefix_len,) = run["figures"]["prefix_lens"]
         assert run["figures"]["held_bytes"] == (2 * 2 * PRESET.num_layers * prefix_len
                                                 * PRESET.num_query_groups // 2 * head_dim * 4)
+        assert run["figures"]["tokens_computed"] == run["figures"]["tokens_unique"]
+        if sequence_parallel:
+            assert all(rows % 2 == 0 for rows in run["rows"]), run["rows"]
+
+
+@pytest.fixture(scope="module")
+def tp2_report() -> list[dict]:
+    return run_distributed(_tp2_job, 2, tp=2, timeout=600)
 
 
 def test_refuses_what_it_does_not_support_by_name():
     from prefix_sharing.megatron_ext import UnsupportedSetupError
     from prefix_sharing.megatron_ext.cross_micro_batch import check_group_model
-
     from prefix_sharing.megatron_ext.moe import PrefixSharingRouter
-
-    def model_with(keeps_statistics=True, **config):
-        router = mock.Mock(spec=PrefixSharingRouter)
-        router.keeps_statistics.return_value = keeps_statistics
-        return types.SimpleNamespace(
-            config=types.SimpleNamespace(**{**base, **config}),
-            named_modules=lambda: iter([("decoder.layers.0.mlp.router", router)]))
 
     base = dict(sequence_parallel=False, pipeline_model_parallel_size=1,
                 num_moe_experts=None, window_size=None)
-    for field, value in (("sequence_parallel", True), ("pipeline_model_parallel_size", 2),
-                         ("num_moe_experts", 4), ("window_size", (7, 0))):
+
+    def model_with(**config):
+        return types.SimpleNamespace(config=types.SimpleNamespace(**{**base, **config}))
+
+    for field, value in (("pipeline_model_parallel_size", 2), ("window_size", (7, 0))):
         with pytest.raises(UnsupportedSetupError, match=re.escape(f"{field}={value}")):
             check_group_model(model_with(**{field: value}))
-    with pytest.raises(UnsupportedSetupError, match="router batch statistics .*decoder.layers.0"):
-        check_group_model(model_with(num_moe_experts=4))
-    check_group_model(model_with(keeps_statistics=False, num_moe_experts=4))  # per-token routing
+    check_group_model(model_with(num_moe_experts=4))  # MoE runs, router statistics included
+    check_group_model(model_with(sequence_parallel=True))
+
+    router = mock.Mock(spec=PrefixSharingRouter)  # one that keeps aux-loss statistics
+    moe_sp = model_with(sequence_parallel=True, num_moe_experts=4)
+    moe_sp.named_modules = lambda: iter([("decoder.layers.0.mlp.router", router)])
+    with pytest.raises(UnsupportedSetupError, match="sequence_parallel=True with num_moe_experts=4 "
+                       "and router batch statistics .*decoder.layers.0"):
+        check_group_model(moe_sp)
+    router.keeps_statistics.return_value = False  # per-token routing: fine
+    check_group_model(moe_sp)

@@ -30,6 +30,7 @@ from prefix_sharing.presets import PRESETS, sharp
 from prefix_sharing.workloads import make_workload
 
 from ._distributed import run_distributed
+from ._router_statistics import reset_router_statistics, router_statistics, routers
 
 PRESET = sharp(PRESETS["tiny-moe"])  # the tiny shape, 8 experts of width 64, top-2
 SHARE_EVERY_PREFIX = PrefixSharingConfig(min_prefix_len=1)
@@ -156,49 +157,11 @@ def micro_batches(dp_rank: int) -> list[list[torch.Tensor]]:
             for i, (name, size) in enumerate(WORKLOADS.items())]
 
 
-def _routers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    return [layer.mlp.router for layer in model.decoder.layers if hasattr(layer.mlp, "router")]
-
-
-def _metrics_tracker():
-    """(clear, name -> values) of megatron's MoE metrics tracker: ``get_moe_metrics_tracker()``
-    where the release has it (0.17+; the older helpers are deprecated there), else 0.16.1's."""
-    try:
-        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
-    except ImportError:
-        from megatron.core.transformer.moe.moe_utils import (
-            clear_aux_losses_tracker,
-            get_moe_layer_wise_logging_tracker,
-        )
-
-        return clear_aux_losses_tracker, lambda: {
-            name: entry["values"] for name, entry in get_moe_layer_wise_logging_tracker().items()}
-    tracker = get_moe_metrics_tracker()
-    return tracker.clear, lambda: {name: entry.values for name, entry in tracker.metrics.items()}
-
-
 def _statistics_run(model, batches, layout, config=PrefixSharingConfig()):
-    """One pass, plus what the routers kept: expert-bias counts, the bias update they give,
-    the global aux loss's token counts and the aux-loss tracker (the logged metrics)."""
-    from megatron.core.transformer.moe.moe_utils import get_updated_expert_bias
-
-    clear_tracker, tracked = _metrics_tracker()
-    clear_tracker()
-    for router in _routers(model):
-        router.reset_global_aux_loss_tracker()
-        if router.local_tokens_per_expert is not None:
-            router.local_tokens_per_expert.zero_()
+    """One pass, plus what the routers kept (:func:`router_statistics`)."""
+    reset_router_statistics(model)
     run = forward_backward(model, batches, layout, config)  # grads summed over SP ranks
-    stats = {f"tracker.{name}": values.clone() for name, values in tracked().items()}
-    for i, router in enumerate(_routers(model)):
-        if router.local_tokens_per_expert is not None:
-            counts = router.local_tokens_per_expert.clone()
-            stats[f"layer{i}.tokens_per_expert"] = counts
-            stats[f"layer{i}.expert_bias_update"] = get_updated_expert_bias(
-                counts.clone(), router.expert_bias, 1e-3)
-        if router.global_tokens_per_expert is not None:
-            stats[f"layer{i}.global_tokens_per_expert"] = router.global_tokens_per_expert.clone()
-    return run, stats
+    return run, router_statistics(model)
 
 
 def _counts_vs_each_sequence(settings: dict, batches, shared_stats: dict) -> dict[str, float]:
@@ -206,14 +169,14 @@ def _counts_vs_each_sequence(settings: dict, batches, shared_stats: dict) -> dic
     stock spec run on each sequence alone (one unpadded row: no padding, no mask, no fix of
     ours), its counts summed over every sequence of every micro-batch. One rank only."""
     stock = gpt_model(PRESET, layout="padded", **settings)
-    routers = _routers(stock)
-    for router in routers:
+    stock_routers = routers(stock)
+    for router in stock_routers:
         router.local_tokens_per_expert.zero_()
     for seq in (s for batch in batches for s in batch):
         stock(seq[None], torch.arange(len(seq))[None], None)  # grad enabled: counts kept
     return {f"layer{i}.tokens_per_expert": max_rel_diff(
         shared_stats[f"layer{i}.tokens_per_expert"], router.local_tokens_per_expert)
-        for i, router in enumerate(routers)}
+        for i, router in enumerate(stock_routers)}
 
 
 def _moe_job(rank: int, variants: list[str]) -> dict:
