@@ -16,7 +16,8 @@ imports its module):
   registered for. That subclass builds its model with the prefix-sharing layer spec
   (:func:`install_layer_spec`), reads each micro-batch (with its ``uid``) in ``forward_step``,
   splits dynamic batches keeping sharing groups together and reports the step's token counts in
-  verl's metrics (:class:`.engine.SharingEngineMixin`); under ``router_replay.mode='R3'`` the
+  verl's metrics (:class:`.engine.SharingEngineMixin`); a Gated DeltaNet hybrid on a
+  megatron-core other than 0.19.2 is refused at construction (:mod:`.hybrid`); under ``router_replay.mode='R3'`` the
   micro-batch's ``routed_experts`` go with the plan (:mod:`.routing_replay`). With sharing off
   every method is verl's own;
 - ``verl.workers.engine.utils``: the dynamic-batch-size split keeps sharing groups together
@@ -134,6 +135,8 @@ def patch_engine(module: ModuleType) -> None:
     ``MegatronEngineWithLMHead``."""
     from verl.utils import tensordict_utils as tu
 
+    from .config import sharing_config
+    from .hybrid import check_hybrid_release
     from .mcore import micro_batch_groups
     from .routing_replay import micro_batch_routes
 
@@ -144,6 +147,12 @@ def patch_engine(module: ModuleType) -> None:
         once."""
 
         supports_cross_micro_batch = True
+
+        def __init__(self, model_config: Any, engine_config: Any, *args: Any,
+                     **kwargs: Any) -> None:
+            if sharing_config(engine_config).enabled:
+                check_hybrid_release(model_config)  # before verl builds anything
+            super().__init__(model_config, engine_config, *args, **kwargs)
 
         def _build_tf_config(self) -> None:
             super()._build_tf_config()
