@@ -1,10 +1,12 @@
 """The gated delta rule the *plain* (reference) runs of Qwen3.5 / Qwen3-Next compute with.
 
-transformers' GDN layers call a module-level ``torch_chunk_gated_delta_rule``, which transformers
-binds at import to flash-linear-attention's Triton kernel when ``fla`` is installed (CUDA only:
-on CPU it fails) and otherwise to its own torch code, which computes in float32 even for a
+transformers' GDN layers call a module-level ``torch_chunk_gated_delta_rule`` (5.24), or the
+kernel each layer bound at construction, ``self.chunk_gated_delta_rule`` (4.57 and 5.10: fla's
+``chunk_gated_delta_rule`` when installed, else that torch function). fla's kernel is Triton
+(CUDA only: on CPU it fails) and transformers' torch code computes in float32 even for a
 float64 model. Neither serves a CPU equivalence check, so for the duration of a plain run
-:func:`plain_gdn_kernel` rebinds that name in the model's modeling module:
+:func:`plain_gdn_kernel` rebinds that name in the model's modeling module, and each layer's own
+binding where it has one:
 
 - float64 model: the token-by-token recurrence
   (:func:`prefix_sharing.recurrent.torch_kernels.gated_delta_rule_recurrent`) in float64, so the
@@ -32,25 +34,32 @@ from ..recurrent.torch_kernels import gated_delta_rule_recurrent
 __all__ = ["plain_gdn_kernel"]
 
 _NAME = "torch_chunk_gated_delta_rule"
+_BOUND_NAME = "chunk_gated_delta_rule"  # a layer's own binding (transformers 4.57, 5.10)
 
 
 @contextlib.contextmanager
 def plain_gdn_kernel(model: torch.nn.Module) -> Iterator[None]:
     """Within the block, ``model``'s GDN layers (if any) use the kernel described above."""
-    gdn = next((m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")), None)
-    module = None if gdn is None else _modeling_module(gdn)
+    layers = [m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")]
+    module = _modeling_module(layers[0]) if layers else None
     dtype = next(model.parameters()).dtype
     if module is None or not hasattr(module, _NAME) or (
             dtype != torch.float64 and next(model.parameters()).device.type != "cpu"):
         yield
         return
     original = getattr(module, _NAME)
-    setattr(module, _NAME, _recurrence_float64 if dtype == torch.float64
-            else inspect.unwrap(original))
+    kernel = _recurrence_float64 if dtype == torch.float64 else inspect.unwrap(original)
+    bound = [m for m in layers if _BOUND_NAME in vars(m)]  # transformers 4.57 / 5.10
+    saved = [vars(m)[_BOUND_NAME] for m in bound]
+    setattr(module, _NAME, kernel)
+    for layer in bound:
+        setattr(layer, _BOUND_NAME, kernel)
     try:
         yield
     finally:
         setattr(module, _NAME, original)
+        for layer, kept in zip(bound, saved, strict=True):
+            setattr(layer, _BOUND_NAME, kept)
 
 
 def _modeling_module(gdn: torch.nn.Module) -> Any:
