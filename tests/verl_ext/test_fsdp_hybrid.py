@@ -55,6 +55,8 @@ def _installed_families() -> list[str]:
 
 
 FAMILIES = _installed_families()
+if not FAMILIES:
+    pytest.skip("this transformers has none of Qwen3.5 / Qwen3-Next", allow_module_level=True)
 FIRST = FAMILIES[0]  # the fp32 verdict and the packed-row check run on one family
 
 
@@ -83,7 +85,7 @@ def test_float64_shared_step_equals_verls_stock_step(runs, family):
     same_outputs(on, off, f"{family} float64")
 
 
-def test_the_sharing_gdn_layers_ran_and_verl_built_them_from_its_checkpoint(runs):
+def test_verl_built_the_hybrid_and_its_attention_layer_ran_the_sharing_attention(runs):
     on = runs[FIRST]["tree", "arbitrary_prefix"]
     micro_batches = len(on["train"]["loss"])
     # per micro-batch: the inference forward, the training forward, its checkpoint replay;
