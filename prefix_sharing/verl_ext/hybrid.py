@@ -49,6 +49,6 @@ def check_hybrid_release(model_config: Any) -> None:
     model_type = getattr(model_config.hf_config, "model_type", "the model")
     raise PrefixSharingSetupError(
         f"prefix sharing in verl's Megatron engine cannot run {model_type} (Gated DeltaNet "
-        f"layers) on megatron-core {installed_release()}. {GDN_NOT_SERVED}. Or use verl's FSDP engine "
-        "(strategy: fsdp2), which serves these models on any release, or turn sharing off "
-        "(use_prefix_grouper: false).")
+        f"layers) on megatron-core {installed_release()}. {GDN_NOT_SERVED}. Or use verl's FSDP "
+        "engine (strategy: fsdp2), which serves these models on any release, or turn sharing "
+        "off (use_prefix_grouper: false).")

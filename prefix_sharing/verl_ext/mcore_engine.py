@@ -17,9 +17,9 @@ imports its module):
   (:func:`install_layer_spec`), reads each micro-batch (with its ``uid``) in ``forward_step``,
   splits dynamic batches keeping sharing groups together and reports the step's token counts in
   verl's metrics (:class:`.engine.SharingEngineMixin`); a Gated DeltaNet hybrid on a
-  megatron-core other than 0.19.2 is refused at construction (:mod:`.hybrid`); under ``router_replay.mode='R3'`` the
-  micro-batch's ``routed_experts`` go with the plan (:mod:`.routing_replay`). With sharing off
-  every method is verl's own;
+  megatron-core other than 0.19.2 is refused at construction (:mod:`.hybrid`); under
+  ``router_replay.mode='R3'`` the micro-batch's ``routed_experts`` go with the plan
+  (:mod:`.routing_replay`). With sharing off every method is verl's own;
 - ``verl.workers.engine.utils``: the dynamic-batch-size split keeps sharing groups together
   (:mod:`.microbatch`).
 
