@@ -8,9 +8,11 @@ registered language-model engine and let verl's own ``initialize()`` load the ch
 its monkey patches and gradient checkpointing, shard with FSDP2 and build the optimizer. Then
 ``infer_batch`` (old log-probs + entropy) and ``train_batch``'s core,
 ``forward_backward_batch`` with verl's ``ppo_loss``, on batches laid out as verl's trainer lays
-them out. fp32 end to end (mixed precision set to fp32, so verl skips autocast); transformers'
-``sdpa`` attention for the plain engine (flash-attention does not run on CPU), which tells the
-packed samples apart by their restarting ``position_ids``.
+them out. fp32 end to end (mixed precision set to fp32, so verl skips autocast), or float64
+(:func:`verl_float64`); transformers' ``sdpa`` attention for the plain engine (flash-attention
+does not run on CPU), which tells the packed samples apart by their restarting
+``position_ids`` (a Gated DeltaNet hybrid's GDN layers do not: its plain runs use verl's padded
+layout, ``run(..., padded_off=True)``).
 """
 
 from __future__ import annotations
