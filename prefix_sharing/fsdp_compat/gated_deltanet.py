@@ -7,7 +7,10 @@ sequence's state into the next segment. :func:`install_sharing_gdn` therefore sw
 module, in place, to a subclass whose forward runs the convolution and the recurrence over the
 plan's :class:`~prefix_sharing.recurrent.RecurrenceSchedule` (each reuser's tail starts from its
 provider's state at the branch point, differentiably) and keeps everything else: the module's
-own parameters, names and projections. Their attention layers already call transformers'
+own parameters, names and projections. transformers 4.57's decoder layers call their GDN module
+without the layer's keywords, so the plan would not reach it there: each GDN's parent layer
+hands the plan to it around every call (:func:`_hand_plan_to_gdn`; in 5.x the keywords reach the
+module directly). Their attention layers already call transformers'
 ``AttentionInterface`` with the output gate, partial rotary and QK-norm applied around it, so
 the sharing attention serves them unchanged. The recurrent kernels follow the forward's
 ``sharing_backend``: ``"torch"`` runs the torch kernels, any other choice ``"auto"`` (fla on
@@ -79,11 +82,34 @@ def install_sharing_gdn(model: torch.nn.Module) -> int:
     """Switches every GDN module of ``model`` (in place) to its sharing subclass; returns how
     many. The modules keep their parameters; call it before wrapping the model (FSDP)."""
     count = 0
-    for module in model.modules():
-        if _is_gdn(module) and not getattr(module, "_prefix_sharing_gdn", False):
-            module.__class__ = _sharing_class(type(module))
-            count += 1
+    for parent in list(model.modules()):
+        for name, module in parent.named_children():
+            if _is_gdn(module) and not getattr(module, "_prefix_sharing_gdn", False):
+                module.__class__ = _sharing_class(type(module))
+                _hand_plan_to_gdn(parent, name)
+                count += 1
     return count
+
+
+# the plan keywords a GDN module's parent layer received, for the duration of that layer's call
+_HANDED = "_prefix_sharing_handed"
+
+
+def _hand_plan_to_gdn(layer: torch.nn.Module, child: str) -> None:
+    """Around every call of ``layer`` (gradient-checkpoint replays included), its GDN module
+    ``child`` can read the plan keywords ``layer`` was called with: transformers 4.57's decoder
+    layers drop them when they call the GDN module. (The hooks find the child by name, so a
+    copy of the model hands the plan to its own modules.)"""
+
+    def before(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        handed = {k: kwargs[k] for k in (PLAN_KWARG, BACKEND_KWARG) if k in kwargs}
+        setattr(getattr(module, child), _HANDED, handed)
+
+    def after(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        setattr(getattr(module, child), _HANDED, None)
+
+    layer.register_forward_pre_hook(before, with_kwargs=True)
+    layer.register_forward_hook(after, with_kwargs=True, always_call=True)
 
 
 def check_sharing_gdn(model: torch.nn.Module) -> None:
@@ -116,6 +142,7 @@ def _sharing_forward(self: Any, hidden_states: torch.Tensor, cache: Any = None,
     row's predecessors on its own path, and the gated delta rule runs bucket by bucket from
     the parents' states (:mod:`prefix_sharing.recurrent`).
     """
+    kwargs = {**(getattr(self, _HANDED, None) or {}), **kwargs}  # transformers 4.57: handed over
     plan = kwargs.get(PLAN_KWARG)
     if not isinstance(plan, SharingPlan):
         raise ValueError(f"layer {self.layer_idx}'s sharing Gated DeltaNet needs the micro-batch's "

@@ -1,11 +1,13 @@
 """The recurrences the *plain* (reference) runs of the hybrids compute with: the gated delta rule
 of Qwen3.5 / Qwen3-Next and the Mamba-2 scan of Nemotron-H.
 
-transformers' GDN layers call a module-level ``torch_chunk_gated_delta_rule``, which transformers
-binds at import to flash-linear-attention's Triton kernel when ``fla`` is installed (CUDA only:
-on CPU it fails) and otherwise to its own torch code, which computes in float32 even for a
+transformers' GDN layers call a module-level ``torch_chunk_gated_delta_rule`` (5.24), or the
+kernel each layer bound at construction, ``self.chunk_gated_delta_rule`` (4.57 and 5.10: fla's
+``chunk_gated_delta_rule`` when installed, else that torch function). fla's kernel is Triton
+(CUDA only: on CPU it fails) and transformers' torch code computes in float32 even for a
 float64 model. Neither serves a CPU equivalence check, so for the duration of a plain run
-:func:`plain_gdn_kernel` rebinds that name in the model's modeling module:
+:func:`plain_gdn_kernel` rebinds that name in the model's modeling module, and each layer's own
+binding where it has one:
 
 - float64 model: the token-by-token recurrence
   (:func:`prefix_sharing.recurrent.torch_kernels.gated_delta_rule_recurrent`) in float64, so the
@@ -41,13 +43,14 @@ from ..recurrent.torch_kernels import gated_delta_rule_recurrent
 __all__ = ["plain_gdn_kernel", "plain_ssd_kernel"]
 
 _NAME = "torch_chunk_gated_delta_rule"
+_BOUND_NAME = "chunk_gated_delta_rule"  # a layer's own binding (transformers 4.57, 5.10)
 _SSD_NAME = "mamba2_chunk_scan"
 
 
 @contextlib.contextmanager
 def plain_gdn_kernel(model: torch.nn.Module) -> Iterator[None]:
     """Within the block, ``model``'s GDN layers (if any) use the kernel described above."""
-    with _rebound(model, "GatedDeltaNet", _NAME, _recurrence_float64):
+    with _rebound(model, "GatedDeltaNet", _NAME, _recurrence_float64, bound_name=_BOUND_NAME):
         yield
 
 
@@ -59,22 +62,30 @@ def plain_ssd_kernel(model: torch.nn.Module) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _rebound(model: torch.nn.Module, class_suffix: str, name: str,
-             float64_kernel: Any) -> Iterator[None]:
-    """Rebinds ``name`` in the modeling module of ``model``'s first ``*class_suffix`` layer."""
-    layer = next((m for m in model.modules() if type(m).__name__.endswith(class_suffix)), None)
-    module = None if layer is None else _modeling_module(layer)
+def _rebound(model: torch.nn.Module, class_suffix: str, name: str, float64_kernel: Any,
+             bound_name: str | None = None) -> Iterator[None]:
+    """Rebinds ``name`` in the modeling module of ``model``'s ``*class_suffix`` layers, and
+    each layer's own ``bound_name`` attribute where it has one."""
+    layers = [m for m in model.modules() if type(m).__name__.endswith(class_suffix)]
+    module = _modeling_module(layers[0]) if layers else None
     dtype = next(model.parameters()).dtype
     if module is None or not hasattr(module, name) or (
             dtype != torch.float64 and next(model.parameters()).device.type != "cpu"):
         yield
         return
     original = getattr(module, name)
-    setattr(module, name, float64_kernel if dtype == torch.float64 else inspect.unwrap(original))
+    kernel = float64_kernel if dtype == torch.float64 else inspect.unwrap(original)
+    bound = [m for m in layers if bound_name is not None and bound_name in vars(m)]
+    saved = [vars(m)[bound_name] for m in bound]
+    setattr(module, name, kernel)
+    for layer in bound:
+        setattr(layer, bound_name, kernel)
     try:
         yield
     finally:
         setattr(module, name, original)
+        for layer, kept in zip(bound, saved, strict=True):
+            setattr(layer, bound_name, kept)
 
 
 def _modeling_module(gdn: torch.nn.Module) -> Any:

@@ -23,7 +23,8 @@ API, for patch-set modules and for explicit use:
   ``prefix_grouper`` and carry the validated config to its engine config;
   :func:`sharing_config` reads it back in the engine.
 - ``.mcore``: the version-neutral pieces (``shared_forward``, ``check_engine_setup``,
-  ``micro_batch_groups``, ``SharingMetrics``); ``.engine``: what every sharing engine does alike.
+  ``micro_batch_groups``, ``SharingMetrics``); ``.engine``: what every sharing engine does alike;
+  ``.hybrid``: the Megatron engine's refusal of Gated DeltaNet hybrids before megatron-core 0.19.2.
 - Patch-set modules, one per verl engine, each registering a set per supported release:
   ``.mcore_engine`` (``verl*_mcore``: layer spec, forward-fn lookup, engine subclass),
   ``.mindspeed`` (``verl*_mcore_mindspeed``) and ``.fsdp`` (``verl*_fsdp``).

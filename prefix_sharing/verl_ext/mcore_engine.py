@@ -16,11 +16,12 @@ imports its module):
   registered for. That subclass builds its model with the prefix-sharing layer spec
   (:func:`install_layer_spec`), reads each micro-batch (with its ``uid``) in ``forward_step``,
   splits dynamic batches keeping sharing groups together and reports the step's token counts in
-  verl's metrics (:class:`.engine.SharingEngineMixin`); under ``router_replay`` the
-  micro-batch's ``routed_experts`` go with the plan, and an ``R2`` recording forward's routes
-  reach verl per plain token through its own ``merge_router_topk_indices`` call
-  (:func:`patch_route_merge`, :mod:`.routing_replay`). With sharing off every method is verl's
-  own;
+  verl's metrics (:class:`.engine.SharingEngineMixin`); a Gated DeltaNet hybrid on a
+  megatron-core other than 0.19.2 is refused at construction (:mod:`.hybrid`); under
+  ``router_replay`` the micro-batch's ``routed_experts`` go with the plan, and an ``R2``
+  recording forward's routes reach verl per plain token through its own
+  ``merge_router_topk_indices`` call (:func:`patch_route_merge`, :mod:`.routing_replay`). With
+  sharing off every method is verl's own;
 - ``verl.workers.engine.utils``: the dynamic-batch-size split keeps sharing groups together
   (:mod:`.microbatch`).
 
@@ -137,6 +138,8 @@ def patch_engine(module: ModuleType) -> None:
     ``MegatronEngineWithLMHead``."""
     from verl.utils import tensordict_utils as tu
 
+    from .config import sharing_config
+    from .hybrid import check_hybrid_release
     from .mcore import micro_batch_groups
     from .routing_replay import RouteRecorder, micro_batch_routes
 
@@ -147,6 +150,12 @@ def patch_engine(module: ModuleType) -> None:
         once."""
 
         supports_cross_micro_batch = True
+
+        def __init__(self, model_config: Any, engine_config: Any, *args: Any,
+                     **kwargs: Any) -> None:
+            if sharing_config(engine_config).enabled:
+                check_hybrid_release(model_config)  # before verl builds anything
+            super().__init__(model_config, engine_config, *args, **kwargs)
 
         def _build_tf_config(self) -> None:
             super()._build_tf_config()

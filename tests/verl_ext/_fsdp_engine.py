@@ -8,9 +8,11 @@ registered language-model engine and let verl's own ``initialize()`` load the ch
 its monkey patches and gradient checkpointing, shard with FSDP2 and build the optimizer. Then
 ``infer_batch`` (old log-probs + entropy) and ``train_batch``'s core,
 ``forward_backward_batch`` with verl's ``ppo_loss``, on batches laid out as verl's trainer lays
-them out. fp32 end to end (mixed precision set to fp32, so verl skips autocast); transformers'
-``sdpa`` attention for the plain engine (flash-attention does not run on CPU), which tells the
-packed samples apart by their restarting ``position_ids``.
+them out. fp32 end to end (mixed precision set to fp32, so verl skips autocast), or float64
+(:func:`verl_float64`); transformers' ``sdpa`` attention for the plain engine (flash-attention
+does not run on CPU), which tells the packed samples apart by their restarting
+``position_ids`` (a Gated DeltaNet hybrid's GDN layers do not: its plain runs use verl's padded
+layout, ``run(..., padded_off=True)``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 from ._batch import PRESET, make_batch, plain_output, use_cpu_platform
 
 FP32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
+FP64 = {"param_dtype": "fp64", "reduce_dtype": "fp64", "buffer_dtype": "fp64"}
 
 
 def save_model(directory: str, family: str = "qwen2", seed: int = 0, preset=PRESET) -> str:
@@ -35,9 +38,9 @@ def save_model(directory: str, family: str = "qwen2", seed: int = 0, preset=PRES
     return directory
 
 
-def actor_config(prefix_grouper: dict | None, **engine: Any):
+def actor_config(prefix_grouper: dict | None, *, remove_padding: bool = True, **engine: Any):
     """verl's ``FSDPActorConfig`` built the way the worker builds it (OmegaConf -> dataclass);
-    ``engine`` overrides ``fsdp_config`` keys."""
+    ``engine`` overrides ``fsdp_config`` keys; ``remove_padding=False``: verl's padded layout."""
     from omegaconf import OmegaConf
     from verl.utils.config import omega_conf_to_dataclass
 
@@ -53,7 +56,7 @@ def actor_config(prefix_grouper: dict | None, **engine: Any):
     if prefix_grouper is not None:
         section.update(use_prefix_grouper=True, prefix_grouper=prefix_grouper)
     config = omega_conf_to_dataclass(OmegaConf.create(section))
-    config.engine.use_remove_padding = True  # as verl's worker copies it from the model config
+    config.engine.use_remove_padding = remove_padding  # as verl's worker copies it from the model
     config.engine.use_dynamic_bsz = False
     config.engine.micro_batch_size_per_gpu = 2
     return config
@@ -75,15 +78,36 @@ def engine_class():
     return EngineRegistry._engines["language_model"]["fsdp2"]["cuda"]
 
 
-def build_engine(config, path: str):
-    """The registered engine for ``config``, initialised by verl from the checkpoint at ``path``."""
-    engine = engine_class()(model_config(path), config.engine, config.optim, config.checkpoint)
+def build_engine(config, path: str, **model_fields: Any):
+    """The registered engine for ``config``, initialised by verl from the checkpoint at ``path``
+    (``model_fields``: ``HFModelConfig`` overrides)."""
+    model = model_config(path, use_remove_padding=config.engine.use_remove_padding,
+                         **model_fields)
+    engine = engine_class()(model, config.engine, config.optim, config.checkpoint)
     engine.initialize()
     return engine
 
 
+@contextlib.contextmanager
+def verl_float64() -> Iterator[None]:
+    """verl's precision names stop at fp32; within the block ``"fp64"`` means ``torch.float64``
+    (model dtype, FSDP2's mixed-precision policy). CPU autocast turns itself off at float64
+    with a warning, so verl's forward runs in float64 as an fp32 one runs in fp32."""
+    import torch
+    from verl.utils.torch_dtypes import PrecisionType
+
+    stock = PrecisionType.__dict__["to_dtype"]
+    PrecisionType.to_dtype = staticmethod(
+        lambda precision: torch.float64 if precision == "fp64" else stock.__func__(precision))
+    try:
+        yield
+    finally:
+        PrecisionType.to_dtype = stock
+
+
 def run(rank: int, path: str, workloads: list[str], modes: dict[str, dict | None],
-        dynamic_bsz: int | None = None) -> dict:
+        dynamic_bsz: int | None = None, *, precision: str = "fp32",
+        padded_off: bool = False) -> dict:
     """For each workload and sharing setting (name -> ``prefix_grouper`` block, ``None`` for
     the feature off), on a fresh engine from the same checkpoint: ``infer_batch`` outputs (in
     verl's eval mode), ``forward_backward_batch`` outputs with verl's ``ppo_loss`` and every
@@ -91,30 +115,47 @@ def run(rank: int, path: str, workloads: list[str], modes: dict[str, dict | None
     layer), and how often the sharing attention ran. Each rank draws its own batch (seeded by
     rank), so the data-parallel gradient reduction mixes different data. ``dynamic_bsz``:
     verl's token budget per micro-batch (dynamic batch size on) instead of micro-batches of 2.
+    ``precision``: ``"fp32"`` or ``"fp64"`` (:func:`verl_float64`). ``padded_off``: the runs
+    with the feature off use verl's padded layout (``use_remove_padding=False``, one row per
+    sample) instead of its packed row: the reference for a Gated DeltaNet hybrid, whose
+    layers run stock over verl's packed row as one sequence (see ``test_fsdp_hybrid``). The
+    plain runs compute a hybrid's gated delta rule with
+    :func:`prefix_sharing.fsdp_compat.plain_kernels.plain_gdn_kernel` (transformers' torch
+    kernel on CPU; the float64 recurrence at float64).
     """
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.losses import ppo_loss
 
     from prefix_sharing.fsdp_compat.fsdp import full_gradients
+    from prefix_sharing.fsdp_compat.plain_kernels import plain_gdn_kernel
 
     use_cpu_platform()
 
-    def batch(workload):
+    def batch(workload, remove_padding):
         data = make_batch(workload, seed=rank)
+        tu.assign_non_tensor(data, use_remove_padding=remove_padding)
         if dynamic_bsz is not None:
             tu.assign_non_tensor(data, use_dynamic_bsz=True, max_token_len_per_gpu=dynamic_bsz)
         return data
 
+    mixed_precision = {"fp32": FP32, "fp64": FP64}[precision]
+    model_fields = {}
+    if precision == "fp64":  # transformers' grouped_mm experts have no float64 kernel
+        model_fields["override_config"] = {"attn_implementation": "sdpa",
+                                           "_experts_implementation": "eager"}
     results = {}
     for workload in workloads:
         for name, prefix_grouper in modes.items():
-            config = actor_config(prefix_grouper)
-            engine = build_engine(config, path)
-            with count_sharing_attention() as calls:
+            packed = not (padded_off and prefix_grouper is None)
+            config = actor_config(prefix_grouper, remove_padding=packed,
+                                  mixed_precision=mixed_precision, model_dtype=precision)
+            with verl_float64():
+                engine = build_engine(config, path, **model_fields)
+            with count_sharing_attention() as calls, plain_gdn_kernel(engine.module):
                 with engine.eval_mode():
-                    infer = engine.infer_batch(batch(workload))
+                    infer = engine.infer_batch(batch(workload, packed))
                 with engine.train_mode():  # zeroes the gradients on exit: gather them before
-                    train = engine.forward_backward_batch(batch(workload),
+                    train = engine.forward_backward_batch(batch(workload, packed),
                                                           partial(ppo_loss, config=config))
                     grads = full_gradients(engine.module)
             results[workload, name] = {
