@@ -113,6 +113,28 @@ class ModelPreset:
         return "".join(("G" if self.layer_is_recurrent(layer) else "*") + mlp
                        for layer in range(1, self.num_layers + 1))
 
+    def first_stage_layers(self, pipeline_parallel: int) -> int | None:
+        """Layers of the first of ``pipeline_parallel`` stages when they do not split the
+        layers evenly (megatron's ``num_layers_in_first_pipeline_stage``), None when they do.
+
+        Every later stage holds ``ceil(num_layers / pipeline_parallel)`` layers and the first
+        the rest, as DeepSeek-V3's recipes give the embedding's stage fewer layers: ``tiny-mla``
+        (3 layers) at PP=2 puts its dense layer on the first stage, its two MoE layers on the
+        second. A hybrid's layer pattern is split evenly only.
+
+        Raises:
+            InputError: no such split (the first stage would be empty), or a hybrid's layers
+                that ``pipeline_parallel`` does not divide.
+        """
+        if self.num_layers % pipeline_parallel == 0:
+            return None
+        later = -(-self.num_layers // pipeline_parallel)
+        first = self.num_layers - (pipeline_parallel - 1) * later
+        if first < 1 or self.hybrid_pattern is not None:
+            raise InputError(f"--pp {pipeline_parallel} does not divide the {self.name} "
+                             f"preset's {self.num_layers} layers")
+        return first
+
     def fitted_to(self, max_token_id: int, tensor_parallel: int = 1) -> ModelPreset:
         """This shape with a vocabulary that holds ``max_token_id``.
 
