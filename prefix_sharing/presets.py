@@ -192,6 +192,17 @@ PRESETS: dict[str, ModelPreset] = {
         ModelPreset("small", num_layers=4, hidden_size=512, num_attention_heads=8,
                     num_query_groups=2, ffn_hidden_size=1408, vocab_size=8192,
                     max_sequence_length=8192),
+        # "small" as DeepSeek-V3 (bench's MLA rows): MLA with q LoRA (V3's head dims halved:
+        # q/k 64 + 32 rotary channels a head, v 64; latents 256 / 128), a dense first layer
+        # (small's MLP), then MoE layers of 16 experts top-4 of width 256 plus a shared one -
+        # 5 x 256 active channels per token, about small's 1408 - sigmoid routing, expert bias
+        ModelPreset("small-mla", num_layers=4, hidden_size=512, num_attention_heads=8,
+                    num_query_groups=8, ffn_hidden_size=1408, vocab_size=8192,
+                    max_sequence_length=8192, num_experts=16, moe_router_topk=4,
+                    moe_ffn_hidden_size=256, moe_shared_expert_size=256,
+                    moe_score_function="sigmoid", moe_expert_bias=True, first_dense_layers=1,
+                    mla=MLAShape(q_lora_rank=256, kv_lora_rank=128, qk_head_dim=64,
+                                 qk_pos_emb_head_dim=32, v_head_dim=64)),
         # "small" as a Qwen3.5-style hybrid (--engine hf): 3 Gated DeltaNet layers (4 key heads,
         # 8 value heads of 64: q/k half, v the full hidden width, as Qwen3.5's) to 1 attention
         ModelPreset("small-hybrid", num_layers=4, hidden_size=512, num_attention_heads=8,
