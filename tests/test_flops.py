@@ -2,8 +2,9 @@
 
 ``torch.utils.flop_counter.FlopCounterMode`` counts every matrix product of a forward+backward
 of megatron's stock THD step (plain) and of the shared step, on the tiny preset and on
-tiny-mla and small-mla (multi-latent attention, dense and MoE layers with a shared expert; megatron-core
-0.19's stock THD step also multiplies the zeros it pads MLA's V with, counted apart). The model
+tiny-mla and small-mla (multi-latent attention, dense and MoE layers with a shared expert;
+megatron-core 0.19's stock THD step also multiplies the zeros it pads MLA's V with, counted
+apart). The model
 counts exactly those products: the linear layers and LM head (``aten.mm``, forward and the two
 backward products) and attention (``aten.bmm``: SDPA's math path, pinned here because the fused
 CPU kernel is invisible to the counter). One systematic difference, which the test accounts

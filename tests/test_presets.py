@@ -13,7 +13,8 @@ from prefix_sharing.presets import get_preset
 @pytest.mark.parametrize("model, layers, pp, first", [
     ("tiny", 2, 2, None), ("small-mla", 4, 2, None),  # even: megatron's own split
     ("tiny-mla", 3, 2, 1),  # the dense layer alone, both MoE layers on the last stage
-    ("tiny-mla", 61, 16, 1), ("tiny-mla", 61, 8, 5),  # DeepSeek-V3's 61 layers: 1 + 15 x 4, 5 + 7 x 8
+    # DeepSeek-V3's 61 layers: 1 + 15 x 4, 5 + 7 x 8
+    ("tiny-mla", 61, 16, 1), ("tiny-mla", 61, 8, 5),
 ])
 def test_the_first_stage_holds_the_rest_when_the_layers_do_not_split_evenly(model, layers, pp,
                                                                            first):
