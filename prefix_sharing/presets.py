@@ -143,6 +143,28 @@ class ModelPreset:
         return "".join(("G" if self.layer_is_recurrent(layer) else "*") + mlp
                        for layer in range(1, self.num_layers + 1))
 
+    def first_stage_layers(self, pipeline_parallel: int) -> int | None:
+        """Layers of the first of ``pipeline_parallel`` stages when they do not split the
+        layers evenly (megatron's ``num_layers_in_first_pipeline_stage``), None when they do.
+
+        Every later stage holds ``ceil(num_layers / pipeline_parallel)`` layers and the first
+        the rest, as DeepSeek-V3's recipes give the embedding's stage fewer layers: ``tiny-mla``
+        (3 layers) at PP=2 puts its dense layer on the first stage, its two MoE layers on the
+        second. A hybrid's layer pattern is split evenly only.
+
+        Raises:
+            InputError: no such split (the first stage would be empty), or a hybrid's layers
+                that ``pipeline_parallel`` does not divide.
+        """
+        if self.num_layers % pipeline_parallel == 0:
+            return None
+        later = -(-self.num_layers // pipeline_parallel)
+        first = self.num_layers - (pipeline_parallel - 1) * later
+        if first < 1 or self.hybrid_pattern is not None:
+            raise InputError(f"--pp {pipeline_parallel} does not divide the {self.name} "
+                             f"preset's {self.num_layers} layers")
+        return first
+
     def fitted_to(self, max_token_id: int, tensor_parallel: int = 1) -> ModelPreset:
         """This shape with a vocabulary that holds ``max_token_id``.
 
@@ -206,6 +228,17 @@ PRESETS: dict[str, ModelPreset] = {
         ModelPreset("small", num_layers=4, hidden_size=512, num_attention_heads=8,
                     num_query_groups=2, ffn_hidden_size=1408, vocab_size=8192,
                     max_sequence_length=8192),
+        # "small" as DeepSeek-V3 (bench's MLA rows): MLA with q LoRA (V3's head dims halved:
+        # q/k 64 + 32 rotary channels a head, v 64; latents 256 / 128), a dense first layer
+        # (small's MLP), then MoE layers of 16 experts top-4 of width 256 plus a shared one -
+        # 5 x 256 active channels per token, about small's 1408 - sigmoid routing, expert bias
+        ModelPreset("small-mla", num_layers=4, hidden_size=512, num_attention_heads=8,
+                    num_query_groups=8, ffn_hidden_size=1408, vocab_size=8192,
+                    max_sequence_length=8192, num_experts=16, moe_router_topk=4,
+                    moe_ffn_hidden_size=256, moe_shared_expert_size=256,
+                    moe_score_function="sigmoid", moe_expert_bias=True, first_dense_layers=1,
+                    mla=MLAShape(q_lora_rank=256, kv_lora_rank=128, qk_head_dim=64,
+                                 qk_pos_emb_head_dim=32, v_head_dim=64)),
         # "small" as a Qwen3.5-style hybrid (--engine hf): 3 Gated DeltaNet layers (4 key heads,
         # 8 value heads of 64: q/k half, v the full hidden width, as Qwen3.5's) to 1 attention
         ModelPreset("small-hybrid", num_layers=4, hidden_size=512, num_attention_heads=8,

@@ -2,8 +2,9 @@
 
 ``torch.utils.flop_counter.FlopCounterMode`` counts every matrix product of a forward+backward
 of megatron's stock THD step (plain) and of the shared step, on the tiny preset and on
-tiny-mla (multi-latent attention, dense and MoE layers with a shared expert; megatron-core
-0.19's stock THD step also multiplies the zeros it pads MLA's V with, counted apart). The model
+tiny-mla and small-mla (multi-latent attention, dense and MoE layers with a shared expert;
+megatron-core 0.19's stock THD step also multiplies the zeros it pads MLA's V with, counted
+apart). The model
 counts exactly those products: the linear layers and LM head (``aten.mm``, forward and the two
 backward products) and attention (``aten.bmm``: SDPA's math path, pinned here because the fused
 CPU kernel is invisible to the counter). One systematic difference, which the test accounts
@@ -30,8 +31,10 @@ CONFIG = PrefixSharingConfig(min_prefix_len=1)
 WORKLOADS = {"tree": dict(depth=2, branching=3), "grpo": dict(num_prompts=2, group_size=4)}
 
 
-# DeepSeek-V3's shape: MLA's projections, a dense first layer, routed and shared experts
+# DeepSeek-V3's shape: MLA's projections, a dense first layer, routed and shared experts (top-2
+# of 8 on tiny-mla; top-4 of 16, the shape of bench's MLA rows, on small-mla)
 MLA = get_preset("tiny-mla")
+SMALL_MLA = get_preset("small-mla")
 MLA_WORKLOAD = "tree"
 
 
@@ -46,7 +49,10 @@ def _counted_job(rank: int, batches: dict) -> dict:
     # megatron-core 0.19+ zero-pads MLA's V to the key's head dim on its own THD path
     counted = {"stock_thd_pads_v": hasattr(multi_latent_attention,
                                            "_prepare_mla_core_attention_value")}
-    for preset, names in ((PRESET, list(batches)), (MLA, [MLA_WORKLOAD])):
+    # megatron's MoE loss tracker keeps the layer count of the first MoE model that logs to
+    # it in a process: the deeper model first
+    for preset, names in ((PRESET, list(batches)), (SMALL_MLA, [MLA_WORKLOAD]),
+                          (MLA, [MLA_WORKLOAD])):
         model = gpt_model(preset, layout="shared")
         for name in names:
             for layout in ("packed", "shared"):
@@ -73,8 +79,9 @@ def _masked_pair_flops(query_lens: list[int], preset=PRESET) -> int:
 
 
 @pytest.mark.parametrize("preset, workload",
-                         [(PRESET, w) for w in WORKLOADS] + [(MLA, MLA_WORKLOAD)],
-                         ids=[*WORKLOADS, f"{MLA.name}-{MLA_WORKLOAD}"])
+                         [(PRESET, w) for w in WORKLOADS]
+                         + [(m, MLA_WORKLOAD) for m in (MLA, SMALL_MLA)],
+                         ids=[*WORKLOADS, *(f"{m.name}-{MLA_WORKLOAD}" for m in (MLA, SMALL_MLA))])
 def test_the_model_counts_what_torch_counts_plain_and_shared(counted, preset, workload):
     batches, flops = counted
     plan = build_plan(batches[workload], CONFIG)

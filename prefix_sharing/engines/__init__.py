@@ -55,9 +55,7 @@ class Engine:
         if problems:
             raise InputError(f"--tp {tp} does not divide the {model.name} preset: "
                              + ", ".join(problems))
-        if model.num_layers % pp:
-            raise InputError(f"--pp {pp} does not divide the {model.name} preset's "
-                             f"{model.num_layers} layers")
+        model.first_stage_layers(pp)  # refuses a split megatron cannot make
 
     def check_installed(self) -> None:
         if importlib.util.find_spec(self.package) is None:

@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 
 from ..errors import InputError
 
-__all__ = ["run_distributed", "init_megatron", "RankError", "RemoteTraceback"]
+__all__ = ["run_distributed", "init_megatron", "rank_threads", "RankError", "RemoteTraceback"]
 
 
 class RankError(RuntimeError):
@@ -116,6 +116,15 @@ def _collect(procs: list[Any], results_queue: Any, timeout: float) -> dict[int, 
     return results
 
 
+def rank_threads(world_size: int) -> int:
+    """Intra-op threads of each rank: the cores shared between the ranks instead of
+    oversubscribed, at most ``OMP_NUM_THREADS`` when the user set it (a spawned rank would
+    otherwise take its share of every core even on a machine others are using)."""
+    share = max(1, (os.cpu_count() or 1) // world_size)
+    asked = os.environ.get("OMP_NUM_THREADS", "")
+    return min(share, int(asked)) if asked.isdigit() and int(asked) > 0 else share
+
+
 def _rank_main(
     rank: int,
     world_size: int,
@@ -132,8 +141,7 @@ def _rank_main(
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
     warnings.filterwarnings("ignore", message="full scope is deprecated")
     try:
-        # Share the cores between the ranks instead of oversubscribing them.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        torch.set_num_threads(rank_threads(world_size))
         init_megatron(rank, world_size, port, tp=tp, pp=pp, cp=cp, seed=seed)
         fn, args = pickle.loads(payload)
         message = (rank, True, pickle.dumps(fn(rank, *args)))

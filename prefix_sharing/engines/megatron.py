@@ -143,6 +143,9 @@ def transformer_config(preset: ModelPreset, dtype: torch.dtype = torch.float32,
         bf16=dtype == torch.bfloat16,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        # an uneven split (tiny-mla's 3 layers at PP=2): the first stage holds fewer
+        num_layers_in_first_pipeline_stage=preset.first_stage_layers(
+            parallel_state.get_pipeline_model_parallel_world_size()),
         context_parallel_size=parallel_state.get_context_parallel_world_size(),
         # the flat layout's length changes from one micro-batch to the next
         variable_seq_lengths=True,

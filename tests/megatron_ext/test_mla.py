@@ -15,7 +15,9 @@ Independent reference: the same weights copied into transformers' DeepseekV3, ru
 sequence at a time, against the shared run in float64: log-probs, entropy, loss and every
 gradient (router losses off, which transformers does not compute).
 
-Parallel: TP=2 (sequence parallel, heads split) and EP=2 (experts split), one 2-rank job each.
+Parallel: TP=2 (sequence parallel, heads split), PP=2 (3 layers split 1 + 2) and EP=2 (experts
+split), one 2-rank job each; the EP=2 job also replays recorded routes (routing replay, routes
+that agree and routes that diverge inside a shared prefix) against the stock spec + replay.
 """
 
 from __future__ import annotations
@@ -78,13 +80,13 @@ def _equivalence_job(rank: int, variants: list[str], workloads: list[str]) -> di
     return report
 
 
-def _check(ranks: list[dict]) -> None:
+def _check(ranks: list[dict], min_grads: int = 20) -> None:
     for rank, report in enumerate(ranks):
         for variant, r in report.items():
             for pair in ("shared_vs_padded", "packed_vs_padded"):
                 worst = {q: d for q, d in r.get(pair, {}).items() if d > FP32_RTOL}
                 assert not worst, f"rank {rank} {variant} {pair}: {worst}"
-            assert r["grads"] > 20, (variant, r["grads"])  # every parameter's gradient compared
+            assert r["grads"] > min_grads, (variant, r["grads"])  # every parameter's gradient
             if variant in CHANGES_THE_MODEL:  # the variant changes the model: the check has power
                 assert r["moved"] > 1e-3, (variant, r["moved"])
 
@@ -140,33 +142,96 @@ def test_shared_mla_equals_megatron_stock_mla_under_tensor_parallelism():
     _check(run_distributed(_equivalence_job, 2, ["preset"], FEWER_WORKLOADS, tp=2, timeout=900))
 
 
+def _pipeline_job(rank: int) -> tuple[dict, list[int]]:
+    """The equivalence job on this stage, and the global numbers of the stage's layers."""
+    report = _equivalence_job(rank, ["preset"], FEWER_WORKLOADS)
+    return report, [layer.layer_number for layer in gpt_model(PRESET).decoder.layers]
+
+
+def test_shared_mla_equals_megatron_stock_mla_under_pipeline_parallelism():
+    """PP=2 splits the 3 layers unevenly, as DeepSeek-V3's recipes do: the dense layer on the
+    first stage, both MoE layers on the last; each stage hands its own layers the plan."""
+    (first, first_layers), (last, last_layers) = run_distributed(_pipeline_job, 2, pp=2,
+                                                                 timeout=900)
+    assert (first_layers, last_layers) == ([1], [2, 3])
+    _check([first, last], min_grads=10)  # the first stage: the embedding and one dense layer
+    assert first["preset"]["grads"] + last["preset"]["grads"] > 40
+
+
 # ----------------------------------------------------------------------------- expert parallel
+def replayed_routes(batches: list) -> dict[str, list]:
+    """Recorded routes of every micro-batch (``[L_i, 2 MoE layers, top-2]`` per sequence): as
+    recorded, and with one token's route changed inside a shared prefix."""
+    from prefix_sharing.routes import diverge_inside_shared_prefix, recorded_routes
+
+    moe_layers = PRESET.num_layers - PRESET.first_dense_layers
+    agree = [recorded_routes(seqs, moe_layers, PRESET.moe_router_topk, PRESET.num_experts, seed=i)
+             for i, seqs in enumerate(batches)]
+    diverge = [diverge_inside_shared_prefix(seqs, r, PRESET.num_experts, SHARE_EVERY_PREFIX)[0]
+               for seqs, r in zip(batches, agree)]
+    return {"agree": agree, "diverge": diverge}
+
+
 def _expert_parallel_job(rank: int) -> dict:
     """Megatron's stock MLA spec at EP=1 (two data-parallel ranks), then ours at EP=2 on the
-    same ranks, data and seed (weights are seeded by global expert index)."""
+    same ranks, data and seed (weights are seeded by global expert index); each without
+    routing replay, and replaying routes that agree and routes that diverge inside a shared
+    prefix (stock + replay on the padded batch against shared + replay)."""
     from megatron.core import parallel_state
 
     batches = micro_batches(FEWER_WORKLOADS)
+    routes = replayed_routes(batches)
     stock = gpt_model(PRESET, layout="padded")
-    ep1 = forward_backward(stock, batches, "padded")
+    stock_replay = gpt_model(PRESET, layout="padded", moe_enable_routing_replay=True)
+    ep1 = {"native": forward_backward(stock, batches, "padded")}
+    ep1.update({case: forward_backward(stock_replay, batches, "padded", routes=r)
+                for case, r in routes.items()})
+    for run in ep1.values():  # under EP=2 an expert computes every rank's tokens
+        for name, grad in run.grads.items():
+            if ".experts." in name:
+                torch.distributed.all_reduce(grad)
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(expert_model_parallel_size=2)
     ours = gpt_model(PRESET, layout="shared")
-    ep2 = forward_backward(ours, batches, "shared", SHARE_EVERY_PREFIX)
-    for name, grad in ep1.grads.items():  # under EP=2 an expert computes every rank's tokens
-        if ".experts." in name:
-            torch.distributed.all_reduce(grad)
-    ep1.grads = {name: ep1.grads[name] for name in ep2.grads}  # this rank's experts only
-    return {"shared_ep2_vs_padded_ep1": compare(ep2, ep1).max_rel_diff,
+    ours_replay = gpt_model(PRESET, layout="shared", moe_enable_routing_replay=True)
+    ep2 = {"native": forward_backward(ours, batches, "shared", SHARE_EVERY_PREFIX)}
+    ep2.update({case: forward_backward(ours_replay, batches, "shared", SHARE_EVERY_PREFIX,
+                                       routes=r) for case, r in routes.items()})
+    report = {}
+    for case, run in ep2.items():
+        ep1[case].grads = {name: ep1[case].grads[name] for name in run.grads}  # this rank's
+        report[case] = compare(run, ep1[case]).max_rel_diff
+    return {"shared_ep2_vs_padded_ep1": report,
+            "replay_moves_the_model": max(max_rel_diff(a.log_probs, b.log_probs) for a, b in
+                                          zip(ep1["agree"].outputs, ep1["native"].outputs)),
             "experts": sorted({int(n.split("local_experts.")[1].split(".")[0])
-                               for n in ep2.grads if "local_experts." in n})}
+                               for n in ep2["native"].grads if "local_experts." in n})}
 
 
-def test_shared_mla_under_expert_parallelism_equals_the_stock_run_without_it():
-    for rank, report in enumerate(run_distributed(_expert_parallel_job, 2, timeout=900)):
+@pytest.fixture(scope="module")
+def expert_parallel() -> list[dict]:
+    return run_distributed(_expert_parallel_job, 2, timeout=900)
+
+
+def test_shared_mla_under_expert_parallelism_equals_the_stock_run_without_it(expert_parallel):
+    for rank, report in enumerate(expert_parallel):
         assert report["experts"] == [4 * rank + i for i in range(4)]
-        worst = {q: d for q, d in report["shared_ep2_vs_padded_ep1"].items() if d > FP32_RTOL}
+        r = report["shared_ep2_vs_padded_ep1"]["native"]
+        worst = {q: d for q, d in r.items() if d > FP32_RTOL}
         assert not worst, f"rank {rank}: {worst}"
+
+
+def test_routing_replay_under_expert_parallelism_equals_stock_replay(expert_parallel):
+    """Shared + replay at EP=2 against the stock spec + replay at EP=1 on the padded batch,
+    routes that agree and routes that diverge inside a shared prefix (the plan stops sharing
+    there). The routes are not the model's own: replaying them moves the stock run's log-probs,
+    so the comparison shows they were replayed."""
+    for rank, report in enumerate(expert_parallel):
+        assert report["replay_moves_the_model"] > 1e-3, rank
+        for case in ("agree", "diverge"):
+            r = report["shared_ep2_vs_padded_ep1"][case]
+            worst = {q: d for q, d in r.items() if d > FP32_RTOL}
+            assert not worst, f"rank {rank} {case}: {worst}"
 
 
 # ----------------------------------------------------------------------------- transformers

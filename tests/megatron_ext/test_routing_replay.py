@@ -7,7 +7,8 @@ token's route changed inside a shared prefix (:func:`diverge_inside_shared_prefi
 plan must stop sharing. They are not the model's own top-k, so a run without replay differs:
 the comparison shows the routes were replayed. Router variants: the preset's statistics (the
 router routes the plain view), DeepSeek-V3's sigmoid + expert bias, and no statistics (the
-router routes the flat rows). One rank, TP=2 with sequence parallelism, and CP=2.
+router routes the flat rows). One rank, TP=2 with sequence parallelism, and CP=2; EP=2 (on the
+DeepSeek-V3-shaped ``tiny-mla``) is checked in ``test_mla.py``'s expert-parallel job.
 
 Recording (verl's R2 records routes in one forward to replay them later): a no-grad sharing
 forward planned with ``record_routes=True`` records the flat rows, and ``recorded_routes`` hands
