@@ -7,11 +7,12 @@ For each workload, measured in one process:
   count the time other processes hold the core, so it stays usable on a loaded machine (caches
   and memory bandwidth are still shared: compare ratios, not absolute figures);
 - the fixed cost of a step: the same step on one sequence of ``--fixed-tokens`` tokens (the
-  parameter-sized work every step does whatever its tokens: reading every weight twice, writing
-  every gradient, zeroing the embedding's dense gradient, ~1,700 operator launches), and what
+  work every step does whatever its tokens: reading every weight, writing every gradient,
+  zeroing the embedding's dense gradient, launching the operators of every layer), and what
   the ratio to the FLOP ratio would be without it, ``(plain - fixed) / (shared - fixed)``;
-- ``torch.profiler`` of one step each: operator launches, and self time by operator kind
-  (matrix products apart), the heaviest kinds listed.
+- ``torch.profiler`` of a few steps each: operator launches (and the kinds the shared step
+  launches more often than the plain one: its own work), and self time by operator kind (matrix
+  products apart; medians over the profiled steps), the heaviest kinds listed.
 
     OMP_NUM_THREADS=1 python scripts/profile_step.py [--workload tree steprl none] [--repeats 9]
 """
@@ -52,22 +53,33 @@ def cpu_ms(steps: dict[str, Callable[[], None]], repeats: int) -> dict[str, floa
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def op_profile(step: Callable[[], None]) -> tuple[int, dict[str, float]]:
-    """Operator launches of one step and self milliseconds by operator kind."""
+def op_profile(step: Callable[[], None]) -> tuple[dict[str, int], dict[str, float]]:
+    """Launches and self milliseconds of one step, by operator kind."""
     from torch.profiler import ProfilerActivity, profile
 
     with without_profiler_chatter(), profile(activities=[ProfilerActivity.CPU]) as prof:
         step()
+    counts: dict[str, int] = collections.Counter()
     kinds: dict[str, float] = collections.defaultdict(float)
-    launches = 0
     for event in prof.key_averages():
+        counts[event.key] += event.count
         kinds[event.key] += event.self_cpu_time_total / 1e3
-        launches += event.count if event.key.startswith("aten::") else 0
-    return launches, dict(kinds)
+    return dict(counts), dict(kinds)
 
 
-def profile_workload(model: torch.nn.Module, name: str, repeats: int, fixed_ms: float,
-                     top: int) -> dict:
+def launches(counts: dict[str, int]) -> int:
+    """aten operators launched (autograd's own nodes are not counted)."""
+    return sum(n for kind, n in counts.items() if kind.startswith("aten::"))
+
+
+def _median_kinds(rounds: list[dict[str, float]]) -> dict[str, float]:
+    """Per operator kind, the median self time over profiled steps (one preempted op in one
+    step does not make a kind look heavy)."""
+    return {k: statistics.median(r.get(k, 0.0) for r in rounds) for k in rounds[0]}
+
+
+def profile_workload(model: torch.nn.Module, name: str, repeats: int, profiles: int,
+                     fixed_ms: float, top: int) -> dict:
     preset = get_preset("small")
     w = make_workload(name, vocab_size=preset.vocab_size, **BENCH_SIZES[name])
     workload = BenchWorkload(name, w.sequences, None)
@@ -75,10 +87,14 @@ def profile_workload(model: torch.nn.Module, name: str, repeats: int, fixed_ms: 
     steps = {m: megatron_training_step(model, workload, PrefixSharingConfig(mode=mode))
              for m, mode in MODES.items()}
     cpu = cpu_ms(steps, repeats)
-    profiles = {m: op_profile(step) for m, step in steps.items()}
-    self_ms = {m: sum(kinds.values()) for m, (_, kinds) in profiles.items()}
-    mm_ms = {m: sum(kinds.get(k, 0.0) for k in MATMULS) for m, (_, kinds) in profiles.items()}
-    plain_kinds, shared_kinds = profiles["plain"][1], profiles["shared"][1]
+    rounds = [{m: op_profile(step) for m, step in steps.items()} for _ in range(profiles)]
+    profiled = {m: (rounds[0][m][0], _median_kinds([r[m][1] for r in rounds])) for m in steps}
+    counts = {m: c for m, (c, _) in profiled.items()}
+    more_in_shared = {k: (counts["plain"].get(k, 0), n) for k, n in counts["shared"].items()
+                      if k.startswith("aten::") and n > counts["plain"].get(k, 0)}
+    self_ms = {m: sum(kinds.values()) for m, (_, kinds) in profiled.items()}
+    mm_ms = {m: sum(kinds.get(k, 0.0) for k in MATMULS) for m, (_, kinds) in profiled.items()}
+    plain_kinds, shared_kinds = profiled["plain"][1], profiled["shared"][1]
     heaviest = sorted((k for k in shared_kinds if k not in MATMULS),
                       key=lambda k: -shared_kinds[k])[:top]
     return {
@@ -86,7 +102,8 @@ def profile_workload(model: torch.nn.Module, name: str, repeats: int, fixed_ms: 
         "cpu_of_flop": cpu["plain"] / cpu["shared"] / flop_ratio,
         "fixed_ms": fixed_ms,
         "without_fixed_of_flop": (cpu["plain"] - fixed_ms) / (cpu["shared"] - fixed_ms) / flop_ratio,
-        "launches": {m: p[0] for m, p in profiles.items()},
+        "launches": {m: launches(c) for m, c in counts.items()},
+        "launched_more_in_shared": more_in_shared,
         "self_ms": self_ms, "matmul_ms": mm_ms,
         "heaviest_other": {k: (plain_kinds.get(k, 0.0), shared_kinds[k]) for k in heaviest},
     }
@@ -96,6 +113,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", nargs="+", default=["tree", "steprl", "none"])
     parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--profiles", type=int, default=3,
+                        help="profiled steps per mode (per-kind medians; default: 3)")
     parser.add_argument("--fixed-tokens", type=int, default=16)
     parser.add_argument("--top", type=int, default=8, help="operator kinds listed per workload")
     parser.add_argument("--json", action="store_true")
@@ -108,13 +127,17 @@ def main() -> None:
     keep_freed_memory_in_heap()
     model = preset_model(get_preset("small"), layout="shared", dtype=torch.float32)
     tiny = BenchWorkload("fixed", [torch.arange(1, args.fixed_tokens + 1)], None)
-    fixed = cpu_ms({"fixed": megatron_training_step(model, tiny, PrefixSharingConfig())},
-                   args.repeats)["fixed"]
-    rows = [profile_workload(model, name, args.repeats, fixed, args.top) for name in args.workload]
+    fixed_step = megatron_training_step(model, tiny, PrefixSharingConfig())
+    fixed = cpu_ms({"fixed": fixed_step}, args.repeats)["fixed"]
+    fixed_launches = launches(op_profile(fixed_step)[0])
+    rows = [profile_workload(model, name, args.repeats, args.profiles, fixed, args.top)
+            for name in args.workload]
     if args.json:
-        print(json.dumps(rows, indent=1))
+        print(json.dumps({"fixed_ms": fixed, "fixed_launches": fixed_launches, "workloads": rows},
+                         indent=1))
         return
-    print(f"fixed cost of a step ({args.fixed_tokens} tokens): {fixed:.0f} ms CPU")
+    print(f"fixed cost of a step ({args.fixed_tokens} tokens): {fixed:.0f} ms CPU, "
+          f"{fixed_launches} operator launches")
     for r in rows:
         cpu, self_ms, mm = r["cpu_ms"], r["self_ms"], r["matmul_ms"]
         print(f"\n{r['workload']}: flop x {r['flop_ratio']:.2f}; CPU ms plain {cpu['plain']:.0f} "
@@ -126,7 +149,9 @@ def main() -> None:
               f"{mm['plain']:.0f} / {mm['shared']:.0f} (x {mm['plain'] / mm['shared']:.2f}); "
               f"the rest {self_ms['plain'] - mm['plain']:.0f} / {self_ms['shared'] - mm['shared']:.0f}")
         for kind, (p, s) in r["heaviest_other"].items():
-            print(f"    {kind:<40} {p:8.1f} {s:8.1f}")
+            print(f"    {kind:<40} {p:8.1f} {s:8.1f} ms")
+        more = ", ".join(f"{k} {p}->{s}" for k, (p, s) in r["launched_more_in_shared"].items())
+        print(f"  launched more often by the shared step: {more or 'nothing'}")
 
 
 if __name__ == "__main__":
