@@ -101,7 +101,8 @@ def profile_workload(model: torch.nn.Module, name: str, repeats: int, profiles: 
         "workload": name, "flop_ratio": flop_ratio, "cpu_ms": cpu,
         "cpu_of_flop": cpu["plain"] / cpu["shared"] / flop_ratio,
         "fixed_ms": fixed_ms,
-        "without_fixed_of_flop": (cpu["plain"] - fixed_ms) / (cpu["shared"] - fixed_ms) / flop_ratio,
+        "without_fixed_of_flop":
+            (cpu["plain"] - fixed_ms) / (cpu["shared"] - fixed_ms) / flop_ratio,
         "launches": {m: launches(c) for m, c in counts.items()},
         "launched_more_in_shared": more_in_shared,
         "self_ms": self_ms, "matmul_ms": mm_ms,
@@ -147,7 +148,8 @@ def main() -> None:
               f"profiled self ms {self_ms['plain']:.0f} / {self_ms['shared']:.0f} "
               f"(x {self_ms['plain'] / self_ms['shared']:.2f}); matrix products "
               f"{mm['plain']:.0f} / {mm['shared']:.0f} (x {mm['plain'] / mm['shared']:.2f}); "
-              f"the rest {self_ms['plain'] - mm['plain']:.0f} / {self_ms['shared'] - mm['shared']:.0f}")
+              f"the rest {self_ms['plain'] - mm['plain']:.0f} / "
+              f"{self_ms['shared'] - mm['shared']:.0f}")
         for kind, (p, s) in r["heaviest_other"].items():
             print(f"    {kind:<40} {p:8.1f} {s:8.1f} ms")
         more = ", ".join(f"{k} {p}->{s}" for k, (p, s) in r["launched_more_in_shared"].items())
