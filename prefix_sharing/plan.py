@@ -102,6 +102,15 @@ class SharingPlan:
         return self.num_tokens_unique < self.num_tokens_total
 
     @property
+    def has_kv_gather(self) -> bool:
+        """Whether some query segment reads keys beyond its own rows (a reused prefix), so
+        attention must gather K/V through ``kv_gather_index``. False for the identity plan, and
+        for a plan whose reusers are all strict prefixes of other sequences (step-wise chains:
+        each earlier step lies inside the last one): there every segment's keys are its own
+        rows, the gather would be the identity, and only the log-probs read shared rows."""
+        return self.cu_seqlens_kv_host != self.cu_seqlens_q_host
+
+    @property
     def token_ratio(self) -> float:
         return self.num_tokens_total / self.num_tokens_unique
 

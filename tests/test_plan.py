@@ -45,6 +45,15 @@ def test_sizes(plan):
     assert "tokens_unique=6" in repr(plan)
 
 
+def test_has_kv_gather_only_when_a_segment_reads_a_prefix(plan):
+    assert plan.has_kv_gather  # b's tail reads a's first three keys
+    chains = build_plan([[5, 6, 7, 8], [5, 6], [5, 6, 7]], PrefixSharingConfig(min_prefix_len=1))
+    # the shorter ones are strict prefixes of the longest: no segment of their own
+    assert chains.has_sharing and not chains.has_kv_gather
+    assert chains.kv_gather_index.tolist() == list(range(chains.num_tokens_flat))
+    assert not build_plan(SEQS, PrefixSharingConfig(mode="off")).has_kv_gather
+
+
 def test_to_moves_every_tensor_and_keeps_the_layout(plan):
     moved = plan.to("meta")
     assert all(t.device.type == "meta" for t in (moved.input_ids, moved.kv_index,

@@ -101,8 +101,11 @@ def prefix_attention(
             f"q has {q.size(0)} tokens but the plan lays out {plan.num_tokens_flat}: "
             "was the plan built from this micro-batch?"
         )
-    keys = windowed_keys(plan, window) if window is not None and plan.has_sharing else plan
-    if plan.has_sharing:
+    # Keys in place: every segment's keys are its own rows of k/v (no segment reads a prefix,
+    # and k/v hold exactly the flat rows - not a cross-micro-batch prefix placed before them).
+    in_place = not plan.has_kv_gather and k.size(0) == plan.num_tokens_flat
+    keys = windowed_keys(plan, window) if window is not None and not in_place else plan
+    if not in_place:
         # K/V injection: each segment's keys are its provider's prefix rows plus its own tail.
         # index_select's backward scatter-adds, so every reuser's gradient reaches the prefix.
         k = k.index_select(0, keys.kv_gather_index)

@@ -3,6 +3,7 @@
 import pytest
 import torch
 from hypothesis import given, settings
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from prefix_sharing import PrefixSharingConfig, build_plan
 from prefix_sharing.attention import prefix_attention
@@ -52,3 +53,29 @@ def test_refuses_tensors_from_another_layout():
     q = torch.zeros(6, HEADS, DIM)
     with pytest.raises(ValueError, match="q has 6 tokens but the plan lays out 4"):
         prefix_attention(q, q, q, plan)
+
+
+class _CountIndexSelect(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func is torch.ops.aten.index_select.default
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("seqs, gathers", [
+    ([[1, 2, 3, 4], [1, 2, 5]], 2),  # a reuser's tail reads a's prefix: K and V gathered
+    ([[1, 2, 3, 4, 5], [1, 2, 3], [1, 2]], 0),  # a chain of strict prefixes: keys in place
+])
+def test_gathers_k_and_v_only_when_a_segment_reads_a_prefix(seqs, gathers):
+    token, position, w = projections()
+    plan = build_plan(seqs, PrefixSharingConfig(min_prefix_len=1))
+    q, k, v = qkv(token, position, w, plan.input_ids, plan.position_ids)
+    with _CountIndexSelect() as counter:
+        out = prefix_attention(q, k, v, plan)
+    assert counter.calls == gathers
+    plain = torch.cat([causal_attend(*qkv(token, position, w, torch.tensor(s),
+                                          torch.arange(len(s)))) for s in seqs])
+    torch.testing.assert_close(plan.restore(out), plain, rtol=1e-10, atol=1e-10)

@@ -12,6 +12,11 @@ with a sliding window and Q/K norms:
 - the aten operators the identity step runs are the stock step's, less its per-layer RoPE
   packing, plus exactly one ``index_select`` (the rotary table): no gather, no scatter-add,
   no host read per layer.
+
+A step-wise chain whose earlier steps are strict prefixes of its last one shares (the log-probs
+read the shared rows) but no query segment reads a prefix (``plan.has_kv_gather`` is False):
+its step runs no K/V gather either, nothing beyond the stock step's operators but that one
+rotary ``index_select`` (its exactness is the equivalence tests' ``steprl`` case).
 """
 
 from __future__ import annotations
@@ -58,7 +63,8 @@ def _step(model: torch.nn.Module, sequences: list[torch.Tensor], layout: str) ->
             stats = stock_thd_token_stats(logits, inputs, stats_batch)
         else:
             batch = prepare_micro_batch(sequences, SHARE_EVERY_PREFIX)
-            assert not batch.plan.has_sharing, "the workload was meant to share nothing"
+            assert not batch.plan.has_kv_gather, "the workload was meant to read no prefix K/V"
+            assert batch.plan.has_sharing == (layout == "chain")
             logits = model(batch.input_ids, batch.position_ids, None,
                            packed_seq_params=batch.packed_seq_params)
             stats = token_stats(logits, batch)
@@ -87,6 +93,11 @@ def _identity_vs_stock_job(rank: int) -> dict:
             "identity_only_ops": dict(identity["ops"] - stock["ops"]),
             "stock_only_ops": dict(stock["ops"] - identity["ops"]),
         }
+    chain = make_workload("steprl", vocab_size=PRESET.vocab_size, seed=0,
+                          **WORKLOADS["steprl"]).sequences
+    model = tiny_gpt()
+    stock, shared = _step(model, chain, "stock"), _step(model, chain, "chain")
+    report["chain_only_ops"] = dict(shared["ops"] - stock["ops"])
     return report
 
 
@@ -105,3 +116,7 @@ def test_identity_plan_runs_only_one_rotary_gather_beyond_the_stock_step(report,
     assert report[model]["identity_only_ops"] == {"index_select": 1}
     # what it saves: megatron's per-layer THD RoPE packing, which reads lengths to the host
     assert report[model]["stock_only_ops"].get("_local_scalar_dense", 0) >= PRESET.num_layers
+
+
+def test_a_chain_of_strict_prefixes_gathers_no_keys(report):
+    assert report["chain_only_ops"] == {"index_select": 1}
