@@ -20,6 +20,7 @@ stays transformers' own code.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import sys
 from collections.abc import Iterator
@@ -27,11 +28,13 @@ from typing import Any
 
 import torch
 
-from ..recurrent.torch_kernels import gated_delta_rule_recurrent
+from ..recurrent.batch_major import gated_delta_rule_batch_major
 
 __all__ = ["plain_gdn_kernel"]
 
 _NAME = "torch_chunk_gated_delta_rule"
+# transformers' call (batch-major, each row one sequence) on the token-by-token recurrence
+_RECURRENCE_FLOAT64 = functools.partial(gated_delta_rule_batch_major, token_by_token=True)
 
 
 @contextlib.contextmanager
@@ -45,7 +48,7 @@ def plain_gdn_kernel(model: torch.nn.Module) -> Iterator[None]:
         yield
         return
     original = getattr(module, _NAME)
-    setattr(module, _NAME, _recurrence_float64 if dtype == torch.float64
+    setattr(module, _NAME, _RECURRENCE_FLOAT64 if dtype == torch.float64
             else inspect.unwrap(original))
     try:
         yield
@@ -59,18 +62,3 @@ def _modeling_module(gdn: torch.nn.Module) -> Any:
         if cls.__module__.startswith("transformers."):
             return sys.modules[cls.__module__]
     return None
-
-
-def _recurrence_float64(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                        g: torch.Tensor, beta: torch.Tensor, *, initial_state=None,
-                        output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
-                        **_: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """transformers' call (batch-major ``[B, T, H, K]``, each row one sequence) on the float64
-    token-by-token recurrence."""
-    batch, length = query.shape[:2]
-    flat = [x.reshape(batch * length, *x.shape[2:]).double() for x in (query, key, value, g, beta)]
-    out, final = gated_delta_rule_recurrent(
-        *flat, initial_state=initial_state, cu_seqlens_host=range(0, batch * length + 1, length),
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-    return out.view(batch, length, *out.shape[1:]).to(value.dtype), (
-        final if output_final_state else None)
