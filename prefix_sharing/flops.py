@@ -7,7 +7,8 @@ head) at 2 FLOPs per multiply-add per computed token, and attention at 2 * heads
 sum; on a sliding-window layer, the pairs inside the window). On a Gated DeltaNet hybrid
 (``full_attention_every``), each recurrent layer costs per computed token its projections (q, k,
 v, output gate z, beta, decay; output), its causal convolution, and the chunked gated delta
-rule's products at chunk size 64 (per value head ``6 K V`` for the state's reads and writes,
+rule's products at fla's chunk size 64 (the CPU torch kernels use 32 for plain and shared
+steps alike; per value head ``6 K V`` for the state's reads and writes,
 ``C (5 K + 3 V)`` for the intra-chunk products and triangular solves): linear in the tokens, like
 an MLP, so sharing saves it in the token ratio; the attention layers of a hybrid gate their
 output (a q projection twice as wide). On a Mamba-2 hybrid (``mamba``, Nemotron-H) each layer

@@ -16,7 +16,7 @@ import torch
 
 from ..errors import InputError, MissingPackageError, UnsupportedSetup
 from ..presets import ModelPreset
-from .bench import BenchRequest, bench_job, check_plain_step_runs
+from .bench import BenchRequest, bench_job
 from .bench_cp import context_parallel_bench_job
 from .hf import HFEngine
 from .launch import run_distributed
@@ -87,7 +87,6 @@ class Engine:
     def bench(self, request: BenchRequest) -> list[dict]:
         self.check_installed()
         _check_recurrent_layers(request.preset)
-        check_plain_step_runs(request.preset)
         return run_distributed(bench_job, 1, request, timeout=3600)[0]
 
     def bench_context_parallel(self, request: BenchRequest, tp: int, pp: int,

@@ -4,8 +4,12 @@ A step is what a trainer does per micro-batch: plan it (``prepare_micro_batch``)
 per-token log-probs and entropy, a policy-gradient loss, backward. The plain step is the same
 model on megatron's stock THD layout (plain ``PackedSeqParams``, megatron's own THD RoPE, verl's
 packing: the step verl runs today), the same attention kernel; the shared step uses the plan.
-Steps are timed interleaved (plain, shared, plain, shared, ...) after a warm-up, so machine
-noise falls on both alike; medians are reported. Peak memory is measured in separate runs (see :func:`peak_memory_bytes`), as the profiler slows the step down.
+On a Gated DeltaNet hybrid the plain step's GDN layers are megatron's stock module; in a CPU
+process its fla kernel calls run on this package's torch kernels
+(:func:`~prefix_sharing.megatron_ext.cpu_support.enable_cpu_gated_delta_net`), the same
+chunked rule and convolution the shared step runs over its schedule. Steps are timed interleaved (plain, shared, plain, shared, ...) after a warm-up, so machine
+noise falls on both alike; medians are reported. Peak memory is measured in separate runs (see
+:func:`peak_memory_bytes`), as the profiler slows the step down.
 """
 
 from __future__ import annotations
@@ -24,7 +28,6 @@ from collections.abc import Callable, Iterator
 import torch
 
 from ..config import PrefixSharingConfig
-from ..errors import UnsupportedSetup
 from ..flops import count_flops
 from ..planner import PromptGroup, build_plan
 from ..presets import ModelPreset
@@ -58,7 +61,6 @@ def bench_job(rank: int, request: BenchRequest) -> list[dict]:
     """Runs in one rank (see :mod:`prefix_sharing.engines.launch`); one result per workload."""
     from .megatron import preset_model
 
-    check_plain_step_runs(request.preset)
     if not torch.cuda.is_available():
         keep_freed_memory_in_heap()
     model = preset_model(request.preset, layout="shared", dtype=request.dtype)
@@ -66,22 +68,6 @@ def bench_job(rank: int, request: BenchRequest) -> list[dict]:
     results = [time_workload(model, w, request, progress) for w in request.workloads]
     progress.close()
     return results
-
-
-def check_plain_step_runs(preset: ModelPreset) -> None:
-    """Refuses a Gated DeltaNet hybrid without a GPU: the plain step bench times is megatron's
-    own THD step, whose GDN layers run flash-linear-attention's Triton kernels only.
-
-    Raises:
-        UnsupportedSetup: naming the preset and what runs instead.
-    """
-    pattern = preset.hybrid_pattern or ""
-    if "G" in pattern and not torch.cuda.is_available():
-        raise UnsupportedSetup(
-            f"bench --model {preset.name}: the plain step it times is megatron's stock THD step, "
-            "whose Gated DeltaNet layers need flash-linear-attention's CUDA kernels; run it on "
-            f"a GPU, or check exactness on this machine with verify --model {preset.name}"
-        )
 
 
 def time_workload(model: torch.nn.Module, workload: BenchWorkload, request: BenchRequest,

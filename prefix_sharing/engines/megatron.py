@@ -284,30 +284,13 @@ def _gdn_on_cpu(model: torch.nn.Module, dtype: torch.dtype) -> None:
     Triton kernels need a GPU). That rule computes in float32 whatever its inputs, so a float64
     reference model's GDN layers run the project's torch rule instead, which keeps float64 (it
     is checked against a token-by-token recurrence in ``tests/recurrent``)."""
+    from ..recurrent.batch_major import gated_delta_rule_batch_major
+
     if dtype != torch.float64:
         return
     for module in model.modules():
         if hasattr(module, "gated_delta_rule"):
-            module.gated_delta_rule = _batched_float64_rule
-
-
-def _batched_float64_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, g: torch.Tensor,
-                          beta: torch.Tensor, initial_state: Any = None,
-                          output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
-                          cu_seqlens: Any = None) -> tuple[torch.Tensor, None]:
-    """Megatron's ``gated_delta_rule`` call (``[b, s, heads, dim]``, no packing, no state) on
-    the project's torch kernel: the ``b`` sequences as ``b`` varlen segments of ``s`` tokens."""
-    from ..recurrent import chunk_gated_delta_rule
-
-    if initial_state is not None or output_final_state or cu_seqlens is not None:
-        raise ValueError("the float64 reference rule serves megatron's padded [b, s] call only")
-    batch, length = q.shape[:2]
-    out, _ = chunk_gated_delta_rule(
-        *(x.flatten(0, 1) for x in (q, k, v, g, beta)),
-        cu_seqlens=torch.arange(0, (batch + 1) * length, length, dtype=torch.int32),
-        cu_seqlens_host=tuple(range(0, (batch + 1) * length, length)),
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, backend="torch")
-    return out.view(batch, length, *out.shape[1:]), None
+            module.gated_delta_rule = gated_delta_rule_batch_major
 
 
 def _rope_arguments(config_overrides: dict[str, Any],

@@ -30,8 +30,8 @@ from ..config import PrefixSharingConfig
 from ..cross_micro_batch import plan_group
 from ..errors import InputError
 from ..presets import ModelPreset
-from .bench import (BenchWorkload, Progress, check_plain_step_runs,
-                    keep_freed_memory_in_heap, megatron_training_step, timed)
+from .bench import (BenchWorkload, Progress, keep_freed_memory_in_heap, megatron_training_step,
+                    timed)
 from .launch import run_distributed
 
 __all__ = ["ThroughputRequest", "run_throughput", "throughput_job", "time_split", "table",
@@ -91,7 +91,6 @@ def throughput_job(rank: int, request: ThroughputRequest) -> list[dict]:
     """Runs in one rank (see :mod:`prefix_sharing.engines.launch`)."""
     from .megatron import preset_model
 
-    check_plain_step_runs(request.preset)
     if not torch.cuda.is_available():
         keep_freed_memory_in_heap()
     model = preset_model(request.preset, layout="shared", dtype=request.dtype)

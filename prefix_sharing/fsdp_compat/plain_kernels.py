@@ -29,6 +29,7 @@ stays transformers' own code.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import sys
 from collections.abc import Iterator
@@ -37,20 +38,22 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..recurrent.batch_major import gated_delta_rule_batch_major
 from ..recurrent.ssd_torch import ssd_recurrent
-from ..recurrent.torch_kernels import gated_delta_rule_recurrent
 
 __all__ = ["plain_gdn_kernel", "plain_ssd_kernel"]
 
 _NAME = "torch_chunk_gated_delta_rule"
 _BOUND_NAME = "chunk_gated_delta_rule"  # a layer's own binding (transformers 4.57, 5.10)
 _SSD_NAME = "mamba2_chunk_scan"
+# transformers' call (batch-major, each row one sequence) on the token-by-token recurrence
+_RECURRENCE_FLOAT64 = functools.partial(gated_delta_rule_batch_major, token_by_token=True)
 
 
 @contextlib.contextmanager
 def plain_gdn_kernel(model: torch.nn.Module) -> Iterator[None]:
     """Within the block, ``model``'s GDN layers (if any) use the kernel described above."""
-    with _rebound(model, "GatedDeltaNet", _NAME, _recurrence_float64, bound_name=_BOUND_NAME):
+    with _rebound(model, "GatedDeltaNet", _NAME, _RECURRENCE_FLOAT64, bound_name=_BOUND_NAME):
         yield
 
 
@@ -94,21 +97,6 @@ def _modeling_module(gdn: torch.nn.Module) -> Any:
         if cls.__module__.startswith("transformers."):
             return sys.modules[cls.__module__]
     return None
-
-
-def _recurrence_float64(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                        g: torch.Tensor, beta: torch.Tensor, *, initial_state=None,
-                        output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
-                        **_: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """transformers' call (batch-major ``[B, T, H, K]``, each row one sequence) on the float64
-    token-by-token recurrence."""
-    batch, length = query.shape[:2]
-    flat = [x.reshape(batch * length, *x.shape[2:]).double() for x in (query, key, value, g, beta)]
-    out, final = gated_delta_rule_recurrent(
-        *flat, initial_state=initial_state, cu_seqlens_host=range(0, batch * length + 1, length),
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-    return out.view(batch, length, *out.shape[1:]).to(value.dtype), (
-        final if output_final_state else None)
 
 
 def _ssd_recurrence_float64(hidden_states: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,

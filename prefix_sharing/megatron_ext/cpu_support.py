@@ -86,6 +86,7 @@ def enable_cpu_gated_delta_net() -> None:
     if not _enabled or _gdn_enabled:
         return
     _torch_gated_delta_net_l2norm()
+    _torch_gated_delta_net_kernels()
     try:
         from megatron.core.ssm.gated_delta_net.common import _GDNBase
     except ImportError:  # before 0.19 (its GDN is compiled as it is), or no fla
@@ -234,6 +235,22 @@ def _torch_gated_delta_net_l2norm() -> None:
         if getattr(module, "l2norm", None) is not None:
             module.l2norm = _torch_l2norm
             return
+
+
+def _torch_gated_delta_net_kernels() -> None:
+    # ssm/gated_delta_net/gdn.py (megatron-core 0.19) runs a packed (THD) batch through fla's
+    # Triton `causal_conv1d` and `chunk_gated_delta_rule` (bound at construction as
+    # `self.gated_delta_rule`); its torch path (deterministic_mode) refuses packed input. The
+    # same calls on this package's torch kernels (prefix_sharing.recurrent.batch_major), so the
+    # stock module's THD step - bench's plain baseline - runs unchanged apart from its kernels.
+    try:
+        gdn = importlib.import_module("megatron.core.ssm.gated_delta_net.gdn")
+    except ImportError:  # before 0.19 (no packed GDN path), or flash-linear-attention missing
+        return
+    from ..recurrent.batch_major import causal_conv1d_batch_major, gated_delta_rule_batch_major
+
+    gdn.causal_conv1d = causal_conv1d_batch_major
+    gdn.chunk_gated_delta_rule = gated_delta_rule_batch_major
 
 
 def _eager_jit_fusions(cls: type) -> None:

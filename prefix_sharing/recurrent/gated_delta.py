@@ -13,20 +13,23 @@ CUDA when it is installed, else torch.
 
 Over a plan, a recurrent layer calls :func:`gated_delta_rule_over_schedule` and
 :func:`causal_conv1d_over_schedule` with the micro-batch's
-:class:`~prefix_sharing.recurrent.schedule.RecurrenceSchedule`: one kernel call per depth
-bucket, each piece started from its parent's final state (gathered differentiably, so a
-reuser's gradient flows into its provider's rows through the state), and one convolution.
+:class:`~prefix_sharing.recurrent.schedule.RecurrenceSchedule`: with fla one kernel call per
+depth bucket, each piece started from its parent's final state (gathered differentiably, so a
+reuser's gradient flows into its provider's rows through the state); with torch one pass over
+the whole forest of pieces (:mod:`.forest`); and one convolution.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import weakref
 from collections.abc import Sequence
 
 import torch
 
 from ..errors import InputError, MissingPackageError
 from . import fla_kernels, torch_kernels
+from .forest import ForestLayout, gated_delta_rule_forest
 from .schedule import RecurrenceSchedule
 
 __all__ = ["RECURRENT_BACKENDS", "resolve_recurrent_backend", "chunk_gated_delta_rule",
@@ -122,9 +125,10 @@ def gated_delta_rule_over_schedule(
     """The gated delta rule of the plan's flat rows, every piece from its parent's state.
 
     Inputs are flat-layout rows (``total = T_flat``), shaped as in
-    :func:`chunk_gated_delta_rule`. Bucket by bucket (depth 0 first), the bucket's rows are
-    gathered, its pieces start from their parents' final states
+    :func:`chunk_gated_delta_rule`. fla: bucket by bucket (depth 0 first), the bucket's rows
+    are gathered, its pieces start from their parents' final states
     (``finals.index_select(0, parent_index)``, differentiable) and run in one varlen call.
+    torch: :func:`~.forest.gated_delta_rule_forest`, the same rule in one pass.
 
     Returns:
         ``(T_flat, HV, V)`` in v's dtype, in flat-row order.
@@ -133,6 +137,10 @@ def gated_delta_rule_over_schedule(
         raise InputError(f"the recurrence schedule covers {schedule.num_rows} flat rows; "
                          f"got {q.size(0)}")
     name = resolve_recurrent_backend(backend, q.device)
+    if name == "torch":  # one intra-chunk pass and one scan over the whole forest
+        return gated_delta_rule_forest(q, k, v, g, beta, forest_layout(schedule, q.device),
+                                       scale=scale,
+                                       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
     last = len(schedule.buckets) - 1
     outs, finals = [], None
     for depth, bucket in enumerate(schedule.buckets):
@@ -148,6 +156,20 @@ def gated_delta_rule_over_schedule(
         outs.append(out)
     out = torch.cat(outs) if last else outs[0]
     return out if schedule.inverse_order is None else out.index_select(0, schedule.inverse_order)
+
+
+_FOREST_LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def forest_layout(schedule: RecurrenceSchedule, device: torch.device,
+                  chunk_size: int = torch_kernels.CHUNK_SIZE) -> ForestLayout:
+    """The torch backend's chunk layout of ``schedule``, built on first use and then read by
+    every layer of the micro-batch."""
+    layout = _FOREST_LAYOUTS.get(schedule)
+    if layout is None:
+        layout = _FOREST_LAYOUTS[schedule] = ForestLayout(schedule.pieces, schedule.num_rows,
+                                                          chunk_size, device)
+    return layout
 
 
 def causal_conv1d(

@@ -7,6 +7,7 @@ the report's shape and its exact ratios (tokens, FLOPs), never a speed.
 import json
 
 import pytest
+import torch
 
 from prefix_sharing import PrefixSharingConfig, build_plan
 from prefix_sharing.cli import main
@@ -69,3 +70,31 @@ def test_bad_input_is_one_line_on_stderr(capfd, argv, message):
     assert code != 0 and out == ""
     assert err.startswith("prefix-sharing bench: error:") and message in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_a_gated_deltanet_hybrid_benches_on_megatron_0_19_2_or_is_refused_naming_it(capfd,
+                                                                                  tmp_path):
+    """On megatron-core 0.19.2 the hybrid's plain step is megatron's stock GDN module (on a CPU
+    its fla kernel calls run on the project's torch kernels): bench runs it (a short tree: a
+    branch inside a provider's tail). Any other release is refused in one line naming 0.19.2
+    (its GDN layers could not be shared)."""
+    import importlib.util
+
+    from prefix_sharing.megatron_ext.layer_specs import serves_gated_delta_net
+
+    prompt = list(range(1, 21))
+    sequences = [prompt + [30, 31, 32, 33] + tail for tail in ([40, 41], [50, 51, 52], [])]
+    path = tmp_path / "tree.jsonl"
+    path.write_text("".join(json.dumps({"input_ids": s}) + "\n" for s in sequences))
+    code, out, err = bench(capfd, "--model", "tiny-hybrid", "--sequences", path, "--json",
+                           "--min-prefix-len", "1")
+    if not (serves_gated_delta_net() and importlib.util.find_spec("fla") is not None):
+        assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+        assert "Gated DeltaNet" in err and "0.19.2" in err
+        return
+    assert code == 0, err
+    (tree,) = json.loads(out)["results"]
+    plan = build_plan([torch.tensor(s) for s in sequences], PrefixSharingConfig(min_prefix_len=1))
+    assert (tree["tokens_total"], tree["tokens_unique"]) == (77, 29)
+    assert tree["flop_ratio"] == pytest.approx(count_flops(plan, get_preset("tiny-hybrid")).ratio)
+    assert tree["plain_ms"] > 0 and tree["shared_ms"] > 0

@@ -65,15 +65,6 @@ def test_bench_table_has_a_prefix_grouper_row(capfd):
     assert [r[1] for r in rows] == ["arbitrary", "prompt_only", "PG"]
 
 
-def test_the_megatron_engine_refuses_to_bench_the_hybrid_preset_on_cpu_in_one_line(capfd):
-    """Its plain step is megatron's stock GDN (fla's CUDA kernels); on megatron-core other than
-    0.19.2 the preset is refused before that, naming 0.19.2 (verify on 0.19.2: see
-    tests/megatron_ext/test_gated_delta_net.py and the README)."""
-    code, out, err = run(capfd, "bench", "--model", "tiny-hybrid")
-    assert code == 2 and out == ""
-    assert "Gated DeltaNet layers" in err and len(err.strip().splitlines()) == 1
-
-
 def test_the_megatron_engine_refuses_the_mamba_hybrid_preset_in_one_line(capfd):
     code, out, err = run(capfd, "verify", "--model", "tiny-nemotron-h", "--workload", "tree")
     assert code == 2 and out == ""

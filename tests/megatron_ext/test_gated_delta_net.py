@@ -139,11 +139,13 @@ def _exactness_job(rank: int, overrides: dict, workloads: list[str], controls: b
     for batch in batches:
         shared = forward_backward(ours, [batch], "shared", SHARE_EVERY_PREFIX)
         unshared = forward_backward(ours, [batch], "shared", NOTHING_SHARED)
+        packed = forward_backward(ours, [batch], "packed")  # megatron's THD step: bench's plain
         plain = forward_backward(stock, [batch], "padded")
         plains.append(plain)
         exact = forward_backward(reference, [batch], "padded")
         report["batches"].append({"shared": compare(shared, exact),
                                   "unshared": compare(unshared, exact),
+                                  "packed": compare(packed, exact),
                                   "plain": compare(plain, exact),
                                   "vs_plain": compare(shared, plain).max_rel_diff,
                                   "grads": sorted(shared.grads)})
@@ -186,6 +188,15 @@ def one_rank():
 
 
 @pytest.fixture(scope="module")
+def pipeline():
+    """PP=2: two GDN layers on the first stage, a GDN and the attention layer on the second;
+    only the activations cross (tree: a branch inside a provider's tail; agent)."""
+    if not (HAVE_GDN and HAVE_FLA):
+        pytest.skip(needs_gdn.kwargs["reason"])
+    return run_distributed(_exactness_job, 2, {}, PP2_WORKLOADS, False, pp=2, timeout=900)
+
+
+@pytest.fixture(scope="module")
 def two_ranks():
     """TP=2 with sequence parallelism: each rank runs half the GDN heads (and the attention's),
     the projections gather and scatter the tokens."""
@@ -196,6 +207,7 @@ def two_ranks():
 
 
 TP2_WORKLOADS = GDN_WORKLOADS
+PP2_WORKLOADS = ["tree", "agent"]
 LAYOUTS = {"one_rank": GDN_WORKLOADS, "two_ranks": TP2_WORKLOADS}
 
 
@@ -234,6 +246,36 @@ def test_shared_gdn_hybrid_is_within_the_fp32_tolerance_of_the_stock_fp32_run(la
             for quantity, diff in batch["vs_plain"].items():
                 bound = 10 * FP32_RTOL if quantity == "grads" else FP32_RTOL
                 assert diff <= bound, (layout, workload, quantity, batch["vs_plain"])
+
+
+def test_megatrons_stock_thd_step_on_the_torch_kernels_is_a_correct_plain_run(one_rank):
+    """bench's plain step on a CPU: the stock GDN module on megatron's THD layout, its fla
+    calls redirected to the project's torch kernels, lands as close to the float64 verdict as
+    the other plain fp32 runs (the fixed rule too: 1e-5 relative on outputs)."""
+    for workload, batch in zip(GDN_WORKLOADS, one_rank[0]["batches"], strict=True):
+        plain = _worse(batch["plain"], batch["unshared"])
+        verdict = within_tolerance(batch["packed"], plain, torch.float32)
+        assert all(verdict.values()), (workload, batch["packed"], plain)
+
+
+def test_shared_gdn_hybrid_is_exact_under_pipeline_parallelism(pipeline):
+    """Each stage runs its layers (the schedule built from the same plan on both stages) and is
+    judged on its own gradients; the last stage also on the outputs."""
+    first, last = pipeline
+    assert first["layers"] == ["PrefixSharingGatedDeltaNet", "MLPLayer"] * 2
+    assert last["layers"] == ["PrefixSharingGatedDeltaNet", "MLPLayer",
+                              "PrefixSharingSelfAttention", "MLPLayer"]
+    for stage, report in (("first", first), ("last", last)):
+        for workload, batch in zip(PP2_WORKLOADS, report["batches"], strict=True):
+            plain = _worse(batch["plain"], batch["unshared"])
+            verdict = within_tolerance(batch["shared"], plain, torch.float32)
+            assert all(verdict.values()), (stage, workload, batch)
+            for quantity, diff in batch["vs_plain"].items():
+                bound = 10 * FP32_RTOL if quantity == "grads" else FP32_RTOL
+                assert diff <= bound, (stage, workload, quantity, batch["vs_plain"])
+    assert "decoder.layers.0.self_attention.A_log" in first["batches"][0]["grads"]
+    assert "decoder.layers.4.self_attention.A_log" in last["batches"][0]["grads"]
+    assert "decoder.layers.6.self_attention.linear_qkv.weight" in last["batches"][0]["grads"]
 
 
 def test_dropping_the_reusers_state_is_seen(one_rank):
