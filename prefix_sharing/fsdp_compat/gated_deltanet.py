@@ -39,6 +39,7 @@ from ..recurrent import (
 )
 from .attention import BACKEND_KWARG, PLAN_KWARG
 from .mamba2 import MAMBA_HYBRID_FAMILIES
+from .switch import InPlaceSwitch
 
 __all__ = ["HYBRID_FAMILIES", "install_sharing_gdn", "check_sharing_gdn",
            "check_recurrent_layers"]
@@ -48,11 +49,6 @@ HYBRID_FAMILIES: tuple[str, ...] = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_t
 _ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
 # recurrent (state-space / linear-attention) module class names of other families
 _OTHER_RECURRENT_MARKERS = ("Mamba", "GatedDeltaNet", "LinearAttention", "ShortConv")
-
-
-def _is_gdn(module: torch.nn.Module) -> bool:
-    return type(module).__name__.endswith("GatedDeltaNet") or getattr(
-        module, "_prefix_sharing_gdn", False)
 
 
 def check_recurrent_layers(model: torch.nn.Module) -> None:
@@ -84,8 +80,7 @@ def install_sharing_gdn(model: torch.nn.Module) -> int:
     count = 0
     for parent in list(model.modules()):
         for name, module in parent.named_children():
-            if _is_gdn(module) and not getattr(module, "_prefix_sharing_gdn", False):
-                module.__class__ = _sharing_class(type(module))
+            if _SWITCH.switch(module):
                 _hand_plan_to_gdn(parent, name)
                 count += 1
     return count
@@ -114,24 +109,7 @@ def _hand_plan_to_gdn(layer: torch.nn.Module, child: str) -> None:
 
 def check_sharing_gdn(model: torch.nn.Module) -> None:
     """Raises when a stock GDN module is left in a model that runs the sharing plan."""
-    stock = [name for name, m in model.named_modules()
-             if _is_gdn(m) and not getattr(m, "_prefix_sharing_gdn", False)]
-    if stock:
-        raise UnsupportedSetup(
-            f"stock Gated DeltaNet modules ({', '.join(stock[:3])}{', ...' if len(stock) > 3 else ''}"
-            ") would carry one sequence's state into the next on the flat layout: call "
-            "enable_prefix_sharing(model) after the model is complete")
-
-
-_CLASSES: dict[type, type] = {}
-
-
-def _sharing_class(stock: type) -> type:
-    if stock not in _CLASSES:
-        _CLASSES[stock] = type(f"PrefixSharing{stock.__name__}", (stock,),
-                               {"forward": _sharing_forward, "_prefix_sharing_gdn": True,
-                                "__module__": __name__})
-    return _CLASSES[stock]
+    _SWITCH.check(model)
 
 
 def _sharing_forward(self: Any, hidden_states: torch.Tensor, cache: Any = None,
@@ -183,3 +161,8 @@ def _projections(self: Any, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return mixed, z[0], b[0], a[0]
     z = self.in_proj_z(x).reshape(total, -1, self.head_v_dim)
     return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+
+
+_SWITCH = InPlaceSwitch("Gated DeltaNet modules",
+                        lambda m: type(m).__name__.endswith("GatedDeltaNet"), _sharing_forward,
+                        "_prefix_sharing_gdn")

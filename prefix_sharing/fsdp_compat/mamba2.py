@@ -29,53 +29,26 @@ from typing import Any
 
 import torch
 
-from ..errors import UnsupportedSetup
 from ..plan import SharingPlan
 from ..recurrent import causal_conv1d_over_schedule, recurrence_schedule, ssd_over_schedule
 from ..recurrent.ssd_torch import discretize_dt
 from .attention import BACKEND_KWARG, PLAN_KWARG
+from .switch import InPlaceSwitch
 
 __all__ = ["MAMBA_HYBRID_FAMILIES", "install_sharing_mamba", "check_sharing_mamba"]
 
 MAMBA_HYBRID_FAMILIES: tuple[str, ...] = ("nemotron_h",)
 
 
-def _is_mamba2_mixer(module: torch.nn.Module) -> bool:
-    return type(module).__name__ == "NemotronHMamba2Mixer" or getattr(
-        module, "_prefix_sharing_mamba", False)
-
-
 def install_sharing_mamba(model: torch.nn.Module) -> int:
     """Switches every Nemotron-H Mamba-2 mixer of ``model`` (in place) to its sharing subclass;
     returns how many. The mixers keep their parameters; call it before wrapping the model."""
-    count = 0
-    for module in model.modules():
-        if _is_mamba2_mixer(module) and not getattr(module, "_prefix_sharing_mamba", False):
-            module.__class__ = _sharing_class(type(module))
-            count += 1
-    return count
+    return sum(_SWITCH.switch(module) for module in list(model.modules()))
 
 
 def check_sharing_mamba(model: torch.nn.Module) -> None:
     """Raises when a stock Mamba-2 mixer is left in a model that runs the sharing plan."""
-    stock = [name for name, m in model.named_modules()
-             if _is_mamba2_mixer(m) and not getattr(m, "_prefix_sharing_mamba", False)]
-    if stock:
-        raise UnsupportedSetup(
-            f"stock Mamba-2 mixers ({', '.join(stock[:3])}{', ...' if len(stock) > 3 else ''}) "
-            "would carry one sequence's state into the next on the flat layout: call "
-            "enable_prefix_sharing(model) after the model is complete")
-
-
-_CLASSES: dict[type, type] = {}
-
-
-def _sharing_class(stock: type) -> type:
-    if stock not in _CLASSES:
-        _CLASSES[stock] = type(f"PrefixSharing{stock.__name__}", (stock,),
-                               {"forward": _sharing_forward, "_prefix_sharing_mamba": True,
-                                "__module__": __name__})
-    return _CLASSES[stock]
+    _SWITCH.check(model)
 
 
 def _sharing_forward(self: Any, hidden_states: torch.Tensor, cache: Any = None,
@@ -114,3 +87,7 @@ def _sharing_forward(self: Any, hidden_states: torch.Tensor, cache: Any = None,
         backend=backend)
     y = self.norm(y.reshape(1, total, -1), gate[None])  # [1, T, I]
     return self.out_proj(y.to(hidden_states.dtype))
+
+
+_SWITCH = InPlaceSwitch("Mamba-2 mixers", lambda m: type(m).__name__ == "NemotronHMamba2Mixer",
+                        _sharing_forward, "_prefix_sharing_mamba")

@@ -1,0 +1,59 @@
+"""Switching a stock transformers module, in place, to a subclass whose forward reads the plan.
+
+A recurrent mixer (Gated DeltaNet, Mamba-2) is its own forward: nothing in it reads a plan, and
+run stock on the flat layout it would carry one sequence's state into the next segment. Its
+sharing subclass replaces ``forward`` only, so the module keeps its parameters, names and hooks
+(switch before FSDP wraps the model); a stock one left in a sharing model is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..errors import UnsupportedSetup
+
+__all__ = ["InPlaceSwitch"]
+
+
+class InPlaceSwitch:
+    """One kind of module and its sharing ``forward``: switches modules of that kind and finds
+    stock ones left in a model.
+
+    Args:
+        kind: what the modules are, for the refusal ("Gated DeltaNet modules").
+        is_kind: whether a module is of that kind (stock or switched).
+        forward: the sharing subclass's ``forward``.
+        marker: the class attribute (``True``) that marks a switched module.
+    """
+
+    def __init__(self, kind: str, is_kind: Callable[[torch.nn.Module], bool],
+                 forward: Callable[..., torch.Tensor], marker: str) -> None:
+        self.kind, self.is_kind, self.forward, self.marker = kind, is_kind, forward, marker
+        self._classes: dict[type, type] = {}
+
+    def is_switched(self, module: torch.nn.Module) -> bool:
+        return getattr(module, self.marker, False)
+
+    def switch(self, module: torch.nn.Module) -> bool:
+        """Switches ``module`` if it is a stock one of this kind; returns whether it did."""
+        if self.is_switched(module) or not self.is_kind(module):
+            return False
+        stock = type(module)
+        if stock not in self._classes:
+            self._classes[stock] = type(f"PrefixSharing{stock.__name__}", (stock,),
+                                        {"forward": self.forward, self.marker: True,
+                                         "__module__": self.forward.__module__})
+        module.__class__ = self._classes[stock]
+        return True
+
+    def check(self, model: torch.nn.Module) -> None:
+        """Raises when a stock module of this kind is left in ``model``."""
+        stock = [name for name, m in model.named_modules()
+                 if self.is_kind(m) and not self.is_switched(m)]
+        if stock:
+            shown = ", ".join(stock[:3]) + (", ..." if len(stock) > 3 else "")
+            raise UnsupportedSetup(
+                f"stock {self.kind} ({shown}) would carry one sequence's state into the next on "
+                "the flat layout: call enable_prefix_sharing(model) after the model is complete")
