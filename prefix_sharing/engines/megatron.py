@@ -47,6 +47,7 @@ from ..equivalence import (
 __all__ = [
     "LAYOUTS",
     "stock_thd_batch",
+    "padded_batch",
     "stock_thd_token_stats",
     "gpt_model",
     "hybrid_model",
@@ -658,7 +659,7 @@ def forward_backward(
     if routes is not None and layout == "packed":
         raise ValueError("routes are replayed in the 'shared' and 'padded' layouts")
     if layout == "padded":
-        inputs = [_padded(seqs, device) for seqs in batches]
+        inputs = [padded_batch(seqs, device) for seqs in batches]
     elif layout == "packed":
         inputs = [stock_thd_batch(seqs, device, config.backend) for seqs in batches]
     else:
@@ -760,7 +761,7 @@ def _gather_context_rows(flat: torch.Tensor, mb: Any) -> torch.Tensor:
     return gather_rows(flat.detach(), mb.cp)
 
 
-def _padded(seqs: Sequence[torch.Tensor], device: Any) -> tuple[torch.Tensor, ...]:
+def padded_batch(seqs: Sequence[torch.Tensor], device: Any) -> tuple[torch.Tensor, ...]:
     """Right-padded ``[b, s]`` tokens, positions and padding mask (True at pads); causal
     attention keeps pads out of reach. ``s`` is the longest sequence rounded up to a multiple
     of the tensor-parallel size, which sequence parallelism splits ``s`` by."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from prefix_sharing import PrefixSharingConfig, build_plan
-from prefix_sharing.engines.megatron import compare, forward_backward, gpt_model
+from prefix_sharing.engines.megatron import compare, forward_backward, gpt_model, padded_batch
 from prefix_sharing.equivalence import FP32_RTOL
 from prefix_sharing.presets import PRESETS, sharp
 from prefix_sharing.routes import diverge_inside_shared_prefix, recorded_routes
@@ -237,19 +237,15 @@ def _recordings(ours, stock, seqs) -> tuple[torch.Tensor, torch.Tensor]:
             layer.mlp.router.router_replay.set_router_replay_action(RouterReplayAction.RECORD)
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    longest = max(len(s) for s in seqs)
-    longest += -longest % tp
-    tokens = torch.zeros(len(seqs), longest, dtype=torch.long)
-    padding = torch.ones(len(seqs), longest, dtype=torch.bool)
-    for row, s in enumerate(seqs):
-        tokens[row, : len(s)], padding[row, : len(s)] = s, False
+    tokens, positions, padding = padded_batch(seqs, "cpu")
+    longest = tokens.size(1)
     with torch.no_grad():
         record(ours)
         mb = prepare_micro_batch(seqs, EVERY_PREFIX, device="cpu", record_routes=True)
         ours(mb.input_ids, mb.position_ids, None, packed_seq_params=mb.packed_seq_params)
         shared = recorded_routes(ours, mb.plan)
         record(stock)
-        stock(tokens, torch.arange(longest).expand_as(tokens), None, padding_mask=padding)
+        stock(tokens, positions, None, padding_mask=padding)
         rows = torch.stack([layer.mlp.router.router_replay.recorded_topk_idx
                             for layer in stock.decoder.layers], dim=1)  # [s / TP * b, L, k]
         if tp > 1:
