@@ -63,13 +63,18 @@ def test_float64_shared_run_equals_transformers(models, workload, config):
     assert all(within_tolerance(comparison).values()), comparison.max_rel_diff
 
 
-def test_float32_verdict_on_a_tree(models):
-    plain, reference = models
+def _tree_verdict(plain: torch.nn.Module, reference: torch.nn.Module) -> None:
+    """``plain`` shared and run plainly on the tree, each judged against ``reference``'s run by
+    the verdict for ``plain``'s dtype."""
     shared_out, plain_out, ref = runs("tree", [enable_prefix_sharing(copy.deepcopy(plain)),
                                                plain, reference], EVERY_PREFIX)
     shared_vs_ref, plain_vs_ref = compare_runs(shared_out, ref), compare_runs(plain_out, ref)
-    verdict = within_tolerance(shared_vs_ref, plain_vs_ref, torch.float32)
+    verdict = within_tolerance(shared_vs_ref, plain_vs_ref, next(plain.parameters()).dtype)
     assert all(verdict.values()), (shared_vs_ref.max_rel_diff, plain_vs_ref.max_rel_diff)
+
+
+def test_float32_verdict_on_a_tree(models):
+    _tree_verdict(*models)
 
 
 def test_bfloat16_verdict_on_a_tree(models):
@@ -77,12 +82,7 @@ def test_bfloat16_verdict_on_a_tree(models):
     once, as transformers' conv1d does (rounding after every tap put the agent workload's
     entropy at 2.3x the plain run's distance, measured: over the 2x rule)."""
     plain32 = models[0]
-    plain16 = copy.deepcopy(plain32).to(torch.bfloat16)
-    shared_out, plain_out, ref = runs("tree", [enable_prefix_sharing(copy.deepcopy(plain16)),
-                                               plain16, plain32], EVERY_PREFIX)
-    shared_vs_ref, plain_vs_ref = compare_runs(shared_out, ref), compare_runs(plain_out, ref)
-    verdict = within_tolerance(shared_vs_ref, plain_vs_ref, torch.bfloat16)
-    assert all(verdict.values()), (shared_vs_ref.max_rel_diff, plain_vs_ref.max_rel_diff)
+    _tree_verdict(copy.deepcopy(plain32).to(torch.bfloat16), plain32)
 
 
 def test_the_pattern_holds_every_layer_kind_and_the_preset_shape(models):
