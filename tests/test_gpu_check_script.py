@@ -8,7 +8,6 @@ tested with faked kernel packages.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -18,6 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests.script_modules import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.py"
@@ -83,13 +84,8 @@ def test_timing_rows_have_positive_times(run):
 
 # ----------------------------------------------------------------------------- the probe
 def _script():
-    """The script as a module (registered: its dataclasses look their module up)."""
-    if "gpu_check" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["gpu_check"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["gpu_check"]
+    """The script as a module."""
+    return load_script("gpu_check")
 
 
 def _fake_imports(broken: dict[str, Exception]):

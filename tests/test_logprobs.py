@@ -1,10 +1,8 @@
 """token_log_probs: the plain per-sequence log-probs and entropy, read from flat logits in
 bounded memory, over the whole vocabulary or a vocabulary split into shards."""
 
-import importlib.util
 import threading
 from contextlib import contextmanager
-from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -16,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from prefix_sharing import PrefixSharingConfig, build_plan, logprobs
 from prefix_sharing.equivalence import plain_token_log_probs
 from prefix_sharing.logprobs import token_log_probs
+from tests.script_modules import load_script
 from tests.strategies import forests
 
 VOCAB = 11
@@ -171,11 +170,7 @@ def test_refuses_a_temperature_that_is_not_positive():
 
 # ----------------------------------------------------------------------------- memory
 def _load_bench():
-    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_logprob_memory.py"
-    spec = importlib.util.spec_from_file_location("bench_logprob_memory", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_logprob_memory")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,25 +1,14 @@
 """scripts/window_gather.py: the trimmed gather it reports is what each segment's first query
 can reach, counted here segment by segment."""
 
-import importlib.util
-from pathlib import Path
-
 from prefix_sharing import PrefixSharingConfig, build_plan
 from prefix_sharing.cli.bench import BENCH_SIZES
 from prefix_sharing.workloads import make_workload
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "window_gather.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("window_gather", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.script_modules import load_script
 
 
 def test_reported_rows_are_the_keys_each_segment_can_reach():
-    rows = {r["workload"]: r for r in load_script().measure([16, 128])}
+    rows = {r["workload"]: r for r in load_script("window_gather").measure([16, 128])}
     for name, row in rows.items():
         plan = build_plan(make_workload(name, vocab_size=512, **BENCH_SIZES[name]).sequences,
                           PrefixSharingConfig())
