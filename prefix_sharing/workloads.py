@@ -16,7 +16,7 @@ import torch
 
 from .planner import PromptGroup
 
-__all__ = ["Workload", "WORKLOADS", "make_workload", "grpo", "steprl", "tree", "agent", "none"]
+__all__ = ["Workload", "WORKLOADS", "make_workload", "scale_lengths", "grpo", "steprl", "tree", "agent", "none"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,3 +140,21 @@ def make_workload(name: str, **kwargs: object) -> Workload:
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
     return WORKLOADS[name](**kwargs)
+
+
+def scale_lengths(sizes: dict[str, object], factor: int) -> dict[str, object]:
+    """``sizes`` (a workload's keyword arguments) with every length (``*_len``) ``factor`` times.
+
+    The sharing shape stays (the same sequences, groups and branch structure); only the
+    segments grow. A small model's step on the bench's ~2k-token micro-batches is mostly
+    per-operator cost, the same plain and shared; longer segments show the same plan where the
+    products dominate, as they do on a real model's micro-batches of 10k+ tokens.
+    """
+    if factor < 1:
+        raise ValueError(f"the length scale must be at least 1; got {factor}")
+
+    def scaled(value: object) -> object:
+        return tuple(v * factor for v in value) if isinstance(value, tuple) else value * factor
+
+    return {key: scaled(value) if key.endswith("_len") else value
+            for key, value in sizes.items()}

@@ -19,7 +19,7 @@ the shared step, and it pulls the speedup below the FLOP ratio whatever sharing 
 figure says what sharing does to the work that scales.
 
     OMP_NUM_THREADS=1 python scripts/profile_step.py [--model small] [--workload tree steprl none]
-        [--repeats 9]
+        [--repeats 9] [--length-scale 1]
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from prefix_sharing.engines.bench import (BenchWorkload, keep_freed_memory_in_he
                                           megatron_training_step, without_profiler_chatter)
 from prefix_sharing.flops import count_flops
 from prefix_sharing.presets import ModelPreset, get_preset
-from prefix_sharing.workloads import make_workload
+from prefix_sharing.workloads import make_workload, scale_lengths
 
 MATMULS = ("aten::mm", "aten::bmm", "aten::addmm")
 MODES = {"plain": "off", "shared": "arbitrary_prefix"}
@@ -92,8 +92,9 @@ def _median_kinds(rounds: list[dict[str, float]]) -> dict[str, float]:
 
 
 def profile_workload(model: torch.nn.Module, preset: ModelPreset, name: str, repeats: int,
-                     profiles: int, fixed_ms: float, top: int) -> dict:
-    w = make_workload(name, vocab_size=preset.vocab_size, **BENCH_SIZES[name])
+                     profiles: int, fixed_ms: float, top: int, length_scale: int = 1) -> dict:
+    w = make_workload(name, vocab_size=preset.vocab_size,
+                      **scale_lengths(BENCH_SIZES[name], length_scale))
     workload = BenchWorkload(name, w.sequences, None)
     flop_ratio = count_flops(build_plan(w.sequences, PrefixSharingConfig()), preset).ratio
     steps = {m: megatron_training_step(model, workload, PrefixSharingConfig(mode=mode))
@@ -130,6 +131,8 @@ def main() -> None:
     parser.add_argument("--profiles", type=int, default=3,
                         help="profiled steps per mode (per-kind medians; default: 3)")
     parser.add_argument("--fixed-tokens", type=int, default=16)
+    parser.add_argument("--length-scale", type=int, default=1, metavar="K",
+                        help="every segment of the workloads K times as long (as bench's)")
     parser.add_argument("--top", type=int, default=8, help="operator kinds listed per workload")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -145,7 +148,8 @@ def main() -> None:
     fixed_step = megatron_training_step(model, tiny, PrefixSharingConfig())
     fixed = cpu_ms({"fixed": fixed_step}, args.repeats)["fixed"]
     fixed_launches = launches(op_profile(fixed_step)[0])
-    rows = [profile_workload(model, preset, name, args.repeats, args.profiles, fixed, args.top)
+    rows = [profile_workload(model, preset, name, args.repeats, args.profiles, fixed, args.top,
+                             args.length_scale)
             for name in args.workload]
     if args.json:
         print(json.dumps({"fixed_ms": fixed, "fixed_launches": fixed_launches, "workloads": rows},

@@ -3,7 +3,7 @@
 import pytest
 
 from prefix_sharing import PrefixSharingConfig, build_plan
-from prefix_sharing.workloads import WORKLOADS, make_workload
+from prefix_sharing.workloads import WORKLOADS, make_workload, scale_lengths
 
 EVERY_PREFIX = PrefixSharingConfig(min_prefix_len=1)
 
@@ -49,3 +49,21 @@ def test_workloads_are_seeded(name):
 def test_unknown_workload_is_named():
     with pytest.raises(ValueError, match="unknown workload 'forest'; choose from grpo, steprl"):
         make_workload("forest")
+
+
+def test_length_scale_grows_every_segment_and_keeps_the_sharing_shape():
+    sizes = dict(depth=2, branching=2, prompt_len=(10, 12), node_len=(3, 5))
+    assert scale_lengths(sizes, 4) == dict(depth=2, branching=2, prompt_len=(40, 48),
+                                           node_len=(12, 20))
+    small, large = make_workload("tree", **sizes), make_workload("tree", **scale_lengths(sizes, 4))
+    assert len(small.sequences) == len(large.sequences)
+    assert all(4 * 10 <= s.numel() for s in large.sequences)
+    plans = [build_plan(w.sequences, EVERY_PREFIX) for w in (small, large)]
+    assert plans[0].cu_seqlens_q.numel() == plans[1].cu_seqlens_q.numel()  # the same segments
+    agent = scale_lengths(dict(num_tasks=2, system_len=24, turn_len=(4, 10)), 3)
+    assert agent == dict(num_tasks=2, system_len=72, turn_len=(12, 30))
+
+
+def test_length_scale_below_one_is_refused():
+    with pytest.raises(ValueError, match="length scale must be at least 1; got 0"):
+        scale_lengths({"prompt_len": (1, 2)}, 0)

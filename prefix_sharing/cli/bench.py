@@ -18,10 +18,12 @@ from ..engines.bench import BenchRequest, BenchWorkload
 from ..engines.bench_cp import table as cp_table
 from ..engines.throughput import bench_throughput
 from ..presets import get_preset
+from ..workloads import scale_lengths
 from ..errors import InputError, MissingPackageError
 from .options import (add_backend_option, add_dtype_option, add_engine_option,
                       add_input_options, add_model_option,
-                      add_sharing_options, load_batches, run_dtype, sharing_config)
+                      add_sharing_options, load_batches, run_dtype, sharing_config,
+                      user_input)
 
 # Built-in micro-batch sizes for the bench: ~1-2k tokens, so that on the "small" preset a CPU
 # step takes about a second and matrix products dominate it, as they do on real models.
@@ -53,6 +55,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="tensor-parallel size, with --cp (default: 1)")
     parser.add_argument("--pp", type=int, default=1,
                         help="pipeline-parallel size, with --cp (default: 1)")
+    parser.add_argument("--length-scale", type=int, default=1, metavar="K",
+                        help="built-in workloads: every segment K times as long (same sharing "
+                        "shape, K times the tokens), so that a small preset's products, not "
+                        "its per-operator cost, dominate the step (default: 1)")
     parser.add_argument("--repeats", type=int, default=5,
                         help="timed steps per mode, after one warm-up (default: 5)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -76,7 +82,13 @@ def run(args: argparse.Namespace) -> int:
                          f"batch has prompt groups) with the plain step; got --mode {config.mode}")
     if args.plot:
         _check_plotting()
-    model, batches = load_batches(args, get_preset(args.model), BENCH_SIZES)
+    if args.length_scale != 1 and args.sequences:
+        raise InputError("--length-scale scales the built-in workloads; leave it out with "
+                         "--sequences")
+    with user_input(ValueError):
+        sizes = {name: scale_lengths(kwargs, args.length_scale)
+                 for name, kwargs in BENCH_SIZES.items()}
+    model, batches = load_batches(args, get_preset(args.model), sizes)
     workloads = [BenchWorkload(name, seqs, groups) for name, seqs, groups in batches]
     if args.cross_micro_batch and args.token_budget is None:
         raise InputError("--cross-micro-batch needs --token-budget N")
@@ -87,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
     results = engine.bench(BenchRequest(workloads, config, model, repeats=args.repeats,
                                         dtype=dtype))
     report = {"engine": engine.name, "model": model.name, "vocab_size": model.vocab_size,
+              "length_scale": args.length_scale,
               "dtype": args.dtype, "backend": config.backend, "repeats": args.repeats,
               "results": results}
     if args.plot:

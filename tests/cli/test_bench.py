@@ -50,6 +50,17 @@ def test_json_report_and_plot(capfd, tmp_path):
     assert "USDT" not in out + err and "profiler_st" not in err
 
 
+def test_length_scale_benches_the_same_shapes_with_longer_segments(capfd):
+    code, out, _ = bench(capfd, "--workload", "steprl", "--length-scale", "2", "--json")
+    assert code == 0
+    report = json.loads(out)
+    (steprl,) = report["results"]
+    tiny = get_preset("tiny")
+    w = make_workload("steprl", vocab_size=tiny.vocab_size, **BENCH_SIZES["steprl"])
+    assert report["length_scale"] == 2 and steprl["sequences"] == len(w.sequences)
+    assert steprl["tokens_total"] > 1.5 * w.num_tokens
+
+
 def test_text_table(capfd):
     code, out, err = bench(capfd, "--workload", "tree", "--backend", "torch")
     assert code == 0 and "USDT" not in out + err
@@ -64,6 +75,8 @@ def test_text_table(capfd):
     (["--sequences", "/nonexistent.parquet"], "nonexistent.parquet"),
     (["--dtype", "float16"], "--dtype must be one of float32, bfloat16"),
     (["--backend", "xformers"], "PrefixSharingConfig.backend must be one of"),
+    (["--length-scale", "0"], "length scale must be at least 1; got 0"),
+    (["--length-scale", "2", "--sequences", "r.jsonl"], "--length-scale scales the built-in"),
 ])
 def test_bad_input_is_one_line_on_stderr(capfd, argv, message):
     code, out, err = bench(capfd, *argv)
