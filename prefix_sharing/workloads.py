@@ -16,7 +16,8 @@ import torch
 
 from .planner import PromptGroup
 
-__all__ = ["Workload", "WORKLOADS", "make_workload", "scale_lengths", "grpo", "steprl", "tree", "agent", "none"]
+__all__ = ["Workload", "WORKLOADS", "make_workload", "scale_lengths", "grpo", "steprl", "tree",
+           "agent", "none"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -126,6 +126,7 @@ def _bench_context_parallel(args: argparse.Namespace, engine, model, config, wor
     request = BenchRequest(workloads, config, model, repeats=args.repeats, dtype=dtype)
     results = engine.bench_context_parallel(request, args.tp, args.pp, args.cp)
     report = {"engine": engine.name, "model": model.name, "dtype": args.dtype,
+              "length_scale": args.length_scale,
               "backend": config.backend, "tp": args.tp, "pp": args.pp, "cp": args.cp,
               "repeats": args.repeats, "results": results}
     print(json.dumps(report) if args.json else cp_table(results))

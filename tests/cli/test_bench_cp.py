@@ -29,7 +29,7 @@ def test_counted_bytes_are_the_formula_and_shrink_with_sharing(capfd):
                          "--backend", "torch", "--json")
     assert code == 0
     report = json.loads(out)
-    assert (report["cp"], report["tp"], report["pp"]) == (2, 1, 1)
+    assert (report["cp"], report["tp"], report["pp"], report["length_scale"]) == (2, 1, 1, 1)
     grpo, none = report["results"]
     tiny = get_preset("tiny")  # 2 K/V heads of 16, fp32
     plan = build_plan(make_workload("grpo", vocab_size=tiny.vocab_size,
