@@ -183,3 +183,16 @@ def test_routing_replay_needs_an_moe_preset(capsys):
     assert code != 0 and out == ""
     assert "--routing-replay replays MoE routes on the megatron engine" in err
     assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("layout", [("--tp", 2), ("--pp", 2)], ids=["cp2-tp2", "cp2-pp2"])
+def test_multi_latent_attention_moe_under_context_parallelism_with_tp_or_pp(capsys, layout):
+    """tiny-mla (MLA + MoE with a dense first layer) at CP=2 x TP=2 and CP=2 x PP=2 on four
+    ranks against the plain runs at CP=1: the tree micro-batch, every quantity in tolerance."""
+    code, out, _ = verify(capsys, "--model", "tiny-mla", "--workload", "tree", "--cp", 2,
+                          *layout, "--json")
+    report = json.loads(out)
+    assert code == 0 and report["passed"] is True, report
+    assert report["cp"] == 2 and report[layout[0].lstrip("-")] == 2
+    assert report["vs_plain_within_fp32_rtol"] is True and report["same_plan_on_every_rank"]
+    assert report["tokens_unique"] < report["tokens_total"]
