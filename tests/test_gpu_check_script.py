@@ -83,11 +83,6 @@ def test_timing_rows_have_positive_times(run):
 
 
 # ----------------------------------------------------------------------------- the probe
-def _script():
-    """The script as a module."""
-    return load_script("gpu_check")
-
-
 def _fake_imports(broken: dict[str, Exception]):
     """``import_module`` for a machine with flash-attn 2.7.4 and transformer-engine 2.5 whose
     modules in ``broken`` raise."""
@@ -109,7 +104,7 @@ CUDA = torch.device("cuda")  # only its type is read: no kernel runs with a fake
 def test_te_whose_pytorch_extension_does_not_load_is_not_available():
     """``import transformer_engine`` succeeds without its PyTorch extension; the probe
     imports ``transformer_engine.pytorch``, the module the kernel comes from."""
-    gpu_check = _script()
+    gpu_check = load_script("gpu_check")
     broken = {"transformer_engine.pytorch": OSError("libcudnn_graph.so.9: cannot open shared "
                                                     "object file\nmore detail")}
     found = gpu_check.probe_backends(CUDA, smoke=lambda name, device: None,
@@ -121,7 +116,7 @@ def test_te_whose_pytorch_extension_does_not_load_is_not_available():
 
 
 def test_a_kernel_that_cannot_run_the_prefix_layout_is_skipped_with_the_reason():
-    gpu_check = _script()
+    gpu_check = load_script("gpu_check")
     reasons = {"te": "RuntimeError: no fused attention kernel for THD + GQA + bottom-right"}
     found = gpu_check.probe_backends(CUDA, smoke=lambda name, device: reasons.get(name),
                                      import_module=_fake_imports({}))
@@ -137,7 +132,7 @@ def test_a_kernel_that_cannot_run_the_prefix_layout_is_skipped_with_the_reason()
 
 
 def test_missing_and_broken_packages_are_told_apart():
-    gpu_check = _script()
+    gpu_check = load_script("gpu_check")
     broken = {"flash_attn": ImportError("undefined symbol: _ZN3c10"),
               "transformer_engine": ModuleNotFoundError("No module named 'transformer_engine'",
                                                         name="transformer_engine")}
@@ -150,7 +145,7 @@ def test_missing_and_broken_packages_are_told_apart():
 
 
 def test_kernels_need_cuda_before_any_smoke_test():
-    gpu_check = _script()
+    gpu_check = load_script("gpu_check")
 
     def smoke(name, device):
         raise AssertionError("no kernel may run on a CPU")
@@ -163,7 +158,7 @@ def test_kernels_need_cuda_before_any_smoke_test():
 def test_the_smoke_test_reports_a_kernel_error_with_the_te_hint(monkeypatch):
     """The real smoke test, its kernel faked: an error becomes the reason, with the cuDNN
     requirement for TE; a kernel that computes something else is caught too."""
-    gpu_check = _script()
+    gpu_check = load_script("gpu_check")
     import prefix_sharing.attention as attention
     from prefix_sharing.attention.torch_backend import varlen_attention_torch
 

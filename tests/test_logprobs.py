@@ -169,15 +169,11 @@ def test_refuses_a_temperature_that_is_not_positive():
 
 
 # ----------------------------------------------------------------------------- memory
-def _load_bench():
-    return load_script("bench_logprob_memory")
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_memory_beyond_the_logits_is_their_gradient_and_two_chunks(dtype):
     """Nothing of the logits' size is held for the backward; the peak is the gradient itself
     plus two fp32 chunks of rows (and a few per-token vectors)."""
-    bench = _load_bench()
+    bench = load_script("bench_logprob_memory")
     tokens, vocab, chunk_rows = 256, 4096, 8
     plan = bench.grpo_plan(tokens, vocab)
     with mock.patch.object(logprobs, "CHUNK_ELEMENTS", chunk_rows * vocab):
