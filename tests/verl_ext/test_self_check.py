@@ -6,7 +6,8 @@ verl's stock path; the figures are logged once and reach that call's metrics; th
 step (verl's ``ppo_loss`` outputs, every gradient), later calls' outputs and the RNG state are
 bit-identical to the same calls with the check off; a shared path that is deliberately broken
 (a perturbed attention kernel in FSDP, perturbed log-probs in Megatron) raises with the
-figures. The first call is the update (``forward_backward_batch``), so the check runs with
+figures. In bf16 (FSDP's autocast on CPU) the check passes within its bf16 bound. The first
+call is the update (``forward_backward_batch``), so the check runs with
 gradients enabled, in verl's train mode; the broken runs start with ``infer_batch``.
 """
 
@@ -28,6 +29,7 @@ from tests.verl_ext._batch import make_batch, plain_output, use_cpu_platform  # 
 
 SHARE = {"mode": "arbitrary_prefix", "min_prefix_len": 1}
 CHECKED = {**SHARE, "self_check": True}
+BF16 = {"param_dtype": "bf16", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
 METRICS = ("prefix_sharing/self_check_max_abs_diff", "prefix_sharing/self_check_max_rel_diff",
            "prefix_sharing/self_check_bound")
 
@@ -97,8 +99,12 @@ def fsdp_rank(rank: int, path: str) -> dict:
         output, weights = prefix_sharing_attention(*args, **kwargs)
         return output * 1.05, weights
 
-    config = actor_config(CHECKED)
+    config = actor_config(CHECKED, mixed_precision=BF16)  # verl's autocast: bf16 both paths
     engine = build_engine(config, path)
+    with logged_checks() as results["bf16"], engine.eval_mode():
+        engine.infer_batch(make_batch("grpo"))
+
+    engine = build_engine(actor_config(CHECKED), path)
     AttentionInterface.register(ATTENTION_NAME, perturbed)
     try:
         with engine.eval_mode():
@@ -204,6 +210,12 @@ def test_the_checked_step_equals_the_unchecked_one_bit_for_bit(engine):
         assert all(torch.equal(s, p) for s, p in zip(on["infer"]["model_output"][key], values,
                                                      strict=True)), key
     assert torch.equal(on["rng"], off["rng"])
+
+
+def test_in_bf16_the_fsdp_engines_check_passes_within_torchs_bf16_rtol(fsdp):
+    [message] = fsdp["bf16"]
+    assert "(shared vs stock path, torch.bfloat16)" in message
+    assert "within the bound 1.6e-02 relative" in message
 
 
 def test_a_broken_sharing_path_raises_with_the_figures(engine):
