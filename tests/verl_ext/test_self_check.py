@@ -8,7 +8,8 @@ bit-identical to the same calls with the check off; a shared path that is delibe
 (a perturbed attention kernel in FSDP, perturbed log-probs in Megatron) raises with the
 figures. In bf16 (FSDP's autocast on CPU) the check passes within its bf16 bound. The first
 call is the update (``forward_backward_batch``), so the check runs with
-gradients enabled, in verl's train mode; the broken runs start with ``infer_batch``.
+gradients enabled, in verl's train mode; the broken runs start with ``infer_batch``. Setups
+the check cannot serve refuse it: an FSDP model with recurrent layers, pipeline parallelism.
 """
 
 import contextlib
@@ -68,13 +69,14 @@ def broken_run(infer) -> str:
     return "(not raised)"
 
 
-def fsdp_rank(rank: int, path: str) -> dict:
+def fsdp_rank(rank: int, path: str, hybrid_path: str | None) -> dict:
     from transformers import AttentionInterface
     from verl.workers.utils.losses import ppo_loss
 
     from prefix_sharing.fsdp_compat.attention import (ATTENTION_NAME, prefix_sharing_attention,
                                                       register_attention)
     from prefix_sharing.fsdp_compat.fsdp import full_gradients
+    from prefix_sharing.verl_ext.mcore import PrefixSharingSetupError
     from tests.verl_ext._fsdp_engine import actor_config, build_engine
 
     use_cpu_platform()
@@ -111,6 +113,13 @@ def fsdp_rank(rank: int, path: str) -> dict:
             results["broken"] = broken_run(lambda: engine.infer_batch(make_batch("grpo")))
     finally:
         register_attention()
+
+    if hybrid_path is not None:
+        try:
+            build_engine(actor_config(CHECKED), hybrid_path)
+            results["hybrid"] = "(not refused)"
+        except PrefixSharingSetupError as error:
+            results["hybrid"] = str(error)
     return results
 
 
@@ -160,11 +169,25 @@ def megatron_rank(rank: int) -> dict:
     return results
 
 
+def hybrid_family() -> str | None:
+    """A Gated DeltaNet hybrid family this transformers has (Qwen3.5 or Qwen3-Next), if any."""
+    import transformers
+
+    configs = {"qwen3_5_text": "Qwen3_5TextConfig", "qwen3_next": "Qwen3NextConfig"}
+    return next((f for f, config in configs.items() if hasattr(transformers, config)), None)
+
+
 @pytest.fixture(scope="module")
 def fsdp(tmp_path_factory):
-    from tests.verl_ext._fsdp_engine import save_model
+    import dataclasses
 
-    return run_gloo(fsdp_rank, 1, save_model(str(tmp_path_factory.mktemp("qwen2"))),
+    from tests.verl_ext._fsdp_engine import PRESET, save_model
+
+    family = hybrid_family()
+    hybrid = None if family is None else save_model(
+        str(tmp_path_factory.mktemp(family)), family,
+        preset=dataclasses.replace(PRESET, num_layers=4, full_attention_every=4))
+    return run_gloo(fsdp_rank, 1, save_model(str(tmp_path_factory.mktemp("qwen2"))), hybrid,
                     timeout=400)[0]
 
 
@@ -223,6 +246,13 @@ def test_a_broken_sharing_path_raises_with_the_figures(engine):
     assert "prefix-sharing self-check (shared vs stock path, torch.float32)" in message, message
     assert "BEYOND the bound 1.0e-05 relative" in message
     assert "max abs diff" in message and "max rel diff" in message
+
+
+def test_an_fsdp_model_with_recurrent_layers_refuses_the_check(fsdp):
+    if "hybrid" not in fsdp:
+        pytest.skip("this transformers has no Gated DeltaNet hybrid (Qwen3.5 / Qwen3-Next)")
+    assert "self_check=true compares with verl's stock path" in fsdp["hybrid"], fsdp["hybrid"]
+    assert "(Gated DeltaNet, Mamba-2); set self_check: false" in fsdp["hybrid"]
 
 
 def test_a_pipeline_parallel_megatron_engine_refuses_the_check(megatron):
