@@ -20,7 +20,7 @@ from .config import sharing_config
 from .cross_forward import check_cross_engine_setup
 from .mcore import PrefixSharingSetupError, SharingMetrics, check_engine_setup
 from .microbatch import add_split_metrics, sharing_split
-from .self_check import FirstStepSelfCheck
+from .self_check import FirstStepSelfCheck, self_check_problems
 
 __all__ = ["SharingEngineMixin", "install_engine", "replace_registered_engine",
            "UNSUPPORTED_SWITCHES"]
@@ -59,13 +59,12 @@ class SharingEngineMixin:
                     f"{type(self).__name__} splits a group too large for a micro-batch instead "
                     "(set cross_micro_batch: false)")
             check_cross_engine_setup(engine_config)
-        if self.prefix_sharing.enabled and self.prefix_sharing.self_check:
-            pipeline = getattr(engine_config, "pipeline_model_parallel_size", 1)
-            if pipeline > 1:  # the last stage's stock run would read the flat layout's input
-                raise PrefixSharingSetupError(
-                    f"prefix_grouper.self_check=true needs pipeline_model_parallel_size=1 (got "
-                    f"{pipeline}): a stage's stock run would read the previous stage's shared "
-                    "activations (set self_check: false)")
+        problems = self_check_problems(engine_config) if self.prefix_sharing.self_check else []
+        if self.prefix_sharing.enabled and problems:
+            raise PrefixSharingSetupError(
+                f"prefix_grouper.self_check=true cannot run with {', '.join(problems)}: its "
+                "stock run would not be verl's stock path on the same micro-batch "
+                "(set self_check: false)")
         self._sharing_metrics = SharingMetrics()
         self._self_check = FirstStepSelfCheck(self.prefix_sharing.enabled
                                               and self.prefix_sharing.self_check)

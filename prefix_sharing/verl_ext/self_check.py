@@ -19,6 +19,9 @@ The stock run leaves the step as it was: it runs under ``torch.no_grad`` (no gra
 gradient; megatron's MoE routers count tokens for expert bias and aux losses only with grad
 enabled), after the shared forward, with the RNG states of the CPU and the current
 accelerator put back afterwards, and nothing it returns reaches verl.
+Where the stock run would not be verl's stock path on the same micro-batch, the engine
+refuses the check at construction (:func:`self_check_problems`; the FSDP engine refuses a
+model with switched recurrent layers, :mod:`.fsdp`).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import torch
 
 from ..self_check import SelfCheckResult, compare_with_stock
 
-__all__ = ["FirstStepSelfCheck"]
+__all__ = ["FirstStepSelfCheck", "self_check_problems"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +72,27 @@ class FirstStepSelfCheck:
         metrics = {key: [value] for key, value in self._unreported.items()}
         self._unreported = {}
         return metrics
+
+
+def self_check_problems(engine_config: Any) -> list[str]:
+    """The engine settings under which the stock run would not be verl's stock path on the same
+    micro-batch, as problem strings (the Megatron engine's; the FSDP engine has none of them):
+
+    - ``pipeline_model_parallel_size > 1``: a later stage's stock run would read the previous
+      stage's shared activations;
+    - ``context_parallel_size > 1``: the stock run's zigzag split would reach the sharing core
+      attention, whose context-parallel path expects the plan's split;
+    - ``router_replay``: the routers hold the shared layout's routes to replay, or record them.
+    """
+    problems = []
+    for setting in ("pipeline_model_parallel_size", "context_parallel_size"):
+        size = getattr(engine_config, setting, 1)
+        if size > 1:
+            problems.append(f"{setting}={size}")
+    mode = getattr(getattr(engine_config, "router_replay", None), "mode", "disabled")
+    if mode != "disabled":
+        problems.append(f"router_replay.mode={mode!r}")
+    return problems
 
 
 @contextlib.contextmanager

@@ -9,7 +9,8 @@ bit-identical to the same calls with the check off; a shared path that is delibe
 figures. In bf16 (FSDP's autocast on CPU) the check passes within its bf16 bound. The first
 call is the update (``forward_backward_batch``), so the check runs with
 gradients enabled, in verl's train mode; the broken runs start with ``infer_batch``. Setups
-the check cannot serve refuse it: an FSDP model with recurrent layers, pipeline parallelism.
+the check cannot serve refuse it: an FSDP model with recurrent layers; in Megatron, pipeline or
+context parallelism and router replay.
 """
 
 import contextlib
@@ -31,6 +32,12 @@ from tests.verl_ext._batch import make_batch, plain_output, use_cpu_platform  # 
 SHARE = {"mode": "arbitrary_prefix", "min_prefix_len": 1}
 CHECKED = {**SHARE, "self_check": True}
 BF16 = {"param_dtype": "bf16", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
+REFUSED_MEGATRON = {
+    "pipeline_model_parallel_size=2": {"pipeline_model_parallel_size": 2},
+    "context_parallel_size=2": {"context_parallel_size": 2},
+    "router_replay.mode='R3'": {"router_replay": {
+        "_target_": "verl.workers.config.EngineRouterReplayConfig", "mode": "R3"}},
+}
 METRICS = ("prefix_sharing/self_check_max_abs_diff", "prefix_sharing/self_check_max_rel_diff",
            "prefix_sharing/self_check_bound")
 
@@ -159,13 +166,15 @@ def megatron_rank(rank: int) -> dict:
     finally:
         megatron_ext.token_stats = stock_stats
 
-    config = actor_config(CHECKED, megatron={"pipeline_model_parallel_size": 2})
     engine_cls = EngineRegistry._engines["language_model"]["megatron"]["cuda"]
-    try:
-        engine_cls(None, config.engine, config.optim, config.checkpoint)
-        results["pipeline"] = "(not refused)"
-    except PrefixSharingSetupError as error:
-        results["pipeline"] = str(error)
+    results["refused"] = {}
+    for name, megatron in REFUSED_MEGATRON.items():
+        config = actor_config(CHECKED, megatron=megatron)
+        try:
+            engine_cls(None, config.engine, config.optim, config.checkpoint)
+            results["refused"][name] = "(not refused)"
+        except PrefixSharingSetupError as error:
+            results["refused"][name] = str(error)
     return results
 
 
@@ -255,5 +264,8 @@ def test_an_fsdp_model_with_recurrent_layers_refuses_the_check(fsdp):
     assert "(Gated DeltaNet, Mamba-2); set self_check: false" in fsdp["hybrid"]
 
 
-def test_a_pipeline_parallel_megatron_engine_refuses_the_check(megatron):
-    assert "self_check=true needs pipeline_model_parallel_size=1 (got 2)" in megatron["pipeline"]
+@pytest.mark.parametrize("setting", REFUSED_MEGATRON)
+def test_megatron_settings_without_a_stock_run_on_the_same_micro_batch_refuse_it(megatron,
+                                                                                 setting):
+    assert f"self_check=true cannot run with {setting}: its stock run" in (
+        megatron["refused"][setting])
