@@ -42,6 +42,11 @@ class PrefixSharingConfig:
             (:mod:`prefix_sharing.cross_micro_batch`), instead of cutting the group and
             recomputing the prefix in every piece. Off by default: it needs a Megatron engine
             with PP=1, no sequence parallelism, no MoE, no windows and no activation recompute.
+        self_check: the first micro-batch that shares anything also runs verl's stock path
+            on the same weights (without gradient) and the log-probs and entropy are compared:
+            the figures are logged and reported, and beyond the dtype's bound the run stops
+            (:mod:`prefix_sharing.self_check`). Off by default: it costs one more forward per
+            engine; turn it on for a first run on new hardware or kernels.
     """
 
     mode: Mode = "arbitrary_prefix"
@@ -49,15 +54,15 @@ class PrefixSharingConfig:
     min_group_size: int = 2
     backend: Backend = "auto"
     cross_micro_batch: bool = False
+    self_check: bool = False
 
     def __post_init__(self) -> None:
         _check_choice("mode", self.mode, MODES)
         _check_int("min_prefix_len", self.min_prefix_len, minimum=1)
         _check_int("min_group_size", self.min_group_size, minimum=2)
         _check_choice("backend", self.backend, BACKENDS)
-        if not isinstance(self.cross_micro_batch, bool):
-            raise ValueError("PrefixSharingConfig.cross_micro_batch must be true or false; got "
-                             f"{self.cross_micro_batch!r}")
+        _check_bool("cross_micro_batch", self.cross_micro_batch)
+        _check_bool("self_check", self.self_check)
         if self.cross_micro_batch and self.mode == "prompt_only":
             raise ValueError("PrefixSharingConfig.cross_micro_batch=True plans with "
                              "mode='arbitrary_prefix'; mode='prompt_only' cannot use it")
@@ -104,6 +109,11 @@ def _check_choice(field: str, value: object, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         choices = ", ".join(repr(a) for a in allowed)
         raise ValueError(f"PrefixSharingConfig.{field} must be one of {choices}; got {value!r}")
+
+
+def _check_bool(field: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"PrefixSharingConfig.{field} must be true or false; got {value!r}")
 
 
 def _check_int(field: str, value: object, *, minimum: int) -> None:

@@ -26,6 +26,8 @@ def test_defaults_share_arbitrary_prefixes_of_eight_tokens():
         ("min_prefix_len", True, "min_prefix_len must be an integer >= 1; got True"),
         ("min_group_size", 1, "min_group_size must be an integer >= 2; got 1"),
         ("cross_micro_batch", 1, "cross_micro_batch must be true or false; got 1"),
+        ("self_check", "true", "self_check must be true or false; got 'true'"),
+        ("self_check", 1, "self_check must be true or false; got 1"),
     ],
 )
 def test_invalid_values_name_the_field_and_what_is_allowed(field, value, message):
@@ -79,6 +81,15 @@ class TestFromVerl:
         assert PrefixSharingConfig.from_verl(actor).mode == "arbitrary_prefix"
         trainer = {"actor_rollout_ref": {"actor": {"use_prefix_grouper": True}}}
         assert PrefixSharingConfig.from_verl(trainer).mode == "prompt_only"
+
+    def test_self_check_is_off_unless_the_block_turns_it_on(self):
+        assert not PrefixSharingConfig.from_verl({"use_prefix_grouper": True}).self_check
+        actor = {"use_prefix_grouper": True, "prefix_grouper": {"self_check": True}}
+        assert PrefixSharingConfig.from_verl(actor) == PrefixSharingConfig(
+            mode="prompt_only", self_check=True)
+        with pytest.raises(ValueError, match="self_check must be true or false"):
+            PrefixSharingConfig.from_verl({"use_prefix_grouper": True,
+                                           "prefix_grouper": {"self_check": "yes"}})
 
     def test_unknown_key_is_named(self):
         with pytest.raises(ValueError, match=r"unknown key\(s\) \['min_len'\]"):

@@ -53,7 +53,8 @@ def accept_prefix_grouper(module: ModuleType, class_name: str, *, enabled: bool 
         "prefix_grouper": dataclasses.field(default_factory=dict),
         "__post_init__": __post_init__,
         "__doc__": f"{base.__doc__ or ''}\n    prefix_grouper: prefix-sharing options "
-                   "(mode, min_prefix_len, min_group_size, backend, cross_micro_batch).\n",
+                   "(mode, min_prefix_len, min_group_size, backend, cross_micro_batch, "
+                   "self_check).\n",
         "_prefix_sharing_base": base,
         "__module__": base.__module__,
         "__qualname__": base.__qualname__,

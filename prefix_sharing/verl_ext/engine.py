@@ -4,8 +4,9 @@
 reads the sharing config the actor config attached to the engine config, refuses the settings
 sharing cannot honour (at construction, and per micro-batch: :meth:`refuse_unsupported_switches`),
 and runs verl's ``forward_backward_batch`` inside the group-keeping
-dynamic-bsz split (:mod:`.microbatch`), adding the step's token counts and the split's figures
-to verl's metrics. What differs per engine (how the model is built and how a micro-batch is run)
+dynamic-bsz split (:mod:`.microbatch`), adding the step's token counts, the split's figures
+and the first-step self-check's (:mod:`.self_check`, which the engine's forward runs) to verl's
+metrics. What differs per engine (how the model is built and how a micro-batch is run)
 stays in the engine's own subclass. :func:`install_engine` puts a subclass where verl looks for
 its engine. Nothing here imports verl at import time.
 """
@@ -19,6 +20,7 @@ from .config import sharing_config
 from .cross_forward import check_cross_engine_setup
 from .mcore import PrefixSharingSetupError, SharingMetrics, check_engine_setup
 from .microbatch import add_split_metrics, sharing_split
+from .self_check import FirstStepSelfCheck, self_check_problems
 
 __all__ = ["SharingEngineMixin", "install_engine", "replace_registered_engine",
            "UNSUPPORTED_SWITCHES"]
@@ -38,6 +40,8 @@ class SharingEngineMixin:
             every method is verl's own).
         _sharing_metrics: the current step's token counts; the engine's forward adds each
             micro-batch's plan to it.
+        _self_check: the first-step self-check (``prefix_grouper.self_check``), which the
+            engine's forward runs on its first sharing micro-batch.
     """
 
     # Whether the engine's forward runs groups across micro-batches (prefix_grouper's
@@ -55,7 +59,15 @@ class SharingEngineMixin:
                     f"{type(self).__name__} splits a group too large for a micro-batch instead "
                     "(set cross_micro_batch: false)")
             check_cross_engine_setup(engine_config)
+        problems = self_check_problems(engine_config) if self.prefix_sharing.self_check else []
+        if self.prefix_sharing.enabled and problems:
+            raise PrefixSharingSetupError(
+                f"prefix_grouper.self_check=true cannot run with {', '.join(problems)}: its "
+                "stock run would not be verl's stock path on the same micro-batch "
+                "(set self_check: false)")
         self._sharing_metrics = SharingMetrics()
+        self._self_check = FirstStepSelfCheck(self.prefix_sharing.enabled
+                                              and self.prefix_sharing.self_check)
         super().__init__(model_config, engine_config, *args, **kwargs)
 
     def forward_backward_batch(self, data: Any, loss_function: Any, forward_only: bool = False):
@@ -66,6 +78,7 @@ class SharingEngineMixin:
             output = super().forward_backward_batch(data, loss_function, forward_only)
         if output:  # empty on a Megatron engine's inner pipeline stages
             output.setdefault("metrics", {}).update(self._sharing_metrics.as_verl_metrics())
+            output["metrics"].update(self._self_check.pop_metrics())
             add_split_metrics(output, split)
         return output
 

@@ -35,6 +35,12 @@ Hooks (each runs when verl imports the module):
   the value at ``t`` scoring token ``t + 1`` at verl's temperature. The last position of each
   sample predicts nothing (verl reads a wrapped-around label there, this gives 0); verl reads
   only ``[len - response - 1, len - 1)``;
+- with ``prefix_grouper.self_check``, ``prepare_model_outputs`` of the first sharing
+  micro-batch also runs verl's stock path on it (:mod:`.self_check`): verl's own
+  ``prepare_model_inputs``, the model with the attention implementation it was loaded with
+  (:func:`stock_attention`) and verl's own ``prepare_model_outputs``, inside verl's autocast.
+  A model whose recurrent layers were switched (Gated DeltaNet, Mamba-2) is refused: its
+  switched layers need a plan, and verl's packed row runs their stock forms as one sequence;
 - ``forward_backward_batch`` runs verl's own inside :func:`.microbatch.sharing_split` and adds
   the step's token counts (:class:`.mcore.SharingMetrics`) and the split's figures to verl's
   metrics.
@@ -59,7 +65,10 @@ left alone.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from types import ModuleType
+from typing import Any
 
 from .config import accept_prefix_grouper
 from .engine import SharingEngineMixin, install_engine
@@ -67,9 +76,25 @@ from .microbatch import patch_prepare_micro_batches
 from .patchsets import PatchSet, register
 from .switched_off import off_hooks
 
-__all__ = ["PATCHSETS", "patch_engine"]
+__all__ = ["PATCHSETS", "patch_engine", "stock_attention"]
 
 ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
+# The class markers of recurrent modules switched to their sharing forms (fsdp_compat).
+RECURRENT_MARKERS = ("_prefix_sharing_gdn", "_prefix_sharing_mamba")
+
+
+@contextlib.contextmanager
+def stock_attention(hf_module: Any, implementation: str) -> Iterator[None]:
+    """Within the block ``hf_module`` (switched by ``enable_prefix_sharing``) runs the attention
+    ``implementation`` it was loaded with; transformers reads it from the config at every call."""
+    from ..fsdp_compat.attention import ATTENTION_NAME
+
+    hf_module.set_attn_implementation(implementation)
+    try:
+        yield
+    finally:
+        hf_module.set_attn_implementation(ATTENTION_NAME)
+
 
 def patch_engine(module: ModuleType) -> None:
     """Hook on ``verl.workers.engine.fsdp.transformer_impl``: defines ``PrefixSharingFSDPEngine``
@@ -80,7 +105,7 @@ def patch_engine(module: ModuleType) -> None:
     from ..fsdp_compat import enable_prefix_sharing, model_kwargs
     from ..logprobs import token_log_probs
     from ..planner import build_plan
-    from .mcore import micro_batch_groups, micro_batch_temperature
+    from .mcore import PrefixSharingSetupError, micro_batch_groups, micro_batch_temperature
 
     stock = module.FSDPEngineWithLMHead
 
@@ -90,8 +115,24 @@ def patch_engine(module: ModuleType) -> None:
         def _build_module(self):
             hf_module = super()._build_module()
             if self.prefix_sharing.enabled:
+                self._stock_attention = (hf_module, hf_module.config._attn_implementation)
                 enable_prefix_sharing(hf_module)  # before _build_fsdp_module wraps it
+                if self.prefix_sharing.self_check and any(
+                        getattr(m, marker, False) for m in hf_module.modules()
+                        for marker in RECURRENT_MARKERS):
+                    raise PrefixSharingSetupError(
+                        "prefix_grouper.self_check=true compares with verl's stock path, which "
+                        "has no exact packed form for a model with recurrent layers (Gated "
+                        "DeltaNet, Mamba-2); set self_check: false")
             return hf_module
+
+        def _stock_outputs(self, micro_batch, logits_processor_func):
+            """verl's own forward of ``micro_batch`` (the self-check's reference)."""
+            with stock_attention(*self._stock_attention):
+                model_inputs, output_args = stock.prepare_model_inputs(self, micro_batch)
+                output = self.module(**model_inputs, use_cache=False)
+                return stock.prepare_model_outputs(self, output, output_args, micro_batch,
+                                                   logits_processor_func)
 
         def prepare_model_inputs(self, micro_batch):
             if not self.prefix_sharing.enabled:
@@ -130,6 +171,10 @@ def patch_engine(module: ModuleType) -> None:
             if calculate_entropy:
                 model_output["entropy"] = torch.nested.nested_tensor_from_jagged(stats.entropy,
                                                                                  offsets)
+            self._self_check.check(
+                output_args["plan"], model_output,
+                lambda: self._stock_outputs(micro_batch, logits_processor_func),
+                getattr(self, "_autocast_dtype", torch.bfloat16))  # verl's compute dtype
             return model_output
 
     install_engine(module, stock, PrefixSharingFSDPEngine)

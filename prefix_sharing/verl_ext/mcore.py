@@ -18,6 +18,7 @@ Version-neutral pieces that a verl patch set wires into its release's engine:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ from ..errors import UnsupportedSetup
 from ..planner import PromptGroup, prompt_groups
 from .routing_replay import (RouteRecorder, check_padded_statistics, replay_mode_problems,
                              router_action)
+from .self_check import FirstStepSelfCheck
 
 __all__ = [
     "PrefixSharingSetupError",
@@ -180,6 +182,8 @@ def shared_forward(
     metrics: SharingMetrics | None = None,
     replay_routes: list[torch.Tensor] | None = None,
     route_recorder: RouteRecorder | None = None,
+    self_check: FirstStepSelfCheck | None = None,
+    stock_forward: Callable[..., Any] | None = None,
     **_verl_kwargs: Any,
 ) -> Any:
     """verl's ``gptmodel_forward_model_engine`` for one micro-batch, computing shared prefixes once.
@@ -190,7 +194,10 @@ def shared_forward(
     (:func:`.routing_replay.micro_batch_routes`: they shape the plan whenever given), replayed
     when verl has set the routers to replay, and where an ``R2`` recording goes when verl has
     set them to record (``route_recorder``). verl's own ``logits_processor`` is not called: its
-    labels are laid out per sample, the flat layout has one row per computed token.
+    labels are laid out per sample, the flat layout has one row per computed token. With
+    ``self_check`` pending, ``stock_forward`` (verl's own forward function) runs the same
+    arguments as the reference (:mod:`.self_check`; the model's core attention takes the
+    plain THD path for verl's packed layout).
 
     Under context parallelism verl's ``local_cp_size`` / ``cp_layout`` (its zigzag split and
     the all-gather of its post-processing) are not used: each CP rank computes the log-probs
@@ -240,8 +247,13 @@ def shared_forward(
     result = {"log_probs": stats.log_probs}
     if calculate_entropy:
         result["entropy"] = stats.entropy
-    return {key: torch.nested.as_nested_tensor(mb.plan.split(value), layout=torch.jagged)
-            for key, value in result.items()}
+    result = {key: torch.nested.as_nested_tensor(mb.plan.split(value), layout=torch.jagged)
+              for key, value in result.items()}
+    if self_check is not None:
+        self_check.check(mb.plan, result, lambda: stock_forward(
+            model, input_ids, multi_modal_inputs, logits_processor, logits_processor_args,
+            value_model, vision_model, **_verl_kwargs), unwrap_model(model).config.params_dtype)
+    return result
 
 
 def micro_batch_temperature(temperature: Any) -> float:

@@ -11,6 +11,9 @@ imports its module):
   group run across micro-batches (``prefix_grouper.cross_micro_batch``), verl's own forward
   otherwise. verl looks the function up at
   call time, inside ``forward_step``, which is what makes a per-micro-batch swap possible;
+  while ``prefix_grouper.self_check`` is pending it also hands :func:`.mcore.shared_forward`
+  verl's own forward function, the self-check's reference (:mod:`.self_check`; a micro-batch
+  of a group run across micro-batches is not checked);
 - ``verl.workers.engine.megatron.transformer_impl`` (:func:`patch_engine`): the registered
   language-model engine becomes ``PrefixSharingMegatronEngine`` for every device it was
   registered for. That subclass builds its model with the prefix-sharing layer spec
@@ -126,6 +129,8 @@ def patch_forward_fn_lookup(module: ModuleType) -> None:
         if current.get("part") is not None:  # a micro-batch of a cross-micro-batch group
             return functools.partial(cross_forward, **current)
         forward_kwargs = {k: v for k, v in current.items() if k != "part"}
+        if forward_kwargs.get("self_check") is not None:  # the reference: verl's own forward
+            forward_kwargs["stock_forward"] = stock(hf_config)
         return functools.partial(shared_forward, **forward_kwargs)
 
     get_mcore_engine_forward_fn._prefix_sharing = True
@@ -184,6 +189,8 @@ def patch_engine(module: ModuleType) -> None:
                 route_recorder=RouteRecorder() if replay_mode == "R2" else None,
                 part=None if record is None else record.part(batch),
             )
+            if forward_kwargs["part"] is None and self._self_check.pending:
+                forward_kwargs["self_check"] = self._self_check  # shared_forward runs it
             with current_micro_batch(forward_kwargs):
                 return super().forward_step(iter([batch]), model, logits_processor_func,
                                             postprocess_micro_batch_func)
