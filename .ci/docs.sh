@@ -5,6 +5,7 @@
 #   bash .ci/docs.sh            # builds .ci/venv-docs, then the site into a temporary folder
 #   bash .ci/docs.sh VENV       # reuses (or builds) the virtual environment VENV
 set -euo pipefail
+export NO_MKDOCS_2_WARNING=1
 cd "$(dirname "$0")/.."
 venv=${1:-.ci/venv-docs}
 if [ ! -x "$venv/bin/mkdocs" ]; then
