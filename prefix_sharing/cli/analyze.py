@@ -41,11 +41,11 @@ import dataclasses
 import json
 import statistics
 import time
-from collections import Counter
 from typing import Any
 
 import numpy as np
 
+from ..batching.groups import connected_components
 from ..config import MODES, PrefixSharingConfig
 from ..flops import count_flops
 from ..plan import SharingPlan
@@ -193,18 +193,8 @@ def _reads(plan: SharingPlan) -> np.ndarray:
 
 
 def _group_sizes(n: int, reads: np.ndarray) -> list[int]:
-    """Sizes of the connected components of >= 2 sequences (union-find over the reads)."""
-    root = list(range(n))
-
-    def find(x: int) -> int:
-        while root[x] != x:
-            root[x] = root[root[x]]
-            x = root[x]
-        return x
-
-    for reader, provider in reads.tolist():
-        root[find(reader)] = find(provider)
-    return [size for size in Counter(find(x) for x in range(n)).values() if size > 1]
+    """Sizes of the connected components of >= 2 sequences under the reads."""
+    return [len(c) for c in connected_components(n, reads.tolist()) if len(c) > 1]
 
 
 def _deepest_chain(plan: SharingPlan, reads: np.ndarray) -> int:
