@@ -12,8 +12,8 @@ how many attended keys cost as much as one token's linear layers. The default, 1
 verl's ``calculate_workload`` (``24576 * L + L**2`` for a plain sequence of ``L`` tokens, a
 7B model of hidden size 4096): a plain sequence costs ``L + L * (L + 1) / 24576``, which is
 verl's workload over 24576 up to the ``L / 24576`` that counting the ``L * (L + 1) / 2``
-causal pairs, not ``L**2 / 2``, adds. :meth:`CostModel.for_model` takes the ratio of a model preset's
-FLOPs instead, and then the cost is that preset's forward FLOPs of the plan in units of one
+causal pairs, not ``L**2 / 2``, adds. :meth:`CostModel.for_model` takes the ratio of a model
+preset's FLOPs instead, and then the cost is that preset's forward FLOPs of the plan in units of one
 token's linear layers (``tests/batching/test_cost.py`` checks it against ``count_flops``).
 
 The cost is in token units, so it reads like the token budgets it is balanced under.
@@ -127,7 +127,8 @@ def check_batch(who: str, n: int, config: PrefixSharingConfig,
     if config.mode == "prompt_only" and (
         per_sample.get("uids") is None or per_sample.get("prompt_lens") is None
     ):
-        raise InputError("mode='prompt_only' shares uid groups' prompts: pass uids= and prompt_lens=")
+        raise InputError(
+            "mode='prompt_only' shares uid groups' prompts: pass uids= and prompt_lens=")
 
 
 def check_positive_int(name: str, value: object) -> None:

@@ -159,9 +159,9 @@ def partition_data_parallel(
 
     real = [i for i in range(n) if not padding[i]]
     real_uids = None if uids is None else [uids[i] for i in real]
+    real_sequences = [sequences[i] for i in real]
     groups = [] if not real else [
-        [real[j] for j in g] for g in sharing_groups([sequences[i] for i in real], config, real_uids)
-    ]
+        [real[j] for j in g] for g in sharing_groups(real_sequences, config, real_uids)]
     whole = [_unit(tuple(g), g_index, measure) for g_index, g in enumerate(groups)]
     pads = [_unit((i,), -1, measure) for i in range(n) if padding[i]]
     capacity = n // dp_size if equal_size else None

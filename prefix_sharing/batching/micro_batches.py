@@ -13,8 +13,9 @@ bounds computed tokens; the load spread over the micro-batches is their computed
 A group that alone exceeds the budget is cut in lexicographic order, between sub-trees
 (at its shallowest branch points where that needs no more pieces), so deep shared prefixes stay
 whole; every such group is counted in ``groups_split``. A single sequence longer than the
-budget gets a micro-batch of its own and is listed in ``oversized``. The split is deterministic: it depends on token ids, uids
-and the budget alone, so every rank that sees the same batch builds the same one.
+budget gets a micro-batch of its own and is listed in ``oversized``. The split is deterministic:
+it depends on token ids, uids and the budget alone, so every rank that sees the same batch
+builds the same one.
 """
 
 from __future__ import annotations
@@ -150,7 +151,8 @@ def _check_arguments(n: int, token_budget: int, min_micro_batches: int,
     for name, value in (("token_budget", token_budget), ("min_micro_batches", min_micro_batches)):
         check_positive_int(name, value)
     if min_micro_batches > n:
-        raise InputError(f"min_micro_batches={min_micro_batches} exceeds the batch of {n} sequences")
+        raise InputError(
+            f"min_micro_batches={min_micro_batches} exceeds the batch of {n} sequences")
 
 
 def _unit(members: list[int], cost: SubsetMeasure) -> _Unit:

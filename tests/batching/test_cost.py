@@ -34,7 +34,8 @@ def test_a_shared_prefix_is_charged_once_and_its_keys_to_every_reader():
 
 
 @given(forests(max_sequences=8), forests(max_sequences=8),
-       st.sampled_from(["qwen2.5-0.5b", "tiny-moe", "small-mla", "small-hybrid", "tiny-nemotron-h"]))
+       st.sampled_from(["qwen2.5-0.5b", "tiny-moe", "small-mla", "small-hybrid",
+                        "tiny-nemotron-h"]))
 def test_cost_for_a_model_is_proportional_to_its_forward_flops(seqs_a, seqs_b, preset):
     model = get_preset(preset)
     cost_model = CostModel.for_model(model)
