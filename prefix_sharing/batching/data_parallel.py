@@ -13,16 +13,19 @@ How:
    ranks share nothing, so a rank's load is the sum of its groups' costs.
 2. Costliest group first onto the least-loaded rank with room for it (longest-processing-time
    first); with ``equal_size`` a rank has room for ``len(batch) / dp_size`` samples. The
-   same is tried taking the largest groups first (it packs counts more tightly), and the
-   order that leaves fewer groups without room wins, then the better balance.
+   same is tried taking the largest groups first (it packs counts more tightly) and, when
+   both leave groups without room, filling rank after rank with a set of groups whose
+   counts add up exactly (subset sum); the try that leaves fewer groups without room wins,
+   then the better balance.
 3. A group with no room left anywhere is cut (counted in ``groups_split``): a run of the
    rank's free count from either end of its lexicographic order
    (:func:`~prefix_sharing.batching.groups.lexicographic_order`, where sub-trees are runs),
    taken at the end whose neighbours part at the shallower depth, onto the rank with the most
    room. Synthetic padding samples (verl's ``upsample_batch_to_divisible_size``) belong to
    no group: they fill what room is left.
-4. Swaps of two units of the same sample count (any move without ``equal_size``) between the
-   costliest rank and another, while they lower the larger of the two loads.
+4. Exchanges of one or two units for one or two of the same sample count (any exchange or
+   move without ``equal_size``) between the costliest rank and another, while they lower the
+   larger of the two loads.
 5. With ``mini_batch_size`` each rank's samples are ordered so that its consecutive runs of
    ``mini_batch_size`` (verl's ``ppo_mini_batch_size x rollout.n / dp``) hold whole groups:
    each run takes a set of groups that fills it exactly when one exists, else groups largest

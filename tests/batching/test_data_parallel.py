@@ -261,8 +261,11 @@ def test_every_sample_once_counts_equal_and_figures_those_of_the_ranks_plans(
     seqs = seqs[:n]
     uids = data.draw(st.lists(st.integers(0, 3), min_size=n, max_size=n)) if use_uids else None
     padding = data.draw(st.lists(st.booleans(), min_size=n, max_size=n))
-    partition = partition_data_parallel(seqs, dp, EVERY_PREFIX, uids=uids,
-                                        equal_size=equal_size, padding=padding)
+    per_rank = n // dp
+    mini_batch_size = data.draw(st.sampled_from(
+        [None] + [m for m in range(1, per_rank + 1) if per_rank % m == 0])) if equal_size else None
+    partition = partition_data_parallel(seqs, dp, EVERY_PREFIX, uids=uids, equal_size=equal_size,
+                                        padding=padding, mini_batch_size=mini_batch_size)
 
     assert sorted(partition.order) == list(range(n))
     if equal_size:
