@@ -38,6 +38,7 @@ of that rank's samples, built once at the end.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections.abc import Hashable, Sequence
 
@@ -297,24 +298,28 @@ def _split_off(unit: _Unit, size: int, sequences: Sequence[TokenSequence],
 
 
 def _refine(ranks: list[list[_Unit]], equal_size: bool) -> None:
-    """Step 4 of the module doc: the best exchange off the costliest rank - one or two of its
-    units for one or two of another's with the same sample count (without ``equal_size``
-    also for none) - repeated while it lowers the larger of the two loads. Each step lowers
-    the sorted loads lexicographically, so it ends."""
+    """Step 4 of the module doc: the best exchange off the costliest rank - one of its units
+    (or two, on ranks of at most :data:`_PAIRED_UNITS` units) for one or two of another's
+    with the same sample count (without ``equal_size``: of any count, or none) - repeated
+    while it lowers the larger of the two loads. Each step lowers the sorted loads
+    lexicographically, so it ends."""
     for _ in range(64 * sum(map(len, ranks))):
         loads = [_load(r) for r in ranks]
         hi = max(range(len(ranks)), key=lambda r: (loads[r], -r))
         best, best_peak = None, loads[hi] * (1 - 1e-12)
+        gives = _subsets(ranks[hi])
         for r in range(len(ranks)):
             if r == hi:
                 continue
-            offers = _subsets_by_size(ranks[r])
-            anything = [((), 0.0)] + [o for same in offers.values() for o in same]
-            for give, cost_give, size in _subsets(ranks[hi]):
-                for take, cost_take in offers.get(size, ()) if equal_size else anything:
-                    peak = max(loads[hi] - cost_give + cost_take, loads[r] + cost_give - cost_take)
+            offers = _offers(ranks[r], equal_size)
+            for give, cost_give, size in gives:
+                # the best take costs half the gap less than the give: its neighbours by cost
+                costs, takes = offers.get(size if equal_size else 0, ([], []))
+                at = bisect.bisect_left(costs, cost_give - (loads[hi] - loads[r]) / 2)
+                for k in range(max(0, at - 1), min(len(costs), at + 1)):
+                    peak = max(loads[hi] - cost_give + costs[k], loads[r] + cost_give - costs[k])
                     if peak < best_peak:
-                        best, best_peak = (r, give, take), peak
+                        best, best_peak = (r, give, takes[k]), peak
         if best is None:
             return
         r, give, take = best
@@ -324,19 +329,31 @@ def _refine(ranks: list[list[_Unit]], equal_size: bool) -> None:
         ranks[r][:] = [u for k, u in enumerate(ranks[r]) if k not in take] + moved
 
 
+_PAIRED_UNITS = 16  # above this many units a rank exchanges single units only (pairs: n**2)
+
+
 def _subsets(rank: list[_Unit]) -> list[tuple[tuple[int, ...], float, int]]:
-    """The rank's units taken one or two at a time: (indices, cost, sample count)."""
+    """The rank's units one at a time, and two at a time on small ranks:
+    (indices, cost, sample count)."""
     out = [((a,), u.cost, len(u.members)) for a, u in enumerate(rank)]
-    out += [((a, b), rank[a].cost + rank[b].cost, len(rank[a].members) + len(rank[b].members))
-            for a in range(len(rank)) for b in range(a + 1, len(rank))]
+    if len(rank) <= _PAIRED_UNITS:
+        out += [((a, b), rank[a].cost + rank[b].cost,
+                 len(rank[a].members) + len(rank[b].members))
+                for a in range(len(rank)) for b in range(a + 1, len(rank))]
     return out
 
 
-def _subsets_by_size(rank: list[_Unit]) -> dict[int, list[tuple[tuple[int, ...], float]]]:
-    by_size: dict[int, list[tuple[tuple[int, ...], float]]] = {}
+def _offers(rank: list[_Unit], equal_size: bool,
+            ) -> dict[int, tuple[list[float], list[tuple[int, ...]]]]:
+    """What a rank can give back, by sample count (all under 0 without ``equal_size``, with
+    giving nothing), each as costs ascending and the matching unit indices."""
+    by_size: dict[int, list[tuple[float, tuple[int, ...]]]] = {}
     for indices, cost, size in _subsets(rank):
-        by_size.setdefault(size, []).append((indices, cost))
-    return by_size
+        by_size.setdefault(size if equal_size else 0, []).append((cost, indices))
+    if not equal_size:
+        by_size.setdefault(0, []).append((0.0, ()))
+    return {size: ([c for c, _ in sorted(o)], [i for _, i in sorted(o)])
+            for size, o in by_size.items()}
 
 
 def _mini_batch_order(rank: list[_Unit], mini_batch_size: int,

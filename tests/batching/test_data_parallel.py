@@ -64,6 +64,19 @@ def test_issue_29_figures_at_dp_8(name):
     check_rank_figures(partition, sequences, config, uids, prompt_lens)
 
 
+@pytest.mark.parametrize("config, uids", [
+    (PrefixSharingConfig(mode="off"), None),  # 512 groups of one
+    (PrefixSharingConfig(), list(range(512))),
+])
+def test_512_groups_of_one_are_balanced_fast(config, uids):
+    sequences = grpo_batch()[0]
+    start = time.process_time()
+    partition = partition_data_parallel(sequences, 8, config, uids=uids)
+    assert time.process_time() - start < 1.0
+    assert sorted(partition.order) == list(range(512)) and partition.groups_split == 0
+    assert partition.cost_imbalance <= 1.05
+
+
 def test_sharing_aware_ranks_compute_what_each_group_alone_computes():
     sequences, uids, _ = grpo_batch()
     partition = partition_data_parallel(sequences, 8, uids=uids)
