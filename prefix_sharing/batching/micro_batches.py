@@ -119,14 +119,14 @@ def split_micro_batches(
     config = PrefixSharingConfig() if config is None else config
     n = len(sequences)
     _check_arguments(n, token_budget, min_micro_batches, uids, prompt_lens, config)
-    cost = SubsetMeasure(sequences, config, uids, prompt_lens, cost_model)
+    measure = SubsetMeasure(sequences, config, uids, prompt_lens, cost_model)
     groups = sharing_groups(sequences, config, uids)
 
     units: list[_Unit] = []  # whole groups, or pieces of groups over the budget
     for members in groups:
-        units += [_unit(piece, cost) for piece in _cut(members, token_budget, sequences, cost)]
+        units += [_unit(piece, measure) for piece in _cut(members, token_budget, sequences, measure)]
     bins = _pack(units, token_budget, min_micro_batches)
-    _fill_empty(bins, sequences, cost)
+    _fill_empty(bins, sequences, measure)
 
     micro_batches = sorted(tuple(sorted(i for *_, members in b for i in members)) for b in bins)
     where = np.empty(n, dtype=np.int64)
@@ -136,7 +136,7 @@ def split_micro_batches(
     return MicroBatchSplit(
         micro_batches=tuple(micro_batches),
         tokens_total=tuple(sum(lengths[i] for i in mb) for mb in micro_batches),
-        tokens_computed=tuple(cost(list(mb)) for mb in micro_batches),
+        tokens_computed=tuple(measure(list(mb)) for mb in micro_batches),
         token_budget=token_budget,
         num_groups=len(groups),
         groups_split=sum(len(set(where[g].tolist())) > 1 for g in groups),
@@ -155,13 +155,13 @@ def _check_arguments(n: int, token_budget: int, min_micro_batches: int,
             f"min_micro_batches={min_micro_batches} exceeds the batch of {n} sequences")
 
 
-def _unit(members: list[int], cost: SubsetMeasure) -> _Unit:
-    tokens, weight = cost.measure(members)
+def _unit(members: list[int], measure: SubsetMeasure) -> _Unit:
+    tokens, weight = measure.measure(members)
     return tokens, weight, members
 
 
 def _cut(members: list[int], token_budget: int, sequences: Sequence[TokenSequence],
-         cost: SubsetMeasure) -> list[list[int]]:
+         measure: SubsetMeasure) -> list[list[int]]:
     """The group whole if it fits; else pieces under the budget, cut between sub-trees.
 
     Members are taken in lexicographic token order
@@ -172,20 +172,20 @@ def _cut(members: list[int], token_budget: int, sequences: Sequence[TokenSequenc
     deepest shared prefixes whole; filling each piece to the budget needs the fewest pieces.
     The first is taken unless it needs more pieces than the second.
     """
-    if len(members) == 1 or cost(members) <= token_budget:
+    if len(members) == 1 or measure(members) <= token_budget:
         return [members]
     ordered, parting = lexicographic_order(members, sequences)
-    at_branches = _grow(ordered, parting, token_budget, cost, at_branches=True)
-    filled = _grow(ordered, parting, token_budget, cost, at_branches=False)
+    at_branches = _grow(ordered, parting, token_budget, measure, at_branches=True)
+    filled = _grow(ordered, parting, token_budget, measure, at_branches=False)
     return at_branches if len(at_branches) <= len(filled) else filled
 
 
-def _grow(ordered: list[int], parting: list[int], token_budget: int, cost: SubsetMeasure,
+def _grow(ordered: list[int], parting: list[int], token_budget: int, measure: SubsetMeasure,
           at_branches: bool) -> list[list[int]]:
     pieces, start = [], 0
     while start < len(ordered):
         end = start + 1
-        while end < len(ordered) and cost(ordered[start:end + 1]) <= token_budget:
+        while end < len(ordered) and measure(ordered[start:end + 1]) <= token_budget:
             end += 1
         if at_branches and end < len(ordered) and end - start > 1:
             shallowest = min(parting[start + 1:end + 1])
@@ -228,7 +228,7 @@ def _pack(units: list[_Unit], token_budget: int, min_micro_batches: int) -> list
 
 
 def _fill_empty(bins: list[list[_Unit]], sequences: Sequence[TokenSequence],
-                cost: SubsetMeasure) -> None:
+                measure: SubsetMeasure) -> None:
     """Gives every empty micro-batch (asked for by ``min_micro_batches``) some samples.
 
     Moves the cheapest unit of the micro-batch with the most units; when every non-empty
@@ -245,7 +245,7 @@ def _fill_empty(bins: list[list[_Unit]], sequences: Sequence[TokenSequence],
         holder = max((b for b in bins if b and len(b[0][2]) > 1),
                      key=lambda b: (b[0][1], -b[0][2][0]))
         tokens, _, members = holder.pop()
-        pieces = _cut(members, max(1, tokens // 2), sequences, cost)
+        pieces = _cut(members, max(1, tokens // 2), sequences, measure)
         if len(pieces) == 1:  # nothing to cut at (e.g. duplicates): halve in batch order
             pieces = [members[: len(members) // 2], members[len(members) // 2 :]]
-        holder += [_unit(piece, cost) for piece in pieces]
+        holder += [_unit(piece, measure) for piece in pieces]
