@@ -124,7 +124,8 @@ def split_micro_batches(
 
     units: list[_Unit] = []  # whole groups, or pieces of groups over the budget
     for members in groups:
-        units += [_unit(piece, measure) for piece in _cut(members, token_budget, sequences, measure)]
+        pieces = _cut(members, token_budget, sequences, measure)
+        units += [_unit(piece, measure) for piece in pieces]
     bins = _pack(units, token_budget, min_micro_batches)
     _fill_empty(bins, sequences, measure)
 
