@@ -29,7 +29,9 @@ How:
 5. With ``mini_batch_size`` each rank's samples are ordered so that its consecutive runs of
    ``mini_batch_size`` (verl's ``ppo_mini_batch_size x rollout.n / dp``) hold whole groups:
    each run takes a set of groups that fills it exactly when one exists, else groups largest
-   first and a cut of the last (counted in ``mini_batch_groups_split``).
+   first and a cut of the last (counted in ``mini_batch_groups_split``). A rank's runs go
+   costliest first: the j-th mini-batch of a step is every rank's j-th run, so the ranks'
+   j-th costliest meet and wait on each other least.
 
 Everything depends on token ids, uids, the flags and the config only (no hash or set order),
 so every process builds the same partition. The figures reported per rank come from the plan
@@ -359,9 +361,10 @@ def _offers(rank: list[_Unit], equal_size: bool,
 def _mini_batch_order(rank: list[_Unit], mini_batch_size: int,
                       sequences: Sequence[TokenSequence], measure: SubsetMeasure) -> list[_Unit]:
     """Step 5 of the module doc: the rank's units in mini-batch runs, each filled exactly by
-    whole units where some set of them fits, else largest first and the last one cut."""
+    whole units where some set of them fits, else largest first and the last one cut; the
+    costliest run first."""
     remaining = sorted(rank, key=lambda u: (-len(u.members), u.members[0]))
-    out: list[_Unit] = []
+    runs: list[list[_Unit]] = []
     while remaining:
         room, run = mini_batch_size, []
         while room:
@@ -377,8 +380,9 @@ def _mini_batch_order(rank: list[_Unit], mini_batch_size: int,
             if rest is not None:
                 remaining.insert(0, rest)
                 remaining.sort(key=lambda u: (-len(u.members), u.members[0]))
-        out += sorted(run, key=lambda u: u.members[0])
-    return out
+        runs.append(sorted(run, key=lambda u: u.members[0]))
+    runs.sort(key=lambda run: (-_load(run), run[0].members[0]))
+    return [u for run in runs for u in run]
 
 
 def _exact_fill(units: list[_Unit], room: int) -> list[_Unit] | None:

@@ -14,6 +14,8 @@ rank (the plan of that rank's samples) and the batch's tokens over their sum:
 
 Each row also gives ``cost_imbalance`` (the costliest rank over the mean, by
 :func:`prefix_sharing.batching.computed_cost`) and ``groups_split`` (groups on several ranks).
+The rank plans share by token ids alone: recorded routes (``routed_experts``) are not applied
+to them.
 """
 
 from __future__ import annotations

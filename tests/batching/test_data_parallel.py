@@ -212,6 +212,9 @@ def test_grpo_mini_batches_of_two_groups_per_rank_cut_nothing():
     for p in partition.partitions:
         runs = [{uids[i] for i in p[k:k + 16]} for k in range(0, 64, 16)]
         assert all(len(run) == 2 for run in runs)
+        costs = [computed_cost(build_plan([sequences[i] for i in p[k:k + 16]]))
+                 for k in range(0, 64, 16)]
+        assert costs == sorted(costs, reverse=True), "each rank's costliest mini-batch first"
     assert partition.cost_imbalance <= 1.05
 
 
