@@ -31,7 +31,7 @@ from typing import NamedTuple
 from .plan import SharingPlan
 from .presets import ModelPreset
 
-__all__ = ["FlopCount", "count_flops"]
+__all__ = ["FlopCount", "attended_pairs", "count_flops", "flops_per_token_and_pair"]
 
 _FORWARD_AND_BACKWARD = 3
 
@@ -52,10 +52,18 @@ def count_flops(plan: SharingPlan, model: ModelPreset) -> FlopCount:
     per_pair = _attention_flops_per_pair(model)
     windows = [model.layer_window(layer) for layer in _attention_layers(model)]
     plain_pairs = sum(_pairs(n, n, w) for n in plan.seq_lens for w in windows)
-    shared_pairs = sum(_plan_pairs(plan, w) for w in windows)
+    shared_pairs = sum(attended_pairs(plan, w) for w in windows)
     plain = per_token * plan.num_tokens_total + per_pair * plain_pairs
     shared = per_token * plan.num_tokens_unique + per_pair * shared_pairs
     return FlopCount(_FORWARD_AND_BACKWARD * plain, _FORWARD_AND_BACKWARD * shared)
+
+
+def flops_per_token_and_pair(model: ModelPreset) -> tuple[int, int]:
+    """Forward FLOPs of ``model`` per computed token (its linear layers) and per attended
+    (query, key) pair summed over its attention layers, windows not applied (a windowed
+    layer attends fewer pairs: see :func:`count_flops`)."""
+    return (_linear_flops_per_token(model),
+            _attention_flops_per_pair(model) * len(_attention_layers(model)))
 
 
 def _attention_layers(model: ModelPreset) -> list[int]:
@@ -161,8 +169,9 @@ def _pairs(s: int, L: int, window: int | None) -> int:
     return grow_sum + (s - growing) * window
 
 
-def _plan_pairs(plan: SharingPlan, window: int | None) -> int:
-    """Allowed (query, key) pairs of the plan's segments on one layer, padding excluded."""
+def attended_pairs(plan: SharingPlan, window: int | None = None) -> int:
+    """Allowed (query, key) pairs of the plan's segments on one layer, padding excluded: each
+    computed query attends its sequence's keys up to itself, bottom-right causal."""
     q = plan.cu_seqlens_q.tolist()
     kv = plan.cu_seqlens_kv.tolist()
     segments = len(q) - 1 - (1 if plan.num_padding else 0)

@@ -27,6 +27,10 @@ given options and reports, as text or (``--json``) one JSON object:
   - ``sequences_computing_nothing``: sequences whose every token is reused (duplicates and
     strict prefixes of another sequence): they get no query segment at all.
 
+With ``--dp N``, ``data_parallel`` gives the tokens each of N data-parallel ranks would compute
+under verl's stock balancing and under the sharing-aware partitioner, and the ideal
+(:mod:`prefix_sharing.cli.analyze_dp`).
+
 For at most :data:`TREE_LIMIT` sequences the text report draws the plan's prefix tree: the
 computed tokens form a forest (each token's parent is the token before it), drawn compressed
 (a radix tree): every edge is a run of tokens computed once, labelled with its length and how
@@ -41,11 +45,11 @@ import dataclasses
 import json
 import statistics
 import time
-from collections import Counter
 from typing import Any
 
 import numpy as np
 
+from ..batching.groups import connected_components
 from ..config import MODES, PrefixSharingConfig
 from ..flops import count_flops
 from ..plan import SharingPlan
@@ -53,6 +57,7 @@ from ..planner import PromptGroup, build_plan
 from ..presets import PRESETS, get_preset
 from ..rollouts import Rollouts
 from ..errors import InputError
+from .analyze_dp import data_parallel_report, data_parallel_text
 from .options import read_rollouts, sharing_config, user_input
 
 __all__ = ["TREE_LIMIT", "sharing_structure", "prefix_tree"]
@@ -87,6 +92,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, metavar="PRESET",
                         help=f"model shape for the FLOP count: {', '.join(PRESETS)} "
                         "(default: %(default)s)")
+    parser.add_argument("--dp", type=int, default=None, metavar="N",
+                        help="also report the tokens each of N data-parallel ranks computes, "
+                        "under verl's stock balancing and the sharing-aware one")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object instead of the report")
     parser.set_defaults(run=run)
@@ -113,6 +121,8 @@ def run(args: argparse.Namespace) -> int:
     }
     if rollouts.routes is not None:
         report.update(_route_figures(plan))
+    if args.dp is not None:
+        report["data_parallel"] = data_parallel_report(rollouts, config, args.dp)
     print(json.dumps(report) if args.json else "\n".join(_text(report, plan)))
     return 0
 
@@ -193,18 +203,8 @@ def _reads(plan: SharingPlan) -> np.ndarray:
 
 
 def _group_sizes(n: int, reads: np.ndarray) -> list[int]:
-    """Sizes of the connected components of >= 2 sequences (union-find over the reads)."""
-    root = list(range(n))
-
-    def find(x: int) -> int:
-        while root[x] != x:
-            root[x] = root[root[x]]
-            x = root[x]
-        return x
-
-    for reader, provider in reads.tolist():
-        root[find(reader)] = find(provider)
-    return [size for size in Counter(find(x) for x in range(n)).values() if size > 1]
+    """Sizes of the connected components of >= 2 sequences under the reads."""
+    return [len(c) for c in connected_components(n, reads.tolist()) if len(c) > 1]
 
 
 def _deepest_chain(plan: SharingPlan, reads: np.ndarray) -> int:
@@ -328,6 +328,8 @@ def _text(report: dict[str, Any], plan: SharingPlan) -> list[str]:
         *(f"{label:<22}{value:>10}  {note}".rstrip() for label, value, note in rows),
         "",
     ]
+    if "data_parallel" in report:
+        lines += [*data_parallel_text(report["data_parallel"]), ""]
     if plan.num_sequences > TREE_LIMIT:
         return lines + [f"prefix tree: not drawn for more than {TREE_LIMIT} sequences"]
     return lines + ["prefix tree (every edge computed once; seq i: where sequence i ends):",

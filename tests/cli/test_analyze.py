@@ -244,6 +244,9 @@ BAD_INPUT = [
     ("r.jsonl", jsonl({"input_ids": [1]}), ["--min-prefix-len", "0"], "min_prefix_len must be an integer >= 1"),
     ("r.jsonl", jsonl({"input_ids": [1]}), ["--mode", "prompt_only"],
      "--mode prompt_only shares prompts, but {path} has input_ids only"),
+    ("r.jsonl", jsonl(*GRPO_ROWS), ["--dp", "4"],
+     "--dp 4: 6 rollouts do not divide over 4 ranks (verl pads the batch"),
+    ("r.jsonl", jsonl({"input_ids": [1]}), ["--dp", "0"], "--dp must be >= 1; got 0"),
 ]
 
 
@@ -309,3 +312,73 @@ def test_routes_in_the_file_report_how_often_they_diverge(capsys, tmp_path):
     without = write_jsonl(tmp_path / "plain.jsonl", [{"input_ids": r["input_ids"]} for r in rows])
     report = analyze_json(capsys, without, "--min-prefix-len", "2")
     assert "route_divergent_prefix_tokens" not in report and report["tokens_unique"] == 14
+
+
+# --------------------------------------------------------------------------- --dp N
+DP_KEYS = {"dp_size", "verl_stock", "sharing_aware", "ideal"}
+ROW_KEYS = {"tokens_computed", "token_ratio", "cost_imbalance", "groups_split"}
+
+
+def verl_installed():
+    try:
+        import verl.utils.seqlen_balancing  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("mode", ["arbitrary_prefix", "prompt_only"])
+def test_dp_puts_each_uid_group_on_one_rank_and_reports_the_ideal(capsys, grpo_file, mode):
+    report = analyze_json(capsys, grpo_file, "--dp", "2", "--mode", mode)
+    dp = report["data_parallel"]
+    assert DP_KEYS <= set(dp) and dp["dp_size"] == 2
+    aware = dp["sharing_aware"]
+    assert set(aware) == ROW_KEYS
+    # one prompt group a rank: 10 + 3 + 4 + 5 and 12 + 2 + 6 + 1 tokens
+    assert sorted(aware["tokens_computed"]) == [21, 22] and aware["groups_split"] == 0
+    assert aware["token_ratio"] == pytest.approx(GRPO_TOTAL / GRPO_UNIQUE)
+    assert dp["ideal"] == {"tokens_computed": GRPO_UNIQUE,
+                           "token_ratio": pytest.approx(GRPO_TOTAL / GRPO_UNIQUE)}
+    assert aware["cost_imbalance"] >= 1.0
+
+
+def test_dp_without_uids_keeps_each_prefix_tree_on_one_rank(capsys, tmp_path):
+    rows = [{"input_ids": seq} for seq in GRPO_SEQUENCES]  # no prompt_ids: trees found
+    report = analyze_json(capsys, write_jsonl(tmp_path / "r.jsonl", rows), "--dp", "2")
+    assert sorted(report["data_parallel"]["sharing_aware"]["tokens_computed"]) == [21, 22]
+
+
+def test_dp_text_report_gives_a_row_per_balancing(capsys, grpo_file):
+    code, out, err = analyze(capsys, grpo_file, "--dp", "2")
+    assert (code, err) == (0, "")
+    assert "data-parallel ranks: 2 (tokens computed per rank)" in out
+    assert re.search(r"^  sharing-aware +token ratio 2\.02, cost max/mean 1\.\d{3}, "
+                     r"groups split 0\n    2[12] 2[12]$", out, re.M)
+    assert re.search(r"^  ideal +token ratio 2\.02 \(43 tokens: each group whole on one rank\)$",
+                     out, re.M)
+
+
+@pytest.mark.skipif(verl_installed(), reason="verl is installed: the stock row is computed")
+def test_dp_without_verl_says_the_stock_row_needs_it(capsys, grpo_file):
+    dp = analyze_json(capsys, grpo_file, "--dp", "2")["data_parallel"]
+    assert dp["verl_stock"] is None
+    assert dp["verl_stock_unavailable"].startswith("needs verl installed (pip install verl)")
+    _, out, _ = analyze(capsys, grpo_file, "--dp", "2")
+    assert re.search(r"^  verl stock balancing  needs verl installed", out, re.M)
+
+
+def test_dp_stock_row_is_verls_partition_planned_per_rank(capsys, grpo_file):
+    balancing = pytest.importorskip("verl.utils.seqlen_balancing",
+                                    reason="the stock row is verl's own partition function")
+    import torch
+
+    dp = analyze_json(capsys, grpo_file, "--dp", "2")["data_parallel"]
+    lengths = torch.tensor([len(s) for s in GRPO_SEQUENCES])
+    ranks = balancing.get_seqlen_balanced_partitions(
+        balancing.calculate_workload(lengths), k_partitions=2, equal_size=True)
+    expected = [build_plan([GRPO_SEQUENCES[i] for i in p]).num_tokens_unique for p in ranks]
+    stock = dp["verl_stock"]
+    assert stock["tokens_computed"] == expected
+    assert "verl_stock_unavailable" not in dp
+    assert stock["token_ratio"] == pytest.approx(GRPO_TOTAL / sum(expected))
+    assert stock["token_ratio"] <= dp["sharing_aware"]["token_ratio"]

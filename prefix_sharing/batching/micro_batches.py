@@ -6,13 +6,16 @@ and tree branches, and the sharing is lost. Here the unit of packing is a *shari
 samples of one ``uid`` when uids are given, else the sequences the planner links by a shared
 prefix (``build_plan`` on the whole batch). Each micro-batch is charged the tokens it actually
 computes (``plan.num_tokens_unique``), so under the same budget a shared micro-batch carries more
-sequences than a plain one - that is what turns the FLOP ratio into throughput.
+sequences than a plain one - that is what turns the FLOP ratio into throughput. The budget
+bounds computed tokens; the load spread over the micro-batches is their computed cost
+(:mod:`~prefix_sharing.batching.cost`: tokens plus attention), the work each one really does.
 
 A group that alone exceeds the budget is cut in lexicographic order, between sub-trees
 (at its shallowest branch points where that needs no more pieces), so deep shared prefixes stay
 whole; every such group is counted in ``groups_split``. A single sequence longer than the
-budget gets a micro-batch of its own and is listed in ``oversized``. The split is deterministic: it depends on token ids, uids
-and the budget alone, so every rank that sees the same batch builds the same one.
+budget gets a micro-batch of its own and is listed in ``oversized``. The split is deterministic:
+it depends on token ids, uids and the budget alone, so every rank that sees the same batch
+builds the same one.
 """
 
 from __future__ import annotations
@@ -23,10 +26,15 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 
-from .config import PrefixSharingConfig
-from .planner import TokenSequence, build_plan, prompt_groups
+from ..config import PrefixSharingConfig
+from ..errors import InputError
+from ..planner import TokenSequence
+from .cost import CostModel, SubsetMeasure, check_batch, check_positive_int
+from .groups import lexicographic_order, sharing_groups
 
-__all__ = ["MicroBatchSplit", "sharing_groups", "split_micro_batches"]
+__all__ = ["MicroBatchSplit", "split_micro_batches"]
+
+_Unit = tuple[int, float, list[int]]  # computed tokens, cost, members
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +96,7 @@ def split_micro_batches(
     uids: Sequence[Hashable] | None = None,
     prompt_lens: Sequence[int] | None = None,
     min_micro_batches: int = 1,
+    cost_model: CostModel | None = None,
 ) -> MicroBatchSplit:
     """Packs the batch into as few micro-batches as the budget allows, groups kept together.
 
@@ -102,6 +111,7 @@ def split_micro_batches(
         min_micro_batches: at least this many micro-batches (verl asks for the same count on
             every data-parallel rank, or a multiple of the virtual pipeline size); the load is
             spread over them, moving whole groups first and splitting groups only if needed.
+        cost_model: how the load is weighed when it is spread (verl's ratio by default).
 
     Returns:
         The :class:`MicroBatchSplit`; micro-batches ordered by their first sample.
@@ -109,16 +119,17 @@ def split_micro_batches(
     config = PrefixSharingConfig() if config is None else config
     n = len(sequences)
     _check_arguments(n, token_budget, min_micro_batches, uids, prompt_lens, config)
-    cost = _Cost(sequences, config, uids, prompt_lens)
+    measure = SubsetMeasure(sequences, config, uids, prompt_lens, cost_model)
     groups = sharing_groups(sequences, config, uids)
 
-    units = []  # (computed tokens, members): whole groups, or pieces of groups over the budget
+    units: list[_Unit] = []  # whole groups, or pieces of groups over the budget
     for members in groups:
-        units += [(cost(piece), piece) for piece in _cut(members, token_budget, sequences, cost)]
+        pieces = _cut(members, token_budget, sequences, measure)
+        units += [_unit(piece, measure) for piece in pieces]
     bins = _pack(units, token_budget, min_micro_batches)
-    _fill_empty(bins, sequences, cost)
+    _fill_empty(bins, sequences, measure)
 
-    micro_batches = sorted(tuple(sorted(i for _, members in b for i in members)) for b in bins)
+    micro_batches = sorted(tuple(sorted(i for *_, members in b for i in members)) for b in bins)
     where = np.empty(n, dtype=np.int64)
     for m, mb in enumerate(micro_batches):
         where[list(mb)] = m
@@ -126,7 +137,7 @@ def split_micro_batches(
     return MicroBatchSplit(
         micro_batches=tuple(micro_batches),
         tokens_total=tuple(sum(lengths[i] for i in mb) for mb in micro_batches),
-        tokens_computed=tuple(cost(list(mb)) for mb in micro_batches),
+        tokens_computed=tuple(measure(list(mb)) for mb in micro_batches),
         token_budget=token_budget,
         num_groups=len(groups),
         groups_split=sum(len(set(where[g].tolist())) > 1 for g in groups),
@@ -137,107 +148,45 @@ def split_micro_batches(
 def _check_arguments(n: int, token_budget: int, min_micro_batches: int,
                      uids: Sequence[Hashable] | None, prompt_lens: Sequence[int] | None,
                      config: PrefixSharingConfig) -> None:
-    if not isinstance(config, PrefixSharingConfig):
-        raise TypeError(f"config must be a PrefixSharingConfig; got {type(config).__name__}")
-    if n == 0:
-        raise ValueError("split_micro_batches needs at least one sequence; got an empty batch")
+    check_batch("split_micro_batches", n, config, uids=uids, prompt_lens=prompt_lens)
     for name, value in (("token_budget", token_budget), ("min_micro_batches", min_micro_batches)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
+        check_positive_int(name, value)
     if min_micro_batches > n:
-        raise ValueError(f"min_micro_batches={min_micro_batches} exceeds the batch of {n} sequences")
-    for name, values in (("uids", uids), ("prompt_lens", prompt_lens)):
-        if values is not None and len(values) != n:
-            raise ValueError(f"{len(values)} {name} for a batch of {n} sequences")
-    if config.mode == "prompt_only" and (uids is None or prompt_lens is None):
-        raise ValueError("mode='prompt_only' shares uid groups' prompts: pass uids= and prompt_lens=")
+        raise InputError(
+            f"min_micro_batches={min_micro_batches} exceeds the batch of {n} sequences")
 
 
-class _Cost:
-    """Tokens the planner computes for a subset of the batch (its plan built alone)."""
-
-    def __init__(self, sequences: Sequence[TokenSequence], config: PrefixSharingConfig,
-                 uids: Sequence[Hashable] | None, prompt_lens: Sequence[int] | None) -> None:
-        self.sequences, self.config = sequences, config
-        self.uids, self.prompt_lens = uids, prompt_lens
-
-    def __call__(self, members: Sequence[int]) -> int:
-        if self.config.mode == "off":
-            return sum(len(self.sequences[i]) for i in members)
-        groups = None
-        if self.config.mode == "prompt_only":
-            groups = prompt_groups([self.uids[i] for i in members],
-                                   [self.prompt_lens[i] for i in members])
-        plan = build_plan([self.sequences[i] for i in members], self.config, groups=groups)
-        return plan.num_tokens_unique
-
-
-def sharing_groups(sequences: Sequence[TokenSequence], config: PrefixSharingConfig,
-                   uids: Sequence[Hashable] | None = None) -> list[list[int]]:
-    """The split's unit of packing: sharing groups, each a list of batch indices in batch
-    order, groups ordered by first member (the samples of one uid when ``uids`` are given, else
-    the sequences the planner links by shared prefixes; every sample alone with ``mode="off"``)."""
-    n = len(sequences)
-    if config.mode == "off":
-        return [[i] for i in range(n)]
-    if uids is not None:
-        members: dict[Hashable, list[int]] = {}
-        for i, uid in enumerate(uids):
-            members.setdefault(uid, []).append(i)
-        return list(members.values())
-    # The planner on the whole batch: a sequence that reuses a prefix reads it from rows that
-    # another sequence computes; linking each reader to the owner of its last prefix row
-    # joins every chain and tree into one component.
-    plan = build_plan(list(sequences), config)
-    lengths = np.asarray(plan.seq_lens)
-    prefix = np.asarray(plan.prefix_lens)
-    owners = np.flatnonzero(lengths > prefix)
-    row_owner = np.repeat(owners, (lengths - prefix)[owners])
-    starts = plan.cu_seqlens[:-1].numpy()
-    parent = list(range(n))
-
-    def root(i: int) -> int:
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-
-    for r in np.flatnonzero(prefix):
-        last_prefix_row = int(plan.kv_index[starts[r] + prefix[r] - 1])
-        a, b = root(int(r)), root(int(row_owner[last_prefix_row]))
-        parent[max(a, b)] = min(a, b)
-    components: dict[int, list[int]] = {}
-    for i in range(n):
-        components.setdefault(root(i), []).append(i)
-    return list(components.values())
+def _unit(members: list[int], measure: SubsetMeasure) -> _Unit:
+    tokens, weight = measure.measure(members)
+    return tokens, weight, members
 
 
 def _cut(members: list[int], token_budget: int, sequences: Sequence[TokenSequence],
-         cost: _Cost) -> list[list[int]]:
+         measure: SubsetMeasure) -> list[list[int]]:
     """The group whole if it fits; else pieces under the budget, cut between sub-trees.
 
-    Members are taken in lexicographic token order, where every sub-tree is a contiguous run
-    and the common-prefix length of two neighbours says how deep they part. Pieces are grown
+    Members are taken in lexicographic token order
+    (:func:`~prefix_sharing.batching.groups.lexicographic_order`), where every sub-tree is a
+    contiguous run and the common-prefix length of two neighbours says how deep they part.
+    Pieces are grown
     while they fit. Cutting an overflowing piece where the neighbours part earliest keeps the
     deepest shared prefixes whole; filling each piece to the budget needs the fewest pieces.
     The first is taken unless it needs more pieces than the second.
     """
-    if len(members) == 1 or cost(members) <= token_budget:
+    if len(members) == 1 or measure(members) <= token_budget:
         return [members]
-    rows = {i: np.asarray(sequences[i]).astype(np.int64) for i in members}
-    ordered = sorted(members, key=lambda i: (rows[i].astype(">u4").tobytes(), i))
-    parting = [0] + [_common_prefix_len(rows[a], rows[b]) for a, b in zip(ordered, ordered[1:])]
-    at_branches = _grow(ordered, parting, token_budget, cost, at_branches=True)
-    filled = _grow(ordered, parting, token_budget, cost, at_branches=False)
+    ordered, parting = lexicographic_order(members, sequences)
+    at_branches = _grow(ordered, parting, token_budget, measure, at_branches=True)
+    filled = _grow(ordered, parting, token_budget, measure, at_branches=False)
     return at_branches if len(at_branches) <= len(filled) else filled
 
 
-def _grow(ordered: list[int], parting: list[int], token_budget: int, cost: _Cost,
+def _grow(ordered: list[int], parting: list[int], token_budget: int, measure: SubsetMeasure,
           at_branches: bool) -> list[list[int]]:
     pieces, start = [], 0
     while start < len(ordered):
         end = start + 1
-        while end < len(ordered) and cost(ordered[start:end + 1]) <= token_budget:
+        while end < len(ordered) and measure(ordered[start:end + 1]) <= token_budget:
             end += 1
         if at_branches and end < len(ordered) and end - start > 1:
             shallowest = min(parting[start + 1:end + 1])
@@ -247,60 +196,57 @@ def _grow(ordered: list[int], parting: list[int], token_budget: int, cost: _Cost
     return pieces
 
 
-def _common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
-    m = min(a.size, b.size)
-    differ = np.flatnonzero(a[:m] != b[:m])
-    return int(differ[0]) if differ.size else m
+def _pack(units: list[_Unit], token_budget: int, min_micro_batches: int) -> list[list[_Unit]]:
+    """Costliest unit first into the least-loaded micro-batch (by cost) whose computed tokens
+    it fits in; a new one if none.
 
-
-def _pack(units: list[tuple[int, list[int]]], token_budget: int,
-          min_micro_batches: int) -> list[list[tuple[int, list[int]]]]:
-    """Largest unit first into the least-loaded micro-batch it fits in; a new one if none.
-
-    Starts from as many micro-batches as the total load needs (at least ``min_micro_batches``),
-    so the load spreads evenly; a unit over the budget (one long sequence) takes one alone.
+    Starts from as many micro-batches as the total tokens need (at least
+    ``min_micro_batches``), so the load spreads evenly; a unit over the budget (one long
+    sequence) takes one alone.
     """
-    total = sum(c for c, _ in units)
-    bins: list[list[tuple[int, list[int]]]] = [
+    total = sum(tokens for tokens, _, _ in units)
+    bins: list[list[_Unit]] = [
         [] for _ in range(max(min_micro_batches, min(len(units), math.ceil(total / token_budget))))
     ]
-    loads = [0] * len(bins)
-    for unit in sorted(units, key=lambda u: (-u[0], u[1][0])):
-        c = unit[0]
-        if c > token_budget:
+    tokens_in, loads = [0] * len(bins), [0.0] * len(bins)
+    for unit in sorted(units, key=lambda u: (-u[1], u[2][0])):
+        tokens, weight, _ = unit
+        if tokens > token_budget:
             fits = [b for b in range(len(bins)) if not bins[b]]
         else:
-            fits = [b for b in range(len(bins)) if loads[b] + c <= token_budget]
+            fits = [b for b in range(len(bins)) if tokens_in[b] + tokens <= token_budget]
         if not fits:
             bins.append([])
-            loads.append(0)
+            tokens_in.append(0)
+            loads.append(0.0)
             fits = [len(bins) - 1]
         best = min(fits, key=lambda b: (loads[b], b))
         bins[best].append(unit)
-        loads[best] += c
+        tokens_in[best] += tokens
+        loads[best] += weight
     used = [b for b in bins if b]  # units over the budget may have left starting ones empty
     return used + [[] for _ in range(min_micro_batches - len(used))]
 
 
-def _fill_empty(bins: list[list[tuple[int, list[int]]]], sequences: Sequence[TokenSequence],
-                cost: _Cost) -> None:
+def _fill_empty(bins: list[list[_Unit]], sequences: Sequence[TokenSequence],
+                measure: SubsetMeasure) -> None:
     """Gives every empty micro-batch (asked for by ``min_micro_batches``) some samples.
 
-    Moves the smallest unit of the micro-batch with the most units; when every non-empty
-    micro-batch holds a single unit, cuts the largest multi-sample unit at its branch points
+    Moves the cheapest unit of the micro-batch with the most units; when every non-empty
+    micro-batch holds a single unit, cuts the costliest multi-sample unit at its branch points
     into pieces (which the next round moves).
     """
     while any(not b for b in bins):
         crowded = max((b for b in bins if len(b) > 1), key=len, default=None)
         if crowded is not None:
-            smallest = min(crowded, key=lambda u: (u[0], u[1][0]))
-            crowded.remove(smallest)
-            next(b for b in bins if not b).append(smallest)
+            cheapest = min(crowded, key=lambda u: (u[1], u[2][0]))
+            crowded.remove(cheapest)
+            next(b for b in bins if not b).append(cheapest)
             continue
-        holder = max((b for b in bins if b and len(b[0][1]) > 1),
-                     key=lambda b: (b[0][0], -b[0][1][0]))
-        c, members = holder.pop()
-        pieces = _cut(members, max(1, c // 2), sequences, cost)
+        holder = max((b for b in bins if b and len(b[0][2]) > 1),
+                     key=lambda b: (b[0][1], -b[0][2][0]))
+        tokens, _, members = holder.pop()
+        pieces = _cut(members, max(1, tokens // 2), sequences, measure)
         if len(pieces) == 1:  # nothing to cut at (e.g. duplicates): halve in batch order
             pieces = [members[: len(members) // 2], members[len(members) // 2 :]]
-        holder += [(cost(piece), piece) for piece in pieces]
+        holder += [_unit(piece, measure) for piece in pieces]
