@@ -107,13 +107,12 @@ class FakeTransferQueue:
         from tensordict import NonTensorStack
         from transfer_queue import KVBatchMeta
 
+        columns = {name: column.tolist() if isinstance(column, NonTensorStack)
+                   else column.unbind() for name, column in ({} if fields is None
+                                                             else fields.items())}
         for i, key in enumerate(keys):
             sample = self.samples.setdefault((partition_id, key), {})
-            for name, column in ({} if fields is None else fields.items()):
-                if isinstance(column, NonTensorStack):
-                    sample[name] = column.tolist()[i]
-                else:
-                    sample[name] = column.unbind()[i] if column.is_nested else column[i]
+            sample.update({name: values[i] for name, values in columns.items()})
             if tags is not None:
                 self.tags[partition_id, key] = dict(tags[i])
         return KVBatchMeta(keys=list(keys), tags=[self.tags.get((partition_id, k), {})
