@@ -28,6 +28,8 @@ API, for patch-set modules and for explicit use:
 - Patch-set modules, one per verl engine, each registering a set per supported release:
   ``.mcore_engine`` (``verl*_mcore``: layer spec, forward-fn lookup, engine subclass),
   ``.mindspeed`` (``verl*_mcore_mindspeed``) and ``.fsdp`` (``verl*_fsdp``).
+  ``.balancing``: the trainer's data-parallel balancing (both trainers), hooked by every
+  engine's set.
 """
 
 from .activation import UnsupportedVerlVersion, install, installed

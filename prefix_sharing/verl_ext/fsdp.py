@@ -14,6 +14,8 @@ Hooks (each runs when verl imports the module):
   ``PrefixSharingFSDPEngine`` (backends ``fsdp`` / ``fsdp2``, every device verl registered);
 - ``verl.workers.engine.utils``: the dynamic-batch-size split keeps sharing groups together
   (:mod:`.microbatch`; the same hook as the Megatron sets, applied once).
+- ``verl.trainer.ppo.ray_trainer`` / ``verl.trainer.ppo.v1.trainer_base``: the trainer's
+  data-parallel balancing keeps sharing groups on one rank (:mod:`.balancing`).
 
 ``PrefixSharingFSDPEngine``, with sharing on (``__init__`` and ``forward_backward_batch`` are
 :class:`.engine.SharingEngineMixin`'s, the same as in the Megatron engine):
@@ -70,6 +72,7 @@ from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
+from .balancing import balancing_hooks
 from .config import accept_prefix_grouper
 from .engine import SharingEngineMixin, install_engine
 from .microbatch import patch_prepare_micro_batches
@@ -188,6 +191,7 @@ PATCHSETS = tuple(
             "verl.workers.config.actor": lambda m: accept_prefix_grouper(m, "FSDPActorConfig"),
             ENGINE_MODULE: patch_engine,
             "verl.workers.engine.utils": patch_prepare_micro_batches,
+            **balancing_hooks(),
         },
         summary=f"verl {release} FSDP engine: actor config, sharing attention, forward, "
                 "group-keeping micro-batches, metrics",

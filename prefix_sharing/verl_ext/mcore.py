@@ -98,17 +98,34 @@ def check_engine_setup(engine_config: Any, model_config: Any | None = None) -> N
 
 
 def prompt_lengths(batch: Any) -> list[int]:
-    """Each sample's prompt length in a verl batch (whole or one micro-batch): the left part of
-    its attention mask, whose padded ``(bsz, prompt + response)`` layout verl keeps beside the
-    nested token ids (the right part is ``response_mask``'s width)."""
+    """Each sample's prompt length in a verl batch (whole or one micro-batch), read from what
+    each of verl's trainers hands its engines:
+
+    - the v1 trainer (verl 0.9's default, batch in TransferQueue) gives each sample's fields
+      as stored, packed into jagged nested tensors: ``prompts`` is each sample's prompt, so
+      its length is the answer (the nested ``attention_mask`` there is all ones);
+    - the legacy trainer (verl 0.8.0, 0.9's ``use_v1: false``) converts its padded batch with
+      ``left_right_2_no_padding``, which keeps the padded ``(bsz, prompt + response)``
+      ``attention_mask`` beside the left-padded ``prompts`` (or, without them, the right-padded
+      ``response_mask``): the prompt is the mask's left part.
+    """
+    prompts = batch.get("prompts", None)
+    if prompts is not None and prompts.is_nested:
+        return prompts.offsets().diff().tolist()
     attention_mask = batch.get("attention_mask", None)
-    response_mask = batch.get("response_mask", None)
-    if attention_mask is None or response_mask is None or attention_mask.is_nested:
-        raise PrefixSharingSetupError(
-            "prefix_grouper.mode=prompt_only needs the padded attention_mask and response_mask "
-            "to find each prompt's length; use mode=arbitrary_prefix"
-        )
-    return attention_mask[:, : attention_mask.size(1) - response_mask.size(1)].sum(-1).tolist()
+    if attention_mask is not None and not attention_mask.is_nested:
+        response_mask = batch.get("response_mask", None)
+        if prompts is not None:
+            return attention_mask[:, : prompts.size(1)].sum(-1).tolist()
+        if response_mask is not None and not response_mask.is_nested:
+            prompt_width = attention_mask.size(1) - response_mask.size(1)
+            return attention_mask[:, :prompt_width].sum(-1).tolist()
+    raise PrefixSharingSetupError(
+        "prefix_grouper.mode=prompt_only needs each sample's prompt length: the batch has "
+        "neither nested prompts (verl's v1 trainer) nor the padded attention_mask with "
+        "prompts or response_mask (its legacy trainer); use mode=arbitrary_prefix, which "
+        "reads only the token ids"
+    )
 
 
 def micro_batch_groups(batch: Any, num_sequences: int) -> list[PromptGroup]:

@@ -27,6 +27,8 @@ imports its module):
   sharing off every method is verl's own;
 - ``verl.workers.engine.utils``: the dynamic-batch-size split keeps sharing groups together
   (:mod:`.microbatch`).
+- ``verl.trainer.ppo.ray_trainer`` / ``verl.trainer.ppo.v1.trainer_base``: the trainer's
+  data-parallel balancing keeps sharing groups on one rank (:mod:`.balancing`).
 
 Layer-spec hooks, whichever bridge the engine uses: Megatron-Bridge's
 ``provider.transformer_layer_spec`` (a spec or a spec factory, whose signature Megatron-Bridge
@@ -50,6 +52,7 @@ from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
+from .balancing import balancing_hooks
 from .config import accept_prefix_grouper
 from .engine import SharingEngineMixin, install_engine
 from .microbatch import active_split, patch_prepare_micro_batches
@@ -230,6 +233,7 @@ PATCHSETS = tuple(
             "verl.models.mcore": patch_forward_fn_lookup,
             "verl.workers.engine.megatron.transformer_impl": patch_engine,
             "verl.workers.engine.utils": patch_prepare_micro_batches,
+            **balancing_hooks(),
         },
         summary=f"verl {release} Megatron engine: actor config, layer spec, forward, "
                 "group-keeping micro-batches, metrics",

@@ -87,13 +87,14 @@ class _HostDevice:
 
 
 def make_batch(workload: str, *, seed: int = 0, micro_batch_size: int = 2,
-               vocab_size: int | None = None, temperature: float | list[float] = 0.9, **sizes: Any):
+               vocab_size: int | None = None, temperature: float | list[float] = 0.9,
+               layout: str = "legacy", **sizes: Any):
     """A verl no-padding batch of the workload (sizes: :data:`WORKLOADS`, or ``sizes``);
-    a sample's prompt is its group's prompt; ``temperature`` per sample or one for all."""
-    from tensordict import TensorDict
-    from verl.utils import tensordict_utils as tu
-    from verl.workers.utils.padding import left_right_2_no_padding
+    a sample's prompt is its group's prompt; ``temperature`` per sample or one for all.
 
+    ``layout``: ``"legacy"``, as verl's legacy trainer (0.8.0's, 0.9's ``use_v1: false``)
+    hands it to the engines (a padded batch through ``left_right_2_no_padding``); ``"v1"``, as
+    0.9's v1 trainer does (:func:`v1_batch`: every field per sample, from TransferQueue)."""
     wl = make_workload(workload, vocab_size=vocab_size or PRESET.vocab_size, seed=seed,
                        **(sizes or WORKLOADS[workload]))
     prompt_len = {m: g.prompt_len for g in wl.groups for m in g.members}
@@ -101,29 +102,80 @@ def make_batch(workload: str, *, seed: int = 0, micro_batch_size: int = 2,
     n = len(wl.sequences)
     prompts = [s[: prompt_len[i]] for i, s in enumerate(wl.sequences)]
     responses = [s[prompt_len[i]:] for i, s in enumerate(wl.sequences)]
+    temperatures = torch.as_tensor(temperature, dtype=torch.float32).expand(n).clone()
+    gen = torch.Generator().manual_seed(seed + 1)
+    terms = {key: [-torch.rand(len(r), generator=gen) for r in responses]
+             for key in ("old_log_probs", "ref_log_prob")}
+    terms["advantages"] = [torch.rand(len(r), generator=gen) for r in responses]
+    uids = [uid[i] for i in range(n)]
+    build = {"legacy": legacy_batch, "v1": v1_batch}[layout]
+    data = build(prompts, responses, uids, temperatures, terms)
+    from verl.utils import tensordict_utils as tu
+
+    tu.assign_non_tensor(data, calculate_entropy=True, use_dynamic_bsz=False,
+                         micro_batch_size_per_gpu=micro_batch_size, global_batch_size=n)
+    return data
+
+
+def legacy_batch(prompts, responses, uids, temperatures, terms):
+    """The legacy trainer's layout: left-padded prompts, right-padded responses, through
+    ``left_right_2_no_padding`` (which keeps the padded masks); uid a NonTensorStack."""
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    n = len(prompts)
     max_p, max_r = max(map(len, prompts)), max(map(len, responses))
     input_ids = torch.zeros(n, max_p + max_r, dtype=torch.long)
     attention_mask = torch.zeros(n, max_p + max_r, dtype=torch.long)
     response_mask = torch.zeros(n, max_r, dtype=torch.long)
+    padded = {key: torch.zeros(n, max_r) for key in terms}
     for i, (p, r) in enumerate(zip(prompts, responses)):
         input_ids[i, max_p - len(p): max_p], input_ids[i, max_p: max_p + len(r)] = p, r
         attention_mask[i, max_p - len(p): max_p + len(r)] = 1
         response_mask[i, : len(r)] = 1
+        for key, values in terms.items():
+            padded[key][i, : len(r)] = values[i]
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    gen = torch.Generator().manual_seed(seed + 1)
-    temperatures = torch.as_tensor(temperature, dtype=torch.float32).expand(n).clone()
     data = TensorDict(dict(
         input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask,
         position_ids=position_ids, prompts=input_ids[:, :max_p], responses=input_ids[:, max_p:],
-        temperature=temperatures,
-        old_log_probs=-torch.rand(n, max_r, generator=gen) * response_mask,
-        ref_log_prob=-torch.rand(n, max_r, generator=gen) * response_mask,
-        advantages=torch.rand(n, max_r, generator=gen) * response_mask,
+        temperature=temperatures, **padded,
     ), batch_size=[n])
     data = left_right_2_no_padding(data)
-    tu.assign_non_tensor(data, uid=[uid[i] for i in range(n)], calculate_entropy=True,
-                         use_dynamic_bsz=False, micro_batch_size_per_gpu=micro_batch_size,
-                         global_batch_size=n)
+    tu.assign_non_tensor(data, uid=uids)
+    return data
+
+
+def v1_batch(prompts, responses, uids, temperatures, terms):
+    """The v1 trainer's layout (verl 0.9): each sample's fields as its agent loop stores them
+    in TransferQueue (``verl/trainer/ppo/v1/agent_loop_tq.py``: ``prompts``, ``responses``,
+    their concatenation ``input_ids``, an all-ones ``attention_mask``, ``position_ids``,
+    ``response_mask``, the ``uid``; the trainer writes the per-response loss terms back as
+    nested tensors), packed into one TensorDict field by field with TransferQueue's own
+    ``AsyncSimpleStorageManager._pack_field_values`` (what its storage returns to a worker: jagged
+    nested tensors, a NonTensorStack of uids); the sampling temperature rides as
+    batch-level extra info."""
+    from tensordict import TensorDict
+    from transfer_queue.storage.managers.simple_storage_manager import (
+        AsyncSimpleStorageManager as SimpleStorageManager)
+    from verl.utils import tensordict_utils as tu
+
+    samples = []
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        input_ids = torch.cat([p, r]).long()
+        samples.append(dict(
+            prompts=p.long(), responses=r.long(), input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids), position_ids=torch.arange(len(input_ids)),
+            response_mask=torch.ones(len(r), dtype=torch.long), uid=uids[i],
+            **{key: values[i] for key, values in terms.items()},
+        ))
+    pack = SimpleStorageManager._pack_field_values
+    data = TensorDict({key: pack([s[key] for s in samples]) for key in samples[0]},
+                      batch_size=[len(samples)])
+    data["loss_mask"] = data["response_mask"]
+    assert temperatures.unique().numel() == 1, "the v1 trainer has one temperature per batch"
+    tu.assign_non_tensor_data(data, "temperature", float(temperatures[0]))
     return data
 
 

@@ -72,14 +72,16 @@ def build_engine(config, *, seed: int = 0, preset=PRESET):
     return engine
 
 
-def run(rank: int, workloads: list[str], modes: dict[str, dict | None]) -> dict:
+def run(rank: int, workloads: list[str], modes: dict[str, dict | None], *,
+        layout: str = "legacy") -> dict:
     """For each workload and each sharing setting (name -> ``prefix_grouper`` block or ``None``
     for the feature off): old log-probs + entropy (``infer_batch``), then ``ppo_loss`` and every
     gradient (``forward_backward_batch``), each on a fresh copy of the same seeded model.
 
     The engine's ``context_parallel_size`` is megatron's (``run_distributed(..., cp=)``); the
     gradients are then averaged over the CP group, as megatron's DDP does before the optimizer
-    step (a no-op at CP=1)."""
+    step (a no-op at CP=1). ``layout``: the trainer whose batch layout the engine gets
+    (``_batch.make_batch``: ``"legacy"`` or verl 0.9's ``"v1"``)."""
     from megatron.core import parallel_state
     from verl.workers.utils.losses import ppo_loss
 
@@ -93,9 +95,10 @@ def run(rank: int, workloads: list[str], modes: dict[str, dict | None]) -> dict:
         for name, prefix_grouper in modes.items():
             config = actor_config(prefix_grouper, megatron=megatron)
             engine = build_engine(config)
-            infer = engine.infer_batch(make_batch(workload))
+            infer = engine.infer_batch(make_batch(workload, layout=layout))
             rows = _count_rows(engine.module[0])
-            train = engine.forward_backward_batch(make_batch(workload), partial(ppo_loss, config=config))
+            train = engine.forward_backward_batch(make_batch(workload, layout=layout),
+                                                  partial(ppo_loss, config=config))
             finalize_context_parallel_grads(engine.module[0])
             grads = {n: p.grad.clone() for n, p in engine.module[0].named_parameters()}
             results[workload, name] = {"infer": plain_output(infer), "train": plain_output(train),

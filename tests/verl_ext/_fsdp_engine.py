@@ -107,7 +107,7 @@ def verl_float64() -> Iterator[None]:
 
 def run(rank: int, path: str, workloads: list[str], modes: dict[str, dict | None],
         dynamic_bsz: int | None = None, *, precision: str = "fp32",
-        padded_off: bool = False) -> dict:
+        padded_off: bool = False, layout: str = "legacy") -> dict:
     """For each workload and sharing setting (name -> ``prefix_grouper`` block, ``None`` for
     the feature off), on a fresh engine from the same checkpoint: ``infer_batch`` outputs (in
     verl's eval mode), ``forward_backward_batch`` outputs with verl's ``ppo_loss`` and every
@@ -121,7 +121,8 @@ def run(rank: int, path: str, workloads: list[str], modes: dict[str, dict | None
     layers run stock over verl's packed row as one sequence (see ``test_fsdp_hybrid``). The
     plain runs compute a hybrid's gated delta rule with
     :func:`prefix_sharing.fsdp_compat.plain_kernels.plain_gdn_kernel` (transformers' torch
-    kernel on CPU; the float64 recurrence at float64).
+    kernel on CPU; the float64 recurrence at float64). ``layout``: the trainer whose batch
+    layout the engine gets (``_batch.make_batch``: ``"legacy"`` or verl 0.9's ``"v1"``).
     """
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.losses import ppo_loss
@@ -132,7 +133,7 @@ def run(rank: int, path: str, workloads: list[str], modes: dict[str, dict | None
     use_cpu_platform()
 
     def batch(workload, remove_padding):
-        data = make_batch(workload, seed=rank)
+        data = make_batch(workload, seed=rank, layout=layout)
         tu.assign_non_tensor(data, use_remove_padding=remove_padding)
         if dynamic_bsz is not None:
             tu.assign_non_tensor(data, use_dynamic_bsz=True, max_token_len_per_gpu=dynamic_bsz)

@@ -83,8 +83,9 @@ def test_0_runs_verls_stock_computation_bit_for_bit():
 
 def test_1_shares_with_the_same_config():
     got = _switched("1")
+    # at 1 the trainer is hooked too: by the sharing-aware balancing (verl_ext.balancing)
     assert (got["enabled"], got["engine"], got["balancing_hooked"], got["log"]) == (
-        True, "PrefixSharingMegatronEngine", False, [])
+        True, "PrefixSharingMegatronEngine", True, [])
     for workload in WORKLOADS:
         with_keys, without = (got["results"][workload, k] for k in ("with keys", "without keys"))
         metrics = with_keys["train"]["metrics"]
@@ -102,6 +103,8 @@ def test_the_trainers_balancing_at_0_is_its_balancing_without_the_key():
     except ModuleNotFoundError as missing:  # verl 0.9.1's trainer imports cachetools, which
         pytest.skip(f"verl's trainer does not import here: {missing}")  # its wheel omits
 
+    import inspect
+
     from prefix_sharing.verl_ext.switched_off import stock_balancing
 
     lengths = [9, 3, 7, 5, 8, 2, 6, 4]
@@ -115,9 +118,12 @@ def test_the_trainers_balancing_at_0_is_its_balancing_without_the_key():
         trainer_class._balance_batch(trainer, batch, {})
         return batch.batch["index"].tolist()
 
-    switched_off = type("Trainer", (RayPPOTrainer,), {})
+    # this process shares: verl's function is under the sharing-aware balancing's wrapper
+    stock = type("Stock", (RayPPOTrainer,),
+                 {"_balance_batch": inspect.unwrap(RayPPOTrainer._balance_batch)})
+    switched_off = type("Trainer", (stock,), {})
     stock_balancing(SimpleNamespace(RayPPOTrainer=switched_off))
-    assert RayPPOTrainer._balance_batch is not switched_off._balance_batch
-    without_key = order(RayPPOTrainer, False)
-    assert order(RayPPOTrainer, True) != without_key  # the key matters to stock verl
+    assert stock._balance_batch is not switched_off._balance_batch
+    without_key = order(stock, False)
+    assert order(stock, True) != without_key  # the key matters to stock verl
     assert order(switched_off, True) == without_key

@@ -7,6 +7,9 @@ fills it from a wrapped-around label; downstream reads stop before it) and is no
 log-probs.
 """
 
+import importlib.util
+from functools import partial
+
 import pytest
 
 from tests.verl_ext._requires import require_verl
@@ -52,3 +55,14 @@ def test_sharing_metrics_reach_verls_metrics_dict(results):
         # aggregates its own Metric objects): a bare number fails there
         assert all(isinstance(value, list) for key, value in shared.items()
                    if key.startswith("prefix_sharing/")), shared
+
+
+def test_prompt_only_on_the_v1_trainers_batch_shares_and_matches_the_feature_off():
+    # the v1 trainer's TransferQueue fields: nested prompts, no padded masks
+    if importlib.util.find_spec("transfer_queue") is None:
+        pytest.skip("verl 0.9's v1 trainer layout needs TransferQueue (verl's verl-core extra)")
+    modes = {"off": None, "prompt_only": MODES["prompt_only"]}
+    (got,) = run_distributed(partial(run, layout="v1"), 1, ["grpo"], modes, timeout=400)
+    same_outputs(got["grpo", "prompt_only"], got["grpo", "off"], "v1 prompt_only")
+    metrics = got["grpo", "prompt_only"]["train"]["metrics"]
+    assert metrics["prefix_sharing/tokens_computed"][0] < metrics["prefix_sharing/tokens_total"][0]
