@@ -32,7 +32,7 @@ def tiny_grpo_overrides(assets_root: str | Path, *, n_ranks: int = 2, steps: int
         "actor_rollout_ref.model.use_remove_padding=true",
         "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
         "actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.ref.strategy=fsdp2",
-        "actor_rollout_ref.actor.optim.lr=1e-2",
+        "actor_rollout_ref.actor.optim.lr=1e-4", "actor_rollout_ref.actor.calculate_entropy=true",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={prompts_per_step}",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
         "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0.1",

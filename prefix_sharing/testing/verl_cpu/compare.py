@@ -1,0 +1,51 @@
+"""Per-step comparison of two tiny GRPO runs (sharing on against ``ENABLE_PREFIX_SHARING=0``),
+for the end-to-end tests and the demo script (``python -m prefix_sharing.testing.verl_cpu.compare
+WORKDIR``: runs both and prints the table)."""
+
+from __future__ import annotations
+
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+from .runner import TrainerRun, run_main_ppo, tiny_grpo_overrides
+
+COMPARED = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm")
+RATIO = "actor/prefix_sharing/token_ratio"
+
+
+def rollouts_by_prompt(generations: list[dict]) -> dict[str, list[str]]:
+    """A step's responses per prompt, sorted: which member of a GRPO group got which response
+    follows request order, which verl's agent loop does not fix (see ``rollout.py``)."""
+    groups: dict[str, list[str]] = defaultdict(list)
+    for sample in generations:
+        groups[sample["input"]].append(sample["output"])
+    return {prompt: sorted(outputs) for prompt, outputs in groups.items()}
+
+
+def relative_diff(a: float, b: float, floor: float = 1e-6) -> float:
+    return abs(a - b) / max(abs(a), abs(b), floor)
+
+
+def table(on: TrainerRun, off: TrainerRun) -> str:
+    lines = [f"{'step':>4} {'token_ratio':>11} {'step_s on':>9} {'step_s off':>10} "
+             + " ".join(f"{name.split('/')[-1] + ' rel diff':>18}" for name in COMPARED)]
+    for step, (a, b) in enumerate(zip(on.steps, off.steps), start=1):
+        diffs = " ".join(f"{relative_diff(a[name], b[name]):>18.2e}" for name in COMPARED)
+        lines.append(f"{step:>4} {a.get(RATIO, float('nan')):>11.3f} "
+                     f"{a['timing_s/step']:>9.2f} {b['timing_s/step']:>10.2f} {diffs}")
+    return "\n".join(lines)
+
+
+def main(workdir: str, n_ranks: int = 2, mode: str = "arbitrary_prefix") -> None:
+    root = Path(workdir)
+    overrides = tiny_grpo_overrides(root / "assets", n_ranks=n_ranks, mode=mode)
+    on = run_main_ppo(root / "on", overrides, enable_sharing=True)
+    off = run_main_ppo(root / "off", overrides, enable_sharing=False)
+    print(f"tiny GRPO, verl main_ppo on CPU, {n_ranks} ranks, mode {mode}: "
+          f"wall {on.wall_s:.0f} s on, {off.wall_s:.0f} s off")
+    print(table(on, off))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], *(int(a) if a.isdigit() else a for a in sys.argv[2:]))
