@@ -23,6 +23,38 @@ def rollouts_by_prompt(generations: list[dict]) -> dict[str, list[str]]:
     return {prompt: sorted(outputs) for prompt, outputs in groups.items()}
 
 
+def planned_token_ratios(run: TrainerRun, question_index, partition, *,
+                         micro_batch_size: int, config) -> list[tuple[float, float]]:
+    """Per step, (tokens_total, token_ratio) as the plugin reports them - each rank's total /
+    computed over its micro-batches, averaged over ranks by verl - recomputed from the
+    rollout's token ids with :func:`prefix_sharing.planner.build_plan`.
+
+    The batch is laid out as verl's agent loop returns it (prompts in dataset order, found with
+    ``question_index`` of a prompt's ids, each followed by its n responses);
+    ``partition(seq_lens) -> [[index, ...] per rank]`` is the trainer's balancing; each rank
+    splits its share into micro-batches of ``micro_batch_size`` in order."""
+    from prefix_sharing.planner import build_plan
+
+    by_step: dict[int, dict[tuple[int, ...], list[list[int]]]] = defaultdict(dict)
+    for record in run.token_log:
+        group = by_step[record["global_steps"]].setdefault(tuple(record["prompt"]), [])
+        group.append(record["prompt"] + record["response"])
+    figures = []
+    for step in sorted(by_step):
+        groups = sorted(by_step[step].items(), key=lambda item: question_index(item[0]))
+        batch = [sequence for _, members in groups for sequence in members]
+        totals, ratios = [], []
+        for indices in partition([len(sequence) for sequence in batch]):
+            rank_batch = [batch[i] for i in indices]
+            plans = [build_plan(rank_batch[i:i + micro_batch_size], config)
+                     for i in range(0, len(rank_batch), micro_batch_size)]
+            total = sum(plan.num_tokens_total for plan in plans)
+            totals.append(total)
+            ratios.append(total / sum(plan.num_tokens_flat for plan in plans))
+        figures.append((sum(totals) / len(totals), sum(ratios) / len(ratios)))
+    return figures
+
+
 def relative_diff(a: float, b: float, floor: float = 1e-6) -> float:
     return abs(a - b) / max(abs(a), abs(b), floor)
 

@@ -2,7 +2,8 @@
 ``RolloutReplica`` (the server side the agent loop calls) and ``ServerAdapter`` (the side in
 each trainer worker that syncs the trained weights in before generation).
 
-Generation is deterministic for the end-to-end comparisons. At temperature 0 ("greedy") the
+Generation is greedy and deterministic at any temperature (verl divides the trainer's logits
+by ``rollout.temperature`` as well, so the tests keep it at 1 and let the rollout be greedy). The
 k-th request for the same prompt since the last weight sync starts with the prompt's k-th most
 likely next token and is greedy after it: a GRPO group of n requests then holds n different
 responses that share exactly the prompt (plain greedy would give n identical ones, equal
@@ -14,12 +15,15 @@ loop does not fix: compare rollouts per group as sets.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 from typing import Any
 
 import ray
 import torch
 
 SERVER_NAME = "prefix_sharing_hf_cpu_server_{replica}"
+TOKEN_LOG = "PREFIX_SHARING_CPU_ROLLOUT_LOG"  # a JSONL path: each generation's token ids
 
 
 class HFGenerationServer:
@@ -55,22 +59,22 @@ class HFGenerationServer:
             key = tuple(int(t) for t in prompt_ids)
             branch = self.branch_counts.get(key, 0)
             self.branch_counts[key] = branch + 1
-        temperature = float(sampling_params.get("temperature", 1.0) or 0.0)
-        tokens, log_probs = self._decode(list(key), branch, temperature)
+        tokens, log_probs = self._decode(list(key), branch)
+        if os.environ.get(TOKEN_LOG):  # verl's rollout dump holds text only: the tests need ids
+            with open(os.environ[TOKEN_LOG], "a") as log:
+                log.write(json.dumps({"global_steps": self.global_steps, "prompt": list(key),
+                                      "response": tokens}) + "\n")
         return TokenOutput(token_ids=tokens, log_probs=log_probs, stop_reason="completed",
                            extra_fields={"global_steps": self.global_steps})
 
     @torch.no_grad()
-    def _decode(self, prompt: list[int], branch: int, temperature: float):
-        generator = torch.Generator().manual_seed(hash((tuple(prompt), branch)) & 0xFFFFFFFF)
+    def _decode(self, prompt: list[int], branch: int):
         out = self.model(torch.tensor([prompt]), use_cache=True)
         tokens: list[int] = []
         log_probs: list[float] = []
         for step in range(self.response_length):
             logp = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
-            if temperature > 0:
-                token = int(torch.multinomial((logp / temperature).softmax(-1), 1, generator=generator))
-            elif step == 0:
+            if step == 0:
                 token = int(logp.topk(branch % logp.numel() + 1).indices[-1])
             else:
                 token = int(logp.argmax())

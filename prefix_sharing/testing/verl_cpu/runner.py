@@ -14,6 +14,7 @@ from pathlib import Path
 from .assets import make_tiny_assets
 
 SHIM = "prefix_sharing.testing.verl_cpu"
+FP32 = "{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}"
 
 
 def tiny_grpo_overrides(assets_root: str | Path, *, n_ranks: int = 2, steps: int = 3,
@@ -38,10 +39,15 @@ def tiny_grpo_overrides(assets_root: str | Path, *, n_ranks: int = 2, steps: int
         "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0.1",
         "actor_rollout_ref.actor.entropy_coeff=0.01",
         "actor_rollout_ref.actor.fsdp_config.param_offload=false",
+        # fp32 throughout (verl's FSDP default computes in bf16): the comparisons are fp32's
+        f"++actor_rollout_ref.actor.fsdp_config.mixed_precision={FP32}",
+        f"++actor_rollout_ref.ref.fsdp_config.mixed_precision={FP32}",
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
         "actor_rollout_ref.rollout.name=hf", f"actor_rollout_ref.rollout.n={rollout_n}",
-        "actor_rollout_ref.rollout.temperature=0",
+        # verl divides the trainer's logits by rollout.temperature too: keep it 1 (the shim's
+        # rollout is deterministic at any temperature, see rollout.py)
+        "actor_rollout_ref.rollout.temperature=1.0",
         f"actor_rollout_ref.rollout.tensor_model_parallel_size={n_ranks}",
         "actor_rollout_ref.rollout.agent.num_workers=1",
         "actor_rollout_ref.rollout.checkpoint_engine.backend=naive",
@@ -71,6 +77,7 @@ class TrainerRun:
     workdir: Path
     steps: list[dict[str, float]]
     generations: list[list[dict]] = field(default_factory=list)
+    token_log: list[dict] = field(default_factory=list)
     wall_s: float = 0.0
 
 
@@ -99,9 +106,12 @@ def run_main_ppo(workdir: str | Path, overrides: list[str], env: dict[str, str] 
     rollouts = workdir / "rollouts"
     child = child_env(enable_sharing, env)
     child["VERL_FILE_LOGGER_PATH"] = str(metrics_file)
+    token_log = workdir / "rollout_tokens.jsonl"
+    child["PREFIX_SHARING_CPU_ROLLOUT_LOG"] = str(token_log)
     command = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides,
                f"trainer.rollout_data_dir={rollouts}",
                f"trainer.default_local_dir={workdir / 'checkpoints'}"]
+    token_log.unlink(missing_ok=True)
     start = time.monotonic()
     with open(workdir / "main_ppo.log", "w") as log:
         result = subprocess.run(command, cwd=workdir, env=child, stdout=log,
@@ -113,4 +123,5 @@ def run_main_ppo(workdir: str | Path, overrides: list[str], env: dict[str, str] 
     steps = [json.loads(line)["data"] for line in metrics_file.read_text().splitlines() if line]
     generations = [[json.loads(line) for line in path.read_text().splitlines() if line]
                    for path in sorted(rollouts.glob("*.jsonl"), key=lambda p: int(p.stem))]
-    return TrainerRun(workdir, steps, generations, wall)
+    tokens = [json.loads(line) for line in token_log.read_text().splitlines() if line]
+    return TrainerRun(workdir, steps, generations, tokens, wall)
