@@ -122,6 +122,10 @@ class HostDevice:
     def reset_peak_memory_stats(*args) -> None:
         pass
 
+    # checkpoints save and restore the device RNG: on the host it is torch's own generator
+    get_rng_state = staticmethod(torch.get_rng_state)
+    set_rng_state = staticmethod(torch.set_rng_state)
+
     @staticmethod
     def get_device_name(*args) -> str:
         return "CPU"  # verl's FLOP counter then reports no promised FLOPs (MFU 0)

@@ -131,7 +131,7 @@ def test_token_ratio_is_what_the_ranks_plans_give(arbitrary_run):
     assert_ratio_is_planned(arbitrary_run)
 
 
-def test_checkpoint_saved_with_sharing_resumes_without(workdir, arbitrary_run, off_run):
+def test_checkpoint_saved_with_sharing_resumes_without(workdir, arbitrary_run):
     checkpoints = arbitrary_run.workdir / "checkpoints"
     assert (checkpoints / "latest_checkpointed_iteration.txt").exists()
     resumed = run_main_ppo(
