@@ -66,6 +66,11 @@ def _write_tokenizer(path: Path):
                                    eos_token="<|eos|>")
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(path)
+    # transformers 5 names its own backend class; 4.x (verl 0.8.0) knows only this one
+    config_file = path / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_file.write_text(json.dumps(config, indent=2))
     return fast
 
 

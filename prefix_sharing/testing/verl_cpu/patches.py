@@ -30,6 +30,7 @@ def install() -> None:
         _register_cpu_platform()
     else:
         _route_unpadding_to_torch()
+        _complete_torch_cpu()
     _rewrite_process_group_backend()
     _register_fsdp_engines_for_cpu()
     _unpin_cpu_offload()
@@ -129,6 +130,16 @@ class HostDevice:
     @staticmethod
     def get_device_name(*args) -> str:
         return "CPU"  # verl's FLOP counter then reports no promised FLOPs (MFU 0)
+
+
+def _complete_torch_cpu() -> None:
+    """0.8.0 has no platform layer: its device module on the host is ``torch.cpu`` itself
+    (``utils/device.py:89-104``), which lacks the memory and RNG calls verl makes on it."""
+    for name in ("empty_cache", "memory_allocated", "memory_reserved", "max_memory_allocated",
+                 "max_memory_reserved", "mem_get_info", "reset_peak_memory_stats",
+                 "get_rng_state", "set_rng_state", "get_device_name"):
+        if not hasattr(torch.cpu, name):
+            setattr(torch.cpu, name, getattr(HostDevice, name))
 
 
 def _route_unpadding_to_torch() -> None:

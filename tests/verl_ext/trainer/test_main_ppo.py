@@ -3,7 +3,8 @@ greedy (branch) rollouts, 3 steps, 2 data-parallel ranks, FSDP2 actor and refere
 through ``prefix_sharing.testing.verl_cpu``; sharing on against ``ENABLE_PREFIX_SHARING=0`` with
 the same config.
 
-What can be equal. verl 0.9.1 normalises the actor loss over the global mini-batch
+verl 0.9.1 (v1 trainer, TransferQueue) and 0.8.0 (its default trainer). What can be equal.
+verl 0.9.1 normalises the actor loss over the global mini-batch
 (``batch_num_tokens`` x ``dp_size``, ``workers/utils/losses.py`` / ``agg_loss``) and then sums
 the per-micro-batch metrics, so pg_loss, KL, entropy and grad_norm are the global token means
 and the global gradient: invariant to which rank or micro-batch holds a sample, up to fp32
@@ -27,12 +28,13 @@ from __future__ import annotations
 
 import math
 import re
+from importlib.metadata import version
 
 import pytest
 
 from tests.verl_ext._requires import require_verl
 
-require_verl(("0.9.1",))
+require_verl(("0.9.1", "0.8.0"))
 
 from prefix_sharing.config import PrefixSharingConfig  # noqa: E402
 from prefix_sharing.testing.verl_cpu.compare import (  # noqa: E402
@@ -110,11 +112,16 @@ def question_indexer(assets_root):
 
 
 def stock_partition(seq_lens):
-    """verl 0.9.1's v1 ``_balance_batch`` (``trainer/ppo/v1/trainer_base.py:1622-1627``): it
-    balances whatever ``trainer.balance_batch`` says."""
+    """The ranks' shares at ``trainer.balance_batch=false``. verl 0.9.1's v1 ``_balance_batch``
+    (``trainer/ppo/v1/trainer_base.py:1622-1627``) balances by sequence length whatever the
+    flag says; 0.8.0's trainer keeps the batch's order, and the dispatch cuts it in equal
+    contiguous shares."""
     import torch
     from verl.utils.seqlen_balancing import calculate_workload, get_seqlen_balanced_partitions
 
+    if version("verl") == "0.8.0":
+        share = len(seq_lens) // N_RANKS
+        return [list(range(r * share, (r + 1) * share)) for r in range(N_RANKS)]
     workload = calculate_workload(torch.tensor(seq_lens, dtype=torch.int64))
     return get_seqlen_balanced_partitions(workload, k_partitions=N_RANKS, equal_size=True)
 
