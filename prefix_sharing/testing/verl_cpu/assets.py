@@ -16,7 +16,7 @@ SPECIAL_TOKENS = ["<|pad|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|system|>
 WORDS = ("apple banana cherry river mountain seven eleven twenty count total each basket holds "
          "more than less how many does she have left after giving away buys sells").split()
 
-REWARD_SOURCE = '''"""Toy reward: a fixed function of the response text, so it varies within a GRPO group."""
+REWARD_SOURCE = '''"""Toy reward: a fixed function of the response text (it varies in a group)."""
 
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):

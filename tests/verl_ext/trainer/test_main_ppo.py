@@ -145,11 +145,9 @@ def test_token_ratio_is_what_the_ranks_plans_give(arbitrary_run):
 def test_checkpoint_saved_with_sharing_resumes_without(workdir, arbitrary_run):
     checkpoints = arbitrary_run.workdir / "checkpoints"
     assert (checkpoints / "latest_checkpointed_iteration.txt").exists()
-    resumed = run_main_ppo(
-        workdir / "resumed",
-        overrides(workdir, extra=[f"trainer.total_training_steps={STEPS + 1}",
-                                  "trainer.resume_mode=resume_path",
-                                  f"trainer.resume_from_path={checkpoints / f'global_step_{STEPS}'}"]),
-        enable_sharing=False)
+    resume = [f"trainer.total_training_steps={STEPS + 1}", "trainer.resume_mode=resume_path",
+              f"trainer.resume_from_path={checkpoints / f'global_step_{STEPS}'}"]
+    resumed = run_main_ppo(workdir / "resumed", overrides(workdir, extra=resume),
+                           enable_sharing=False)
     assert [m["training/global_step"] for m in resumed.steps] == [STEPS + 1]
     assert math.isfinite(resumed.steps[0]["actor/pg_loss"])
