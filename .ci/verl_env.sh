@@ -7,7 +7,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 version=${1:?usage: .ci/verl_env.sh <verl version: 0.9.1>}
 case "$version" in
-  0.9.1) deps=(verl==0.9.1 megatron-core==0.16.1 'transformers>=5.5.3,<5.11' einops cachetools pytest hypothesis) ;;
+  # 0.9.1: TransferQueue is its v1 trainer's batch store (verl's verl-core extra); uvicorn,
+  # fastapi, openai and msgspec are imported by its rollout server layer (tests/verl_ext/trainer).
+  0.9.1) deps=(verl==0.9.1 megatron-core==0.16.1 'transformers>=5.5.3,<5.11' einops cachetools
+               TransferQueue==0.1.11 uvicorn fastapi openai msgspec pytest hypothesis) ;;
   # 0.8.0: transformers 4.x; verl's imports need the server and data packages below; mbridge is
   # the vanilla-mbridge route 0.8.0 builds its model with (not a dependency of verl's wheel).
   0.8.0) deps=(verl==0.8.0 megatron-core==0.16.1 'transformers<5' 'pyarrow<22' 'datasets<5' uvicorn

@@ -12,7 +12,17 @@
 # Data and weights are prepared as verl's GSM8K quickstart documents: verl's
 # examples/data_preprocess/gsm8k.py writes train/test parquet files, and the model is fetched
 # with `huggingface-cli download Qwen/Qwen2.5-0.5B-Instruct`. Extra hydra overrides pass through.
+#
+# CPU mode (no GPU, no download): DEVICE=cpu bash scripts/run_prefix_sharing.sh [WORKDIR]
+# builds a tiny model, tokenizer and prompts offline, runs verl's real main_ppo (tiny GRPO, 3
+# steps, 2 data-parallel ranks, FSDP2) at ENABLE_PREFIX_SHARING=1 and =0 through the CPU shim in
+# prefix_sharing.testing.verl_cpu, and prints the per-step comparison.
 set -euo pipefail
+
+if [ "${DEVICE:-cuda}" = cpu ]; then
+  exec python3 -m prefix_sharing.testing.verl_cpu.compare "${1:-${TMPDIR:-/tmp}/prefix_sharing_cpu_demo}" \
+    "${NGPUS:-2}" "${PREFIX_SHARING_MODE:-arbitrary_prefix}"
+fi
 
 DATA_DIR=${DATA_DIR:-$HOME/data/gsm8k}
 MODEL=${MODEL:-Qwen/Qwen2.5-0.5B-Instruct}
