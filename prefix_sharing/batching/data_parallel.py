@@ -34,8 +34,13 @@ How:
    j-th costliest meet and wait on each other least.
 
 Everything depends on token ids, uids, the flags and the config only (no hash or set order),
-so every process builds the same partition. The figures reported per rank come from the plan
-of that rank's samples, built once at the end.
+so every process builds the same partition.
+
+The figures reported per rank (:func:`rank_measures`) count each group's part on the rank with
+its own plan, as the ideal counts each group: what the rank computes when its micro-batches do
+not mix groups. Sharing *between* groups (a system prompt common to all uid groups, found by
+``arbitrary_prefix`` in a micro-batch that holds several) is not counted in either, so the
+rank ratio never exceeds the ideal and equals it exactly when no group is cut.
 """
 
 from __future__ import annotations
@@ -47,10 +52,10 @@ from collections.abc import Hashable, Sequence
 from ..config import PrefixSharingConfig
 from ..errors import InputError
 from ..planner import TokenSequence
-from .cost import CostModel, SubsetMeasure, check_batch, check_positive_int
+from .cost import CostModel, Measure, SubsetMeasure, check_batch, check_positive_int
 from .groups import lexicographic_order, sharing_groups
 
-__all__ = ["DataParallelPartition", "partition_data_parallel"]
+__all__ = ["DataParallelPartition", "partition_data_parallel", "rank_measures"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,8 +65,9 @@ class DataParallelPartition:
     Attributes:
         partitions: per rank, the batch indices it gets, in the order it gets them.
         tokens_total: per rank, the tokens of its samples (what the plain forward runs).
-        tokens_computed: per rank, the tokens the plan of its samples computes.
-        cost: per rank, the cost of that plan (:func:`~prefix_sharing.batching.computed_cost`).
+        tokens_computed: per rank, the tokens its groups' parts compute, each planned alone
+            (:func:`rank_measures`).
+        cost: per rank, their cost (:func:`~prefix_sharing.batching.computed_cost`).
         ideal_tokens_computed: the tokens computed with every sharing group whole on one rank
             (each group's plan alone, plus each padding sample alone).
         num_groups: sharing groups in the batch (padding samples not counted).
@@ -180,7 +186,7 @@ def partition_data_parallel(
         ordered = [_mini_batch_order(r, mini_batch_size, sequences, measure) for r in ranks]
     partitions = tuple(tuple(i for u in r for i in u.members) for r in ordered)
 
-    figures = [measure.measure(p) if p else (0, 0.0) for p in partitions]
+    figures = rank_measures(partitions, groups, measure)
     lengths = [len(s) for s in sequences]
     ideal = sum(u.tokens for u in whole) + sum(u.tokens for u in pads)
     return DataParallelPartition(
@@ -193,6 +199,22 @@ def partition_data_parallel(
         groups_split=_groups_split(ordered),
         mini_batch_groups_split=_mini_batch_splits(ordered, mini_batch_size),
     )
+
+
+def rank_measures(partitions: Sequence[Sequence[int]], groups: Sequence[Sequence[int]],
+                  measure: SubsetMeasure) -> list[Measure]:
+    """Per rank, the tokens and cost of its part of each group, each part planned alone
+    (samples in no group, like verl's padding samples, each alone): the unit the ideal is
+    counted in (see the module doc)."""
+    group_of = {i: g for g, members in enumerate(groups) for i in members}
+    figures = []
+    for partition in partitions:
+        parts: dict[int | tuple[str, int], list[int]] = {}
+        for i in sorted(partition):
+            parts.setdefault(group_of.get(i, ("alone", i)), []).append(i)
+        measured = [measure.measure(members) for members in parts.values()]
+        figures.append(Measure(sum(m.tokens for m in measured), sum(m.cost for m in measured)))
+    return figures
 
 
 def _check_arguments(n: int, dp_size: int, config: PrefixSharingConfig,

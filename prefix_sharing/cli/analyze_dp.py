@@ -2,7 +2,9 @@
 
 verl's trainer deals the batch to its data-parallel ranks before any plan is built, and a
 rank computes only what its own samples share. Three rows, each the tokens computed per
-rank (the plan of that rank's samples) and the batch's tokens over their sum:
+rank (its part of each group planned alone, the unit the ideal is counted in:
+:func:`prefix_sharing.batching.data_parallel.rank_measures`) and the batch's tokens over
+their sum:
 
 - ``verl_stock``: verl's own balancing, as its trainer's ``_balance_batch`` calls it
   (``get_seqlen_balanced_partitions(calculate_workload(seq_lens), k_partitions=N,
@@ -27,6 +29,7 @@ import torch
 
 from ..batching import partition_data_parallel, sharing_groups
 from ..batching.cost import SubsetMeasure
+from ..batching.data_parallel import rank_measures
 from ..config import PrefixSharingConfig
 from ..errors import InputError
 from ..rollouts import Rollouts
@@ -105,7 +108,7 @@ def _verl_stock_partitions(seq_lens: list[int], dp_size: int) -> list[list[int]]
 
 def _row(partitions: Sequence[Sequence[int]], measure: SubsetMeasure,
          groups: list[list[int]], total: int) -> dict[str, Any]:
-    figures = [measure.measure(list(p)) for p in partitions]
+    figures = rank_measures(partitions, groups, measure)
     computed = [f.tokens for f in figures]
     costs = [f.cost for f in figures]
     rank_of = {i: r for r, p in enumerate(partitions) for i in p}

@@ -25,16 +25,26 @@ def ranks_of(partition, members):
 
 
 def check_rank_figures(partition, sequences, config=PrefixSharingConfig(), uids=None,
-                       prompt_lens=None):
-    """Each rank's figures are those of the plan of its samples."""
+                       prompt_lens=None, num_padding=0):
+    """Each rank's figures are those of its part of each sharing group, planned alone (the
+    ``num_padding`` padding samples at the end of the batch each alone)."""
+    real = len(sequences) - num_padding
+    groups = sharing_groups(sequences[:real], config, None if uids is None else uids[:real])
+    groups += [[i] for i in range(real, len(sequences))]
     for r, p in enumerate(partition.partitions):
-        groups = None
-        if config.mode == "prompt_only":
-            groups = prompt_groups([uids[i] for i in p], [prompt_lens[i] for i in p])
-        plan = build_plan([sequences[i] for i in p], config, groups=groups)
-        assert partition.tokens_computed[r] == plan.num_tokens_unique
-        assert partition.tokens_total[r] == plan.num_tokens_total
-        assert partition.cost[r] == pytest.approx(computed_cost(plan), rel=1e-12)
+        tokens, cost = 0, 0.0
+        for group in groups:
+            part = sorted(set(group) & set(p))
+            if not part:
+                continue
+            part_groups = None
+            if config.mode == "prompt_only":
+                part_groups = prompt_groups([uids[i] for i in part], [prompt_lens[i] for i in part])
+            plan = build_plan([sequences[i] for i in part], config, groups=part_groups)
+            tokens, cost = tokens + plan.num_tokens_unique, cost + computed_cost(plan)
+        assert partition.tokens_computed[r] == tokens
+        assert partition.tokens_total[r] == sum(len(sequences[i]) for i in p)
+        assert partition.cost[r] == pytest.approx(cost, rel=1e-12)
 
 
 # --------------------------------------------------------------------------- issue 29's figures
@@ -163,7 +173,7 @@ def test_padding_samples_join_no_group_and_fill_counts():
     assert partition.ideal_tokens_computed == sum(
         build_plan([sequences[i] for i in g]).num_tokens_unique
         for g in sharing_groups(sequences[:504], PrefixSharingConfig(), uids[:504])) + 8 * 128
-    check_rank_figures(partition, sequences)
+    check_rank_figures(partition, sequences, uids=uids, num_padding=8)
 
     # 61 groups and 4 padding samples over 6 ranks of 82 (10 groups and 2 more each): the
     # padding fills two ranks' gaps, one group cut in four fills the other four
@@ -263,7 +273,7 @@ def test_bad_input_is_one_clear_error(sequences, kwargs, message):
 @settings(max_examples=120, deadline=None)
 @given(seqs=forests(max_sequences=16), dp=st.integers(1, 4), use_uids=st.booleans(),
        equal_size=st.booleans(), data=st.data())
-def test_every_sample_once_counts_equal_and_figures_those_of_the_ranks_plans(
+def test_every_sample_once_counts_equal_and_figures_those_of_the_ranks_group_parts(
         seqs, dp, use_uids, equal_size, data):
     n = len(seqs) - len(seqs) % dp if equal_size else len(seqs)
     if n == 0:
@@ -287,6 +297,10 @@ def test_every_sample_once_counts_equal_and_figures_those_of_the_ranks_plans(
     assert partition.groups_split == split and partition.num_groups == len(groups)
     if not equal_size:
         assert split == 0
+    alone = [[i] for i in range(n) if padding[i]]
     for r, p in enumerate(partition.partitions):
-        computed = build_plan([seqs[i] for i in p], EVERY_PREFIX).num_tokens_unique if p else 0
+        parts = [sorted(set(g) & set(p)) for g in groups + alone]
+        computed = sum(build_plan([seqs[i] for i in part], EVERY_PREFIX).num_tokens_unique
+                       for part in parts if part)
         assert partition.tokens_computed[r] == computed
+    assert sum(partition.tokens_computed) >= partition.ideal_tokens_computed

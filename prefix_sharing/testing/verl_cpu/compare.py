@@ -12,6 +12,8 @@ from .runner import TrainerRun, run_main_ppo, tiny_grpo_overrides
 
 COMPARED = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm")
 RATIO = "actor/prefix_sharing/token_ratio"
+# the trainer's data-parallel partition: the token ratio its ranks compute, and the ideal
+DP_RATIO, DP_IDEAL = "prefix_sharing/dp_token_ratio", "prefix_sharing/dp_ideal_token_ratio"
 
 
 def rollouts_by_prompt(generations: list[dict]) -> dict[str, list[str]]:
@@ -23,53 +25,23 @@ def rollouts_by_prompt(generations: list[dict]) -> dict[str, list[str]]:
     return {prompt: sorted(outputs) for prompt, outputs in groups.items()}
 
 
-def planned_token_ratios(run: TrainerRun, question_index, partition, *,
-                         micro_batch_size: int, config) -> list[tuple[float, float]]:
-    """Per step, (tokens_total, token_ratio) as the plugin reports them - each rank's total /
-    computed over its micro-batches, averaged over ranks by verl - recomputed from the
-    rollout's token ids with :func:`prefix_sharing.planner.build_plan`.
-
-    The batch is laid out as verl's agent loop returns it (prompts in dataset order, found with
-    ``question_index`` of a prompt's ids, each followed by its n responses);
-    ``partition(seq_lens) -> [[index, ...] per rank]`` is the trainer's balancing; each rank
-    splits its share into micro-batches of ``micro_batch_size`` in order."""
-    from prefix_sharing.planner import build_plan
-
-    by_step: dict[int, dict[tuple[int, ...], list[list[int]]]] = defaultdict(dict)
-    for record in run.token_log:
-        group = by_step[record["global_steps"]].setdefault(tuple(record["prompt"]), [])
-        group.append(record["prompt"] + record["response"])
-    figures = []
-    for step in sorted(by_step):
-        groups = sorted(by_step[step].items(), key=lambda item: question_index(item[0]))
-        batch = [sequence for _, members in groups for sequence in members]
-        totals, ratios = [], []
-        for indices in partition([len(sequence) for sequence in batch]):
-            rank_batch = [batch[i] for i in indices]
-            plans = [build_plan(rank_batch[i:i + micro_batch_size], config)
-                     for i in range(0, len(rank_batch), micro_batch_size)]
-            total = sum(plan.num_tokens_total for plan in plans)
-            totals.append(total)
-            ratios.append(total / sum(plan.num_tokens_flat for plan in plans))
-        figures.append((sum(totals) / len(totals), sum(ratios) / len(ratios)))
-    return figures
-
-
 def relative_diff(a: float, b: float, floor: float = 1e-6) -> float:
     return abs(a - b) / max(abs(a), abs(b), floor)
 
 
 def table(on: TrainerRun, off: TrainerRun) -> str:
-    """One row per step: the token ratio, step time on and off, and each compared figure's
+    """One row per step: the token ratio the ranks computed (and the ideal, every group whole on
+    one rank), step time on and off, and each compared figure's
     difference - absolute for pg_loss and KL (both ~0 in on-policy GRPO's first update, so a
     relative figure would only measure rounding), relative for entropy and grad_norm."""
-    header = (f"{'step':>4} {'token_ratio':>11} {'step_s on':>9} {'step_s off':>10} "
+    header = (f"{'step':>4} {'token_ratio':>11} {'ideal':>6} {'step_s on':>9} {'step_s off':>10} "
               f"{'pg_loss |d|':>11} {'kl |d|':>9} {'entropy rel':>11} {'grad_norm rel':>13}")
     lines = [header]
     for step, (a, b) in enumerate(zip(on.steps, off.steps), start=1):
         pg, kl, entropy, grad = (a[name] - b[name] for name in COMPARED)
+        ratio, ideal = a.get(DP_RATIO, float("nan")), a.get(DP_IDEAL, float("nan"))
         lines.append(
-            f"{step:>4} {a.get(RATIO, float('nan')):>11.3f} {a['timing_s/step']:>9.2f} "
+            f"{step:>4} {ratio:>11.3f} {ideal:>6.3f} {a['timing_s/step']:>9.2f} "
             f"{b['timing_s/step']:>10.2f} {abs(pg):>11.1e} {abs(kl):>9.1e} "
             f"{relative_diff(a[COMPARED[2]], b[COMPARED[2]]):>11.1e} "
             f"{relative_diff(a[COMPARED[3]], b[COMPARED[3]]):>13.1e}")

@@ -3,32 +3,26 @@ greedy (branch) rollouts, 3 steps, 2 data-parallel ranks, FSDP2 actor and refere
 through ``prefix_sharing.testing.verl_cpu``; sharing on against ``ENABLE_PREFIX_SHARING=0`` with
 the same config.
 
-verl 0.9.1 (v1 trainer, TransferQueue) and 0.8.0 (its default trainer). What can be equal.
-verl 0.9.1 normalises the actor loss over the global mini-batch
-(``batch_num_tokens`` x ``dp_size``, ``workers/utils/losses.py`` / ``agg_loss``) and then sums
-the per-micro-batch metrics, so pg_loss, KL, entropy and grad_norm are the global token means
-and the global gradient: invariant to which rank or micro-batch holds a sample, up to fp32
-summation order. The partition still has to be the same for the token-ratio check and for any
-per-micro-batch figure: the pairs run with ``trainer.balance_batch=false``. 0.9.1's v1 trainer
-ignores that flag (``_balance_batch`` always balances by sequence length,
-``trainer/ppo/v1/trainer_base.py:1608-1632``), which gives both runs the same partition as long
-as their rollouts are equal; after the i29-trainer merge the sharing-aware balancer must keep
-verl's order at ``balance_batch=false`` (issue 29, item 3) for the same to hold. All runs are
+verl 0.9.1 (v1 trainer, TransferQueue) and 0.8.0 (its default trainer), both with
+``trainer.balance_batch`` at its default (on): the sharing runs balance the ranks with the
+sharing-aware partitioner (``verl_ext.balancing``), the stock run with verl's own. What can be
+equal. verl normalises the actor loss over the global mini-batch (``batch_num_tokens`` x
+``dp_size``, ``workers/utils/losses.py`` / ``agg_loss``) and sums the per-micro-batch metrics,
+so pg_loss, KL, entropy and grad_norm are the global token means and the global gradient:
+invariant to which rank or micro-batch holds a sample, up to fp32 summation order. So the
+runs compare although their partitions differ; the token ratio is checked against the plans of
+the sharing partition (each group whole on one rank: the ideal). All runs are
 fp32 (verl's FSDP default computes in bf16: ``runner.py``); in bf16 grad_norm differs at bf16
 rounding (the 2.4e-3 seen by hand), not because of sharing. on-policy GRPO's pg_loss is ~0 by
 construction (the ratio is 1, advantages sum to 0 in a group), so it and the tiny KL are
 compared absolutely (``TOLERANCES``); the policy gradient itself is checked through grad_norm.
 
 Each run takes ~100 s on 2 cores (mostly Ray start-up); the off-run is shared (session scope).
-``prompt_only`` fails until the i29-trainer branch is merged (the real trainer does not hand
-the padded masks to the plugin today); it is written as it must pass.
 """
 
 from __future__ import annotations
 
 import math
-import re
-from importlib.metadata import version
 
 import pytest
 
@@ -38,13 +32,11 @@ require_verl(("0.9.1", "0.8.0"))
 
 from prefix_sharing.config import PrefixSharingConfig  # noqa: E402
 from prefix_sharing.testing.verl_cpu.compare import (  # noqa: E402
-    COMPARED, RATIO, planned_token_ratios, relative_diff, rollouts_by_prompt)
-from prefix_sharing.testing.verl_cpu.assets import make_tiny_assets  # noqa: E402
+    COMPARED, RATIO, relative_diff, rollouts_by_prompt)
 from prefix_sharing.testing.verl_cpu.runner import run_main_ppo, tiny_grpo_overrides  # noqa: E402
 
 STEPS = 3
 N_RANKS = 2
-MICRO_BATCH = 4  # = rollout.n: with verl's unbalanced order each micro-batch is one GRPO group
 # (relative, absolute) per figure. fp32 log-probs of ~5.8 nats round at ~5e-7 (one ulp):
 # pg_loss (1e-8..3e-7: the ratio is 1 +- that rounding, advantages sum to 0; seen 1.8e-7 apart
 # on 0.8.0 with grad_norm equal) and the KL (a square of log-prob differences, ~1e-5; seen
@@ -55,7 +47,7 @@ TOLERANCES = {"actor/pg_loss": (0.0, 1e-6), "actor/kl_loss": (0.0, 1e-8),
 
 def overrides(root, mode="arbitrary_prefix", extra=()):
     return [*tiny_grpo_overrides(root / "assets", n_ranks=N_RANKS, steps=STEPS, mode=mode),
-            "trainer.balance_batch=false", *extra]
+            *extra]
 
 
 @pytest.fixture(scope="session")
@@ -100,46 +92,40 @@ def test_prompt_only_matches_stock_every_step(workdir, off_run):
     assert_ratio_is_planned(run)
 
 
-def question_indexer(assets_root):
-    """The dataset row of a prompt's ids (assets.py writes "Question <row>: ...")."""
-    from transformers import AutoTokenizer
+def group_plans(run):
+    """Per step, (tokens, computed tokens) of the step's batch with every GRPO group planned
+    alone (build_plan on its members' token ids, from the rollout's token log): what the ranks
+    compute when each group is whole on one rank and in one micro-batch."""
+    from collections import defaultdict
 
-    tokenizer = AutoTokenizer.from_pretrained(make_tiny_assets(assets_root).model)
+    from prefix_sharing.planner import build_plan
 
-    def question_index(prompt_ids) -> int:
-        return int(re.search(r"Question (\d+):", tokenizer.decode(prompt_ids)).group(1))
-
-    return question_index
-
-
-def stock_partition(seq_lens):
-    """The ranks' shares at ``trainer.balance_batch=false``. verl 0.9.1's v1 ``_balance_batch``
-    (``trainer/ppo/v1/trainer_base.py:1622-1627``) balances by sequence length whatever the
-    flag says; 0.8.0's trainer keeps the batch's order, and the dispatch cuts it in equal
-    contiguous shares."""
-    import torch
-    from verl.utils.seqlen_balancing import calculate_workload, get_seqlen_balanced_partitions
-
-    if version("verl") == "0.8.0":
-        share = len(seq_lens) // N_RANKS
-        return [list(range(r * share, (r + 1) * share)) for r in range(N_RANKS)]
-    workload = calculate_workload(torch.tensor(seq_lens, dtype=torch.int64))
-    return get_seqlen_balanced_partitions(workload, k_partitions=N_RANKS, equal_size=True)
+    by_step = defaultdict(lambda: defaultdict(list))
+    for record in run.token_log:
+        by_step[record["global_steps"]][tuple(record["prompt"])].append(
+            record["prompt"] + record["response"])
+    plans = [[build_plan(members, PrefixSharingConfig()) for members in by_step[step].values()]
+             for step in sorted(by_step)]
+    return [(sum(p.num_tokens_total for p in step), sum(p.num_tokens_flat for p in step))
+            for step in plans]
 
 
 def assert_ratio_is_planned(run):
-    question_index = question_indexer(run.workdir.parent / "assets")
-    planned = planned_token_ratios(run, question_index, stock_partition,
-                                   micro_batch_size=MICRO_BATCH, config=PrefixSharingConfig())
+    """The ranks' engines computed what the groups' plans give, and the trainer's partition
+    said so: its token ratio is the ideal one. verl averages the engines' per-rank figures."""
+    planned = group_plans(run)
     assert len(planned) == STEPS
-    for metrics, (total, ratio) in zip(run.steps, planned):
-        assert metrics["actor/prefix_sharing/tokens_total"] == pytest.approx(total)
-        assert metrics[RATIO] == pytest.approx(ratio) and ratio > 1.0
+    for metrics, (total, computed) in zip(run.steps, planned):
+        assert metrics["actor/prefix_sharing/tokens_total"] * N_RANKS == pytest.approx(total)
+        assert metrics["actor/prefix_sharing/tokens_computed"] * N_RANKS == pytest.approx(computed)
+        assert metrics["prefix_sharing/dp_token_ratio"] == pytest.approx(total / computed)
+        assert metrics["prefix_sharing/dp_ideal_token_ratio"] == pytest.approx(total / computed)
+        assert metrics["prefix_sharing/dp_groups_split"] == 0 and total / computed > 1.0
 
 
 def test_token_ratio_is_what_the_ranks_plans_give(arbitrary_run):
-    """The plugin's per-step token ratio against build_plan on each rank's micro-batches,
-    rebuilt from the rollout's token ids."""
+    """The plugin's per-step token figures against build_plan on the step's groups, rebuilt
+    from the rollout's token ids."""
     assert_ratio_is_planned(arbitrary_run)
 
 
