@@ -411,7 +411,7 @@ def _padded_reference_spec(spec: Any, config: Any) -> Any:
     """
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    from ..megatron_ext.layer_specs import mlp_with_router, moe_router, replaced
+    from ..megatron_ext.spec_surgery import mlp_with_router, moe_router, replaced
 
     layers = spec.layer_specs if hasattr(spec, "layer_specs") else [spec]
     swapped = []

@@ -80,7 +80,7 @@ def enable_cpu_gated_delta_net() -> None:
 
     Separate from :func:`enable_cpu_megatron` because importing the GDN module imports
     flash-linear-attention (about a second), which only hybrid models need: the code that
-    builds a GDN layer (:func:`~.layer_specs.gdn_layer_spec`, :mod:`.gated_delta_net`) calls it.
+    builds a GDN layer (:func:`~.stock_gdn.gdn_layer_spec`, :mod:`.gated_delta_net`) calls it.
     """
     global _gdn_enabled
     if not _enabled or _gdn_enabled:

@@ -30,7 +30,7 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
-from .layer_specs import serves_gated_delta_net
+from .stock_gdn import serves_gated_delta_net
 
 if not serves_gated_delta_net():
     raise ImportError(
