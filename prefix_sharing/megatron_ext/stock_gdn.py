@@ -4,18 +4,37 @@ The sharing mixer (:mod:`.gated_delta_net`) subclasses megatron-core 0.19.2's
 ``GatedDeltaNet``; the spec swap (:mod:`.spec_surgery`), the hybrid stack (:mod:`.hybrid`) and
 the engines ask here whether this release has it, and the references build megatron's stock
 local GDN layer with :func:`gdn_layer_spec`. A leaf: it imports nothing of the sharing modules.
+
+What a process must do before it builds a GDN layer is registered here
+(:func:`before_building_gdn`): a CPU-only process registers its redirections
+(:mod:`.cpu_support`), so a GPU process never imports that code.
 """
 
 from __future__ import annotations
 
 import importlib.util
-from typing import Any
+from typing import Any, Callable
 
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-__all__ = ["GDN_NOT_SERVED", "gdn_layer_spec", "serves_gated_delta_net"]
+__all__ = ["GDN_NOT_SERVED", "before_building_gdn", "gdn_layer_spec", "prepare_gated_delta_net",
+           "serves_gated_delta_net"]
+
+_PREPARATIONS: list[Callable[[], None]] = []
+
+
+def before_building_gdn(prepare: Callable[[], None]) -> None:
+    """Registers ``prepare`` (idempotent) to run before every GDN layer this process builds."""
+    if prepare not in _PREPARATIONS:
+        _PREPARATIONS.append(prepare)
+
+
+def prepare_gated_delta_net() -> None:
+    """Runs what :func:`before_building_gdn` registered (nothing in a GPU process)."""
+    for prepare in _PREPARATIONS:
+        prepare()
 
 
 # Why a Gated DeltaNet layer is refused on a release other than 0.19.2 (hybrid.py says it too).
@@ -44,9 +63,7 @@ def gdn_layer_spec(norm: Any) -> ModuleSpec:
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
     from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
-    from .cpu_support import enable_cpu_gated_delta_net
-
-    enable_cpu_gated_delta_net()  # in a CPU process: fla's Triton l2norm has no CPU driver
+    prepare_gated_delta_net()  # in a CPU process: fla's Triton l2norm has no CPU driver
 
     return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
         input_layernorm=norm,
