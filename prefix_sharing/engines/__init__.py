@@ -119,7 +119,7 @@ def _check_recurrent_layers(model: ModelPreset, tp: int = 1, cp: int = 1) -> Non
                                f"engine does not share: {MAMBA_NOT_SERVED}; use --engine hf")
     if model.full_attention_every is None:
         return
-    from ..megatron_ext.layer_specs import GDN_NOT_SERVED, serves_gated_delta_net
+    from ..megatron_ext.stock_gdn import GDN_NOT_SERVED, serves_gated_delta_net
 
     if not serves_gated_delta_net():
         raise UnsupportedSetup(f"the {model.name} preset has Gated DeltaNet layers, and this "

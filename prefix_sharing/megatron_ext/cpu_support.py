@@ -70,6 +70,9 @@ def enable_cpu_megatron() -> None:
     _eager_jit_fusions(attention.Attention)
     _eager_jit_fusions(router.TopKRouter)
     _enabled = True
+    from .stock_gdn import before_building_gdn
+
+    before_building_gdn(enable_cpu_gated_delta_net)
     if "megatron.core.ssm.gated_delta_net" in sys.modules:
         enable_cpu_gated_delta_net()
 
@@ -80,7 +83,9 @@ def enable_cpu_gated_delta_net() -> None:
 
     Separate from :func:`enable_cpu_megatron` because importing the GDN module imports
     flash-linear-attention (about a second), which only hybrid models need: the code that
-    builds a GDN layer (:func:`~.layer_specs.gdn_layer_spec`, :mod:`.gated_delta_net`) calls it.
+    builds a GDN layer (:func:`~.stock_gdn.gdn_layer_spec`, :mod:`.gated_delta_net`) calls it
+    through :func:`~.stock_gdn.prepare_gated_delta_net`, where :func:`enable_cpu_megatron`
+    registers it (so a GPU process never imports this module).
     """
     global _gdn_enabled
     if not _enabled or _gdn_enabled:

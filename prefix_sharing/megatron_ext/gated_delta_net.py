@@ -30,7 +30,7 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
-from .layer_specs import serves_gated_delta_net
+from .stock_gdn import prepare_gated_delta_net, serves_gated_delta_net
 
 if not serves_gated_delta_net():
     raise ImportError(
@@ -48,10 +48,9 @@ from ..recurrent import (  # noqa: E402
     recurrence_schedule,
 )
 from .checks import UnsupportedSetupError, check_sharing_allowed  # noqa: E402
-from .cpu_support import enable_cpu_gated_delta_net  # noqa: E402
 from .packed_seq import PlanPackedSeqParams  # noqa: E402
 
-enable_cpu_gated_delta_net()  # in a CPU process only: fla's Triton l2norm has no CPU driver
+prepare_gated_delta_net()  # in a CPU process only: fla's Triton l2norm has no CPU driver
 
 __all__ = ["GDN_RELEASE", "PrefixSharingGatedDeltaNet", "recurrent_backend"]
 

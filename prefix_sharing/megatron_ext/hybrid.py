@@ -60,15 +60,13 @@ from megatron.core.transformer.transformer_layer import (  # noqa: E402
 )
 
 from .checks import UnsupportedSetupError  # noqa: E402
-from .layer_specs import (  # noqa: E402
-    GDN_NOT_SERVED,
-    gdn_layer_spec,
+from .spec_surgery import (  # noqa: E402
     replaced,
-    serves_gated_delta_net,
     sharing_attention_layer,
     sharing_gdn_layer,
     sharing_router_mlp,
 )
+from .stock_gdn import GDN_NOT_SERVED, gdn_layer_spec, serves_gated_delta_net  # noqa: E402
 from .moe import PrefixSharingTransformerLayer  # noqa: E402
 
 __all__ = [
@@ -254,7 +252,7 @@ def get_hybrid_stack_local_spec(
     The attention (``*``), MLP (``-``) and MoE (``E``) slots are the parts of megatron's
     ``get_gpt_layer_local_spec``: a layer of one of them computes what a GPT layer's matching
     half computes. The Gated DeltaNet slot (``G``) is megatron's ``GatedDeltaNet`` with local
-    linear layers and norms (:func:`~.layer_specs.gdn_layer_spec`; building it needs
+    linear layers and norms (:func:`~.stock_gdn.gdn_layer_spec`; building it needs
     flash-linear-attention installed, as megatron's module asks). Mamba and the MLA slots stay
     empty (megatron has no local Mamba mixer or MLA core attention).
     Wrap it in :func:`with_prefix_sharing` for the sharing model.

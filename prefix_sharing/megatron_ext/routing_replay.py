@@ -36,9 +36,19 @@ import torch
 
 from ..plan import SharingPlan
 from .checks import UnsupportedSetupError
+from .plain_batch_view import plain_batch_view
 
-__all__ = ["flat_routes", "moe_layer_index", "num_moe_layers", "route_column", "replaying",
-           "check_replay_state", "recorded_routes"]
+__all__ = ["FlatRowsRouter", "flat_routes", "moe_layer_index", "num_moe_layers", "route_column",
+           "replaying", "check_replay_state", "recorded_routes"]
+
+
+class FlatRowsRouter:
+    """What a router that routes a plan's flat rows is (:class:`.moe.PrefixSharingRouter`):
+    its recording is of those rows, which :func:`recorded_routes` hands back per plain token.
+    A base here, so that this module finds such routers without importing :mod:`.moe`, which
+    replays through it. No state of its own, so a router's class can still be swapped."""
+
+    __slots__ = ()
 
 
 def flat_routes(plan: SharingPlan, routes: Sequence[Any],
@@ -54,8 +64,6 @@ def flat_routes(plan: SharingPlan, routes: Sequence[Any],
     the plan was built with these routes); the plan's pad rows, which nobody reads, take the
     first token's route (valid expert ids; their outputs are never used).
     """
-    from .moe import plain_batch_view
-
     packed = torch.cat([torch.as_tensor(r) for r in routes]).to(torch.int64)
     if packed.dim() != 3 or packed.size(0) != plan.num_tokens_total:
         raise ValueError(
@@ -181,9 +189,7 @@ def recorded_routes(model: torch.nn.Module, plan: SharingPlan) -> torch.Tensor:
     """
     from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
-    from .moe import PrefixSharingRouter
-
-    routers = sorted((m for m in model.modules() if isinstance(m, PrefixSharingRouter)),
+    routers = sorted((m for m in model.modules() if isinstance(m, FlatRowsRouter)),
                      key=lambda router: router.layer_number)
     kv_index = plan.kv_index
     if not routers:

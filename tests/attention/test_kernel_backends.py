@@ -305,6 +305,10 @@ def test_backend_modules_import_without_their_packages(monkeypatch):
         # a fresh copy of the module, executed while the packages are absent
         spec = importlib.util.find_spec(f"prefix_sharing.attention.{name}")
         spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    for package in KERNEL_PACKAGES:  # they stayed absent while the copies ran
+        assert importlib.util.find_spec(package) is None, package
+        with pytest.raises(ImportError):
+            importlib.import_module(package)
 
 
 def test_no_fake_outlives_its_test():

@@ -93,7 +93,7 @@ def test_a_gated_deltanet_hybrid_benches_on_megatron_0_19_2_or_is_refused_naming
     (its GDN layers could not be shared)."""
     import importlib.util
 
-    from prefix_sharing.megatron_ext.layer_specs import serves_gated_delta_net
+    from prefix_sharing.megatron_ext.stock_gdn import serves_gated_delta_net
 
     prompt = list(range(1, 21))
     sequences = [prompt + [30, 31, 32, 33] + tail for tail in ([40, 41], [50, 51, 52], [])]

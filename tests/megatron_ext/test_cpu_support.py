@@ -217,3 +217,22 @@ def test_hang_is_ended_by_timeout() -> None:
         run_distributed(_sleep_forever, 1, timeout=1)
     assert time.monotonic() - start < 30
     assert not multiprocessing.active_children()
+
+
+def test_a_gpu_user_s_imports_leave_the_cpu_support_out() -> None:
+    """The layer specs, core attention, spec surgery and GDN mixer a GPU process imports do not
+    import this module: only :func:`enable_cpu_megatron` registers its GDN redirections."""
+    code = textwrap.dedent("""
+        import importlib, sys
+        import prefix_sharing.megatron_ext
+        for name in ("spec_surgery", "stock_gdn", "core_attention", "layer_specs", "hybrid",
+                     "gated_delta_net"):
+            try:
+                importlib.import_module(f"prefix_sharing.megatron_ext.{name}")
+            except ImportError:  # the hybrid stack (0.18+) and the GDN mixer (0.19.2)
+                pass
+        print("prefix_sharing.megatron_ext.cpu_support" in sys.modules)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

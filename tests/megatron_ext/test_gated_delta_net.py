@@ -27,7 +27,7 @@ import torch
 
 from prefix_sharing import PrefixSharingConfig
 from prefix_sharing.equivalence import FP32_RTOL, Comparison, within_tolerance
-from prefix_sharing.megatron_ext.layer_specs import serves_gated_delta_net
+from prefix_sharing.megatron_ext.stock_gdn import serves_gated_delta_net
 
 from ._distributed import run_distributed
 from ._equivalence import SHARE_EVERY_PREFIX, WORKLOADS
@@ -80,7 +80,7 @@ def test_a_gpt_layer_list_with_gdn_layers_gets_the_sharing_mixer_and_attention()
 
     from prefix_sharing.megatron_ext import PrefixSharingSelfAttention, with_prefix_sharing
     from prefix_sharing.megatron_ext.gated_delta_net import PrefixSharingGatedDeltaNet
-    from prefix_sharing.megatron_ext.layer_specs import gdn_layer_spec
+    from prefix_sharing.megatron_ext.stock_gdn import gdn_layer_spec
 
     attention = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
     gdn = gdn_layer_spec(attention.submodules.input_layernorm)
@@ -95,7 +95,7 @@ def test_other_releases_refuse_a_gdn_layer_naming_the_release_that_works():
     from megatron.core.models.gpt import gpt_layer_specs
 
     from prefix_sharing.megatron_ext import UnsupportedSpecError, with_prefix_sharing
-    from prefix_sharing.megatron_ext.layer_specs import gdn_layer_spec
+    from prefix_sharing.megatron_ext.stock_gdn import gdn_layer_spec
 
     attention = gpt_layer_specs.get_gpt_layer_local_spec()
     with pytest.raises(UnsupportedSpecError,

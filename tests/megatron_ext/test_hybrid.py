@@ -59,7 +59,7 @@ def _release_symbols() -> set[str]:
 
     slots = {field.name for field in dataclasses.fields(HybridStackSubmodules)}
     symbols = {SLOT_SYMBOLS[s] for s in slots if SLOT_SYMBOLS.get(s) in REFUSED} | {"/"}
-    from prefix_sharing.megatron_ext.layer_specs import serves_gated_delta_net
+    from prefix_sharing.megatron_ext.stock_gdn import serves_gated_delta_net
 
     if serves_gated_delta_net():
         symbols.discard("G")  # 0.19.2: shared (tests/megatron_ext/test_gated_delta_net.py)

@@ -36,7 +36,7 @@ def test_stock_recurrent_mixers_are_named(module, name):
 
 
 def test_the_sharing_gated_delta_net_passes():
-    from prefix_sharing.megatron_ext.layer_specs import serves_gated_delta_net
+    from prefix_sharing.megatron_ext.stock_gdn import serves_gated_delta_net
 
     if not serves_gated_delta_net():
         pytest.skip("the sharing GDN mixer needs megatron-core 0.19.2")

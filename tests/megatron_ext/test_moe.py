@@ -25,7 +25,7 @@ import torch
 from prefix_sharing import PrefixSharingConfig, build_plan
 from prefix_sharing.engines.megatron import compare, forward_backward, gpt_model
 from prefix_sharing.equivalence import FP32_RTOL, max_rel_diff, same_keys
-from prefix_sharing.megatron_ext.moe import PlainBatchView
+from prefix_sharing.megatron_ext.plain_batch_view import PlainBatchView
 from prefix_sharing.presets import PRESETS, sharp
 from prefix_sharing.workloads import make_workload
 
