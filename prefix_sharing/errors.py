@@ -9,7 +9,7 @@ refuses (:class:`UnsupportedSetup`) is bad input too: the user changes the setti
 
 from __future__ import annotations
 
-__all__ = ["InputError", "MissingPackageError", "UnsupportedSetup"]
+__all__ = ["InputError", "MissingPackageError", "PrefixSharingSetupError", "UnsupportedSetup"]
 
 
 class InputError(ValueError):
@@ -26,3 +26,8 @@ class UnsupportedSetup(InputError):
     the message names the setting and what to use instead. Megatron's refusals raise
     :class:`prefix_sharing.megatron_ext.UnsupportedSetupError`, which is also a
     ``RuntimeError``."""
+
+
+class PrefixSharingSetupError(UnsupportedSetup):
+    """A verl engine or trainer setting that prefix sharing cannot run with (raised by
+    :mod:`prefix_sharing.verl_ext`; bad input: a ``ValueError``)."""

@@ -43,8 +43,6 @@ from .spec_surgery import (
     sharing_gdn_layer,
     sharing_router_mlp,
 )
-# verl_ext.hybrid reads the release check here; its home is .stock_gdn
-from .stock_gdn import GDN_NOT_SERVED, serves_gated_delta_net  # noqa: F401
 
 __all__ = [
     "UnsupportedSpecError",

@@ -19,15 +19,30 @@ reaches the engine, which is verl's own (:mod:`.switched_off`).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from types import ModuleType
 from typing import Any, Dict, Optional
 
 from ..config import PrefixSharingConfig
 
-__all__ = ["accept_prefix_grouper", "sharing_config", "ATTRIBUTE"]
+__all__ = ["accept_prefix_grouper", "announce", "sharing_config", "ATTRIBUTE"]
 
 # Where the validated config rides on verl's engine config (an attribute, not a field).
 ATTRIBUTE = "prefix_sharing"
+
+logger = logging.getLogger(__name__)
+
+_announced = False
+
+
+def announce(class_name: str) -> None:
+    """Logs, once per process, that a config asked for sharing and the environment said no."""
+    global _announced
+    if not _announced:
+        _announced = True
+        logger.warning("prefix-sharing: switched off by ENABLE_PREFIX_SHARING=0: %s asks for it "
+                       "(use_prefix_grouper / prefix_grouper); verl runs its stock computation",
+                       class_name)
 
 
 def accept_prefix_grouper(module: ModuleType, class_name: str, *, enabled: bool = True) -> None:
@@ -45,7 +60,6 @@ def accept_prefix_grouper(module: ModuleType, class_name: str, *, enabled: bool 
         if enabled:
             setattr(self.engine, ATTRIBUTE, requested)
         elif requested.enabled:
-            from .switched_off import announce
             announce(class_name)
 
     namespace = {

@@ -5,7 +5,7 @@ verl's FSDP engine serves these models through the HuggingFace shim
 (:mod:`prefix_sharing.fsdp_compat.gated_deltanet`) on any release. Its Megatron engine builds
 megatron's ``GatedDeltaNet`` layers, which the sharing layer spec can replace only on
 megatron-core 0.19.2 (0.16.1 and 0.17.1 have no packed path; see
-:data:`prefix_sharing.megatron_ext.layer_specs.GDN_NOT_SERVED`). The spec swap would refuse too,
+:data:`prefix_sharing.megatron_ext.stock_gdn.GDN_NOT_SERVED`). The spec swap would refuse too,
 but only once verl's bridge builds the model; :func:`check_hybrid_release` refuses at engine
 construction, from the model's HF config, with the release that works.
 """
@@ -41,7 +41,7 @@ def check_hybrid_release(model_config: Any) -> None:
     sharing can serve; a no-op otherwise."""
     if not is_gdn_hybrid(getattr(model_config, "hf_config", None)):
         return
-    from ..megatron_ext.layer_specs import GDN_NOT_SERVED, serves_gated_delta_net
+    from ..megatron_ext.stock_gdn import GDN_NOT_SERVED, serves_gated_delta_net
     from ..megatron_ext.release import installed_release
 
     if serves_gated_delta_net():

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ..config import PrefixSharingConfig
-from ..errors import UnsupportedSetup
+from ..errors import PrefixSharingSetupError
 from ..planner import PromptGroup, prompt_groups
 from .routing_replay import (RouteRecorder, check_padded_statistics, replay_mode_problems,
                              router_action)
@@ -39,10 +39,6 @@ __all__ = [
     "prompt_lengths",
     "shared_forward",
 ]
-
-
-class PrefixSharingSetupError(UnsupportedSetup):
-    """An engine setting that prefix sharing cannot run with (bad input: a ``ValueError``)."""
 
 
 def check_engine_setup(engine_config: Any, model_config: Any | None = None) -> None:

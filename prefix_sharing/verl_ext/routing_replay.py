@@ -37,6 +37,8 @@ from typing import Any
 
 import torch
 
+from ..errors import PrefixSharingSetupError
+
 __all__ = ["replay_mode_problems", "micro_batch_routes", "router_action",
            "check_padded_statistics", "RouteRecorder"]
 
@@ -74,7 +76,6 @@ def check_padded_statistics(model: Any) -> None:
     exact.
     """
     from ..megatron_ext.moe import PrefixSharingRouter
-    from .mcore import PrefixSharingSetupError
 
     for module in model.modules():
         if (isinstance(module, PrefixSharingRouter) and module.keeps_statistics()
@@ -91,7 +92,6 @@ def micro_batch_routes(batch: Any, mode: str) -> list[torch.Tensor] | None:
     """The micro-batch's routes as the plan takes them, one ``[tokens, layers, topk]`` int64
     tensor per sample (``-1`` where verl routes natively), or None when ``mode`` replays
     nothing or (``R2``) the batch has none yet: its recording forward."""
-    from .mcore import PrefixSharingSetupError
 
     if mode not in ("R2", "R3"):
         return None

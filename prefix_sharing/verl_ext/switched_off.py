@@ -8,7 +8,7 @@ patched then; each patch set's ``off_hooks`` (:func:`off_hooks`) apply only:
 - ``verl.workers.config.actor``: the actor-config class accepts and validates
   ``prefix_grouper`` but hands nothing to the engine (:func:`.config.accept_prefix_grouper`
   with ``enabled=False``); verl's engine then never sees it. The first such config in a
-  process logs one line (:func:`announce`);
+  process logs one line (:func:`.config.announce`);
 - ``verl.trainer.ppo.ray_trainer`` (:func:`stock_balancing`): verl's legacy trainer reads
   ``use_prefix_grouper`` itself, to balance data-parallel ranks by uid group and keep each
   rank's samples in that order (verl 0.8.0's trainer; 0.9.1's default ``use_v1`` trainer does
@@ -21,29 +21,14 @@ patched then; each patch set's ``off_hooks`` (:func:`off_hooks`) apply only:
 from __future__ import annotations
 
 import functools
-import logging
 from types import ModuleType
 
 from .config import accept_prefix_grouper
 from .patchsets import Hook
 
-__all__ = ["announce", "stock_balancing", "off_hooks", "TRAINER_MODULE"]
-
-logger = logging.getLogger(__name__)
+__all__ = ["stock_balancing", "off_hooks", "TRAINER_MODULE"]
 
 TRAINER_MODULE = "verl.trainer.ppo.ray_trainer"
-
-_announced = False
-
-
-def announce(class_name: str) -> None:
-    """Logs, once per process, that a config asked for sharing and the environment said no."""
-    global _announced
-    if not _announced:
-        _announced = True
-        logger.warning("prefix-sharing: switched off by ENABLE_PREFIX_SHARING=0: %s asks for it "
-                       "(use_prefix_grouper / prefix_grouper); verl runs its stock computation",
-                       class_name)
 
 
 def stock_balancing(module: ModuleType) -> None:

@@ -17,7 +17,7 @@ require_verl(("0.9.1", "0.8.0"))
 
 import transformers  # noqa: E402
 
-from prefix_sharing.megatron_ext.layer_specs import serves_gated_delta_net  # noqa: E402
+from prefix_sharing.megatron_ext.stock_gdn import serves_gated_delta_net  # noqa: E402
 from prefix_sharing.verl_ext.hybrid import check_hybrid_release, is_gdn_hybrid  # noqa: E402
 from prefix_sharing.verl_ext.mcore import PrefixSharingSetupError  # noqa: E402
 from tests.verl_ext._compare import MODES  # noqa: E402

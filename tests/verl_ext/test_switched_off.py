@@ -39,7 +39,7 @@ def _job(rank: int) -> dict:
     records = []
     handler = logging.Handler()
     handler.emit = records.append
-    logging.getLogger("prefix_sharing.verl_ext.switched_off").addHandler(handler)
+    logging.getLogger("prefix_sharing.verl_ext.config").addHandler(handler)
     results = run(rank, WORKLOADS, {"without keys": None, "with keys": QUICK_START})
 
     from verl.workers.engine.base import EngineRegistry
