@@ -102,17 +102,7 @@ def patch_legacy_balancing(module: ModuleType) -> None:
     0.9's ``use_v1: false``) partitions with sharing on. Idempotent."""
     import torch
 
-    trainer = module.RayPPOTrainer
-    stock = trainer._balance_batch
-    if getattr(stock, "_prefix_sharing_balancing", False):
-        return
-
-    @functools.wraps(stock)
-    def _balance_batch(self, batch, metrics, logging_prefix="global_seqlen",
-                       keep_minibatch=False):
-        sharing = trainer_sharing(self.config)
-        if sharing is None:
-            return stock(self, batch, metrics, logging_prefix, keep_minibatch)
+    def balance(self, sharing, batch, metrics, logging_prefix):
         dp_size = self._get_dp_size(self.actor_rollout_wg, "actor")
         input_ids, attention_mask = batch.batch["input_ids"], batch.batch["attention_mask"]
         sequences = [ids[mask.bool()] for ids, mask in zip(input_ids, attention_mask)]
@@ -126,8 +116,7 @@ def patch_legacy_balancing(module: ModuleType) -> None:
         batch.reorder(torch.tensor(partition.order))
         metrics.update(balance_metrics(partition, [len(s) for s in sequences], logging_prefix))
 
-    _balance_batch._prefix_sharing_balancing = True
-    trainer._balance_batch = _balance_batch
+    _replace_balancing(module.RayPPOTrainer, balance)
 
 
 def patch_v1_balancing(module: ModuleType) -> None:
@@ -138,17 +127,7 @@ def patch_v1_balancing(module: ModuleType) -> None:
     tags. Idempotent."""
     from verl.utils import tensordict_utils as tu
 
-    trainer = module.PPOTrainer
-    stock = trainer._balance_batch
-    if getattr(stock, "_prefix_sharing_balancing", False):
-        return
-
-    @functools.wraps(stock)
-    def _balance_batch(self, batch, metrics, logging_prefix="global_seqlen",
-                       keep_minibatch=False):
-        sharing = trainer_sharing(self.config)
-        if sharing is None:
-            return stock(self, batch, metrics, logging_prefix, keep_minibatch)
+    def balance(self, sharing, batch, metrics, logging_prefix):
         dp_size = _actor_dp_size(self.actor_rollout_wg)
         batch = module.upsample_batch_to_divisible_size(
             batch, self._get_required_batch_multiple(dp_size), self.tokenizer.eos_token_id)
@@ -166,6 +145,25 @@ def patch_v1_balancing(module: ModuleType) -> None:
         batch.reorder(partition.order)
         metrics.update(balance_metrics(partition, seq_lens, logging_prefix))
         return batch
+
+    _replace_balancing(module.PPOTrainer, balance)
+
+
+def _replace_balancing(trainer: type, balance: Any) -> None:
+    """Wraps ``trainer._balance_batch`` (once): with sharing on (:func:`trainer_sharing`) it
+    runs ``balance(self, sharing, batch, metrics, logging_prefix)`` instead; otherwise verl's
+    own, untouched."""
+    stock = trainer._balance_batch
+    if getattr(stock, "_prefix_sharing_balancing", False):
+        return
+
+    @functools.wraps(stock)
+    def _balance_batch(self, batch, metrics, logging_prefix="global_seqlen",
+                       keep_minibatch=False):
+        sharing = trainer_sharing(self.config)
+        if sharing is None:
+            return stock(self, batch, metrics, logging_prefix, keep_minibatch)
+        return balance(self, sharing, batch, metrics, logging_prefix)
 
     _balance_batch._prefix_sharing_balancing = True
     trainer._balance_batch = _balance_batch
