@@ -38,6 +38,12 @@ class RemoteTraceback(Exception):
         return "\n" + self.args[0]
 
 
+# How often a launch is tried when its TCPStore port was taken meanwhile, and the error that
+# says so in rank 0's traceback.
+PORT_ATTEMPTS = 3
+PORT_TAKEN = "EADDRINUSE"
+
+
 def run_distributed(
     fn: Callable[..., Any],
     world_size: int,
@@ -61,11 +67,28 @@ def run_distributed(
             traceback.
         TimeoutError: the ranks had not all returned after ``timeout`` seconds (a hang); all
             ranks are killed first.
+
+    A launch whose TCPStore port another process took between :func:`free_port` and rank 0's
+    bind is retried on a new port (:data:`PORT_ATTEMPTS` launches in all).
     """
+    payload = pickle.dumps((fn, args))
+    attempts_left = PORT_ATTEMPTS
+    while True:
+        attempts_left -= 1
+        try:
+            return _launch(payload, world_size, free_port(), tp, pp, cp, seed, timeout)
+        except RankError as error:
+            # free_port's port was free when asked, but another process (a second test run, a
+            # CI lane beside this one) bound it before rank 0's TCPStore did: ask again.
+            if PORT_TAKEN not in str(error) or not attempts_left:
+                raise
+
+
+def _launch(payload: bytes, world_size: int, port: int, tp: int, pp: int, cp: int, seed: int,
+            timeout: float) -> list[Any]:
+    """One launch of the ranks on ``port`` (see :func:`run_distributed`)."""
     ctx = mp.get_context("spawn")
     results_queue = ctx.Queue()
-    payload = pickle.dumps((fn, args))
-    port = free_port()
     procs = [
         ctx.Process(
             target=_rank_main,

@@ -1,6 +1,8 @@
-"""How many intra-op threads a spawned rank takes."""
+"""How many intra-op threads a spawned rank takes; a launch whose port was taken is retried."""
 
 from __future__ import annotations
+
+import socket
 
 import pytest
 
@@ -20,3 +22,27 @@ def test_a_rank_takes_its_share_of_the_cores_at_most_omp_num_threads(monkeypatch
     else:
         monkeypatch.setenv("OMP_NUM_THREADS", asked)
     assert launch.rank_threads(world) == expected
+
+
+def _rank_and_world(rank: int, world_size: int) -> tuple[int, int]:
+    return rank, world_size
+
+
+def test_a_launch_whose_port_was_taken_meanwhile_runs_on_another(monkeypatch):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        ports = iter([taken.getsockname()[1], launch.free_port()])
+        asked = []
+        monkeypatch.setattr(launch, "free_port", lambda: asked.append(1) or next(ports))
+        assert launch.run_distributed(_rank_and_world, 1, 1) == [(0, 1)]
+    assert len(asked) == 2
+
+
+def test_a_rank_error_that_is_not_the_port_is_not_retried(monkeypatch):
+    asked, free_port = [], launch.free_port
+    monkeypatch.setattr(launch, "free_port", lambda: asked.append(1) or free_port())
+    with pytest.raises(launch.RankError, match="rank 0 failed"):
+        launch.run_distributed(_rank_and_world, 1)  # world_size missing: a TypeError
+    assert len(asked) == 1
+
