@@ -26,11 +26,16 @@ class InPlaceSwitch:
         is_kind: whether a module is of that kind (stock or switched).
         forward: the sharing subclass's ``forward``.
         marker: the class attribute (``True``) that marks a switched module.
+        method: the method ``forward`` replaces (a VLM's ``get_image_features``).
+        harm: what a stock module left in a sharing model would do, for the refusal.
     """
 
     def __init__(self, kind: str, is_kind: Callable[[torch.nn.Module], bool],
-                 forward: Callable[..., torch.Tensor], marker: str) -> None:
+                 forward: Callable[..., object], marker: str, method: str = "forward",
+                 harm: str = "would carry one sequence's state into the next on the flat "
+                             "layout") -> None:
         self.kind, self.is_kind, self.forward, self.marker = kind, is_kind, forward, marker
+        self.method, self.harm = method, harm
         self._classes: dict[type, type] = {}
 
     def is_switched(self, module: torch.nn.Module) -> bool:
@@ -43,7 +48,7 @@ class InPlaceSwitch:
         stock = type(module)
         if stock not in self._classes:
             self._classes[stock] = type(f"PrefixSharing{stock.__name__}", (stock,),
-                                        {"forward": self.forward, self.marker: True,
+                                        {self.method: self.forward, self.marker: True,
                                          "__module__": self.forward.__module__})
         module.__class__ = self._classes[stock]
         return True
@@ -55,5 +60,5 @@ class InPlaceSwitch:
         if stock:
             shown = ", ".join(stock[:3]) + (", ..." if len(stock) > 3 else "")
             raise UnsupportedSetup(
-                f"stock {self.kind} ({shown}) would carry one sequence's state into the next on "
-                "the flat layout: call enable_prefix_sharing(model) after the model is complete")
+                f"stock {self.kind} ({shown}) {self.harm}: call enable_prefix_sharing(model) "
+                "after the model is complete")

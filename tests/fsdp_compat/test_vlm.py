@@ -1,0 +1,140 @@
+"""Vision-language checkpoints (Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE)
+through the sharing forward equal transformers' own model run sequence by sequence (eager,
+float64: within 1e-5 relative; the rotary tables are float32 in transformers, so the runs agree
+to ~1e-6, not 1e-15): logits, log-probs, entropy, loss and every gradient, the vision tower's
+included. Text-only batches, a GRPO group sharing its image, token-identical prompts over
+different images, and a multi-turn tree with images in the shared turns and in the tails."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prefix_sharing.equivalence import within_tolerance
+from prefix_sharing.fsdp_compat import VLM_FAMILIES, shared_forward
+from prefix_sharing.planner import build_plan
+from prefix_sharing.workloads import make_workload
+
+from ._models import EVERY_PREFIX
+from ._vlm import TEXT_VOCAB, Batch, compare, vlm_models
+
+
+def _passes(comparison) -> bool:
+    return all(within_tolerance(comparison).values())
+
+
+def _text_batch(config, workload: str) -> Batch:
+    batch = Batch(config)
+    batch.sequences = make_workload(workload, vocab_size=TEXT_VOCAB).sequences
+    batch.mm = [None] * len(batch.sequences)
+    return batch
+
+
+@pytest.mark.parametrize("family, workload", [(f, "tree") for f in VLM_FAMILIES] + [
+    ("qwen2_5_vl", "grpo"), ("qwen2_5_vl", "none"), ("qwen3_5", "grpo")])
+def test_text_only_batches(family, workload):
+    plain, shared = vlm_models(family)
+    comparison = compare(plain, shared, _text_batch(plain.config, workload))
+    assert _passes(comparison), comparison.max_rel_diff
+
+
+def test_the_vision_tower_keeps_its_attention():
+    plain, shared = vlm_models("qwen2_5_vl")
+    assert shared.config.text_config._attn_implementation == "prefix_sharing"
+    assert shared.config.vision_config._attn_implementation == "eager"
+
+
+def grpo_image_batch(config) -> Batch:
+    """One prompt with one image, four responses."""
+    batch = Batch(config)
+    image = batch.image()
+    prompt = torch.cat([batch.text(5), batch.placeholders(image), batch.text(3)])
+    for k in range(4):
+        batch.add([prompt, batch.text(3 + k)], [image])
+    return batch
+
+
+@pytest.mark.parametrize("family", VLM_FAMILIES)
+def test_a_group_shares_its_image(family):
+    plain, shared = vlm_models(family)
+    batch = grpo_image_batch(plain.config)
+    out = shared_forward(shared, batch.sequences, EVERY_PREFIX, multi_modal_inputs=batch.mm)
+    prompt_len = 5 + 6 + 3
+    assert sorted(out.plan.prefix_lens) == [0] + [prompt_len] * 3
+    assert (out.images.images_total, out.images.images_computed) == (4, 1)
+    comparison = compare(plain, shared, batch)
+    assert _passes(comparison), comparison.max_rel_diff
+
+
+def two_groups(config) -> tuple[Batch, list[dict]]:
+    """Two groups with token-identical prompts over different images (of one grid), and the
+    first group's images for every sequence (what sharing them would assume)."""
+    batch = Batch(config)
+    images = [batch.image(), batch.image()]
+    prompt = torch.cat([batch.text(5), batch.placeholders(images[0]), batch.text(3)])
+    for image in images:
+        for k in range(2):
+            batch.add([prompt, batch.text(3 + k)], [image])
+    return batch, [batch.mm[0]] * len(batch.sequences)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_token_identical_prompts_over_different_images_do_not_share(family):
+    plain, shared = vlm_models(family)
+    batch, forced = two_groups(plain.config)
+    out = shared_forward(shared, batch.sequences, EVERY_PREFIX, multi_modal_inputs=batch.mm)
+    # within a group: the whole prompt; across: the text before the first image token
+    assert sorted(out.plan.prefix_lens) == [0, 6, 14, 14]
+    assert out.images.images_computed == 2
+    comparison = compare(plain, shared, batch)
+    assert _passes(comparison), comparison.max_rel_diff
+    # the control: sharing the first group's image with the second group must fail
+    control = compare(plain, shared, batch, shared_mm=forced)
+    assert not _passes(control), control.max_rel_diff
+
+
+def multi_turn_tree(config) -> Batch:
+    """A shared first turn with a screenshot; branches whose second turn holds the same or a
+    new screenshot (in the tail), one a strict prefix, one a duplicate, one text-only."""
+    batch = Batch(config)
+    first, second, third = batch.image(), batch.image(4, 6), batch.image()
+    turn1 = torch.cat([batch.text(4), batch.placeholders(first), batch.text(3)])
+    lead, after = batch.text(2), batch.text(2)
+    turn2 = torch.cat([lead, batch.placeholders(second), after])
+    turn2b = torch.cat([lead, batch.placeholders(third), after])
+    reply = batch.text(3)
+    batch.add([turn1, turn2, reply], [first, second])
+    batch.add([turn1, turn2, batch.text(4)], [first, second])  # shares both screenshots
+    batch.add([turn1, turn2b, reply], [first, third])  # a new screenshot in its tail
+    batch.add([turn1, turn2], [first, second])  # a strict prefix
+    batch.add([turn1, turn2, reply], [first, second])  # a duplicate
+    batch.add([batch.text(9)], [])
+    return batch
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
+def test_a_multi_turn_tree_with_screenshots(family):
+    plain, shared = vlm_models(family)
+    batch = multi_turn_tree(plain.config)
+    out = shared_forward(shared, batch.sequences, EVERY_PREFIX, multi_modal_inputs=batch.mm)
+    assert (out.images.images_total, out.images.images_computed) == (10, 3)
+    turn1, turn2 = 4 + 6 + 3, 2 + 8 + 2
+    # one provider; the other reply: both screenshots; the new screenshot's branch: up to its
+    # vision start; the strict prefix and the duplicate: all of theirs; the text-only: nothing
+    assert out.plan.prefix_lens[2] == turn1 + 3
+    assert sorted(out.plan.prefix_lens) == sorted(
+        [0, turn1 + turn2, turn1 + 3, turn1 + turn2, turn1 + turn2 + 3, 0])
+    comparison = compare(plain, shared, batch)
+    assert _passes(comparison), comparison.max_rel_diff
+
+
+def test_prompt_only_groups_stop_at_a_different_image():
+    plain, shared = vlm_models("qwen2_5_vl")
+    batch, _ = two_groups(plain.config)
+    config = EVERY_PREFIX.__class__(mode="prompt_only", min_prefix_len=1)
+    groups = [(14, [0, 1, 2, 3])]  # one group over both images: shares the text before them
+    out = shared_forward(shared, batch.sequences, config, groups=groups,
+                         multi_modal_inputs=batch.mm)
+    assert out.plan.prefix_lens == (0, 14, 6, 6)
+    weights_free = build_plan(batch.sequences, config, groups=groups)  # tokens alone
+    assert weights_free.prefix_lens == (0, 14, 14, 14)
