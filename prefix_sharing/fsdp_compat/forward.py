@@ -76,6 +76,16 @@ class SharedForward:
     response: ResponseRows | None = None
     images: VisionBatch | None = None
 
+    def metrics(self, prefix: str = "prefix_sharing/") -> dict[str, float]:
+        """The micro-batch's counts, to log: tokens of the plain forward and computed here,
+        and for a VLM micro-batch with images its images and image tokens (see
+        :meth:`~prefix_sharing.fsdp_compat.vision.VisionBatch.metrics`)."""
+        out = {f"{prefix}tokens_total": float(self.plan.num_tokens_total),
+               f"{prefix}tokens_computed": float(self.plan.num_tokens_unique)}
+        if self.images is not None:
+            out.update(self.images.metrics(self.plan, prefix))
+        return out
+
 
 def model_kwargs(plan: SharingPlan, backend: str = "auto") -> dict:
     """The keywords a model switched by :func:`enable_prefix_sharing` needs for ``plan``.

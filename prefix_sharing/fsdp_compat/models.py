@@ -23,7 +23,7 @@ from ..errors import InputError, MissingPackageError
 from ..presets import ModelPreset
 from .gated_deltanet import HYBRID_FAMILIES, check_recurrent_layers
 from .mamba2 import MAMBA_HYBRID_FAMILIES
-from .vlm import TEXT_FAMILY, VLM_FAMILIES, is_vlm, text_config, vlm_config
+from .vlm import TEXT_FAMILY, VLM_FAMILIES, check_release, is_vlm, text_config, vlm_config
 
 __all__ = ["ATTENTION_FAMILIES", "FAMILIES", "HYBRID_FAMILIES", "MAMBA_HYBRID_FAMILIES",
            "VLM_FAMILIES",
@@ -235,8 +235,9 @@ def check_supported(model: torch.nn.Module) -> None:
     if model_type in _ALIBI_MODEL_TYPES or getattr(config, "alibi", False):
         raise ValueError(f"{model_type} adds alibi position biases to the attention scores; "
                          "prefix sharing covers rotary-position decoders only")
-    if not is_vlm(model) and any(getattr(config, name, None) is not None
-                                 for name in _MULTIMODAL_SUBCONFIGS):
+    if is_vlm(model):
+        check_release(model_type)
+    elif any(getattr(config, name, None) is not None for name in _MULTIMODAL_SUBCONFIGS):
         raise ValueError(f"{model_type} is a multimodal model; prefix sharing covers text-only "
                          f"causal LMs and the vision-language families {', '.join(VLM_FAMILIES)}")
     if getattr(config, "attn_logit_softcapping", None) is not None:

@@ -64,6 +64,17 @@ class VisionBatch:
         """Images the encoder runs on: the distinct ones."""
         return int(self.feature_offsets.numel())
 
+    def metrics(self, plan: SharingPlan, prefix: str = "prefix_sharing/") -> dict[str, float]:
+        """Images and image tokens: what the plain forward encodes and computes, and what
+        ``plan`` does (``vision_images_total`` / ``_computed``, ``vision_tokens_total`` /
+        ``_computed``)."""
+        placeholders = torch.cat(self.tags)[:, 0] > 0
+        rows = plan.kv_index.cpu()[placeholders]
+        return {f"{prefix}vision_images_total": float(self.images_total),
+                f"{prefix}vision_images_computed": float(self.images_computed),
+                f"{prefix}vision_tokens_total": float(rows.numel()),
+                f"{prefix}vision_tokens_computed": float(rows.unique().numel())}
+
 
 def vision_batch(config: object, sequences: Sequence[torch.Tensor],
                  multi_modal_inputs: Sequence[Mapping | None] | None) -> VisionBatch | None:

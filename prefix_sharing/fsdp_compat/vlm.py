@@ -16,16 +16,18 @@ gathers the vision tower's weights there as for any stock call).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from ..errors import MissingPackageError
+from ..errors import MissingPackageError, UnsupportedSetup
 from ..presets import ModelPreset
 from .switch import InPlaceSwitch
 
 __all__ = ["VLM_FAMILIES", "TEXT_FAMILY", "IMAGE_ROWS_KWARG", "is_vlm", "text_config", "vlm_config",
-           "install_sharing_vision", "check_sharing_vision", "inner_model"]
+           "install_sharing_vision", "check_sharing_vision", "check_release", "inner_model",
+           "MIN_TRANSFORMERS"]
 
 # model type -> the text family of the same shape (models.hf_config builds it)
 TEXT_FAMILY = {"qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3", "qwen3_vl_moe": "qwen3_moe",
@@ -34,6 +36,9 @@ VLM_FAMILIES: tuple[str, ...] = tuple(TEXT_FAMILY)
 _CONFIG_CLASSES = {"qwen2_5_vl": "Qwen2_5_VLConfig", "qwen3_vl": "Qwen3VLConfig",
                    "qwen3_vl_moe": "Qwen3VLMoeConfig", "qwen3_5": "Qwen3_5Config",
                    "qwen3_5_moe": "Qwen3_5MoeConfig"}
+# the oldest transformers tested (verl 0.9.1's); 4.x's get_rope_index reads the placeholders
+# itself and its configs file mrope under rope_scaling
+MIN_TRANSFORMERS = (5, 10)
 IMAGE_ROWS_KWARG = "sharing_image_rows"  # forward keyword: feature row of each placeholder row
 # the top ids of the vocabulary: image, video, vision start, vision end
 _SPECIAL_IDS = ("image_token_id", "video_token_id", "vision_start_token_id",
@@ -44,6 +49,18 @@ def is_vlm(model_or_config: Any) -> bool:
     """Whether a model (or config) is one of the :data:`VLM_FAMILIES`."""
     config = getattr(model_or_config, "config", model_or_config)
     return getattr(config, "model_type", None) in TEXT_FAMILY
+
+
+def check_release(model_type: str) -> None:
+    """Refuses a vision-language model on a transformers older than :data:`MIN_TRANSFORMERS`."""
+    import transformers
+
+    release = tuple(int(part) for part in transformers.__version__.split(".")[:2])
+    if release < MIN_TRANSFORMERS:
+        raise UnsupportedSetup(
+            f"{model_type} needs transformers >= {'.'.join(map(str, MIN_TRANSFORMERS))} for "
+            f"prefix sharing (installed: {transformers.__version__}; tested on 5.10 and 5.24): "
+            "pip install -U transformers, or train the text model")
 
 
 def text_config(config: Any) -> Any:
@@ -64,6 +81,7 @@ def vlm_config(family: str, preset: ModelPreset, text_model: Any, **overrides: A
     image / video / vision-start / vision-end ids are the vocabulary's last four."""
     import transformers
 
+    check_release(family)
     name = _CONFIG_CLASSES[family]
     if not hasattr(transformers, name):
         raise MissingPackageError(f"{family} needs a transformers release with {name} "
@@ -122,11 +140,19 @@ def _sharing_get_image_features(self: torch.nn.Module, pixel_values: torch.Tenso
     out = super(type(self), self).get_image_features(pixel_values, image_grid_thw, **kwargs)
     if rows is None:
         return out
-    out.pooler_output = (torch.cat(out.pooler_output).index_select(0, rows),)
-    if getattr(out, "deepstack_features", None) is not None:  # Qwen3-VL: one list per level
-        out.deepstack_features = [(torch.cat(level).index_select(0, rows),)
-                                  for level in out.deepstack_features]
+    out.pooler_output = _gathered(out.pooler_output, rows)
+    if getattr(out, "deepstack_features", None) is not None:  # Qwen3-VL: one entry per level
+        out.deepstack_features = [_gathered(level, rows) for level in out.deepstack_features]
     return out
+
+
+def _gathered(features: torch.Tensor | Sequence[torch.Tensor],
+              rows: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor]:
+    """``rows`` of ``features``, in its form: per-image pieces (one piece back) or one tensor
+    (transformers 5.10's deepstack levels)."""
+    if isinstance(features, torch.Tensor):
+        return features.index_select(0, rows)
+    return (torch.cat(list(features)).index_select(0, rows),)
 
 
 _VISION = InPlaceSwitch("VLM image-feature models", lambda m: hasattr(m, "get_image_features")

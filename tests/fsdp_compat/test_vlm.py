@@ -9,14 +9,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 from prefix_sharing.equivalence import within_tolerance
 from prefix_sharing.fsdp_compat import VLM_FAMILIES, shared_forward
+from prefix_sharing.fsdp_compat.vlm import MIN_TRANSFORMERS
 from prefix_sharing.planner import build_plan
 from prefix_sharing.workloads import make_workload
 
 from ._models import EVERY_PREFIX
 from ._vlm import TEXT_VOCAB, Batch, compare, vlm_models
+
+if tuple(int(p) for p in transformers.__version__.split(".")[:2]) < MIN_TRANSFORMERS:
+    pytest.skip(f"vision-language models need transformers >= {MIN_TRANSFORMERS} (their "
+                "refusal below it: test_models.py)", allow_module_level=True)
 
 
 def _passes(comparison) -> bool:
@@ -62,6 +68,12 @@ def test_a_group_shares_its_image(family):
     prompt_len = 5 + 6 + 3
     assert sorted(out.plan.prefix_lens) == [0] + [prompt_len] * 3
     assert (out.images.images_total, out.images.images_computed) == (4, 1)
+    metrics = out.metrics()
+    assert metrics["prefix_sharing/vision_images_total"] == 4
+    assert metrics["prefix_sharing/vision_images_computed"] == 1
+    assert metrics["prefix_sharing/vision_tokens_total"] == 4 * 4  # 4 placeholders per image
+    assert metrics["prefix_sharing/vision_tokens_computed"] == 4
+    assert metrics["prefix_sharing/tokens_total"] == out.plan.num_tokens_total
     comparison = compare(plain, shared, batch)
     assert _passes(comparison), comparison.max_rel_diff
 
@@ -118,6 +130,10 @@ def test_a_multi_turn_tree_with_screenshots(family):
     batch = multi_turn_tree(plain.config)
     out = shared_forward(shared, batch.sequences, EVERY_PREFIX, multi_modal_inputs=batch.mm)
     assert (out.images.images_total, out.images.images_computed) == (10, 3)
+    # placeholders: 4 + 6 per two-screenshot sequence, 4 + 4 on the new-screenshot branch;
+    # computed: the first screenshot, the second, the new one
+    assert out.metrics()["prefix_sharing/vision_tokens_total"] == 4 * 10 + 8
+    assert out.metrics()["prefix_sharing/vision_tokens_computed"] == 4 + 6 + 4
     turn1, turn2 = 4 + 6 + 3, 2 + 8 + 2
     # one provider; the other reply: both screenshots; the new screenshot's branch: up to its
     # vision start; the strict prefix and the duplicate: all of theirs; the text-only: nothing

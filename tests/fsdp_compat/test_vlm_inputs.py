@@ -4,15 +4,21 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 from prefix_sharing.errors import InputError, UnsupportedSetup
 from prefix_sharing.fsdp_compat import shared_forward
 from prefix_sharing.fsdp_compat.mrope import flat_positions
+from prefix_sharing.fsdp_compat.vlm import MIN_TRANSFORMERS
 from prefix_sharing.planner import build_plan
 
 from ._models import EVERY_PREFIX, plain_and_shared
 from ._vlm import Batch, vlm_models
 from .test_vlm import grpo_image_batch, two_groups
+
+if tuple(int(p) for p in transformers.__version__.split(".")[:2]) < MIN_TRANSFORMERS:
+    pytest.skip(f"vision-language models need transformers >= {MIN_TRANSFORMERS} (their "
+                "refusal below it: test_models.py)", allow_module_level=True)
 
 
 @pytest.fixture(scope="module")
