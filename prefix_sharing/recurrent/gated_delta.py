@@ -22,12 +22,12 @@ the whole forest of pieces (:mod:`.forest`); and one convolution.
 from __future__ import annotations
 
 import importlib.util
-import weakref
 from collections.abc import Sequence
 
 import torch
 
 from ..errors import InputError, MissingPackageError
+from ..memo import derived
 from . import fla_kernels, torch_kernels
 from .forest import ForestLayout, gated_delta_rule_forest
 from .schedule import RecurrenceSchedule
@@ -158,18 +158,16 @@ def gated_delta_rule_over_schedule(
     return out if schedule.inverse_order is None else out.index_select(0, schedule.inverse_order)
 
 
-_FOREST_LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def forest_layout(schedule: RecurrenceSchedule, device: torch.device,
                   chunk_size: int = torch_kernels.CHUNK_SIZE) -> ForestLayout:
-    """The torch backend's chunk layout of ``schedule``, built on first use and then read by
-    every layer of the micro-batch."""
-    layout = _FOREST_LAYOUTS.get(schedule)
-    if layout is None:
-        layout = _FOREST_LAYOUTS[schedule] = ForestLayout(schedule.pieces, schedule.num_rows,
-                                                          chunk_size, device)
-    return layout
+    """The torch backend's chunk layout of ``schedule``, built on first use (per device and
+    chunk size) and then read by every layer of the micro-batch (:mod:`prefix_sharing.memo`)."""
+    return derived(schedule, _build_forest_layout, device, chunk_size)
+
+
+def _build_forest_layout(schedule: RecurrenceSchedule, device: torch.device,
+                         chunk_size: int) -> ForestLayout:
+    return ForestLayout(schedule.pieces, schedule.num_rows, chunk_size, device)
 
 
 def causal_conv1d(
