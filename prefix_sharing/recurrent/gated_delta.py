@@ -21,12 +21,12 @@ the whole forest of pieces (:mod:`.forest`); and one convolution.
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Sequence
 
 import torch
 
-from ..errors import InputError, MissingPackageError
+from ..errors import InputError
+from ..kernel_backends import KernelBackends, Package
 from ..memo import derived
 from . import fla_kernels, torch_kernels
 from .forest import ForestLayout, gated_delta_rule_forest
@@ -35,7 +35,13 @@ from .schedule import RecurrenceSchedule
 __all__ = ["RECURRENT_BACKENDS", "resolve_recurrent_backend", "chunk_gated_delta_rule",
            "gated_delta_rule_over_schedule", "causal_conv1d", "causal_conv1d_over_schedule"]
 
-RECURRENT_BACKENDS = ("torch", "fla")
+_BACKENDS = KernelBackends(
+    kind="recurrent-kernel backend",
+    packages={"torch": None,
+              "fla": Package("fla", "flash-linear-attention", "pip install fla-core")},
+    auto={"cuda": ("fla",)},
+)
+RECURRENT_BACKENDS = tuple(_BACKENDS.packages)
 
 
 def resolve_recurrent_backend(name: str, device: torch.device) -> str:
@@ -44,19 +50,9 @@ def resolve_recurrent_backend(name: str, device: torch.device) -> str:
     Raises:
         InputError: an unknown name; MissingPackageError: ``"fla"`` without ``fla-core``.
     """
-    if name == "auto":
-        return "fla" if device.type == "cuda" and _fla_installed() else "torch"
-    if name not in RECURRENT_BACKENDS:
-        raise InputError(f"unknown recurrent-kernel backend {name!r}; choose from auto, "
-                         f"{', '.join(RECURRENT_BACKENDS)}")
-    if name == "fla" and not _fla_installed():
-        raise MissingPackageError("the 'fla' recurrent backend needs flash-linear-attention "
-                                  "(pip install fla-core), or choose backend='torch'")
-    return name
-
-
-def _fla_installed() -> bool:
-    return importlib.util.find_spec("fla") is not None
+    resolved = _BACKENDS.resolve(name, device)
+    _BACKENDS.require(resolved)
+    return resolved
 
 
 def chunk_gated_delta_rule(
