@@ -78,10 +78,12 @@ class KernelBackends:
         return name
 
     def computes_in(self, name: str, dtype: torch.dtype | None) -> bool:
+        """Whether backend ``name`` has a kernel for inputs of ``dtype`` (``None``: any)."""
         kinds = self.dtypes.get(name)
         return dtype is None or kinds is None or dtype in kinds
 
     def installed(self, name: str) -> bool:
+        """Whether ``name``'s package can be imported (looked up, not imported)."""
         package = self.packages[name]
         return package is None or importlib.util.find_spec(package.name) is not None
 
