@@ -256,8 +256,9 @@ def machine_text(machine: str | dict) -> str:
 
 def markdown_table(table: dict) -> str:
     rule = "|" + "|".join("---:" if align == "right" else "---" for align in table["align"]) + "|"
-    line = lambda row: "| " + " | ".join(str(cell) for cell in row) + " |"  # noqa: E731
-    return "\n".join([line(table["columns"]), rule, *map(line, table["rows"])])
+    lines = ["| " + " | ".join(str(cell) for cell in row) + " |"
+             for row in [table["columns"], *table["rows"]]]
+    return "\n".join([lines[0], rule, *lines[1:]])
 
 
 def bench_rows(result: dict) -> list[dict]:
@@ -273,7 +274,9 @@ def derived_values(result: dict) -> dict[str, str]:
     tokens, by workload."""
     if not isinstance(result.get("payload"), dict) or "results" not in result["payload"]:
         return {}
-    spread = lambda steps: f"{min(steps):.0f}-{max(steps):.0f}"  # noqa: E731
+    def spread(steps: list[float]) -> str:
+        return f"{min(steps):.0f}-{max(steps):.0f}"
+
     values = {}
     for row in bench_rows(result):
         for field in ("plain_steps_ms", "shared_steps_ms"):
