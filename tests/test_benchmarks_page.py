@@ -42,9 +42,10 @@ page = _load_generator()
 
 @pytest.fixture
 def tree(tmp_path):
-    """A copy of what the generator reads and writes: docs/results, the page, README."""
+    """A copy of what the generator reads and writes: docs/results, the pages, README."""
     shutil.copytree(ROOT / "docs" / "results", tmp_path / "docs" / "results")
-    shutil.copy(ROOT / "docs" / "benchmarks.md", tmp_path / "docs" / "benchmarks.md")
+    for page_path in (ROOT / "docs").glob("*.md"):
+        shutil.copy(page_path, tmp_path / "docs" / page_path.name)
     shutil.copy(ROOT / "README.md", tmp_path / "README.md")
     return tmp_path
 
@@ -55,10 +56,12 @@ def _edit(path: Path, change) -> None:
     path.write_text(json.dumps(result, indent=1) + "\n")
 
 
-def test_the_page_and_the_readme_blocks_are_the_generated_text():
+def test_the_page_and_every_block_are_the_generated_text():
     assert page.stale(ROOT) == [], "run: python scripts/docs/benchmarks_page.py"
     readme = (ROOT / "README.md").read_text()
     assert readme.count(": begin -->") == readme.count(": end -->") == 2
+    generated = set(page.render_all(ROOT))
+    assert {ROOT / "docs/verl.md", ROOT / "docs/megatron-lm.md"} <= generated
     assert (ROOT / "docs" / "benchmarks.md").read_text().startswith(page.GENERATED)
 
 
@@ -101,6 +104,12 @@ def test_the_check_passes_on_a_faithful_copy_and_fails_on_a_modified_result(tree
     rendered = page.render_all(tree)
     assert "| 9.99x |" in rendered[tree / "README.md"]
     assert "| 1.0 |" in rendered[tree / "docs/benchmarks.md"]
+
+
+def test_a_figure_quoted_on_another_page_follows_its_result(tree):
+    _edit(tree / "docs/results/dp_balancing.json", lambda r: r["values"].update(grpo_stock="1.5"))
+    assert page.stale(tree) == [tree / "docs/benchmarks.md", tree / "docs/verl.md"]
+    assert "against\n1.5 under verl's stock balancing" in page.render_all(tree)[tree / "docs/verl.md"]
 
 
 def test_a_result_the_page_does_not_name_is_rendered_under_other_results(tree):

@@ -1,4 +1,4 @@
-"""Renders docs/benchmarks.md and README's figure blocks from the result files in docs/results.
+"""Renders docs/benchmarks.md and the figure blocks of README and other pages from docs/results.
 
 Every measured figure lives in one result file, ``docs/results/<name>.json``, one per measurement
 (a bench run, a trainer run, a memory count...), with what reproduces it and where it ran:
@@ -14,8 +14,12 @@ Every measured figure lives in one result file, ``docs/results/<name>.json``, on
 
 So a new measurement is a data change: ``prefix-sharing bench ... --record docs/results/NAME.json``
 writes (or replaces) a result file, then ``python scripts/docs/benchmarks_page.py`` regenerates
-the page and the README blocks; ``--check`` (run by tests/test_benchmarks_page.py) fails while
+the page and the blocks; ``--check`` (run by tests/test_benchmarks_page.py) fails while
 either is stale. A result the page does not name lands in its "Other results" section.
+
+A figure quoted outside the benchmarks page (README, another docs page) sits in a block between
+``<!-- generated from docs/results/TEMPLATE.md.in: begin -->`` and ``...: end -->``, rendered from
+that template; the pages searched for blocks are README.md and docs/*.md.
 
 Why markdown templates (``docs/results/benchmarks.md.in``, ``readme_*.md.in``) and not section
 text in Python: the page is mostly prose - what a figure means, why it is not higher - which is
@@ -38,7 +42,7 @@ cell is ROW. An unknown name, key or directive is an error, so no placeholder re
 Not covered: prose that summarises ranges of a table (e.g. "0.95-1.01 of the FLOP ratio") is
 prose; re-measuring a result means re-reading the sentences around it.
 
-    python scripts/docs/benchmarks_page.py           # writes docs/benchmarks.md and README.md
+    python scripts/docs/benchmarks_page.py           # writes the page and every block
     python scripts/docs/benchmarks_page.py --check   # exit 1 naming the stale file(s)
 """
 
@@ -108,20 +112,28 @@ def check_result(name: str, result: dict) -> None:
 
 
 def render_all(root: Path = ROOT) -> dict[Path, str]:
-    """The generated text of the benchmarks page and of README.md, by path under ``root``."""
+    """The generated text of the benchmarks page and of every page holding a block (README.md,
+    docs/*.md), by path under ``root``."""
     results = load_results(root)
-    page = GENERATED + "\n" + Renderer(results, "results/").page(
-        (root / PAGE_TEMPLATE).read_text())
-    readme_renderer = Renderer(results, "docs/results/")
+    generated = {root / PAGE: GENERATED + "\n" + Renderer(results, "results/").page(
+        (root / PAGE_TEMPLATE).read_text())}
+    for path in [root / README, *sorted((root / PAGE.parent).glob("*.md"))]:
+        text = path.read_text()
+        if path != root / PAGE and BLOCK.search(text):
+            prefix = "docs/results/" if path.parent == root else "results/"
+            generated[path] = render_blocks(text, Renderer(results, prefix), root)
+    return generated
+
+
+def render_blocks(text: str, renderer: Renderer, root: Path) -> str:
+    """``text`` with each generated block rendered anew from its template."""
 
     def block(match: re.Match) -> str:
-        template = (root / RESULTS / match["template"]).read_text()
-        body = readme_renderer.render(template).rstrip("\n")
+        body = renderer.render((root / RESULTS / match["template"]).read_text()).rstrip("\n")
         return (f"<!-- generated from docs/results/{match['template']}: begin -->\n{body}\n"
                 f"<!-- generated from docs/results/{match['template']}: end -->")
 
-    readme = BLOCK.sub(block, (root / README).read_text())
-    return {root / PAGE: page, root / README: readme}
+    return BLOCK.sub(block, text)
 
 
 def stale(root: Path = ROOT) -> list[Path]:
@@ -331,7 +343,7 @@ VIEWS: dict[str, Callable[..., dict]] = {"gain": gain_view, "peers": peers_view}
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true",
-                        help="write nothing; exit 1 if the page or README is stale")
+                        help="write nothing; exit 1 if a generated page or block is stale")
     args = parser.parse_args(argv)
     if args.check:
         paths = stale()
