@@ -129,6 +129,7 @@ def test_a_result_the_page_does_not_name_is_rendered_under_other_results(tree):
     (lambda r: r["table"]["rows"][1].pop(), "every table row"),
     (lambda r: r.update(versions={"torch": ""}), "versions must map"),
     (lambda r: r.pop("table"), "holds none of"),
+    (lambda r: r["table"].pop("align"), "a table holds columns, align and rows"),
 ])
 def test_a_result_without_provenance_or_with_a_broken_table_is_refused(tree, change, message):
     _edit(tree / "docs/results/planner.json", change)
@@ -141,6 +142,7 @@ def test_a_result_without_provenance_or_with_a_broken_table_is_refused(tree, cha
     ("{{ planner.no_such_value }}", "has no value 'no_such_value'"),
     ("{{ planner[forest].tokens }}", "0 rows start with 'forest'"),
     ("{{ chart planner }}", "unknown directive"),
+    ("a sentence quoting {{ planner }} inline", "is no directive, value or cell"),
 ])
 def test_a_template_naming_what_does_not_exist_fails(tree, line, message):
     template = tree / "docs/results/benchmarks.md.in"

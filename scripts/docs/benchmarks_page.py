@@ -104,6 +104,8 @@ def check_result(name: str, result: dict) -> None:
                           f"{NOT_RECORDED!r}")
     if "table" in result:
         table = result["table"]
+        if not isinstance(table, dict) or {"columns", "align", "rows"} - set(table):
+            raise ResultError(f"result {name}: a table holds columns, align and rows")
         width = len(table["columns"])
         if len(table["align"]) != width or not table["rows"] or any(
                 len(row) != width for row in table["rows"]):
@@ -163,7 +165,11 @@ class Renderer:
             lines.append(self.directive(match[1], match[2].split()) if match else line)
         text = "\n".join(lines)
         text = CELL.sub(lambda m: str(self.cell(m[1], m[2], m[3])), text)
-        return VALUE.sub(lambda m: str(self.value(m[1], m[2])), text)
+        text = VALUE.sub(lambda m: str(self.value(m[1], m[2])), text)
+        left = re.search(r"\{\{.*?\}\}", text)
+        if left:
+            raise ResultError(f"placeholder {left[0]} is no directive, value or cell")
+        return text
 
     def result(self, name: str) -> dict:
         if name not in self.results:
