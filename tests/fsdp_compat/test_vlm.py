@@ -154,3 +154,37 @@ def test_prompt_only_groups_stop_at_a_different_image():
     assert out.plan.prefix_lens == (0, 14, 6, 6)
     weights_free = build_plan(batch.sequences, config, groups=groups)  # tokens alone
     assert weights_free.prefix_lens == (0, 14, 14, 14)
+
+
+def test_response_rows_with_images():
+    """``response_starts`` on an image batch: the LM head on the response rows only gives the
+    full head's response log-probs, entropy and every gradient (vision tower included)."""
+    import copy
+
+    _, full = vlm_models("qwen3_vl")
+    kept = copy.deepcopy(full)
+    batch = grpo_image_batch(full.config)
+    starts = [5 + 6 + 3] * len(batch.sequences)
+
+    def loss(log_probs, entropy):
+        return -(torch.linspace(0.5, 1.5, log_probs.numel(), dtype=log_probs.dtype)
+                 * log_probs).mean() - 0.01 * entropy.mean()
+
+    ref = shared_forward(full, batch.sequences, EVERY_PREFIX, multi_modal_inputs=batch.mm)
+    spans = [slice(s - 1, n) for s, n in zip(starts, ref.plan.seq_lens)]
+    ref_lp = torch.cat([x[sp] for x, sp in zip(ref.plan.split(ref.stats.log_probs), spans)])
+    ref_ent = torch.cat([x[sp] for x, sp in zip(ref.plan.split(ref.stats.entropy), spans)])
+    loss(ref_lp, ref_ent).backward()
+    out = shared_forward(kept, batch.sequences, EVERY_PREFIX, multi_modal_inputs=batch.mm,
+                         response_starts=starts)
+    loss(out.stats.log_probs, out.stats.entropy).backward()
+    assert out.logits.size(0) == out.response.num_tokens_flat < ref.plan.num_tokens_flat
+    torch.testing.assert_close(out.stats.log_probs, ref_lp, rtol=1e-9, atol=1e-10)
+    torch.testing.assert_close(out.stats.entropy, ref_ent, rtol=1e-9, atol=1e-10)
+    grads = 0
+    for (name, p), q in zip(kept.named_parameters(), full.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-9, atol=1e-12, msg=name)
+            grads += name.startswith("model.visual")
+    assert grads > 0  # the vision tower's gradients were compared
