@@ -188,3 +188,17 @@ def test_response_rows_with_images():
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-9, atol=1e-12, msg=name)
             grads += name.startswith("model.visual")
     assert grads > 0  # the vision tower's gradients were compared
+
+
+def test_the_mrope_rows_matter(monkeypatch):
+    """A control: with each token's index in all three rows (the text-only rule) instead of
+    get_rope_index's, the image batch no longer matches transformers."""
+    from prefix_sharing.fsdp_compat import mrope
+
+    plain, shared = vlm_models("qwen2_5_vl")
+    batch = multi_turn_tree(plain.config)
+    assert _passes(compare(plain, shared, batch))
+    monkeypatch.setattr(mrope, "sequence_positions", lambda model, sequences, images: [
+        torch.arange(s.numel())[None].repeat(3, 1) for s in sequences])
+    control = compare(plain, shared, batch)
+    assert not _passes(control), control.max_rel_diff
