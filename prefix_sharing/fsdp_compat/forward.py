@@ -170,9 +170,9 @@ def shared_forward(
     stats = token_log_probs(logits, layout, temperature=temperature, with_entropy=with_entropy)
     aux_loss = None
     if moe:
-        config = text_config(model.config)
-        aux_loss = router_aux_loss(output.router_logits, plan, config.num_experts,
-                                   config.num_experts_per_tok)
+        text = text_config(model.config)
+        aux_loss = router_aux_loss(output.router_logits, plan, text.num_experts,
+                                   text.num_experts_per_tok)
     return SharedForward(plan, logits, stats, aux_loss, response, images)
 
 
