@@ -11,8 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from ..refusals import refuse
 
-from ..errors import UnsupportedSetup
+
 
 __all__ = ["InPlaceSwitch"]
 
@@ -54,6 +55,4 @@ class InPlaceSwitch:
                  if self.is_kind(m) and not self.is_switched(m)]
         if stock:
             shown = ", ".join(stock[:3]) + (", ..." if len(stock) > 3 else "")
-            raise UnsupportedSetup(
-                f"stock {self.kind} ({shown}) would carry one sequence's state into the next on "
-                "the flat layout: call enable_prefix_sharing(model) after the model is complete")
+            raise refuse("hf.stock_recurrent_module", f"stock {self.kind} ({shown})")

@@ -15,12 +15,12 @@ import torch
 
 def verl_release() -> str:
     """``"0.9.1"`` or ``"0.8.0"``: the two releases this shim knows; anything else raises."""
-    from prefix_sharing.errors import UnsupportedSetup
+    from prefix_sharing.refusals import refuse
 
     version = importlib.metadata.version("verl")
     if version not in ("0.9.1", "0.8.0"):
-        raise UnsupportedSetup(
-            f"prefix_sharing.testing.verl_cpu knows verl 0.9.1 and 0.8.0, not {version}")
+        raise refuse("verl.cpu_shim_release", f"verl {version}")
+
     return version
 
 
