@@ -5,7 +5,10 @@
   keys are literal and registered;
 - every registered key is raised somewhere (no stale entry);
 - ``refuse`` composes its message from the entry (setting, detail, reason, key) and keeps the
-  error class the site asks for.
+  error class the site asks for;
+- every cell of the support matrix names test files that exist or registered refusals that
+  apply to its engine, and ``docs/support.md`` and the README's table are what the generator
+  writes (``python scripts/docs/support_matrix.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import pytest
 import prefix_sharing
 from prefix_sharing.errors import InputError, PrefixSharingSetupError, UnsupportedSetup
 from prefix_sharing.refusals import ENGINES, REFUSALS, Refused, refuse, refuse_all
+from prefix_sharing.support import (COLUMNS, MATRIX, STATUSES, readme_with_table, render_page,
+                                    render_readme_table)
 
 PACKAGE = pathlib.Path(prefix_sharing.__file__).parent
 # the UnsupportedSetup family by class name (the integrations' subclasses are not imported here)
@@ -142,3 +147,44 @@ def test_an_unregistered_key_is_a_bug_not_a_refusal():
     with pytest.raises(KeyError, match="not a registered refusal"):
         refuse("megatron.no_such_setting")
 
+
+# ------------------------------------------------------------------ the support matrix
+def test_every_cell_of_the_matrix_is_shown_by_a_test_or_a_refusal():
+    root = PACKAGE.parent
+    for feature, row in MATRIX.items():
+        assert list(row) == list(COLUMNS), feature
+        for column, cell in row.items():
+            where = f"{feature} / {column}"
+            assert cell.status in STATUSES, where
+            assert [t for t in cell.tests if not (root / t).is_file()] == [], where
+            assert bool(cell.tests) == (cell.status == "works"), where
+            assert (cell.status != "refused") or cell.refusals, where
+            for key in cell.refusals:
+                assert key in REFUSALS, (where, key)
+                assert column in REFUSALS[key].engines, (where, key, REFUSALS[key].engines)
+
+
+def test_the_support_page_and_the_readme_table_are_generated_from_the_tables():
+    """Regenerate with ``python scripts/docs/support_matrix.py``."""
+    root = PACKAGE.parent
+    assert (root / "docs" / "support.md").read_text() == render_page()
+    readme = (root / "README.md").read_text()
+    assert readme_with_table(readme) == readme
+    assert render_readme_table() in readme
+
+
+def test_a_stale_page_is_caught(tmp_path):
+    """The control: a README whose table lost a row is not what the generator writes."""
+    readme = (PACKAGE.parent / "README.md").read_text()
+    row = next(line for line in render_readme_table().splitlines() if "MLA" in line)
+    stale = readme.replace(row + "\n", "")
+    assert stale != readme and readme_with_table(stale) == readme
+    with pytest.raises(ValueError, match="no .* block"):
+        readme_with_table("no markers here")
+
+
+def test_the_page_lists_every_refusal_with_its_setting_and_engines():
+    page = render_page()
+    for key, entry in REFUSALS.items():
+        assert f"| `{key}` | {entry.setting} |" in page
+        assert page.count(f"`{key}`") >= 1

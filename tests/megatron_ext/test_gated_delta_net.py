@@ -114,8 +114,9 @@ def test_a_hybrid_gdn_slot_on_another_release_refuses_when_built_naming_0_19_2()
     from prefix_sharing.megatron_ext import UnsupportedSetupError, hybrid
 
     shared = hybrid.with_prefix_sharing(hybrid.get_hybrid_stack_local_spec())
-    with pytest.raises(UnsupportedSetupError, match=r"hybrid layer 'G' yet \(Gated DeltaNet: "
+    with pytest.raises(UnsupportedSetupError, match=r"\(hybrid layer 'G': Gated DeltaNet: "
                                                     r".*megatron-core==0\.19\.2"):
+
         build_module(shared.submodules.gdn_layer, config=None, layer_number=1)
 
 
