@@ -349,8 +349,15 @@ TABLE: tuple[Refusal, ...] = (
             "coefficients to 0 and expert bias off, or cross_micro_batch off",
             ("verl-megatron",)),
     Refusal("verl.cpu_shim_release", "a verl release the CPU test shim does not know",
-            "prefix_sharing.testing.verl_cpu knows verl 0.9.1 and 0.8.0", _VERL),
+            "prefix_sharing.testing.verl_cpu patches the releases that have patch sets "
+            "(prefix_sharing.releases.VERL_RELEASES) only", _VERL),
+
+    Refusal("verl.cpu_rollout_wire_format", "a weight wire format other than full tensors in "
+            "the CPU test rollout", "the hf CPU rollout loads full weights "
+            "(wire_format='named_tensors'), not a delta engine's (such as delta_sharded); use a "
+            "checkpoint engine that sends full tensors", _VERL),
     # --- HuggingFace / FSDP2 --------------------------------------------------------------
+
     Refusal("hf.alibi", "ALiBi position biases", "prefix sharing covers rotary-position "
             "decoders only", ("hf-fsdp", "verl-fsdp")),
     Refusal("hf.multimodal", "a multimodal model", "prefix sharing covers text-only causal LMs "
