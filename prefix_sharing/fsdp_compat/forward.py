@@ -15,10 +15,10 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from ..config import PrefixSharingConfig
-from ..errors import UnsupportedSetup
 from ..logprobs import TokenStats, token_log_probs
 from ..plan import SharingPlan
 from ..planner import PromptGroup, build_plan
+from ..refusals import refuse
 from .attention import ATTENTION_NAME, BACKEND_KWARG, PLAN_KWARG, register_attention
 from .gated_deltanet import check_sharing_gdn, install_sharing_gdn
 from .mamba2 import check_sharing_mamba, install_sharing_mamba
@@ -150,8 +150,8 @@ def shared_forward(
     if is_vlm(model):
         images = vision_batch(model.config, sequences, multi_modal_inputs)
     elif multi_modal_inputs is not None and any(m for m in multi_modal_inputs):
-        raise UnsupportedSetup(f"multi_modal_inputs were given for {type(model).__name__}; "
-                               "images are shared for the vision-language families only")
+        raise refuse("hf.images_for_text_model",
+                     f"multi_modal_inputs were given for {type(model).__name__}")
     if plan is None:
         plan = build_plan(sequences, config, groups=groups,
                           images=None if images is None else images.tags)

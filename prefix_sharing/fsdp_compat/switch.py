@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from ..errors import UnsupportedSetup
 from ..plan import SharingPlan
 from ..recurrent import RecurrenceSchedule, recurrence_schedule
+from ..refusals import refuse
 from .attention import BACKEND_KWARG, PLAN_KWARG
 
 __all__ = ["InPlaceSwitch", "planned_mixer_inputs"]
@@ -32,15 +32,12 @@ class InPlaceSwitch:
         forward: the sharing subclass's ``forward``.
         marker: the class attribute (``True``) that marks a switched module.
         method: the method ``forward`` replaces (a VLM's ``get_image_features``).
-        harm: what a stock module left in a sharing model would do, for the refusal.
     """
 
     def __init__(self, kind: str, is_kind: Callable[[torch.nn.Module], bool],
-                 forward: Callable[..., object], marker: str, method: str = "forward",
-                 harm: str = "would carry one sequence's state into the next on the flat "
-                             "layout") -> None:
+                 forward: Callable[..., object], marker: str, method: str = "forward") -> None:
         self.kind, self.is_kind, self.forward, self.marker = kind, is_kind, forward, marker
-        self.method, self.harm = method, harm
+        self.method = method
         self._classes: dict[type, type] = {}
 
     def is_switched(self, module: torch.nn.Module) -> bool:
@@ -58,15 +55,20 @@ class InPlaceSwitch:
         module.__class__ = self._classes[stock]
         return True
 
-    def check(self, model: torch.nn.Module) -> None:
-        """Raises when a stock module of this kind is left in ``model``."""
+    def stock_left(self, model: torch.nn.Module) -> str | None:
+        """The stock modules of this kind left in ``model``, as "stock <kind> (names)"; ``None``
+        when there are none."""
         stock = [name for name, m in model.named_modules()
                  if self.is_kind(m) and not self.is_switched(m)]
+        if not stock:
+            return None
+        return f"stock {self.kind} ({', '.join(stock[:3]) + (', ...' if len(stock) > 3 else '')})"
+
+    def check(self, model: torch.nn.Module) -> None:
+        """Raises when a stock (recurrent) module of this kind is left in ``model``."""
+        stock = self.stock_left(model)
         if stock:
-            shown = ", ".join(stock[:3]) + (", ..." if len(stock) > 3 else "")
-            raise UnsupportedSetup(
-                f"stock {self.kind} ({shown}) {self.harm}: call enable_prefix_sharing(model) "
-                "after the model is complete")
+            raise refuse("hf.stock_recurrent_module", stock)
 
 
 def planned_mixer_inputs(module: Any, kind: str, hidden_states: torch.Tensor, cache: Any,

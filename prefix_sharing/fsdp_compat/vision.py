@@ -17,7 +17,7 @@ verl hands a VLM micro-batch over as token sequences plus, per sequence, its
 
 Refused with one clear error each: a placeholder count or run that does not match the grid,
 ``pixel_values`` without ``image_grid_thw`` (or patches that do not fill the grids),
-placeholders without images, and video inputs (:class:`~prefix_sharing.errors.UnsupportedSetup`).
+placeholders without images, and video inputs (refusal ``hf.video``).
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from ..errors import InputError, UnsupportedSetup
+from ..errors import InputError
 from ..plan import SharingPlan
+from ..refusals import refuse
 
 __all__ = ["VisionBatch", "vision_batch", "flat_tags", "image_rows"]
 
@@ -98,9 +99,8 @@ def vision_batch(config: object, sequences: Sequence[torch.Tensor],
     for i, seq in enumerate(sequences):
         ids = torch.as_tensor(seq).to("cpu", torch.int64)
         if bool((ids == config.video_token_id).any()):
-            raise UnsupportedSetup(f"sequence {i} holds video placeholder tokens "
-                                   f"(video_token_id={config.video_token_id}); prefix sharing "
-                                   "covers images only, not video")
+            raise refuse("hf.video", f"sequence {i} holds video placeholder tokens "
+                         f"(video_token_id={config.video_token_id})")
         mm = None if multi_modal_inputs is None else multi_modal_inputs[i]
         images = _images(i, ids, mm, config.image_token_id, merge)
         tag = torch.zeros(ids.numel(), 2, dtype=torch.int64)
@@ -131,8 +131,7 @@ def _images(i: int, ids: torch.Tensor, mm: Mapping | None, image_token_id: int,
     mm = dict(mm or {})
     video = [k for k in _VIDEO_KEYS if mm.get(k) is not None]
     if video:
-        raise UnsupportedSetup(f"sequence {i}'s multi_modal_inputs hold {', '.join(video)}; "
-                               "prefix sharing covers images only, not video")
+        raise refuse("hf.video", f"sequence {i}'s multi_modal_inputs hold {', '.join(video)}")
     unknown = sorted(k for k in mm if k not in _IMAGE_KEYS and k not in _VIDEO_KEYS)
     if unknown:
         raise InputError(f"sequence {i}'s multi_modal_inputs hold {', '.join(unknown)}; only "

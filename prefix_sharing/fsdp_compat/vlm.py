@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from ..errors import MissingPackageError, UnsupportedSetup
+from ..errors import MissingPackageError
+from ..refusals import refuse
 from ..presets import ModelPreset
 from .switch import InPlaceSwitch
 
@@ -57,10 +58,7 @@ def check_release(model_type: str) -> None:
 
     release = tuple(int(part) for part in transformers.__version__.split(".")[:2])
     if release < MIN_TRANSFORMERS:
-        raise UnsupportedSetup(
-            f"{model_type} needs transformers >= {'.'.join(map(str, MIN_TRANSFORMERS))} for "
-            f"prefix sharing (installed: {transformers.__version__}; tested on 5.10 and 5.24): "
-            "pip install -U transformers, or train the text model")
+        raise refuse("hf.vlm_release", f"{model_type} on transformers {transformers.__version__}")
 
 
 def text_config(config: Any) -> Any:
@@ -128,7 +126,9 @@ def install_sharing_vision(model: torch.nn.Module) -> bool:
 def check_sharing_vision(model: torch.nn.Module) -> None:
     """Raises when ``model``'s inner model still has the stock ``get_image_features`` (it
     would place every distinct image once, not at every placeholder row)."""
-    _VISION.check(model)
+    stock = _VISION.stock_left(model)
+    if stock:
+        raise refuse("hf.stock_vision_features", stock)
 
 
 def _sharing_get_image_features(self: torch.nn.Module, pixel_values: torch.Tensor,
@@ -157,5 +157,4 @@ def _gathered(features: torch.Tensor | Sequence[torch.Tensor],
 
 _VISION = InPlaceSwitch("VLM image-feature models", lambda m: hasattr(m, "get_image_features")
                         and hasattr(m, "get_rope_index"), _sharing_get_image_features,
-                        "_prefix_sharing_vision", method="get_image_features",
-                        harm="would place each distinct image once, not at its placeholder rows")
+                        "_prefix_sharing_vision", method="get_image_features")

@@ -55,8 +55,8 @@ def test_a_vision_language_model_on_an_old_transformers_is_refused(monkeypatch):
     monkeypatch.setattr(transformers, "__version__", "4.57.6")
     model = _stub(model_type="qwen2_5_vl", vision_config={"depth": 2},
                   text_config=SimpleNamespace(model_type="qwen2_5_vl_text"))
-    with pytest.raises(UnsupportedSetup, match=r"qwen2_5_vl needs transformers >= 5.10 for "
-                       r"prefix sharing \(installed: 4.57.6"):
+    with pytest.raises(UnsupportedSetup, match=r"older than 5.10 \(qwen2_5_vl on transformers "
+                       r"4.57.6\).*\[hf.vlm_release\]"):
         check_supported(model)
 
 

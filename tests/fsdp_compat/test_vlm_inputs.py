@@ -73,11 +73,13 @@ def test_one_entry_per_sequence(shared):
 def test_video_is_refused(shared):
     batch = grpo_image_batch(shared.config)
     batch.mm[0] = {**batch.mm[0], "video_grid_thw": torch.tensor([[2, 4, 4]])}
-    with pytest.raises(UnsupportedSetup, match="video_grid_thw; prefix sharing covers images"):
+    with pytest.raises(UnsupportedSetup, match=r"refuses video inputs \(sequence 0's "
+                       r"multi_modal_inputs hold video_grid_thw\).*\[hf.video\]"):
         _run(shared, batch)
     batch = grpo_image_batch(shared.config)
     batch.sequences[0][0] = shared.config.video_token_id
-    with pytest.raises(UnsupportedSetup, match="sequence 0 holds video placeholder tokens"):
+    with pytest.raises(UnsupportedSetup, match=r"\(sequence 0 holds video placeholder tokens.*"
+                       r"\[hf.video\]"):
         _run(shared, batch)
 
 
@@ -102,7 +104,8 @@ def test_images_for_a_text_model_are_refused():
     _, text_model = plain_and_shared("qwen2")
     batch = Batch(text_model.config)
     batch.sequences, batch.mm = [torch.arange(5)], [{"pixel_values": torch.zeros(4, 24)}]
-    with pytest.raises(UnsupportedSetup, match="multi_modal_inputs were given for Qwen2ForCausalLM"):
+    with pytest.raises(UnsupportedSetup, match=r"\(multi_modal_inputs were given for "
+                       r"Qwen2ForCausalLM\).*\[hf.images_for_text_model\]"):
         _run(text_model, batch)
 
 
@@ -112,6 +115,7 @@ def test_a_stock_image_feature_model_is_refused(shared):
     model = copy.deepcopy(shared)
     inner = model.model
     inner.__class__ = type(inner).__mro__[1]  # back to the stock class
-    with pytest.raises(UnsupportedSetup, match=r"stock VLM image-feature models \(model\) would "
-                       "place each distinct image once"):
+    with pytest.raises(UnsupportedSetup, match=r"\(stock VLM image-feature models \(model\)\): "
+                       r"its get_image_features would place each distinct image once.*"
+                       r"\[hf.stock_vision_features\]"):
         _run(model, grpo_image_batch(model.config))

@@ -37,5 +37,6 @@ def test_a_vision_language_checkpoint_is_refused_by_name(tmp_path):
         pytest.skip("the tiny VLM configs need transformers >= 5.10")
     path = save_model(str(tmp_path), "qwen2_5_vl")
     message = run_gloo(one_rank, 1, path, timeout=600)[0]
-    assert message.startswith("prefix sharing (actor.prefix_grouper) cannot run with a "
-                              "multimodal model"), message
+    assert message.startswith("prefix sharing refuses a multimodal model or inputs (the model "
+                              "has a vision_config)"), message
+    assert "[verl.multimodal]" in message
