@@ -209,19 +209,24 @@ def test_the_router_loss_of_an_image_batch_equals_the_plain_forward(family):
     """Every token routed once per sequence holding it, image tokens included."""
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
+    from prefix_sharing.fsdp_compat.plain_kernels import plain_gdn_kernel
+
     plain, shared = vlm_models(family)
     batch = grpo_image_batch(plain.config)
     text = plain.config.text_config
     router_logits = []
-    for seq, mm in zip(batch.sequences, batch.mm):
-        types = (seq == plain.config.image_token_id).to(torch.int32)[None]
-        router_logits.append(plain(input_ids=seq[None], mm_token_type_ids=types, use_cache=False,
-                                   output_router_logits=True, **mm).router_logits)
+    with plain_gdn_kernel(plain):  # Qwen3.5's recurrence in float64, as in plain_vlm_run
+        for seq, mm in zip(batch.sequences, batch.mm):
+            types = (seq == plain.config.image_token_id).to(torch.int32)[None]
+            router_logits.append(plain(input_ids=seq[None], mm_token_type_ids=types,
+                                       use_cache=False, output_router_logits=True,
+                                       **mm).router_logits)
     per_layer = tuple(torch.cat(layer) for layer in zip(*router_logits))
     expected = load_balancing_loss_func(per_layer, text.num_experts, text.num_experts_per_tok)
     out = shared_forward(shared, batch.sequences, EVERY_PREFIX, multi_modal_inputs=batch.mm)
     assert out.plan.has_sharing
-    torch.testing.assert_close(out.aux_loss, expected, rtol=1e-9, atol=0)
+    # within the float64 rule (1e-5): the float32 rotary tables move it by ~1e-8
+    torch.testing.assert_close(out.aux_loss, expected, rtol=1e-5, atol=0)
     expected.backward()
     out.aux_loss.backward()
     routers = [(n, p.grad) for n, p in plain.named_parameters() if n.endswith("mlp.gate.weight")]
