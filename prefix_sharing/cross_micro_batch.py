@@ -41,12 +41,8 @@ then the suffix ``[9 | 4]`` (reading 0, 1, 2). Backwards run in reverse: the suf
 2's, block 1's, block 0's - each block's after its last reader, its leaves then holding every
 reader's dK/dV.
 
-A suffix's log-probs and entropy come from ``tail_plan`` (the tails' own plan on the same flat
-rows); the positions of a block are scored in the block (``SharedBlock.stats_plan``), where
-its last row predicts each member's next token.
-
-Pure torch/numpy; the driver that runs the micro-batches is
-:mod:`prefix_sharing.megatron_ext.cross_micro_batch`.
+A suffix is scored by ``tail_plan`` (the tails' own plan on its rows), a block by its
+``stats_plan``. Pure torch; the driver is :mod:`prefix_sharing.megatron_ext.cross_micro_batch`.
 """
 
 from __future__ import annotations
@@ -94,13 +90,8 @@ class SharedBlock:
     stats_plan: SharingPlan
     positions: torch.Tensor
 
-    @property
-    def length(self) -> int:
-        return self.ids.numel()
-
-    @property
-    def end(self) -> int:
-        return self.start + self.length
+    length = property(lambda self: self.ids.numel())
+    end = property(lambda self: self.start + self.ids.numel())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,9 +182,7 @@ class GroupSchedule:
         their backward, a closed sub-tree's before the next one opens)."""
         return max(b.end for b in self.blocks)
 
-    @property
-    def num_tokens_total(self) -> int:
-        return sum(self.seq_lens)
+    num_tokens_total = property(lambda self: sum(self.seq_lens))
 
     def recomputed_tokens(self, recompute_prefix: bool = False) -> int:
         """Tokens computed more than once: a branch cut between suffix micro-batches
@@ -376,6 +365,12 @@ class _Builder:
                 self._suffix(current, depth, reads)
                 current = []
                 self.subtree(branch, depth, reads)
+            elif not self.one_level and len(rest := self._longer(branch, depth)) > 1:
+                # sequences ending one token in keep the rest from sharing: they go on (that
+                # token computed again for them), the rest is a sub-tree
+                self._suffix(current, depth, reads)
+                current = [i for i in branch if i not in rest]
+                self.subtree(rest, depth, reads)
             else:  # too large for one micro-batch, nothing to share it by: cut it
                 for i in branch:
                     if not self._fits([i], depth):
@@ -389,6 +384,9 @@ class _Builder:
                         self._suffix(current, depth, reads)
                         current = [i]
         self._suffix(current, depth, reads)
+
+    def _longer(self, members: list[int], depth: int) -> list[int]:
+        return [i for i in members if self.seqs[i].numel() - depth > 1]
 
     def _fits(self, members: list[int], depth: int) -> bool:
         tails = [self.seqs[i][depth:] for i in members]

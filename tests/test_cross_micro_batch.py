@@ -254,3 +254,28 @@ def test_refusals_name_the_problem():
         plan_group([torch.arange(5)], 50)
     with pytest.raises(ValueError, match="mode is 'off'"):
         plan_group(seqs, 500, PrefixSharingConfig(mode="off"))
+
+
+@pytest.mark.parametrize("budget", [8, 12, 20])
+def test_a_sequence_ending_one_token_into_a_sub_tree_recomputes_that_token_only(budget):
+    """The tree workload: one sequence ends at the first token of a branch the others go on
+    sharing; that token is computed again in its suffix, the rest of the tree once."""
+    seqs = make_workload("tree").sequences
+    schedule = plan_group(seqs, budget, EVERY_PREFIX)
+    assert len({b.node for b in schedule.blocks}) >= 3
+    assert schedule.tokens_distinct == schedule.tokens_unique
+    assert schedule.tokens_computed == schedule.tokens_distinct + 1
+    assert schedule.recomputed_tokens() == 1
+    _check_addressing(seqs, schedule, budget)
+
+
+def test_a_grpo_group_keeps_the_one_level_schedule():
+    w = make_workload("grpo", num_prompts=1, group_size=6, prompt_len=(40, 41),
+                      response_len=(12, 24), seed=5)
+    schedule = plan_group(w.sequences, 70, EVERY_PREFIX)
+    assert schedule.one_level and schedule.steps[0] == ("forward", 0)
+    assert schedule.steps[-1] == ("backward", 0) and len(schedule.suffixes) >= 2
+    assert all(s.reads == (0,) for s in schedule.suffixes)
+    one_level = plan_group(w.sequences, 70, EVERY_PREFIX, one_level=True)
+    assert [s.members for s in schedule.suffixes] == [s.members for s in one_level.suffixes]
+    assert schedule.steps == one_level.steps
