@@ -356,16 +356,17 @@ class _Builder:
                 branches.append([i])
         current: list[int] = []
         for branch in branches:
+            n = len(branch)
             if current and self._fits(current + branch, depth):
                 current += branch
             elif self._fits(branch, depth):
                 self._suffix(current, depth, reads)
                 current = list(branch)
-            elif not self.one_level and len(branch) < len(members):
+            elif not self.one_level and n < len(members):
                 self._suffix(current, depth, reads)
                 current = []
                 self.subtree(branch, depth, reads)
-            elif not self.one_level and len(rest := self._longer(branch, depth)) > 1:
+            elif not self.one_level and 0 < len(rest := self._longer(branch, depth)) < n:
                 # sequences ending one token in keep the rest from sharing: they go on (that
                 # token computed again for them), the rest is a sub-tree
                 self._suffix(current, depth, reads)

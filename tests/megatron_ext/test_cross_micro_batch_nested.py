@@ -43,7 +43,8 @@ def _judged(cross, build, seqs) -> dict:
     from prefix_sharing.engines.megatron import compare
 
     (plain, plain_statistics), (reference, _) = _split_runs(build, seqs, cross)
-    return {"plain_statistics": plain_statistics, "vs_reference": compare(cross.run, reference), "plain": compare(plain, reference),
+    return {"plain_statistics": plain_statistics,
+            "vs_reference": compare(cross.run, reference), "plain": compare(plain, reference),
             "vs_plain": compare(cross.run, plain), "figures": cross.report(),
             "held_rows": [s.held_rows for s in cross.schedules],
             "blocks": [[(b.length, b.reads, b.node) for b in s.blocks] for s in cross.schedules]}
@@ -203,7 +204,6 @@ def _tp2_job(rank: int) -> dict:
     return run
 
 
-@pytest.mark.slow
 def test_tensor_parallel_2_with_sequence_parallelism_on_a_chunked_prefix():
     """Each rank keeps its own K/V heads of every chunk; every micro-batch (chunks included)
     is padded to 2 rows and split over the ranks; a chunk's pad rows are not kept."""
