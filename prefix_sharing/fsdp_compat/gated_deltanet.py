@@ -31,15 +31,10 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import UnsupportedSetup
-from ..plan import SharingPlan
-from ..recurrent import (
-    causal_conv1d_over_schedule,
-    gated_delta_rule_over_schedule,
-    recurrence_schedule,
-)
+from ..recurrent import causal_conv1d_over_schedule, gated_delta_rule_over_schedule
 from .attention import BACKEND_KWARG, PLAN_KWARG
 from .mamba2 import MAMBA_HYBRID_FAMILIES
-from .switch import InPlaceSwitch
+from .switch import InPlaceSwitch, planned_mixer_inputs
 
 __all__ = ["HYBRID_FAMILIES", "install_sharing_gdn", "check_sharing_gdn",
            "check_recurrent_layers"]
@@ -121,17 +116,8 @@ def _sharing_forward(self: Any, hidden_states: torch.Tensor, cache: Any = None,
     the parents' states (:mod:`prefix_sharing.recurrent`).
     """
     kwargs = {**(getattr(self, _HANDED, None) or {}), **kwargs}  # transformers 4.57: handed over
-    plan = kwargs.get(PLAN_KWARG)
-    if not isinstance(plan, SharingPlan):
-        raise ValueError(f"layer {self.layer_idx}'s sharing Gated DeltaNet needs the micro-batch's "
-                         f"plan: call the model with {PLAN_KWARG}=plan (shared_forward does)")
-    if cache is not None or attention_mask is not None:
-        raise ValueError("the sharing Gated DeltaNet takes no cache (use_cache=False) and no "
-                         "attention_mask (the plan lays out unpadded sequences)")
-    if hidden_states.dim() != 3 or hidden_states.size(0) != 1:
-        raise ValueError(f"the flat layout is one row of tokens; got {tuple(hidden_states.shape)}")
-    schedule = recurrence_schedule(plan)
-    backend = "torch" if kwargs.get(BACKEND_KWARG) == "torch" else "auto"
+    schedule, backend = planned_mixer_inputs(self, "Gated DeltaNet", hidden_states, cache,
+                                             attention_mask, kwargs)
     x = hidden_states[0]  # [T, hidden]
     total = x.size(0)
     mixed_qkv, z, b, a = _projections(self, x)  # [T, 2*key_dim + value_dim], [T, HV, Vd], ...

@@ -16,7 +16,7 @@ from .checks import UnsupportedSetupError
 from .core_attention import require_sharing_core_attention
 from .packed_seq import PlanPackedSeqParams
 
-__all__ = ["PrefixSharingSelfAttention", "check_planned_call"]
+__all__ = ["PrefixSharingSelfAttention", "check_planned_call", "planned_call"]
 
 _FORWARD_SIGNATURE = inspect.signature(Attention.forward)
 RotaryTables = tuple[torch.Tensor | None, torch.Tensor | None]
@@ -43,11 +43,10 @@ class PrefixSharingSelfAttention(SelfAttention):
         require_sharing_core_attention(self)
 
     def forward(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-        call = _FORWARD_SIGNATURE.bind(self, *args, **kwargs)
-        params = call.arguments.get("packed_seq_params")
-        if not isinstance(params, PlanPackedSeqParams):
+        planned = planned_call(_FORWARD_SIGNATURE, self, args, kwargs)
+        if planned is None:
             return super().forward(*args, **kwargs)
-        check_planned_call(self.config, call.arguments, params)
+        call, params = planned
         tables = call.arguments.get("rotary_pos_emb")
         if tables is not None and not self._rope_skipped():
             self._token_rotary = _per_token_tables(params, tables)
@@ -81,6 +80,19 @@ class PrefixSharingSelfAttention(SelfAttention):
         """Megatron's ``no_rope_freq``: layers that take no rotary embedding at all."""
         no_rope = self.config.no_rope_freq
         return bool(no_rope and no_rope[self.layer_number - 1])
+
+
+def planned_call(signature: inspect.Signature, layer: Any, args: tuple, kwargs: dict[str, Any]
+                 ) -> tuple[inspect.BoundArguments, PlanPackedSeqParams] | None:
+    """The attention forward's call bound to ``signature`` (``layer`` as ``self``) and its
+    plan's params, checked (:func:`check_planned_call`); ``None`` when the call carries no
+    plan, and the layer is megatron's stock one."""
+    call = signature.bind(layer, *args, **kwargs)
+    params = call.arguments.get("packed_seq_params")
+    if not isinstance(params, PlanPackedSeqParams):
+        return None
+    check_planned_call(layer.config, call.arguments, params)
+    return call, params
 
 
 def check_planned_call(config: Any, arguments: dict[str, Any], params: PlanPackedSeqParams) -> None:

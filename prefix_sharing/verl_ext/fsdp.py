@@ -76,7 +76,7 @@ from .balancing import balancing_hooks
 from .config import accept_prefix_grouper
 from .engine import SharingEngineMixin, install_engine
 from .microbatch import patch_prepare_micro_batches
-from .patchsets import PatchSet, register
+from .patchsets import register_releases
 from .switched_off import off_hooks
 
 __all__ = ["PATCHSETS", "patch_engine", "stock_attention"]
@@ -183,19 +183,15 @@ def patch_engine(module: ModuleType) -> None:
     install_engine(module, stock, PrefixSharingFSDPEngine)
 
 
-PATCHSETS = tuple(
-    register(PatchSet(
-        name=f"verl{digits}_fsdp",
-        verl_versions=(release,),
-        hooks={
-            "verl.workers.config.actor": lambda m: accept_prefix_grouper(m, "FSDPActorConfig"),
-            ENGINE_MODULE: patch_engine,
-            "verl.workers.engine.utils": patch_prepare_micro_batches,
-            **balancing_hooks(),
-        },
-        summary=f"verl {release} FSDP engine: actor config, sharing attention, forward, "
-                "group-keeping micro-batches, metrics",
-        off_hooks=off_hooks("FSDPActorConfig"),
-    ))
-    for release, digits in (("0.9.1", "091"), ("0.8.0", "080"))
+PATCHSETS = register_releases(
+    "fsdp",
+    hooks={
+        "verl.workers.config.actor": lambda m: accept_prefix_grouper(m, "FSDPActorConfig"),
+        ENGINE_MODULE: patch_engine,
+        "verl.workers.engine.utils": patch_prepare_micro_batches,
+        **balancing_hooks(),
+    },
+    summary="verl {release} FSDP engine: actor config, sharing attention, forward, "
+            "group-keeping micro-batches, metrics",
+    off_hooks=off_hooks("FSDPActorConfig"),
 )
