@@ -32,6 +32,7 @@ from ..cross_micro_batch import plan_group
 from ..planner import PromptGroup, build_plan
 from ..presets import ModelPreset, get_preset
 from ..equivalence import FP32_RTOL, QUANTITIES
+from ..refusals import refuse
 from .options import (add_backend_option, add_dtype_option, add_engine_option,
                       add_input_options, add_model_option,
                       add_sharing_options, load_batches, run_dtype, sharing_config,
@@ -111,8 +112,9 @@ def _check_cross(args: argparse.Namespace, engine: str, model: ModelPreset,
                          f"engine with --pp 1 and --cp 1; got --engine {engine} --pp {args.pp} "
                          f"--cp {args.cp}")
     if model.window_size is not None:
-        raise InputError(f"--token-budget does not support the {model.name} preset's sliding "
-                         "windows yet")
+        raise refuse("megatron.cross_micro_batch.window",
+                     f"--token-budget with the {model.name} preset's windows")
+
     if model.num_experts and args.tp != 1:
         raise InputError(f"--token-budget with the {model.name} preset's MoE layers runs with "
                          f"--tp 1; got --tp {args.tp} (megatron's MoE needs sequence "

@@ -29,6 +29,7 @@ from ..config import PrefixSharingConfig
 from ..cross_micro_batch import plan_group
 from ..errors import InputError
 from ..presets import ModelPreset
+from ..refusals import refuse
 from .bench import (BenchWorkload, Progress, keep_freed_memory_in_heap, megatron_training_step,
                     timed)
 from .launch import run_distributed
@@ -165,8 +166,9 @@ def time_split(model: torch.nn.Module, workload: BenchWorkload,
 def check_cross(request: ThroughputRequest) -> None:
     """What the cross mode cannot run, as one line before the rank starts."""
     if request.preset.window_size is not None:
-        raise InputError(f"--cross-micro-batch does not support the {request.preset.name} "
-                         "preset's sliding windows yet")
+        raise refuse("megatron.cross_micro_batch.window",
+                     f"--cross-micro-batch with the {request.preset.name} preset's windows")
+
     for w in request.workloads:
         for members in _groups(w):
             try:

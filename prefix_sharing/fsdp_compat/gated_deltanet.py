@@ -30,8 +30,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..errors import UnsupportedSetup
 from ..recurrent import causal_conv1d_over_schedule, gated_delta_rule_over_schedule
+from ..refusals import refuse
 from .attention import BACKEND_KWARG, PLAN_KWARG
 from .mamba2 import MAMBA_HYBRID_FAMILIES
 from .switch import InPlaceSwitch, planned_mixer_inputs
@@ -54,19 +54,16 @@ def check_recurrent_layers(model: torch.nn.Module) -> None:
     if model_type in (*HYBRID_FAMILIES, *MAMBA_HYBRID_FAMILIES):
         mtp = [name for name, _ in model.named_children() if name.startswith("mtp")]
         if mtp or any(".mtp" in name for name, _ in model.named_modules()):
-            raise UnsupportedSetup(
-                f"{model_type} holds multi-token-prediction modules ({mtp or 'mtp.*'}); prefix "
-                "sharing does not train MTP layers (RL recipes turn them off): drop them")
+            raise refuse("hf.mtp", f"{model_type} holds {mtp or 'mtp.*'}")
         return
     kinds = sorted(set(getattr(config, "layer_types", None) or ()) - _ATTENTION_LAYER_TYPES)
     recurrent = sorted({type(m).__name__ for m in model.modules()
                         if any(marker in type(m).__name__ for marker in _OTHER_RECURRENT_MARKERS)})
     if kinds or recurrent:
-        raise UnsupportedSetup(
-            f"{model_type} has recurrent layers ({', '.join(kinds + recurrent)}) that carry a "
-            f"state across tokens; prefix sharing serves Gated DeltaNet hybrids "
-            f"({', '.join(HYBRID_FAMILIES)}) and the Mamba-2 hybrid nemotron_h only (not "
-            "mamba, mamba2, bamba, jamba, zamba2, falcon_h1, granitemoehybrid)")
+        raise refuse("hf.recurrent_family", f"{model_type} has recurrent layers "
+                     f"({', '.join(kinds + recurrent)}); the Gated DeltaNet hybrids served are "
+                     f"{', '.join(HYBRID_FAMILIES)}")
+
 
 
 def install_sharing_gdn(model: torch.nn.Module) -> int:

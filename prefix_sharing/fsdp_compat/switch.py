@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from ..errors import UnsupportedSetup
 from ..plan import SharingPlan
 from ..recurrent import RecurrenceSchedule, recurrence_schedule
+from ..refusals import refuse
 from .attention import BACKEND_KWARG, PLAN_KWARG
 
 __all__ = ["InPlaceSwitch", "planned_mixer_inputs"]
@@ -59,9 +59,7 @@ class InPlaceSwitch:
                  if self.is_kind(m) and not self.is_switched(m)]
         if stock:
             shown = ", ".join(stock[:3]) + (", ..." if len(stock) > 3 else "")
-            raise UnsupportedSetup(
-                f"stock {self.kind} ({shown}) would carry one sequence's state into the next on "
-                "the flat layout: call enable_prefix_sharing(model) after the model is complete")
+            raise refuse("hf.stock_recurrent_module", f"stock {self.kind} ({shown})")
 
 
 def planned_mixer_inputs(module: Any, kind: str, hidden_states: torch.Tensor, cache: Any,

@@ -56,6 +56,7 @@ from megatron.core.utils import get_attr_wrapped_model
 
 from ..cross_micro_batch import GroupSchedule, SharedBlock, SuffixMicroBatch
 from ..logprobs import token_log_probs
+from ..refusals import Refused, refuse_all
 from .checks import UnsupportedSetupError
 from .logprobs import vocab_shard
 from .moe import PrefixSharingRouter
@@ -293,21 +294,19 @@ def _sequence_parallel_size(model: torch.nn.Module) -> int:
 def check_group_model(model: torch.nn.Module) -> None:
     """Raises :class:`UnsupportedSetupError` naming every setting a group run cannot honour."""
     config = get_attr_wrapped_model(model, "config")
-    problems = []
+    found = []
     if config.sequence_parallel and config.num_moe_experts:
         keeping = [name for name, module in model.named_modules()
                    if isinstance(module, PrefixSharingRouter) and module.keeps_statistics()]
         if keeping:
-            problems.append(f"sequence_parallel=True with num_moe_experts={config.num_moe_experts}"
-                            f" and router batch statistics (aux / z-loss, expert bias; "
-                            f"{keeping[0]}): each rank would route a slice of the prefix's "
-                            "router logits")
+            found.append(Refused("megatron.cross_micro_batch.sp_router_statistics",
+                                 f"sequence_parallel=True with num_moe_experts="
+                                 f"{config.num_moe_experts}; {keeping[0]}"))
     if config.pipeline_model_parallel_size > 1:
-        problems.append(f"pipeline_model_parallel_size={config.pipeline_model_parallel_size} "
-                        "(PP=1 only)")
+        found.append(Refused("megatron.cross_micro_batch.pipeline",
+                             f"pipeline_model_parallel_size={config.pipeline_model_parallel_size}"))
     if config.window_size is not None:
-        problems.append(f"window_size={config.window_size} (the suffix gather is not trimmed)")
-    if problems:
-        raise UnsupportedSetupError(
-            "cross-micro-batch sharing does not support " + "; ".join(problems)
-        )
+        found.append(Refused("megatron.cross_micro_batch.window",
+                             f"window_size={config.window_size}"))
+    if found:
+        raise refuse_all(found, error=UnsupportedSetupError)

@@ -12,6 +12,7 @@ from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
 )
 from megatron.core.transformer.attention import Attention, SelfAttention
 
+from ..refusals import refuse
 from .checks import UnsupportedSetupError
 from .core_attention import require_sharing_core_attention
 from .packed_seq import PlanPackedSeqParams
@@ -102,19 +103,16 @@ def check_planned_call(config: Any, arguments: dict[str, Any], params: PlanPacke
     first layer). ``arguments`` are the attention forward's bound arguments."""
     inference = (arguments.get(n) for n in ("inference_context", "inference_params"))
     if any(i is not None for i in inference):
-        raise UnsupportedSetupError(
-            "prefix sharing is for training and scoring forwards; it does not support an "
-            "inference_context (KV cache)"
-        )
+        raise refuse("megatron.inference_context", "inference_context", error=UnsupportedSetupError)
     tokens = arguments["hidden_states"].size(0)  # [s, b, h]; s is split across TP ranks under SP
     if config.sequence_parallel:
         tokens *= config.tensor_model_parallel_size
     tokens *= config.context_parallel_size  # each CP rank holds a slice of the rows
     if tokens != params.plan.num_tokens_flat:
-        raise UnsupportedSetupError(
-            f"this layer received {tokens} tokens but the micro-batch's plan lays out "
-            f"{params.plan.num_tokens_flat}: were the pipeline stages given different plans?"
-        )
+        raise refuse("megatron.plan_mismatch",
+                     f"this layer received {tokens} tokens but the micro-batch's plan lays out "
+                     f"{params.plan.num_tokens_flat}", error=UnsupportedSetupError)
+
 
 
 def _per_token_tables(

@@ -94,7 +94,7 @@ def test_cross_micro_batch_mode_computes_each_prefix_once(capfd):
     (["--workload", "none", "--token-budget", "640", "--cross-micro-batch"],
      "workload 'none': a group needs at least two sequences"),
     (["--workload", "grpo", "--token-budget", "300", "--cross-micro-batch", "--model",
-      "tiny-window"], "does not support the tiny-window preset"),
+      "tiny-window"], "(--cross-micro-batch with the tiny-window preset's windows)"),
 ])
 def test_cross_micro_batch_refusals_are_one_line(capfd, argv, message):
     code, out, err = bench(capfd, *argv)

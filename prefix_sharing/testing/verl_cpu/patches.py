@@ -17,13 +17,12 @@ from prefix_sharing.releases import VERL_RELEASES
 def verl_release() -> str:
     """The installed verl release, one of :data:`~prefix_sharing.releases.VERL_RELEASES` (the
     releases with patch sets, which this shim knows); anything else raises."""
-    from prefix_sharing.errors import UnsupportedSetup
+    from prefix_sharing.refusals import refuse
 
     version = importlib.metadata.version("verl")
     if version not in VERL_RELEASES:
-        raise UnsupportedSetup(
-            f"prefix_sharing.testing.verl_cpu knows verl {' and '.join(VERL_RELEASES)}, "
-            f"not {version}")
+        raise refuse("verl.cpu_shim_release",
+                     f"verl {version}; it knows {' and '.join(VERL_RELEASES)}")
     return version
 
 

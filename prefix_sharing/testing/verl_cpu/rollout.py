@@ -22,7 +22,8 @@ from typing import Any
 import ray
 import torch
 
-from prefix_sharing.errors import UnsupportedSetup
+from prefix_sharing.refusals import refuse
+
 
 SERVER_NAME = "prefix_sharing_hf_cpu_server_{replica}"
 TOKEN_LOG = "PREFIX_SHARING_CPU_ROLLOUT_LOG"  # a JSONL path: each generation's token ids
@@ -154,11 +155,8 @@ def adapter_class():
 
         async def update_weights(self, weights, wire_format: str = "named_tensors", **kwargs):
             if wire_format != "named_tensors":
-                raise UnsupportedSetup(
-                    f"the hf CPU rollout loads full weights (wire_format='named_tensors'); "
-                    f"verl's checkpoint engine sent wire_format={wire_format!r} (a delta "
-                    "engine such as delta_sharded): use a checkpoint engine that sends full "
-                    "tensors")
+                raise refuse("verl.cpu_rollout_wire_format",
+                             f"verl's checkpoint engine sent wire_format={wire_format!r}")
             state = {name: tensor.detach().to("cpu", copy=True) for name, tensor in weights}
             if self.is_sender:
                 server = ray.get_actor(SERVER_NAME.format(replica=self.replica_rank))
