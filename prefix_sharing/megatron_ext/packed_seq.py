@@ -27,7 +27,7 @@ from ..plan import SharingPlan
 from ..planner import PromptGroup, TokenSequence, build_plan
 from .checks import assert_same_plan
 from .context_parallel import ContextParallelSlice, slice_plan
-from .prefix_kv import PrefixKV
+from .prefix_kv import PrefixKV, PrefixKVStack
 from .routing_replay import flat_routes
 
 __all__ = [
@@ -61,7 +61,7 @@ class PlanPackedSeqParams(PackedSeqParams):
     plan: SharingPlan | None = None
     backend: str = "auto"
     cp: ContextParallelSlice | None = None
-    prefix_kv: PrefixKV | None = None
+    prefix_kv: PrefixKV | PrefixKVStack | None = None
     routes: torch.Tensor | None = None
     record_routes: bool = False
     _rotary_cache: tuple[torch.Tensor, torch.Tensor] | None = dataclasses.field(
@@ -71,7 +71,7 @@ class PlanPackedSeqParams(PackedSeqParams):
     @classmethod
     def from_plan(cls, plan: SharingPlan, backend: str = "auto", *,
                   cp: ContextParallelSlice | None = None,
-                  prefix_kv: PrefixKV | None = None,
+                  prefix_kv: PrefixKV | PrefixKVStack | None = None,
                   routes: torch.Tensor | None = None,
                   record_routes: bool = False) -> PlanPackedSeqParams:
         return cls(
