@@ -374,7 +374,7 @@ TABLE: tuple[Refusal, ...] = (
             "text model", ("hf-fsdp", "verl-fsdp")),
     Refusal("hf.video", "video inputs", "prefix sharing covers a vision-language model's images "
             "only (pixel_values, image_grid_thw), not video (pixel_values_videos, "
-            "video_grid_thw, video placeholder tokens)", ("hf-fsdp",)),
+            "video_grid_thw, video placeholder tokens)", ("hf-fsdp", "verl-fsdp")),
     Refusal("hf.images_for_text_model", "images for a text-only model",
             "images are shared for the vision-language families only (qwen2_5_vl, qwen3_vl, "
             "qwen3_vl_moe, qwen3_5, qwen3_5_moe); pass multi_modal_inputs=None", ("hf-fsdp",)),

@@ -21,8 +21,11 @@ Hooks (each runs when verl imports the module):
 :class:`.engine.SharingEngineMixin`'s, the same as in the Megatron engine):
 
 - ``__init__`` refuses what cannot be exact (:func:`.mcore.check_engine_setup`: Ulysses
-  sequence parallel, ``use_remove_padding=False``, fused kernels, value or multimodal models);
-- ``_build_module`` switches the HF model to the sharing attention
+  sequence parallel, ``use_remove_padding=False``, fused kernels, value models, multimodal
+  models outside :data:`.vlm.ENGINE_FAMILIES`);
+- ``_build_module`` gives a vision-language model's instances transformers' own forwards back
+  (:func:`.vlm.restore_stock_forwards`: verl's replace them class-wide), then switches the HF
+  model to the sharing attention
   (:func:`prefix_sharing.fsdp_compat.enable_prefix_sharing`) after verl has loaded and
   monkey-patched it and before ``_build_fsdp_module`` wraps it. verl has turned gradient
   checkpointing on by then; that is harmless, as transformers reads the attention
@@ -30,7 +33,11 @@ Hooks (each runs when verl imports the module):
   keywords, the plan included. verl's remove-padding patch replaces only the flash-attention
   function, which the sharing attention does not call;
 - ``prepare_model_inputs`` plans the micro-batch from its nested ``input_ids`` (and ``uid`` for
-  ``prompt_only``) and returns :func:`prefix_sharing.fsdp_compat.model_kwargs` of the plan;
+  ``prompt_only``) and returns :func:`prefix_sharing.fsdp_compat.model_kwargs` of the plan; for
+  a VLM micro-batch with images, the plan takes the images' identity from its per-sample
+  ``multi_modal_inputs`` and the inputs add the HF shim's mrope rows, distinct images and
+  feature rows (:func:`prefix_sharing.fsdp_compat.mrope.vision_model_kwargs`), and the step's
+  metrics count images and image tokens (:mod:`.vlm`);
 - ``prepare_model_outputs`` turns the flat logits into log-probs / entropy through
   :func:`prefix_sharing.logprobs.token_log_probs` (never a ``(T_total, vocab)`` tensor), in
   verl's output contract: jagged nested tensors, one row per sample with its original length,

@@ -98,14 +98,10 @@ def _vision_problems(model_type: str, vision_families: tuple[str, ...]) -> list[
     """Why a model with a vision tower cannot run in the engine (nothing when it can)."""
     if model_type not in vision_families:
         return [Refused("verl.multimodal", f"the model ({model_type}) has a vision_config")]
-    import transformers
+    from ..fsdp_compat.vlm import vlm_release_problem
 
-    from ..fsdp_compat.vlm import MIN_TRANSFORMERS
-
-    if tuple(int(p) for p in transformers.__version__.split(".")[:2]) < MIN_TRANSFORMERS:
-        return [Refused("hf.vlm_release", f"{model_type} on transformers "
-                        f"{transformers.__version__}")]
-    return []
+    problem = vlm_release_problem(model_type)
+    return [Refused("hf.vlm_release", problem)] if problem else []
 
 
 def prompt_lengths(batch: Any) -> list[int]:

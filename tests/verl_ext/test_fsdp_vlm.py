@@ -1,7 +1,8 @@
 """verl's FSDP engine with prefix sharing on a vision-language checkpoint (verl 0.9.1) gives
 verl's own step, on the same weights, with each distinct image encoded once.
 
-verl loads a tiny seeded Qwen2.5-VL (2-block vision tower) through its own ``initialize()``
+verl loads a tiny seeded Qwen2.5-VL and Qwen3-VL (2-block vision tower; Qwen3-VL's deepstack
+features from both blocks) through its own ``initialize()``
 (monkey patches, gradient checkpointing, FSDP2, optimizer; see ``_fsdp_engine``). The
 reference is verl's stock engine with the feature off in its padded layout
 (``use_remove_padding=False``): verl's packed VLM step calls flash-attention's varlen kernel
@@ -28,17 +29,16 @@ from tests.verl_ext._vlm_batch import (GRID, WORKLOADS, distinct_prefixes,  # no
                                        sample_tags)
 
 FAMILY = "qwen2_5_vl"
+FAMILIES = ("qwen2_5_vl", "qwen3_vl")
 SHARING = MODES["arbitrary_prefix"]
 TOKENS_PER_IMAGE = GRID[0] * GRID[1] // 4
 LAYERS = 2  # the tiny preset's decoder layers
 
 
 def _transformers_has_the_families() -> bool:
-    import transformers
+    from prefix_sharing.fsdp_compat.vlm import vlm_release_problem
 
-    from prefix_sharing.fsdp_compat.vlm import MIN_TRANSFORMERS
-
-    return tuple(int(p) for p in transformers.__version__.split(".")[:2]) >= MIN_TRANSFORMERS
+    return vlm_release_problem(FAMILY) is None
 
 
 def step(engine, data, config) -> dict:
@@ -61,7 +61,7 @@ def step(engine, data, config) -> dict:
             "attention_calls": calls["n"]}
 
 
-def one_rank(rank: int, path: str) -> dict:
+def one_rank(rank: int, path: str, family: str) -> dict:
     """The feature off (padded), then on, then on without image identity, one engine each (verl
     patches Qwen2.5-VL's attention class-wide when a packed engine is built: stock first)."""
     from unittest import mock
@@ -73,7 +73,7 @@ def one_rank(rank: int, path: str) -> dict:
     from tests.verl_ext._vlm_batch import make_vlm_batch
 
     use_cpu_platform()
-    model = build_model(FAMILY, PRESET)  # its get_rope_index builds verl's positions
+    model = build_model(family, PRESET)  # its get_rope_index builds verl's positions
     batches = {name: make_vlm_batch(model, name) for name in WORKLOADS}
     results = {"tags": {name: sample_tags(data, model.config) for name, data in batches.items()}}
     for mode, prefix_grouper, workloads in (
@@ -95,12 +95,12 @@ def one_rank(rank: int, path: str) -> dict:
     return results
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+@pytest.fixture(scope="module", params=FAMILIES)
+def runs(request, tmp_path_factory):
     if not _transformers_has_the_families():
         pytest.skip("the tiny VLM configs need transformers >= 5.10 (verl 0.9.1's)")
-    path = save_model(str(tmp_path_factory.mktemp(FAMILY)), FAMILY)
-    return run_gloo(one_rank, 1, path, timeout=600)[0]
+    path = save_model(str(tmp_path_factory.mktemp(request.param)), request.param)
+    return run_gloo(one_rank, 1, path, request.param, timeout=600)[0]
 
 
 @pytest.mark.parametrize("workload", ["grpo_images", "multi_turn", "grpo_same_tokens"])
@@ -130,7 +130,8 @@ def test_the_steps_metrics_count_images_and_tokens(runs, workload, images_total,
         images_computed * TOKENS_PER_IMAGE]
     assert metrics["prefix_sharing/tokens_total"] == [sum(map(len, tags))]
     assert metrics["prefix_sharing/tokens_computed"] == [distinct_prefixes(tags)]
-    assert not any(k.startswith("prefix_sharing/") for k in runs[workload, "off"]["train"]["metrics"])
+    plain = runs[workload, "off"]["train"]["metrics"]
+    assert not any(key.startswith("prefix_sharing/") for key in plain)
 
 
 def test_a_control_without_image_identity_shares_different_images_and_fails(runs):
@@ -162,3 +163,36 @@ def test_the_self_check_and_other_vision_families_are_refused_by_name(tmp_path):
     path = save_model(str(tmp_path / FAMILY), FAMILY)
     message = run_gloo(refused_on_build, 1, path, dict(SHARING, self_check=True), timeout=600)[0]
     assert "[verl.self_check.vlm]" in message, message
+
+
+def test_the_megatron_engine_and_an_old_transformers_refuse_a_vlm_by_name(monkeypatch):
+    """The engine check alone (the Megatron engine serves no vision family; verl 0.8.0's
+    transformers 4.57 is below the shim's 5.10)."""
+    from types import SimpleNamespace
+
+    import transformers
+
+    from prefix_sharing.errors import PrefixSharingSetupError
+    from prefix_sharing.verl_ext.mcore import check_engine_setup
+    from prefix_sharing.verl_ext.vlm import ENGINE_FAMILIES
+
+    model = SimpleNamespace(model_type="language_model",
+                            hf_config=SimpleNamespace(vision_config={}, model_type=FAMILY))
+    with pytest.raises(PrefixSharingSetupError, match=r"\[verl\.multimodal\]"):
+        check_engine_setup(SimpleNamespace(), model)  # the Megatron engine's call
+    monkeypatch.setattr(transformers, "__version__", "5.10.0")
+    check_engine_setup(SimpleNamespace(), model, vision_families=ENGINE_FAMILIES)
+    monkeypatch.setattr(transformers, "__version__", "4.57.1")
+    with pytest.raises(PrefixSharingSetupError, match=r"\[hf\.vlm_release\]"):
+        check_engine_setup(SimpleNamespace(), model, vision_families=ENGINE_FAMILIES)
+
+
+if __name__ == "__main__":  # the figures of docs/results/vlm_fsdp_engine.json
+    import json
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as directory:
+        result = run_gloo(one_rank, 1, save_model(directory, FAMILY), FAMILY, timeout=600)[0]
+    print(json.dumps({name: {k: v[0] for k, v in result[name, "shared"]["train"]["metrics"]
+                             .items() if k.startswith("prefix_sharing/")}
+                      for name in ("grpo_images", "multi_turn")}, indent=1))
