@@ -79,12 +79,12 @@ def user_input(*errors: type[Exception]) -> Iterator[None]:
         raise InputError(str(error)) from error
 
 
-def read_rollouts(path: str) -> Rollouts:
+def read_rollouts(path: str, image_token_id: int | None = None) -> Rollouts:
     """:func:`load_rollouts`, with its errors (a missing or bad file, no pyarrow for Parquet)
     as input errors."""
     try:
         with user_input(RolloutError, OSError):
-            return load_rollouts(path)
+            return load_rollouts(path, image_token_id)
     except ImportError as error:  # load_rollouts' one ImportError: Parquet without pyarrow
         raise MissingPackageError(str(error)) from error
 
