@@ -14,6 +14,7 @@ from ..presets import PRESETS, ModelPreset
 from ..rollouts import Rollouts, RolloutError, load_rollouts
 from ..workloads import WORKLOADS, make_workload
 from ..errors import InputError, MissingPackageError
+from ..refusals import refuse
 
 __all__ = ["add_sharing_options", "add_backend_option", "add_dtype_option", "run_dtype",
            "DTYPES", "add_engine_option", "add_model_option", "add_input_options", "sharing_config",
@@ -126,6 +127,9 @@ def load_batches(args: argparse.Namespace, model: ModelPreset,
     when omitted).
     """
     if args.sequences:
+        if model.image_grid is not None:
+            raise refuse("cli.vlm_preset_sequences", f"--model {model.name} --sequences "
+                         f"{args.sequences}")
         rollouts = read_rollouts(args.sequences)
         batches = [(args.sequences, rollouts.sequences, rollouts.groups)]
         largest = max(int(s.max()) for s in rollouts.sequences)
@@ -136,7 +140,7 @@ def load_batches(args: argparse.Namespace, model: ModelPreset,
         batches = []
         for name in names:
             with user_input(ValueError):  # an unknown name
-                w = make_workload(name, vocab_size=model.vocab_size, **(sizes or {}).get(name, {}))
+                w = make_workload(name, vocab_size=model.text_vocab_size, **(sizes or {}).get(name, {}))
             batches.append((name, w.sequences, w.groups))
     for name, seqs, _ in batches:
         _check_fits(name, seqs, model)
