@@ -52,6 +52,7 @@ import dataclasses
 import json
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -65,6 +66,7 @@ from ..presets import PRESETS, get_preset
 from ..rollouts import Rollouts
 from ..errors import InputError
 from .analyze_dp import data_parallel_report, data_parallel_text
+from .record import write_result
 from .options import read_rollouts, sharing_config, user_input
 
 __all__ = ["TREE_LIMIT", "sharing_structure", "prefix_tree"]
@@ -108,6 +110,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "of it, and images enter the tokens' identity")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object instead of the report")
+    parser.add_argument("--record", metavar="FILE.json",
+                        help="also save the run as a result file (docs/results/NAME.json: the "
+                        "command, date, machine, versions, the report and its JSON)")
     parser.set_defaults(run=run)
 
 
@@ -138,7 +143,10 @@ def run(args: argparse.Namespace) -> int:
         report.update({k: int(v) for k, v in rollouts.images.metrics(plan).items()})
     if args.dp is not None:
         report["data_parallel"] = data_parallel_report(rollouts, config, args.dp)
-    print(json.dumps(report) if args.json else "\n".join(_text(report, plan)))
+    text = "\n".join(_text(report, plan))
+    print(json.dumps(report) if args.json else text)
+    if args.record:
+        write_result(args.record, args.argv, f"analyze {Path(args.file).name}", report, text)
     return 0
 
 

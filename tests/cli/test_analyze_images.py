@@ -140,3 +140,25 @@ def test_tags_from_the_hashes_are_the_sharing_forwards_tags():
     assert all(torch.equal(x, y) for x, y in zip(dump.tags, forward.tags))
     assert (dump.images_total, dump.images_distinct) == (forward.images_total,
                                                          forward.images_computed) == (3, 2)
+
+
+def test_the_recorded_vlm_dump_figures_are_what_analyze_gives_on_the_generated_dump(
+        capsys, tmp_path):
+    """docs/results/vlm_analyze_grpo.json: the dump script and analyze reproduce its counts."""
+    import json
+    from pathlib import Path
+
+    from tests.script_modules import load_script
+
+    dump = load_script("vlm_grpo_dump")
+    path = write_jsonl(tmp_path / "vlm.jsonl", dump.rows())
+    report = analyze_json(capsys, path, "--image-token-id", dump.IMAGE)
+    recorded = json.loads((Path(__file__).parents[2] / "docs/results/vlm_analyze_grpo.json")
+                          .read_text())["payload"]
+    keys = ("tokens_total", "tokens_unique", "token_ratio", "structure", "vision_tokens_total",
+            "vision_tokens_computed", "vision_images_total", "vision_images_computed")
+    assert {k: report[k] for k in keys} == {k: recorded[k] for k in keys}
+    groups = dump.PROMPTS
+    assert (report["vision_images_total"], report["vision_images_computed"]) == (
+        groups * dump.RESPONSES, groups)
+    assert report["vision_tokens_computed"] == groups * 256
