@@ -27,6 +27,7 @@ def run(capfd, *argv):
     ("--workload", "agent", "--model", "tiny-moe"),
     ("--workload", "tree", "--model", "tiny-hybrid"),  # Qwen3.5: 3 Gated DeltaNet : 1 attention
     ("--workload", "tree", "--model", "tiny-nemotron-h"),  # Mamba-2, MLP, attention, MoE
+    ("--workload", "tree", "--model", "tiny-qwen2.5-vl"),  # Qwen2.5-VL, text-only batch
 ])
 def test_verify_passes_on_the_hf_engine(capfd, argv):
     code, out, _ = run(capfd, "verify", "--engine", "hf", "--json", *argv)
