@@ -157,14 +157,14 @@ def _rollouts(table: _Table, path: Path, image_token_id: int | None) -> Rollouts
 def _images(table: _Table, path: Path, sequences: list[torch.Tensor],
             image_token_id: int | None) -> ImageTags | None:
     """The rows' ``image_hashes`` placed on their placeholder runs (none: text-only rows)."""
-    from .fsdp_compat.vision import hashed_image_tags
-
     if image_token_id is None:
         if table.images is not None:
             raise RolloutError(f"{path}: has {_IMAGES} (a vision-language dump), which only "
                                "analyze reads, given the placeholder id: --image-token-id N "
                                "(the model config's image_token_id)")
         return None
+    from .fsdp_compat.vision import hashed_image_tags
+
     hashes = [_hashes(value, table.where(i))
               for i, value in enumerate(table.images or [None] * len(sequences))]
     try:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib.util
+import zlib
 
 import torch
 
@@ -153,22 +154,25 @@ def _bench(request: BenchRequest) -> list[dict]:
 def with_images(workload: BenchWorkload, config, grid: tuple[int, int, int],
                 dtype: torch.dtype, device: str) -> BenchWorkload:
     """``workload`` with an image after each sequence's first :data:`IMAGE_AFTER` tokens:
-    ``vision start, grid / 4 placeholders, vision end`` (2x2 merged patches), of random pixels
+    ``vision start, one placeholder per merged patch, vision end``, of random pixels
     seeded by those tokens, so sequences that share them share the image (each GRPO group its
     prompt's) and the plan of tokens and images is the plan of the tokens alone. Prompt groups
     grow by the inserted run."""
     t, h, w = grid
-    run = [config.vision_start_token_id] + [config.image_token_id] * (t * h * w // 4) + [
-        config.vision_end_token_id]
+    vision = config.vision_config
+    features = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    run = [config.vision_start_token_id] + [config.image_token_id] * (
+        t * h * w // vision.spatial_merge_size**2) + [config.vision_end_token_id]
     sequences, mm = [], []
     for seq in workload.sequences:
         head = seq[:IMAGE_AFTER]
-        gen = torch.Generator().manual_seed(hash(tuple(head.tolist())) % 2**31)
-        pixels = torch.randn(t * h * w, 3 * 2 * 2 * 2, generator=gen).to(device, dtype)
+        gen = torch.Generator().manual_seed(zlib.crc32(head.numpy().tobytes()))
+        pixels = torch.randn(t * h * w, features, generator=gen).to(device, dtype)
         mm.append({"pixel_values": pixels, "image_grid_thw": torch.tensor([list(grid)])})
         sequences.append(torch.cat([head, torch.tensor(run, dtype=seq.dtype), seq[IMAGE_AFTER:]]))
-    groups = None if workload.groups is None else [
-        PromptGroup(g.prompt_len + len(run), g.members) for g in workload.groups]
+    groups = None if workload.groups is None else [  # a shorter prompt holds no image
+        PromptGroup(g.prompt_len + len(run) * (g.prompt_len >= IMAGE_AFTER), g.members)
+        for g in workload.groups]
     return BenchWorkload(workload.name, sequences, groups, mm)
 
 
