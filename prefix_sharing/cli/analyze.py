@@ -38,6 +38,9 @@ With ``--dp N``, ``data_parallel`` gives the tokens each of N data-parallel rank
 under verl's stock balancing and under the sharing-aware partitioner, and the ideal
 (:mod:`prefix_sharing.cli.analyze_dp`).
 
+``--record FILE.json`` also saves the run as a result file of the benchmarks page
+(:func:`prefix_sharing.cli.record.write_result`).
+
 For at most :data:`TREE_LIMIT` sequences the text report draws the plan's prefix tree: the
 computed tokens form a forest (each token's parent is the token before it), drawn compressed
 (a radix tree): every edge is a run of tokens computed once, labelled with its length and how
