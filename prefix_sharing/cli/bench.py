@@ -37,6 +37,8 @@ BENCH_SIZES = {
     "agent": dict(num_tasks=2, num_turns=3, branching=2, system_len=96, task_len=(16, 32),
                   turn_len=(16, 32)),
     "none": dict(num_sequences=8, seq_len=(160, 224)),
+    # issue 31's long history (32k tokens, 8 branches of 2k) at --length-scale 64
+    "history": dict(history_len=512, branches=8, branch_len=32),
 }
 
 

@@ -12,7 +12,7 @@ from ..config import BACKENDS, MODES, PrefixSharingConfig
 from ..planner import PromptGroup
 from ..presets import PRESETS, ModelPreset
 from ..rollouts import Rollouts, RolloutError, load_rollouts
-from ..workloads import WORKLOADS, make_workload
+from ..workloads import LONG_WORKLOADS, WORKLOADS, make_workload
 from ..errors import InputError, MissingPackageError
 from ..refusals import refuse
 
@@ -109,7 +109,8 @@ def add_input_options(parser: argparse.ArgumentParser, *, many_workloads: bool) 
     if many_workloads:
         source.add_argument("--workload", metavar="NAME", action="append",
                             help=f"a built-in micro-batch: {', '.join(WORKLOADS)} "
-                            "(repeatable; default: all)")
+                            f"(repeatable; default: all), or {', '.join(LONG_WORKLOADS)} "
+                            "(one group over the budget: with --token-budget)")
     else:
         source.add_argument("--workload", metavar="NAME", default="grpo",
                             help=f"a built-in micro-batch: {', '.join(WORKLOADS)} "
