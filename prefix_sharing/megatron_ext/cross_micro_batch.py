@@ -36,10 +36,11 @@ vocab-parallel reductions), with or without sequence parallelism: the all-gather
 QKV projection hands core attention every row of the micro-batch, so the prefix K/V leaves are
 the same as without it; each micro-batch's rows are padded to a multiple of the
 tensor-parallel size (the schedule planned with ``pad_to_multiple_of``, the prefix
-micro-batch here) and the prefix's pad rows are not kept. Dense and MoE models. Pipeline
-parallelism, sliding windows, and MoE router statistics under sequence parallelism (which
-megatron's MoE needs under TP: each rank would route a slice of the prefix's logits) are
-refused by name.
+micro-batch here) and the prefix's pad rows are not kept. Dense and MoE models (router
+statistics under sequence parallelism too: each rank routes its slice of every suffix's plain
+view, the prefix's logits kept whole). Activation recompute (full or selective): a recomputed
+layer replays its first run's mode (:class:`~.prefix_kv.PrefixKVPass`). Pipeline parallelism
+and sliding windows are refused by name.
 """
 
 from __future__ import annotations
@@ -56,7 +57,6 @@ from ..logprobs import token_log_probs
 from ..planner import build_plan
 from .checks import UnsupportedSetupError
 from .logprobs import vocab_shard
-from .moe import PrefixSharingRouter
 from .packed_seq import PlanPackedSeqParams
 from .prefix_kv import PrefixKV
 
@@ -263,14 +263,6 @@ def check_group_model(model: torch.nn.Module) -> None:
     """Raises :class:`UnsupportedSetupError` naming every setting a group run cannot honour."""
     config = get_attr_wrapped_model(model, "config")
     problems = []
-    if config.sequence_parallel and config.num_moe_experts:
-        keeping = [name for name, module in model.named_modules()
-                   if isinstance(module, PrefixSharingRouter) and module.keeps_statistics()]
-        if keeping:
-            problems.append(f"sequence_parallel=True with num_moe_experts={config.num_moe_experts}"
-                            f" and router batch statistics (aux / z-loss, expert bias; "
-                            f"{keeping[0]}): each rank would route a slice of the prefix's "
-                            "router logits")
     if config.pipeline_model_parallel_size > 1:
         problems.append(f"pipeline_model_parallel_size={config.pipeline_model_parallel_size} "
                         "(PP=1 only)")

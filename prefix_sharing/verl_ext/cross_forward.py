@@ -19,8 +19,12 @@ runs forward then backward per micro-batch, so the prefix is woven into them:
 Each sample's log-probs and entropy come back as verl expects them (the value at ``t`` scores
 token ``t + 1``, the last position 0), so verl's loss runs unchanged on each micro-batch.
 Held across the group: the prefix's activations (its graph) and its K/V leaves with their
-gradients. The model must run with PP=1, without sequence parallelism, MoE router statistics,
-windows or activation recompute (each raises one error naming the setting).
+gradients. Under activation recompute (full or selective) the prefix's recomputed layers keep
+only their inputs, and their replay - inside the last micro-batch's backward, in the prefix's
+own ``record`` mode (:class:`~prefix_sharing.megatron_ext.prefix_kv.PrefixKVPass`) - injects
+every micro-batch's dK/dV, the last one's included, which then reads the leaves too. The
+model must run with PP=1, without sequence parallelism, MoE router statistics or windows (each
+raises one error naming the setting).
 """
 
 from __future__ import annotations
@@ -170,9 +174,8 @@ def check_cross_engine_setup(engine_config: Any) -> None:
 
 def check_cross_model(model) -> None:
     """The group driver's refusals (PP, windows), plus sequence parallelism (the group driver
-    runs it, verl's cross groups are not padded for it), plus activation
-    recompute: a recomputed layer would run again with the group's K/V in whatever mode the
-    last micro-batch left it; plus MoE routers with batch statistics: the group driver makes
+    runs it, verl's cross groups are not padded for it), plus MoE routers with batch
+    statistics: the group driver makes
     them those of the stock step on the same micro-batch split, but verl's stock step splits
     the batch differently (so it is no reference), and this path has no test of them yet."""
     from megatron.core.utils import get_attr_wrapped_model
@@ -187,11 +190,6 @@ def check_cross_model(model) -> None:
             "prefix_grouper.cross_micro_batch does not support sequence_parallel=True in verl's "
             "engine (its cross groups are not planned padded to the tensor-parallel size; set "
             "sequence_parallel: false)")
-    if config.recompute_granularity is not None:
-        raise PrefixSharingSetupError(
-            f"prefix_grouper.cross_micro_batch does not support recompute_granularity="
-            f"{config.recompute_granularity!r} (turn activation recompute off, or "
-            "cross_micro_batch off)")
     keeping = [name for name, module in model.named_modules()
                if isinstance(module, PrefixSharingRouter) and module.keeps_statistics()]
     if config.num_moe_experts and keeping:

@@ -41,8 +41,9 @@ def actor_config(prefix_grouper: dict | None, *, megatron: dict | None = None, *
     return config
 
 
-def build_engine(config, *, seed: int = 0, preset=PRESET):
-    """The registered megatron language-model engine for ``config``, tiny model injected."""
+def build_engine(config, *, seed: int = 0, preset=PRESET, **model_overrides: Any):
+    """The registered megatron language-model engine for ``config``, tiny model injected
+    (``model_overrides``: its TransformerConfig fields, e.g. ``recompute_granularity``)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from verl.workers.engine.base import EngineRegistry
 
@@ -67,7 +68,7 @@ def build_engine(config, *, seed: int = 0, preset=PRESET):
         spec = engine.bridge._get_transformer_layer_spec()
     else:
         spec = shared_spec()
-    model = gpt_model(preset, seed=seed, layer_spec=spec)
+    model = gpt_model(preset, seed=seed, layer_spec=spec, **model_overrides)
     engine.module, engine.tf_config, engine.is_value_model = [model], model.config, False
     return engine
 

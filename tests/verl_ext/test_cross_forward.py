@@ -11,6 +11,7 @@ one's prefix is over half the budget, so it is cut by the ordinary split (and re
 prefix) beside the first one's cross run.
 """
 
+import contextlib
 import importlib.util
 from functools import partial
 
@@ -106,8 +107,66 @@ def test_each_group_computes_its_unique_tokens_once_and_verls_metrics_say_so(res
         float(2 * 2 * PRESET.num_layers * 36 * PRESET.num_query_groups * PRESET.head_dim * 4)]
 
 
+RECOMPUTE = {  # megatron's activation recompute, on the model of both runs
+    "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    "selective": dict(recompute_granularity="selective"),  # core attention
+}
+
+
+def recompute_steps(rank: int) -> dict:
+    """Per recompute setting: verl's stock step and the cross-micro-batch one at a budget of 80
+    with the same setting; on ``full``, a control whose recomputed layers take the mode the
+    store is in when the backward replays them (the last micro-batch's), not their own."""
+    from unittest import mock
+
+    from verl.workers.utils.losses import ppo_loss
+
+    from prefix_sharing.megatron_ext.prefix_kv import PrefixKVPass
+
+    use_cpu_platform()
+    wrong_mode = property(lambda self: self.store.mode, lambda self, mode: None)
+    results = {}
+    for (setting, settings), name in [(item, name) for item in RECOMPUTE.items()
+                                      for name in ("off", "cross")] + [
+                                          (("full", RECOMPUTE["full"]), "control")]:
+        config = actor_config(None if name == "off" else CROSS)
+        engine = build_engine(config, **settings)
+        infer = engine.infer_batch(batch(80))
+        patch = (mock.patch.object(PrefixKVPass, "mode", wrong_mode, create=True)
+                 if name == "control" else contextlib.nullcontext())
+        with patch:
+            train = engine.forward_backward_batch(batch(80), partial(ppo_loss, config=config))
+        grads = {n: p.grad.clone() for n, p in engine.module[0].named_parameters()}
+        results[setting, name] = {"infer": plain_output(infer), "train": plain_output(train),
+                                  "grads": grads}
+    return results
+
+
+@pytest.fixture(scope="module")
+def recompute_results():
+    return run_distributed(recompute_steps, 1, timeout=600)[0]
+
+
+@pytest.mark.parametrize("setting", RECOMPUTE)
+def test_activation_recompute_equals_verls_stock_step_with_the_same_setting(
+        recompute_results, setting):
+    """A recomputed layer replays the mode of its first run: the prefix's layers, replayed
+    inside the last micro-batch's backward, inject every micro-batch's dK/dV."""
+    cross = recompute_results[setting, "cross"]
+    assert cross["train"]["metrics"]["prefix_sharing/prefix_recomputes_avoided"] == [4.0]
+    same_outputs(cross, recompute_results[setting, "off"], f"recompute {setting}",
+                 per_micro_batch=False)
+
+
+def test_a_control_that_replays_the_last_micro_batchs_mode_fails(recompute_results):
+    control = recompute_results["full", "control"]
+    with pytest.raises(AssertionError, match="grad"):
+        same_outputs(control, recompute_results["full", "off"], "control",
+                     per_micro_batch=False)
+
+
 @pytest.mark.parametrize("field, value", [
-    ("recompute_granularity", "full"), ("sequence_parallel", True), ("num_moe_experts", 4)])
+    ("sequence_parallel", True), ("num_moe_experts", 4)])
 def test_settings_a_cross_group_cannot_honour_are_refused_by_name(field, value):
     from types import SimpleNamespace
 
