@@ -22,9 +22,11 @@ Held across the group: the prefix's activations (its graph) and its K/V leaves w
 gradients. Under activation recompute (full or selective) the prefix's recomputed layers keep
 only their inputs, and their replay - inside the last micro-batch's backward, in the prefix's
 own ``record`` mode (:class:`~prefix_sharing.megatron_ext.prefix_kv.PrefixKVPass`) - injects
-every micro-batch's dK/dV, the last one's included, which then reads the leaves too. The
-model must run with PP=1, without sequence parallelism, MoE router statistics or windows (each
-raises one error naming the setting).
+every micro-batch's dK/dV, the last one's included, which then reads the leaves too. Under
+tensor parallelism each micro-batch's rows, the prefix's included, are padded to the
+tensor-parallel size (sequence parallelism splits them over its ranks; the prefix's pad rows are
+not kept). The model must run with PP=1, without MoE router statistics or windows (each raises
+one error naming the setting).
 """
 
 from __future__ import annotations
@@ -163,19 +165,14 @@ def check_cross_engine_setup(engine_config: Any) -> None:
     replay = getattr(getattr(engine_config, "router_replay", None), "mode", "disabled")
     if replay not in (None, "disabled"):
         problems.append(f"router_replay.mode={replay!r}")
-    tp = getattr(engine_config, "tensor_model_parallel_size", 1) or 1
-    if tp > 1 and getattr(engine_config, "sequence_parallel", False):
-        problems.append(f"sequence_parallel=True with tensor_model_parallel_size={tp} (set "
-                        "sequence_parallel: false)")
     if problems:
         raise PrefixSharingSetupError("prefix_grouper.cross_micro_batch does not support "
                                       + "; ".join(problems))
 
 
 def check_cross_model(model) -> None:
-    """The group driver's refusals (PP, windows), plus sequence parallelism (the group driver
-    runs it, verl's cross groups are not padded for it), plus MoE routers with batch
-    statistics: the group driver makes
+    """The group driver's refusals (PP, windows), plus MoE routers with batch statistics: the
+    group driver makes
     them those of the stock step on the same micro-batch split, but verl's stock step splits
     the batch differently (so it is no reference), and this path has no test of them yet."""
     from megatron.core.utils import get_attr_wrapped_model
@@ -185,11 +182,6 @@ def check_cross_model(model) -> None:
 
     check_group_model(model)
     config = get_attr_wrapped_model(model, "config")
-    if config.sequence_parallel:
-        raise PrefixSharingSetupError(
-            "prefix_grouper.cross_micro_batch does not support sequence_parallel=True in verl's "
-            "engine (its cross groups are not planned padded to the tensor-parallel size; set "
-            "sequence_parallel: false)")
     keeping = [name for name, module in model.named_modules()
                if isinstance(module, PrefixSharingRouter) and module.keeps_statistics()]
     if config.num_moe_experts and keeping:
@@ -206,9 +198,13 @@ def _run_prefix(model, part: CrossPart, sharing: PrefixSharingConfig, temperatur
     from ..megatron_ext.cross_micro_batch import PrefixPass
     from ..megatron_ext.prefix_kv import PrefixKV
 
+    from megatron.core import parallel_state
+
     schedule = part.group.schedule
-    prefix_kv = PrefixKV()
-    prefix = PrefixPass(schedule, prefix_kv, sharing.backend, temperature, device)
+    prefix_kv = PrefixKV(rows=schedule.prefix_len)
+    # padded as the group's other micro-batches are (microbatch.py): its pad rows not kept
+    prefix = PrefixPass(schedule, prefix_kv, sharing.backend, temperature, device,
+                        parallel_state.get_tensor_model_parallel_world_size())
     log_probs, entropy, _ = prefix.stats(model, with_entropy)
     shape = (len(schedule.seq_lens), schedule.prefix_len)
     log_probs = log_probs.view(shape)

@@ -165,8 +165,56 @@ def test_a_control_that_replays_the_last_micro_batchs_mode_fails(recompute_resul
                      per_micro_batch=False)
 
 
-@pytest.mark.parametrize("field, value", [
-    ("sequence_parallel", True), ("num_moe_experts", 4)])
+LONG_CONTEXT = {  # TP=2 (two gloo ranks) with sequence parallelism, without and with recompute
+    "sp": dict(sequence_parallel=True),
+    "sp_recompute": dict(sequence_parallel=True, **RECOMPUTE["full"]),
+}
+
+
+def sequence_parallel_steps(rank: int) -> dict:
+    """Per setting: verl's stock step and the cross-micro-batch one at a budget of 80, each
+    rank's gradients completed over the tensor-parallel group as megatron's finalize does
+    (sequence parallelism leaves each rank the norm weights' share of its own rows)."""
+    from verl.workers.utils.losses import ppo_loss
+
+    from prefix_sharing.engines.megatron import finalize_sequence_parallel_grads
+
+    use_cpu_platform()
+    results = {}
+    for setting, settings in LONG_CONTEXT.items():
+        for name in ("off", "cross"):
+            config = actor_config(None if name == "off" else CROSS,
+                                  megatron=dict(tensor_model_parallel_size=2,
+                                                sequence_parallel=True))
+            engine = build_engine(config, **settings)
+            infer = engine.infer_batch(batch(80))
+            train = engine.forward_backward_batch(batch(80), partial(ppo_loss, config=config))
+            finalize_sequence_parallel_grads(engine.module[0])
+            grads = {n: p.grad.clone() for n, p in engine.module[0].named_parameters()}
+            results[setting, name] = {"infer": plain_output(infer), "train": plain_output(train),
+                                      "grads": grads}
+    return results
+
+
+@pytest.fixture(scope="module")
+def sequence_parallel_results():
+    return run_distributed(sequence_parallel_steps, 2, tp=2, timeout=900)
+
+
+@pytest.mark.parametrize("setting", LONG_CONTEXT)
+def test_tensor_and_sequence_parallel_equal_verls_stock_step(sequence_parallel_results,
+                                                             setting):
+    """Each cross micro-batch's rows (the prefix's too) padded to TP and split over the ranks;
+    every rank's outputs and gradients equal the stock step's."""
+    for rank in sequence_parallel_results:
+        cross = rank[setting, "cross"]
+        metrics = cross["train"]["metrics"]
+        assert metrics["prefix_sharing/prefix_recomputes_avoided"] == [4.0]
+        assert metrics["prefix_sharing/groups_split"] == [0.0]
+        same_outputs(cross, rank[setting, "off"], f"tp2 {setting}", per_micro_batch=False)
+
+
+@pytest.mark.parametrize("field, value", [("num_moe_experts", 4)])
 def test_settings_a_cross_group_cannot_honour_are_refused_by_name(field, value):
     from types import SimpleNamespace
 
@@ -187,8 +235,7 @@ def test_settings_a_cross_group_cannot_honour_are_refused_by_name(field, value):
 
 @pytest.mark.parametrize("settings, named", [
     (dict(pipeline_model_parallel_size=2), "pipeline_model_parallel_size=2"),
-    (dict(virtual_pipeline_model_parallel_size=2), "virtual_pipeline_model_parallel_size=2"),
-    (dict(tensor_model_parallel_size=2, sequence_parallel=True), "sequence_parallel=True")])
+    (dict(virtual_pipeline_model_parallel_size=2), "virtual_pipeline_model_parallel_size=2")])
 def test_engine_settings_are_refused_by_name_at_construction(settings, named):
     from types import SimpleNamespace
 
@@ -197,7 +244,8 @@ def test_engine_settings_are_refused_by_name_at_construction(settings, named):
 
     base = dict(pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None,
                 tensor_model_parallel_size=2, sequence_parallel=False)
-    check_cross_engine_setup(SimpleNamespace(**base))  # TP without sequence parallelism runs
+    check_cross_engine_setup(SimpleNamespace(**base))  # TP runs, sequence parallel or not
+    check_cross_engine_setup(SimpleNamespace(**{**base, "sequence_parallel": True}))
     with pytest.raises(PrefixSharingSetupError, match=named):
         check_cross_engine_setup(SimpleNamespace(**{**base, **settings}))
 
