@@ -266,8 +266,6 @@ def check_group_model(model: torch.nn.Module) -> None:
     if config.pipeline_model_parallel_size > 1:
         problems.append(f"pipeline_model_parallel_size={config.pipeline_model_parallel_size} "
                         "(PP=1 only)")
-    if config.window_size is not None:
-        problems.append(f"window_size={config.window_size} (the suffix gather is not trimmed)")
     if problems:
         raise UnsupportedSetupError(
             "cross-micro-batch sharing does not support " + "; ".join(problems)

@@ -1,5 +1,5 @@
-"""Across micro-batches with the settings long contexts need: activation recompute, and MoE
-router statistics under tensor + sequence parallelism, alone and combined.
+"""Across micro-batches with the settings long contexts need: activation recompute, sliding
+windows, and MoE router statistics under tensor + sequence parallelism, alone and combined.
 
 The reference is megatron's stock step with the same setting on the same split (one plain
 micro-batch per suffix micro-batch, its samples whole), judged as ``verify`` judges (the
@@ -13,17 +13,20 @@ gradients.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from unittest import mock
 
 import pytest
 import torch
 
 from prefix_sharing.equivalence import FP32_RTOL, QUANTITIES, max_rel_diff, within_tolerance
+from prefix_sharing.presets import get_preset
 
 from ._distributed import run_distributed, tiny_gpt
 from ._router_statistics import reset_router_statistics, router_statistics
 from .test_cross_micro_batch import BUDGET, CONFIG, MOE, _group, _split_runs
 
+WINDOWED = get_preset("tiny-window")
 RECOMPUTE = {  # megatron-core's TransformerConfig fields
     "full_uniform": dict(recompute_granularity="full", recompute_method="uniform",
                          recompute_num_layers=1),
@@ -57,11 +60,31 @@ def _compared(cross, build, seqs) -> dict:
             "vs_plain": compare(cross.run, plain), "figures": cross.report()}
 
 
-def _recompute_job(rank: int) -> dict:
+WINDOWS = {  # the tiny-window preset: 16-key windows on layers 1 and 3, learned sinks
+    "preset": {},
+    "every_layer_3": dict(window_size=3, window_full_every=None),
+}
+
+
+def _one_rank_job(rank: int) -> dict:
+    from prefix_sharing.attention.window import windowed_keys
     from prefix_sharing.engines.cross_micro_batch import forward_backward_cross
+    from prefix_sharing.engines.megatron import gpt_model
 
     seqs = _group()
     report = {}
+    for name, settings in WINDOWS.items():
+        preset = dataclasses.replace(WINDOWED, **settings)
+
+        def build(layout: str, preset=preset, **overrides) -> torch.nn.Module:
+            return gpt_model(preset, layout=layout, **overrides)
+
+        cross = forward_backward_cross(build("shared"), seqs, BUDGET, CONFIG)
+        report["window", name] = _compared(cross, build, seqs)
+        # keys each suffix gathers, with the window and without it
+        report["window", name]["gathered"] = [
+            (windowed_keys(s.plan, preset.window_size).kv_gather_index.numel(),
+             s.plan.kv_gather_index.numel()) for s in cross.schedules[0].suffixes]
     runs = [(name, False, None) for name in RECOMPUTE] + [
         ("full_uniform", True, None), ("full_uniform", False, _replay_records_again)]
     for name, recompute_prefix, control in runs:
@@ -78,7 +101,7 @@ def _recompute_job(rank: int) -> dict:
 
 @pytest.fixture(scope="module")
 def recompute_report() -> dict:
-    return run_distributed(_recompute_job, 1, timeout=600)[0]
+    return run_distributed(_one_rank_job, 1, timeout=600)[0]
 
 
 def _passes(run: dict) -> None:
@@ -107,6 +130,14 @@ def test_a_replay_that_records_again_fails_the_verdict(recompute_report):
     verdict = within_tolerance(run["vs_reference"], run["plain"], torch.float32)
     assert not verdict["grads"]
     assert verdict["log_probs"] and verdict["loss"]  # the forward is untouched
+
+
+@pytest.mark.parametrize("name", WINDOWS)
+def test_sliding_windows_equal_the_stock_step_with_the_suffix_gathers_trimmed(
+        recompute_report, name):
+    run = recompute_report["window", name]
+    _passes(run)
+    assert all(trimmed < whole for trimmed, whole in run["gathered"]), run["gathered"]
 
 
 LONG_CONTEXT = {  # the tiny MoE preset (aux + seq-aux + global-aux losses, z-loss) at TP=2

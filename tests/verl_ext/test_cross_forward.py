@@ -108,14 +108,18 @@ def test_each_group_computes_its_unique_tokens_once_and_verls_metrics_say_so(res
 
 
 RECOMPUTE = {  # megatron's activation recompute, on the model of both runs
-    "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    "full": dict(recompute_granularity="full", recompute_method="uniform",
+                 recompute_num_layers=1),
     "selective": dict(recompute_granularity="selective"),  # core attention
 }
+# a 7-key sliding window on every other layer: shorter than the 34-36-token prefixes, so the
+# suffixes' gathers of the prefix rows are trimmed
+SETTINGS = {**RECOMPUTE, "window": dict(window_size=(6, 0), window_attn_skip_freq=2)}
 
 
-def recompute_steps(rank: int) -> dict:
-    """Per recompute setting: verl's stock step and the cross-micro-batch one at a budget of 80
-    with the same setting; on ``full``, a control whose recomputed layers take the mode the
+def setting_steps(rank: int) -> dict:
+    """Per setting: verl's stock step and the cross-micro-batch one at a budget of 80 with the
+    same setting; on ``full`` recompute, a control whose recomputed layers take the mode the
     store is in when the backward replays them (the last micro-batch's), not their own."""
     from unittest import mock
 
@@ -126,7 +130,7 @@ def recompute_steps(rank: int) -> dict:
     use_cpu_platform()
     wrong_mode = property(lambda self: self.store.mode, lambda self, mode: None)
     results = {}
-    for (setting, settings), name in [(item, name) for item in RECOMPUTE.items()
+    for (setting, settings), name in [(item, name) for item in SETTINGS.items()
                                       for name in ("off", "cross")] + [
                                           (("full", RECOMPUTE["full"]), "control")]:
         config = actor_config(None if name == "off" else CROSS)
@@ -143,25 +147,25 @@ def recompute_steps(rank: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def recompute_results():
-    return run_distributed(recompute_steps, 1, timeout=600)[0]
+def setting_results():
+    return run_distributed(setting_steps, 1, timeout=600)[0]
 
 
-@pytest.mark.parametrize("setting", RECOMPUTE)
-def test_activation_recompute_equals_verls_stock_step_with_the_same_setting(
-        recompute_results, setting):
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_recompute_and_windows_equal_verls_stock_step_with_the_same_setting(
+        setting_results, setting):
     """A recomputed layer replays the mode of its first run: the prefix's layers, replayed
-    inside the last micro-batch's backward, inject every micro-batch's dK/dV."""
-    cross = recompute_results[setting, "cross"]
+    inside the last micro-batch's backward, inject every micro-batch's dK/dV. A windowed
+    layer's suffix gathers only the prefix rows its window sees."""
+    cross = setting_results[setting, "cross"]
     assert cross["train"]["metrics"]["prefix_sharing/prefix_recomputes_avoided"] == [4.0]
-    same_outputs(cross, recompute_results[setting, "off"], f"recompute {setting}",
-                 per_micro_batch=False)
+    same_outputs(cross, setting_results[setting, "off"], f"{setting}", per_micro_batch=False)
 
 
-def test_a_control_that_replays_the_last_micro_batchs_mode_fails(recompute_results):
-    control = recompute_results["full", "control"]
+def test_a_control_that_replays_the_last_micro_batchs_mode_fails(setting_results):
+    control = setting_results["full", "control"]
     with pytest.raises(AssertionError, match="grad"):
-        same_outputs(control, recompute_results["full", "off"], "control",
+        same_outputs(control, setting_results["full", "off"], "control",
                      per_micro_batch=False)
 
 
