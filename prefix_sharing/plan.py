@@ -1,16 +1,18 @@
 """The sharing plan: which tokens a micro-batch computes, and where every token's state lives.
 
 One plan is built per micro-batch (see :mod:`prefix_sharing.planner`) and read by every layer.
-It is a frozen bundle of index tensors; nothing in it depends on the model.
+It is a frozen bundle of index tensors; nothing in it depends on the model. What is derived
+from it (the token views below, a window's keys, the recurrence schedule) is built once per
+plan and freed with it (:mod:`prefix_sharing.memo`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-from functools import cached_property
-
 import torch
+
+from .memo import derived_property
 
 __all__ = ["SharingPlan"]
 
@@ -114,25 +116,25 @@ class SharingPlan:
     def token_ratio(self) -> float:
         return self.num_tokens_total / self.num_tokens_unique
 
-    @cached_property
+    @derived_property
     def cu_seqlens(self) -> torch.Tensor:
         """``(N + 1,)`` int64 offsets of each sequence in packed (``kv_index``) order."""
         lens = torch.tensor((0,) + self.seq_lens, dtype=torch.int64)
         return lens.cumsum(0).to(self.kv_index.device)
 
     # ------------------------------------------------------------ token views
-    @cached_property
+    @derived_property
     def token_ids(self) -> torch.Tensor:
         """``(T_total,)`` every sequence's tokens, packed in the given order."""
         return self.input_ids.index_select(0, self.kv_index)
 
-    @cached_property
+    @derived_property
     def next_token_ids(self) -> torch.Tensor:
         """``(T_total,)`` the token each position predicts; 0 at each sequence's last position."""
         nxt = torch.roll(self.token_ids, -1)
         return nxt.masked_fill(self.is_last_token, 0)
 
-    @cached_property
+    @derived_property
     def is_last_token(self) -> torch.Tensor:
         """``(T_total,)`` bool, True at the last position of each sequence (nothing to predict)."""
         last = torch.zeros(self.num_tokens_total, dtype=torch.bool, device=self.kv_index.device)

@@ -12,12 +12,11 @@ and lives in its own module, which imports its kernel package only when called f
 from __future__ import annotations
 
 import importlib
-import importlib.util
 from collections.abc import Callable
 
 import torch
 
-from ..errors import InputError, MissingPackageError
+from ..kernel_backends import KernelBackends, Package
 
 __all__ = [
     "BackendFn",
@@ -53,6 +52,22 @@ KERNEL_DTYPES: dict[str, tuple[torch.dtype, ...] | None] = {
 }
 
 
+# The family's resolver (:mod:`prefix_sharing.kernel_backends`): "auto" on CUDA tries flash-attn,
+# then Transformer Engine; on Ascend the fused NPU kernel (an "npu" device exists only once
+# torch_npu is imported); elsewhere torch.
+_BACKENDS = KernelBackends(
+    kind="attention backend",
+    packages={
+        name: None if package is None else Package(
+            package, f"the {package!r} package", f"pip install 'prefix-sharing[{extra}]'")
+        for name, (_, _, package, extra) in BACKEND_FUNCTIONS.items()
+    },
+    auto={"cuda": ("flash_attn", "te"), "npu": ("npu",)},
+    dtypes={name: kinds for name, kinds in KERNEL_DTYPES.items() if kinds is not None},
+    native=frozenset({"npu"}),
+)
+
+
 def resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
     """The concrete backend for ``name`` with q/k/v of ``dtype`` on ``device``.
 
@@ -64,51 +79,12 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
         InputError (a ValueError): an unknown name, or a named kernel that does not compute in
             ``dtype``.
     """
-    if name == "auto":
-        return _auto(device, dtype)
-    if name not in BACKEND_FUNCTIONS:
-        raise InputError(f"unknown attention backend {name!r}; choose from "
-                         f"{', '.join(['auto', *BACKEND_FUNCTIONS])}")
-    if not _computes_in(name, dtype):
-        kinds = ", ".join(str(d) for d in KERNEL_DTYPES[name])
-        raise InputError(
-            f"attention backend {name!r} computes in {kinds} only, but q is {dtype}: run the "
-            "model in one of those dtypes, or choose backend='torch' (or 'auto')"
-        )
-    return name
-
-
-def _auto(device: torch.device, dtype: torch.dtype) -> str:
-    if device.type == "npu":
-        candidates: tuple[str, ...] = ("npu",)
-    elif device.type == "cuda":
-        candidates = ("flash_attn", "te")
-    else:
-        candidates = ()
-    for candidate in candidates:
-        if _computes_in(candidate, dtype) and (
-            device.type == "npu" or _installed(BACKEND_FUNCTIONS[candidate][2])
-        ):
-            return candidate
-    return "torch"
-
-
-def _computes_in(name: str, dtype: torch.dtype) -> bool:
-    kinds = KERNEL_DTYPES[name]
-    return kinds is None or dtype in kinds
+    return _BACKENDS.resolve(name, device, dtype)
 
 
 def get_backend(name: str) -> BackendFn:
     """The kernel function of a concrete backend; a clear :class:`MissingPackageError` (an
     ImportError) when its package is missing."""
-    module, function, package, extra = BACKEND_FUNCTIONS[name]
-    if package is not None and not _installed(package):
-        raise MissingPackageError(
-            f"attention backend {name!r} needs the {package!r} package "
-            f"(pip install 'prefix-sharing[{extra}]'), or choose backend='torch'"
-        )
+    _BACKENDS.require(name)
+    module, function, _, _ = BACKEND_FUNCTIONS[name]
     return getattr(importlib.import_module(f"{__package__}.{module}"), function)
-
-
-def _installed(package: str | None) -> bool:
-    return package is None or importlib.util.find_spec(package) is not None

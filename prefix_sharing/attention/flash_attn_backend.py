@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ..errors import UnsupportedSetup
+from ..refusals import refuse
 from .kernel_limits import check_flash_attn
 
 __all__ = ["varlen_attention_flash"]
@@ -62,19 +62,16 @@ def varlen_attention_flash(
     """
     del cu_seqlens_q_host, cu_seqlens_k_host, kernel_cache
     if sinks is not None:
-        raise UnsupportedSetup(
-            "attention sinks (gpt-oss sinks, megatron softmax_type 'learnable' / 'off-by-one') "
-            "are not in flash-attn 2's kernel; choose backend='torch'"
-        )
+        raise refuse("kernels.sinks", "flash-attn 2")
     check_flash_attn(q)
     from flash_attn import flash_attn_varlen_func
 
     head_dim_v = v.size(-1)
     if head_dim_v > q.size(-1):
-        raise UnsupportedSetup(
-            f"value head dim {head_dim_v} is larger than the query/key head dim {q.size(-1)}: "
-            "flash-attn 2 takes one head dim; choose backend='te' or 'torch'"
-        )
+        raise refuse("kernels.value_head_dim", f"value head dim {head_dim_v} is larger than the "
+                     f"query/key head dim {q.size(-1)}")
+
+
     if head_dim_v != q.size(-1):  # [t, h, dv] -> [t, h, d]: zeros add nothing to the output
         v = torch.nn.functional.pad(v, (0, q.size(-1) - head_dim_v))
     out = flash_attn_varlen_func(

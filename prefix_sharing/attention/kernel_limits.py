@@ -28,8 +28,9 @@ import functools
 import re
 
 import torch
+from ..refusals import Refused, refuse, refuse_all
 
-from ..errors import UnsupportedSetup
+
 
 __all__ = [
     "FLASH_ATTN_MAX_HEAD_DIM",
@@ -56,11 +57,10 @@ _HALF = (torch.float16, torch.bfloat16)
 def check_flash_attn(q: torch.Tensor) -> None:
     """Refuses what ``flash_attn_varlen_func`` (flash-attn 2) does not compute."""
     if q.dtype not in _HALF:
-        raise UnsupportedSetup(f"flash-attn computes in float16 and bfloat16 only; q is {q.dtype}")
+        raise refuse("kernels.dtype", f"flash-attn with q in {q.dtype}")
     if q.size(-1) > FLASH_ATTN_MAX_HEAD_DIM:
-        raise UnsupportedSetup(
-            f"flash-attn 2 supports head dims up to {FLASH_ATTN_MAX_HEAD_DIM}; this model's is "
-            f"{q.size(-1)}: choose backend='torch' (or another kernel)")
+        raise refuse("kernels.head_dim", f"flash-attn 2 takes head dims up to "
+                     f"{FLASH_ATTN_MAX_HEAD_DIM}; this model's is {q.size(-1)}")
 
 
 def check_te(q: torch.Tensor, te_version: str) -> None:
@@ -68,35 +68,30 @@ def check_te(q: torch.Tensor, te_version: str) -> None:
     takes bottom-right padding-causal THD segments of any length only from 2.2, with cuDNN
     >= 9.7), and dtypes and head dims its THD kernels do not take."""
     if _release(te_version) < TE_MIN_VERSION:
-        floor = ".".join(map(str, TE_MIN_VERSION))
-        raise UnsupportedSetup(
-            f"transformer-engine {te_version} runs padding_causal_bottom_right THD attention "
-            f"only for segment lengths that are multiples of 64; install transformer-engine >= "
-            f"{floor} (with cuDNN >= 9.7), or choose backend='flash_attn' or 'torch'")
+        raise refuse("kernels.te_release", f"transformer-engine {te_version}")
     if q.dtype not in _HALF:
-        raise UnsupportedSetup(
-            f"Transformer Engine's THD attention computes in float16 and bfloat16 only; q is "
-            f"{q.dtype}")
+        raise refuse("kernels.dtype", f"Transformer Engine's THD attention with q in {q.dtype}")
     if q.size(-1) > TE_MAX_HEAD_DIM:
-        raise UnsupportedSetup(
-            f"Transformer Engine's THD attention supports head dims up to {TE_MAX_HEAD_DIM}; "
-            f"this model's is {q.size(-1)}: choose backend='torch'")
+        raise refuse("kernels.head_dim", f"Transformer Engine's THD attention takes head dims "
+                     f"up to {TE_MAX_HEAD_DIM}; this model's is {q.size(-1)}")
 
 
 def check_npu(q: torch.Tensor, k: torch.Tensor) -> None:
     """Refuses what ``npu_fusion_attention``'s TND layout does not take (the segment count is
     met by :func:`segment_chunks` instead)."""
-    problems = []
+    found = []
     if not 1 <= q.size(-1) <= NPU_MAX_HEAD_DIM:
-        problems.append(f"head dim {q.size(-1)} (1 to {NPU_MAX_HEAD_DIM})")
+        found.append(Refused("kernels.head_dim", f"npu_fusion_attention (TND): head dim "
+                             f"{q.size(-1)} (1 to {NPU_MAX_HEAD_DIM})"))
+
     if not 1 <= q.size(1) <= NPU_MAX_HEADS:
-        problems.append(f"{q.size(1)} query heads (1 to {NPU_MAX_HEADS})")
+        found.append(Refused("kernels.npu_heads",
+                             f"{q.size(1)} query heads (1 to {NPU_MAX_HEADS})"))
     if q.size(1) % k.size(1):
-        problems.append(f"{q.size(1)} query heads over {k.size(1)} key/value heads (Nq must be "
-                        "a multiple of Nkv)")
-    if problems:
-        raise UnsupportedSetup("npu_fusion_attention (TND) does not take " + "; ".join(problems)
-                               + ": choose backend='torch'")
+        found.append(Refused("kernels.npu_heads", f"{q.size(1)} query heads over {k.size(1)} "
+                             "key/value heads (Nq must be a multiple of Nkv)"))
+    if found:
+        raise refuse_all(found)
 
 
 def segment_chunks(num_segments: int, limit: int = NPU_MAX_SEGMENTS) -> list[tuple[int, int]]:
@@ -110,5 +105,7 @@ def _release(version: str) -> tuple[int, int]:
     are compared)."""
     match = re.match(r"(\d+)\.(\d+)", version)
     if match is None:
-        raise UnsupportedSetup(f"cannot read the transformer-engine version {version!r}")
+        raise refuse("kernels.te_release",
+                     f"cannot read the transformer-engine version {version!r}")
+
     return int(match.group(1)), int(match.group(2))

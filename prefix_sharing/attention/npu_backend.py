@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ..errors import UnsupportedSetup
+from ..refusals import refuse
 from .kernel_limits import check_npu, segment_chunks
 
 __all__ = ["varlen_attention_npu"]
@@ -70,10 +70,8 @@ def varlen_attention_npu(
     """
     del max_seqlen_q, max_seqlen_k, kernel_cache
     if sinks is not None:
-        raise UnsupportedSetup(
-            "attention sinks (gpt-oss sinks, megatron softmax_type 'learnable' / 'off-by-one') "
-            "are not in npu_fusion_attention; choose backend='torch'"
-        )
+        raise refuse("kernels.sinks", "npu_fusion_attention")
+
     import torch_npu
 
     check_npu(q, k)

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..errors import UnsupportedSetup
+from ..refusals import refuse
 from .kernel_limits import check_te
 
 __all__ = ["varlen_attention_te"]
@@ -74,11 +74,8 @@ def varlen_attention_te(
     """
     del cu_seqlens_q_host, cu_seqlens_k_host
     if sinks is not None:
-        raise UnsupportedSetup(
-            "attention sinks (gpt-oss sinks, megatron softmax_type 'learnable' / 'off-by-one') "
-            "with the Transformer Engine kernel are not supported by prefix sharing; choose "
-            "backend='torch'"
-        )
+        raise refuse("kernels.sinks", "Transformer Engine")
+
     import transformer_engine
     from transformer_engine.pytorch import DotProductAttention
 

@@ -23,11 +23,10 @@ import dataclasses
 
 import torch
 
+from ..memo import derived
 from ..plan import SharingPlan
 
 __all__ = ["WindowedKeys", "windowed_keys"]
-
-_CACHE_ATTR = "_prefix_sharing_windowed_keys"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,17 +42,14 @@ class WindowedKeys:
 def windowed_keys(plan: SharingPlan, window: int) -> WindowedKeys:
     """The plan's key segments trimmed to the last keys ``window`` lets its queries see.
 
-    Computed on the host from the plan's host boundaries once per (plan, window) and kept on
-    the plan: every layer with the same window reuses it, no layer reads the device. When no
-    segment loses a key, the plan's own tensors are returned.
+    Computed on the host from the plan's host boundaries once per (plan, window) and kept
+    with the plan (:func:`~prefix_sharing.memo.derived`): every layer with the same window
+    reuses it, no layer reads the device. When no segment loses a key, the plan's own tensors
+    are returned.
     """
     if window < 1:
         raise ValueError(f"a sliding window holds at least one key (itself); got {window}")
-    cache: dict[int, WindowedKeys] = plan.__dict__.setdefault(_CACHE_ATTR, {})
-    view = cache.get(window)
-    if view is None:
-        view = cache[window] = _trim(plan, window)
-    return view
+    return derived(plan, _trim, window)
 
 
 def _trim(plan: SharingPlan, window: int) -> WindowedKeys:

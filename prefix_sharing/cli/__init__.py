@@ -33,6 +33,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for command in COMMANDS:
         command.add_parser(subparsers)
     args = parser.parse_args(argv)
+    args.argv = [str(arg) for arg in (sys.argv[1:] if argv is None else argv)]  # for --record
     try:
         return args.run(args)
     except InputError as error:

@@ -4,7 +4,8 @@ For each micro-batch: the plain packed step and the shared step (plus ``prompt_o
 batch has prompt groups), timed interleaved in one process, medians; the FLOP ratio of the plan
 is the physical limit of the speedup. ``--plot`` draws speedup against FLOP ratio.
 ``--cp N`` (with ``--tp``, ``--pp``) times plain CP against shared CP on that many ranks and
-counts the K/V bytes each attention layer's collectives move.
+counts the K/V bytes each attention layer's collectives move. ``--record FILE.json`` saves the
+run as a result file of the benchmarks page (:mod:`prefix_sharing.cli.record`).
 """
 
 from __future__ import annotations
@@ -12,14 +13,16 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+from pathlib import Path
 
 from ..engines import get_engine
 from ..engines.bench import BenchRequest, BenchWorkload
 from ..engines.bench_cp import table as cp_table
-from ..engines.throughput import bench_throughput
+from ..engines.throughput import throughput_report
 from ..presets import get_preset
 from ..workloads import scale_lengths
 from ..errors import InputError, MissingPackageError
+from .record import write_result
 from .options import (add_backend_option, add_dtype_option, add_engine_option,
                       add_input_options, add_model_option, add_recompute_option,
                       add_sharing_options, load_batches, run_dtype, sharing_config,
@@ -64,6 +67,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_recompute_option(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--plot", metavar="FILE.png", help="draw speedup against FLOP ratio")
+    parser.add_argument("--record", metavar="FILE.json",
+                        help="also save the run as a result file (docs/results/NAME.json: the "
+                        "command, date, machine, versions, the table and the JSON report)")
     parser.add_argument("--token-budget", type=int, metavar="N",
                         help="throughput view: sequences/s when each micro-batch holds N tokens "
                              "(plain: all its tokens; shared: the tokens it computes)")
@@ -83,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
                          f"batch has prompt groups) with the plain step; got --mode {config.mode}")
     if args.plot:
         _check_plotting()
+    if args.record and not Path(args.record).parent.is_dir():
+        raise InputError(f"--record {args.record}: its folder does not exist")
     if args.length_scale != 1 and args.sequences:
         raise InputError("--length-scale scales the built-in workloads; leave it out with "
                          "--sequences")
@@ -100,7 +108,9 @@ def run(args: argparse.Namespace) -> int:
     if (args.tp, args.pp, args.cp) != (1, 1, 1):
         return _bench_context_parallel(args, engine, model, config, workloads, dtype)
     if args.token_budget is not None:
-        return bench_throughput(args, engine, model, config, workloads, dtype)
+        report, text = throughput_report(args, engine, model, config, workloads, dtype)
+        return _emit(args, report, text, f"Throughput at {args.token_budget} tokens per "
+                     f"micro-batch, {engine.name} engine, {model.name} preset")
     results = engine.bench(BenchRequest(workloads, config, model, repeats=args.repeats,
                                         dtype=dtype))
     report = {"engine": engine.name, "model": model.name, "vocab_size": model.vocab_size,
@@ -110,7 +120,16 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         plot(results, args.plot, title=f"{engine.name} engine, {model.name} model")
         report["plot"] = args.plot
-    print(json.dumps(report) if args.json else table(results))
+    return _emit(args, report, table(results),
+                 f"Training step, {engine.name} engine, {model.name} preset")
+
+
+def _emit(args: argparse.Namespace, report: dict, text: str, title: str) -> int:
+    """Prints the report (``--json``) or its table, and with ``--record`` writes both, with
+    the run's provenance, as a result file."""
+    print(json.dumps(report) if args.json else text)
+    if args.record:
+        write_result(args.record, args.argv, title, report, text)
     return 0
 
 
@@ -134,8 +153,8 @@ def _bench_context_parallel(args: argparse.Namespace, engine, model, config, wor
               "length_scale": args.length_scale,
               "backend": config.backend, "tp": args.tp, "pp": args.pp, "cp": args.cp,
               "repeats": args.repeats, "results": results}
-    print(json.dumps(report) if args.json else cp_table(results))
-    return 0
+    return _emit(args, report, cp_table(results), f"Context-parallel step, tp {args.tp} x pp "
+                 f"{args.pp} x cp {args.cp}, {model.name} preset")
 
 
 PEER_LABELS = {"prefix_grouper": "PG (peer)"}

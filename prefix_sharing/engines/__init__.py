@@ -14,8 +14,9 @@ import os
 
 import torch
 
-from ..errors import InputError, MissingPackageError, UnsupportedSetup
+from ..errors import InputError, MissingPackageError
 from ..presets import ModelPreset
+from ..refusals import refuse
 from .bench import BenchRequest, bench_job
 from .bench_cp import context_parallel_bench_job
 from .hf import HFEngine
@@ -100,37 +101,28 @@ class Engine:
         return ranks[tp * cp * (pp - 1)]
 
 
-# why megatron-core's Mamba stays refused (checked on 0.19.2, ssm/mamba_mixer.py)
-MAMBA_NOT_SERVED = (
-    "megatron-core's MambaMixer trains through mamba_ssm's fused "
-    "mamba_split_conv1d_scan_combined with packed sequences kept apart by seq_idx, each "
-    "starting from a zero state and with no initial-state input (the kernel takes one initial "
-    "state per batch row), so a reuser's tail cannot start from its provider's state at the "
-    "branch point; and its kernels are CUDA-only")
-
-
 def _check_recurrent_layers(model: ModelPreset, tp: int = 1, cp: int = 1) -> None:
     """A hybrid preset's Gated DeltaNet layers: the megatron engine builds them (a HybridModel,
     :func:`~.megatron.preset_model`) on megatron-core 0.19.2, whose GDN module it shares; any
     other release would have to build them as something else, so it is refused. A Mamba-2
-    hybrid preset is refused on every release (see :data:`MAMBA_NOT_SERVED`)."""
+    hybrid preset is refused on every release (refusal ``cli.mamba_preset``, checked on 0.19.2's
+    ``ssm/mamba_mixer.py``)."""
     if model.mamba is not None:
-        raise UnsupportedSetup(f"the {model.name} preset has Mamba-2 layers, which the megatron "
-                               f"engine does not share: {MAMBA_NOT_SERVED}; use --engine hf")
+        raise refuse("cli.mamba_preset", f"the {model.name} preset has Mamba-2 layers")
     if model.full_attention_every is None:
         return
-    from ..megatron_ext.stock_gdn import GDN_NOT_SERVED, serves_gated_delta_net
+    from ..megatron_ext.stock_gdn import serves_gated_delta_net
 
     if not serves_gated_delta_net():
-        raise UnsupportedSetup(f"the {model.name} preset has Gated DeltaNet layers, and this "
-                               f"megatron-core cannot share them: {GDN_NOT_SERVED}; or use "
-                               "--engine hf")
+        raise refuse("megatron.gdn_release",
+                     f"the {model.name} preset has Gated DeltaNet layers; or use --engine hf")
     if cp > 1:
-        raise UnsupportedSetup(f"the {model.name} preset has Gated DeltaNet layers, which "
-                               "prefix sharing does not run under context parallelism; use cp=1")
+        raise refuse("megatron.gdn.context_parallel",
+                     f"the {model.name} preset has Gated DeltaNet layers; cp={cp}")
     if model.linear_num_key_heads % tp:
-        raise UnsupportedSetup(f"tp={tp} does not divide the {model.name} preset's "
-                               f"{model.linear_num_key_heads} Gated DeltaNet key heads")
+        raise refuse("cli.gdn_key_heads", f"tp={tp} for the {model.name} preset's "
+                     f"{model.linear_num_key_heads} Gated DeltaNet key heads")
+
 
 
 ENGINES: dict[str, Engine | HFEngine] = {"megatron": Engine("megatron", "megatron.core", "megatron"),

@@ -39,6 +39,7 @@ from ..equivalence import (
     same_keys,
 )
 from ..planner import PromptGroup
+from ..refusals import refuse
 from .megatron_layouts import LAYOUTS as _STRATEGIES
 from .megatron_layouts import layout_for
 from .megatron_models import gpt_model, hybrid_model, preset_model, transformer_config
@@ -194,7 +195,6 @@ def _check_context_parallel_layout(layout: str) -> None:
     if cp_size > 1 and layout != "shared":
         from ..megatron_ext import UnsupportedSetupError
 
-        raise UnsupportedSetupError(
-            f"context_parallel_size={cp_size} runs the 'shared' layout only; the {layout!r} "
-            "reference runs at context_parallel_size=1"
-        )
+        raise refuse("cli.reference_context_parallel",
+                     f"the {layout!r} layout at context_parallel_size={cp_size}",
+                     error=UnsupportedSetupError)

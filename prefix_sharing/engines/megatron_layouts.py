@@ -9,6 +9,7 @@ fingerprints). See :mod:`.megatron` for what each one computes.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
@@ -33,26 +34,26 @@ Routes = Sequence[Sequence[torch.Tensor]]
 
 
 @dataclasses.dataclass
-class Layout:
+class Layout(abc.ABC):
     """One layout's way through a pass; ``routes``: per micro-batch, the MoE routes to replay."""
 
     config: PrefixSharingConfig
     groups: list[Sequence[PromptGroup] | None]
     routes: Routes | None
 
+    @abc.abstractmethod
     def prepare(self, model: torch.nn.Module, batches: Sequence[Sequence[torch.Tensor]],
                 device: Any) -> list[Any]:
         """Every micro-batch's model inputs."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def forward(self, model: torch.nn.Module, mb: Any, i: int) -> torch.Tensor:
         """The model's output on micro-batch ``i``'s inputs ``mb``."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def read(self, logits: torch.Tensor, seqs: Sequence[torch.Tensor],
              mb: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(packed full-vocabulary logits, log-probs, entropy)`` of the sequences ``seqs``."""
-        raise NotImplementedError
 
     def finish(self, model: torch.nn.Module, inputs: list[Any]) -> list[str]:
         """After the schedule: the plans' fingerprints (``shared`` only)."""

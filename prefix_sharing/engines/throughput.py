@@ -19,7 +19,6 @@ the budget and recomputes its prefix in every piece.
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
 from collections.abc import Callable
 
@@ -36,7 +35,7 @@ from .launch import run_distributed
 from .recompute import recompute_settings
 
 __all__ = ["ThroughputRequest", "run_throughput", "throughput_job", "time_split", "table",
-           "bench_throughput"]
+           "throughput_report"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,10 +69,10 @@ def run_throughput(engine, request: ThroughputRequest) -> list[dict]:
     return run_distributed(throughput_job, 1, request, timeout=3600)[0]
 
 
-def bench_throughput(args, engine, model: ModelPreset, config: PrefixSharingConfig,
-                     workloads: list[BenchWorkload], dtype: torch.dtype) -> int:
-    """``prefix-sharing bench --token-budget N``: runs the view, prints its table (``--json``:
-    one JSON object)."""
+def throughput_report(args, engine, model: ModelPreset, config: PrefixSharingConfig,
+                      workloads: list[BenchWorkload], dtype: torch.dtype) -> tuple[dict, str]:
+    """``prefix-sharing bench --token-budget N``: runs the view; its JSON report and its
+    table (the command prints one, ``--record`` saves both)."""
     if args.plot:
         raise InputError("--plot draws the step bench (speedup against FLOP ratio); "
                          "leave it out with --token-budget")
@@ -85,9 +84,9 @@ def bench_throughput(args, engine, model: ModelPreset, config: PrefixSharingConf
         check_cross(request)
     results = run_throughput(engine, request)
     report = {"engine": engine.name, "model": model.name, "dtype": args.dtype,
-              "token_budget": args.token_budget, "recompute": args.recompute, "repeats": args.repeats, "results": results}
-    print(json.dumps(report) if args.json else table(results))
-    return 0
+              "token_budget": args.token_budget, "recompute": args.recompute,
+              "repeats": args.repeats, "results": results}
+    return report, table(results)
 
 
 def throughput_job(rank: int, request: ThroughputRequest) -> list[dict]:

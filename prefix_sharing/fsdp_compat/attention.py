@@ -20,6 +20,7 @@ import torch
 
 from ..attention import prefix_attention
 from ..plan import SharingPlan
+from ..refusals import refuse
 
 __all__ = ["ATTENTION_NAME", "PLAN_KWARG", "BACKEND_KWARG", "register_attention",
            "prefix_sharing_attention"]
@@ -76,16 +77,14 @@ def prefix_sharing_attention(
             "unpadded sequences; pass sequences to build_plan instead of a padded batch"
         )
     if dropout:
-        raise ValueError(f"the {ATTENTION_NAME!r} attention has no attention dropout "
-                         f"(got {dropout}); set the config's attention_dropout to 0")
+        raise refuse("hf.attention_dropout", f"dropout={dropout}")
     if query.size(0) != 1:
         raise ValueError(f"the flat layout is one row of tokens; got a batch of {query.size(0)}")
     if kwargs.get("softcap") is not None:
-        raise ValueError(
-            f"layer {getattr(module, 'layer_idx', '?')} soft-caps its attention logits "
-            f"(softcap={kwargs['softcap']}, Gemma 2's attn_logit_softcapping): the sharing "
-            "kernels do not; set the config's attn_logit_softcapping to None"
-        )
+        raise refuse("hf.softcapping", f"layer {getattr(module, 'layer_idx', '?')} soft-caps its "
+                     f"attention logits (softcap={kwargs['softcap']}, Gemma 2's "
+                     "attn_logit_softcapping)")
+
     # [1, h, T, d] -> [T, h, d]: the varlen kernels' token-major layout
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
     out = prefix_attention(q, k, v, plan, softmax_scale=scaling,

@@ -30,16 +30,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..errors import UnsupportedSetup
-from ..plan import SharingPlan
-from ..recurrent import (
-    causal_conv1d_over_schedule,
-    gated_delta_rule_over_schedule,
-    recurrence_schedule,
-)
+from ..recurrent import causal_conv1d_over_schedule, gated_delta_rule_over_schedule
+from ..refusals import refuse
 from .attention import BACKEND_KWARG, PLAN_KWARG
 from .mamba2 import MAMBA_HYBRID_FAMILIES
-from .switch import InPlaceSwitch
+from .switch import InPlaceSwitch, planned_mixer_inputs
 
 __all__ = ["HYBRID_FAMILIES", "install_sharing_gdn", "check_sharing_gdn",
            "check_recurrent_layers"]
@@ -59,19 +54,16 @@ def check_recurrent_layers(model: torch.nn.Module) -> None:
     if model_type in (*HYBRID_FAMILIES, *MAMBA_HYBRID_FAMILIES):
         mtp = [name for name, _ in model.named_children() if name.startswith("mtp")]
         if mtp or any(".mtp" in name for name, _ in model.named_modules()):
-            raise UnsupportedSetup(
-                f"{model_type} holds multi-token-prediction modules ({mtp or 'mtp.*'}); prefix "
-                "sharing does not train MTP layers (RL recipes turn them off): drop them")
+            raise refuse("hf.mtp", f"{model_type} holds {mtp or 'mtp.*'}")
         return
     kinds = sorted(set(getattr(config, "layer_types", None) or ()) - _ATTENTION_LAYER_TYPES)
     recurrent = sorted({type(m).__name__ for m in model.modules()
                         if any(marker in type(m).__name__ for marker in _OTHER_RECURRENT_MARKERS)})
     if kinds or recurrent:
-        raise UnsupportedSetup(
-            f"{model_type} has recurrent layers ({', '.join(kinds + recurrent)}) that carry a "
-            f"state across tokens; prefix sharing serves Gated DeltaNet hybrids "
-            f"({', '.join(HYBRID_FAMILIES)}) and the Mamba-2 hybrid nemotron_h only (not "
-            "mamba, mamba2, bamba, jamba, zamba2, falcon_h1, granitemoehybrid)")
+        raise refuse("hf.recurrent_family", f"{model_type} has recurrent layers "
+                     f"({', '.join(kinds + recurrent)}); the Gated DeltaNet hybrids served are "
+                     f"{', '.join(HYBRID_FAMILIES)}")
+
 
 
 def install_sharing_gdn(model: torch.nn.Module) -> int:
@@ -121,17 +113,8 @@ def _sharing_forward(self: Any, hidden_states: torch.Tensor, cache: Any = None,
     the parents' states (:mod:`prefix_sharing.recurrent`).
     """
     kwargs = {**(getattr(self, _HANDED, None) or {}), **kwargs}  # transformers 4.57: handed over
-    plan = kwargs.get(PLAN_KWARG)
-    if not isinstance(plan, SharingPlan):
-        raise ValueError(f"layer {self.layer_idx}'s sharing Gated DeltaNet needs the micro-batch's "
-                         f"plan: call the model with {PLAN_KWARG}=plan (shared_forward does)")
-    if cache is not None or attention_mask is not None:
-        raise ValueError("the sharing Gated DeltaNet takes no cache (use_cache=False) and no "
-                         "attention_mask (the plan lays out unpadded sequences)")
-    if hidden_states.dim() != 3 or hidden_states.size(0) != 1:
-        raise ValueError(f"the flat layout is one row of tokens; got {tuple(hidden_states.shape)}")
-    schedule = recurrence_schedule(plan)
-    backend = "torch" if kwargs.get(BACKEND_KWARG) == "torch" else "auto"
+    schedule, backend = planned_mixer_inputs(self, "Gated DeltaNet", hidden_states, cache,
+                                             attention_mask, kwargs)
     x = hidden_states[0]  # [T, hidden]
     total = x.size(0)
     mixed_qkv, z, b, a = _projections(self, x)  # [T, 2*key_dim + value_dim], [T, HV, Vd], ...

@@ -29,11 +29,9 @@ from typing import Any
 
 import torch
 
-from ..plan import SharingPlan
-from ..recurrent import causal_conv1d_over_schedule, recurrence_schedule, ssd_over_schedule
+from ..recurrent import causal_conv1d_over_schedule, ssd_over_schedule
 from ..recurrent.ssd_torch import discretize_dt
-from .attention import BACKEND_KWARG, PLAN_KWARG
-from .switch import InPlaceSwitch
+from .switch import InPlaceSwitch, planned_mixer_inputs
 
 __all__ = ["MAMBA_HYBRID_FAMILIES", "install_sharing_mamba", "check_sharing_mamba"]
 
@@ -56,17 +54,8 @@ def _sharing_forward(self: Any, hidden_states: torch.Tensor, cache: Any = None,
     """The Mamba-2 mixer on the plan's flat layout: ``(1, T_flat, hidden) -> (1, T_flat,
     hidden)``, computed as transformers' torch path computes it, the convolution and the scan
     over the schedule (:mod:`prefix_sharing.recurrent`)."""
-    plan = kwargs.get(PLAN_KWARG)
-    if not isinstance(plan, SharingPlan):
-        raise ValueError(f"layer {self.layer_idx}'s sharing Mamba-2 mixer needs the micro-batch's "
-                         f"plan: call the model with {PLAN_KWARG}=plan (shared_forward does)")
-    if cache is not None or attention_mask is not None:
-        raise ValueError("the sharing Mamba-2 mixer takes no cache (use_cache=False) and no "
-                         "attention_mask (the plan lays out unpadded sequences)")
-    if hidden_states.dim() != 3 or hidden_states.size(0) != 1:
-        raise ValueError(f"the flat layout is one row of tokens; got {tuple(hidden_states.shape)}")
-    schedule = recurrence_schedule(plan)
-    backend = "torch" if kwargs.get(BACKEND_KWARG) == "torch" else "auto"
+    schedule, backend = planned_mixer_inputs(self, "Mamba-2 mixer", hidden_states, cache,
+                                             attention_mask, kwargs)
     total = hidden_states.size(1)
     groups_dim = self.n_groups * self.ssm_state_size
     gate, xbc, dt = self.in_proj(hidden_states[0]).split(

@@ -19,6 +19,7 @@ import torch
 
 from ..errors import InputError, MissingPackageError
 from ..presets import ModelPreset
+from ..refusals import refuse
 from .gated_deltanet import HYBRID_FAMILIES, check_recurrent_layers
 from .mamba2 import MAMBA_HYBRID_FAMILIES
 
@@ -223,22 +224,20 @@ def check_supported(model: torch.nn.Module) -> None:
     config = model.config
     model_type = getattr(config, "model_type", type(model).__name__)
     if model_type in _ALIBI_MODEL_TYPES or getattr(config, "alibi", False):
-        raise ValueError(f"{model_type} adds alibi position biases to the attention scores; "
-                         "prefix sharing covers rotary-position decoders only")
+        raise refuse("hf.alibi", f"{model_type} adds alibi position biases to the attention "
+                     "scores")
     if any(getattr(config, name, None) is not None for name in _MULTIMODAL_SUBCONFIGS):
-        raise ValueError(f"{model_type} is a multimodal model; prefix sharing covers text-only "
-                         "causal LMs (token-id sequences)")
+        raise refuse("hf.multimodal", f"{model_type} is a multimodal model")
     if getattr(config, "attn_logit_softcapping", None) is not None:
-        raise ValueError(f"{model_type} soft-caps its attention logits (attn_logit_softcapping="
-                         f"{config.attn_logit_softcapping}); the sharing kernels do not: set it "
-                         "to None")
+        raise refuse("hf.softcapping", f"{model_type} soft-caps its attention logits "
+                     f"(attn_logit_softcapping={config.attn_logit_softcapping})")
     if getattr(config, "use_bidirectional_attention", None):
-        raise ValueError(f"{model_type} attends bidirectionally (use_bidirectional_attention="
-                         f"{config.use_bidirectional_attention!r}); prefix sharing needs causal "
-                         "attention")
+        raise refuse("hf.bidirectional", f"{model_type} attends bidirectionally "
+                     f"(use_bidirectional_attention={config.use_bidirectional_attention!r})")
     # the hybrids' attention layers call AttentionInterface though the model does not say so
     if not getattr(model, "_supports_attention_backend", False) and model_type not in (
             *HYBRID_FAMILIES, *MAMBA_HYBRID_FAMILIES):
-        raise ValueError(f"{model_type} does not route its attention through transformers' "
-                         "AttentionInterface, so the sharing attention cannot be installed")
+        raise refuse("hf.attention_interface",
+                     f"{model_type} does not route its attention through AttentionInterface")
+
     check_recurrent_layers(model)

@@ -16,10 +16,9 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Sequence
-from functools import cached_property
-
 import torch
 
+from ..memo import derived_property
 from ..plan import SharingPlan
 
 __all__ = ["ResponseRows", "response_rows"]
@@ -46,12 +45,12 @@ class ResponseRows:
     def num_tokens_flat(self) -> int:
         return self.rows.numel()
 
-    @cached_property
+    @derived_property
     def next_token_ids(self) -> torch.Tensor:
         """The token each kept position predicts; 0 at each sequence's last position."""
         return torch.roll(self.token_ids, -1).masked_fill(self.is_last_token, 0)
 
-    @cached_property
+    @derived_property
     def is_last_token(self) -> torch.Tensor:
         ends = torch.tensor(self.seq_lens, device=self.kv_index.device).cumsum(0) - 1
         last = torch.zeros(self.kv_index.numel(), dtype=torch.bool, device=self.kv_index.device)

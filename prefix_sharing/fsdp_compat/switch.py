@@ -3,18 +3,23 @@
 A recurrent mixer (Gated DeltaNet, Mamba-2) is its own forward: nothing in it reads a plan, and
 run stock on the flat layout it would carry one sequence's state into the next segment. Its
 sharing subclass replaces ``forward`` only, so the module keeps its parameters, names and hooks
-(switch before FSDP wraps the model); a stock one left in a sharing model is refused.
+(switch before FSDP wraps the model); a stock one left in a sharing model is refused. The
+sharing forwards check their call alike (:func:`planned_mixer_inputs`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
-from ..errors import UnsupportedSetup
+from ..plan import SharingPlan
+from ..recurrent import RecurrenceSchedule, recurrence_schedule
+from ..refusals import refuse
+from .attention import BACKEND_KWARG, PLAN_KWARG
 
-__all__ = ["InPlaceSwitch"]
+__all__ = ["InPlaceSwitch", "planned_mixer_inputs"]
 
 
 class InPlaceSwitch:
@@ -54,6 +59,27 @@ class InPlaceSwitch:
                  if self.is_kind(m) and not self.is_switched(m)]
         if stock:
             shown = ", ".join(stock[:3]) + (", ..." if len(stock) > 3 else "")
-            raise UnsupportedSetup(
-                f"stock {self.kind} ({shown}) would carry one sequence's state into the next on "
-                "the flat layout: call enable_prefix_sharing(model) after the model is complete")
+            raise refuse("hf.stock_recurrent_module", f"stock {self.kind} ({shown})")
+
+
+def planned_mixer_inputs(module: Any, kind: str, hidden_states: torch.Tensor, cache: Any,
+                         attention_mask: torch.Tensor | None,
+                         kwargs: Mapping[str, Any]) -> tuple[RecurrenceSchedule, str]:
+    """What a switched recurrent mixer's forward runs on: the plan's recurrence schedule and
+    the kernel backend (``"torch"`` when the forward asked for torch, else ``"auto"``).
+
+    Raises ``ValueError`` for a call the flat layout cannot serve: no plan among ``kwargs``, a
+    cache or a padding mask, hidden states that are not one row of tokens ``(1, T_flat, h)``.
+    ``kind`` names the mixer in the message (``"Mamba-2 mixer"``).
+    """
+    plan = kwargs.get(PLAN_KWARG)
+    if not isinstance(plan, SharingPlan):
+        raise ValueError(f"layer {module.layer_idx}'s sharing {kind} needs the micro-batch's "
+                         f"plan: call the model with {PLAN_KWARG}=plan (shared_forward does)")
+    if cache is not None or attention_mask is not None:
+        raise ValueError(f"the sharing {kind} takes no cache (use_cache=False) and no "
+                         "attention_mask (the plan lays out unpadded sequences)")
+    if hidden_states.dim() != 3 or hidden_states.size(0) != 1:
+        raise ValueError(f"the flat layout is one row of tokens; got {tuple(hidden_states.shape)}")
+    backend = "torch" if kwargs.get(BACKEND_KWARG) == "torch" else "auto"
+    return recurrence_schedule(plan), backend

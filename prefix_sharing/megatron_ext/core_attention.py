@@ -17,6 +17,7 @@ from megatron.core.transformer.utils import is_layer_window_attention
 
 from ..attention import prefix_attention, varlen_attention
 from ..attention.backends import READS_HOST_BOUNDARIES, resolve_backend
+from ..refusals import refuse
 from .checks import UnsupportedSetupError, check_layer_config, check_sharing_allowed
 from .context_parallel import ContextParallelSlice, gather_rows
 from .packed_seq import PlanPackedSeqParams
@@ -137,31 +138,26 @@ class PrefixSharingCoreAttention(DotProductAttention):
                 attention_bias=attention_bias, packed_seq_params=packed_seq_params,
             )
         if attention_bias is not None:
-            raise UnsupportedSetupError("prefix sharing does not support an attention_bias")
+            raise refuse("megatron.attention_bias", error=UnsupportedSetupError)
         if self.training and self.attention_dropout.p > 0:
-            raise UnsupportedSetupError(
-                f"attention_dropout={self.attention_dropout.p} in training: the varlen kernels "
-                "here run without dropout; set attention_dropout=0"
-            )
+            raise refuse("megatron.attention_dropout",
+                         f"attention_dropout={self.attention_dropout.p}",
+                         error=UnsupportedSetupError)
         if self.config.context_parallel_size > 1 and not (
             isinstance(packed_seq_params, PlanPackedSeqParams) and packed_seq_params.cp is not None
         ):
-            raise UnsupportedSetupError(
-                f"context_parallel_size={self.config.context_parallel_size}: the prefix-sharing "
-                "attention splits only micro-batches from prepare_micro_batch (the plan's rows); "
-                "use context_parallel_size=1 for other inputs"
-            )
+            raise refuse("megatron.context_parallel.unplanned_input",
+                         f"context_parallel_size={self.config.context_parallel_size}",
+                         error=UnsupportedSetupError)
         backend = self._resolve_backend(packed_seq_params, query)
         if isinstance(packed_seq_params, PlanPackedSeqParams):
             plan = packed_seq_params.plan
             check_sharing_allowed(self.config, plan, self.training)
             if packed_seq_params.cp is not None:
                 if packed_seq_params.prefix_kv is not None:
-                    raise UnsupportedSetupError(
-                        "cross-micro-batch sharing (a group's prefix K/V kept across "
-                        "micro-batches) is not supported with context parallelism; use "
-                        "context_parallel_size=1 or one micro-batch per group"
-                    )
+                    raise refuse("megatron.cross_micro_batch.context_parallel",
+                                 f"context_parallel_size={self.config.context_parallel_size}",
+                                 error=UnsupportedSetupError)
                 out = self._context_parallel(query, key, value, packed_seq_params.cp, backend)
                 return out.reshape(out.size(0), -1)  # [T_local, np, hn] -> [T_local, np * hn]
             if packed_seq_params.prefix_kv is not None:  # a group's prefix across micro-batches
@@ -206,10 +202,8 @@ class PrefixSharingCoreAttention(DotProductAttention):
     def _resolve_backend(self, params: PackedSeqParams, query: torch.Tensor) -> str:
         backend = resolve_backend(getattr(params, "backend", "auto"), query.device, query.dtype)
         if backend == "te" and self.config.fp8:
-            raise UnsupportedSetupError(
-                "FP8 attention (config.fp8) with the Transformer Engine kernel is not validated "
-                "by prefix sharing; choose backend='flash_attn', or train without fp8"
-            )
+            raise refuse("megatron.te_fp8", f"config.fp8={self.config.fp8!r}",
+                         error=UnsupportedSetupError)
         return backend
 
     def _plain_thd(
@@ -276,8 +270,7 @@ def require_sharing_core_attention(attention: Any) -> None:
     """Refuses an attention layer whose spec gave it a stock core attention: that one would
     attend without the shared prefix's keys."""
     if not isinstance(attention.core_attention, PrefixSharingCoreAttention):
-        raise UnsupportedSetupError(
-            f"{type(attention).__qualname__} (layer {attention.layer_number}) needs the "
-            "PrefixSharingCoreAttention; its spec gave "
-            f"{type(attention.core_attention).__qualname__}"
-        )
+        raise refuse("megatron.stock_core_attention",
+                     f"{type(attention).__qualname__} (layer {attention.layer_number}) has "
+                     f"{type(attention.core_attention).__qualname__}",
+                     error=UnsupportedSetupError)

@@ -55,6 +55,7 @@ from ..config import PrefixSharingConfig
 from ..cross_micro_batch import GroupSchedule
 from ..logprobs import token_log_probs
 from ..planner import build_plan
+from ..refusals import Refused, refuse_all
 from .checks import UnsupportedSetupError
 from .logprobs import vocab_shard
 from .packed_seq import PlanPackedSeqParams
@@ -262,11 +263,9 @@ def _sequence_parallel_size(model: torch.nn.Module) -> int:
 def check_group_model(model: torch.nn.Module) -> None:
     """Raises :class:`UnsupportedSetupError` naming every setting a group run cannot honour."""
     config = get_attr_wrapped_model(model, "config")
-    problems = []
+    found = []
     if config.pipeline_model_parallel_size > 1:
-        problems.append(f"pipeline_model_parallel_size={config.pipeline_model_parallel_size} "
-                        "(PP=1 only)")
-    if problems:
-        raise UnsupportedSetupError(
-            "cross-micro-batch sharing does not support " + "; ".join(problems)
-        )
+        found.append(Refused("megatron.cross_micro_batch.pipeline",
+                             f"pipeline_model_parallel_size={config.pipeline_model_parallel_size}"))
+    if found:
+        raise refuse_all(found, error=UnsupportedSetupError)

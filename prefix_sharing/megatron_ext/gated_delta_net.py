@@ -30,6 +30,7 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
+from ..refusals import refuse
 from .stock_gdn import prepare_gated_delta_net, serves_gated_delta_net
 
 if not serves_gated_delta_net():
@@ -79,11 +80,9 @@ class PrefixSharingGatedDeltaNet(GatedDeltaNet):
 
     def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
         if config.context_parallel_size > 1:
-            raise UnsupportedSetupError(
-                f"prefix sharing does not support context_parallel_size="
-                f"{config.context_parallel_size} with Gated DeltaNet layers: megatron's GDN "
-                "all-to-all would split the flat layout's segments; use context_parallel_size=1"
-            )
+            raise refuse("megatron.gdn.context_parallel",
+                         f"context_parallel_size={config.context_parallel_size}",
+                         error=UnsupportedSetupError)
         super().__init__(config, *args, **kwargs)
 
     def forward(
@@ -102,10 +101,9 @@ class PrefixSharingGatedDeltaNet(GatedDeltaNet):
                                    packed_seq_params, sequence_len_offset,
                                    inference_params=inference_params, **kwargs)
         if inference_context is not None or inference_params is not None:
-            raise UnsupportedSetupError(
-                "prefix sharing is for training and scoring forwards; it does not support an "
-                "inference context in a Gated DeltaNet layer"
-            )
+            raise refuse("megatron.inference_context", "in a Gated DeltaNet layer",
+                         error=UnsupportedSetupError)
+
         if hidden_states.size(1) != 1:
             raise ValueError(f"a planned micro-batch is THD with batch 1; the GDN layer got "
                              f"hidden states of shape {tuple(hidden_states.shape)}")

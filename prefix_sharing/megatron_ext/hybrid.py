@@ -59,6 +59,7 @@ from megatron.core.transformer.transformer_layer import (  # noqa: E402
     TransformerLayerSubmodules,
 )
 
+from ..refusals import refuse  # noqa: E402
 from .checks import UnsupportedSetupError  # noqa: E402
 from .spec_surgery import (  # noqa: E402
     replaced,
@@ -112,11 +113,9 @@ class UnsupportedHybridLayer(torch.nn.Module):
     """Stands in a slot sharing cannot serve: building it raises, naming the pattern symbol."""
 
     def __init__(self, *args: Any, symbol: str, reason: str, **kwargs: Any) -> None:
-        raise UnsupportedSetupError(
-            f"prefix sharing does not support the hybrid layer {symbol!r} yet ({reason}); "
-            "use a pattern of attention ('*'), Gated DeltaNet ('G', megatron-core 0.19.2), MLP "
-            "('-') and MoE ('E') layers"
-        )
+        raise refuse("megatron.hybrid_layer", f"hybrid layer {symbol!r}: {reason}",
+                     error=UnsupportedSetupError)
+
 
 
 def with_prefix_sharing(stack_spec: ModuleSpec) -> ModuleSpec:

@@ -31,6 +31,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from ..refusals import refuse
 from .moe import PrefixSharingTransformerLayer
 from .spec_surgery import (
     UnsupportedSpecError,
@@ -88,17 +89,13 @@ def with_prefix_sharing(spec: Any) -> Any:
         return _sharing_layer(spec, "the layer spec")
     if isinstance(spec, TransformerBlockSubmodules):
         if not isinstance(spec.layer_specs, list):
-            raise UnsupportedSpecError(
-                "with_prefix_sharing needs a TransformerBlockSubmodules with a list of layer "
-                f"specs; got layer_specs={spec.layer_specs!r}"
-            )
+            raise refuse("megatron.spec.form", f"layer_specs={spec.layer_specs!r}",
+                         error=UnsupportedSpecError)
         return dataclasses.replace(spec, layer_specs=_sharing_layers(spec.layer_specs))
     if isinstance(spec, list):
         return _sharing_layers(spec)
-    raise UnsupportedSpecError(
-        f"with_prefix_sharing does not recognise a spec of type {type(spec).__qualname__}: give a "
-        "TransformerLayer ModuleSpec, a TransformerBlockSubmodules or a list of layer specs"
-    )
+    raise refuse("megatron.spec.form", f"a spec of type {type(spec).__qualname__}",
+                 error=UnsupportedSpecError)
 
 
 def _sharing_layers(layer_specs: list) -> list:
@@ -109,10 +106,8 @@ def _sharing_layer(layer_spec: Any, where: str) -> ModuleSpec:
     """The sharing copy of one ``TransformerLayer`` spec (``where`` names it in errors)."""
     if not (isinstance(layer_spec, ModuleSpec)
             and is_subclass(layer_spec.module, TransformerLayer)):
-        raise UnsupportedSpecError(
-            f"with_prefix_sharing: {where} is {describe(layer_spec)}, not a ModuleSpec of a "
-            "TransformerLayer"
-        )
+        raise refuse("megatron.spec.layer", f"{where} is {describe(layer_spec)}",
+                     error=UnsupportedSpecError)
     if is_gated_delta_net(getattr(layer_spec.submodules.self_attention, "module", None)):
         spec = sharing_gdn_layer(layer_spec, where)
     else:
@@ -120,17 +115,13 @@ def _sharing_layer(layer_spec: Any, where: str) -> ModuleSpec:
     mlp = spec.submodules.mlp
     target = built_class(mlp)
     if target is None:
-        raise UnsupportedSpecError(
-            f"with_prefix_sharing: {where} has mlp={describe(mlp)}, a form whose module it cannot "
-            "tell (it must be a ModuleSpec, a functools.partial of a class or classmethod, or a "
-            "class), so it cannot tell whether its router would need to be swapped"
-        )
+        raise refuse("megatron.spec.mlp_form", f"{where} has mlp={describe(mlp)}",
+                     error=UnsupportedSpecError)
     if issubclass(target, BaseMoELayer):
         if spec.module not in (TransformerLayer, PrefixSharingTransformerLayer):
-            raise UnsupportedSpecError(
-                f"with_prefix_sharing supports MoE in a plain TransformerLayer; {where} is a "
-                f"{spec.module.__qualname__}"
-            )
+            raise refuse("megatron.spec.moe_layer_class",
+                         f"{where} is a {spec.module.__qualname__}", error=UnsupportedSpecError)
+
         spec = replaced(spec, mlp=sharing_router_mlp(mlp, where))
         spec.module = PrefixSharingTransformerLayer
     return spec

@@ -27,6 +27,7 @@ from typing import Any
 
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from ..refusals import refuse
 from .checks import UnsupportedSetupError
 from .layer_specs import get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec
 
@@ -77,10 +78,8 @@ def layer_spec_for(args: Namespace | None) -> ModuleSpec:
     _refuse(args)
     impl = getattr(args, "transformer_impl", "local")
     if impl not in ("transformer_engine", "local"):
-        raise UnsupportedSetupError(
-            f"--transformer-impl {impl} is not supported with prefix sharing; use "
-            "transformer_engine or local"
-        )
+        raise refuse("megatron_lm.transformer_impl", f"--transformer-impl {impl}",
+                     error=UnsupportedSetupError)
     builder = (get_gpt_layer_with_transformer_engine_spec if impl == "transformer_engine"
                else get_gpt_layer_local_spec)
     options: dict[str, Any] = dict(
@@ -99,22 +98,15 @@ def _refuse(args: Namespace) -> None:
     for name, unset in _REFUSED.items():
         value = getattr(args, name, unset)
         if value not in (unset, None, False, 0):
-            raise UnsupportedSetupError(
-                f"--{name.replace('_', '-')} {value} is not supported with prefix sharing "
-                "(prefix_sharing.megatron_ext.megatron_lm_spec)"
-            )
+            raise refuse("megatron_lm.model_argument", f"--{name.replace('_', '-')} {value}",
+                         error=UnsupportedSetupError)
     if str(getattr(args, "attention_backend", "")).endswith("local"):
-        raise UnsupportedSetupError(
-            "--attention-backend local replaces the sharing core attention with megatron's "
-            "DotProductAttention; use --attention-backend auto with prefix sharing"
-        )
+        raise refuse("megatron_lm.attention_backend_local", error=UnsupportedSetupError)
     freq = getattr(args, "moe_layer_freq", 1)
     every_layer = freq == 1 or (isinstance(freq, list) and all(f == 1 for f in freq))
     if args.num_experts and not every_layer:
-        raise UnsupportedSetupError(
-            f"--moe-layer-freq {freq}: the sharing --spec is one layer spec for every layer, so "
-            "MoE needs an MoE layer everywhere (--moe-layer-freq 1)"
-        )
+        raise refuse("megatron_lm.moe_layer_freq", f"--moe-layer-freq {freq}",
+                     error=UnsupportedSetupError)
 
 
 def _builder_options(args: Namespace, impl: str) -> dict[str, Any]:
@@ -134,10 +126,10 @@ def _builder_options(args: Namespace, impl: str) -> dict[str, Any]:
         if option in accepted:
             options[option] = value
         elif value and option != "kitchen_attention_backend":
-            raise UnsupportedSetupError(
-                f"--{arg.replace('_', '-')} is set, but megatron-core's "
-                f"{stock.__name__} has no {option} option to build it with"
-            )
+            raise refuse("megatron_lm.builder_option",
+                         f"--{arg.replace('_', '-')}: megatron-core's {stock.__name__} has no "
+                         f"{option} option", error=UnsupportedSetupError)
+
     return options
 
 

@@ -43,7 +43,7 @@ from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
 from .core_attention import require_sharing_core_attention
 from .packed_seq import PlanPackedSeqParams
-from .self_attention import check_planned_call
+from .self_attention import planned_call
 
 __all__ = ["PrefixSharingMLASelfAttention"]
 
@@ -69,12 +69,10 @@ class PrefixSharingMLASelfAttention(MLASelfAttention):
         self.rotary_pos_emb.register_forward_hook(self._per_token_rotary)
 
     def forward(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-        call = _FORWARD_SIGNATURE.bind(self, *args, **kwargs)
-        params = call.arguments.get("packed_seq_params")
-        if not isinstance(params, PlanPackedSeqParams):
+        planned = planned_call(_FORWARD_SIGNATURE, self, args, kwargs)
+        if planned is None:
             return super().forward(*args, **kwargs)
-        check_planned_call(self.config, call.arguments, params)
-        self._planned = params
+        self._planned = planned[1]
         try:
             return super().forward(*args, **kwargs)
         finally:

@@ -19,6 +19,7 @@ from megatron.core.transformer.attention import Attention
 from megatron.core.transformer.moe.router import Router
 from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock
 
+from ..refusals import refuse
 from .checks import UnsupportedSetupError
 from .core_attention import PrefixSharingCoreAttention
 from .mla import PrefixSharingMLASelfAttention
@@ -84,16 +85,9 @@ def check_sharing_model(model: torch.nn.Module | Sequence[torch.nn.Module]) -> N
         mtp = [name for name, module in chunk.named_modules()
                if isinstance(module, MultiTokenPredictionBlock)]
         if mtp:
-            raise UnsupportedSetupError(
-                f"prefix sharing does not support multi-token prediction ({', '.join(mtp)}): an "
-                "MTP layer reads each sequence's next tokens, and a shared prefix row has one "
-                "per reuser; RL trains without it: build the model with mtp_num_layers=None"
-            )
+            raise refuse("megatron.mtp", ", ".join(mtp), error=UnsupportedSetupError)
         found = stock_modules(chunk)
         if found:
-            raise UnsupportedSetupError(
-                "a sharing plan would run through stock modules, which would read the flat "
-                f"layout as the plain batch: {', '.join(found)}; build the model from a layer "
-                "spec made by prefix_sharing.megatron_ext.with_prefix_sharing"
-            )
+            raise refuse("megatron.stock_modules", ", ".join(found), error=UnsupportedSetupError)
+
         _CHECKED.add(chunk)

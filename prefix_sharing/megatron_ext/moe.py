@@ -94,6 +94,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from ..plan import SharingPlan
+from ..refusals import Refused, refuse, refuse_all
 from .checks import UnsupportedSetupError
 from .packed_seq import PlanPackedSeqParams
 from .plain_batch_view import PlainBatchView, plain_batch_view
@@ -159,23 +160,19 @@ class PrefixSharingRouter(TopKRouter, FlatRowsRouter):
         if self._prefix is not None and self.keeps_statistics():
             return self._routing_across_micro_batches(logits, padding_mask)
         if self._records and self.cp_group.size() > 1:
-            raise UnsupportedSetupError(
-                "recording routes with sharing under context parallelism (context_parallel_size="
-                f"{self.cp_group.size()}) is not supported yet: record at context_parallel_size=1")
+            raise refuse("megatron.moe.record_context_parallel",
+                         f"context_parallel_size={self.cp_group.size()}",
+                         error=UnsupportedSetupError)
         if self._records and self._computes_statistics():
-            raise UnsupportedSetupError(
-                "recording routes with sharing in a forward that keeps router statistics "
-                "(grad enabled with aux loss, z-loss or expert bias): record in a forward "
-                "without grad, as verl's compute_log_prob does")
+            raise refuse("megatron.moe.record_with_statistics",
+                         "grad enabled with aux loss, z-loss or expert bias",
+                         error=UnsupportedSetupError)
         if not self._computes_statistics():
             with replaying(getattr(self, "router_replay", None),
                            self._flat_routes(self._sharding_group())):
                 return super().routing(logits, padding_mask=padding_mask)
         if padding_mask is not None:
-            raise UnsupportedSetupError(
-                "a padding_mask was passed with a sharing plan: the plan already says which "
-                "rows are padding; drop the padding_mask"
-            )
+            raise refuse("megatron.moe.padding_mask", error=UnsupportedSetupError)
         # Under sequence and/or context parallelism this rank holds a 1/shards slice of the
         # flat rows, and megatron's stock spec routes a 1/shards slice (along s) of the plain
         # [s, b] batch, its statistics reduced over the same tp x cp group.
@@ -220,14 +217,13 @@ class PrefixSharingRouter(TopKRouter, FlatRowsRouter):
         statistics' gradients back onto the rows' owners), and a suffix routes this rank's
         slice of its padded plain view, as the stock router routes its slice of the plain
         micro-batch, the slices' probabilities and choices all-gathered back."""
-        problems = [setting for setting, on in (
-            ("routing replay", self._routes is not None),
-            ("a padding_mask", padding_mask is not None),
-            ("context parallelism", self.cp_group.size() > 1)) if on]
-        if problems:
-            raise UnsupportedSetupError(
-                "MoE router statistics across micro-batches do not support "
-                + ", ".join(problems))
+        found = [refused for refused, on in (
+            (Refused("megatron.cross_micro_batch.router_replay"), self._routes is not None),
+            (Refused("megatron.cross_micro_batch.router_padding_mask"), padding_mask is not None),
+            (Refused("megatron.cross_micro_batch.context_parallel", "the router's statistics"),
+             self.cp_group.size() > 1)) if on]
+        if found:
+            raise refuse_all(found, error=UnsupportedSetupError)
         group = self._sharding_group()
         shards = 1 if group is None else group.size()
         flat_logits = logits.reshape(-1, self.num_experts)  # [T_flat / shards, E]
@@ -297,13 +293,12 @@ class PrefixSharingRouter(TopKRouter, FlatRowsRouter):
         if routes is None:
             return None
         if self.moe_layer_index is None:
-            raise UnsupportedSetupError(
-                f"routing replay with sharing: the layer holding this router ({self.fed_by}) "
-                "does not say which MoE layer it is; replay is supported in GPTModel layers")
+            raise refuse("megatron.routing_replay.layer_index", f"a router fed by {self.fed_by}",
+                         error=UnsupportedSetupError)
         if routes.size(2) != self.topk:
-            raise UnsupportedSetupError(
-                f"the replayed routes are [tokens, {routes.size(1)}, {routes.size(2)}]; this "
-                f"model routes top-{self.topk}")
+            raise refuse("megatron.routing_replay.routes_shape",
+                         f"the replayed routes are [tokens, {routes.size(1)}, {routes.size(2)}]; "
+                         f"this model routes top-{self.topk}", error=UnsupportedSetupError)
         return routes[:, route_column(self.config, self.layer_number, routes.size(1))]
 
     def _flat_routes(self, group: torch.distributed.ProcessGroup | None) -> torch.Tensor | None:
@@ -371,11 +366,10 @@ class PrefixSharingTransformerLayer(TransformerLayer):
         router.fed_by = type(self).__qualname__
         router.moe_layer_index = self._moe_layer_index()
         if self.mlp.moe_layer_recompute and router.keeps_statistics():
-            raise UnsupportedSetupError(
-                "recompute_modules contains 'moe' with MoE auxiliary losses, z-loss or expert "
-                "bias: the recomputed router would run outside the layer that knows the "
-                "sharing plan; use recompute_granularity='full' or drop 'moe'"
-            )
+            raise refuse("megatron.moe.recompute",
+                         "recompute_modules contains 'moe' with MoE auxiliary losses, z-loss or "
+                         "expert bias", error=UnsupportedSetupError)
+
 
     def _moe_layer_index(self) -> int | None:
         """This layer's MoE ordinal over the whole model (``moe_layer_freq``), which picks its

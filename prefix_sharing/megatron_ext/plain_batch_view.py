@@ -8,10 +8,10 @@ every plain position takes its flat row, neither needs the other.
 from __future__ import annotations
 
 import dataclasses
-import weakref
 
 import torch
 
+from ..memo import derived
 from ..plan import SharingPlan
 
 __all__ = ["PlainBatchView", "plain_batch_view"]
@@ -133,19 +133,10 @@ def _z_loss_weights(real: torch.Tensor, longest: int, slices: int) -> torch.Tens
     return real / (slices * counts.clamp(min=1)).index_select(0, slice_of).unsqueeze(1)
 
 
-# A plan's views, built once per micro-batch and shared by every MoE layer (the plan is frozen).
-_VIEWS: weakref.WeakKeyDictionary[
-    SharingPlan, dict[tuple[bool, int, int, int | None, int], PlainBatchView]
-] = weakref.WeakKeyDictionary()
-
-
 def plain_batch_view(plan: SharingPlan, per_sequence: bool, shards: int = 1,
                      shard: int = 0, z_loss_slices: int | None = None,
                      external_rows: int = 0) -> PlainBatchView:
-    """:meth:`PlainBatchView.of`, cached per plan."""
-    views = _VIEWS.setdefault(plan, {})
-    key = (per_sequence, shards, shard, z_loss_slices, external_rows)
-    if key not in views:
-        views[key] = PlainBatchView.of(plan, per_sequence, shards, shard, z_loss_slices,
-                                       external_rows)
-    return views[key]
+    """:meth:`PlainBatchView.of`, built once per plan and arguments and shared by every MoE
+    layer of the micro-batch (:mod:`prefix_sharing.memo`)."""
+    return derived(plan, PlainBatchView.of, per_sequence, shards, shard,
+                   z_loss_slices, external_rows)

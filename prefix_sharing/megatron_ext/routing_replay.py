@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from ..plan import SharingPlan
+from ..refusals import refuse
 from .checks import UnsupportedSetupError
 from .plain_batch_view import plain_batch_view
 
@@ -102,9 +103,9 @@ def route_column(config: Any, layer_number: int, width: int) -> int:
         return moe_layer_index(config, layer_number)
     if width == layers:
         return layer_number - 1
-    raise UnsupportedSetupError(
-        f"the replayed routes hold {width} layers; this model has {moe_layers} MoE layers of "
-        f"{layers} layers")
+    raise refuse("megatron.routing_replay.routes_shape",
+                 f"the replayed routes hold {width} layers; this model has {moe_layers} MoE "
+                 f"layers of {layers} layers", error=UnsupportedSetupError)
 
 
 def _action(replay: Any, name: str) -> Any:
@@ -128,27 +129,22 @@ def check_replay_state(replay: Any, has_routes: bool, records: bool = False) -> 
     """
     if replay is None:
         if has_routes:
-            raise UnsupportedSetupError(
-                "routes to replay came with the micro-batch but moe_enable_routing_replay=False; "
-                "set moe_enable_routing_replay=True to replay them (or drop the routes)")
+            raise refuse("megatron.routing_replay.off", "moe_enable_routing_replay=False",
+                         error=UnsupportedSetupError)
         return
     action = _action_name(replay)
     if action == "record":
         if not records:
-            raise UnsupportedSetupError(
-                "router replay action RECORD with a sharing plan: recorded routes would be the "
-                "flat rows'; plan with prepare_micro_batch(record_routes=True) and read them "
-                "with recorded_routes, or record with a forward that does not share (no plan)")
+            raise refuse("megatron.routing_replay.record_unplanned",
+                         "router replay action RECORD with a sharing plan",
+                         error=UnsupportedSetupError)
         return
     if records:
-        raise UnsupportedSetupError(
-            f"a sharing plan asks to record routes but the router replay action is {action}; "
-            "set RouterReplayAction.RECORD for the recording forward")
+        raise refuse("megatron.routing_replay.record_action",
+                     f"the router replay action is {action}", error=UnsupportedSetupError)
     if action is not None and not has_routes:
-        raise UnsupportedSetupError(
-            f"router replay action {action.upper()} with a sharing plan but no routes with the "
-            "micro-batch: megatron's replay targets are laid out per input token, which the "
-            "flat layout is not; pass the routes to prepare_micro_batch(routes=...)")
+        raise refuse("megatron.routing_replay.no_routes",
+                     f"router replay action {action.upper()}", error=UnsupportedSetupError)
 
 
 @contextlib.contextmanager
@@ -199,9 +195,9 @@ def recorded_routes(model: torch.nn.Module, plan: SharingPlan) -> torch.Tensor:
     missing = [r.layer_number for r in routers
                if getattr(getattr(r, "router_replay", None), "recorded_topk_idx", None) is None]
     if missing:
-        raise UnsupportedSetupError(
-            f"routing replay: the routers of layers {missing} recorded no routes in this forward "
-            "(set RouterReplayAction.RECORD and plan with record_routes=True)")
+        raise refuse("megatron.routing_replay.nothing_recorded",
+                     f"the routers of layers {missing}", error=UnsupportedSetupError)
+
     rows = torch.stack([r.router_replay.recorded_topk_idx.to(torch.int64) for r in routers],
                        dim=1)  # [T_flat / shards, routers, topk]
     group = routers[0]._sharding_group()

@@ -12,11 +12,12 @@ from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
 )
 from megatron.core.transformer.attention import Attention, SelfAttention
 
+from ..refusals import refuse
 from .checks import UnsupportedSetupError
 from .core_attention import require_sharing_core_attention
 from .packed_seq import PlanPackedSeqParams
 
-__all__ = ["PrefixSharingSelfAttention", "check_planned_call"]
+__all__ = ["PrefixSharingSelfAttention", "check_planned_call", "planned_call"]
 
 _FORWARD_SIGNATURE = inspect.signature(Attention.forward)
 RotaryTables = tuple[torch.Tensor | None, torch.Tensor | None]
@@ -43,11 +44,10 @@ class PrefixSharingSelfAttention(SelfAttention):
         require_sharing_core_attention(self)
 
     def forward(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-        call = _FORWARD_SIGNATURE.bind(self, *args, **kwargs)
-        params = call.arguments.get("packed_seq_params")
-        if not isinstance(params, PlanPackedSeqParams):
+        planned = planned_call(_FORWARD_SIGNATURE, self, args, kwargs)
+        if planned is None:
             return super().forward(*args, **kwargs)
-        check_planned_call(self.config, call.arguments, params)
+        call, params = planned
         tables = call.arguments.get("rotary_pos_emb")
         if tables is not None and not self._rope_skipped():
             self._token_rotary = _per_token_tables(params, tables)
@@ -83,6 +83,19 @@ class PrefixSharingSelfAttention(SelfAttention):
         return bool(no_rope and no_rope[self.layer_number - 1])
 
 
+def planned_call(signature: inspect.Signature, layer: Any, args: tuple, kwargs: dict[str, Any]
+                 ) -> tuple[inspect.BoundArguments, PlanPackedSeqParams] | None:
+    """The attention forward's call bound to ``signature`` (``layer`` as ``self``) and its
+    plan's params, checked (:func:`check_planned_call`); ``None`` when the call carries no
+    plan, and the layer is megatron's stock one."""
+    call = signature.bind(layer, *args, **kwargs)
+    params = call.arguments.get("packed_seq_params")
+    if not isinstance(params, PlanPackedSeqParams):
+        return None
+    check_planned_call(layer.config, call.arguments, params)
+    return call, params
+
+
 def check_planned_call(config: Any, arguments: dict[str, Any], params: PlanPackedSeqParams) -> None:
     """Refuses a planned attention call that sharing cannot serve: a KV cache, or hidden states
     laid out for another plan (stages exchange only activations, so a stage that planned another
@@ -90,19 +103,16 @@ def check_planned_call(config: Any, arguments: dict[str, Any], params: PlanPacke
     first layer). ``arguments`` are the attention forward's bound arguments."""
     inference = (arguments.get(n) for n in ("inference_context", "inference_params"))
     if any(i is not None for i in inference):
-        raise UnsupportedSetupError(
-            "prefix sharing is for training and scoring forwards; it does not support an "
-            "inference_context (KV cache)"
-        )
+        raise refuse("megatron.inference_context", "inference_context", error=UnsupportedSetupError)
     tokens = arguments["hidden_states"].size(0)  # [s, b, h]; s is split across TP ranks under SP
     if config.sequence_parallel:
         tokens *= config.tensor_model_parallel_size
     tokens *= config.context_parallel_size  # each CP rank holds a slice of the rows
     if tokens != params.plan.num_tokens_flat:
-        raise UnsupportedSetupError(
-            f"this layer received {tokens} tokens but the micro-batch's plan lays out "
-            f"{params.plan.num_tokens_flat}: were the pipeline stages given different plans?"
-        )
+        raise refuse("megatron.plan_mismatch",
+                     f"this layer received {tokens} tokens but the micro-batch's plan lays out "
+                     f"{params.plan.num_tokens_flat}", error=UnsupportedSetupError)
+
 
 
 def _per_token_tables(

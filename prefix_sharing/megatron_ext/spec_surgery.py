@@ -19,13 +19,13 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from ..refusals import refuse
 from .checks import UnsupportedSetupError
 from .core_attention import PrefixSharingCoreAttention
 from .mla import PrefixSharingMLASelfAttention
 from .moe import PrefixSharingRouter
 from .release import installed_release
 from .self_attention import PrefixSharingSelfAttention
-from .stock_gdn import GDN_NOT_SERVED
 
 __all__ = [
     "UnsupportedSpecError",
@@ -58,10 +58,8 @@ def sharing_attention_layer(layer_spec: ModuleSpec, where: str) -> ModuleSpec:
         elif is_subclass(attention.module, MLASelfAttention):
             sharing = PrefixSharingMLASelfAttention
     if sharing is None:
-        raise UnsupportedSpecError(
-            f"with_prefix_sharing needs a layer spec whose self_attention is a SelfAttention or "
-            f"MLASelfAttention ModuleSpec; {where} has self_attention={describe(attention)}"
-        )
+        raise refuse("megatron.spec.attention", f"{where} has self_attention={describe(attention)}",
+                     error=UnsupportedSpecError)
     attention = replaced(attention, core_attention=ModuleSpec(module=PrefixSharingCoreAttention))
     attention.module = sharing
     return replaced(layer_spec, self_attention=attention)
@@ -78,20 +76,16 @@ def sharing_gdn_layer(layer_spec: ModuleSpec, where: str) -> ModuleSpec:
     mixer = getattr(getattr(layer_spec, "submodules", None), "self_attention", None)
     if not (isinstance(layer_spec, ModuleSpec) and isinstance(mixer, ModuleSpec)
             and is_gated_delta_net(mixer.module)):
-        raise UnsupportedSpecError(
-            f"with_prefix_sharing: {where} must be a layer spec whose self_attention is a "
-            f"GatedDeltaNet ModuleSpec; got self_attention={describe(mixer)}"
-        )
+        raise refuse("megatron.spec.gdn_mixer", f"{where} has self_attention={describe(mixer)}",
+                     error=UnsupportedSpecError)
     try:
         from .gated_delta_net import PrefixSharingGatedDeltaNet
     except ImportError as error:
-        raise UnsupportedSpecError(f"with_prefix_sharing: {where} is a {GDN_NOT_SERVED} (this "
-                                   f"is megatron-core {installed_release()})") from error
+        raise refuse("megatron.gdn_release", f"{where} on megatron-core {installed_release()}",
+                     error=UnsupportedSpecError) from error
     if not issubclass(PrefixSharingGatedDeltaNet, mixer.module):
-        raise UnsupportedSpecError(
-            f"with_prefix_sharing: {where}'s mixer is {mixer.module.__qualname__}; only "
-            "megatron's GatedDeltaNet is replaced by the prefix-sharing one"
-        )
+        raise refuse("megatron.spec.gdn_mixer", f"{where}'s mixer is {mixer.module.__qualname__}",
+                     error=UnsupportedSpecError)
     mixer = copy.copy(mixer)
     mixer.module = PrefixSharingGatedDeltaNet
     return replaced(layer_spec, self_attention=mixer)
@@ -111,10 +105,9 @@ def sharing_router_mlp(mlp: ModuleSpec | functools.partial, where: str) -> Any:
     0.18) with the sharing router."""
     router = moe_router(mlp)
     if router not in (TopKRouter, PrefixSharingRouter):
-        raise UnsupportedSpecError(
-            f"with_prefix_sharing: {where}'s MoE router is {describe(router)}; only megatron's "
-            "TopKRouter is replaced by the prefix-sharing router"
-        )
+        raise refuse("megatron.spec.router", f"{where}'s MoE router is {describe(router)}",
+                     error=UnsupportedSpecError)
+
     return mlp_with_router(mlp, PrefixSharingRouter)
 
 

@@ -18,6 +18,8 @@ from typing import Any, Callable
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer
+from ..refusals import REFUSALS
+
 
 __all__ = ["GDN_NOT_SERVED", "before_building_gdn", "gdn_layer_spec", "prepare_gated_delta_net",
            "serves_gated_delta_net"]
@@ -37,12 +39,9 @@ def prepare_gated_delta_net() -> None:
         prepare()
 
 
-# Why a Gated DeltaNet layer is refused on a release other than 0.19.2 (hybrid.py says it too).
-GDN_NOT_SERVED = (
-    "Gated DeltaNet: prefix sharing carries its state with megatron-core 0.19.2's GatedDeltaNet "
-    "(megatron.core.ssm.gated_delta_net); 0.16.1 and 0.17.1 have no packed path and 0.18.2's "
-    "module differs: install megatron-core==0.19.2 (Python >= 3.12)"
-)
+# Why a Gated DeltaNet layer is refused on a release other than 0.19.2 (hybrid.py's slot reason;
+# the refusal megatron.gdn_release says it where a site raises it).
+GDN_NOT_SERVED = "Gated DeltaNet: " + REFUSALS["megatron.gdn_release"].reason
 
 
 def serves_gated_delta_net() -> bool:

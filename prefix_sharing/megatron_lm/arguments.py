@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 
 from ..config import BACKENDS, PrefixSharingConfig
-from ..errors import UnsupportedSetup
+from ..errors import InputError
+from ..refusals import refuse
 
 __all__ = [
     "SPEC", "SHARING_SPECS", "add_prefix_sharing_args", "sharing_config", "check_megatron_args",
@@ -54,29 +55,21 @@ def check_megatron_args(args: argparse.Namespace, kind: str) -> None:
     """Refuses, by name, Megatron-LM settings this entry point does not run exactly."""
     if args.spec is not None and args.spec not in SHARING_SPECS:
         allowed = " or ".join(" ".join(spec) for spec in SHARING_SPECS)
-        raise UnsupportedSetup(
-            f"--spec {' '.join(args.spec)}: the sharing entry point builds its model with "
-            f"--spec {allowed} (the first when --spec is left out)"
-        )
+        raise refuse("megatron_lm.spec", f"--spec {' '.join(args.spec)}; use --spec {allowed} "
+                     "(the first when --spec is left out)")
     if args.context_parallel_size > 1:
-        raise UnsupportedSetup(
-            f"--context-parallel-size {args.context_parallel_size}: prefix sharing runs with "
-            "context parallel size 1"
-        )
+        raise refuse("megatron_lm.context_parallel",
+                     f"--context-parallel-size {args.context_parallel_size}")
     if getattr(args, "overlap_moe_expert_parallel_comm", False):
-        raise UnsupportedSetup("--overlap-moe-expert-parallel-comm: its combined-1F1B schedule "
-                               "plan runs the layers without the sharing forward step")
+        raise refuse("megatron_lm.combined_1f1b")
     if getattr(args, "virtual_pipeline_model_parallel_size", None):
-        raise UnsupportedSetup("--num-layers-per-virtual-pipeline-stage / virtual pipeline "
-                               "stages are not supported by the sharing entry point")
+        raise refuse("megatron_lm.virtual_pipeline",
+                     f"{args.virtual_pipeline_model_parallel_size} virtual pipeline stages")
     if kind == "gpt":
-        if args.prefix_sharing_data is None:
-            raise UnsupportedSetup("gpt needs --prefix-sharing-data <rollout file>")
+        if args.prefix_sharing_data is None:  # a missing input, not a refused setting
+            raise InputError("gpt needs --prefix-sharing-data <rollout file>")
         if args.micro_batch_size != 1:
-            raise UnsupportedSetup(
-                f"--micro-batch-size {args.micro_batch_size}: with --prefix-sharing-data each "
-                "micro-batch is one pack of group-kept sequences; use --micro-batch-size 1 and "
-                "--prefix-sharing-token-budget to size it"
-            )
+            raise refuse("megatron_lm.micro_batch_size",
+                         f"--micro-batch-size {args.micro_batch_size}")
     elif args.data_path is None or len(args.data_path) != 1:
-        raise UnsupportedSetup("sft needs --data-path <conversations.jsonl> (one file)")
+        raise InputError("sft needs --data-path <conversations.jsonl> (one file)")

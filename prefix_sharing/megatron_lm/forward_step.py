@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ..config import PrefixSharingConfig
-from ..errors import UnsupportedSetup
+from ..refusals import refuse
 from .batch import PlannedBatch, plan_packed_batch
 
 __all__ = ["make_forward_step", "loss_func"]
@@ -38,10 +38,8 @@ def make_forward_step(config: PrefixSharingConfig) -> Callable[..., tuple[torch.
     def forward_step(data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module,
                      return_schedule_plan: bool = False) -> tuple[torch.Tensor, Callable]:
         if return_schedule_plan:  # check_megatron_args refuses the option that asks for it
-            raise UnsupportedSetup(
-                "prefix sharing does not support --overlap-moe-expert-parallel-comm "
-                "(Megatron-LM's combined-1F1B schedule plan)"
-            )
+            raise refuse("megatron_lm.combined_1f1b", "return_schedule_plan=True")
+
         from megatron.training import get_timers
 
         timers = get_timers()

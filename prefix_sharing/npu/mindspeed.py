@@ -48,6 +48,9 @@ import importlib
 import importlib.util
 import sys
 from typing import Any, Callable
+from ..refusals import Refused, refuse, refuse_all
+
+
 
 __all__ = ["FEATURE_NAME", "CP_ALGORITHMS_REFUSED", "enable_mindspeed", "incompatible_options"]
 
@@ -110,43 +113,40 @@ def enable_mindspeed() -> None:
 
 
 def incompatible_options(args: Any) -> list[str]:
-    """The MindSpeed / Megatron-LM options in ``args`` under which sharing would be wrong."""
-    problems = []
+    """The MindSpeed / Megatron-LM options in ``args`` under which sharing would be wrong, one
+    message part each (see :func:`_refused_options`)."""
+    return [str(refused) for refused in _refused_options(args)]
+
+
+def _refused_options(args: Any) -> list[Refused]:
+    found = []
     if getattr(args, "reset_attention_mask", False):
-        problems.append(
-            "--reset-attention-mask: MindSpeed's GPTModel.forward wrapper replaces "
-            "packed_seq_params with its own end-of-document segments, dropping the plan"
-        )
+        found.append(Refused("ascend.reset_attention_mask", "--reset-attention-mask"))
     if getattr(args, "tp_2d", False):
-        problems.append("--tp-2d: MindSpeed replaces SelfAttention.__init__ and the rotary class")
+        found.append(Refused("ascend.tp_2d", "--tp-2d"))
     if getattr(args, "position_embedding_type", None) == "alibi":
-        problems.append("--position-embedding-type alibi: MindSpeed replaces DotProductAttention")
+        found.append(Refused("ascend.alibi", "--position-embedding-type alibi"))
     if int(getattr(args, "context_parallel_size", 1) or 1) > 1:
-        problems += _context_parallel_problems(args)
-    return problems
+        found += _context_parallel_problems(args)
+    return found
 
 
-def _context_parallel_problems(args: Any) -> list[str]:
+def _context_parallel_problems(args: Any) -> list[Refused]:
     """Context parallelism runs with ``megatron_cp_algo`` only (see the module doc), on
     prefix-sharing layers defined on megatron's own attention class."""
     cp = f"--context-parallel-size {args.context_parallel_size}"
     algorithm = getattr(args, "context_parallel_algo", None) or SHARED_CP_ALGORITHM
-    problems = []
+    found = []
     if algorithm != SHARED_CP_ALGORITHM:
         reason = CP_ALGORITHMS_REFUSED.get(
             algorithm, "an algorithm not validated with prefix sharing")
-        problems.append(f"{cp} with --context-parallel-algo {algorithm}: {reason}; use "
-                        f"--context-parallel-algo {SHARED_CP_ALGORITHM}, whose layers run the "
-                        "prefix-sharing attention's own CP communication")
+        found.append(Refused("ascend.context_parallel_algo",
+                             f"{cp} with --context-parallel-algo {algorithm}: {reason}"))
     base = _mindspeed_attention_base()
     if base is not None:
-        problems.append(
-            f"{cp}: PrefixSharingCoreAttention was defined on MindSpeed's {base} (prefix_sharing."
-            "megatron_ext was first imported after MindSpeed's context-parallel patch); call "
-            "prefix_sharing.npu.enable_mindspeed(), or import prefix_sharing.megatron_ext, "
-            "before MindSpeed is patched for context parallelism"
-        )
-    return problems
+        found.append(Refused("ascend.import_order",
+                             f"{cp}: PrefixSharingCoreAttention was defined on MindSpeed's {base}"))
+    return found
 
 
 def _mindspeed_attention_base() -> str | None:
@@ -180,11 +180,9 @@ def _feature_class() -> type:
         def validate_args(self, args: Any) -> None:
             from ..megatron_ext.checks import UnsupportedSetupError
 
-            problems = incompatible_options(args)
-            if problems:
-                raise UnsupportedSetupError(
-                    "prefix sharing under MindSpeed does not support " + "; ".join(problems)
-                )
+            found = _refused_options(args)
+            if found:
+                raise refuse_all(found, error=UnsupportedSetupError)
 
         def register_patches(self, patch_manager: Any, args: Any) -> None:
             self.validate_args(args)  # MindSpeed validates before this feature may be listed
@@ -209,11 +207,8 @@ def plan_guard_wrapper(forward: Callable[..., Any]) -> Callable[..., Any]:
         if _is_plan(packed):
             from ..megatron_ext.checks import UnsupportedSetupError
 
-            raise UnsupportedSetupError(
-                f"a prefix-sharing plan reached {type(self).__name__}.forward (MindSpeed's fused "
-                "attention, which cannot inject shared prefixes): build the model with a "
-                "prefix-sharing layer spec (prefix_sharing.megatron_ext.with_prefix_sharing)"
-            )
+            raise refuse("ascend.fused_attention", f"{type(self).__name__}.forward",
+                         error=UnsupportedSetupError)
         return forward(self, *args, **kwargs)
 
     return guarded

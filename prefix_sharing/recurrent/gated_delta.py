@@ -21,13 +21,13 @@ the whole forest of pieces (:mod:`.forest`); and one convolution.
 
 from __future__ import annotations
 
-import importlib.util
-import weakref
 from collections.abc import Sequence
 
 import torch
 
-from ..errors import InputError, MissingPackageError
+from ..errors import InputError
+from ..kernel_backends import KernelBackends, Package
+from ..memo import derived
 from . import fla_kernels, torch_kernels
 from .forest import ForestLayout, gated_delta_rule_forest
 from .schedule import RecurrenceSchedule
@@ -35,7 +35,13 @@ from .schedule import RecurrenceSchedule
 __all__ = ["RECURRENT_BACKENDS", "resolve_recurrent_backend", "chunk_gated_delta_rule",
            "gated_delta_rule_over_schedule", "causal_conv1d", "causal_conv1d_over_schedule"]
 
-RECURRENT_BACKENDS = ("torch", "fla")
+_BACKENDS = KernelBackends(
+    kind="recurrent-kernel backend",
+    packages={"torch": None,
+              "fla": Package("fla", "flash-linear-attention", "pip install fla-core")},
+    auto={"cuda": ("fla",)},
+)
+RECURRENT_BACKENDS = tuple(_BACKENDS.packages)
 
 
 def resolve_recurrent_backend(name: str, device: torch.device) -> str:
@@ -44,19 +50,9 @@ def resolve_recurrent_backend(name: str, device: torch.device) -> str:
     Raises:
         InputError: an unknown name; MissingPackageError: ``"fla"`` without ``fla-core``.
     """
-    if name == "auto":
-        return "fla" if device.type == "cuda" and _fla_installed() else "torch"
-    if name not in RECURRENT_BACKENDS:
-        raise InputError(f"unknown recurrent-kernel backend {name!r}; choose from auto, "
-                         f"{', '.join(RECURRENT_BACKENDS)}")
-    if name == "fla" and not _fla_installed():
-        raise MissingPackageError("the 'fla' recurrent backend needs flash-linear-attention "
-                                  "(pip install fla-core), or choose backend='torch'")
-    return name
-
-
-def _fla_installed() -> bool:
-    return importlib.util.find_spec("fla") is not None
+    resolved = _BACKENDS.resolve(name, device)
+    _BACKENDS.require(resolved)
+    return resolved
 
 
 def chunk_gated_delta_rule(
@@ -158,18 +154,16 @@ def gated_delta_rule_over_schedule(
     return out if schedule.inverse_order is None else out.index_select(0, schedule.inverse_order)
 
 
-_FOREST_LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def forest_layout(schedule: RecurrenceSchedule, device: torch.device,
                   chunk_size: int = torch_kernels.CHUNK_SIZE) -> ForestLayout:
-    """The torch backend's chunk layout of ``schedule``, built on first use and then read by
-    every layer of the micro-batch."""
-    layout = _FOREST_LAYOUTS.get(schedule)
-    if layout is None:
-        layout = _FOREST_LAYOUTS[schedule] = ForestLayout(schedule.pieces, schedule.num_rows,
-                                                          chunk_size, device)
-    return layout
+    """The torch backend's chunk layout of ``schedule``, built on first use (per device and
+    chunk size) and then read by every layer of the micro-batch (:mod:`prefix_sharing.memo`)."""
+    return derived(schedule, _build_forest_layout, device, chunk_size)
+
+
+def _build_forest_layout(schedule: RecurrenceSchedule, device: torch.device,
+                         chunk_size: int) -> ForestLayout:
+    return ForestLayout(schedule.pieces, schedule.num_rows, chunk_size, device)
 
 
 def causal_conv1d(

@@ -33,11 +33,11 @@ host); a layer reads only its tensors and host ints, so no layer syncs with the 
 from __future__ import annotations
 
 import dataclasses
-import weakref
 
 import numpy as np
 import torch
 
+from ..memo import derived
 from ..plan import SharingPlan
 
 __all__ = ["Piece", "RecurrenceBucket", "RecurrenceSchedule", "build_schedule",
@@ -109,19 +109,14 @@ class RecurrenceSchedule:
     cu_seqlens_host: tuple[int, ...]
     num_rows: int
     _paths: tuple[np.ndarray, ...]  # kv_gather_index, cu_q, cu_kv, segment of each row, prefix
-    _conv_cache: dict = dataclasses.field(default_factory=dict, repr=False)
 
     def conv_predecessors(self, width: int) -> torch.Tensor:
         """``(T_flat, width - 1)`` int64: for every flat row the rows of the ``width - 1``
         tokens before it on its own path, oldest first; ``-1`` where the sequence has not
-        started. Cached per width."""
+        started. Built once per schedule and width (:mod:`prefix_sharing.memo`)."""
         if width < 1:
             raise ValueError(f"a convolution kernel width must be >= 1; got {width}")
-        cached = self._conv_cache.get(width)
-        if cached is None:
-            cached = self._conv_cache[width] = torch.from_numpy(
-                _predecessors(*self._paths, width)).to(self.cu_seqlens.device)
-        return cached
+        return derived(self, _conv_predecessors, width)
 
     def segment_conv_states(self, width: int) -> torch.Tensor:
         """``(M, width - 1)`` int64: the predecessors of each query segment's first row, the
@@ -131,16 +126,15 @@ class RecurrenceSchedule:
         return self.conv_predecessors(width).index_select(0, starts)
 
 
-_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+def _conv_predecessors(schedule: RecurrenceSchedule, width: int) -> torch.Tensor:
+    return torch.from_numpy(_predecessors(*schedule._paths, width)).to(schedule.cu_seqlens.device)
 
 
 def recurrence_schedule(plan: SharingPlan) -> RecurrenceSchedule:
-    """The schedule of ``plan``, built on first use and then reused by every layer (the plan
-    is the cache key: each micro-batch's plan is built once and read by all layers)."""
-    schedule = _CACHE.get(plan)
-    if schedule is None:
-        schedule = _CACHE[plan] = build_schedule(plan)
-    return schedule
+    """The schedule of ``plan``, built on first use and then reused by every layer (each
+    micro-batch's plan is built once and read by all layers; the schedule is freed with it,
+    :mod:`prefix_sharing.memo`)."""
+    return derived(plan, build_schedule)
 
 
 def build_schedule(plan: SharingPlan) -> RecurrenceSchedule:

@@ -16,18 +16,24 @@ reuser's gradient flows into its provider's rows through the state). Its short c
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Sequence
 
 import torch
 
-from ..errors import InputError, MissingPackageError
+from ..errors import InputError
+from ..kernel_backends import KernelBackends, Package
 from . import mamba_kernels, ssd_torch
 from .schedule import RecurrenceSchedule
 
 __all__ = ["SSD_BACKENDS", "resolve_ssd_backend", "chunk_ssd", "ssd_over_schedule"]
 
-SSD_BACKENDS = ("torch", "mamba_ssm")
+_BACKENDS = KernelBackends(
+    kind="SSD-kernel backend",
+    packages={"torch": None,
+              "mamba_ssm": Package("mamba_ssm", "mamba-ssm", "pip install mamba-ssm")},
+    auto={"cuda": ("mamba_ssm",)},
+)
+SSD_BACKENDS = tuple(_BACKENDS.packages)
 
 
 def resolve_ssd_backend(name: str, device: torch.device) -> str:
@@ -37,19 +43,9 @@ def resolve_ssd_backend(name: str, device: torch.device) -> str:
     Raises:
         InputError: an unknown name; MissingPackageError: ``"mamba_ssm"`` not installed.
     """
-    if name == "auto":
-        return "mamba_ssm" if device.type == "cuda" and _mamba_installed() else "torch"
-    if name not in SSD_BACKENDS:
-        raise InputError(f"unknown SSD-kernel backend {name!r}; choose from auto, "
-                         f"{', '.join(SSD_BACKENDS)}")
-    if name == "mamba_ssm" and not _mamba_installed():
-        raise MissingPackageError("the 'mamba_ssm' SSD backend needs mamba-ssm "
-                                  "(pip install mamba-ssm), or choose backend='torch'")
-    return name
-
-
-def _mamba_installed() -> bool:
-    return importlib.util.find_spec("mamba_ssm") is not None
+    resolved = _BACKENDS.resolve(name, device)
+    _BACKENDS.require(resolved)
+    return resolved
 
 
 def chunk_ssd(

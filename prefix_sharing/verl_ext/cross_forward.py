@@ -37,8 +37,10 @@ from typing import Any
 import torch
 
 from ..config import PrefixSharingConfig
+from ..refusals import Refused, refuse, refuse_all
 from .cross_groups import CrossPart
-from .mcore import PrefixSharingSetupError, SharingMetrics, micro_batch_temperature
+from .mcore import (PrefixSharingSetupError, SharingMetrics, check_text_only,
+                    micro_batch_temperature)
 
 __all__ = ["GroupState", "check_cross_engine_setup", "check_cross_model", "cross_forward"]
 
@@ -97,16 +99,14 @@ def cross_forward(
     """verl's ``gptmodel_forward_model_engine`` for the micro-batch ``part`` of a cross group
     (see the module doc); arguments as :func:`.mcore.shared_forward` takes them."""
     if replay_routes is not None:
-        raise PrefixSharingSetupError("prefix_grouper.cross_micro_batch does not support "
-                                      "router_replay (set router_replay.mode: disabled)")
+        raise refuse("verl.cross_micro_batch.router_replay", "routes came with the micro-batch",
+                     error=PrefixSharingSetupError)
     from ..logprobs import token_log_probs
     from ..megatron_ext import check_sharing_model
     from ..megatron_ext.logprobs import vocab_shard
     from ..megatron_ext.packed_seq import PlanPackedSeqParams
 
-    if value_model or vision_model or multi_modal_inputs:
-        raise PrefixSharingSetupError("prefix sharing supports text-only language models (no value "
-                                      "head, no vision inputs)")
+    check_text_only(value_model, vision_model, multi_modal_inputs)
     check_sharing_model(model)
     check_cross_model(model)
     suffix = part.group.schedule.suffixes[part.index]
@@ -120,9 +120,8 @@ def cross_forward(
                                        device)
     state: GroupState = part.group.state
     if temperature != state.temperature:
-        raise PrefixSharingSetupError(
-            f"the samples of one cross-micro-batch group have temperatures {state.temperature} "
-            f"and {temperature}; they share the prefix's statistics, so they need one")
+        raise refuse("verl.temperatures", f"a cross-micro-batch group with temperatures "
+                     f"{state.temperature} and {temperature}", error=PrefixSharingSetupError)
     state.prefix_kv.mode = "read_last" if part.last else "read"
     plan, tail_plan = suffix.plan.to(device), suffix.tail_plan.to(device)
     params = PlanPackedSeqParams.from_plan(plan, sharing.backend, prefix_kv=state.prefix_kv)
@@ -150,31 +149,30 @@ def check_cross_engine_setup(engine_config: Any) -> None:
     """At engine construction: the parallel settings of verl's Megatron engine config under
     which a group cannot run across micro-batches (:func:`check_cross_model` checks the model
     itself at its first cross micro-batch)."""
-    problems = []
+    found = []
     pp = getattr(engine_config, "pipeline_model_parallel_size", 1) or 1
     if pp > 1:
-        problems.append(f"pipeline_model_parallel_size={pp} (megatron's 1F1B schedule runs "
-                        "several forwards before their backwards)")
+        found.append(Refused("verl.cross_micro_batch.layout", f"pipeline_model_parallel_size={pp}"))
     vpp = getattr(engine_config, "virtual_pipeline_model_parallel_size", None)
     if vpp is not None and vpp > 1:
-        problems.append(f"virtual_pipeline_model_parallel_size={vpp}")
+        found.append(Refused("verl.cross_micro_batch.layout",
+                             f"virtual_pipeline_model_parallel_size={vpp}"))
     cp = getattr(engine_config, "context_parallel_size", 1) or 1
     if cp > 1:
-        problems.append(f"context_parallel_size={cp} (the group's prefix K/V is not split over "
-                        "context-parallel ranks)")
+        found.append(Refused("verl.cross_micro_batch.layout", f"context_parallel_size={cp}"))
     replay = getattr(getattr(engine_config, "router_replay", None), "mode", "disabled")
     if replay not in (None, "disabled"):
-        problems.append(f"router_replay.mode={replay!r}")
-    if problems:
-        raise PrefixSharingSetupError("prefix_grouper.cross_micro_batch does not support "
-                                      + "; ".join(problems))
+        found.append(Refused("verl.cross_micro_batch.router_replay",
+                             f"router_replay.mode={replay!r}"))
+    if found:
+        raise refuse_all(found, error=PrefixSharingSetupError)
 
 
 def check_cross_model(model) -> None:
-    """The group driver's refusals (PP, windows), plus MoE routers with batch statistics: the
-    group driver makes
-    them those of the stock step on the same micro-batch split, but verl's stock step splits
-    the batch differently (so it is no reference), and this path has no test of them yet."""
+    """The group driver's refusals (PP), plus MoE routers with batch statistics: the group
+    driver makes them those of the stock step on the same micro-batch split, but verl's stock
+    step splits the batch differently (so it is no reference), and this path has no test of
+    them yet."""
     from megatron.core.utils import get_attr_wrapped_model
 
     from ..megatron_ext.cross_micro_batch import check_group_model
@@ -185,20 +183,18 @@ def check_cross_model(model) -> None:
     keeping = [name for name, module in model.named_modules()
                if isinstance(module, PrefixSharingRouter) and module.keeps_statistics()]
     if config.num_moe_experts and keeping:
-        raise PrefixSharingSetupError(
-            f"prefix_grouper.cross_micro_batch does not support num_moe_experts="
-            f"{config.num_moe_experts} with router batch statistics (aux / z-loss, expert bias; "
-            f"{keeping[0]}) in verl's engine yet (set the aux / z-loss coefficients to 0 and "
-            "expert bias off, or cross_micro_batch off)")
+        raise refuse("verl.cross_micro_batch.router_statistics",
+                     f"num_moe_experts={config.num_moe_experts}; {keeping[0]}",
+                     error=PrefixSharingSetupError)
 
 
 def _run_prefix(model, part: CrossPart, sharing: PrefixSharingConfig, temperature: float,
                 with_entropy: bool, device: torch.device) -> GroupState:
     """The group's prefix forward (recording its K/V) and its prefix-position statistics."""
+    from megatron.core import parallel_state
+
     from ..megatron_ext.cross_micro_batch import PrefixPass
     from ..megatron_ext.prefix_kv import PrefixKV
-
-    from megatron.core import parallel_state
 
     schedule = part.group.schedule
     prefix_kv = PrefixKV(rows=schedule.prefix_len)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
+from ..refusals import Refused, refuse, refuse_all
 from .config import sharing_config
 from .cross_forward import check_cross_engine_setup
 from .mcore import PrefixSharingSetupError, SharingMetrics, check_engine_setup
@@ -54,17 +55,13 @@ class SharingEngineMixin:
             check_engine_setup(engine_config, model_config)
         if self.prefix_sharing.cross_micro_batch:
             if not self.supports_cross_micro_batch:
-                raise PrefixSharingSetupError(
-                    f"prefix_grouper.cross_micro_batch=true needs verl's Megatron engine; "
-                    f"{type(self).__name__} splits a group too large for a micro-batch instead "
-                    "(set cross_micro_batch: false)")
+                raise refuse("verl.cross_micro_batch.engine",
+                             f"prefix_grouper.cross_micro_batch=true on {type(self).__name__}",
+                             error=PrefixSharingSetupError)
             check_cross_engine_setup(engine_config)
-        problems = self_check_problems(engine_config) if self.prefix_sharing.self_check else []
-        if self.prefix_sharing.enabled and problems:
-            raise PrefixSharingSetupError(
-                f"prefix_grouper.self_check=true cannot run with {', '.join(problems)}: its "
-                "stock run would not be verl's stock path on the same micro-batch "
-                "(set self_check: false)")
+        found = self_check_problems(engine_config) if self.prefix_sharing.self_check else []
+        if self.prefix_sharing.enabled and found:
+            raise refuse_all(found, error=PrefixSharingSetupError)
         self._sharing_metrics = SharingMetrics()
         self._self_check = FirstStepSelfCheck(self.prefix_sharing.enabled
                                               and self.prefix_sharing.self_check)
@@ -83,17 +80,18 @@ class SharingEngineMixin:
         return output
 
     @staticmethod
-    def refuse_unsupported_switches(micro_batch: Any, *extra: str) -> None:
+    def refuse_unsupported_switches(micro_batch: Any, *extra: Refused) -> None:
         """Raises :class:`~.mcore.PrefixSharingSetupError` naming every
         :data:`UNSUPPORTED_SWITCHES` entry set on ``micro_batch``, plus the engine's own
-        ``extra`` problems."""
+        ``extra`` refusals."""
         from verl.utils import tensordict_utils as tu
 
-        problems = [key for key in UNSUPPORTED_SWITCHES
-                    if tu.get_non_tensor_data(micro_batch, key=key, default=False)]
-        problems += extra
-        if problems:
-            raise PrefixSharingSetupError(f"prefix sharing does not support {', '.join(problems)}")
+        found = [Refused("verl.micro_batch_switch", key) for key in UNSUPPORTED_SWITCHES
+                 if tu.get_non_tensor_data(micro_batch, key=key, default=False)]
+        found += extra
+        if found:
+            raise refuse_all(found, error=PrefixSharingSetupError)
+
 
 
 def install_engine(module: ModuleType, stock: type, engine: type) -> None:

@@ -72,11 +72,12 @@ from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
+from ..refusals import Refused, refuse
 from .balancing import balancing_hooks
 from .config import accept_prefix_grouper
 from .engine import SharingEngineMixin, install_engine
 from .microbatch import patch_prepare_micro_batches
-from .patchsets import PatchSet, register
+from .patchsets import register_releases
 from .switched_off import off_hooks
 
 __all__ = ["PATCHSETS", "patch_engine", "stock_attention"]
@@ -123,10 +124,8 @@ def patch_engine(module: ModuleType) -> None:
                 if self.prefix_sharing.self_check and any(
                         getattr(m, marker, False) for m in hf_module.modules()
                         for marker in RECURRENT_MARKERS):
-                    raise PrefixSharingSetupError(
-                        "prefix_grouper.self_check=true compares with verl's stock path, which "
-                        "has no exact packed form for a model with recurrent layers (Gated "
-                        "DeltaNet, Mamba-2); set self_check: false")
+                    raise refuse("verl.self_check.recurrent", "prefix_grouper.self_check=true",
+                                 error=PrefixSharingSetupError)
             return hf_module
 
         def _stock_outputs(self, micro_batch, logits_processor_func):
@@ -142,9 +141,11 @@ def patch_engine(module: ModuleType) -> None:
                 return super().prepare_model_inputs(micro_batch)
             unsupported = []
             if not tu.get_non_tensor_data(micro_batch, key="use_remove_padding", default=True):
-                unsupported.append("use_remove_padding=False")
+                unsupported.append(Refused("verl.padded_layout", "use_remove_padding=False"))
             if module.extract_multi_modal_inputs(micro_batch.get("multi_modal_inputs", [])):
-                unsupported.append("multi_modal_inputs")  # as verl reads them
+                # multi_modal_inputs as verl reads them
+                unsupported.append(Refused("verl.multimodal", "multi_modal_inputs"))
+
             self.refuse_unsupported_switches(micro_batch, *unsupported)
             input_ids = micro_batch["input_ids"]  # jagged nested (bsz, j1)
             sequences = list(input_ids.unbind())
@@ -183,19 +184,15 @@ def patch_engine(module: ModuleType) -> None:
     install_engine(module, stock, PrefixSharingFSDPEngine)
 
 
-PATCHSETS = tuple(
-    register(PatchSet(
-        name=f"verl{digits}_fsdp",
-        verl_versions=(release,),
-        hooks={
-            "verl.workers.config.actor": lambda m: accept_prefix_grouper(m, "FSDPActorConfig"),
-            ENGINE_MODULE: patch_engine,
-            "verl.workers.engine.utils": patch_prepare_micro_batches,
-            **balancing_hooks(),
-        },
-        summary=f"verl {release} FSDP engine: actor config, sharing attention, forward, "
-                "group-keeping micro-batches, metrics",
-        off_hooks=off_hooks("FSDPActorConfig"),
-    ))
-    for release, digits in (("0.9.1", "091"), ("0.8.0", "080"))
+PATCHSETS = register_releases(
+    "fsdp",
+    hooks={
+        "verl.workers.config.actor": lambda m: accept_prefix_grouper(m, "FSDPActorConfig"),
+        ENGINE_MODULE: patch_engine,
+        "verl.workers.engine.utils": patch_prepare_micro_batches,
+        **balancing_hooks(),
+    },
+    summary="verl {release} FSDP engine: actor config, sharing attention, forward, "
+            "group-keeping micro-batches, metrics",
+    off_hooks=off_hooks("FSDPActorConfig"),
 )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..refusals import refuse
 from .mcore import PrefixSharingSetupError
 
 __all__ = ["HYBRID_MODEL_TYPES", "is_gdn_hybrid", "check_hybrid_release"]
@@ -41,14 +42,11 @@ def check_hybrid_release(model_config: Any) -> None:
     sharing can serve; a no-op otherwise."""
     if not is_gdn_hybrid(getattr(model_config, "hf_config", None)):
         return
-    from ..megatron_ext.stock_gdn import GDN_NOT_SERVED, serves_gated_delta_net
+    from ..megatron_ext.stock_gdn import serves_gated_delta_net
     from ..megatron_ext.release import installed_release
 
     if serves_gated_delta_net():
         return
     model_type = getattr(model_config.hf_config, "model_type", "the model")
-    raise PrefixSharingSetupError(
-        f"prefix sharing in verl's Megatron engine cannot run {model_type} (Gated DeltaNet "
-        f"layers) on megatron-core {installed_release()}. {GDN_NOT_SERVED}. Or use verl's FSDP "
-        "engine (strategy: fsdp2), which serves these models on any release, or turn sharing "
-        "off (use_prefix_grouper: false).")
+    raise refuse("verl.gdn_release", f"{model_type} on megatron-core {installed_release()}",
+                 error=PrefixSharingSetupError)

@@ -26,6 +26,7 @@ import torch
 from ..config import PrefixSharingConfig
 from ..errors import PrefixSharingSetupError
 from ..planner import PromptGroup, prompt_groups
+from ..refusals import Refused, refuse, refuse_all
 from .routing_replay import (RouteRecorder, check_padded_statistics, replay_mode_problems,
                              router_action)
 from .self_check import FirstStepSelfCheck
@@ -62,35 +63,30 @@ def check_engine_setup(engine_config: Any, model_config: Any | None = None) -> N
     - ``router_replay`` with ``context_parallel_size > 1`` (Megatron; :mod:`.routing_replay`):
       ``R2`` and ``R3`` are accepted otherwise.
     """
-    problems = []
+    found = []
     if getattr(engine_config, "dynamic_context_parallel", False):
-        problems.append("dynamic_context_parallel=True (use a static context_parallel_size)")
+        found.append(Refused("verl.dynamic_context_parallel", "dynamic_context_parallel=True"))
     if getattr(engine_config, "ulysses_sequence_parallel_size", 1) > 1:
-        problems.append(
-            f"ulysses_sequence_parallel_size={engine_config.ulysses_sequence_parallel_size} "
-            "(must be 1: verl slices the packed samples across the Ulysses group and its "
-            "all-to-all wraps HF's flash attention, not the sharing attention, so a rank would "
-            "miss the provider rows its reusers read; for long sequences use the Megatron "
-            "engine's context_parallel_size)")
+        found.append(Refused("verl.ulysses", "ulysses_sequence_parallel_size="
+                             f"{engine_config.ulysses_sequence_parallel_size}"))
     if any(getattr(c, "use_remove_padding", True) is False for c in (engine_config, model_config)):
-        problems.append("use_remove_padding=False (sharing needs the packed layout)")
+        found.append(Refused("verl.padded_layout", "use_remove_padding=False"))
     if any(getattr(c, "use_fused_kernels", False) for c in (engine_config, model_config)):
-        problems.append("use_fused_kernels=True "
-                        "(set actor_rollout_ref.model.use_fused_kernels=false)")
+        found.append(Refused("verl.fused_kernels", "use_fused_kernels=True"))
     mtp = getattr(model_config, "mtp", None)
     if mtp is not None and getattr(mtp, "enable", False) and getattr(mtp, "enable_train", False):
-        problems.append("MTP training (model.mtp.enable_train=True)")
+        found.append(Refused("verl.mtp", "model.mtp.enable_train=True"))
     model_type = getattr(model_config, "model_type", "language_model")
     if model_type != "language_model":
-        problems.append(f"model_type={model_type!r} (a language model only)")
+        found.append(Refused("verl.model_type", f"model_type={model_type!r}"))
     if getattr(getattr(model_config, "hf_config", None), "vision_config", None) is not None:
-        problems.append("a multimodal model (text-only language models only)")
-    problems += replay_mode_problems(engine_config)
-    if problems:
-        raise PrefixSharingSetupError(
-            "prefix sharing (actor.prefix_grouper) cannot run with " + "; ".join(problems)
-            + ". Change the setting, or turn sharing off (use_prefix_grouper: false)."
-        )
+        found.append(Refused("verl.multimodal", "the model has a vision_config"))
+    found += replay_mode_problems(engine_config)
+    if found:
+        raise refuse_all(found, error=PrefixSharingSetupError,
+                         advice="Change the setting, or turn sharing off (use_prefix_grouper: "
+                                "false).")
+
 
 
 def prompt_lengths(batch: Any) -> list[int]:
@@ -116,12 +112,8 @@ def prompt_lengths(batch: Any) -> list[int]:
         if response_mask is not None and not response_mask.is_nested:
             prompt_width = attention_mask.size(1) - response_mask.size(1)
             return attention_mask[:, :prompt_width].sum(-1).tolist()
-    raise PrefixSharingSetupError(
-        "prefix_grouper.mode=prompt_only needs each sample's prompt length: the batch has "
-        "neither nested prompts (verl's v1 trainer) nor the padded attention_mask with "
-        "prompts or response_mask (its legacy trainer); use mode=arbitrary_prefix, which "
-        "reads only the token ids"
-    )
+    raise refuse("verl.prompt_lengths", "prefix_grouper.mode=prompt_only",
+                 error=PrefixSharingSetupError)
 
 
 def micro_batch_groups(batch: Any, num_sequences: int) -> list[PromptGroup]:
@@ -131,10 +123,8 @@ def micro_batch_groups(batch: Any, num_sequences: int) -> list[PromptGroup]:
 
     uids = tu.get(batch, "uid")  # a plain list (get_non_tensor_data keeps NonTensorData items)
     if uids is None:
-        raise PrefixSharingSetupError(
-            "prefix_grouper.mode=prompt_only needs each sample's uid in the batch; "
-            "use mode=arbitrary_prefix, which reads only the token ids"
-        )
+        raise refuse("verl.prompt_uids", "prefix_grouper.mode=prompt_only, no uid in the batch",
+                     error=PrefixSharingSetupError)
     uids = list(uids)
     if len(uids) != num_sequences:
         raise ValueError(f"{len(uids)} uids for a micro-batch of {num_sequences} samples")
@@ -225,9 +215,7 @@ def shared_forward(
 
     from ..megatron_ext import check_sharing_model, prepare_micro_batch, token_stats
 
-    if value_model or vision_model or multi_modal_inputs:
-        raise PrefixSharingSetupError("prefix sharing supports text-only language models (no value "
-                                      "head, no vision inputs)")
+    check_text_only(value_model, vision_model, multi_modal_inputs)
     check_sharing_model(model)
     sequences = list(input_ids.unbind())
     action = router_action(unwrap_model(model))
@@ -269,6 +257,14 @@ def shared_forward(
     return result
 
 
+def check_text_only(value_model: Any, vision_model: Any, multi_modal_inputs: Any) -> None:
+    """Refuses a value head or vision inputs: sharing covers text-only language models."""
+    named = [name for name, on in (("value_model", value_model), ("vision_model", vision_model),
+                                   ("multi_modal_inputs", multi_modal_inputs)) if on]
+    if named:
+        raise refuse("verl.multimodal", ", ".join(named), error=PrefixSharingSetupError)
+
+
 def micro_batch_temperature(temperature: Any) -> float:
     """The micro-batch's sampling temperature (verl's per-sample tensor, nested or not, a
     number, or ``None`` for 1): a shared row serves several samples, so they must all have the
@@ -279,10 +275,9 @@ def micro_batch_temperature(temperature: Any) -> float:
         values = temperature.values() if temperature.is_nested else temperature.reshape(-1)
         values = values.float().unique()
         if values.numel() != 1:
-            raise PrefixSharingSetupError(
-                f"samples of one micro-batch have different temperatures {values.tolist()}; "
-                "prefix sharing needs one temperature per micro-batch"
-            )
+            raise refuse("verl.temperatures", f"temperatures {values.tolist()}",
+                         error=PrefixSharingSetupError)
+
         temperature = values[0]
     value = float(temperature)
     return value if value > 0 else 1e-8

@@ -56,7 +56,7 @@ from .balancing import balancing_hooks
 from .config import accept_prefix_grouper
 from .engine import SharingEngineMixin, install_engine
 from .microbatch import active_split, patch_prepare_micro_batches
-from .patchsets import PatchSet, register
+from .patchsets import register_releases
 from .switched_off import off_hooks
 
 __all__ = ["PATCHSETS", "share_layer_spec", "install_layer_spec", "patch_forward_fn_lookup",
@@ -224,20 +224,16 @@ def patch_route_merge(module: ModuleType) -> None:
     module.merge_router_topk_indices = merge_router_topk_indices
 
 
-PATCHSETS = tuple(
-    register(PatchSet(
-        name=f"verl{digits}_mcore",
-        verl_versions=(release,),
-        hooks={
-            "verl.workers.config.actor": lambda m: accept_prefix_grouper(m, "McoreActorConfig"),
-            "verl.models.mcore": patch_forward_fn_lookup,
-            "verl.workers.engine.megatron.transformer_impl": patch_engine,
-            "verl.workers.engine.utils": patch_prepare_micro_batches,
-            **balancing_hooks(),
-        },
-        summary=f"verl {release} Megatron engine: actor config, layer spec, forward, "
-                "group-keeping micro-batches, metrics",
-        off_hooks=off_hooks("McoreActorConfig"),
-    ))
-    for release, digits in (("0.9.1", "091"), ("0.8.0", "080"))
+PATCHSETS = register_releases(
+    "mcore",
+    hooks={
+        "verl.workers.config.actor": lambda m: accept_prefix_grouper(m, "McoreActorConfig"),
+        "verl.models.mcore": patch_forward_fn_lookup,
+        "verl.workers.engine.megatron.transformer_impl": patch_engine,
+        "verl.workers.engine.utils": patch_prepare_micro_batches,
+        **balancing_hooks(),
+    },
+    summary="verl {release} Megatron engine: actor config, layer spec, forward, "
+            "group-keeping micro-batches, metrics",
+    off_hooks=off_hooks("McoreActorConfig"),
 )

@@ -20,7 +20,7 @@ import sys
 from types import ModuleType
 from typing import Any
 
-from .patchsets import PatchSet, register
+from .patchsets import register_releases
 
 __all__ = ["PATCHSETS"]
 
@@ -51,13 +51,9 @@ def _patch_mindspeed_engine(module: ModuleType) -> None:
     install_engine(module, stock, PrefixSharingMindspeedEngine)
 
 
-PATCHSETS = tuple(
-    register(PatchSet(
-        name=f"verl{digits}_mcore_mindspeed",
-        verl_versions=(release,),
-        hooks={TARGET: _patch_mindspeed_engine},
-        summary=f"verl {release} MindSpeed engine (Ascend): the prefix-sharing engine under "
-                "MindSpeed, its feature re-applied by every repatch",
-    ))
-    for release, digits in (("0.9.1", "091"), ("0.8.0", "080"))
+PATCHSETS = register_releases(
+    "mcore_mindspeed",
+    hooks={TARGET: _patch_mindspeed_engine},
+    summary="verl {release} MindSpeed engine (Ascend): the prefix-sharing engine under "
+            "MindSpeed, its feature re-applied by every repatch",
 )

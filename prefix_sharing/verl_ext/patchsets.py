@@ -7,8 +7,11 @@ first imported (or at once if it already is), and receives that module. A patch-
 import time and must not import verl or megatron at its top level: the registry imports every
 built-in patch-set module when the first verl module is imported, to learn their targets.
 
-To add a patch set (a new verl release, another engine), create a module that calls
-:func:`register` and list it in :data:`BUILTIN_MODULES`.
+The verl releases and the engines each has a set for are one table,
+:data:`prefix_sharing.releases.VERL_RELEASES`; a built-in module registers its engine's set
+for every release listed there with :func:`register_releases`. A new verl release is a row in
+that table; another engine is a module that calls :func:`register_releases` (or
+:func:`register`), listed in :data:`BUILTIN_MODULES`.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ import importlib.util
 from collections.abc import Callable, Mapping
 from types import ModuleType
 
-__all__ = ["PatchSet", "register", "registered", "BUILTIN_MODULES"]
+from ..releases import verl_patchsets
+
+__all__ = ["PatchSet", "register", "register_releases", "registered", "BUILTIN_MODULES"]
 
 Hook = Callable[[ModuleType], None]
 
@@ -63,6 +68,20 @@ def register(patchset: PatchSet) -> PatchSet:
         raise ValueError(f"a verl patch set named {patchset.name!r} is already registered")
     _REGISTRY[patchset.name] = patchset
     return patchset
+
+
+def register_releases(engine: str, hooks: Mapping[str, Hook], summary: str,
+                      off_hooks: Mapping[str, Hook] | None = None) -> tuple[PatchSet, ...]:
+    """Registers ``engine``'s patch set, ``verl<digits>_<engine>``, for every verl release
+    :data:`~prefix_sharing.releases.VERL_RELEASES` lists with that engine, each with the
+    same hooks (a hook handles what differs between releases in the module it patches).
+    ``summary`` is formatted with ``release``."""
+    return tuple(
+        register(PatchSet(name=name, verl_versions=(release,), hooks=dict(hooks),
+                          summary=summary.format(release=release),
+                          off_hooks=dict(off_hooks or {})))
+        for release, name in verl_patchsets(engine)
+    )
 
 
 def registered() -> dict[str, PatchSet]:

@@ -37,19 +37,21 @@ from typing import Any
 
 import torch
 
-from ..errors import PrefixSharingSetupError
+from ..errors import InputError, PrefixSharingSetupError
+from ..refusals import Refused, refuse
+
 
 __all__ = ["replay_mode_problems", "micro_batch_routes", "router_action",
            "check_padded_statistics", "RouteRecorder"]
 
 
-def replay_mode_problems(engine_config: Any) -> list[str]:
-    """The ``router_replay`` settings sharing cannot run with, as problem strings."""
+def replay_mode_problems(engine_config: Any) -> list[Refused]:
+    """The ``router_replay`` settings sharing cannot run with."""
     mode = getattr(getattr(engine_config, "router_replay", None), "mode", "disabled")
     cp = getattr(engine_config, "context_parallel_size", 1)
     if mode == "R2" and cp > 1:
-        return [f"router_replay.mode='R2' with context_parallel_size={cp} (recording routes "
-                "under context parallelism is not supported with sharing yet; R3 is)"]
+        return [Refused("verl.routing_replay.r2_context_parallel",
+                        f"router_replay.mode='R2' with context_parallel_size={cp}")]
     return []
 
 
@@ -80,12 +82,9 @@ def check_padded_statistics(model: Any) -> None:
     for module in model.modules():
         if (isinstance(module, PrefixSharingRouter) and module.keeps_statistics()
                 and module.routes_padded_batch()):
-            raise PrefixSharingSetupError(
-                "router_replay (R2 or R3) with prefix sharing and MoE router statistics (aux "
-                "loss, z-loss or expert bias) under context_parallel_size > 1, tensor "
-                "parallelism or a per-sequence aux loss: verl's replay patch drops megatron's "
-                "padding mask, and the router's slice of the plain batch is padded; turn the "
-                "router statistics off or use context_parallel_size=1, tensor parallel size 1")
+            raise refuse("verl.routing_replay.padded_statistics",
+                         "router_replay (R2 or R3) with MoE router statistics (aux loss, z-loss "
+                         "or expert bias)", error=PrefixSharingSetupError)
 
 
 def micro_batch_routes(batch: Any, mode: str) -> list[torch.Tensor] | None:
@@ -99,9 +98,9 @@ def micro_batch_routes(batch: Any, mode: str) -> list[torch.Tensor] | None:
     if routed is None:
         if mode == "R2":
             return None
-        raise PrefixSharingSetupError(
-            "router_replay.mode='R3' with prefix sharing: the micro-batch has no routed_experts "
-            "(the rollout's routes)")
+        raise refuse("verl.routing_replay.r3_without_routes", "router_replay.mode='R3'",
+                     error=PrefixSharingSetupError)
+
     input_ids = batch["input_ids"]
     parts = list(routed.unbind()) if routed.is_nested else list(routed)
     lengths = input_ids.offsets().diff().tolist()
@@ -112,7 +111,7 @@ def micro_batch_routes(batch: Any, mode: str) -> list[torch.Tensor] | None:
         if part.size(0) == length - 1 and native is not None:  # the last route is never recorded
             part = torch.cat([part, part.new_full((1, *part.shape[1:]), -1)])
         if part.size(0) != length:
-            raise PrefixSharingSetupError(
+            raise InputError(  # a malformed batch, not a refused setting
                 f"router_replay: sample {i} has {part.size(0)} routes for {length} tokens")
         if native is not None:
             part = part.masked_fill(native[i].to(part.device)[:, None, None], -1)

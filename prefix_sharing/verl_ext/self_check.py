@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from ..refusals import Refused
 from ..self_check import SelfCheckResult, compare_with_stock
 
 __all__ = ["FirstStepSelfCheck", "self_check_problems"]
@@ -74,9 +75,9 @@ class FirstStepSelfCheck:
         return metrics
 
 
-def self_check_problems(engine_config: Any) -> list[str]:
+def self_check_problems(engine_config: Any) -> list[Refused]:
     """The engine settings under which the stock run would not be verl's stock path on the same
-    micro-batch, as problem strings (the Megatron engine's; the FSDP engine has none of them):
+    micro-batch (the Megatron engine's; the FSDP engine has none of them):
 
     - ``pipeline_model_parallel_size > 1``: a later stage's stock run would read the previous
       stage's shared activations;
@@ -84,15 +85,18 @@ def self_check_problems(engine_config: Any) -> list[str]:
       attention, whose context-parallel path expects the plan's split;
     - ``router_replay``: the routers hold the shared layout's routes to replay, or record them.
     """
-    problems = []
+    found = []
     for setting in ("pipeline_model_parallel_size", "context_parallel_size"):
         size = getattr(engine_config, setting, 1)
         if size > 1:
-            problems.append(f"{setting}={size}")
+            found.append(Refused("verl.self_check.layout",
+                                 f"self_check=true with {setting}={size}"))
     mode = getattr(getattr(engine_config, "router_replay", None), "mode", "disabled")
     if mode != "disabled":
-        problems.append(f"router_replay.mode={mode!r}")
-    return problems
+        found.append(Refused("verl.self_check.layout", f"self_check=true with router_replay.mode="
+                             f"{mode!r}"))
+    return found
+
 
 
 @contextlib.contextmanager

@@ -77,6 +77,7 @@ def test_text_table(capfd):
     (["--backend", "xformers"], "PrefixSharingConfig.backend must be one of"),
     (["--length-scale", "0"], "length scale must be at least 1; got 0"),
     (["--length-scale", "2", "--sequences", "r.jsonl"], "--length-scale scales the built-in"),
+    (["--record", "/nonexistent/r.json"], "--record /nonexistent/r.json: its folder does not"),
 ])
 def test_bad_input_is_one_line_on_stderr(capfd, argv, message):
     code, out, err = bench(capfd, *argv)

@@ -111,5 +111,6 @@ def test_the_command_prints_a_setup_refused_in_a_rank_as_one_line(capsys, monkey
     assert main(["verify", "--model", "tiny-moe"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1, err
-    assert err.startswith("prefix-sharing verify: error: rank 0: prefix sharing is active but "
-                          "moe_expert_capacity_factor=1.0: which tokens an expert drops"), err
+    assert err.startswith("prefix-sharing verify: error: rank 0: prefix sharing refuses MoE token "
+                          "dropping by capacity (moe_expert_capacity_factor=1.0): which tokens "
+                          "an expert drops"), err

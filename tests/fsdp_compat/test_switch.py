@@ -36,5 +36,37 @@ def test_a_switched_module_keeps_its_parameters_and_runs_the_sharing_forward():
 def test_a_stock_module_left_in_the_model_is_refused_by_name():
     model = torch.nn.Sequential(Mixer(2, 2), Mixer(2, 2))
     SWITCH.switch(model[0])
-    with pytest.raises(UnsupportedSetup, match=r"stock toy mixers \(1\) would carry"):
+    with pytest.raises(UnsupportedSetup, match=r"\(stock toy mixers \(1\)\): it would carry"):
+
         SWITCH.check(model)
+
+
+def test_a_planned_mixer_call_is_checked_once_for_every_mixer():
+    """planned_mixer_inputs, the check the GDN and Mamba-2 sharing forwards share: the plan's
+    schedule and the backend, or one error naming the mixer and what is wrong."""
+    from types import SimpleNamespace
+
+    from prefix_sharing import PrefixSharingConfig, build_plan
+    from prefix_sharing.fsdp_compat.attention import BACKEND_KWARG, PLAN_KWARG
+    from prefix_sharing.fsdp_compat.switch import planned_mixer_inputs
+    from prefix_sharing.recurrent import recurrence_schedule
+
+    plan = build_plan([[5, 6, 7, 8], [5, 6, 7, 9, 9]], PrefixSharingConfig(min_prefix_len=1))
+    layer = SimpleNamespace(layer_idx=3)
+    hidden = torch.zeros(1, plan.num_tokens_flat, 4)
+    schedule, backend = planned_mixer_inputs(layer, "Mamba-2 mixer", hidden, None, None,
+                                             {PLAN_KWARG: plan, BACKEND_KWARG: "torch"})
+    assert schedule is recurrence_schedule(plan) and backend == "torch"
+    for asked in (None, "auto", "fla"):
+        kwargs = {PLAN_KWARG: plan} if asked is None else {PLAN_KWARG: plan, BACKEND_KWARG: asked}
+        assert planned_mixer_inputs(layer, "x", hidden, None, None, kwargs)[1] == "auto"
+    with pytest.raises(ValueError, match="layer 3's sharing Gated DeltaNet needs the micro-batch's plan"):
+        planned_mixer_inputs(layer, "Gated DeltaNet", hidden, None, None, {})
+    with pytest.raises(ValueError, match="the sharing Mamba-2 mixer takes no cache"):
+        planned_mixer_inputs(layer, "Mamba-2 mixer", hidden, object(), None, {PLAN_KWARG: plan})
+    with pytest.raises(ValueError, match="takes no cache .* and no attention_mask"):
+        planned_mixer_inputs(layer, "Mamba-2 mixer", hidden, None, torch.ones(1, 7),
+                             {PLAN_KWARG: plan})
+    with pytest.raises(ValueError, match=r"one row of tokens; got \(2, 7, 4\)"):
+        planned_mixer_inputs(layer, "Mamba-2 mixer", torch.zeros(2, 7, 4), None, None,
+                             {PLAN_KWARG: plan})

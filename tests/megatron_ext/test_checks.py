@@ -38,10 +38,11 @@ def core_attention(config: TransformerConfig) -> PrefixSharingCoreAttention:
 @pytest.mark.parametrize("setting, message", [
     (dict(context_parallel_size=2, num_moe_experts=4, calculate_per_token_loss=True),
      "context_parallel_size=2 with num_moe_experts and calculate_per_token_loss=True"),
-    (dict(window_size=(8, 2)), r"window_size=\(8, 2\): a causal sliding window.*\(8, 0\)"),
+    (dict(window_size=(8, 2)), r"window_size=\(8, 2\); use window_size=\(8, 0\)\): a causal "
+                               "sliding window"),
     (dict(mrope_section=[2, 2, 2]), "mrope_section is set"),
     (dict(num_layers=4, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
-          pipeline_dtype=torch.float32), "virtual_pipeline_model_parallel_size=2: interleaved"),
+          pipeline_dtype=torch.float32), r"virtual_pipeline_model_parallel_size=2\): interleaved"),
 ])
 def test_layer_refuses_settings_it_cannot_serve(setting, message):
     with pytest.raises(UnsupportedSetupError, match=message):
@@ -50,8 +51,8 @@ def test_layer_refuses_settings_it_cannot_serve(setting, message):
 
 @pytest.mark.parametrize("setting, message", [
     (dict(experimental_attention_variant="dsa"),
-     "experimental_attention_variant='dsa': DeepSeek sparse attention"),
-    (dict(mtp_num_layers=1), "mtp_num_layers=1: multi-token prediction"),
+     r"DeepSeek sparse attention \(experimental_attention_variant='dsa'\)"),
+    (dict(mtp_num_layers=1), r"multi-token prediction \(mtp_num_layers=1\)"),
 ])
 def test_deepseek_settings_sharing_cannot_serve_are_refused(setting, message):
     """DSA's top-k indexer and MTP. Set on a built config:
@@ -79,7 +80,7 @@ def test_context_parallel_layer_is_built_but_plain_inputs_are_refused():
     assert layer.config.context_parallel_size == 2
     q = torch.zeros(4, 1, 4, 16)
     with pytest.raises(UnsupportedSetupError,
-                       match="context_parallel_size=2: .*prepare_micro_batch"):
+                       match=r"context_parallel_size=2\): .*prepare_micro_batch"):
         layer(q, q, q, None)
 
 
@@ -91,12 +92,14 @@ def test_fused_rope_is_refused():
 
 
 @pytest.mark.parametrize("setting, message", [
-    (dict(hidden_dropout=0.1), "hidden_dropout=0.1 in training"),
+    (dict(hidden_dropout=0.1), r"hidden dropout in training \(hidden_dropout=0.1\)"),
     (dict(num_moe_experts=4, moe_expert_capacity_factor=1.0, moe_aux_loss_coeff=0.0,
           moe_token_dispatcher_type="alltoall"), "moe_expert_capacity_factor=1.0"),
     (dict(num_moe_experts=4, moe_router_load_balancing_type="sinkhorn", moe_aux_loss_coeff=0.0,
           moe_router_topk=1), "moe_router_load_balancing_type='sinkhorn'"),
-    (dict(num_moe_experts=4, moe_input_jitter_eps=0.01), "moe_input_jitter_eps=0.01 in training"),
+    (dict(num_moe_experts=4, moe_input_jitter_eps=0.01),
+     r"router input jitter in training \(moe_input_jitter_eps=0.01\)"),
+
     (dict(num_moe_experts=4, moe_router_force_load_balancing=True),
      "moe_router_force_load_balancing=True"),
 ])
@@ -194,7 +197,8 @@ def _model_level_job(rank: int) -> dict:
 
 def test_forward_refuses_dropout_and_stages_with_different_plans():
     first, second = run_distributed(_model_level_job, 2, pp=2, timeout=300)
-    assert "attention_dropout=0.1 in training" in first["attention_dropout"]
+    assert "attention dropout in training (attention_dropout=0.1)" in first["attention_dropout"]
     for stage in (first, second):
-        assert "ranks built different sharing plans" in stage["different_plans"]
-    assert "were the pipeline stages given different plans?" in second["wrong_layout"]
+        assert "ranks or stages with different sharing plans (the ranks' plan digests" in (
+            stage["different_plans"])
+    assert "different sharing plans (this layer received" in second["wrong_layout"]

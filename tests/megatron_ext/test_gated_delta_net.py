@@ -99,8 +99,9 @@ def test_other_releases_refuse_a_gdn_layer_naming_the_release_that_works():
 
     attention = gpt_layer_specs.get_gpt_layer_local_spec()
     with pytest.raises(UnsupportedSpecError,
-                       match=r"layer 1 is a Gated DeltaNet: .*megatron-core==0\.19\.2.*\(this is "
-                             r"megatron-core 0\.1[678]\.\d\)"):
+                       match=r"Gated DeltaNet layers on this megatron-core \(layer 1 on "
+                             r"megatron-core 0\.1[678]\.\d\): .*megatron-core==0\.19\.2"):
+
         with_prefix_sharing([gdn_layer_spec(attention.submodules.input_layernorm), attention])
 
 
@@ -113,8 +114,9 @@ def test_a_hybrid_gdn_slot_on_another_release_refuses_when_built_naming_0_19_2()
     from prefix_sharing.megatron_ext import UnsupportedSetupError, hybrid
 
     shared = hybrid.with_prefix_sharing(hybrid.get_hybrid_stack_local_spec())
-    with pytest.raises(UnsupportedSetupError, match=r"hybrid layer 'G' yet \(Gated DeltaNet: "
+    with pytest.raises(UnsupportedSetupError, match=r"\(hybrid layer 'G': Gated DeltaNet: "
                                                     r".*megatron-core==0\.19\.2"):
+
         build_module(shared.submodules.gdn_layer, config=None, layer_number=1)
 
 

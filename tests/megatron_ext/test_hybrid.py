@@ -155,11 +155,11 @@ def test_slots_sharing_cannot_serve_yet_refuse_when_built_naming_their_symbol():
         if symbol not in _release_symbols():
             continue
         with pytest.raises(UnsupportedSetupError,
-                           match=rf"hybrid layer '{re.escape(symbol)}' yet "
-                                 rf"\({REFUSED[symbol]}"):
+                           match=rf"\(hybrid layer '{re.escape(symbol)}': "
+                                 rf"{REFUSED[symbol]}"):
             build_module(getattr(shared.submodules, slot), config=None, layer_number=1)
     for layer in shared.submodules.mtp_block_spec.submodules.layer_specs:
-        with pytest.raises(UnsupportedSetupError, match=r"hybrid layer '/' yet \(multi-token"):
+        with pytest.raises(UnsupportedSetupError, match=r"\(hybrid layer '/': multi-token"):
             build_module(layer, config=None, layer_number=1)
 
 
@@ -174,7 +174,8 @@ def test_spec_forms_it_does_not_recognise_are_refused_naming_the_slot():
         hybrid.with_prefix_sharing(gpt_layer_specs.get_gpt_layer_local_spec())
     # the inference stack routes with InferenceTopKRouter, which keeps no statistics hook
     with pytest.raises(ValueError, match=r"hybrid layer 'E''s MoE router is "
-                                         r"InferenceTopKRouter; only megatron's TopKRouter"):
+                                         r"InferenceTopKRouter\): only megatron's TopKRouter"):
+
         hybrid.with_prefix_sharing(hybrid_layer_specs.hybrid_inference_stack_spec)
     mla_in_attention = hybrid.get_hybrid_stack_local_spec()
     mla_in_attention.submodules.attention_layer = \
@@ -418,4 +419,5 @@ def test_a_pattern_with_a_slot_sharing_cannot_serve_raises_naming_the_symbol(rep
         # the layers' config check (mtp_num_layers) refuses multi-token prediction first
         assert REFUSED[symbol] in message
     else:
-        assert f"hybrid layer {symbol!r} yet ({REFUSED[symbol]}" in message
+        assert f"(hybrid layer {symbol!r}: {REFUSED[symbol]}" in message
+

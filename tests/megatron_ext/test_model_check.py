@@ -54,6 +54,7 @@ def test_multi_token_prediction_is_refused_naming_the_block():
 
     model = _model(mtp=_bare(MultiTokenPredictionBlock))
     with pytest.raises(UnsupportedSetupError,
-                       match=r"does not support multi-token prediction \(mtp\).*"
+                       match=r"refuses multi-token prediction \(mtp\).*"
+
                              r"mtp_num_layers=None"):
         check_sharing_model(model)

@@ -161,11 +161,13 @@ def test_flat_routes_the_replay_switch_and_refusals():
     assert "hold 3 layers; this model has 2 MoE layers of 4" in report["columns"][3]
     errors = report["refusals"]
     assert "moe_enable_routing_replay=False" in errors["no_flag"]
-    assert "REPLAY_FORWARD with a sharing plan but no routes" in errors["replay_forward"]
+    assert ("replay without routes on the micro-batch (router replay action REPLAY_FORWARD)"
+            in errors["replay_forward"])
     assert "RECORD with a sharing plan" in errors["record"]
     assert "keeps router statistics" in errors["record_with_grad"]
-    assert "asks to record routes but the router replay action is None" in errors[
+    assert "without the record action (the router replay action is None)" in errors[
         "record_no_action"]
+
 
 
 # ----------------------------------------------------------------------------- the model

@@ -8,7 +8,8 @@ import argparse
 import pytest
 
 from prefix_sharing import PrefixSharingConfig
-from prefix_sharing.errors import UnsupportedSetup
+from prefix_sharing.errors import InputError, UnsupportedSetup
+
 from prefix_sharing.megatron_lm.arguments import (
     SHARING_SPECS,
     add_prefix_sharing_args,
@@ -44,14 +45,22 @@ def test_prompt_only_is_not_a_choice():
     ("sft", [], dict(context_parallel_size=2), "--context-parallel-size 2"),
     ("sft", [], dict(virtual_pipeline_model_parallel_size=2), "virtual pipeline"),
     ("sft", [], dict(overlap_moe_expert_parallel_comm=True), "--overlap-moe-expert-parallel-comm"),
-    ("sft", [], dict(data_path=None), "sft needs --data-path"),
-    ("gpt", [], {}, "gpt needs --prefix-sharing-data"),
     ("gpt", ["--prefix-sharing-data", "r.jsonl"], dict(micro_batch_size=2),
      "--micro-batch-size 2"),
 ])
 def test_unsupported_settings_are_refused_by_name(kind, argv, megatron, message):
     with pytest.raises(UnsupportedSetup, match=message):
         check_megatron_args(_args(*argv, **megatron), kind)
+
+
+@pytest.mark.parametrize("kind, argv, megatron, message", [
+    ("sft", [], dict(data_path=None), "sft needs --data-path"),
+    ("gpt", [], {}, "gpt needs --prefix-sharing-data"),
+])
+def test_a_missing_input_is_bad_input_not_a_refusal(kind, argv, megatron, message):
+    with pytest.raises(InputError, match=message) as raised:
+        check_megatron_args(_args(*argv, **megatron), kind)
+    assert not isinstance(raised.value, UnsupportedSetup)
 
 
 @pytest.mark.parametrize("spec", SHARING_SPECS)

@@ -191,7 +191,8 @@ def test_the_feature_refuses_a_plan_reaching_mindspeeds_attention(reports, order
 def test_the_engine_refuses_a_stock_model_before_mindspeed_sees_a_plan(reports):
     kind, message = reports["mindspeed_first"]["model_check_on_stock"]
     assert kind == "UnsupportedSetupError"
-    assert "would run through stock modules" in message and "self_attention" in message
+    assert "stock modules on a sharing forward" in message and "self_attention" in message
+
 
 
 @pytest.mark.parametrize("order", ORDERS)

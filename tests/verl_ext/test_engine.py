@@ -11,6 +11,7 @@ if importlib.util.find_spec("verl") is None:
                 allow_module_level=True)
 
 from prefix_sharing.errors import UnsupportedSetup  # noqa: E402
+from prefix_sharing.refusals import Refused  # noqa: E402
 from prefix_sharing.verl_ext.engine import UNSUPPORTED_SWITCHES, SharingEngineMixin  # noqa: E402
 from prefix_sharing.verl_ext.mcore import PrefixSharingSetupError  # noqa: E402
 from tests.verl_ext._batch import make_batch, use_cpu_platform  # noqa: E402
@@ -32,7 +33,8 @@ def test_each_switch_is_refused_by_name(switch):
 
     batch = make_batch("grpo")
     tu.assign_non_tensor(batch, **{switch: True})
-    with pytest.raises(PrefixSharingSetupError, match=f"does not support {switch}$"):
+    with pytest.raises(PrefixSharingSetupError,
+                       match=rf"per-sample logits \({switch}\): .*\[verl\.micro_batch_switch\]$"):
         SharingEngineMixin.refuse_unsupported_switches(batch)
 
 
@@ -42,8 +44,10 @@ def test_the_engines_own_problems_join_the_same_error():
     batch = make_batch("grpo")
     tu.assign_non_tensor(batch, distillation_only=True)
     with pytest.raises(PrefixSharingSetupError,
-                       match="does not support distillation_only, multi_modal_inputs$"):
-        SharingEngineMixin.refuse_unsupported_switches(batch, "multi_modal_inputs")
+                       match=r"\(distillation_only\): .*\[verl\.micro_batch_switch\]; a multimodal "
+                             r"model or inputs \(multi_modal_inputs\): .*\[verl\.multimodal\]$"):
+        SharingEngineMixin.refuse_unsupported_switches(
+            batch, Refused("verl.multimodal", "multi_modal_inputs"))
 
 
 def test_a_refused_engine_setting_is_bad_input():
@@ -66,7 +70,9 @@ def test_an_engine_without_a_cross_micro_batch_forward_refuses_the_option():
         pass
 
     config = SimpleNamespace(prefix_sharing=PrefixSharingConfig(cross_micro_batch=True))
-    with pytest.raises(PrefixSharingSetupError, match="cross_micro_batch=true needs verl's Megatron"):
+    with pytest.raises(PrefixSharingSetupError,
+                       match=r"cross_micro_batch=true on Engine\): only verl's Megatron engine"):
+
         Engine(None, config)
     Engine.supports_cross_micro_batch = True
     Engine(None, config)

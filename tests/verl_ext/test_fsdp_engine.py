@@ -143,8 +143,9 @@ def test_dynamic_bsz_keeps_groups_together_in_fewer_micro_batches_with_equal_res
     ("remove_padding", "use_remove_padding=False"),
     ("fused_kernels", "use_fused_kernels=True"),
     ("value_model", "model_type='value_model'"),
-    ("temperatures", "different temperatures"),
-    ("sum_pi_squared", "does not support calculate_sum_pi_squared"),
+    ("temperatures", "several sampling temperatures in one micro-batch (temperatures"),
+    ("sum_pi_squared", "per-sample logits (calculate_sum_pi_squared)"),
+
 ])
 def test_settings_sharing_cannot_honour_raise_one_clear_error(single, setting, message):
     assert message in single["refusals"].get(setting, "(not refused)")

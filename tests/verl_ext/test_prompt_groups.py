@@ -57,8 +57,8 @@ def test_prompt_only_without_uid_raises_one_error_naming_the_setting(layout):
     use_cpu_platform()
     data = make_batch("grpo", layout=layout)
     del data["uid"]
-    with pytest.raises(PrefixSharingSetupError, match="prefix_grouper.mode=prompt_only needs "
-                                                      "each sample's uid"):
+    with pytest.raises(PrefixSharingSetupError, match=r"prompt_only mode without uids \("
+                                                      "prefix_grouper.mode=prompt_only"):
         micro_batch_groups(data, data["input_ids"].size(0))
 
 
@@ -69,6 +69,7 @@ def test_a_batch_without_any_prompt_length_raises_naming_the_setting():
     data = make_batch("grpo", layout=LAYOUTS[-1])
     for key in ("prompts", "attention_mask"):
         del data[key]
-    with pytest.raises(PrefixSharingSetupError, match="prefix_grouper.mode=prompt_only needs "
-                                                      "each sample's prompt length"):
+    with pytest.raises(PrefixSharingSetupError, match=r"without prompt lengths \("
+                                                      r"prefix_grouper.mode=prompt_only\)"):
+
         prompt_lengths(data)

@@ -260,12 +260,13 @@ def test_a_broken_sharing_path_raises_with_the_figures(engine):
 def test_an_fsdp_model_with_recurrent_layers_refuses_the_check(fsdp):
     if "hybrid" not in fsdp:
         pytest.skip("this transformers has no Gated DeltaNet hybrid (Qwen3.5 / Qwen3-Next)")
-    assert "self_check=true compares with verl's stock path" in fsdp["hybrid"], fsdp["hybrid"]
+    assert ("self-check on a recurrent model (prefix_grouper.self_check=true): it compares with "
+            "verl's stock path" in fsdp["hybrid"]), fsdp["hybrid"]
+
     assert "(Gated DeltaNet, Mamba-2); set self_check: false" in fsdp["hybrid"]
 
 
 @pytest.mark.parametrize("setting", REFUSED_MEGATRON)
 def test_megatron_settings_without_a_stock_run_on_the_same_micro_batch_refuse_it(megatron,
                                                                                  setting):
-    assert f"self_check=true cannot run with {setting}: its stock run" in (
-        megatron["refused"][setting])
+    assert f"(self_check=true with {setting}): its stock run" in megatron["refused"][setting]

@@ -11,26 +11,24 @@ import os
 
 import torch
 
+from prefix_sharing.releases import VERL_RELEASES
 
 
 def verl_release() -> str:
-    """``"0.9.1"`` or ``"0.8.0"``: the two releases this shim knows; anything else raises."""
-    from prefix_sharing.errors import UnsupportedSetup
+    """The installed verl release, one of :data:`~prefix_sharing.releases.VERL_RELEASES` (the
+    releases with patch sets, which this shim knows); anything else raises."""
+    from prefix_sharing.refusals import refuse
 
     version = importlib.metadata.version("verl")
-    if version not in ("0.9.1", "0.8.0"):
-        raise UnsupportedSetup(
-            f"prefix_sharing.testing.verl_cpu knows verl 0.9.1 and 0.8.0, not {version}")
+    if version not in VERL_RELEASES:
+        raise refuse("verl.cpu_shim_release",
+                     f"verl {version}; it knows {' and '.join(VERL_RELEASES)}")
     return version
 
 
 def install() -> None:
-    release = verl_release()
-    if release == "0.9.1":
-        _register_cpu_platform()
-    else:
-        _route_unpadding_to_torch()
-        _complete_torch_cpu()
+    for patch in RELEASE_PATCHES[verl_release()]:
+        patch()
     _rewrite_process_group_backend()
     _register_fsdp_engines_for_cpu()
     _unpin_cpu_offload()
@@ -199,3 +197,10 @@ def _unpin_cpu_offload() -> None:
 
     cpu_offload_policy._cpu_shim = True
     transformer_impl.CPUOffloadPolicy = cpu_offload_policy
+
+
+# What each release in VERL_RELEASES lacks on a CPU host, before the patches all need.
+RELEASE_PATCHES = {
+    "0.9.1": (_register_cpu_platform,),
+    "0.8.0": (_route_unpadding_to_torch, _complete_torch_cpu),
+}

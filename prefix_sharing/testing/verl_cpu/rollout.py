@@ -22,6 +22,9 @@ from typing import Any
 import ray
 import torch
 
+from prefix_sharing.refusals import refuse
+
+
 SERVER_NAME = "prefix_sharing_hf_cpu_server_{replica}"
 TOKEN_LOG = "PREFIX_SHARING_CPU_ROLLOUT_LOG"  # a JSONL path: each generation's token ids
 
@@ -152,7 +155,8 @@ def adapter_class():
 
         async def update_weights(self, weights, wire_format: str = "named_tensors", **kwargs):
             if wire_format != "named_tensors":
-                raise NotImplementedError(f"hf CPU rollout: wire_format={wire_format}")
+                raise refuse("verl.cpu_rollout_wire_format",
+                             f"verl's checkpoint engine sent wire_format={wire_format!r}")
             state = {name: tensor.detach().to("cpu", copy=True) for name, tensor in weights}
             if self.is_sender:
                 server = ray.get_actor(SERVER_NAME.format(replica=self.replica_rank))

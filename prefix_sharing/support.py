@@ -1,0 +1,242 @@
+"""The support matrix: feature x engine (x release), each cell shown by a test or a refusal.
+
+A cell *works* (naming the test files that compare it with the plain forward, and the releases
+they run on where it depends on one), is *refused* (naming the keys of :mod:`.refusals`),
+*untested* (nothing here runs it), or *not offered* (the engine has no such setting). A cell
+that works may still name refusals: what stays refused around it (another release, another
+layout). ``tests/test_refusals.py`` checks that every named test file exists and every key is
+registered and applies to the cell's engine; ``docs/support.md`` and the README's glance table
+are generated from this module and :data:`~.refusals.REFUSALS` by
+``scripts/docs/support_matrix.py`` (``--check`` says whether they are current).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from .refusals import REFUSALS
+
+
+__all__ = ["COLUMNS", "MATRIX", "STATUSES", "Cell", "readme_with_table", "render_page",
+           "render_readme_table"]
+
+# The engines a user picks (columns), as the refusal table names them, and their headers.
+COLUMNS = {"megatron-core": "Megatron-core", "verl-megatron": "verl, Megatron engine",
+           "verl-fsdp": "verl, FSDP engine", "hf-fsdp": "HF / FSDP2",
+           "megatron-lm": "Megatron-LM loop"}
+STATUSES = ("works", "refused", "untested", "not offered")
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One feature on one engine: ``status`` (one of :data:`STATUSES`), the ``tests`` that show
+    it works, the ``refusals`` (keys) that refuse it or its limits, the ``releases`` it depends
+    on, and a short ``note`` for the README's glance table."""
+
+    status: str
+    tests: tuple[str, ...] = ()
+    refusals: tuple[str, ...] = ()
+    releases: str = ""
+    note: str = ""
+
+
+def works(*tests: str, refusals: tuple[str, ...] = (), releases: str = "", note: str = "") -> Cell:
+    return Cell("works", tests, refusals, releases, note)
+
+
+def refused(*keys: str, note: str = "") -> Cell:
+    return Cell("refused", refusals=keys, note=note)
+
+
+UNTESTED = Cell("untested")
+NOT_OFFERED = Cell("not offered")
+
+_MX = "tests/megatron_ext/"
+_VX = "tests/verl_ext/"
+_FX = "tests/fsdp_compat/"
+_LM = "tests/megatron_lm/test_training.py"
+
+MATRIX: dict[str, dict[str, Cell]] = {
+    "dense GPT (GQA, RoPE, YaRN, qk-norm)": {
+        "megatron-core": works(_MX + "test_equivalence.py"),
+        "verl-megatron": works(_VX + "test_verl091_engine.py", _VX + "test_verl080_engine.py",
+                               releases="verl 0.9.1, 0.8.0"),
+        "verl-fsdp": works(_VX + "test_fsdp_engine.py", releases="verl 0.9.1, 0.8.0"),
+        "hf-fsdp": works(_FX + "test_forward.py"),
+        "megatron-lm": works(_LM),
+    },
+    "TP / SP, PP": {
+        "megatron-core": works(_MX + "test_equivalence.py", _MX + "test_sequence_parallel.py"),
+        "verl-megatron": works(_VX + "test_verl091_engine.py"),
+        "verl-fsdp": works(_VX + "test_fsdp_engine.py", note="FSDP2"),
+        "hf-fsdp": works(_FX + "test_fsdp.py", note="FSDP2"),
+        "megatron-lm": works(_LM),
+    },
+    "interleaved (virtual) PP": {
+        "megatron-core": refused("megatron.virtual_pipeline"),
+        "verl-megatron": refused("megatron.virtual_pipeline"),
+        "verl-fsdp": NOT_OFFERED,
+        "hf-fsdp": NOT_OFFERED,
+        "megatron-lm": refused("megatron_lm.virtual_pipeline"),
+    },
+    "context parallelism": {
+        "megatron-core": works(_MX + "test_context_parallel.py",
+                               refusals=("megatron.context_parallel.unplanned_input",)),
+        "verl-megatron": works(_VX + "test_context_parallel.py",
+                               refusals=("verl.dynamic_context_parallel",)),
+        "verl-fsdp": refused("verl.ulysses", note="Ulysses refused"),
+        "hf-fsdp": NOT_OFFERED,
+        "megatron-lm": refused("megatron_lm.context_parallel"),
+    },
+    "MoE (exact router statistics), EP": {
+        "megatron-core": works(_MX + "test_moe.py", _MX + "test_context_parallel_moe.py",
+                               refusals=("megatron.moe.capacity_factor", "megatron.moe.sinkhorn")),
+        "verl-megatron": works(_VX + "test_routing_replay.py"),
+        "verl-fsdp": UNTESTED,
+        "hf-fsdp": works(_FX + "test_moe.py", note="Qwen3-MoE, gpt-oss"),
+        "megatron-lm": UNTESTED,
+    },
+    "routing replay": {
+        "megatron-core": works(_MX + "test_routing_replay.py",
+                               refusals=("megatron.moe.replay_router_fusion",)),
+        "verl-megatron": works(_VX + "test_routing_replay.py", note="R2, R3",
+                               refusals=("verl.routing_replay.r2_context_parallel",)),
+        "verl-fsdp": NOT_OFFERED,
+        "hf-fsdp": NOT_OFFERED,
+        "megatron-lm": NOT_OFFERED,
+    },
+    "MLA (DeepSeek-V3 shape)": {
+        "megatron-core": works(_MX + "test_mla.py"),
+        "verl-megatron": UNTESTED,
+        "verl-fsdp": NOT_OFFERED,
+        "hf-fsdp": NOT_OFFERED,
+        "megatron-lm": UNTESTED,
+    },
+    "sliding windows, sinks": {
+        "megatron-core": works(_MX + "test_window.py",
+                               refusals=("megatron.window_reads_later_keys",)),
+        "verl-megatron": UNTESTED,
+        "verl-fsdp": works(_VX + "test_fsdp_windowed.py", note="Gemma 3"),
+        "hf-fsdp": works(_FX + "test_windowed_families.py", note="gpt-oss, Gemma 3 / 4"),
+        "megatron-lm": UNTESTED,
+    },
+    "Gated DeltaNet hybrids": {
+        "megatron-core": works(_MX + "test_gated_delta_net.py", releases="megatron-core 0.19.2",
+                               note="megatron-core 0.19.2",
+                               refusals=("megatron.gdn_release", "megatron.gdn.context_parallel")),
+        "verl-megatron": works(_VX + "test_verl091_mcore0192_hybrid.py",
+                               releases="verl 0.9.1, megatron-core 0.19.2",
+                               note="0.19.2 (verl 0.9.1)",
+                               refusals=("verl.gdn_release",)),
+        "verl-fsdp": works(_VX + "test_fsdp_hybrid.py", note="Qwen3.5, Qwen3-Next"),
+        "hf-fsdp": works(_FX + "test_gated_deltanet.py", note="Qwen3.5, Qwen3-Next",
+                         refusals=("hf.mtp",)),
+        "megatron-lm": UNTESTED,
+    },
+    "Mamba-2 hybrids": {
+        "megatron-core": refused("megatron.hybrid_layer"),
+        "verl-megatron": refused("megatron.hybrid_layer"),
+        "verl-fsdp": UNTESTED,
+        "hf-fsdp": works(_FX + "test_nemotron_h.py", note="Nemotron-H",
+                         refusals=("hf.recurrent_family",)),
+        "megatron-lm": refused("megatron_lm.spec"),
+    },
+    "across micro-batches": {
+        "megatron-core": works(_MX + "test_cross_micro_batch.py", note="PP=1, CP=1",
+                               refusals=("megatron.cross_micro_batch.pipeline",
+                                         "megatron.cross_micro_batch.context_parallel")),
+        "verl-megatron": works(_VX + "test_cross_forward.py", note="PP=1, CP=1",
+                               refusals=("verl.cross_micro_batch.layout",
+                                         "verl.cross_micro_batch.router_statistics")),
+        "verl-fsdp": refused("verl.cross_micro_batch.engine"),
+        "hf-fsdp": NOT_OFFERED,
+        "megatron-lm": Cell("not offered", note="not wired"),
+    },
+    "attention dropout, mrope / multimodal, MTP": {
+        "megatron-core": refused("megatron.attention_dropout", "megatron.mrope", "megatron.mtp"),
+        "verl-megatron": refused("megatron.attention_dropout", "verl.multimodal", "verl.mtp"),
+        "verl-fsdp": refused("hf.attention_dropout", "verl.multimodal", "verl.mtp"),
+        "hf-fsdp": refused("hf.attention_dropout", "hf.multimodal", "hf.mtp"),
+        "megatron-lm": refused("megatron.attention_dropout", "megatron_lm.model_argument"),
+    },
+}
+
+BEGIN = "<!-- support matrix: generated by scripts/docs/support_matrix.py -->"
+END = "<!-- /support-matrix -->"
+_GLANCE = {"works": "yes", "refused": "refused", "untested": "untested", "not offered": "-"}
+
+
+def _glance(cell: Cell) -> str:
+    return cell.note or _GLANCE[cell.status]
+
+
+def _table(cells: dict[str, dict[str, Cell]], show: Callable[[Cell], str]) -> list[str]:
+    lines = ["| | " + " | ".join(COLUMNS.values()) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
+    for feature, row in cells.items():
+        lines.append(f"| {feature} | " + " | ".join(show(row[c]) for c in COLUMNS) + " |")
+    return lines
+
+
+def render_readme_table() -> str:
+    """The README's glance table (between :data:`BEGIN` and :data:`END`)."""
+    return "\n".join(_table(MATRIX, _glance))
+
+
+def _detail(cell: Cell) -> str:
+    status = cell.status + (f" ({cell.releases})" if cell.releases else "")
+    if not cell.refusals:
+        return status
+    keys = ", ".join(f"`{key}`" for key in cell.refusals)
+    return f"{status}; limits: {keys}" if cell.status == "works" else f"{status}: {keys}"
+
+
+def render_page() -> str:
+    """``docs/support.md``: the matrix, the evidence of each cell, and every refusal."""
+    lines = [
+        "# Support matrix and refusals",
+        "",
+        "<!-- generated by `python scripts/docs/support_matrix.py` from "
+        "prefix_sharing/support.py and prefix_sharing/refusal_table.py; edit those, not this "
+        "page (tests/test_refusals.py fails when it is stale) -->",
+        "",
+        "Each cell: **works** (a test compares it with the plain forward; the release it needs "
+        "where it depends on one), **refused** (the keys below; the error names the setting and "
+        "the key), **untested** (nothing here runs it) or **not offered** (the engine has no "
+        "such setting). A working cell's *limits* are the refusals around it (another release, "
+        "another layout). Every test here runs on CPU; no GPU run yet.",
+
+        "",
+        *_table(MATRIX, _detail),
+        "",
+        "## The tests behind each working cell",
+        "",
+    ]
+    for feature, row in MATRIX.items():
+        for column, cell in row.items():
+            if cell.tests:
+                tests = ", ".join(f"`{test}`" for test in cell.tests)
+                lines.append(f"- {feature}, {COLUMNS[column]}: {tests}")
+    lines += [
+        "",
+        "## Every refusal",
+        "",
+        "The message of each refused setup is `prefix sharing refuses <setting> (<what was "
+        "found>): <reason> [<key>]`. Engines: where the check runs (`kernels`: the attention "
+        "kernels any engine may pick; `cli`: the `prefix-sharing` command).",
+        "",
+        "| key | setting | reason | engines |",
+        "|---|---|---|---|",
+    ]
+    for key, entry in sorted(REFUSALS.items()):
+        reason = entry.reason.replace("|", "\\|")
+        lines.append(f"| `{key}` | {entry.setting} | {reason} | {', '.join(entry.engines)} |")
+    return "\n".join(lines) + "\n"
+
+
+def readme_with_table(readme: str) -> str:
+    """``readme`` with its generated block replaced by :func:`render_readme_table`."""
+    head, begin, rest = readme.partition(BEGIN)
+    _, end, tail = rest.partition(END)
+    if not begin or not end:
+        raise ValueError(f"README.md has no {BEGIN} ... {END} block")
+    return f"{head}{BEGIN}\n{render_readme_table()}\n{END}{tail}"
