@@ -39,8 +39,9 @@ tensor-parallel size (the schedule planned with ``pad_to_multiple_of``, the pref
 micro-batch here) and the prefix's pad rows are not kept. Dense and MoE models (router
 statistics under sequence parallelism too: each rank routes its slice of every suffix's plain
 view, the prefix's logits kept whole). Activation recompute (full or selective): a recomputed
-layer replays its first run's mode (:class:`~.prefix_kv.PrefixKVPass`). Pipeline parallelism
-and sliding windows are refused by name.
+layer replays its first run's mode (:class:`~.prefix_kv.PrefixKVPass`). Sliding windows (a
+suffix's gather of the prefix rows trimmed to the window, as any plan's). Pipeline parallelism
+is refused by name (context parallelism by the core attention).
 """
 
 from __future__ import annotations

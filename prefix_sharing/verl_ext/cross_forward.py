@@ -25,8 +25,8 @@ own ``record`` mode (:class:`~prefix_sharing.megatron_ext.prefix_kv.PrefixKVPass
 every micro-batch's dK/dV, the last one's included, which then reads the leaves too. Under
 tensor parallelism each micro-batch's rows, the prefix's included, are padded to the
 tensor-parallel size (sequence parallelism splits them over its ranks; the prefix's pad rows are
-not kept). The model must run with PP=1, without MoE router statistics or windows (each raises
-one error naming the setting).
+not kept). Sliding windows run as in the group driver. The model must run with PP=1 and
+without MoE router statistics (each raises one error naming the setting).
 """
 
 from __future__ import annotations
