@@ -25,8 +25,10 @@ own ``record`` mode (:class:`~prefix_sharing.megatron_ext.prefix_kv.PrefixKVPass
 every micro-batch's dK/dV, the last one's included, which then reads the leaves too. Under
 tensor parallelism each micro-batch's rows, the prefix's included, are padded to the
 tensor-parallel size (sequence parallelism splits them over its ranks; the prefix's pad rows are
-not kept). Sliding windows run as in the group driver. The model must run with PP=1 and
-without MoE router statistics (each raises one error naming the setting).
+not kept). Sliding windows run as in the group driver. MoE router statistics are each cross
+micro-batch's plain micro-batch's, as in the group driver (at TP=1; under sequence
+parallelism they are refused). The model must run with PP=1 (each refusal raises one error
+naming the setting).
 """
 
 from __future__ import annotations
@@ -169,10 +171,10 @@ def check_cross_engine_setup(engine_config: Any) -> None:
 
 
 def check_cross_model(model) -> None:
-    """The group driver's refusals (PP), plus MoE routers with batch statistics: the group
-    driver makes them those of the stock step on the same micro-batch split, but verl's stock
-    step splits the batch differently (so it is no reference), and this path has no test of
-    them yet."""
+    """The group driver's refusals (PP), plus MoE routers with batch statistics under
+    sequence parallelism: at TP=1 they equal verl's stock step forced onto the same split
+    (tested); under sequence parallelism that comparison does not hold yet (the group driver's
+    own does, against megatron's stock step)."""
     from megatron.core.utils import get_attr_wrapped_model
 
     from ..megatron_ext.cross_micro_batch import check_group_model
@@ -182,10 +184,10 @@ def check_cross_model(model) -> None:
     config = get_attr_wrapped_model(model, "config")
     keeping = [name for name, module in model.named_modules()
                if isinstance(module, PrefixSharingRouter) and module.keeps_statistics()]
-    if config.num_moe_experts and keeping:
+    if config.num_moe_experts and keeping and config.sequence_parallel:
         raise refuse("verl.cross_micro_batch.router_statistics",
-                     f"num_moe_experts={config.num_moe_experts}; {keeping[0]}",
-                     error=PrefixSharingSetupError)
+                     f"num_moe_experts={config.num_moe_experts} with sequence_parallel=True; "
+                     f"{keeping[0]}", error=PrefixSharingSetupError)
 
 
 def _run_prefix(model, part: CrossPart, sharing: PrefixSharingConfig, temperature: float,

@@ -218,8 +218,7 @@ def test_tensor_and_sequence_parallel_equal_verls_stock_step(sequence_parallel_r
         same_outputs(cross, rank[setting, "off"], f"tp2 {setting}", per_micro_batch=False)
 
 
-@pytest.mark.parametrize("field, value", [("num_moe_experts", 4)])
-def test_settings_a_cross_group_cannot_honour_are_refused_by_name(field, value):
+def test_moe_router_statistics_under_sequence_parallelism_are_refused_by_name():
     from types import SimpleNamespace
 
     from unittest import mock
@@ -228,13 +227,17 @@ def test_settings_a_cross_group_cannot_honour_are_refused_by_name(field, value):
     from prefix_sharing.megatron_ext.moe import PrefixSharingRouter
     from prefix_sharing.verl_ext.cross_forward import check_cross_model
 
-    config = dict(sequence_parallel=False, pipeline_model_parallel_size=1, num_moe_experts=None,
-                  window_size=None, recompute_granularity=None)
+    config = dict(sequence_parallel=True, pipeline_model_parallel_size=1, num_moe_experts=4)
     router = mock.Mock(spec=PrefixSharingRouter)  # one that keeps aux-loss statistics
-    model = SimpleNamespace(config=SimpleNamespace(**{**config, field: value}),
+    model = SimpleNamespace(config=SimpleNamespace(**config),
                             named_modules=lambda: iter([("layers.0.mlp.router", router)]))
-    with pytest.raises(UnsupportedSetup, match=f"{field}={value!r}|{field}={value}"):
+    with pytest.raises(UnsupportedSetup, match="num_moe_experts=4 with sequence_parallel=True"):
         check_cross_model(model)
+    model.config.sequence_parallel = False  # at TP=1 they run (tested above)
+    check_cross_model(model)
+    model.config.sequence_parallel = True
+    router.keeps_statistics.return_value = False  # per-token routing runs under SP too
+    check_cross_model(model)
 
 
 @pytest.mark.parametrize("settings, named", [
@@ -260,3 +263,84 @@ def test_a_group_left_to_the_ordinary_split_is_cut_beside_a_cross_group(results)
     assert metrics["prefix_sharing/prefix_recomputes_avoided"] == [2.0]
     assert metrics["prefix_sharing/max_tokens_computed"][0] <= 70
 
+
+
+def moe_steps(rank: int, settings: dict) -> dict:
+    """The tiny MoE preset with its router losses (aux, seq-aux, global-aux, z-loss): the
+    cross-micro-batch step at a budget of 80, then verl's stock step forced onto the split the
+    cross step used (each of its micro-batches the same samples), since the router statistics
+    are each micro-batch's own; then a control whose cross micro-batches keep statistics over
+    the rows they compute (the prefix counted once, in the first)."""
+    from unittest import mock
+
+    import verl.workers.engine.utils as engine_utils
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from prefix_sharing.megatron_ext.moe import PrefixSharingRouter
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.losses import ppo_loss
+
+    from prefix_sharing.engines.megatron import finalize_sequence_parallel_grads
+    from prefix_sharing.presets import PRESETS, sharp
+
+    use_cpu_platform()
+    preset = sharp(PRESETS["tiny-moe"])
+    splits: list[list[list[int]]] = []
+    planned = engine_utils.rearrange_micro_batches
+
+    def recorded(*args, **kwargs):
+        micro_batches, index_lists = planned(*args, **kwargs)
+        splits.append(index_lists)
+        return micro_batches, index_lists
+
+    def replayed(batch, *args, **kwargs):
+        index_lists = splits.pop(0)
+        return [tu.index_select_tensor_dict(batch, idx) for idx in index_lists], index_lists
+
+    def computed_rows(self, logits, padding_mask):
+        return TopKRouter.routing(self, logits, padding_mask=padding_mask)
+
+    results = {}
+    for name, split in (("cross", recorded), ("off", replayed), ("control", planned)):
+        config = actor_config(None if name == "off" else CROSS)
+        engine = build_engine(config, preset=preset,
+                              spec=dict(num_experts=preset.num_experts, normalization="RMSNorm"),
+                              **settings)
+        routers = [m for m in engine.module[0].modules() if isinstance(m, PrefixSharingRouter)]
+        assert routers and all(r.keeps_statistics() for r in routers)
+        wrong = (mock.patch.object(PrefixSharingRouter, "_routing_across_micro_batches",
+                                   computed_rows)
+                 if name == "control" else contextlib.nullcontext())
+        with mock.patch.object(engine_utils, "rearrange_micro_batches", split), wrong:
+            infer = engine.infer_batch(batch(80))
+            train = engine.forward_backward_batch(batch(80), partial(ppo_loss, config=config))
+        finalize_sequence_parallel_grads(engine.module[0])
+        grads = {n: p.grad.clone() for n, p in engine.module[0].named_parameters()}
+        results[name] = {"infer": plain_output(infer), "train": plain_output(train),
+                         "grads": grads}
+    return results
+
+
+MOE_LAYOUTS = {  # name: (tensor-parallel size, model settings); under sequence parallelism
+    # (TP=2) refused: verl.cross_micro_batch.router_statistics
+    "tp1": (1, {}),
+    "tp1_recompute": (1, RECOMPUTE["full"]),
+}
+
+
+@pytest.fixture(scope="module", params=list(MOE_LAYOUTS))
+def moe_results(request):
+    tp, settings = MOE_LAYOUTS[request.param]
+    return request.param, run_distributed(moe_steps, tp, settings, tp=tp, timeout=900)
+
+
+def test_moe_router_statistics_equal_verls_stock_step_on_the_same_split(moe_results):
+    """Every rank's outputs, verl's loss per micro-batch and every gradient (the routers' carry
+    the aux / z-loss terms of every sample's prefix copies); the control fails."""
+    layout, ranks = moe_results
+    for results in ranks:
+        metrics = results["cross"]["train"]["metrics"]
+        assert metrics["prefix_sharing/prefix_recomputes_avoided"] == [4.0]
+        same_outputs(results["cross"], results["off"], f"moe {layout}")
+        with pytest.raises(AssertionError, match="grad"):
+            same_outputs(results["control"], results["off"], f"moe {layout} control")
