@@ -1,16 +1,27 @@
-"""Planning one group that is too large for one micro-batch: its prefix once, its tails in pieces.
+"""Planning one group that is too large for one micro-batch: each shared prefix once.
 
 A group (sequences sharing one long common prefix ``P``) whose computed tokens exceed the
-micro-batch token budget is cut into a *prefix micro-batch* (``P`` alone, computed once) and
-*suffix micro-batches* (each a set of the sequences' tails after ``P``, at most ``token_budget``
-computed tokens). One level: the group's single longest common prefix is shared across
-micro-batches; sharing deeper in the tree (a mid-level branch) happens inside a suffix
-micro-batch, through its own plan, and a branch cut between two suffix micro-batches is
-computed once in each (``tokens_computed`` then exceeds the whole batch's ``tokens_unique``).
+micro-batch token budget is cut into *shared blocks* (micro-batches of shared tokens, computed
+once) and *suffix micro-batches* (sets of the sequences' tails, at most ``token_budget``
+computed tokens each). Every micro-batch reads the K/V of a stack of earlier blocks - its
+ancestors in the group's prefix tree - as external rows in front of its own:
 
-A suffix micro-batch's :class:`~prefix_sharing.plan.SharingPlan` addresses *external prefix
-rows plus its own rows*: its K/V rows ``0 .. Lp-1`` are the prefix micro-batch's (read from the
-layers' kept K/V), rows ``Lp ..`` its own flat layout. Worked example, the group
+- ``P`` is the first shared node; longer than the budget it is computed in *chunks*, chunk
+  ``j`` reading chunks ``< j`` (boundaries by the cost model: equal cost, so a later chunk,
+  which attends more keys, is shorter);
+- below ``P`` the tails are packed in lexicographic order, a branch (tails with the same first
+  token) kept whole when it fits in one micro-batch; a branch that does not fit is a *sub-tree*:
+  its own common part becomes a shared node (chunked in turn), read by its suffix micro-batches,
+  itself reading the node above; recursively. So every prefix of every depth is computed once
+  (``tokens_computed`` == the group's distinct tokens).
+
+``one_level=True`` keeps the one-level schedule (``P`` in one micro-batch, a branch larger
+than the budget cut between suffix micro-batches and computed in each): what verl's engine
+runs, where the prefix's backward happens inside the last suffix's.
+
+A micro-batch's :class:`~prefix_sharing.plan.SharingPlan` addresses *external rows plus its own
+rows*: its K/V rows ``0 .. d-1`` are its stack of blocks' (read from the layers' kept K/V, in
+stack order), rows ``d ..`` its own flat layout. Worked example, the group
 ``a = [5 6 7 8 9]``, ``b = [5 6 7 8 4]``, ``c = [5 6 7 2]`` (``P = [5 6 7]``, Lp = 3) in one
 suffix micro-batch, every prefix shared (``b``'s tail ``[8 4]`` provides the ``8`` that ``a``'s
 tail reuses)::
@@ -23,26 +34,64 @@ tail reuses)::
     kv_index        = the same here (every token of a, b, c, same addressing)
     prefix_lens     = (4, 3, 3)
 
-Its log-probs and entropy come from ``tail_plan`` (the tails' own plan on the same flat rows);
-the prefix positions ``0 .. Lp-1`` of every sequence are scored in the prefix micro-batch
-(``prefix_stats_plan``), where the last prefix row predicts each sequence's first own token.
+With ``token_budget=2`` the same group becomes: chunk ``[5 6]`` (block 0), chunk ``[7]``
+(block 1, reading block 0), then ``c``'s tail ``[2]`` (a suffix reading blocks 0, 1); the
+branch ``[8 9] / [8 4]`` (4 tokens) is a sub-tree: its node ``[8]`` (block 2, reading 0, 1),
+then the suffix ``[9 | 4]`` (reading 0, 1, 2). Backwards run in reverse: the suffixes', block
+2's, block 1's, block 0's - each block's after its last reader, its leaves then holding every
+reader's dK/dV.
 
-Pure torch/numpy; the driver that runs the micro-batches is
-:mod:`prefix_sharing.megatron_ext.cross_micro_batch`.
+A suffix is scored by ``tail_plan`` (the tails' own plan on its rows), a block by its
+``stats_plan``. Pure torch; the driver is :mod:`prefix_sharing.megatron_ext.cross_micro_batch`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import torch
 
+from .batching.cost import CostModel
 from .config import PrefixSharingConfig
 from .plan import SharingPlan
 from .planner import TokenSequence, build_plan
 
-__all__ = ["SuffixMicroBatch", "GroupSchedule", "common_prefix_len", "plan_group"]
+__all__ = ["SharedBlock", "SuffixMicroBatch", "GroupSchedule", "common_prefix_len", "plan_group"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedBlock:
+    """A shared micro-batch: tokens ``start .. start + length - 1`` of every member, computed
+    once (a chunk of a shared node).
+
+    Attributes:
+        members: the sequences (indices into the group) holding these tokens.
+        start: the block's first position (its external rows: the blocks it reads, together).
+        ids: ``(length,)`` its tokens.
+        reads: the blocks whose K/V it reads, in row order (its ancestors, then the earlier
+            chunks of its node).
+        node: the shared node it is a chunk of (a node's chunks are consecutive blocks).
+        plan: the model's plan (``start`` external rows, then its own, padded).
+        stats_plan: a plan over ``length + N`` rows (its rows, then one placeholder row per
+            member) whose sequences are ``s_i[start : start + length + 1]``: with the block's
+            logits it gives every member's log-probs and entropy at its positions (the
+            placeholder position is discarded).
+        positions: ``(N * length,)`` int64, those positions in the group's packed order.
+    """
+
+    members: tuple[int, ...]
+    start: int
+    ids: torch.Tensor
+    reads: tuple[int, ...]
+    node: int
+    plan: SharingPlan
+    stats_plan: SharingPlan
+    positions: torch.Tensor
+
+    length = property(lambda self: self.ids.numel())
+    end = property(lambda self: self.start + self.ids.numel())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,78 +100,123 @@ class SuffixMicroBatch:
 
     Attributes:
         members: indices (into the group's sequences) of the sequences whose tails it computes.
-        plan: the model's plan (K/V rows = ``prefix_len`` external rows, then its own rows).
+        plan: the model's plan (K/V rows = the ``reads`` blocks' rows, then its own rows).
         tail_plan: the tails' own plan over the same flat rows, for log-probs and entropy.
         token_positions: ``(sum of tail lengths,)`` int64, where each tail token sits in the
             group's packed order (sequences in given order): where its log-prob belongs.
+        reads: the blocks whose K/V it reads, in row order (its members' shared ancestors).
     """
 
     members: tuple[int, ...]
     plan: SharingPlan
     tail_plan: SharingPlan
     token_positions: torch.Tensor
+    reads: tuple[int, ...] = (0,)
 
 
 @dataclasses.dataclass(frozen=True)
 class GroupSchedule:
-    """A group as a prefix micro-batch and suffix micro-batches (one shared level).
+    """A group as shared blocks and suffix micro-batches, and the order they run in.
 
     Attributes:
-        prefix_ids: ``(prefix_len,)`` the common prefix, computed once.
-        prefix_stats_plan: a plan over ``prefix_len + N`` rows (the prefix's rows, then one
-            placeholder row per sequence) whose sequences are ``s_i[:prefix_len + 1]``: with the
-            prefix's logits (and any placeholder rows) it gives every sequence's log-probs and
-            entropy at positions ``0 .. prefix_len - 1``; position ``prefix_len`` is discarded.
-        prefix_positions: ``(N * prefix_len,)`` int64, those positions in the group's packed order.
+        prefix_ids: ``(prefix_len,)`` the group's common prefix (its first node's blocks).
         suffixes: the suffix micro-batches, in run order.
         seq_lens: every sequence's length (given order).
         tokens_unique: tokens the whole group's single plan computes (``build_plan``).
+        blocks: the shared blocks, in forward order (the first node's chunks first).
+        steps: the run order: ``("forward", b)`` a block's forward (K/V recorded), ``("suffix",
+            j)`` a suffix's forward and backward, ``("backward", b)`` a block's backward (after
+            its last reader: blocks close in reverse, a sub-tree before the node above it).
+        tokens_distinct: the group's distinct tokens (its prefix tree's size: every shared
+            prefix once, whatever its length), what a schedule without recomputation computes.
     """
 
     prefix_ids: torch.Tensor
-    prefix_stats_plan: SharingPlan
-    prefix_positions: torch.Tensor
     suffixes: tuple[SuffixMicroBatch, ...]
     seq_lens: tuple[int, ...]
     tokens_unique: int
+    blocks: tuple[SharedBlock, ...]
+    steps: tuple[tuple[str, int], ...]
+    tokens_distinct: int
 
     @property
     def prefix_len(self) -> int:
         return self.prefix_ids.numel()
 
     @property
+    def prefix_stats_plan(self) -> SharingPlan:
+        """The first block's stats plan (the whole common prefix's when it is one block)."""
+        return self.blocks[0].stats_plan
+
+    @property
+    def prefix_positions(self) -> torch.Tensor:
+        """The first block's positions (see :attr:`prefix_stats_plan`)."""
+        return self.blocks[0].positions
+
+    @property
+    def one_level(self) -> bool:
+        """One block (the common prefix) read by every suffix: what verl's engine runs."""
+        return len(self.blocks) == 1
+
+    @property
     def num_micro_batches(self) -> int:
-        """The prefix micro-batch plus the suffix micro-batches."""
-        return 1 + len(self.suffixes)
+        """The shared blocks plus the suffix micro-batches."""
+        return len(self.blocks) + len(self.suffixes)
 
     @property
     def tokens_computed(self) -> int:
-        """Tokens the model computes over all micro-batches (the prefix once)."""
-        return self.prefix_len + sum(s.plan.num_tokens_unique for s in self.suffixes)
+        """Tokens the model computes over all micro-batches (each block once)."""
+        return (sum(b.length for b in self.blocks)
+                + sum(s.plan.num_tokens_unique for s in self.suffixes))
 
     @property
-    def num_tokens_total(self) -> int:
-        return sum(self.seq_lens)
+    def max_tokens_computed(self) -> int:
+        """The largest micro-batch's computed tokens (at most the budget)."""
+        return max([b.length for b in self.blocks]
+                   + [s.plan.num_tokens_unique for s in self.suffixes])
 
-    def metrics(self, prefix: str = "prefix_sharing/") -> dict[str, float]:
+    @property
+    def held_rows(self) -> int:
+        """Prefix rows whose K/V leaves (and gradients) are alive at once, at most: a block's
+        stack of reads and itself while it is the deepest open one (blocks are freed after
+        their backward, a closed sub-tree's before the next one opens)."""
+        return max(b.end for b in self.blocks)
+
+    num_tokens_total = property(lambda self: sum(self.seq_lens))
+
+    def recomputed_tokens(self, recompute_prefix: bool = False) -> int:
+        """Tokens computed more than once: a branch cut between suffix micro-batches
+        (``one_level``) in each piece, and with ``recompute_prefix`` every block again."""
+        again = sum(b.length for b in self.blocks) if recompute_prefix else 0
+        return self.tokens_computed - self.tokens_distinct + again
+
+    def metrics(self, prefix: str = "prefix_sharing/", *, recompute_prefix: bool = False
+                ) -> dict[str, float]:
         """The figures a trainer logs per step (as :meth:`MicroBatchSplit.metrics
-        <prefix_sharing.batching.MicroBatchSplit.metrics>` does for a split)."""
+        <prefix_sharing.batching.MicroBatchSplit.metrics>` does for a split); the driver's
+        :attr:`GroupRun.metrics <prefix_sharing.megatron_ext.cross_micro_batch.GroupRun>`
+        adds the held bytes."""
         return {
             f"{prefix}num_micro_batches": float(self.num_micro_batches),
             f"{prefix}tokens_computed": float(self.tokens_computed),
             f"{prefix}token_ratio": self.num_tokens_total / self.tokens_computed,
             f"{prefix}prefix_recomputes_avoided": float(self.prefix_recomputes_avoided),
+            f"{prefix}cross_recomputed_tokens": float(self.recomputed_tokens(recompute_prefix)),
         }
 
     def plans(self) -> list[SharingPlan]:
-        """Every plan of the group, prefix scoring first (for fingerprints)."""
-        return [self.prefix_stats_plan] + [s.plan for s in self.suffixes]
+        """Every plan of the group, blocks' scoring first (for fingerprints)."""
+        return [b.stats_plan for b in self.blocks] + [s.plan for s in self.suffixes]
 
     @property
     def prefix_recomputes_avoided(self) -> int:
-        """Prefix computations a split into independent micro-batches would add (one per
-        suffix micro-batch beyond the first)."""
-        return len(self.suffixes) - 1
+        """Shared-node computations a split into independent micro-batches would add: per
+        node, one per suffix micro-batch reading it beyond the first."""
+        readers: dict[int, int] = {}
+        for suffix in self.suffixes:
+            for node in {self.blocks[b].node for b in suffix.reads}:
+                readers[node] = readers.get(node, 0) + 1
+        return sum(n - 1 for n in readers.values())
 
 
 def plan_group(
@@ -131,26 +225,31 @@ def plan_group(
     config: PrefixSharingConfig | None = None,
     *,
     pad_to_multiple_of: int = 1,
+    one_level: bool = False,
+    cost_model: CostModel | None = None,
 ) -> GroupSchedule:
-    """Cuts one group into its common prefix and suffix micro-batches of at most
-    ``token_budget`` computed tokens.
+    """Cuts one group into shared blocks and suffix micro-batches of at most ``token_budget``
+    computed tokens each (see the module doc).
 
-    The prefix is the group's longest common prefix, one token short of the shortest sequence
-    (every sequence keeps a tail of at least one token). Tails are taken in lexicographic order
-    and packed greedily, a branch (tails with the same first token) kept whole when it fits in
-    one micro-batch.
+    The first shared node is the group's longest common prefix, one token short of the
+    shortest sequence (every sequence keeps a tail of at least one token); a sub-tree's node
+    likewise, within the sub-tree. Tails are taken in lexicographic order and packed greedily,
+    a branch kept whole when it fits in one micro-batch.
 
     Args:
         sequences: the group's token ids, one unpadded 1-D sequence each (at least two).
-        token_budget: computed tokens per micro-batch; the prefix must fit in one.
+        token_budget: computed tokens per micro-batch (every block and suffix).
         config: what to share inside a suffix micro-batch (``mode`` must not be ``"off"``).
-        pad_to_multiple_of: pad each suffix micro-batch's own rows to a multiple of this
-            (sequence parallelism splits them over the tensor-parallel ranks); pad rows are
-            not counted against the budget.
+        pad_to_multiple_of: pad each micro-batch's own rows to a multiple of this (sequence
+            parallelism splits them over the tensor-parallel ranks); pad rows are not counted
+            against the budget.
+        one_level: the common prefix in one block, every suffix reading it alone, a branch
+            over the budget cut (verl's engine).
+        cost_model: weighs attended keys against tokens when chunk boundaries are chosen.
 
     Raises:
-        ValueError: fewer than two sequences, no common prefix, the prefix or one tail over
-            the budget, or sharing switched off.
+        ValueError: fewer than two sequences, no common prefix, sharing switched off; with
+            ``one_level``, the prefix or one tail over the budget.
     """
     config = PrefixSharingConfig() if config is None else config
     if not config.enabled:
@@ -168,28 +267,25 @@ def plan_group(
     if prefix_len < 1:
         raise ValueError("the group's sequences share no prefix (of at least one token, "
                          "leaving every sequence a tail)")
-    if prefix_len > token_budget:
+    if one_level and prefix_len > token_budget:
         raise ValueError(
             f"the group's common prefix ({prefix_len} tokens) exceeds token_budget="
-            f"{token_budget}; one level of cross-micro-batch sharing needs it in one micro-batch"
-        )
-    seq_lens = tuple(s.numel() for s in seqs)
-    starts = [0]
-    for n in seq_lens:
-        starts.append(starts[-1] + n)
-    tails = [s[prefix_len:] for s in seqs]
-    members = _pack(tails, token_budget, config)
-    suffixes = tuple(
-        _suffix(m, tails, prefix_len, starts, config, pad_to_multiple_of) for m in members
-    )
-    prefix_ids = seqs[0][:prefix_len]
+            f"{token_budget}; with one_level=True it is computed in one micro-batch")
+    builder = _Builder(seqs, token_budget, config, pad_to_multiple_of, one_level,
+                       CostModel() if cost_model is None else cost_model)
+    everyone = list(range(len(seqs)))
+    reads, chunks = builder.shared(everyone, 0, (), prefix_len)
+    builder.subtree(everyone, prefix_len, reads)
+    builder.close(chunks)
+    distinct = dataclasses.replace(config, min_prefix_len=1)
     return GroupSchedule(
-        prefix_ids=prefix_ids,
-        prefix_stats_plan=_prefix_stats_plan(seqs, prefix_len),
-        prefix_positions=torch.cat([torch.arange(prefix_len) + a for a in starts[:-1]]),
-        suffixes=suffixes,
-        seq_lens=seq_lens,
+        prefix_ids=seqs[0][:prefix_len],
+        suffixes=tuple(builder.suffixes),
+        seq_lens=tuple(s.numel() for s in seqs),
         tokens_unique=build_plan(seqs, config).num_tokens_unique,
+        blocks=tuple(builder.blocks),
+        steps=tuple(builder.steps),
+        tokens_distinct=build_plan(seqs, distinct).num_tokens_unique,
     )
 
 
@@ -205,59 +301,153 @@ def common_prefix_len(seqs: list[torch.Tensor]) -> int:
     return int(mismatch[0]) if mismatch.numel() else limit
 
 
-def _pack(tails: list[torch.Tensor], token_budget: int,
-          config: PrefixSharingConfig) -> list[list[int]]:
-    """Packs tails, in lexicographic order, by their planned (shared) cost.
+class _Builder:
+    """Emits a group's blocks, suffixes and steps, depth first (see :func:`plan_group`)."""
 
-    Tails with the same first token form a branch; a branch that does not fit beside the
-    current micro-batch but fits alone starts a new one rather than being cut (a cut branch is
-    computed in both micro-batches). A branch larger than the budget is cut tail by tail.
-    """
-    for i, t in enumerate(tails):
-        if t.numel() > token_budget:
-            raise ValueError(
-                f"sequence {i}'s tail after the common prefix ({t.numel()} tokens) "
-                f"exceeds token_budget={token_budget}"
-            )
-    order = sorted(range(len(tails)), key=lambda i: tails[i].tolist())
-    branches: list[list[int]] = []
-    for i in order:
-        if branches and int(tails[branches[-1][0]][0]) == int(tails[i][0]):
-            branches[-1].append(i)
-        else:
-            branches.append([i])
-    bins: list[list[int]] = []
-    for branch in branches:
-        if bins and _cost([tails[j] for j in bins[-1] + branch], config) <= token_budget:
-            bins[-1] += branch
-            continue
-        if _cost([tails[j] for j in branch], config) <= token_budget:
-            bins.append(list(branch))
-            continue
-        for i in branch:  # too large for one micro-batch: cut it
-            if bins and _cost([tails[j] for j in bins[-1] + [i]], config) <= token_budget:
-                bins[-1].append(i)
+    def __init__(self, seqs: list[torch.Tensor], budget: int, config: PrefixSharingConfig,
+                 pad: int, one_level: bool, cost_model: CostModel) -> None:
+        self.seqs, self.budget, self.config, self.pad = seqs, budget, config, pad
+        self.one_level, self.cost_model = one_level, cost_model
+        self.starts = [0]
+        for s in seqs:
+            self.starts.append(self.starts[-1] + s.numel())
+        self.blocks: list[SharedBlock] = []
+        self.suffixes: list[SuffixMicroBatch] = []
+        self.steps: list[tuple[str, int]] = []
+        self.nodes = 0
+
+    def shared(self, members: list[int], depth: int, reads: tuple[int, ...],
+               length: int) -> tuple[tuple[int, ...], list[int]]:
+        """Emits the node ``[depth, depth + length)`` of ``members`` as chunk blocks; returns
+        the stack its readers read and the chunks (to :meth:`close`)."""
+        node, self.nodes = self.nodes, self.nodes + 1
+        chunks: list[int] = []
+        for a, b in self._chunks(depth, depth + length):
+            self.blocks.append(self._block(members, a, b, reads + tuple(chunks), node))
+            chunks.append(len(self.blocks) - 1)
+            self.steps.append(("forward", chunks[-1]))
+        return reads + tuple(chunks), chunks
+
+    def close(self, chunks: list[int]) -> None:
+        self.steps += [("backward", b) for b in reversed(chunks)]
+
+    def subtree(self, members: list[int], depth: int, reads: tuple[int, ...]) -> None:
+        """Schedules the tails after ``depth`` of ``members`` (who share ``[0, depth)``, held
+        by the ``reads`` blocks)."""
+        if not self.one_level and not self._fits(members, depth):
+            length = self._common(members, depth)
+            if length >= 1:
+                stack, chunks = self.shared(members, depth, reads, length)
+                self.subtree(members, depth + length, stack)
+                self.close(chunks)
+                return
+        self._pack(members, depth, reads)
+
+    def _pack(self, members: list[int], depth: int, reads: tuple[int, ...]) -> None:
+        """Branches (same first token) in lexicographic order, greedily into micro-batches;
+        a branch that fits nowhere is a sub-tree, or (``one_level``, or no shared part to
+        give it) is cut tail by tail."""
+        order = sorted(members, key=lambda i: self.seqs[i][depth:].tolist())
+        branches: list[list[int]] = []
+        for i in order:
+            if branches and int(self.seqs[branches[-1][0]][depth]) == int(self.seqs[i][depth]):
+                branches[-1].append(i)
             else:
-                bins.append([i])
-    return [sorted(b) for b in bins]
+                branches.append([i])
+        current: list[int] = []
+        for branch in branches:
+            n = len(branch)
+            if current and self._fits(current + branch, depth):
+                current += branch
+            elif self._fits(branch, depth):
+                self._suffix(current, depth, reads)
+                current = list(branch)
+            elif not self.one_level and n < len(members):
+                self._suffix(current, depth, reads)
+                current = []
+                self.subtree(branch, depth, reads)
+            elif not self.one_level and 0 < len(rest := self._longer(branch, depth)) < n:
+                # sequences ending one token in keep the rest from sharing: they go on (that
+                # token computed again for them), the rest is a sub-tree
+                self._suffix(current, depth, reads)
+                current = [i for i in branch if i not in rest]
+                self.subtree(rest, depth, reads)
+            else:  # too large for one micro-batch, nothing to share it by: cut it
+                for i in branch:
+                    if not self._fits([i], depth):
+                        raise ValueError(
+                            f"sequence {i}'s tail after the common prefix "
+                            f"({self.seqs[i].numel() - depth} tokens) exceeds token_budget="
+                            f"{self.budget}")
+                    if current and self._fits(current + [i], depth):
+                        current.append(i)
+                    else:
+                        self._suffix(current, depth, reads)
+                        current = [i]
+        self._suffix(current, depth, reads)
 
+    def _longer(self, members: list[int], depth: int) -> list[int]:
+        return [i for i in members if self.seqs[i].numel() - depth > 1]
 
-def _cost(tails: list[torch.Tensor], config: PrefixSharingConfig) -> int:
-    return build_plan(tails, config).num_tokens_unique
+    def _fits(self, members: list[int], depth: int) -> bool:
+        tails = [self.seqs[i][depth:] for i in members]
+        return build_plan(tails, self.config).num_tokens_unique <= self.budget
 
+    def _common(self, members: list[int], depth: int) -> int:
+        """The members' common tokens after ``depth``, each keeping a tail."""
+        return common_prefix_len([self.seqs[i][depth:] for i in members]) if len(members) > 1 \
+            else self.seqs[members[0]].numel() - depth - 1
 
-def _suffix(members: list[int], tails: list[torch.Tensor], prefix_len: int, starts: list[int],
-            config: PrefixSharingConfig, pad_to_multiple_of: int) -> SuffixMicroBatch:
-    tail_plan = build_plan([tails[i] for i in members], config,
-                           pad_to_multiple_of=pad_to_multiple_of)
-    return SuffixMicroBatch(
-        members=tuple(members),
-        plan=_with_external_prefix(tail_plan, prefix_len),
-        tail_plan=tail_plan,
-        token_positions=torch.cat(
-            [torch.arange(prefix_len, starts[i + 1] - starts[i]) + starts[i] for i in members]
-        ),
-    )
+    def _chunks(self, start: int, end: int) -> list[tuple[int, int]]:
+        """``[start, end)`` in the fewest chunks of at most the budget, their boundaries at
+        equal cost (tokens + attended pairs / keys-per-token, every earlier key attended: a
+        later chunk attends more keys, so it is shorter)."""
+        def cost(b: int) -> float:  # of positions [start, b)
+            n = b - start
+            return n + (n * start + n * (n + 1) / 2) / self.cost_model.keys_per_token
+
+        count = math.ceil((end - start) / self.budget)
+        while True:
+            bounds, a = [], start
+            for j in range(1, count):
+                target, b = cost(end) * j / count, min(a + self.budget, end - (count - j))
+                while b > a + 1 and cost(b - 1) >= target:
+                    b -= 1
+                if b > a + 1 and target - cost(b - 1) < cost(b) - target:  # the nearer
+                    b -= 1
+                bounds.append((a, b))
+                a = b
+            if end - a <= self.budget:
+                return bounds + [(a, end)]
+            count += 1
+
+    def _block(self, members: list[int], a: int, b: int, reads: tuple[int, ...],
+               node: int) -> SharedBlock:
+        members = sorted(members)
+        ids = self.seqs[members[0]][a:b]
+        own = build_plan([ids], PrefixSharingConfig(), pad_to_multiple_of=self.pad)
+        return SharedBlock(
+            members=tuple(members), start=a, ids=ids, reads=reads, node=node,
+            plan=_with_external_prefix(own, a),
+            stats_plan=_prefix_stats_plan([self.seqs[i][a:] for i in members], b - a),
+            positions=torch.cat([torch.arange(a, b) + self.starts[i] for i in members]),
+        )
+
+    def _suffix(self, members: list[int], depth: int, reads: tuple[int, ...]) -> None:
+        if not members:
+            return
+        members = sorted(members)
+        tail_plan = build_plan([self.seqs[i][depth:] for i in members], self.config,
+                               pad_to_multiple_of=self.pad)
+        self.suffixes.append(SuffixMicroBatch(
+            members=tuple(members),
+            plan=_with_external_prefix(tail_plan, depth),
+            tail_plan=tail_plan,
+            token_positions=torch.cat([torch.arange(depth, self.seqs[i].numel()) + self.starts[i]
+                                       for i in members]),
+            reads=reads,
+        ))
+        self.steps.append(("suffix", len(self.suffixes) - 1))
 
 
 def _with_external_prefix(tail: SharingPlan, prefix_len: int) -> SharingPlan:

@@ -13,7 +13,10 @@ With recorded routes (MoE routing replay: per token, the experts each layer sent
 token's identity is its id *and* its routes: the same rules run on one dense id per distinct
 (token, routes) pair, so a route mismatch ends a shared prefix exactly where a token mismatch
 would. Rollout engines are not batch-invariant, so token-identical prefixes may carry different
-routes; ``plan.route_divergent_prefix_tokens`` counts the tokens that costs.
+routes; ``plan.route_divergent_prefix_tokens`` counts the tokens that costs. A vision-language
+micro-batch's image tags (which image, which of its tokens) enter a token's identity the same
+way (``images=``), so token-identical prompts over different images share only the text before
+the first image token.
 
 Everything here is numpy on the host: the plan depends on token ids (and routes) and the config
 alone, is deterministic, and every rank that needs it builds the same one locally.
@@ -54,6 +57,7 @@ def build_plan(
     groups: Sequence[PromptGroup | tuple[int, Sequence[int]]] | None = None,
     pad_to_multiple_of: int = 1,
     routes: Sequence[TokenSequence] | None = None,
+    images: Sequence[TokenSequence] | None = None,
 ) -> SharingPlan:
     """Plans one micro-batch: which tokens are computed, and which rows every token reads.
 
@@ -68,6 +72,12 @@ def build_plan(
         pad_to_multiple_of: pad the flat layout to a multiple of this many rows (tensor- or
             sequence-parallel size). Pad rows form their own causal segment, so they never
             change a real token's result.
+        routes: recorded MoE routes (routing replay), ``(L_i, ...)`` integers per sequence: a
+            token's routes are part of its identity.
+        images: a vision-language micro-batch's placeholder tags, ``(L_i, k)`` integers per
+            sequence (:func:`prefix_sharing.fsdp_compat.vision.vision_batch`: which image and
+            which of its tokens, 0 for text): part of a token's identity the same way, so a
+            prefix is shared only where the images behind it agree too.
 
     Returns:
         The :class:`SharingPlan`, its tensors on the CPU (``plan.to(device)`` moves them).
@@ -88,12 +98,13 @@ def build_plan(
         raise ValueError(f"groups= is only used by mode='prompt_only'; mode is {config.mode!r}")
     if config.mode == "prompt_only" and groups is None:
         raise ValueError("mode='prompt_only' needs groups=[(prompt_len, members), ...]")
+    tagged = tokens if images is None else _tagged_identity(tokens, lengths, images, "images")
     if routes is None:
-        prefix_lens, sources, order = _sharing(tokens, tokens, offsets, config, groups)
+        prefix_lens, sources, order = _sharing(tokens, tagged, offsets, config, groups)
         return _layout(tokens, offsets, prefix_lens, sources, order, pad_to_multiple_of)
-    identity = _route_identity(tokens, lengths, routes)
+    identity = _tagged_identity(tagged, lengths, routes, "routes")
     prefix_lens, sources, order = _sharing(tokens, identity, offsets, config, groups)
-    by_tokens = _sharing(tokens, tokens, offsets, config, groups)[0]
+    by_tokens = _sharing(tokens, tagged, offsets, config, groups)[0]
     return _layout(tokens, offsets, prefix_lens, sources, order, pad_to_multiple_of,
                    route_divergent=int(by_tokens.sum() - prefix_lens.sum()))
 
@@ -157,27 +168,28 @@ def _as_tensor(i: int, seq: TokenSequence) -> torch.Tensor:
     return torch.from_numpy(arr)
 
 
-def _route_identity(tokens: np.ndarray, lengths: np.ndarray,
-                    routes: Sequence[TokenSequence]) -> np.ndarray:
-    """One dense id per distinct (token, routes) pair, ordered like the tokens.
+def _tagged_identity(tokens: np.ndarray, lengths: np.ndarray,
+                     routes: Sequence[TokenSequence], name: str) -> np.ndarray:
+    """One dense id per distinct (token, tags) pair, ordered like the tokens; ``routes`` are
+    the tags (recorded routes, or image tags), ``name`` names them in errors.
 
-    ``np.unique`` over rows ``[token, routes...]`` sorts them lexicographically, so where the
-    routes agree the ids sort exactly as the tokens do, and the planner finds the same plan.
+    ``np.unique`` over rows ``[token, tags...]`` sorts them lexicographically, so where the
+    tags agree the ids sort exactly as the tokens do, and the planner finds the same plan.
     """
     if isinstance(routes, (torch.Tensor, np.ndarray)) or len(routes) != lengths.size:
         got = f"{len(routes)} arrays" if not isinstance(routes, (torch.Tensor, np.ndarray)) else (
             f"a {type(routes).__name__}")
-        raise ValueError(f"routes must be one array per sequence ({lengths.size}); got {got}")
+        raise ValueError(f"{name} must be one array per sequence ({lengths.size}); got {got}")
     parts = [torch.as_tensor(np.asarray(r)) if not isinstance(r, torch.Tensor) else r
              for r in routes]
     shape = tuple(parts[0].shape[1:])
     for i, (part, n) in enumerate(zip(parts, lengths.tolist())):
         if part.dim() == 0 or part.size(0) != n or tuple(part.shape[1:]) != shape:
             raise ValueError(
-                f"routes of sequence {i} have shape {tuple(part.shape)}; expected ({n}, *{shape}) "
+                f"{name} of sequence {i} have shape {tuple(part.shape)}; expected ({n}, *{shape}) "
                 "(one row per token, the same trailing shape for every sequence)")
         if part.dtype == torch.bool or part.is_floating_point() or part.is_complex():
-            raise ValueError(f"routes of sequence {i} are not integer ids (dtype {part.dtype})")
+            raise ValueError(f"{name} of sequence {i} are not integer ids (dtype {part.dtype})")
     flat = torch.cat(parts).to("cpu", torch.int64).reshape(tokens.size, -1).numpy()
     rows = np.concatenate([tokens[:, None], flat], axis=1)
     return np.unique(rows, axis=0, return_inverse=True)[1].reshape(-1).astype(np.int64)

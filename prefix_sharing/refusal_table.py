@@ -348,7 +348,22 @@ TABLE: tuple[Refusal, ...] = (
     Refusal("hf.alibi", "ALiBi position biases", "prefix sharing covers rotary-position "
             "decoders only", ("hf-fsdp", "verl-fsdp")),
     Refusal("hf.multimodal", "a multimodal model", "prefix sharing covers text-only causal LMs "
-            "(token-id sequences)", ("hf-fsdp", "verl-fsdp")),
+            "(token-id sequences) and the vision-language families qwen2_5_vl, qwen3_vl, "
+            "qwen3_vl_moe, qwen3_5, qwen3_5_moe", ("hf-fsdp", "verl-fsdp")),
+    Refusal("hf.vlm_release", "a vision-language model on transformers older than 5.10",
+            "4.x's get_rope_index reads the placeholders itself and its configs file mrope under "
+            "rope_scaling (tested on 5.10 and 5.24): pip install -U transformers, or train the "
+            "text model", ("hf-fsdp",)),
+    Refusal("hf.video", "video inputs", "prefix sharing covers a vision-language model's images "
+            "only (pixel_values, image_grid_thw), not video (pixel_values_videos, "
+            "video_grid_thw, video placeholder tokens)", ("hf-fsdp",)),
+    Refusal("hf.images_for_text_model", "images for a text-only model",
+            "images are shared for the vision-language families only (qwen2_5_vl, qwen3_vl, "
+            "qwen3_vl_moe, qwen3_5, qwen3_5_moe); pass multi_modal_inputs=None", ("hf-fsdp",)),
+    Refusal("hf.stock_vision_features", "a stock image-feature model left in a VLM",
+            "its get_image_features would place each distinct image once, not at every "
+            "placeholder row of the flat layout: call enable_prefix_sharing(model) after the "
+            "model is complete", ("hf-fsdp",)),
     Refusal("hf.softcapping", "attention logit soft-capping", "the sharing kernels do not "
             "soft-cap: set the config's attn_logit_softcapping to None", ("hf-fsdp", "verl-fsdp")),
     Refusal("hf.bidirectional", "bidirectional attention", "prefix sharing needs causal "

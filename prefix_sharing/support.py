@@ -152,6 +152,17 @@ MATRIX: dict[str, dict[str, Cell]] = {
         "hf-fsdp": NOT_OFFERED,
         "megatron-lm": Cell("not offered", note="not wired"),
     },
+    "vision-language models (images shared with their prefix)": {
+        "megatron-core": refused("megatron.mrope"),
+        "verl-megatron": refused("verl.multimodal"),
+        "verl-fsdp": refused("verl.multimodal"),
+        "hf-fsdp": works(_FX + "test_vlm.py", _FX + "test_vlm_inputs.py", _FX + "test_fsdp.py",
+                         releases="transformers 5.10, 5.24",
+                         note="Qwen2.5-VL, Qwen3-VL (+MoE), Qwen3.5 (+MoE)",
+                         refusals=("hf.vlm_release", "hf.video", "hf.stock_vision_features",
+                                   "hf.images_for_text_model")),
+        "megatron-lm": refused("megatron_lm.model_argument"),
+    },
     "attention dropout, mrope / multimodal, MTP": {
         "megatron-core": refused("megatron.attention_dropout", "megatron.mrope", "megatron.mtp"),
         "verl-megatron": refused("megatron.attention_dropout", "verl.multimodal", "verl.mtp"),

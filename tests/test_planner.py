@@ -366,3 +366,23 @@ def test_every_computed_row_stands_for_tokens_with_one_route(seqs, min_prefix_le
 def test_bad_routes_are_named(routes, message):
     with pytest.raises(ValueError, match=message):
         build_plan([[1, 2, 3, 4], [1, 2, 3, 4, 5]], EVERY_PREFIX, routes=routes)
+
+
+def test_image_tags_end_a_shared_prefix_and_are_not_route_divergence():
+    """Token-identical sequences whose placeholders stand for different images share up to the
+    first placeholder; with routes as well, only the routes' own divergence is counted."""
+    seqs = [[1, 2, 3, 9, 9, 4, 5], [1, 2, 3, 9, 9, 4, 6]]
+    images = [torch.zeros(7, 2, dtype=torch.int64) for _ in seqs]
+    for r, image in enumerate(images):
+        image[3:5, 0], image[3:5, 1] = r + 1, torch.arange(1, 3)  # image r, tokens 1 and 2
+    assert build_plan(seqs, EVERY_PREFIX).prefix_lens == (0, 6)
+    plan = build_plan(seqs, EVERY_PREFIX, images=images)
+    assert plan.prefix_lens == (0, 3)
+    assert plan.route_divergent_prefix_tokens == 0
+    routes = routes_of(seqs)
+    routes[1][1, 1, 0] += 1
+    with_routes = build_plan(seqs, EVERY_PREFIX, routes=routes, images=images)
+    assert with_routes.prefix_lens == (0, 1)
+    assert with_routes.route_divergent_prefix_tokens == 2
+    with pytest.raises(ValueError, match="images of sequence 1 have shape"):
+        build_plan(seqs, EVERY_PREFIX, images=[images[0], images[1][:3]])

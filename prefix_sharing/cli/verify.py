@@ -6,10 +6,11 @@ given tensor / pipeline / context parallel sizes, and reports the largest differ
 log-probs, entropy, loss and gradients. Exit status 0 only when within tolerance.
 
 With ``--token-budget N`` the shared run computes each group (a prompt group of the input, or
-the whole micro-batch) in micro-batches of at most N computed tokens, its common prefix once
-across them (cross-micro-batch sharing; PP=1 and CP=1; tensor parallel, MoE presets with
-sequence parallelism, windows and ``--recompute`` too), and is judged against the
-plain run of the same samples in the same micro-batches (one per suffix micro-batch, its samples
+the whole micro-batch) in micro-batches of at most N computed tokens, each of its shared
+prefixes once across them - a prefix longer than N in chunks, a sub-tree over N with its own
+shared blocks (cross-micro-batch sharing; PP=1 and CP=1; tensor parallel, MoE presets with
+sequence parallelism, windows and ``--recompute`` too) - and is judged against
+the plain run of the same samples in the same micro-batches (one per suffix micro-batch, its samples
 whole: the stock step's split, over which MoE router statistics are taken).
 
 With ``--routing-replay`` (MoE presets) every run replays recorded routes (megatron's
@@ -59,7 +60,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_backend_option(parser)
     parser.add_argument("--token-budget", type=int, metavar="N",
                         help="run each group in micro-batches of at most N computed tokens, "
-                        "its common prefix computed once across them (pp=1)")
+                        "each shared prefix computed once across them (pp=1)")
     add_recompute_option(parser)
     parser.add_argument("--routing-replay", action="store_true",
                         help="replay recorded MoE routes (one diverging inside a shared prefix) "

@@ -1,7 +1,7 @@
 """The Megatron engine's cross-micro-batch run: a batch's groups over token-budget micro-batches.
 
-Each group (by default the whole batch) runs as its prefix micro-batch plus suffix
-micro-batches (:func:`~prefix_sharing.cross_micro_batch.plan_group`); gradients accumulate over
+Each group (by default the whole batch) runs as its shared blocks (its prefix, chunked when
+longer than the budget, and its sub-trees' shared parts) plus suffix micro-batches (:func:`~prefix_sharing.cross_micro_batch.plan_group`); gradients accumulate over
 all groups. Its reference is the stock step on the same split: the *plain micro-batches*, one
 per suffix micro-batch, each holding that suffix's samples whole (:attr:`CrossMicroBatchRun.
 plain_split`), run through megatron's schedule by :func:`~.megatron.forward_backward`. That is
@@ -41,10 +41,11 @@ class CrossMicroBatchRun:
         schedules: each group's prefix and suffix micro-batches.
         plain_split: the batch indices of each plain micro-batch (one per suffix micro-batch,
             groups in order): what the reference runs as its micro-batches.
-        held_bytes: the largest prefix K/V (leaves and gradients; with MoE router statistics,
-            the router logits' too) held across a group.
+        held_bytes: the most K/V (leaves and gradients; with MoE router statistics, the
+            router logits' too) held at once across a group.
         tokens_computed: tokens the model ran over all micro-batches.
         tokens_unique: tokens the whole batch's single plan computes.
+        recomputed_tokens: tokens computed more than once (``cross_recomputed_tokens``).
     """
 
     run: MicroBatchRun | None
@@ -53,19 +54,20 @@ class CrossMicroBatchRun:
     held_bytes: int
     tokens_computed: int
     tokens_unique: int
+    recomputed_tokens: int
 
     def report(self) -> dict:
         """The figures ``verify --token-budget`` prints."""
         return {
             "num_micro_batches": sum(s.num_micro_batches for s in self.schedules),
+            "num_shared_blocks": sum(len(s.blocks) for s in self.schedules),
             "tokens_computed": self.tokens_computed,
-            "max_tokens_computed": max(
-                max([s.prefix_len] + [m.plan.num_tokens_unique for m in s.suffixes])
-                for s in self.schedules),
+            "max_tokens_computed": max(s.max_tokens_computed for s in self.schedules),
             "tokens_unique": self.tokens_unique,
             "tokens_total": sum(s.num_tokens_total for s in self.schedules),
             "prefix_lens": [s.prefix_len for s in self.schedules],
             "prefix_recomputes_avoided": sum(s.prefix_recomputes_avoided for s in self.schedules),
+            "recomputed_tokens": self.recomputed_tokens,
             "held_bytes": self.held_bytes,
         }
 
@@ -113,7 +115,7 @@ def forward_backward_cross(
     log_probs = torch.zeros(total)
     entropy = torch.zeros(total)
     logits: torch.Tensor | None = None
-    held, computed = 0, 0
+    held, computed, recomputed = 0, 0, 0
     model.zero_grad(set_to_none=True)
     for members, schedule in zip(groups, schedules):
         # group-packed position -> batch-packed position
@@ -123,6 +125,7 @@ def forward_backward_cross(
             recompute_prefix=recompute_prefix, backend=config.backend, keep_logits=collect,
             aux_loss_scale=1 / len(split))
         held, computed = max(held, group.held_bytes), computed + group.tokens_computed
+        recomputed += int(group.metrics["prefix_sharing/cross_recomputed_tokens"])
         if not collect:
             continue
         rows = where.cpu()
@@ -141,7 +144,7 @@ def forward_backward_cross(
                                       terms.loss(j).cpu(), {}))
         finalize_sequence_parallel_grads(model)  # as forward_backward does
         run = MicroBatchRun(outputs, full_grads(model), [])
-    return CrossMicroBatchRun(run, schedules, split, held, computed, unique)
+    return CrossMicroBatchRun(run, schedules, split, held, computed, unique, recomputed)
 
 
 class _SplitLoss:

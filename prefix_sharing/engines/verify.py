@@ -21,7 +21,7 @@ megatron's own ``RouterReplay`` on the padded batch.
 
 With a ``token_budget`` the shared run is the cross-micro-batch one
 (:mod:`~prefix_sharing.engines.cross_micro_batch`): each group (a prompt group of the batch, or
-the whole batch) as its prefix micro-batch and suffix micro-batches of at most that many
+the whole batch) as its shared blocks and suffix micro-batches of at most that many
 computed tokens; it is judged against the plain (and the reference) run of the same samples in
 the same micro-batches: one plain micro-batch per suffix micro-batch, its samples whole. That is
 the split a stock step would run them in, and what MoE router statistics (per micro-batch in

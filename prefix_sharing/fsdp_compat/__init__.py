@@ -11,7 +11,9 @@ Usage::
 Modules: :mod:`.attention` (the attention function transformers calls), :mod:`.forward` (the
 model call and the log-probs), :mod:`.response_rows` (the LM head on response rows only),
 :mod:`.moe` (the exact router loss), :mod:`.gated_deltanet` (Qwen3.5 / Qwen3-Next's recurrent
-layers on the plan), :mod:`.mamba2` (Nemotron-H's Mamba-2 mixers on the plan), :mod:`.models`
+layers on the plan), :mod:`.mamba2` (Nemotron-H's Mamba-2 mixers on the plan), :mod:`.vlm`, :mod:`.vision` and
+:mod:`.mrope` (vision-language checkpoints: the switch, the images, the mrope positions),
+:mod:`.models`
 (families, seeded models, what is refused), :mod:`.fsdp` (FSDP2 wrapping), :mod:`.runs` (plain
 and shared runs for the equivalence checks;
 :mod:`.plain_kernels`, the recurrence of their plain runs), :mod:`.prefix_grouper_peer` (the
@@ -25,6 +27,7 @@ from .models import (
     FAMILIES,
     HYBRID_FAMILIES,
     MAMBA_HYBRID_FAMILIES,
+    VLM_FAMILIES,
     build_model,
     check_supported,
     hf_config,
@@ -40,6 +43,7 @@ __all__ = [
     "MAMBA_HYBRID_FAMILIES",
     "ResponseRows",
     "SharedForward",
+    "VLM_FAMILIES",
     "build_model",
     "check_supported",
     "enable_prefix_sharing",

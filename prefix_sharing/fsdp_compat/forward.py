@@ -10,7 +10,7 @@ of size ``(T_total, vocab)`` is built.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -18,12 +18,16 @@ from ..config import PrefixSharingConfig
 from ..logprobs import TokenStats, token_log_probs
 from ..plan import SharingPlan
 from ..planner import PromptGroup, build_plan
+from ..refusals import refuse
 from .attention import ATTENTION_NAME, BACKEND_KWARG, PLAN_KWARG, register_attention
 from .gated_deltanet import check_sharing_gdn, install_sharing_gdn
 from .mamba2 import check_sharing_mamba, install_sharing_mamba
 from .models import check_supported
 from .moe import router_aux_loss
+from .mrope import vision_model_kwargs
 from .response_rows import ResponseRows, response_rows
+from .vision import VisionBatch, vision_batch
+from .vlm import check_sharing_vision, install_sharing_vision, is_vlm, text_config
 
 __all__ = ["enable_prefix_sharing", "SharedForward", "shared_forward", "model_kwargs"]
 
@@ -37,7 +41,10 @@ def enable_prefix_sharing(model: torch.nn.Module) -> torch.nn.Module:
     """
     check_supported(model)
     register_attention()
-    model.set_attn_implementation(ATTENTION_NAME)
+    # a VLM's vision tower keeps its own attention: only its language model reads the plan
+    model.set_attn_implementation({"text_config": ATTENTION_NAME} if is_vlm(model)
+                                  else ATTENTION_NAME)
+    install_sharing_vision(model)
     install_sharing_gdn(model)
     install_sharing_mamba(model)
     return model
@@ -58,6 +65,8 @@ class SharedForward:
         aux_loss: for an MoE model, the router load-balancing loss the plain forward would
             give (see :mod:`.moe`); ``None`` otherwise.
         response: the kept LM-head rows when ``response_starts`` was given, else ``None``.
+        images: a VLM micro-batch's images (``images_total``, ``images_computed``: what the
+            plain forward and this one encode), ``None`` without images.
     """
 
     plan: SharingPlan
@@ -65,6 +74,17 @@ class SharedForward:
     stats: TokenStats
     aux_loss: torch.Tensor | None
     response: ResponseRows | None = None
+    images: VisionBatch | None = None
+
+    def metrics(self, prefix: str = "prefix_sharing/") -> dict[str, float]:
+        """The micro-batch's counts, to log: tokens of the plain forward and computed here,
+        and for a VLM micro-batch with images its images and image tokens (see
+        :meth:`~prefix_sharing.fsdp_compat.vision.VisionBatch.metrics`)."""
+        out = {f"{prefix}tokens_total": float(self.plan.num_tokens_total),
+               f"{prefix}tokens_computed": float(self.plan.num_tokens_unique)}
+        if self.images is not None:
+            out.update(self.images.metrics(self.plan, prefix))
+        return out
 
 
 def model_kwargs(plan: SharingPlan, backend: str = "auto") -> dict:
@@ -97,6 +117,7 @@ def shared_forward(
     temperature: float = 1.0,
     with_entropy: bool = True,
     response_starts: Sequence[int] | None = None,
+    multi_modal_inputs: Sequence[Mapping | None] | None = None,
 ) -> SharedForward:
     """Plans ``sequences`` (unless ``plan`` is given) and runs ``model`` once on the plan.
 
@@ -113,32 +134,49 @@ def shared_forward(
         response_starts: per sequence, its first response token's index (its prompt length):
             then the LM head runs only on the rows that predict response tokens
             (:mod:`.response_rows`), and the stats cover those positions only.
+        multi_modal_inputs: for a vision-language model (:mod:`.vlm`), per sequence its
+            images in verl's per-sample layout (``{"pixel_values", "image_grid_thw"}``) or
+            ``None``: images enter the tokens' identity (:mod:`.vision`), the encoder runs once
+            per distinct image, positions are the model's mrope rows (:mod:`.mrope`). A given
+            ``plan`` must have been built with ``images=vision_batch(...).tags``.
     """
     config = PrefixSharingConfig() if config is None else config
-    if getattr(model.config, "_attn_implementation", None) != ATTENTION_NAME:
+    if getattr(text_config(model.config), "_attn_implementation", None) != ATTENTION_NAME:
         raise ValueError("the model does not use the sharing attention: call "
                          "enable_prefix_sharing(model) first (before wrapping it)")
     check_sharing_gdn(model)
     check_sharing_mamba(model)
+    images = None
+    if is_vlm(model):
+        images = vision_batch(model.config, sequences, multi_modal_inputs)
+    elif multi_modal_inputs is not None and any(m for m in multi_modal_inputs):
+        raise refuse("hf.images_for_text_model",
+                     f"multi_modal_inputs were given for {type(model).__name__}")
     if plan is None:
-        plan = build_plan(sequences, config, groups=groups)
+        plan = build_plan(sequences, config, groups=groups,
+                          images=None if images is None else images.tags)
     plan = plan.to(model.get_input_embeddings().weight.device)
     moe = _is_moe(model)
     extra = {"output_router_logits": True} if moe else {}
     response = None if response_starts is None else response_rows(plan, response_starts)
     if response is not None:
         extra["logits_to_keep"] = response.rows
-    output = model(**model_kwargs(plan, config.backend), **extra)
+    if images is not None:
+        check_sharing_vision(model)
+        extra.update(vision_model_kwargs(model, sequences, plan, images))
+    output = model(**{**model_kwargs(plan, config.backend), **extra})
     logits = output.logits[0]  # [T_flat or R, vocab]
     layout = plan if response is None else response
     stats = token_log_probs(logits, layout, temperature=temperature, with_entropy=with_entropy)
     aux_loss = None
     if moe:
-        aux_loss = router_aux_loss(output.router_logits, plan, model.config.num_experts,
-                                   model.config.num_experts_per_tok)
-    return SharedForward(plan, logits, stats, aux_loss, response)
+        text = text_config(model.config)
+        aux_loss = router_aux_loss(output.router_logits, plan, text.num_experts,
+                                   text.num_experts_per_tok)
+    return SharedForward(plan, logits, stats, aux_loss, response, images)
 
 
 def _is_moe(model: torch.nn.Module) -> bool:
     """A routed-experts model whose forward reports a load-balancing loss."""
-    return hasattr(model.config, "router_aux_loss_coef") and hasattr(model.config, "num_experts")
+    config = text_config(model.config)
+    return hasattr(config, "router_aux_loss_coef") and hasattr(config, "num_experts")

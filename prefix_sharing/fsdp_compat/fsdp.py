@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from .vlm import is_vlm
+
 __all__ = ["shard_model", "full_gradients"]
 
 
@@ -21,7 +23,8 @@ def shard_model(
     gradient_checkpointing: bool = False,
     reshard_after_forward: bool = True,
 ) -> torch.nn.Module:
-    """Shards ``model`` in place with ``fully_shard``: each decoder layer, then the root.
+    """Shards ``model`` in place with ``fully_shard``: each decoder layer (and a VLM's vision
+    blocks), then the root.
 
     Args:
         model: a transformers causal LM (call ``enable_prefix_sharing`` on it first).
@@ -35,7 +38,10 @@ def shard_model(
 
     if gradient_checkpointing:
         _enable_checkpointing(model)
-    layers = getattr(getattr(model, "model", None), "layers", None)
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None and is_vlm(model):  # its decoder layers and its vision tower's blocks
+        layers = [*inner.language_model.layers, *inner.visual.blocks]
     if layers is None:
         raise ValueError(f"{type(model).__name__} has no model.layers to shard per decoder layer")
     for layer in layers:

@@ -49,7 +49,7 @@ _OTHER_RECURRENT_MARKERS = ("Mamba", "GatedDeltaNet", "LinearAttention", "ShortC
 def check_recurrent_layers(model: torch.nn.Module) -> None:
     """Refuses recurrent layers sharing cannot serve, and MTP modules in the hybrid families
     (the Gated DeltaNet ones here, the Mamba-2 ones of :mod:`.mamba2`)."""
-    config = model.config
+    config = getattr(model.config, "text_config", None) or model.config  # a VLM's text model
     model_type = getattr(config, "model_type", type(model).__name__)
     if model_type in (*HYBRID_FAMILIES, *MAMBA_HYBRID_FAMILIES):
         mtp = [name for name, _ in model.named_children() if name.startswith("mtp")]

@@ -6,7 +6,9 @@ Qwen3-MoE (top-k routed experts; its load-balancing loss is kept exact by
 full layers, learned attention sinks, MoE, YaRN RoPE), Gemma 3 and Gemma 4 text models (sliding
 local layers, every ``window_full_every``-th layer global), and the Gated DeltaNet hybrids
 Qwen3.5 (``qwen3_5_text``, ``qwen3_5_moe_text``) and Qwen3-Next (see :mod:`.gated_deltanet`), and
-the Mamba-2 hybrid Nemotron-H (``nemotron_h``, see :mod:`.mamba2`). Any other decoder whose
+the Mamba-2 hybrid Nemotron-H (``nemotron_h``, see :mod:`.mamba2`), and the vision-language
+checkpoints Qwen2.5-VL, Qwen3-VL (dense, MoE) and Qwen3.5 (dense, MoE) with their vision tower
+(:data:`VLM_FAMILIES`, see :mod:`.vlm`; other multimodal models are refused). Any other decoder whose
 attention goes through ``AttentionInterface`` works the same way, once :func:`check_supported`
 accepts it.
 """
@@ -22,14 +24,17 @@ from ..presets import ModelPreset
 from ..refusals import refuse
 from .gated_deltanet import HYBRID_FAMILIES, check_recurrent_layers
 from .mamba2 import MAMBA_HYBRID_FAMILIES
+from .vlm import TEXT_FAMILY, VLM_FAMILIES, check_release, is_vlm, text_config, vlm_config
 
 __all__ = ["ATTENTION_FAMILIES", "FAMILIES", "HYBRID_FAMILIES", "MAMBA_HYBRID_FAMILIES",
+           "VLM_FAMILIES",
            "hf_config", "build_model", "check_supported"]
 
 # families whose token mixing is attention only
 ATTENTION_FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3_moe", "gpt_oss",
                                        "gemma3_text", "gemma4_text")
-FAMILIES: tuple[str, ...] = (*ATTENTION_FAMILIES, *HYBRID_FAMILIES, *MAMBA_HYBRID_FAMILIES)
+FAMILIES: tuple[str, ...] = (*ATTENTION_FAMILIES, *HYBRID_FAMILIES, *MAMBA_HYBRID_FAMILIES,
+                             *VLM_FAMILIES)
 # transformers has no SDPA path for these (gpt-oss's sinks): the plain model runs eager
 _EAGER_ONLY = frozenset({"gpt_oss"})
 # the sliding window of the windowed families when the preset has none
@@ -55,6 +60,8 @@ def hf_config(family: str, preset: ModelPreset, **overrides: Any) -> Any:
 
     if family not in FAMILIES:
         raise ValueError(f"unknown model family {family!r}; choose from {', '.join(FAMILIES)}")
+    if family in VLM_FAMILIES:  # the text family's config inside a vision-language one
+        return vlm_config(family, preset, hf_config(TEXT_FAMILY[family], preset), **overrides)
     shape = dict(
         vocab_size=preset.vocab_size,
         hidden_size=preset.hidden_size,
@@ -205,9 +212,11 @@ def build_model(
     config = hf_config(family, preset, **overrides)
     if family in _EAGER_ONLY and attn_implementation == "sdpa":
         attn_implementation = "eager"
+    auto = (transformers.AutoModelForImageTextToText if family in VLM_FAMILIES
+            else transformers.AutoModelForCausalLM)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = transformers.AutoModelForCausalLM.from_config(
+        model = auto.from_config(
             config, attn_implementation=attn_implementation, dtype=torch.float32)
     return model.to(dtype)
 
@@ -218,15 +227,18 @@ def check_supported(model: torch.nn.Module) -> None:
     Sliding-window layers and learned sinks are served (see
     :func:`~prefix_sharing.fsdp_compat.attention.prefix_sharing_attention`), the Gated
     DeltaNet layers of :data:`HYBRID_FAMILIES` and the Mamba-2 mixers of
-    :data:`MAMBA_HYBRID_FAMILIES`; attention logit soft-capping, bidirectional
-    attention, other recurrent layers and MTP modules are refused.
+    :data:`MAMBA_HYBRID_FAMILIES`, and the language model of the :data:`VLM_FAMILIES`;
+    attention logit soft-capping, bidirectional attention, other recurrent layers, MTP modules
+    and other multimodal models are refused.
     """
-    config = model.config
-    model_type = getattr(config, "model_type", type(model).__name__)
+    model_type = getattr(model.config, "model_type", type(model).__name__)
+    config = text_config(model.config)  # a VLM's language model; its vision tower stays stock
     if model_type in _ALIBI_MODEL_TYPES or getattr(config, "alibi", False):
         raise refuse("hf.alibi", f"{model_type} adds alibi position biases to the attention "
                      "scores")
-    if any(getattr(config, name, None) is not None for name in _MULTIMODAL_SUBCONFIGS):
+    if is_vlm(model):
+        check_release(model_type)
+    elif any(getattr(config, name, None) is not None for name in _MULTIMODAL_SUBCONFIGS):
         raise refuse("hf.multimodal", f"{model_type} is a multimodal model")
     if getattr(config, "attn_logit_softcapping", None) is not None:
         raise refuse("hf.softcapping", f"{model_type} soft-caps its attention logits "
@@ -235,7 +247,8 @@ def check_supported(model: torch.nn.Module) -> None:
         raise refuse("hf.bidirectional", f"{model_type} attends bidirectionally "
                      f"(use_bidirectional_attention={config.use_bidirectional_attention!r})")
     # the hybrids' attention layers call AttentionInterface though the model does not say so
-    if not getattr(model, "_supports_attention_backend", False) and model_type not in (
+    if not getattr(model, "_supports_attention_backend", False) and getattr(
+            config, "model_type", model_type) not in (
             *HYBRID_FAMILIES, *MAMBA_HYBRID_FAMILIES):
         raise refuse("hf.attention_interface",
                      f"{model_type} does not route its attention through AttentionInterface")

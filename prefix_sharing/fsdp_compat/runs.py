@@ -14,7 +14,7 @@ The shared run is :func:`~prefix_sharing.fsdp_compat.shared_forward` on the plan
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -25,7 +25,7 @@ from .forward import shared_forward
 from .fsdp import full_gradients
 from .plain_kernels import plain_gdn_kernel, plain_ssd_kernel
 
-__all__ = ["plain_run", "shared_run"]
+__all__ = ["plain_run", "plain_vlm_run", "shared_run"]
 
 
 def plain_run(model: torch.nn.Module, sequences: Sequence[torch.Tensor],
@@ -51,14 +51,40 @@ def plain_run(model: torch.nn.Module, sequences: Sequence[torch.Tensor],
     return _with_full_gradients(model, run)
 
 
+def plain_vlm_run(model: torch.nn.Module, sequences: Sequence[torch.Tensor],
+                  weights: torch.Tensor, multi_modal_inputs: Sequence[Mapping | None]) -> RunOutputs:
+    """A vision-language model's stock forward, one sequence at a time with its own images
+    (its mrope positions from transformers' ``get_rope_index``, its images encoded by it);
+    Qwen3.5's gated delta rule as in :func:`plain_run`."""
+    device = model.get_input_embeddings().weight.device
+    image_token_id = model.config.image_token_id
+
+    def forward():
+        logits = []
+        for seq, mm in zip(sequences, multi_modal_inputs):
+            ids = seq.to(device)[None]
+            mm = {k: v.to(device) for k, v in (mm or {}).items()}
+            types = (ids == image_token_id).to(torch.int32)
+            logits.append(model(input_ids=ids, mm_token_type_ids=types, use_cache=False,
+                                **mm).logits[0])
+        packed = torch.cat(logits)
+        return (packed, *plain_token_log_probs(packed, [s.to(device) for s in sequences]))
+
+    with plain_gdn_kernel(model):
+        run = RunOutputs.collect(model, forward, weights.to(device))
+    return _with_full_gradients(model, run)
+
+
 def shared_run(model: torch.nn.Module, sequences: Sequence[torch.Tensor], weights: torch.Tensor,
                config: PrefixSharingConfig, groups: Sequence[PromptGroup] | None = None,
-               temperature: float = 1.0) -> RunOutputs:
+               temperature: float = 1.0,
+               multi_modal_inputs: Sequence[Mapping | None] | None = None) -> RunOutputs:
     """The micro-batch through the sharing model (see :func:`shared_forward`), restored per token."""
     device = model.get_input_embeddings().weight.device
 
     def forward():
-        out = shared_forward(model, sequences, config, groups=groups, temperature=temperature)
+        out = shared_forward(model, sequences, config, groups=groups, temperature=temperature,
+                             multi_modal_inputs=multi_modal_inputs)
         return out.plan.restore(out.logits), out.stats.log_probs, out.stats.entropy
 
     return _with_full_gradients(model, RunOutputs.collect(model, forward, weights.to(device)))

@@ -31,11 +31,13 @@ class InPlaceSwitch:
         is_kind: whether a module is of that kind (stock or switched).
         forward: the sharing subclass's ``forward``.
         marker: the class attribute (``True``) that marks a switched module.
+        method: the method ``forward`` replaces (a VLM's ``get_image_features``).
     """
 
     def __init__(self, kind: str, is_kind: Callable[[torch.nn.Module], bool],
-                 forward: Callable[..., torch.Tensor], marker: str) -> None:
+                 forward: Callable[..., object], marker: str, method: str = "forward") -> None:
         self.kind, self.is_kind, self.forward, self.marker = kind, is_kind, forward, marker
+        self.method = method
         self._classes: dict[type, type] = {}
 
     def is_switched(self, module: torch.nn.Module) -> bool:
@@ -48,18 +50,25 @@ class InPlaceSwitch:
         stock = type(module)
         if stock not in self._classes:
             self._classes[stock] = type(f"PrefixSharing{stock.__name__}", (stock,),
-                                        {"forward": self.forward, self.marker: True,
+                                        {self.method: self.forward, self.marker: True,
                                          "__module__": self.forward.__module__})
         module.__class__ = self._classes[stock]
         return True
 
-    def check(self, model: torch.nn.Module) -> None:
-        """Raises when a stock module of this kind is left in ``model``."""
+    def stock_left(self, model: torch.nn.Module) -> str | None:
+        """The stock modules of this kind left in ``model``, as "stock <kind> (names)"; ``None``
+        when there are none."""
         stock = [name for name, m in model.named_modules()
                  if self.is_kind(m) and not self.is_switched(m)]
+        if not stock:
+            return None
+        return f"stock {self.kind} ({', '.join(stock[:3]) + (', ...' if len(stock) > 3 else '')})"
+
+    def check(self, model: torch.nn.Module) -> None:
+        """Raises when a stock (recurrent) module of this kind is left in ``model``."""
+        stock = self.stock_left(model)
         if stock:
-            shown = ", ".join(stock[:3]) + (", ..." if len(stock) > 3 else "")
-            raise refuse("hf.stock_recurrent_module", f"stock {self.kind} ({shown})")
+            raise refuse("hf.stock_recurrent_module", stock)
 
 
 def planned_mixer_inputs(module: Any, kind: str, hidden_states: torch.Tensor, cache: Any,

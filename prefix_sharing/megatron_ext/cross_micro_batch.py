@@ -1,22 +1,26 @@
-"""Forward+backward of one group over several micro-batches, its common prefix computed once.
+"""Forward+backward of one group over several micro-batches, each shared prefix computed once.
 
-For a :class:`~prefix_sharing.cross_micro_batch.GroupSchedule` (the group's prefix, then
-suffix micro-batches of at most the token budget):
+For a :class:`~prefix_sharing.cross_micro_batch.GroupSchedule` (shared blocks - the chunks of
+the group's common prefix and of its sub-trees' shared parts - and suffix micro-batches, each
+of at most the token budget), the schedule's steps run in order:
 
-1. the prefix micro-batch runs (with grad, its graph kept; or without grad under
-   ``recompute_prefix``); each layer's core attention records its K/V, kept as leaves
-   (:class:`~.prefix_kv.PrefixKV`);
-2. every suffix micro-batch runs forward and backward; its core attention reads
-   ``cat(prefix leaves, own K/V)`` through its plan, so its backward accumulates dK/dV into the
-   leaves (and parameter gradients into ``.grad`` as usual);
-3. after the last suffix, the prefix's backward runs once, with the accumulated dK/dV as the
-   incoming gradients of its recorded K/V, plus the loss of the prefix positions (under
-   ``recompute_prefix`` its forward is first run again with grad).
+1. a block's forward (with grad, its graph kept; or without grad under ``recompute_prefix``):
+   each layer's core attention reads ``cat(K/V of the blocks it reads, own K/V)`` and records
+   its own K/V, kept as leaves (:class:`~.prefix_kv.PrefixKV`, one per block, stacked by
+   :class:`~.prefix_kv.PrefixKVStack`);
+2. a suffix micro-batch's forward and backward; its core attention reads ``cat(its stack's
+   leaves, own K/V)`` through its plan, so its backward accumulates dK/dV into every leaf it
+   read (and parameter gradients into ``.grad`` as usual);
+3. a block's backward, after its last reader: the accumulated dK/dV as the incoming gradients
+   of its recorded K/V, plus the loss of its positions (under ``recompute_prefix`` its forward
+   is first run again with grad); since it read the blocks below it as leaves, its backward
+   accumulates into their leaves in turn, and theirs run after it.
 
 All before the optimizer step and any data-parallel gradient reduction, which see the
-parameter gradients of the whole group. One level (one shared prefix per group). Held across
-the group: the K/V leaves and their gradients (``2 x 2 x layers x Lp x K/V heads x head dim``
-values), plus, without ``recompute_prefix``, the prefix micro-batch's saved activations.
+parameter gradients of the whole group. Held across the group: the live blocks' K/V leaves and
+their gradients (``2 x 2 x layers x held rows x K/V heads x head dim`` values, ``held rows`` the
+deepest stack: ``GroupSchedule.held_rows``), plus, without ``recompute_prefix``, the live
+blocks' saved activations.
 
 The loss must be a sum of per-token terms (as token-mean losses over a global batch are):
 ``token_loss(log_probs, entropy, positions)`` scores the tokens at ``positions`` of the group's
@@ -25,23 +29,24 @@ packed order and is called once per micro-batch; the group's loss is the sum of 
 MoE routers with batch statistics (aux / seq-aux / global-aux losses, z-loss, expert-bias
 counts, the logged losses) count each suffix micro-batch as the plain micro-batch of its samples,
 prefix included: what megatron's stock step computes when it runs the same samples in the same
-micro-batches (each forward's statistics are its own micro-batch's). The prefix's router logits
-are kept beside its K/V and read by every suffix's plain view, so the prefix tokens count once
-per sample holding them and their aux-loss gradients reach the prefix's router with the
-prefix's backward (see :mod:`.moe`). ``aux_loss_scale`` is the weight megatron's schedule gives
-each micro-batch's router losses (``1 / num_microbatches``).
+micro-batches (each forward's statistics are its own micro-batch's). Every block's router
+logits are kept beside its K/V and read by every suffix's plain view, so the prefix tokens count
+once per sample holding them and their aux-loss gradients reach the blocks' routers with the
+blocks' backwards (see :mod:`.moe`); a block routes per token and keeps no statistic.
+``aux_loss_scale`` is the weight megatron's schedule gives each micro-batch's router losses
+(``1 / num_microbatches``).
 
 PP=1; tensor parallelism (each rank keeps its own K/V heads' prefix; log-probs through the
 vocab-parallel reductions), with or without sequence parallelism: the all-gather before the
-QKV projection hands core attention every row of the micro-batch, so the prefix K/V leaves are
-the same as without it; each micro-batch's rows are padded to a multiple of the
-tensor-parallel size (the schedule planned with ``pad_to_multiple_of``, the prefix
-micro-batch here) and the prefix's pad rows are not kept. Dense and MoE models (router
-statistics under sequence parallelism too: each rank routes its slice of every suffix's plain
-view, the prefix's logits kept whole). Activation recompute (full or selective): a recomputed
-layer replays its first run's mode (:class:`~.prefix_kv.PrefixKVPass`). Sliding windows (a
-suffix's gather of the prefix rows trimmed to the window, as any plan's). Pipeline parallelism
-is refused by name (context parallelism by the core attention).
+QKV projection hands core attention every row of the micro-batch, so the K/V leaves are the
+same as without it; each micro-batch's rows are padded to a multiple of the tensor-parallel
+size (the schedule planned with ``pad_to_multiple_of``) and a block's pad rows are not kept.
+Dense and MoE models (router statistics under sequence parallelism too: each rank routes its
+slice of every suffix's plain view, the prefix's logits kept whole). Activation recompute
+(full or selective): a recomputed layer replays its first run's mode
+(:class:`~.prefix_kv.PrefixKVPass`). Sliding windows (a suffix's gather of the prefix rows
+trimmed to the window, as any plan's). Pipeline parallelism is refused by name (context
+parallelism by the core attention).
 """
 
 from __future__ import annotations
@@ -52,15 +57,13 @@ from collections.abc import Callable
 import torch
 from megatron.core.utils import get_attr_wrapped_model
 
-from ..config import PrefixSharingConfig
-from ..cross_micro_batch import GroupSchedule
+from ..cross_micro_batch import GroupSchedule, SharedBlock, SuffixMicroBatch
 from ..logprobs import token_log_probs
-from ..planner import build_plan
 from ..refusals import Refused, refuse_all
 from .checks import UnsupportedSetupError
 from .logprobs import vocab_shard
 from .packed_seq import PlanPackedSeqParams
-from .prefix_kv import PrefixKV
+from .prefix_kv import PrefixKV, PrefixKVStack
 
 __all__ = ["GroupRun", "PrefixPass", "TokenLoss", "check_group_model", "forward_backward_group"]
 
@@ -76,10 +79,13 @@ class GroupRun:
         logits: ``(T_total, V)`` the same rows' logits (the whole vocabulary), when asked for
             (``keep_logits``).
         loss: the sum of the micro-batches' losses.
-        held_bytes: the prefix K/V leaves and their gradients, held across the group (with
-            MoE router statistics, the prefix's router logits and their gradients too).
-        tokens_computed: tokens the model ran, over all micro-batches (a recomputed prefix
+        held_bytes: the most K/V leaves and gradients held at once across the group (the
+            live blocks'; with MoE router statistics, their router logits and gradients too).
+        tokens_computed: tokens the model ran, over all micro-batches (a recomputed block
             counted twice).
+        metrics: the schedule's figures (:meth:`GroupSchedule.metrics
+            <prefix_sharing.cross_micro_batch.GroupSchedule.metrics>`) and
+            ``prefix_sharing/cross_held_bytes``.
     """
 
     log_probs: torch.Tensor
@@ -88,6 +94,7 @@ class GroupRun:
     loss: torch.Tensor
     held_bytes: int
     tokens_computed: int
+    metrics: dict[str, float]
 
 
 def forward_backward_group(
@@ -108,8 +115,8 @@ def forward_backward_group(
         model: a whole (single-stage) ``GPTModel`` built with the prefix-sharing layer spec.
         schedule: the group, from :func:`prefix_sharing.cross_micro_batch.plan_group`.
         token_loss: ``(log_probs, entropy, positions) -> scalar`` for a micro-batch's tokens.
-        recompute_prefix: run the prefix's forward without grad first and again with grad at
-            the end (holds only the K/V leaves across the group, computes the prefix twice).
+        recompute_prefix: run each block's forward without grad first and again with grad
+            at its backward (holds only K/V leaves across the group, computes blocks twice).
         backend: attention kernel, as :class:`~.packed_seq.PlanPackedSeqParams` takes it.
         temperature: logits are divided by it before log-probs and entropy.
         keep_logits: also return every token's logits (for comparisons; ``T_total x V``).
@@ -121,10 +128,12 @@ def forward_backward_group(
     check_group_model(model)
     device = next(model.parameters()).device
     multiple = _sequence_parallel_size(model)
-    unpadded = [i for i, s in enumerate(schedule.suffixes) if s.plan.input_ids.numel() % multiple]
+    plans = [("block", b.plan) for b in schedule.blocks] + [
+        ("suffix micro-batch", s.plan) for s in schedule.suffixes]
+    unpadded = [kind for kind, plan in plans if plan.input_ids.numel() % multiple]
     if unpadded:
         raise ValueError(
-            f"suffix micro-batch {unpadded[0]}'s rows do not split over the {multiple} "
+            f"a {unpadded[0]}'s rows do not split over the {multiple} "
             f"sequence-parallel ranks: plan the group with pad_to_multiple_of={multiple}")
     if get_attr_wrapped_model(model, "config").num_moe_experts:
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
@@ -134,69 +143,91 @@ def forward_backward_group(
         held = MoEAuxLossAutoScaler.main_loss_backward_scale
         MoEAuxLossAutoScaler.set_loss_scale(torch.full(
             (1,) if held is None else held.shape, float(aux_loss_scale), device=device))
-    total = schedule.num_tokens_total
-    out = _Collector(total, device, keep_logits)
-    prefix_kv = PrefixKV(rows=schedule.prefix_len)
-    prefix = PrefixPass(schedule, prefix_kv, backend, temperature, device, multiple)
-    if recompute_prefix:
-        with torch.no_grad():
-            prefix.forward(model)
-        prefix_loss = None
-    else:
-        prefix_loss = prefix.scored(model, token_loss, out)
-    prefix_kv.mode = "read"
-    for suffix in schedule.suffixes:
-        plan = suffix.plan.to(device)
-        tail_plan = suffix.tail_plan.to(device)
-        params = PlanPackedSeqParams.from_plan(plan, backend, prefix_kv=prefix_kv)
-        logits = model(plan.input_ids[None], plan.position_ids[None], None,
-                       packed_seq_params=params)[0]  # [1, T, V] -> [T, V]
-        stats = token_log_probs(logits, tail_plan, temperature=temperature,
-                                vocab_shard=vocab_shard(logits.size(-1)))
-        positions = suffix.token_positions.to(device)
-        loss = token_loss(stats.log_probs, stats.entropy, positions)
-        loss.backward()
-        out.add(positions, stats.log_probs, stats.entropy, loss,
-                lambda: tail_plan.restore(logits))
-    prefix_kv.mode = "record"
-    if recompute_prefix:
-        prefix_loss = prefix.scored(model, token_loss, out)
-    held = prefix_kv.held_bytes()
-    prefix_kv.backward([prefix_loss])
-    computed = schedule.tokens_computed + (schedule.prefix_len if recompute_prefix else 0)
-    return out.result(held, computed)
+    out = _Collector(schedule.num_tokens_total, device, keep_logits)
+    kvs: dict[int, PrefixKV] = {}  # the live blocks'
+    passes: dict[int, PrefixPass] = {}
+    losses: dict[int, torch.Tensor] = {}
+    held = 0
+    for kind, i in schedule.steps:
+        if kind == "suffix":
+            _suffix(model, schedule.suffixes[i], kvs, token_loss, out, backend, temperature,
+                    device)
+            continue
+        if kind == "forward":
+            kvs[i] = PrefixKV(rows=schedule.blocks[i].length)
+            stack = PrefixKVStack([kvs[r] for r in schedule.blocks[i].reads], kvs[i])
+            passes[i] = PrefixPass(schedule, stack, backend, temperature, device,
+                                   block=schedule.blocks[i])
+            if recompute_prefix:
+                with torch.no_grad():
+                    passes[i].forward(model)
+            else:
+                losses[i] = passes[i].scored(model, token_loss, out)
+            kvs[i].mode = "read"
+            continue
+        kvs[i].mode = "record"  # a recompute keeps the leaves and their gradients
+        if recompute_prefix:
+            losses[i] = passes[i].scored(model, token_loss, out)
+        held = max(held, sum(kv.held_bytes() for kv in kvs.values()))
+        kvs.pop(i).backward([losses.pop(i)])
+        del passes[i]
+    computed = schedule.tokens_computed + (
+        sum(b.length for b in schedule.blocks) if recompute_prefix else 0)
+    metrics = schedule.metrics(recompute_prefix=recompute_prefix)
+    metrics["prefix_sharing/cross_held_bytes"] = float(held)
+    return out.result(held, computed, metrics)
+
+
+def _suffix(model: torch.nn.Module, suffix: SuffixMicroBatch, kvs: dict[int, PrefixKV],
+            token_loss: TokenLoss, out: _Collector, backend: str, temperature: float,
+            device: torch.device) -> None:
+    """One suffix micro-batch's forward and backward, reading its stack of blocks."""
+    plan = suffix.plan.to(device)
+    tail_plan = suffix.tail_plan.to(device)
+    params = PlanPackedSeqParams.from_plan(plan, backend,
+                                           prefix_kv=PrefixKVStack([kvs[r] for r in suffix.reads]))
+    logits = model(plan.input_ids[None], plan.position_ids[None], None,
+                   packed_seq_params=params)[0]  # [1, T, V] -> [T, V]
+    stats = token_log_probs(logits, tail_plan, temperature=temperature,
+                            vocab_shard=vocab_shard(logits.size(-1)))
+    positions = suffix.token_positions.to(device)
+    loss = token_loss(stats.log_probs, stats.entropy, positions)
+    loss.backward()
+    out.add(positions, stats.log_probs, stats.entropy, loss, lambda: tail_plan.restore(logits))
 
 
 class PrefixPass:
-    """The prefix micro-batch: ``P`` alone (identity plan; pad rows after it to a multiple of
-    ``pad_to_multiple_of``), recording its K/V."""
+    """A shared block's micro-batch (by default the schedule's first: the whole common prefix
+    of a one-level schedule): its rows after the K/V of the blocks it reads (pad rows after
+    them), recording its own K/V."""
 
-    def __init__(self, schedule: GroupSchedule, prefix_kv: PrefixKV, backend: str,
-                 temperature: float, device: torch.device, pad_to_multiple_of: int = 1) -> None:
-        plan = build_plan([schedule.prefix_ids], PrefixSharingConfig(),
-                          pad_to_multiple_of=pad_to_multiple_of).to(device)
-        self.prefix_len = schedule.prefix_len
-        self.params = PlanPackedSeqParams.from_plan(plan, backend, prefix_kv=prefix_kv)
-        self.stats_plan = schedule.prefix_stats_plan.to(device)
-        # the prefix rows of every sequence, without the placeholder position Lp
-        self.keep = (~schedule.prefix_stats_plan.is_last_token).nonzero()[:, 0].to(device)
-        self.positions = schedule.prefix_positions.to(device)
-        self.num_sequences = len(schedule.seq_lens)
+    def __init__(self, schedule: GroupSchedule, prefix_kv: PrefixKV | PrefixKVStack,
+                 backend: str, temperature: float, device: torch.device, *,
+                 block: SharedBlock | None = None) -> None:
+        block = schedule.blocks[0] if block is None else block
+        self.prefix_len = block.length
+        self.params = PlanPackedSeqParams.from_plan(block.plan.to(device), backend,
+                                                    prefix_kv=prefix_kv)
+        self.stats_plan = block.stats_plan.to(device)
+        # the block's rows of every member, without the placeholder position
+        self.keep = (~block.stats_plan.is_last_token).nonzero()[:, 0].to(device)
+        self.positions = block.positions.to(device)
+        self.num_sequences = len(block.members)
         self.temperature = temperature
 
     def forward(self, model: torch.nn.Module) -> torch.Tensor:
         plan = self.params.plan
         return model(plan.input_ids[None], plan.position_ids[None], None,
-                     packed_seq_params=self.params)[0]  # [Lp (+ pad rows), V]
+                     packed_seq_params=self.params)[0]  # [length (+ pad rows), V]
 
     def stats(self, model: torch.nn.Module,
               with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None,
                                                   Callable[[], torch.Tensor]]:
-        """Forward, then every sequence's log-probs and entropy at positions ``0 .. Lp-1``
-        (``(N * Lp,)`` each, sequence-major: ``schedule.prefix_positions``' order), and a
+        """Forward, then every member's log-probs and entropy at the block's positions
+        (``(N * length,)`` each, member-major: the block's ``positions``' order), and a
         callable giving those positions' logits."""
         logits = self.forward(model)[: self.prefix_len]  # the pad rows' logits are not read
-        # one placeholder row per sequence: the stats plan's position Lp, discarded
+        # one placeholder row per member: the stats plan's last position, discarded
         rows = torch.cat([logits, logits.new_zeros(self.num_sequences, logits.size(1))])
         stats = token_log_probs(rows, self.stats_plan, temperature=self.temperature,
                                 with_entropy=with_entropy, vocab_shard=vocab_shard(rows.size(-1)))
@@ -206,7 +237,7 @@ class PrefixPass:
 
     def scored(self, model: torch.nn.Module, token_loss: TokenLoss,
                out: _Collector) -> torch.Tensor:
-        """Forward with grad, and the loss of every sequence's positions ``0 .. Lp-1``."""
+        """Forward with grad, and the loss of every member's positions in the block."""
         log_probs, entropy, logits = self.stats(model)
         loss = token_loss(log_probs, entropy, self.positions)
         out.add(self.positions, log_probs, entropy, loss, logits)
@@ -237,9 +268,10 @@ class _Collector:
                 self.logits = rows.new_zeros(self.total, rows.size(1))
             self.logits[positions] = rows
 
-    def result(self, held_bytes: int, tokens_computed: int) -> GroupRun:
+    def result(self, held_bytes: int, tokens_computed: int,
+               metrics: dict[str, float]) -> GroupRun:
         return GroupRun(self.log_probs, self.entropy, self.logits, self.loss, held_bytes,
-                        tokens_computed)
+                        tokens_computed, metrics)
 
 
 def _whole_vocab(logits: torch.Tensor) -> torch.Tensor:

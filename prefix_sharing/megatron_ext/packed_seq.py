@@ -27,7 +27,7 @@ from ..plan import SharingPlan
 from ..planner import PromptGroup, TokenSequence, build_plan
 from .checks import assert_same_plan
 from .context_parallel import ContextParallelSlice, slice_plan
-from .prefix_kv import PrefixKV, PrefixKVPass
+from .prefix_kv import PrefixKV, PrefixKVPass, PrefixKVStack
 from .routing_replay import flat_routes
 
 __all__ = [
@@ -63,7 +63,7 @@ class PlanPackedSeqParams(PackedSeqParams):
     plan: SharingPlan | None = None
     backend: str = "auto"
     cp: ContextParallelSlice | None = None
-    prefix_kv: PrefixKVPass | None = None
+    prefix_kv: PrefixKVPass | PrefixKVStack | None = None
     routes: torch.Tensor | None = None
     record_routes: bool = False
     _rotary_cache: tuple[torch.Tensor, torch.Tensor] | None = dataclasses.field(
@@ -73,12 +73,13 @@ class PlanPackedSeqParams(PackedSeqParams):
     @classmethod
     def from_plan(cls, plan: SharingPlan, backend: str = "auto", *,
                   cp: ContextParallelSlice | None = None,
-                  prefix_kv: PrefixKV | PrefixKVPass | None = None,
+                  prefix_kv: PrefixKV | PrefixKVPass | PrefixKVStack | None = None,
                   routes: torch.Tensor | None = None,
                   record_routes: bool = False) -> PlanPackedSeqParams:
-        """The params of one forward of ``plan``; a :class:`~.prefix_kv.PrefixKV` is bound
-        here, in its current mode, for this forward and its recomputed layers."""
-        if isinstance(prefix_kv, PrefixKV):
+        """The params of one forward of ``plan``; a :class:`~.prefix_kv.PrefixKV` (or a
+        stack of them) is bound here, in its current mode, for this forward and its
+        recomputed layers."""
+        if isinstance(prefix_kv, (PrefixKV, PrefixKVStack)):
             prefix_kv = prefix_kv.forward_pass()
         return cls(
             qkv_format="thd",

@@ -39,7 +39,7 @@ from typing import Literal
 
 import torch
 
-__all__ = ["PrefixKV", "PrefixKVPass", "read_through"]
+__all__ = ["PrefixKV", "PrefixKVPass", "PrefixKVStack", "read_through"]
 
 Mode = Literal["record", "read", "read_last"]
 
@@ -205,6 +205,48 @@ class PrefixKVPass:
         if torch.is_grad_enabled():  # its backward will accumulate into the leaves
             self.store.owing[key] = self.store.owing.get(key, 0) + len(leaves)
         return leaves
+
+
+class PrefixKVStack:
+    """What one micro-batch of a nested schedule reads and records: the K/V (and router
+    logits) of a stack of earlier passes, in row order, in front of its own rows, and,
+    for a shared block, its own rows recorded in ``own`` (see
+    :mod:`prefix_sharing.cross_micro_batch`). Takes :class:`PrefixKV`'s place in
+    ``PlanPackedSeqParams.prefix_kv``; each element keeps its own mode (the stack's are
+    ``"read"``, ``own``'s ``"record"``)."""
+
+    def __init__(self, reads: list[PrefixKV | PrefixKVPass],
+                 own: PrefixKV | PrefixKVPass | None = None) -> None:
+        self.reads, self.own = reads, own
+
+    def forward_pass(self) -> PrefixKVStack:
+        """The same stack over one forward's views of its stores (each in its own mode), so a
+        recomputed layer replays them (:meth:`PrefixKV.forward_pass`)."""
+        return PrefixKVStack([r.forward_pass() for r in self.reads],
+                             None if self.own is None else self.own.forward_pass())
+
+    @property
+    def mode(self) -> Mode:
+        """``"record"`` for a block (its router keeps no statistic), else the readers'."""
+        return "record" if self.own is not None else "read"
+
+    def exchange(self, layer_number: int, key: torch.Tensor,
+                 value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cat(stack's K/V..., own)``, recording own first when a block runs."""
+        if self.own is not None:
+            key, value = self.own.exchange(layer_number, key, value)
+        for prefix in reversed(self.reads):
+            key, value = prefix.exchange(layer_number, key, value)
+        return key, value
+
+    def exchange_router_logits(self, layer_number: int, logits: torch.Tensor) -> torch.Tensor:
+        """A block records its own logits (it routes without statistics); a reader gets
+        ``cat(stack's logits..., own)``."""
+        if self.own is not None:
+            return self.own.exchange_router_logits(layer_number, logits)
+        for prefix in reversed(self.reads):
+            logits = prefix.exchange_router_logits(layer_number, logits)
+        return logits
 
 
 def read_through(recorded: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:

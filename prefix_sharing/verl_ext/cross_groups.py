@@ -129,7 +129,7 @@ def _schedule(sequences: list[TokenSequence], token_budget: int,
     if prefix_len < config.min_prefix_len or 2 * prefix_len > token_budget:
         return None
     try:
-        return plan_group(seqs, token_budget - prefix_len, config,
+        return plan_group(seqs, token_budget - prefix_len, config, one_level=True,
                           pad_to_multiple_of=pad_to_multiple_of)
     except ValueError:  # a tail longer than the budget left beside the prefix
         return None

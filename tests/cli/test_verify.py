@@ -4,7 +4,9 @@ import json
 
 import pytest
 
+from prefix_sharing import PrefixSharingConfig, build_plan
 from prefix_sharing.cli import main
+from prefix_sharing.workloads import make_workload
 
 QUANTITIES = {"logits", "log_probs", "entropy", "loss", "grads"}
 
@@ -172,10 +174,39 @@ def test_token_budget_with_recompute_tensor_parallelism_moe_and_windows(capsys, 
     assert code == 0 and report["passed"] and all(report["within_tolerance"].values()), report
     assert report["recompute"] == recompute and report["vs_plain_within_fp32_rtol"]
     assert report["prefix_recomputes_avoided"] > 0
+@pytest.mark.parametrize("budget, shape", [
+    (12, "a common prefix of about 3 budgets"),  # prefixes 34 and 36: 3 chunks, then sub-trees
+    (40, "a two-level tree"),  # each prefix in one block, each group's 2 branches in theirs
+])
+def test_token_budget_computes_each_prefix_once_nested(capsys, budget, shape):
+    code, out, _ = verify(capsys, "--workload", "agent", "--min-prefix-len", 1,
+                          "--token-budget", budget, "--json")
+    report = json.loads(out)
+    assert code == 0 and report["passed"] and all(report["within_tolerance"].values()), shape
+    assert report["prefix_lens"] == [34, 36] and report["max_tokens_computed"] <= budget
+    # each group's every token once (the two groups' common system prompt once per group)
+    w = make_workload("agent")
+    per_group = sum(build_plan([w.sequences[i] for i in g.members],
+                               PrefixSharingConfig(min_prefix_len=1)).num_tokens_unique
+                    for g in w.groups)
+    assert report["tokens_computed"] == per_group < report["tokens_total"]
+    assert report["recomputed_tokens"] == 0 and report["vs_plain_within_fp32_rtol"]
+    # more shared blocks than groups: chunks of the prefixes, or the branches' own
+    assert report["num_shared_blocks"] >= 3 * len(report["prefix_lens"])
+
+
+def test_token_budget_on_moe_with_chunked_prompts(capsys):
+    """tiny-moe with router statistics at --tp 1, prompts of 15 and 21 tokens under 12."""
+    code, out, _ = verify(capsys, "--model", "tiny-moe", "--workload", "grpo", "--token-budget",
+                          12, "--json")
+    report = json.loads(out)
+    assert code == 0 and report["passed"] and all(report["within_tolerance"].values())
+    assert max(report["prefix_lens"]) > 12 and report["max_tokens_computed"] <= 12
+    assert report["tokens_computed"] == report["tokens_unique"]
+    assert report["num_shared_blocks"] > len(report["prefix_lens"])
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--token-budget", "10"], "common prefix (15 tokens) exceeds token_budget=10"),
     (["--token-budget", "30", "--pp", "2"], "--token-budget (cross-micro-batch sharing) runs"),
 ])
 def test_token_budget_refusals_are_one_line(capsys, argv, message):

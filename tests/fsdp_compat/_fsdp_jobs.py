@@ -70,3 +70,28 @@ def fsdp_hybrid_job(rank: int, family: str, preset_name: str) -> tuple[Compariso
         shared_run(shared, workload.sequences, weights, PrefixSharingConfig(min_prefix_len=1)),
         plain_run(plain, workload.sequences, weights))
     return comparison, len(calls)
+
+
+def fsdp_vlm_job(rank: int, family: str) -> tuple[Comparison, int]:
+    """A float64 vision-language model under FSDP2 with gradient checkpointing, plain
+    (transformers' model sequence by sequence) and shared, on this rank's image batch (rank 0:
+    a group sharing its image; rank 1: token-identical prompts over two images; both 4
+    sequences with an image each, so the ranks' vision towers run in step); the comparison and
+    how many distinct images the shared forward encoded."""
+    from prefix_sharing.fsdp_compat import shared_forward
+    from prefix_sharing.fsdp_compat.runs import plain_vlm_run
+
+    from ._vlm import vlm_models
+    from .test_vlm import grpo_image_batch, two_groups
+
+    plain, shared = vlm_models(family)
+    for model in (plain, shared):
+        shard_model(model, gradient_checkpointing=True).train()
+    batch = grpo_image_batch(plain.config) if rank == 0 else two_groups(plain.config)[0]
+    weights = advantages(sum(s.numel() for s in batch.sequences), seed=rank)
+    config = PrefixSharingConfig(min_prefix_len=1)
+    comparison = compare_runs(
+        shared_run(shared, batch.sequences, weights, config, multi_modal_inputs=batch.mm),
+        plain_vlm_run(plain, batch.sequences, weights, batch.mm))
+    out = shared_forward(shared, batch.sequences, config, multi_modal_inputs=batch.mm)
+    return comparison, out.images.images_computed

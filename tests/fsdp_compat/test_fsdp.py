@@ -7,7 +7,7 @@ import pytest
 
 from prefix_sharing.equivalence import within_tolerance
 
-from ._fsdp_jobs import fsdp_equivalence_job, fsdp_hybrid_job
+from ._fsdp_jobs import fsdp_equivalence_job, fsdp_hybrid_job, fsdp_vlm_job
 from ._launch import run_gloo
 from ._models import PRESET
 
@@ -35,3 +35,18 @@ def test_fsdp2_hybrid_model_with_checkpointing_matches_the_plain_step(family, pr
     for rank, (comparison, calls) in enumerate(ranks):
         assert all(within_tolerance(comparison).values()), (rank, comparison.max_rel_diff)
         assert calls == recurrent_layers * 2
+
+
+def test_fsdp2_vision_language_model_with_checkpointing_matches_the_plain_step():
+    """Qwen3-VL (deepstack) with its vision blocks and decoder layers sharded: the images go
+    through the root forward, so FSDP gathers the vision tower as in a stock call; float64."""
+    import transformers
+
+    from prefix_sharing.fsdp_compat.vlm import MIN_TRANSFORMERS
+
+    if tuple(int(p) for p in transformers.__version__.split(".")[:2]) < MIN_TRANSFORMERS:
+        pytest.skip("vision-language models need transformers >= 5.10")
+    ranks = run_gloo(fsdp_vlm_job, 2, "qwen3_vl", timeout=300)
+    for rank, (comparison, images_computed) in enumerate(ranks):
+        assert all(within_tolerance(comparison).values()), (rank, comparison.max_rel_diff)
+        assert images_computed == rank + 1  # one shared image; two different ones

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from prefix_sharing.errors import UnsupportedSetup
 from prefix_sharing.fsdp_compat import ATTENTION_FAMILIES, build_model, check_supported, enable_prefix_sharing
 
 from ._models import PRESET
@@ -46,6 +47,17 @@ def test_alibi_models_are_refused(model_type):
 def test_multimodal_models_are_refused():
     with pytest.raises(ValueError, match="multimodal"):
         check_supported(_stub(model_type="qwen2_vl", vision_config={"depth": 2}))
+
+
+def test_a_vision_language_model_on_an_old_transformers_is_refused(monkeypatch):
+    import transformers
+
+    monkeypatch.setattr(transformers, "__version__", "4.57.6")
+    model = _stub(model_type="qwen2_5_vl", vision_config={"depth": 2},
+                  text_config=SimpleNamespace(model_type="qwen2_5_vl_text"))
+    with pytest.raises(UnsupportedSetup, match=r"older than 5.10 \(qwen2_5_vl on transformers "
+                       r"4.57.6\).*\[hf.vlm_release\]"):
+        check_supported(model)
 
 
 def test_models_outside_the_attention_interface_are_refused():
