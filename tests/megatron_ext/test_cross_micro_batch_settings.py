@@ -27,6 +27,7 @@ from ._router_statistics import reset_router_statistics, router_statistics
 from .test_cross_micro_batch import BUDGET, CONFIG, MOE, _group, _split_runs
 
 WINDOWED = get_preset("tiny-window")
+CHUNKED = 60  # a budget under the agent group's 113-token prefix: a nested schedule
 RECOMPUTE = {  # megatron-core's TransformerConfig fields
     "full_uniform": dict(recompute_granularity="full", recompute_method="uniform",
                          recompute_num_layers=1),
@@ -85,16 +86,18 @@ def _one_rank_job(rank: int) -> dict:
         report["window", name]["gathered"] = [
             (windowed_keys(s.plan, preset.window_size).kv_gather_index.numel(),
              s.plan.kv_gather_index.numel()) for s in cross.schedules[0].suffixes]
-    runs = [(name, False, None) for name in RECOMPUTE] + [
-        ("full_uniform", True, None), ("full_uniform", False, _replay_records_again)]
-    for name, recompute_prefix, control in runs:
+    runs = [(name, False, None, BUDGET) for name in RECOMPUTE] + [
+        ("full_uniform", True, None, BUDGET),
+        ("full_uniform", False, _replay_records_again, BUDGET),
+        ("full_uniform", False, None, CHUNKED)]
+    for name, recompute_prefix, control, budget in runs:
         def build(layout: str, settings=RECOMPUTE[name], **overrides) -> torch.nn.Module:
             return tiny_gpt(layout, **settings, **overrides)
 
         with control() if control else contextlib.nullcontext():
-            cross = forward_backward_cross(build("shared"), seqs, BUDGET, CONFIG,
+            cross = forward_backward_cross(build("shared"), seqs, budget, CONFIG,
                                            recompute_prefix=recompute_prefix)
-        key = "control" if control else (name, recompute_prefix)
+        key = "control" if control else (name, recompute_prefix, budget)
         report[key] = _compared(cross, build, seqs)
     return report
 
@@ -116,13 +119,22 @@ def _passes(run: dict) -> None:
                          [(name, False) for name in RECOMPUTE] + [("full_uniform", True)])
 def test_activation_recompute_equals_the_stock_step_with_the_same_setting(
         recompute_report, name, recompute_prefix):
-    run = recompute_report[name, recompute_prefix]
+    run = recompute_report[name, recompute_prefix, BUDGET]
     _passes(run)
     figures = run["figures"]
     assert figures["num_micro_batches"] == 4 and figures["prefix_recomputes_avoided"] == 2
     (prefix_len,) = figures["prefix_lens"]
     assert figures["tokens_computed"] == figures["tokens_unique"] + (
         prefix_len if recompute_prefix else 0)
+
+
+def test_full_recompute_on_a_nested_schedule_equals_the_stock_step(recompute_report):
+    """The 113-token prefix under a budget of 60: in chunks, each read by the next, then
+    sub-trees with blocks of their own - every block's replay injects its readers' dK/dV."""
+    run = recompute_report["full_uniform", False, CHUNKED]
+    _passes(run)
+    assert max(run["figures"]["prefix_lens"]) > CHUNKED
+    assert run["figures"]["tokens_computed"] == run["figures"]["tokens_unique"]
 
 
 def test_a_replay_that_records_again_fails_the_verdict(recompute_report):
