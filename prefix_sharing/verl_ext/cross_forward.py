@@ -193,16 +193,14 @@ def check_cross_model(model) -> None:
 def _run_prefix(model, part: CrossPart, sharing: PrefixSharingConfig, temperature: float,
                 with_entropy: bool, device: torch.device) -> GroupState:
     """The group's prefix forward (recording its K/V) and its prefix-position statistics."""
-    from megatron.core import parallel_state
-
     from ..megatron_ext.cross_micro_batch import PrefixPass
     from ..megatron_ext.prefix_kv import PrefixKV
 
     schedule = part.group.schedule
+    # its block is planned padded as the group's other micro-batches are (microbatch.py):
+    # its pad rows are not kept
     prefix_kv = PrefixKV(rows=schedule.prefix_len)
-    # padded as the group's other micro-batches are (microbatch.py): its pad rows not kept
-    prefix = PrefixPass(schedule, prefix_kv, sharing.backend, temperature, device,
-                        parallel_state.get_tensor_model_parallel_world_size())
+    prefix = PrefixPass(schedule, prefix_kv, sharing.backend, temperature, device)
     log_probs, entropy, _ = prefix.stats(model, with_entropy)
     shape = (len(schedule.seq_lens), schedule.prefix_len)
     log_probs = log_probs.view(shape)
