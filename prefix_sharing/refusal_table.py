@@ -202,6 +202,13 @@ TABLE: tuple[Refusal, ...] = (
             "initial state per batch row), so a reuser's tail cannot start from its provider's "
             "state at the branch point; and its kernels are CUDA-only: use --engine hf",
             ("cli",)),
+    Refusal("cli.vlm_preset", "a vision-language preset on the megatron engine",
+            "the megatron engine builds a GPT of the preset's text shape, with no vision tower to "
+            "encode the images its bench puts into the prompts: use --engine hf", ("cli",)),
+    Refusal("cli.vlm_preset_sequences", "a vision-language preset with --sequences",
+            "a rollout file holds token ids (and at most image hashes), not the pixel tensors "
+            "the vision tower encodes; the built-in workloads get synthetic images: use "
+            "--workload, or analyze for a dump's vision tokens", ("cli",)),
     Refusal("cli.gdn_key_heads", "a tensor-parallel size that does not divide the Gated "
             "DeltaNet key heads", "megatron splits the GDN heads over the tensor-parallel ranks; "
             "choose a tp that divides them", ("cli",)),

@@ -180,6 +180,13 @@ def table(results: list[dict]) -> str:
                 f"{r['workload']:<10} {PEER_LABELS.get(name, name):<12} {r['tokens_total']:>7} "
                 f"{peer['tokens_computed']:>7} {'-':>7} {r['plain_ms']:>9.0f} {peer['ms']:>9.0f} "
                 f"{peer['speedup']:>8.2f} {'-':>8} {peer['memory_ratio']:>9.2f} {'-':>8}")
+    for r in results:
+        if "vision" in r:
+            v = r["vision"]
+            lines.append(f"{r['workload']:<10} vision: {v['vision_images_computed']} of "
+                         f"{v['vision_images_total']} images encoded, "
+                         f"{v['vision_tokens_computed']} of {v['vision_tokens_total']} vision "
+                         "tokens computed (plain: every image of every sequence)")
     lines += ["", "flop x: plain/shared FLOPs (the limit); speedup: plain/shared step time "
               "(median); of flop: speedup/flop x; memory x: plain/shared peak memory"]
     if any("peers" in r for r in results):

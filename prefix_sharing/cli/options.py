@@ -15,6 +15,7 @@ from ..presets import PRESETS, ModelPreset
 from ..rollouts import Rollouts, RolloutError, load_rollouts
 from ..workloads import WORKLOADS, make_workload
 from ..errors import InputError, MissingPackageError
+from ..refusals import refuse
 
 __all__ = ["add_sharing_options", "add_backend_option", "add_dtype_option", "run_dtype",
            "DTYPES", "add_engine_option", "add_model_option", "add_input_options", "sharing_config",
@@ -86,12 +87,12 @@ def user_input(*errors: type[Exception]) -> Iterator[None]:
         raise InputError(str(error)) from error
 
 
-def read_rollouts(path: str) -> Rollouts:
+def read_rollouts(path: str, image_token_id: int | None = None) -> Rollouts:
     """:func:`load_rollouts`, with its errors (a missing or bad file, no pyarrow for Parquet)
     as input errors."""
     try:
         with user_input(RolloutError, OSError):
-            return load_rollouts(path)
+            return load_rollouts(path, image_token_id)
     except ImportError as error:  # load_rollouts' one ImportError: Parquet without pyarrow
         raise MissingPackageError(str(error)) from error
 
@@ -133,6 +134,9 @@ def load_batches(args: argparse.Namespace, model: ModelPreset,
     when omitted).
     """
     if args.sequences:
+        if model.image_grid is not None:
+            raise refuse("cli.vlm_preset_sequences", f"--model {model.name} --sequences "
+                         f"{args.sequences}")
         rollouts = read_rollouts(args.sequences)
         batches = [(args.sequences, rollouts.sequences, rollouts.groups)]
         largest = max(int(s.max()) for s in rollouts.sequences)
@@ -143,7 +147,7 @@ def load_batches(args: argparse.Namespace, model: ModelPreset,
         batches = []
         for name in names:
             with user_input(ValueError):  # an unknown name
-                w = make_workload(name, vocab_size=model.vocab_size, **(sizes or {}).get(name, {}))
+                w = make_workload(name, vocab_size=model.text_vocab_size, **(sizes or {}).get(name, {}))
             batches.append((name, w.sequences, w.groups))
     for name, seqs, _ in batches:
         _check_fits(name, seqs, model)
