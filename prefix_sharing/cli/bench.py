@@ -24,7 +24,7 @@ from ..workloads import scale_lengths
 from ..errors import InputError, MissingPackageError
 from .record import write_result
 from .options import (add_backend_option, add_dtype_option, add_engine_option,
-                      add_input_options, add_model_option,
+                      add_input_options, add_model_option, add_recompute_option,
                       add_sharing_options, load_batches, run_dtype, sharing_config,
                       user_input)
 
@@ -66,6 +66,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "its per-operator cost, dominate the step (default: 1)")
     parser.add_argument("--repeats", type=int, default=5,
                         help="timed steps per mode, after one warm-up (default: 5)")
+    add_recompute_option(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--plot", metavar="FILE.png", help="draw speedup against FLOP ratio")
     parser.add_argument("--record", metavar="FILE.json",
@@ -102,6 +103,10 @@ def run(args: argparse.Namespace) -> int:
     workloads = [BenchWorkload(name, seqs, groups) for name, seqs, groups in batches]
     if args.cross_micro_batch and args.token_budget is None:
         raise InputError("--cross-micro-batch needs --token-budget N")
+    if args.recompute is not None and (args.token_budget is None
+                                       or (args.tp, args.pp, args.cp) != (1, 1, 1)):
+        raise InputError("--recompute runs in the throughput view (--token-budget N, tp = pp = "
+                         "cp = 1); the step and context-parallel benches run without it")
     if (args.tp, args.pp, args.cp) != (1, 1, 1):
         return _bench_context_parallel(args, engine, model, config, workloads, dtype)
     if args.token_budget is not None:

@@ -9,6 +9,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from ..config import BACKENDS, MODES, PrefixSharingConfig
+from ..engines.recompute import RECOMPUTE
 from ..planner import PromptGroup
 from ..presets import PRESETS, ModelPreset
 from ..rollouts import Rollouts, RolloutError, load_rollouts
@@ -18,7 +19,7 @@ from ..refusals import refuse
 
 __all__ = ["add_sharing_options", "add_backend_option", "add_dtype_option", "run_dtype",
            "DTYPES", "add_engine_option", "add_model_option", "add_input_options", "sharing_config",
-           "Batch", "load_batches", "read_rollouts", "user_input"]
+           "Batch", "load_batches", "read_rollouts", "user_input", "add_recompute_option"]
 
 Batch = tuple[str, list[torch.Tensor], list[PromptGroup] | None]  # name, sequences, groups
 
@@ -54,6 +55,12 @@ def add_backend_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default=PrefixSharingConfig().backend,
                         help=f"attention kernel: {', '.join(BACKENDS)}; auto picks by device and "
                         "dtype (default: %(default)s)")
+
+
+def add_recompute_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--recompute", choices=sorted(RECOMPUTE),
+                        help="megatron's activation recompute on every model of the run: full "
+                        "(each layer, uniform) or selective (core attention); default: none")
 
 
 def sharing_config(args: argparse.Namespace) -> PrefixSharingConfig:

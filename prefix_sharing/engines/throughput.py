@@ -38,10 +38,10 @@ from ..errors import InputError
 from ..flops import count_flops
 from ..planner import build_plan
 from ..presets import ModelPreset
-from ..refusals import refuse
 from .bench import (BenchWorkload, Progress, keep_freed_memory_in_heap, megatron_training_step,
                     peak_memory_bytes, timed)
 from .launch import run_distributed
+from .recompute import recompute_settings
 
 __all__ = ["ThroughputRequest", "run_throughput", "throughput_job", "time_split", "table",
            "throughput_report"]
@@ -58,6 +58,7 @@ class ThroughputRequest:
     dtype: torch.dtype = torch.float32
     progress: bool = True
     cross_micro_batch: bool = False
+    model_settings: dict = dataclasses.field(default_factory=dict)  # e.g. activation recompute
 
     def __post_init__(self) -> None:
         if self.token_budget < 1:
@@ -86,12 +87,14 @@ def throughput_report(args, engine, model: ModelPreset, config: PrefixSharingCon
                          "leave it out with --token-budget")
     request = ThroughputRequest(workloads, config, model, args.token_budget,
                                 repeats=args.repeats, dtype=dtype,
-                                cross_micro_batch=args.cross_micro_batch)
+                                cross_micro_batch=args.cross_micro_batch,
+                                model_settings=recompute_settings(args.recompute))
     if request.cross_micro_batch:
         check_cross(request)
     results = run_throughput(engine, request)
     report = {"engine": engine.name, "model": model.name, "dtype": args.dtype,
-              "token_budget": args.token_budget, "repeats": args.repeats, "results": results}
+              "token_budget": args.token_budget, "recompute": args.recompute,
+              "repeats": args.repeats, "results": results}
     return report, table(results)
 
 
@@ -101,7 +104,8 @@ def throughput_job(rank: int, request: ThroughputRequest) -> list[dict]:
 
     if not torch.cuda.is_available():
         keep_freed_memory_in_heap()
-    model = preset_model(request.preset, layout="shared", dtype=request.dtype)
+    model = preset_model(request.preset, layout="shared", dtype=request.dtype,
+                         **request.model_settings)
     splits = [_splits(w, request) for w in request.workloads]
     steps = sum(len(s.micro_batches) for pair in splits for s in pair.values())
     steps += 2 * len(request.workloads) if request.cross_micro_batch else 0  # whole, cross
@@ -211,10 +215,6 @@ def _against_whole(model: torch.nn.Module, workload: BenchWorkload, request: Thr
 
 def check_cross(request: ThroughputRequest) -> None:
     """What the cross mode cannot run, as one line before the rank starts."""
-    if request.preset.window_size is not None:
-        raise refuse("megatron.cross_micro_batch.window",
-                     f"--cross-micro-batch with the {request.preset.name} preset's windows")
-
     for w in request.workloads:
         for members in _groups(w):
             try:

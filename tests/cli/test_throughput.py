@@ -94,8 +94,7 @@ def test_cross_micro_batch_mode_computes_each_prefix_once(capfd):
     (["--workload", "grpo", "--cross-micro-batch"], "--cross-micro-batch needs --token-budget"),
     (["--workload", "none", "--token-budget", "640", "--cross-micro-batch"],
      "workload 'none': a group needs at least two sequences"),
-    (["--workload", "grpo", "--token-budget", "300", "--cross-micro-batch", "--model",
-      "tiny-window"], "(--cross-micro-batch with the tiny-window preset's windows)"),
+    (["--workload", "grpo", "--recompute", "full"], "--recompute runs in the throughput view"),
 ])
 def test_cross_micro_batch_refusals_are_one_line(capfd, argv, message):
     code, out, err = bench(capfd, *argv)
