@@ -41,7 +41,8 @@ class PrefixSharingConfig:
             as consecutive micro-batches that read the prefix's K/V
             (:mod:`prefix_sharing.cross_micro_batch`), instead of cutting the group and
             recomputing the prefix in every piece. Off by default: it needs a Megatron engine
-            with PP=1, no sequence parallelism, no MoE, no windows and no activation recompute.
+            with PP=1 and CP=1 and no MoE router statistics (tensor and sequence parallelism,
+            windows and activation recompute run).
         self_check: the first micro-batch that shares anything also runs verl's stock path
             on the same weights (without gradient) and the log-probs and entropy are compared:
             the figures are logged and reported, and beyond the dtype's bound the run stops

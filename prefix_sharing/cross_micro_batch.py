@@ -9,8 +9,8 @@ ancestors in the group's prefix tree - as external rows in front of its own:
 - ``P`` is the first shared node; longer than the budget it is computed in *chunks*, chunk
   ``j`` reading chunks ``< j`` (boundaries by the cost model: equal cost, so a later chunk,
   which attends more keys, is shorter);
-- below ``P`` the tails are packed in lexicographic order, a branch (tails with the same first
-  token) kept whole when it fits in one micro-batch; a branch that does not fit is a *sub-tree*:
+- below ``P`` the tails are packed in lexicographic order into the fewest micro-batches, at
+  equal cost (:mod:`.cross_packing`), a branch (same first token) kept whole when it fits; a branch that does not fit is a *sub-tree*:
   its own common part becomes a shared node (chunked in turn), read by its suffix micro-batches,
   itself reading the node above; recursively. So every prefix of every depth is computed once
   (``tokens_computed`` == the group's distinct tokens).
@@ -53,8 +53,9 @@ from collections.abc import Sequence
 
 import torch
 
-from .batching.cost import CostModel
+from .batching.cost import CostModel, computed_cost
 from .config import PrefixSharingConfig
+from .cross_packing import pack_at_equal_cost
 from .plan import SharingPlan
 from .planner import TokenSequence, build_plan
 
@@ -233,8 +234,8 @@ def plan_group(
 
     The first shared node is the group's longest common prefix, one token short of the
     shortest sequence (every sequence keeps a tail of at least one token); a sub-tree's node
-    likewise, within the sub-tree. Tails are taken in lexicographic order and packed greedily,
-    a branch kept whole when it fits in one micro-batch.
+    likewise, within the sub-tree. Tails are taken in lexicographic order into the fewest
+    micro-batches, at equal cost, a branch kept whole when it fits in one micro-batch.
 
     Args:
         sequences: the group's token ids, one unpadded 1-D sequence each (at least two).
@@ -245,7 +246,7 @@ def plan_group(
             against the budget.
         one_level: the common prefix in one block, every suffix reading it alone, a branch
             over the budget cut (verl's engine).
-        cost_model: weighs attended keys against tokens when chunk boundaries are chosen.
+        cost_model: weighs attended keys against tokens where chunk and suffix boundaries go.
 
     Raises:
         ValueError: fewer than two sequences, no common prefix, sharing switched off; with
@@ -344,9 +345,9 @@ class _Builder:
         self._pack(members, depth, reads)
 
     def _pack(self, members: list[int], depth: int, reads: tuple[int, ...]) -> None:
-        """Branches (same first token) in lexicographic order, greedily into micro-batches;
-        a branch that fits nowhere is a sub-tree, or (``one_level``, or no shared part to
-        give it) is cut tail by tail."""
+        """Branches (same first token) in lexicographic order into micro-batches (the fewest,
+        at equal cost: :mod:`~prefix_sharing.cross_packing`); a branch that fits nowhere is
+        a sub-tree, or (``one_level``, or no shared part to give it) is cut tail by tail."""
         order = sorted(members, key=lambda i: self.seqs[i][depth:].tolist())
         branches: list[list[int]] = []
         for i in order:
@@ -354,23 +355,20 @@ class _Builder:
                 branches[-1].append(i)
             else:
                 branches.append([i])
-        current: list[int] = []
+        units: list[list[int]] = []  # packed together, between the sub-trees
         for branch in branches:
             n = len(branch)
-            if current and self._fits(current + branch, depth):
-                current += branch
-            elif self._fits(branch, depth):
-                self._suffix(current, depth, reads)
-                current = list(branch)
+            if self._fits(branch, depth):
+                units.append(branch)
             elif not self.one_level and n < len(members):
-                self._suffix(current, depth, reads)
-                current = []
+                self._suffixes(units, depth, reads)
+                units = []
                 self.subtree(branch, depth, reads)
             elif not self.one_level and 0 < len(rest := self._longer(branch, depth)) < n:
                 # sequences ending one token in keep the rest from sharing: they go on (that
                 # token computed again for them), the rest is a sub-tree
-                self._suffix(current, depth, reads)
-                current = [i for i in branch if i not in rest]
+                self._suffixes(units, depth, reads)
+                units = [[i for i in branch if i not in rest]]
                 self.subtree(rest, depth, reads)
             else:  # too large for one micro-batch, nothing to share it by: cut it
                 for i in branch:
@@ -379,12 +377,17 @@ class _Builder:
                             f"sequence {i}'s tail after the common prefix "
                             f"({self.seqs[i].numel() - depth} tokens) exceeds token_budget="
                             f"{self.budget}")
-                    if current and self._fits(current + [i], depth):
-                        current.append(i)
-                    else:
-                        self._suffix(current, depth, reads)
-                        current = [i]
-        self._suffix(current, depth, reads)
+                    units.append([i])
+        self._suffixes(units, depth, reads)
+
+    def _suffixes(self, units: list[list[int]], depth: int, reads: tuple[int, ...]) -> None:
+        def cost(members: list[int]) -> float:  # its tails, each query attending the stack
+            plan = build_plan([self.seqs[i][depth:] for i in members], self.config)
+            return (computed_cost(plan, self.cost_model)
+                    + plan.num_tokens_unique * depth / self.cost_model.keys_per_token)
+
+        for piece in pack_at_equal_cost(units, lambda m: self._fits(m, depth), cost):
+            self._suffix(piece, depth, reads)
 
     def _longer(self, members: list[int], depth: int) -> list[int]:
         return [i for i in members if self.seqs[i].numel() - depth > 1]
@@ -434,8 +437,6 @@ class _Builder:
         )
 
     def _suffix(self, members: list[int], depth: int, reads: tuple[int, ...]) -> None:
-        if not members:
-            return
         members = sorted(members)
         tail_plan = build_plan([self.seqs[i][depth:] for i in members], self.config,
                                pad_to_multiple_of=self.pad)

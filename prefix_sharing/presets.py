@@ -7,10 +7,11 @@ import dataclasses
 from .errors import InputError
 
 __all__ = ["MLAShape", "MambaShape", "ModelPreset", "PRESETS", "get_preset", "sharp",
-           "VOCAB_MULTIPLE", "SHARP_INIT_STD"]
+           "VOCAB_MULTIPLE", "VISION_SPECIAL_IDS", "SHARP_INIT_STD"]
 
 VOCAB_MULTIPLE = 128  # Megatron-LM's default make_vocab_size_divisible_by
 MAX_RANDOM_VOCAB = 1 << 20  # real tokenizers stay below 300k
+VISION_SPECIAL_IDS = 4  # a VLM preset's image, video, vision start and end ids (fsdp_compat.vlm)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,10 +112,19 @@ class ModelPreset:
     # the transformers family ``--engine hf`` builds (None: chosen from the shape, see
     # prefix_sharing.engines.hf.family_of); the Megatron engine builds its GPT of this shape
     hf_family: str | None = None
+    # A vision-language preset (--engine hf only; hf_family a VLM family): its vocabulary's last
+    # VISION_SPECIAL_IDS ids are the image / video / vision start / end tokens, and bench puts one
+    # synthetic image of this (t, h, w) patch grid into every sequence's prompt. None: text only.
+    image_grid: tuple[int, int, int] | None = None
     # Standard deviation of the random weights (norm weights excepted). Small weights make
     # attention and routing nearly uniform, where a wrong key row or a dropped token multiplicity
     # barely moves the outputs: exactness tests use :func:`sharp` presets instead.
     init_std: float = 0.05
+
+    @property
+    def text_vocab_size(self) -> int:
+        """The ids a workload's text may use: the vocabulary less a VLM's vision specials."""
+        return self.vocab_size - VISION_SPECIAL_IDS * (self.image_grid is not None)
 
     @property
     def head_dim(self) -> int:
@@ -209,6 +219,11 @@ PRESETS: dict[str, ModelPreset] = {
         # layers, then one gated full-attention layer (output gate, partial rotary, QK-norm)
         dataclasses.replace(_TINY, name="tiny-hybrid", num_layers=4, full_attention_every=4,
                             hf_family="qwen3_5_text"),
+        # Qwen2.5-VL (--engine hf only): tiny's language model as Qwen2 with a 2-block vision
+        # tower (width 32, 2x2 patches merged 2x2); bench puts an image of 16 x 16 patches (64
+        # vision tokens) into every prompt
+        dataclasses.replace(_TINY, name="tiny-qwen2.5-vl", add_qkv_bias=True,
+                            hf_family="qwen2_5_vl", image_grid=(1, 16, 16)),
         # Nemotron-H's layout (--engine hf: transformers' nemotron_h): Mamba-2 mixers (4 heads of
         # 16, state 16, 2 groups), an MLP, one attention layer and an MoE layer (4 experts,
         # top-2, a shared expert)

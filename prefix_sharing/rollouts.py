@@ -16,6 +16,14 @@ so all of them accept the same files:
 - Optionally ``routed_experts`` (verl's name), the routes recorded for MoE routing replay: per
   row one nested list ``[tokens][moe_layers][topk]`` of expert ids, one entry per token of the
   whole sequence, the same ``moe_layers`` and ``topk`` in every row.
+- Optionally ``image_hashes`` (a vision-language dump): per row a list of strings, one per run
+  of image placeholder tokens in the sequence, in order (missing, null or ``[]``: a text-only
+  row). A hash names the image: equal hashes are one image, whose tokens are then shared like
+  any prefix's, and token-identical prompts over different hashes are not.
+  :func:`prefix_sharing.fsdp_compat.vision.image_hashes` computes them from a sample's
+  ``multi_modal_inputs`` the way the sharing forward identifies images. Placing them needs the
+  placeholder token id (``load_rollouts(..., image_token_id=)``; the model config's
+  ``image_token_id``).
 
 Every problem with the file raises :class:`RolloutError` (a ``ValueError``) whose one-line
 message names the file and, where it can, the line (JSON Lines, counted from 1) or row
@@ -28,11 +36,15 @@ import dataclasses
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from .planner import PromptGroup
+
+if TYPE_CHECKING:
+    from .fsdp_compat.vision import ImageTags
 
 __all__ = ["Rollouts", "RolloutError", "load_rollouts"]
 
@@ -41,6 +53,7 @@ _PARQUET_SUFFIXES = (".parquet",)
 _INPUT = ("input_ids",)
 _PROMPT_RESPONSE = ("prompt_ids", "response_ids")
 _ROUTES = "routed_experts"
+_IMAGES = "image_hashes"
 
 
 class RolloutError(ValueError):
@@ -57,11 +70,14 @@ class Rollouts:
             ``input_ids`` only and so does not say where prompts end.
         routes: the recorded routes (``routed_experts``), one int64 tensor
             ``[tokens, moe_layers, topk]`` per row, or ``None`` when the file has none.
+        images: the images behind the placeholder runs (``image_hashes``, placed by
+            ``image_token_id``), or ``None`` when no ``image_token_id`` was given.
     """
 
     sequences: list[torch.Tensor]
     groups: list[PromptGroup] | None
     routes: list[torch.Tensor] | None = None
+    images: ImageTags | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,15 +88,23 @@ class _Table:
     uids: list[object] | None
     where: Callable[[int], str]
     routes: list[object] | None = None  # each row's routed_experts as read, unchecked
+    images: list[object] | None = None  # each row's image_hashes as read, unchecked
 
 
-def load_rollouts(path: str | Path) -> Rollouts:
+def load_rollouts(path: str | Path, image_token_id: int | None = None) -> Rollouts:
     """Reads a JSON Lines or Parquet rollout file (see the module docstring for the format).
+
+    Args:
+        path: the file.
+        image_token_id: the image placeholder token id of a vision-language dump: each row's
+            ``image_hashes`` name its placeholder runs (``Rollouts.images``). A file with
+            ``image_hashes`` needs it.
 
     Raises:
         FileNotFoundError: no such file.
         RolloutError: an unsupported file type, missing columns, ids that are not flat lists
-            of non-negative integers, no rows, or an empty sequence.
+            of non-negative integers, no rows, or an empty sequence; image hashes without
+            ``image_token_id``, or not one per placeholder run.
         ImportError: a Parquet file without ``pyarrow`` installed.
     """
     path = Path(path)
@@ -96,7 +120,7 @@ def load_rollouts(path: str | Path) -> Rollouts:
             f"{path}: unsupported file type {suffix or '(no suffix)'!r}; "
             "expected .jsonl / .json (JSON Lines) or .parquet"
         )
-    return _rollouts(table)
+    return _rollouts(table, path, image_token_id)
 
 
 def _schema(path: Path, columns: Sequence[str]) -> tuple[str, ...]:
@@ -115,7 +139,7 @@ def _schema(path: Path, columns: Sequence[str]) -> tuple[str, ...]:
     )
 
 
-def _rollouts(table: _Table) -> Rollouts:
+def _rollouts(table: _Table, path: Path, image_token_id: int | None) -> Rollouts:
     if "input_ids" in table.ids:
         sequences, groups = table.ids["input_ids"], None
     else:
@@ -126,7 +150,37 @@ def _rollouts(table: _Table) -> Rollouts:
         if seq.size == 0:
             raise RolloutError(f"{table.where(i)}: the sequence is empty (no token ids)")
     routes = None if table.routes is None else _routes(table.routes, sequences, table.where)
-    return Rollouts([torch.from_numpy(s) for s in sequences], groups, routes)
+    tensors = [torch.from_numpy(s) for s in sequences]
+    return Rollouts(tensors, groups, routes, _images(table, path, tensors, image_token_id))
+
+
+def _images(table: _Table, path: Path, sequences: list[torch.Tensor],
+            image_token_id: int | None) -> ImageTags | None:
+    """The rows' ``image_hashes`` placed on their placeholder runs (none: text-only rows)."""
+    if image_token_id is None:
+        if table.images is not None:
+            raise RolloutError(f"{path}: has {_IMAGES} (a vision-language dump), which only "
+                               "analyze reads, given the placeholder id: --image-token-id N "
+                               "(the model config's image_token_id)")
+        return None
+    from .fsdp_compat.vision import hashed_image_tags
+
+    hashes = [_hashes(value, table.where(i))
+              for i, value in enumerate(table.images or [None] * len(sequences))]
+    try:
+        return hashed_image_tags(sequences, image_token_id, hashes, table.where)
+    except ValueError as error:
+        raise RolloutError(str(error)) from None
+
+
+def _hashes(value: object, where: str) -> list[str]:
+    """A row's image hashes: a list of non-empty strings (missing or null: none)."""
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(h, str) and h for h in value):
+        raise RolloutError(f"{where}: {_IMAGES} must be a list of image hashes (non-empty "
+                           f"strings), one per image placeholder run; got {_short(value)}")
+    return value
 
 
 def _routes(rows: list[object], sequences: list[np.ndarray],
@@ -185,7 +239,8 @@ def _read_jsonl(path: Path) -> _Table:
     ids = {c: [_json_ids(r[c], c, where(i)) for i, r in enumerate(records)] for c in schema}
     uids = [_uid(r["uid"], where(i)) for i, r in enumerate(records)] if use_uid else None
     routes = [r.get(_ROUTES) for r in records] if _ROUTES in records[0] else None
-    return _Table(ids, uids, where, routes)
+    images = [r.get(_IMAGES) for r in records] if any(_IMAGES in r for r in records) else None
+    return _Table(ids, uids, where, routes, images)
 
 
 def _json_records(path: Path) -> tuple[list[dict], list[int]]:
@@ -260,7 +315,8 @@ def _read_parquet(path: Path) -> _Table:
     if "uid" in data.column_names and schema == _PROMPT_RESPONSE:
         uids = [_uid(u, where(i)) for i, u in enumerate(data.column("uid").to_pylist())]
     routes = data.column(_ROUTES).to_pylist() if _ROUTES in data.column_names else None
-    return _Table(ids, uids, where, routes)
+    images = data.column(_IMAGES).to_pylist() if _IMAGES in data.column_names else None
+    return _Table(ids, uids, where, routes, images)
 
 
 def _import_pyarrow():

@@ -2,7 +2,8 @@
 
 ``grpo``: G responses per prompt. ``steprl``: step-wise chains, each step's sample extending the
 previous one. ``tree``: tree rollouts, with a duplicated leaf and a strict-prefix path. ``agent``:
-multi-turn episodes under one system prompt, branching at turn boundaries. ``none``: nothing in
+multi-turn episodes under one system prompt, branching at turn boundaries. ``history``: one long
+agent history and its branches (a group larger than a micro-batch). ``none``: nothing in
 common, not even a first token. Every workload also carries its prompt groups (for
 ``mode="prompt_only"``), as verl's ``uid`` would give them.
 """
@@ -16,8 +17,8 @@ import torch
 
 from .planner import PromptGroup
 
-__all__ = ["Workload", "WORKLOADS", "make_workload", "scale_lengths", "grpo", "steprl", "tree",
-           "agent", "none"]
+__all__ = ["Workload", "WORKLOADS", "LONG_WORKLOADS", "make_workload", "scale_lengths", "grpo", "steprl", "tree",
+           "agent", "history", "none"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +119,26 @@ def agent(
     return Workload("agent", sequences, groups)
 
 
+def history(
+    history_len: int = 512, branches: int = 8, branch_len: int = 32, vocab_size: int = 101,
+    seed: int = 0,
+) -> Workload:
+    """``branches`` continuations of ``branch_len`` tokens after one ``history_len``-token
+    history (an agent's long context, sampled ``branches`` ways): one group whose common
+    prefix is exactly the history (the branches' first tokens are distinct)."""
+    if not 2 <= branches <= vocab_size:
+        raise ValueError(f"history: branches must be between 2 and the vocabulary "
+                         f"({vocab_size}) for distinct first tokens; got {branches}")
+    if history_len < 1 or branch_len < 1:
+        raise ValueError(f"history: history_len and branch_len must be at least 1; got "
+                         f"{history_len} and {branch_len}")
+    rng = _Tokens(vocab_size, seed)
+    past = rng.ids(history_len)
+    firsts = torch.randperm(vocab_size, generator=rng.gen)[:branches]
+    sequences = [torch.cat([past, f.view(1), rng.ids(branch_len - 1)]) for f in firsts]
+    return Workload("history", sequences, [PromptGroup(history_len, list(range(branches)))])
+
+
 def none(
     num_sequences: int = 8, seq_len: tuple[int, int] = (12, 32), vocab_size: int = 101,
     seed: int = 0,
@@ -134,13 +155,18 @@ def none(
 WORKLOADS: dict[str, Callable[..., Workload]] = {
     "grpo": grpo, "steprl": steprl, "tree": tree, "agent": agent, "none": none,
 }
+# Built by name only, not among the defaults every workload loop runs (the demo, the step
+# bench, the recurrent tests): one group larger than a micro-batch, for --token-budget views.
+LONG_WORKLOADS: dict[str, Callable[..., Workload]] = {"history": history}
 
 
 def make_workload(name: str, **kwargs: object) -> Workload:
-    """The built-in workload ``name`` (one of :data:`WORKLOADS`) with its size options."""
-    if name not in WORKLOADS:
-        raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
-    return WORKLOADS[name](**kwargs)
+    """The built-in workload ``name`` (one of :data:`WORKLOADS` or :data:`LONG_WORKLOADS`)
+    with its size options."""
+    known = {**WORKLOADS, **LONG_WORKLOADS}
+    if name not in known:
+        raise ValueError(f"unknown workload {name!r}; choose from {', '.join(known)}")
+    return known[name](**kwargs)
 
 
 def scale_lengths(sizes: dict[str, object], factor: int) -> dict[str, object]:

@@ -3,7 +3,9 @@
 import pytest
 
 from prefix_sharing import PrefixSharingConfig, build_plan
-from prefix_sharing.workloads import WORKLOADS, make_workload, scale_lengths
+from prefix_sharing.cli.bench import BENCH_SIZES
+from prefix_sharing.cross_micro_batch import common_prefix_len
+from prefix_sharing.workloads import LONG_WORKLOADS, WORKLOADS, make_workload, scale_lengths
 
 EVERY_PREFIX = PrefixSharingConfig(min_prefix_len=1)
 
@@ -39,7 +41,38 @@ def test_none_shares_not_even_a_token():
     assert not plan.has_sharing
 
 
-@pytest.mark.parametrize("name", list(WORKLOADS))
+def test_history_is_one_long_history_and_its_branches():
+    w = make_workload("history", history_len=40, branches=5, branch_len=7)
+    assert [s.numel() for s in w.sequences] == [47] * 5
+    assert [(g.prompt_len, g.members) for g in w.groups] == [(40, [0, 1, 2, 3, 4])]
+    assert all(s[:40].equal(w.sequences[0][:40]) for s in w.sequences)
+    assert len({int(s[40]) for s in w.sequences}) == 5  # the branches part at once
+    assert common_prefix_len(w.sequences) == 40
+    assert build_plan(w.sequences, EVERY_PREFIX).num_tokens_unique == 40 + 5 * 7
+
+
+def test_history_bench_size_is_issue_31s_shape_at_length_scale_64():
+    assert scale_lengths(BENCH_SIZES["history"], 64) == dict(
+        history_len=32768, branches=8, branch_len=2048)
+    w = make_workload("history", **scale_lengths(BENCH_SIZES["history"], 8))
+    assert [s.numel() for s in w.sequences] == [4096 + 256] * 8
+
+
+@pytest.mark.parametrize("sizes, message", [
+    (dict(branches=1), "branches must be between 2 and the vocabulary"),
+    (dict(branches=12, vocab_size=11), r"vocabulary \(11\)"),
+    (dict(branch_len=0), "history_len and branch_len must be at least 1"),
+])
+def test_history_refuses_shapes_it_cannot_build(sizes, message):
+    with pytest.raises(ValueError, match=message):
+        make_workload("history", **sizes)
+
+
+def test_long_workloads_are_not_among_the_defaults():
+    assert "history" in LONG_WORKLOADS and "history" not in WORKLOADS
+
+
+@pytest.mark.parametrize("name", list(WORKLOADS) + list(LONG_WORKLOADS))
 def test_workloads_are_seeded(name):
     a, b = make_workload(name, seed=3), make_workload(name, seed=3)
     assert all(x.equal(y) for x, y in zip(a.sequences, b.sequences))

@@ -27,9 +27,19 @@ given options and reports, as text or (``--json``) one JSON object:
   - ``sequences_computing_nothing``: sequences whose every token is reused (duplicates and
     strict prefixes of another sequence): they get no query segment at all.
 
+With ``--image-token-id N`` (a vision-language dump: ``image_hashes`` name the images behind
+the runs of placeholder token ``N``, see :mod:`prefix_sharing.rollouts`), the plan takes the
+images as part of the tokens' identity, as the sharing forward does, and the report adds
+``vision_tokens_total`` / ``vision_tokens_computed`` (placeholder tokens of the plain forward /
+that the plan computes) and ``vision_images_total`` / ``vision_images_computed`` (images the
+plain forward encodes / distinct images, which the sharing forward encodes once each).
+
 With ``--dp N``, ``data_parallel`` gives the tokens each of N data-parallel ranks would compute
 under verl's stock balancing and under the sharing-aware partitioner, and the ideal
 (:mod:`prefix_sharing.cli.analyze_dp`).
+
+``--record FILE.json`` also saves the run as a result file of the benchmarks page
+(:func:`prefix_sharing.cli.record.write_result`).
 
 For at most :data:`TREE_LIMIT` sequences the text report draws the plan's prefix tree: the
 computed tokens form a forest (each token's parent is the token before it), drawn compressed
@@ -45,6 +55,7 @@ import dataclasses
 import json
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -58,6 +69,7 @@ from ..presets import PRESETS, get_preset
 from ..rollouts import Rollouts
 from ..errors import InputError
 from .analyze_dp import data_parallel_report, data_parallel_text
+from .record import write_result
 from .options import read_rollouts, sharing_config, user_input
 
 __all__ = ["TREE_LIMIT", "sharing_structure", "prefix_tree"]
@@ -95,15 +107,24 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--dp", type=int, default=None, metavar="N",
                         help="also report the tokens each of N data-parallel ranks computes, "
                         "under verl's stock balancing and the sharing-aware one")
+    parser.add_argument("--image-token-id", type=int, default=None, metavar="N",
+                        help="a vision-language dump: the image placeholder token id (the "
+                        "model config's image_token_id); each row's image_hashes name its runs "
+                        "of it, and images enter the tokens' identity")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object instead of the report")
+    parser.add_argument("--record", metavar="FILE.json",
+                        help="also save the run as a result file (docs/results/NAME.json: the "
+                        "command, date, machine, versions, the report and its JSON)")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     config = sharing_config(args)
     model = get_preset(args.model)  # before reading: a typo should not wait for a big file
-    rollouts = read_rollouts(args.file)
+    if args.image_token_id is not None and args.image_token_id < 0:
+        raise InputError(f"--image-token-id must be a token id >= 0; got {args.image_token_id}")
+    rollouts = read_rollouts(args.file, args.image_token_id)
     plan, planner_ms = _timed_plan(rollouts, config, args.file)
     report = {
         "file": args.file,
@@ -121,9 +142,14 @@ def run(args: argparse.Namespace) -> int:
     }
     if rollouts.routes is not None:
         report.update(_route_figures(plan))
+    if rollouts.images is not None:
+        report.update({k: int(v) for k, v in rollouts.images.metrics(plan).items()})
     if args.dp is not None:
         report["data_parallel"] = data_parallel_report(rollouts, config, args.dp)
-    print(json.dumps(report) if args.json else "\n".join(_text(report, plan)))
+    text = "\n".join(_text(report, plan))
+    print(json.dumps(report) if args.json else text)
+    if args.record:
+        write_result(args.record, args.argv, f"analyze {Path(args.file).name}", report, text)
     return 0
 
 
@@ -136,12 +162,15 @@ def _timed_plan(
     pays once, so it is left out of the timing.
     """
     groups = _groups(rollouts, config, path)
+    images = None if rollouts.images is None else rollouts.images.tags
     with user_input(ValueError):  # what the planner refuses in the file (ids out of range)
-        plan = build_plan(rollouts.sequences, config, groups=groups, routes=rollouts.routes)
+        plan = build_plan(rollouts.sequences, config, groups=groups, routes=rollouts.routes,
+                          images=images)
     times = []
     for _ in range(_TIMED_RUNS):
         start = time.perf_counter()
-        build_plan(rollouts.sequences, config, groups=groups, routes=rollouts.routes)
+        build_plan(rollouts.sequences, config, groups=groups, routes=rollouts.routes,
+                   images=images)
         times.append((time.perf_counter() - start) * 1e3)
     return plan, statistics.median(times)
 
@@ -313,6 +342,11 @@ def _text(report: dict[str, Any], plan: SharingPlan) -> list[str]:
             f"tokens recomputed: routes differ inside token-identical prefixes "
             f"({report['route_divergent_share']:.1%} of what tokens alone would share)")]
           if "route_divergent_prefix_tokens" in report else []),
+        *([("vision tokens", f"{report['vision_tokens_computed']}",
+            f"computed of {report['vision_tokens_total']} image placeholder tokens"),
+           ("images", f"{report['vision_images_computed']}",
+            f"distinct (encoded once each) of {report['vision_images_total']}")]
+          if "vision_tokens_total" in report else []),
         ("sharing groups", f"{s['sharing_groups']}",
          f"largest: {s['largest_sharing_group']} sequences"),
         ("longest shared prefix", f"{s['longest_shared_prefix']}", "tokens"),

@@ -16,8 +16,8 @@ their sum:
 
 Each row also gives ``cost_imbalance`` (the costliest rank over the mean, by
 :func:`prefix_sharing.batching.computed_cost`) and ``groups_split`` (groups on several ranks).
-The rank plans share by token ids alone: recorded routes (``routed_experts``) are not applied
-to them.
+The rank plans share by token ids alone: recorded routes (``routed_experts``) and image hashes
+(``image_hashes``) are not applied to them.
 """
 
 from __future__ import annotations

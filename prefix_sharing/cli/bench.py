@@ -24,7 +24,7 @@ from ..workloads import scale_lengths
 from ..errors import InputError, MissingPackageError
 from .record import write_result
 from .options import (add_backend_option, add_dtype_option, add_engine_option,
-                      add_input_options, add_model_option,
+                      add_input_options, add_model_option, add_recompute_option,
                       add_sharing_options, load_batches, run_dtype, sharing_config,
                       user_input)
 
@@ -37,6 +37,8 @@ BENCH_SIZES = {
     "agent": dict(num_tasks=2, num_turns=3, branching=2, system_len=96, task_len=(16, 32),
                   turn_len=(16, 32)),
     "none": dict(num_sequences=8, seq_len=(160, 224)),
+    # issue 31's long history (32k tokens, 8 branches of 2k) at --length-scale 64
+    "history": dict(history_len=512, branches=8, branch_len=32),
 }
 
 
@@ -64,6 +66,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "its per-operator cost, dominate the step (default: 1)")
     parser.add_argument("--repeats", type=int, default=5,
                         help="timed steps per mode, after one warm-up (default: 5)")
+    add_recompute_option(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--plot", metavar="FILE.png", help="draw speedup against FLOP ratio")
     parser.add_argument("--record", metavar="FILE.json",
@@ -100,6 +103,10 @@ def run(args: argparse.Namespace) -> int:
     workloads = [BenchWorkload(name, seqs, groups) for name, seqs, groups in batches]
     if args.cross_micro_batch and args.token_budget is None:
         raise InputError("--cross-micro-batch needs --token-budget N")
+    if args.recompute is not None and (args.token_budget is None
+                                       or (args.tp, args.pp, args.cp) != (1, 1, 1)):
+        raise InputError("--recompute runs in the throughput view (--token-budget N, tp = pp = "
+                         "cp = 1); the step and context-parallel benches run without it")
     if (args.tp, args.pp, args.cp) != (1, 1, 1):
         return _bench_context_parallel(args, engine, model, config, workloads, dtype)
     if args.token_budget is not None:
@@ -175,6 +182,13 @@ def table(results: list[dict]) -> str:
                 f"{r['workload']:<10} {PEER_LABELS.get(name, name):<12} {r['tokens_total']:>7} "
                 f"{peer['tokens_computed']:>7} {'-':>7} {r['plain_ms']:>9.0f} {peer['ms']:>9.0f} "
                 f"{peer['speedup']:>8.2f} {'-':>8} {peer['memory_ratio']:>9.2f} {'-':>8}")
+    for r in results:
+        if "vision" in r:
+            v = r["vision"]
+            lines.append(f"{r['workload']:<10} vision: {v['vision_images_computed']} of "
+                         f"{v['vision_images_total']} images encoded, "
+                         f"{v['vision_tokens_computed']} of {v['vision_tokens_total']} vision "
+                         "tokens computed (plain: every image of every sequence)")
     lines += ["", "flop x: plain/shared FLOPs (the limit); speedup: plain/shared step time "
               "(median); of flop: speedup/flop x; memory x: plain/shared peak memory"]
     if any("peers" in r for r in results):

@@ -9,15 +9,17 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from ..config import BACKENDS, MODES, PrefixSharingConfig
+from ..engines.recompute import RECOMPUTE
 from ..planner import PromptGroup
 from ..presets import PRESETS, ModelPreset
 from ..rollouts import Rollouts, RolloutError, load_rollouts
-from ..workloads import WORKLOADS, make_workload
+from ..workloads import LONG_WORKLOADS, WORKLOADS, make_workload
 from ..errors import InputError, MissingPackageError
+from ..refusals import refuse
 
 __all__ = ["add_sharing_options", "add_backend_option", "add_dtype_option", "run_dtype",
            "DTYPES", "add_engine_option", "add_model_option", "add_input_options", "sharing_config",
-           "Batch", "load_batches", "read_rollouts", "user_input"]
+           "Batch", "load_batches", "read_rollouts", "user_input", "add_recompute_option"]
 
 Batch = tuple[str, list[torch.Tensor], list[PromptGroup] | None]  # name, sequences, groups
 
@@ -55,6 +57,12 @@ def add_backend_option(parser: argparse.ArgumentParser) -> None:
                         "dtype (default: %(default)s)")
 
 
+def add_recompute_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--recompute", choices=sorted(RECOMPUTE),
+                        help="megatron's activation recompute on every model of the run: full "
+                        "(each layer, uniform) or selective (core attention); default: none")
+
+
 def sharing_config(args: argparse.Namespace) -> PrefixSharingConfig:
     """The config the sharing options (and ``--backend``, where the command has it) give."""
     with user_input(ValueError):
@@ -79,12 +87,12 @@ def user_input(*errors: type[Exception]) -> Iterator[None]:
         raise InputError(str(error)) from error
 
 
-def read_rollouts(path: str) -> Rollouts:
+def read_rollouts(path: str, image_token_id: int | None = None) -> Rollouts:
     """:func:`load_rollouts`, with its errors (a missing or bad file, no pyarrow for Parquet)
     as input errors."""
     try:
         with user_input(RolloutError, OSError):
-            return load_rollouts(path)
+            return load_rollouts(path, image_token_id)
     except ImportError as error:  # load_rollouts' one ImportError: Parquet without pyarrow
         raise MissingPackageError(str(error)) from error
 
@@ -108,7 +116,8 @@ def add_input_options(parser: argparse.ArgumentParser, *, many_workloads: bool) 
     if many_workloads:
         source.add_argument("--workload", metavar="NAME", action="append",
                             help=f"a built-in micro-batch: {', '.join(WORKLOADS)} "
-                            "(repeatable; default: all)")
+                            f"(repeatable; default: all), or {', '.join(LONG_WORKLOADS)} "
+                            "(one group over the budget: with --token-budget)")
     else:
         source.add_argument("--workload", metavar="NAME", default="grpo",
                             help=f"a built-in micro-batch: {', '.join(WORKLOADS)} "
@@ -126,6 +135,9 @@ def load_batches(args: argparse.Namespace, model: ModelPreset,
     when omitted).
     """
     if args.sequences:
+        if model.image_grid is not None:
+            raise refuse("cli.vlm_preset_sequences", f"--model {model.name} --sequences "
+                         f"{args.sequences}")
         rollouts = read_rollouts(args.sequences)
         batches = [(args.sequences, rollouts.sequences, rollouts.groups)]
         largest = max(int(s.max()) for s in rollouts.sequences)
@@ -136,7 +148,7 @@ def load_batches(args: argparse.Namespace, model: ModelPreset,
         batches = []
         for name in names:
             with user_input(ValueError):  # an unknown name
-                w = make_workload(name, vocab_size=model.vocab_size, **(sizes or {}).get(name, {}))
+                w = make_workload(name, vocab_size=model.text_vocab_size, **(sizes or {}).get(name, {}))
             batches.append((name, w.sequences, w.groups))
     for name, seqs, _ in batches:
         _check_fits(name, seqs, model)

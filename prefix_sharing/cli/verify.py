@@ -8,7 +8,8 @@ log-probs, entropy, loss and gradients. Exit status 0 only when within tolerance
 With ``--token-budget N`` the shared run computes each group (a prompt group of the input, or
 the whole micro-batch) in micro-batches of at most N computed tokens, each of its shared
 prefixes once across them - a prefix longer than N in chunks, a sub-tree over N with its own
-shared blocks (cross-micro-batch sharing; PP=1, dense and MoE models) - and is judged against
+shared blocks (cross-micro-batch sharing; PP=1 and CP=1; tensor parallel, MoE presets with
+sequence parallelism, windows and ``--recompute`` too) - and is judged against
 the plain run of the same samples in the same micro-batches (one per suffix micro-batch, its samples
 whole: the stock step's split, over which MoE router statistics are taken).
 
@@ -26,17 +27,17 @@ import json
 
 from ..engines import get_engine
 from ..errors import InputError
+from ..engines.recompute import recompute_settings
 from ..engines.verify import VerifyRequest
 from ..config import PrefixSharingConfig
 from ..cross_micro_batch import plan_group
 from ..planner import PromptGroup, build_plan
 from ..presets import ModelPreset, get_preset
 from ..equivalence import FP32_RTOL, QUANTITIES
-from ..refusals import refuse
 from .options import (add_backend_option, add_dtype_option, add_engine_option,
-                      add_input_options, add_model_option,
-                      add_sharing_options, load_batches, run_dtype, sharing_config,
-                      user_input)
+                      add_input_options, add_model_option, add_recompute_option,
+                      add_sharing_options, load_batches, run_dtype,
+                      sharing_config, user_input)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -60,6 +61,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--token-budget", type=int, metavar="N",
                         help="run each group in micro-batches of at most N computed tokens, "
                         "each shared prefix computed once across them (pp=1)")
+    add_recompute_option(parser)
     parser.add_argument("--routing-replay", action="store_true",
                         help="replay recorded MoE routes (one diverging inside a shared prefix) "
                         "in every run (MoE presets)")
@@ -87,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
         routes, diverged_at = _replay_routes(args, engine.name, model, sequences, config, groups)
     request = VerifyRequest([(sequences, groups)], config, model, dtype, args.steps,
                             token_budget=args.token_budget,
-                            routes=None if routes is None else [routes])
+                            routes=None if routes is None else [routes],
+                            model_settings=recompute_settings(args.recompute))
     report, = engine.verify(request, args.tp, args.pp, args.cp)
     plan = build_plan(sequences, config, groups=groups if config.mode == "prompt_only" else None,
                       routes=routes)
@@ -97,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     report.update(input=name, engine=engine.name, model=model.name, vocab_size=model.vocab_size,
                   tp=args.tp, pp=args.pp, cp=args.cp, dtype=args.dtype, backend=config.backend,
                   steps=args.steps, mode=config.mode, tokens_total=plan.num_tokens_total,
-                  token_budget=args.token_budget,
+                  token_budget=args.token_budget, recompute=args.recompute,
                   tokens_unique=plan.num_tokens_unique, sequences=plan.num_sequences)
     print(json.dumps(report) if args.json else _text(report))
     return 0 if report["passed"] else 1
@@ -111,19 +114,11 @@ def _check_cross(args: argparse.Namespace, engine: str, model: ModelPreset,
         raise InputError("--token-budget (cross-micro-batch sharing) runs on the megatron "
                          f"engine with --pp 1 and --cp 1; got --engine {engine} --pp {args.pp} "
                          f"--cp {args.cp}")
-    if model.window_size is not None:
-        raise refuse("megatron.cross_micro_batch.window",
-                     f"--token-budget with the {model.name} preset's windows")
-
-    if model.num_experts and args.tp != 1:
-        raise InputError(f"--token-budget with the {model.name} preset's MoE layers runs with "
-                         f"--tp 1; got --tp {args.tp} (megatron's MoE needs sequence "
-                         "parallelism under tensor parallelism, which cross-micro-batch sharing "
-                         "does not support)")
     members = [list(range(len(sequences)))] if groups is None else [g.members for g in groups]
     for m in members:
         with user_input(ValueError):
-            plan_group([sequences[i] for i in m], args.token_budget, config)
+            plan_group([sequences[i] for i in m], args.token_budget, config,
+                       pad_to_multiple_of=args.tp)
 
 
 def _replay_routes(args: argparse.Namespace, engine: str, model: ModelPreset, sequences: list,
@@ -153,7 +148,8 @@ def _text(r: dict) -> str:
         f"verify {r['input']}: {r['sequences']} sequences, {r['tokens_total']} tokens, "
         f"{r['tokens_unique']} computed ({r['mode']}); {r['engine']} engine, {r['model']} model "
         f"(vocabulary {r['vocab_size']}), {r['dtype']}, {r['backend']} attention, "
-        f"tp={r['tp']} pp={r['pp']} cp={r['cp']}, {r['steps']} step(s)",
+        f"tp={r['tp']} pp={r['pp']} cp={r['cp']}, {r['steps']} step(s)"
+        + (f", {r['recompute']} activation recompute" if r.get("recompute") else ""),
         "",
         f"differences from the plain run in {r['reference_dtype']} (relative to each quantity's "
         "scale; allowed: 2x, grads 3x, the plain run's own, plus a floor)",

@@ -106,9 +106,11 @@ def _check_recurrent_layers(model: ModelPreset, tp: int = 1, cp: int = 1) -> Non
     :func:`~.megatron.preset_model`) on megatron-core 0.19.2, whose GDN module it shares; any
     other release would have to build them as something else, so it is refused. A Mamba-2
     hybrid preset is refused on every release (refusal ``cli.mamba_preset``, checked on 0.19.2's
-    ``ssm/mamba_mixer.py``)."""
+    ``ssm/mamba_mixer.py``); so is a vision-language preset (``cli.vlm_preset``)."""
     if model.mamba is not None:
         raise refuse("cli.mamba_preset", f"the {model.name} preset has Mamba-2 layers")
+    if model.image_grid is not None:
+        raise refuse("cli.vlm_preset", f"the {model.name} preset is a vision-language model")
     if model.full_attention_every is None:
         return
     from ..megatron_ext.stock_gdn import serves_gated_delta_net

@@ -44,6 +44,8 @@ class BenchWorkload:
     name: str
     sequences: list[torch.Tensor]
     groups: list[PromptGroup] | None  # prompt groups: also time mode="prompt_only"
+    # a vision-language model's images, verl's per-sample layout (engines/hf.py)
+    multi_modal_inputs: list[dict | None] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,7 +4,12 @@
 this package on its path), the shared run :func:`~prefix_sharing.fsdp_compat.shared_forward` on
 the plan; both are judged against the plain run repeated in higher precision, as for megatron
 (:func:`~prefix_sharing.engines.verify.summarize`). ``bench``: the plain packed step, the shared
-and prompt-only steps, and PrefixGrouper's step on the same model and weights.
+and prompt-only steps, and PrefixGrouper's step on the same model and weights. A
+vision-language preset (``image_grid``) gets one synthetic image in every prompt
+(:func:`with_images`); its steps pass the images to the forward (plain and shared alike encode
+each distinct image of the micro-batch once, so the step times compare the language model's
+work) and its results add ``vision``: the images and vision tokens a stock step encodes and
+computes, and those the shared step does.
 
 A preset with experts is built as Qwen3-MoE, one with q/k/v biases as Qwen2, any other as
 Llama. FSDP shards a model across
@@ -18,18 +23,22 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib.util
+import zlib
 
 import torch
 
 from ..config import PrefixSharingConfig
 from ..equivalence import advantages, compare_runs, pg_loss
 from ..errors import InputError, MissingPackageError
+from ..planner import PromptGroup
 from ..presets import ModelPreset
 from .bench import (BenchRequest, BenchWorkload, Progress, keep_freed_memory_in_heap,
                     time_workload)
 from .verify import VerifyRequest, reference_dtype, summarize
 
-__all__ = ["HFEngine", "family_of"]
+__all__ = ["HFEngine", "family_of", "with_images", "IMAGE_AFTER"]
+
+IMAGE_AFTER = 8  # tokens of each sequence before its image
 
 
 def family_of(preset: ModelPreset) -> str:
@@ -126,25 +135,72 @@ def _bench(request: BenchRequest) -> list[dict]:
     model = build_model(family_of(request.preset), request.preset, dtype=request.dtype)
     model = enable_prefix_sharing(model.to(device))
     register_peer_attention()
+    if request.preset.image_grid is not None:
+        request = dataclasses.replace(request, workloads=[
+            with_images(w, model.config, request.preset.image_grid, request.dtype, device)
+            for w in request.workloads])
     per_step = request.warmup + request.repeats
     total = sum(per_step * (2 + 2 * (w.groups is not None)) for w in request.workloads)
     progress = Progress(total, request.progress)
     results = [time_workload(model, w, request, progress, make_step=_step,
                              peers=_prefix_grouper_peer(model, w)) for w in request.workloads]
     progress.close()
+    for result, workload in zip(results, request.workloads):
+        if workload.multi_modal_inputs is not None:
+            result["vision"] = _vision_counts(model, workload, request.config)
     return results
+
+
+def with_images(workload: BenchWorkload, config, grid: tuple[int, int, int],
+                dtype: torch.dtype, device: str) -> BenchWorkload:
+    """``workload`` with an image after each sequence's first :data:`IMAGE_AFTER` tokens:
+    ``vision start, one placeholder per merged patch, vision end``, of random pixels
+    seeded by those tokens, so sequences that share them share the image (each GRPO group its
+    prompt's) and the plan of tokens and images is the plan of the tokens alone. Prompt groups
+    grow by the inserted run."""
+    t, h, w = grid
+    vision = config.vision_config
+    features = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    run = [config.vision_start_token_id] + [config.image_token_id] * (
+        t * h * w // vision.spatial_merge_size**2) + [config.vision_end_token_id]
+    sequences, mm = [], []
+    for seq in workload.sequences:
+        head = seq[:IMAGE_AFTER]
+        gen = torch.Generator().manual_seed(zlib.crc32(head.numpy().tobytes()))
+        pixels = torch.randn(t * h * w, features, generator=gen).to(device, dtype)
+        mm.append({"pixel_values": pixels, "image_grid_thw": torch.tensor([list(grid)])})
+        sequences.append(torch.cat([head, torch.tensor(run, dtype=seq.dtype), seq[IMAGE_AFTER:]]))
+    groups = None if workload.groups is None else [  # a shorter prompt holds no image
+        PromptGroup(g.prompt_len + len(run) * (g.prompt_len >= IMAGE_AFTER), g.members)
+        for g in workload.groups]
+    return BenchWorkload(workload.name, sequences, groups, mm)
+
+
+def _vision_counts(model: torch.nn.Module, workload: BenchWorkload,
+                   config: PrefixSharingConfig) -> dict[str, int]:
+    """Images and vision tokens: of the stock step (``*_total``), of the shared step."""
+    from ..fsdp_compat.vision import vision_batch
+    from ..planner import build_plan
+
+    images = vision_batch(model.config, workload.sequences, workload.multi_modal_inputs)
+    plan = build_plan(workload.sequences, config, images=images.tags)
+    return {k: int(v) for k, v in images.metrics(plan, prefix="").items()}
 
 
 def _step(model: torch.nn.Module, workload: BenchWorkload, config: PrefixSharingConfig):
     """One training step on the plan of ``config`` (``mode="off"``: the plain packed step)."""
     from ..fsdp_compat import ATTENTION_NAME, shared_forward
+    from ..fsdp_compat.vlm import is_vlm
 
     groups = workload.groups if config.mode == "prompt_only" else None
+    # the peer's step switches the attention away; a VLM's vision tower keeps its own
+    attention = {"text_config": ATTENTION_NAME} if is_vlm(model) else ATTENTION_NAME
 
     def step() -> None:
         model.zero_grad(set_to_none=True)
-        model.set_attn_implementation(ATTENTION_NAME)
-        stats = shared_forward(model, workload.sequences, config, groups=groups).stats
+        model.set_attn_implementation(attention)
+        stats = shared_forward(model, workload.sequences, config, groups=groups,
+                               multi_modal_inputs=workload.multi_modal_inputs).stats
         weights = advantages(stats.log_probs.numel(), seed=0).to(stats.log_probs.device)
         pg_loss(stats.log_probs, stats.entropy, weights).backward()
 
@@ -153,14 +209,14 @@ def _step(model: torch.nn.Module, workload: BenchWorkload, config: PrefixSharing
 
 def _prefix_grouper_peer(model: torch.nn.Module, workload: BenchWorkload) -> dict:
     """PrefixGrouper's step on a grouped batch (none for a batch without prompt groups, nor for
-    a Gated DeltaNet or Mamba-2 hybrid: PrefixGrouper shares attention only); the tokens it computes are
-    its padded grid, ``groups x longest group``."""
+    a Gated DeltaNet or Mamba-2 hybrid: PrefixGrouper shares attention only, nor with images);
+    the tokens it computes are its padded grid, ``groups x longest group``."""
     from ..fsdp_compat import HYBRID_FAMILIES, MAMBA_HYBRID_FAMILIES
     from ..fsdp_compat.prefix_grouper_peer import (PEER_ATTENTION_NAME, grouped_batch,
                                                    prefix_grouper_forward)
 
-    if workload.groups is None or model.config.model_type in (*HYBRID_FAMILIES,
-                                                              *MAMBA_HYBRID_FAMILIES):
+    if workload.groups is None or workload.multi_modal_inputs is not None or (
+            model.config.model_type in (*HYBRID_FAMILIES, *MAMBA_HYBRID_FAMILIES)):
         return {}
     device = model.get_input_embeddings().weight.device
 

@@ -13,7 +13,14 @@ With ``cross_micro_batch`` (``bench --token-budget N --cross-micro-batch``) a th
 ``cross``, runs each group (a prompt group of the workload, or the whole workload) as its
 common prefix once plus suffix micro-batches of at most N computed tokens
 (:mod:`~prefix_sharing.engines.cross_micro_batch`), where ``shared`` cuts a group larger than
-the budget and recomputes its prefix in every piece.
+the budget and recomputes its prefix in every piece; and a reference mode, ``whole``, runs each
+workload as one shared micro-batch, the budget ignored. The cross view also reports per mode
+the tokens and FLOPs computed (:func:`~prefix_sharing.flops.count_flops` over the plans each
+micro-batch runs), the peak memory of the whole batch's step
+(:func:`~prefix_sharing.engines.bench.peak_memory_bytes`, a separate untimed run) and, for
+``cross``, the K/V bytes held across micro-batches; each against ``whole``. Its sequences may
+exceed the budget: the ordinary split then runs each alone (``oversized``), its history
+recomputed in every piece.
 """
 
 from __future__ import annotations
@@ -28,11 +35,13 @@ from ..batching import MicroBatchSplit, split_micro_batches
 from ..config import PrefixSharingConfig
 from ..cross_micro_batch import plan_group
 from ..errors import InputError
+from ..flops import count_flops
+from ..planner import build_plan
 from ..presets import ModelPreset
-from ..refusals import refuse
 from .bench import (BenchWorkload, Progress, keep_freed_memory_in_heap, megatron_training_step,
-                    timed)
+                    peak_memory_bytes, timed)
 from .launch import run_distributed
+from .recompute import recompute_settings
 
 __all__ = ["ThroughputRequest", "run_throughput", "throughput_job", "time_split", "table",
            "throughput_report"]
@@ -49,11 +58,12 @@ class ThroughputRequest:
     dtype: torch.dtype = torch.float32
     progress: bool = True
     cross_micro_batch: bool = False
+    model_settings: dict = dataclasses.field(default_factory=dict)  # e.g. activation recompute
 
     def __post_init__(self) -> None:
         if self.token_budget < 1:
             raise InputError(f"--token-budget must be at least 1; got {self.token_budget}")
-        for w in self.workloads:
+        for w in self.workloads if not self.cross_micro_batch else ():
             longest = max(len(s) for s in w.sequences)
             if longest > self.token_budget:
                 raise InputError(f"--token-budget {self.token_budget} is below the longest "
@@ -77,12 +87,14 @@ def throughput_report(args, engine, model: ModelPreset, config: PrefixSharingCon
                          "leave it out with --token-budget")
     request = ThroughputRequest(workloads, config, model, args.token_budget,
                                 repeats=args.repeats, dtype=dtype,
-                                cross_micro_batch=args.cross_micro_batch)
+                                cross_micro_batch=args.cross_micro_batch,
+                                model_settings=recompute_settings(args.recompute))
     if request.cross_micro_batch:
         check_cross(request)
     results = run_throughput(engine, request)
     report = {"engine": engine.name, "model": model.name, "dtype": args.dtype,
-              "token_budget": args.token_budget, "repeats": args.repeats, "results": results}
+              "token_budget": args.token_budget, "recompute": args.recompute,
+              "repeats": args.repeats, "results": results}
     return report, table(results)
 
 
@@ -92,10 +104,11 @@ def throughput_job(rank: int, request: ThroughputRequest) -> list[dict]:
 
     if not torch.cuda.is_available():
         keep_freed_memory_in_heap()
-    model = preset_model(request.preset, layout="shared", dtype=request.dtype)
+    model = preset_model(request.preset, layout="shared", dtype=request.dtype,
+                         **request.model_settings)
     splits = [_splits(w, request) for w in request.workloads]
     steps = sum(len(s.micro_batches) for pair in splits for s in pair.values())
-    steps += len(request.workloads) if request.cross_micro_batch else 0
+    steps += 2 * len(request.workloads) if request.cross_micro_batch else 0  # whole, cross
     progress = Progress(steps * (request.warmup + request.repeats), request.progress)
     results = [time_split(model, w, s, request, progress) for w, s in zip(request.workloads, splits)]
     progress.close()
@@ -119,6 +132,7 @@ def time_split(model: torch.nn.Module, workload: BenchWorkload,
         for mode, split in splits.items()
     }
     if request.cross_micro_batch:
+        steps["whole"] = [megatron_training_step(model, workload, request.config)]
         steps["cross"] = [cross_training_step(model, workload, request)]
     times: dict[str, list[float]] = {mode: [] for mode in steps}
     for i in range(request.warmup + request.repeats):
@@ -144,6 +158,7 @@ def time_split(model: torch.nn.Module, workload: BenchWorkload,
             "batch_ms": batch_s * 1e3,
             "batch_steps_ms": [t * 1e3 for t in times[mode]],
             "sequences_per_s": n / batch_s,
+            "oversized": len(split.oversized),
         }
     result["throughput_ratio"] = (result["shared"]["sequences_per_s"]
                                   / result["plain"]["sequences_per_s"])
@@ -160,15 +175,46 @@ def time_split(model: torch.nn.Module, workload: BenchWorkload,
             "sequences_per_s": n / batch_s,
         }
         result["cross_throughput_ratio"] = n / batch_s / result["plain"]["sequences_per_s"]
+        _against_whole(model, workload, request, splits, steps, times, result)
     return result
+
+
+def _against_whole(model: torch.nn.Module, workload: BenchWorkload, request: ThroughputRequest,
+                   splits: dict[str, MicroBatchSplit], steps: dict[str, list[Callable[[], None]]],
+                   times: dict[str, list[float]], result: dict) -> None:
+    """The cross view's figures per mode, each against ``whole`` (see the module doc)."""
+    configs = {"plain": dataclasses.replace(request.config, mode="off"), "shared": request.config}
+    plans = {mode: [build_plan([workload.sequences[i] for i in mb], configs[mode])
+                    for mb in split.micro_batches] for mode, split in splits.items()}
+    plans["whole"] = [build_plan(workload.sequences, request.config)]
+    schedules = [plan_group([workload.sequences[i] for i in members], request.token_budget,
+                            request.config) for members in _groups(workload)]
+    plans["cross"] = [p for s in schedules
+                      for p in [b.plan for b in s.blocks] + [x.plan for x in s.suffixes]]
+    whole_s = statistics.median(times["whole"])
+    result["whole"] = {"micro_batches": 1, "sequences_per_micro_batch": float(len(workload.sequences)),
+                       "max_tokens_computed": plans["whole"][0].num_tokens_unique,
+                       "groups_split": 0, "batch_ms": whole_s * 1e3,
+                       "batch_steps_ms": [t * 1e3 for t in times["whole"]],
+                       "sequences_per_s": len(workload.sequences) / whole_s}
+    for mode, mode_plans in plans.items():
+        flops = [count_flops(p, request.preset) for p in mode_plans]
+        model.zero_grad(set_to_none=True)  # every measured step starts without gradients
+        entry = result[mode]
+        entry["tokens_computed"] = sum(p.num_tokens_unique for p in mode_plans)
+        entry["flops"] = sum(f.plain if mode == "plain" else f.shared for f in flops)
+        entry["peak_mb"] = peak_memory_bytes(lambda: [step() for step in steps[mode]]) / 2**20
+    whole = result["whole"]
+    for mode in plans:
+        result[mode]["vs_whole"] = {
+            "time": result[mode]["batch_ms"] / whole["batch_ms"],
+            "tokens": result[mode]["tokens_computed"] / whole["tokens_computed"],
+            "flops": result[mode]["flops"] / whole["flops"],
+            "peak": result[mode]["peak_mb"] / whole["peak_mb"]}
 
 
 def check_cross(request: ThroughputRequest) -> None:
     """What the cross mode cannot run, as one line before the rank starts."""
-    if request.preset.window_size is not None:
-        raise refuse("megatron.cross_micro_batch.window",
-                     f"--cross-micro-batch with the {request.preset.name} preset's windows")
-
     for w in request.workloads:
         for members in _groups(w):
             try:
@@ -206,7 +252,7 @@ def table(results: list[dict]) -> str:
     lines = [header]
     ratios = {"shared": "throughput_ratio", "cross": "cross_throughput_ratio"}
     for r in results:
-        for mode in ("plain", "shared", "cross"):
+        for mode in ("plain", "shared", "cross", "whole"):
             if mode not in r:
                 continue
             e = r[mode]
@@ -220,7 +266,28 @@ def table(results: list[dict]) -> str:
               "seq/s x: shared/plain sequences per second (median batch time)"]
     if any("cross" in r for r in results):
         lines.append("cross: each group's prefix once across micro-batches (prefix + suffix "
-                     "micro-batches)")
+                     "micro-batches); whole: the workload as one shared micro-batch, the "
+                     "budget ignored")
+        lines += ["", _against_whole_table(results)]
+    return "\n".join(lines)
+
+
+def _against_whole_table(results: list[dict]) -> str:
+    """The cross view's second table: what each mode computes and holds, against ``whole``."""
+    lines = [f"{'workload':<10} {'mode':<7} {'tokens':>7} {'GFLOP':>8} {'peak MB':>8} "
+             f"{'held MB':>8} {'time x':>7} {'tok x':>6} {'flop x':>7} {'peak x':>7}"]
+    for r in results:
+        for mode in ("whole", "plain", "shared", "cross"):
+            e = r[mode]
+            held = f"{e['held_bytes'] / 2**20:>8.1f}" if "held_bytes" in e else f"{'-':>8}"
+            x = e["vs_whole"]
+            lines.append(
+                f"{r['workload']:<10} {mode:<7} {e['tokens_computed']:>7} "
+                f"{e['flops'] / 1e9:>8.1f} {e['peak_mb']:>8.0f} {held} {x['time']:>7.2f} "
+                f"{x['tokens']:>6.2f} {x['flops']:>7.2f} {x['peak']:>7.2f}")
+    lines += ["", "tokens, GFLOP: computed by the batch's micro-batches (forward + backward); "
+              "peak MB: the batch's step (a separate run); held MB: K/V leaves and gradients "
+              "kept across micro-batches; x: against whole (time: median batch time)"]
     return "\n".join(lines)
 
 

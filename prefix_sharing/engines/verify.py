@@ -47,7 +47,9 @@ __all__ = ["VerifyRequest", "verify_job", "plain_runs_job", "verify_cp_job", "su
 class VerifyRequest:
     """Micro-batches (each: sequences and, for ``prompt_only`` or a ``token_budget``, prompt
     groups) to verify; ``token_budget``: run the shared side across micro-batches of this many
-    computed tokens; ``routes``: per micro-batch, the recorded MoE routes to replay."""
+    computed tokens; ``routes``: per micro-batch, the recorded MoE routes to replay;
+    ``model_settings``: TransformerConfig fields of every model of the run (e.g. activation
+    recompute)."""
 
     batches: list[tuple[list[torch.Tensor], list[PromptGroup] | None]]
     config: PrefixSharingConfig
@@ -58,6 +60,7 @@ class VerifyRequest:
     lr: float = 1e-3
     token_budget: int | None = None
     routes: list[list[torch.Tensor]] | None = None
+    model_settings: dict = dataclasses.field(default_factory=dict)
 
 
 def reference_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -87,8 +90,9 @@ def verify_job(rank: int, request: VerifyRequest) -> list[list[dict]]:
 
 
 def _replay_settings(request: VerifyRequest) -> dict:
-    """The model settings the request's routes need (none without routes)."""
-    return {} if request.routes is None else {"moe_enable_routing_replay": True}
+    """The model settings of every model of the request: its own, and what its routes need."""
+    replay = {} if request.routes is None else {"moe_enable_routing_replay": True}
+    return {**request.model_settings, **replay}
 
 
 def _batch_routes(request: VerifyRequest) -> list[list | None]:

@@ -18,13 +18,17 @@ verl hands a VLM micro-batch over as token sequences plus, per sequence, its
 Refused with one clear error each: a placeholder count or run that does not match the grid,
 ``pixel_values`` without ``image_grid_thw`` (or patches that do not fill the grids),
 placeholders without images, and video inputs (refusal ``hf.video``).
+
+A rollout dump names each image by the same digest (:func:`image_hashes`, hex): ``prefix-sharing
+analyze`` tags the placeholder runs of its sequences from those names (:func:`hashed_image_tags`)
+and plans them as the sharing forward would.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -33,7 +37,8 @@ from ..errors import InputError
 from ..plan import SharingPlan
 from ..refusals import refuse
 
-__all__ = ["VisionBatch", "vision_batch", "flat_tags", "image_rows"]
+__all__ = ["VisionBatch", "ImageTags", "vision_batch", "image_hashes", "hashed_image_tags",
+           "vision_metrics", "flat_tags", "image_rows"]
 
 _VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 _IMAGE_KEYS = ("pixel_values", "image_grid_thw")
@@ -69,12 +74,39 @@ class VisionBatch:
         """Images and image tokens: what the plain forward encodes and computes, and what
         ``plan`` does (``vision_images_total`` / ``_computed``, ``vision_tokens_total`` /
         ``_computed``)."""
-        placeholders = torch.cat(self.tags)[:, 0] > 0
-        rows = plan.kv_index.cpu()[placeholders]
-        return {f"{prefix}vision_images_total": float(self.images_total),
-                f"{prefix}vision_images_computed": float(self.images_computed),
-                f"{prefix}vision_tokens_total": float(rows.numel()),
-                f"{prefix}vision_tokens_computed": float(rows.unique().numel())}
+        return vision_metrics(plan, self.tags, self.images_total, self.images_computed, prefix)
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageTags:
+    """A rollout dump's images, named by their hashes (:func:`hashed_image_tags`).
+
+    Attributes:
+        tags: per sequence, ``(L_i, 2)`` int64 placeholder tags (the planner's ``images=``).
+        images_total: images over all sequences.
+        images_distinct: distinct hashes (the images the sharing forward's encoder runs on).
+    """
+
+    tags: list[torch.Tensor]
+    images_total: int
+    images_distinct: int
+
+    def metrics(self, plan: SharingPlan, prefix: str = "") -> dict[str, float]:
+        """As :meth:`VisionBatch.metrics`."""
+        return vision_metrics(plan, self.tags, self.images_total, self.images_distinct, prefix)
+
+
+def vision_metrics(plan: SharingPlan, tags: Sequence[torch.Tensor], images_total: int,
+                   images_computed: int, prefix: str = "prefix_sharing/") -> dict[str, float]:
+    """Images and image tokens: what the plain forward encodes and computes (every image, every
+    placeholder token), and what ``plan`` does (the distinct images; each placeholder row it
+    computes once)."""
+    placeholders = torch.cat(list(tags))[:, 0] > 0
+    rows = plan.kv_index.cpu()[placeholders]
+    return {f"{prefix}vision_images_total": float(images_total),
+            f"{prefix}vision_images_computed": float(images_computed),
+            f"{prefix}vision_tokens_total": float(rows.numel()),
+            f"{prefix}vision_tokens_computed": float(rows.unique().numel())}
 
 
 def vision_batch(config: object, sequences: Sequence[torch.Tensor],
@@ -103,19 +135,17 @@ def vision_batch(config: object, sequences: Sequence[torch.Tensor],
                          f"(video_token_id={config.video_token_id})")
         mm = None if multi_modal_inputs is None else multi_modal_inputs[i]
         images = _images(i, ids, mm, config.image_token_id, merge)
-        tag = torch.zeros(ids.numel(), 2, dtype=torch.int64)
-        for start, count, pixel, grid in images:
-            key = _digest(pixel, grid)
+        keys = [_digest(pixel, grid) for _, _, pixel, grid in images]
+        for key, (_, count, pixel, grid) in zip(keys, images):
             if key not in distinct:
                 distinct[key] = len(distinct)
                 pixels.append(pixel)
                 grids_d.append(grid)
                 offsets.append(rows)
                 rows += count
-            tag[start:start + count, 0] = distinct[key] + 1
-            tag[start:start + count, 1] = torch.arange(1, count + 1)
         total += len(images)
-        tags.append(tag)
+        tags.append(_tags(ids.numel(), [(a, n) for a, n, *_ in images],
+                          [distinct[key] for key in keys]))
         grids.append(torch.stack([g for *_, g in images]) if images else None)
     if not distinct:
         return None
@@ -128,6 +158,24 @@ def _images(i: int, ids: torch.Tensor, mm: Mapping | None, image_token_id: int,
     """``(first placeholder, placeholder count, patches, grid)`` of each image of sequence
     ``i``, in order; checks them against its placeholder runs."""
     runs = _placeholder_runs(ids == image_token_id)
+    pieces = _pieces(i, mm)
+    if not pieces:
+        if runs:
+            raise InputError(f"sequence {i} holds {sum(n for _, n in runs)} image placeholder "
+                             f"tokens (image_token_id={image_token_id}) but no pixel_values")
+        return []
+    grid = torch.stack([g for _, g in pieces])
+    counts = (grid.prod(-1) // merge**2).tolist()
+    if [n for _, n in runs] != counts:
+        raise InputError(
+            f"sequence {i}: its image placeholder runs hold {[n for _, n in runs]} tokens but "
+            f"image_grid_thw {grid.tolist()} (spatial merge {merge}) needs {counts}, one run "
+            "per image in order")
+    return [(start, n, piece, g) for (start, n), (piece, g) in zip(runs, pieces)]
+
+
+def _pieces(i: int, mm: Mapping | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(patches, grid)`` of each image of sample ``i``'s ``multi_modal_inputs``, in order."""
     mm = dict(mm or {})
     video = [k for k in _VIDEO_KEYS if mm.get(k) is not None]
     if video:
@@ -140,9 +188,6 @@ def _images(i: int, ids: torch.Tensor, mm: Mapping | None, image_token_id: int,
     if pixel_values is None:
         if grid is not None:
             raise InputError(f"sequence {i} has image_grid_thw but no pixel_values")
-        if runs:
-            raise InputError(f"sequence {i} holds {sum(n for _, n in runs)} image placeholder "
-                             f"tokens (image_token_id={image_token_id}) but no pixel_values")
         return []
     if grid is None:
         raise InputError(f"sequence {i} has pixel_values but no image_grid_thw: the grid says "
@@ -152,14 +197,54 @@ def _images(i: int, ids: torch.Tensor, mm: Mapping | None, image_token_id: int,
     if int(patches.sum()) != pixel_values.size(0):
         raise InputError(f"sequence {i}: pixel_values has {pixel_values.size(0)} patches but "
                          f"image_grid_thw {grid.tolist()} makes {int(patches.sum())}")
-    counts = (patches // merge**2).tolist()
-    if [n for _, n in runs] != counts:
-        raise InputError(
-            f"sequence {i}: its image placeholder runs hold {[n for _, n in runs]} tokens but "
-            f"image_grid_thw {grid.tolist()} (spatial merge {merge}) needs {counts}, one run "
-            "per image in order")
-    pieces = torch.split(pixel_values, patches.tolist())
-    return [(start, n, piece, g) for (start, n), piece, g in zip(runs, pieces, grid)]
+    return list(zip(torch.split(pixel_values, patches.tolist()), grid))
+
+
+def image_hashes(multi_modal_inputs: Mapping | None) -> list[str]:
+    """The hex digest of each image of one sample's ``multi_modal_inputs`` (verl's per-sample
+    layout: ``pixel_values``, ``image_grid_thw``), in order: what a rollout dump's
+    ``image_hashes`` holds for ``prefix-sharing analyze``, and the identity the sharing forward
+    gives the image (its pixel bytes, dtype, shape and grid)."""
+    return [_digest(piece, grid).hex() for piece, grid in _pieces(0, multi_modal_inputs)]
+
+
+def hashed_image_tags(sequences: Sequence[torch.Tensor], image_token_id: int,
+                      hashes: Sequence[Sequence[str]],
+                      where: Callable[[int], str] = "sequence {}".format) -> ImageTags:
+    """The placeholder tags of a micro-batch whose images are known by name only: sequence
+    ``i``'s placeholder runs (of ``image_token_id``) are its ``hashes[i]``, in order; equal
+    hashes are one image. ``where(i)`` names sequence ``i`` in errors.
+
+    Raises:
+        InputError: a sequence whose hashes do not match its placeholder runs one to one, or
+            one hash with runs of different lengths (one image has one token count).
+    """
+    distinct: dict[str, tuple[int, int]] = {}  # hash -> (index, placeholder count)
+    tags, total = [], 0
+    for i, (seq, names) in enumerate(zip(sequences, hashes)):
+        ids = torch.as_tensor(seq).to("cpu", torch.int64)
+        runs = _placeholder_runs(ids == image_token_id)
+        if len(runs) != len(names):
+            raise InputError(f"{where(i)}: {len(names)} image hashes but {len(runs)} runs of "
+                             f"image placeholder tokens (id {image_token_id}); one hash per "
+                             "run, in order")
+        for name, (_, n) in zip(names, runs):
+            index, count = distinct.setdefault(name, (len(distinct), n))
+            if count != n:
+                raise InputError(f"{where(i)}: image {name} has {n} placeholder tokens here "
+                                 f"but {count} before; one image has one token count")
+        tags.append(_tags(ids.numel(), runs, [distinct[name][0] for name in names]))
+        total += len(names)
+    return ImageTags(tags, total, len(distinct))
+
+
+def _tags(length: int, runs: Sequence[tuple[int, int]], images: Sequence[int]) -> torch.Tensor:
+    """``(length, 2)`` tags of one sequence: run ``k`` holds distinct image ``images[k]``."""
+    tag = torch.zeros(length, 2, dtype=torch.int64)
+    for (start, count), image in zip(runs, images):
+        tag[start:start + count, 0] = image + 1
+        tag[start:start + count, 1] = torch.arange(1, count + 1)
+    return tag
 
 
 def _placeholder_runs(mask: torch.Tensor) -> list[tuple[int, int]]:

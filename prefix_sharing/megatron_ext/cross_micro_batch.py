@@ -41,9 +41,12 @@ vocab-parallel reductions), with or without sequence parallelism: the all-gather
 QKV projection hands core attention every row of the micro-batch, so the K/V leaves are the
 same as without it; each micro-batch's rows are padded to a multiple of the tensor-parallel
 size (the schedule planned with ``pad_to_multiple_of``) and a block's pad rows are not kept.
-Dense and MoE models. Pipeline parallelism, sliding windows, and MoE router statistics under
-sequence parallelism (which megatron's MoE needs under TP: each rank would route a slice of
-the prefix's logits) are refused by name.
+Dense and MoE models (router statistics under sequence parallelism too: each rank routes its
+slice of every suffix's plain view, the prefix's logits kept whole). Activation recompute
+(full or selective): a recomputed layer replays its first run's mode
+(:class:`~.prefix_kv.PrefixKVPass`). Sliding windows (a suffix's gather of the prefix rows
+trimmed to the window, as any plan's). Pipeline parallelism is refused by name (context
+parallelism by the core attention).
 """
 
 from __future__ import annotations
@@ -59,7 +62,6 @@ from ..logprobs import token_log_probs
 from ..refusals import Refused, refuse_all
 from .checks import UnsupportedSetupError
 from .logprobs import vocab_shard
-from .moe import PrefixSharingRouter
 from .packed_seq import PlanPackedSeqParams
 from .prefix_kv import PrefixKV, PrefixKVStack
 
@@ -295,18 +297,8 @@ def check_group_model(model: torch.nn.Module) -> None:
     """Raises :class:`UnsupportedSetupError` naming every setting a group run cannot honour."""
     config = get_attr_wrapped_model(model, "config")
     found = []
-    if config.sequence_parallel and config.num_moe_experts:
-        keeping = [name for name, module in model.named_modules()
-                   if isinstance(module, PrefixSharingRouter) and module.keeps_statistics()]
-        if keeping:
-            found.append(Refused("megatron.cross_micro_batch.sp_router_statistics",
-                                 f"sequence_parallel=True with num_moe_experts="
-                                 f"{config.num_moe_experts}; {keeping[0]}"))
     if config.pipeline_model_parallel_size > 1:
         found.append(Refused("megatron.cross_micro_batch.pipeline",
                              f"pipeline_model_parallel_size={config.pipeline_model_parallel_size}"))
-    if config.window_size is not None:
-        found.append(Refused("megatron.cross_micro_batch.window",
-                             f"window_size={config.window_size}"))
     if found:
         raise refuse_all(found, error=UnsupportedSetupError)

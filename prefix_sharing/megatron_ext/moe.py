@@ -210,29 +210,47 @@ class PrefixSharingRouter(TopKRouter, FlatRowsRouter):
                                       padding_mask: torch.Tensor | None):
         """A micro-batch of a group run across micro-batches (see the module doc): the prefix
         micro-batch records its logits and routes per token without statistics; a suffix
-        micro-batch routes the plain view of ``cat(prefix logits, own logits)``."""
+        micro-batch routes the plain view of ``cat(prefix logits, own logits)``.
+
+        Under sequence parallelism each rank holds a slice of the flat rows: the prefix's
+        logits are recorded whole (gathered; the backward reduce-scatters each rank's
+        statistics' gradients back onto the rows' owners), and a suffix routes this rank's
+        slice of its padded plain view, as the stock router routes its slice of the plain
+        micro-batch, the slices' probabilities and choices all-gathered back."""
         found = [refused for refused, on in (
             (Refused("megatron.cross_micro_batch.router_replay"), self._routes is not None),
             (Refused("megatron.cross_micro_batch.router_padding_mask"), padding_mask is not None),
-            (Refused("megatron.cross_micro_batch.router_sharding"),
-             self._sharding_group() is not None)) if on]
+            (Refused("megatron.cross_micro_batch.context_parallel", "the router's statistics"),
+             self.cp_group.size() > 1)) if on]
         if found:
             raise refuse_all(found, error=UnsupportedSetupError)
-        flat_logits = logits.reshape(-1, self.num_experts)  # [T_flat, E]
+        group = self._sharding_group()
+        shards = 1 if group is None else group.size()
+        flat_logits = logits.reshape(-1, self.num_experts)  # [T_flat / shards, E]
+        whole = flat_logits
+        if shards > 1 and (self._prefix.mode == "record" or self._computes_statistics()):
+            whole = gather_from_sequence_parallel_region(flat_logits, group=group)  # [T_flat, E]
         if self._prefix.mode == "record":
-            self._prefix.exchange_router_logits(self.layer_number, flat_logits)
+            # what the prefix routes carries the readers' gradients when it is recomputed
+            used = self._prefix.exchange_router_logits(self.layer_number, whole)
+            if shards > 1:
+                used = used.chunk(shards)[group.rank()]
             self._quiet = True
             try:
-                return super().routing(logits)
+                return super().routing(used.view_as(logits))
             finally:
                 self._quiet = False
         if not self._computes_statistics():
             return super().routing(logits)
-        rows = self._prefix.exchange_router_logits(self.layer_number, flat_logits)
-        view = plain_batch_view(self._plan, self.get_aux_loss_coeff("seq_aux_loss") > 0,
-                                external_rows=rows.size(0) - flat_logits.size(0))
+        rows = self._prefix.exchange_router_logits(self.layer_number, whole)
+        view = plain_batch_view(self._plan, self.routes_padded_batch(), shards,
+                                group.rank() if shards > 1 else 0,
+                                external_rows=rows.size(0) - whole.size(0))
         probs, routing_map = super().routing(view.gather(rows), padding_mask=view.padding_mask)
-        return view.select(probs), view.select(routing_map)  # [T_flat, E] each
+        if shards > 1:  # this rank's flat rows may be read in another rank's slice
+            probs = gather_from_sequence_parallel_region(probs, group=group)
+            routing_map = gather_from_sequence_parallel_region(routing_map, group=group)
+        return view.select(probs), view.select(routing_map)  # [T_flat / shards, E] each
 
     def is_aux_loss_enabled(self) -> bool:
         """Megatron's answer, except while a group's prefix micro-batch routes (its tokens'

@@ -27,7 +27,7 @@ from ..plan import SharingPlan
 from ..planner import PromptGroup, TokenSequence, build_plan
 from .checks import assert_same_plan
 from .context_parallel import ContextParallelSlice, slice_plan
-from .prefix_kv import PrefixKV, PrefixKVStack
+from .prefix_kv import PrefixKV, PrefixKVPass, PrefixKVStack
 from .routing_replay import flat_routes
 
 __all__ = [
@@ -51,7 +51,9 @@ class PlanPackedSeqParams(PackedSeqParams):
             parallelism).
         prefix_kv: a group's prefix K/V across micro-batches
             (:mod:`prefix_sharing.megatron_ext.cross_micro_batch`): recorded by the prefix
-            micro-batch, read by a suffix micro-batch whose plan addresses those rows first.
+            micro-batch, read by a suffix micro-batch whose plan addresses those rows first;
+            this forward's view of them, its mode fixed when the params were built (a
+            recomputed layer replays it: :class:`~.prefix_kv.PrefixKVPass`).
         routes: ``[T_flat, moe_layers, topk]`` int64, the recorded route of every flat row, for
             MoE routing replay (:mod:`.routing_replay`), or ``None``.
         record_routes: the routers record the flat rows' routes in this forward (read them
@@ -61,7 +63,7 @@ class PlanPackedSeqParams(PackedSeqParams):
     plan: SharingPlan | None = None
     backend: str = "auto"
     cp: ContextParallelSlice | None = None
-    prefix_kv: PrefixKV | PrefixKVStack | None = None
+    prefix_kv: PrefixKVPass | PrefixKVStack | None = None
     routes: torch.Tensor | None = None
     record_routes: bool = False
     _rotary_cache: tuple[torch.Tensor, torch.Tensor] | None = dataclasses.field(
@@ -71,9 +73,14 @@ class PlanPackedSeqParams(PackedSeqParams):
     @classmethod
     def from_plan(cls, plan: SharingPlan, backend: str = "auto", *,
                   cp: ContextParallelSlice | None = None,
-                  prefix_kv: PrefixKV | PrefixKVStack | None = None,
+                  prefix_kv: PrefixKV | PrefixKVPass | PrefixKVStack | None = None,
                   routes: torch.Tensor | None = None,
                   record_routes: bool = False) -> PlanPackedSeqParams:
+        """The params of one forward of ``plan``; a :class:`~.prefix_kv.PrefixKV` (or a
+        stack of them) is bound here, in its current mode, for this forward and its
+        recomputed layers."""
+        if isinstance(prefix_kv, (PrefixKV, PrefixKVStack)):
+            prefix_kv = prefix_kv.forward_pass()
         return cls(
             qkv_format="thd",
             cu_seqlens_q=plan.cu_seqlens_q,

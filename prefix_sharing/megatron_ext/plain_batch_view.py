@@ -59,7 +59,7 @@ class PlainBatchView:
     With ``external_rows`` (a suffix micro-batch across micro-batches, whose ``kv_index``
     addresses its group's ``external_rows`` prefix rows first) the rows index ``cat(prefix
     rows, flat rows)``, the sentinel is ``external_rows + T_flat`` and ``readers`` cover the
-    flat rows only.
+    flat rows only (this shard's, under sequence parallelism).
     """
 
     rows: torch.Tensor
@@ -73,15 +73,14 @@ class PlainBatchView:
            external_rows: int = 0) -> PlainBatchView:
         """Shard ``shard`` of ``shards`` of the view of ``plan``: padded per sequence, or the
         packed plain batch (one shard only); with ``z_loss_slices``, its z-loss weights; with
-        ``external_rows``, over a group's prefix rows and then the flat rows (one shard)."""
+        ``external_rows``, over a group's prefix rows (held whole by every shard) and then
+        the flat rows."""
         if plan.num_tokens_flat % shards:
             raise ValueError(f"the flat layout's {plan.num_tokens_flat} rows do not split into "
                              f"{shards} sequence-parallel shards; plan with pad_to_multiple_of="
                              f"{shards}")
         if shards > 1 and not per_sequence:
             raise ValueError("the packed plain batch has one shard; shard it per sequence")
-        if shards > 1 and external_rows:
-            raise ValueError("a view over a group's external prefix rows has one shard")
         kv_index = plan.kv_index
         sentinel = external_rows + plan.num_tokens_flat
         if per_sequence:

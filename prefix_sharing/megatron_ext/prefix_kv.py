@@ -16,6 +16,21 @@ cannot call :meth:`PrefixKV.backward` itself after the last suffix; there the la
 *reads through* (mode ``"read_last"``): it attends to the recorded K/V themselves, with the
 leaves' accumulated gradients added on the way back (:func:`read_through`), so that suffix's own
 backward runs the prefix's backward too, once, inside the same pass.
+
+**Activation recompute.** Megatron's recompute (full: a chunk of layers; selective: core
+attention) runs a layer's first forward without grad and runs it again inside the backward,
+with the same ``packed_seq_params``. So each forward reads the store through its own
+:class:`PrefixKVPass` (built with its micro-batch's params, its mode fixed then), and a
+recomputed layer replays the mode of its first run, whatever micro-batch runs meanwhile. A
+recorded layer whose first run kept no graph cannot hand its K/V to :meth:`PrefixKV.backward`
+or to a last reader: it records once (the first run's values; the replay records nothing) and
+its replay, which carries the graph, *injects* the leaves' accumulated gradients into its own
+K/V (:func:`read_through` on the replay's K/V); its readers, the last one included, read the
+leaves. The injection reads the leaves when the prefix's backward reaches that layer, so every
+reader's backward must have accumulated into them by then: after the last suffix in the group
+driver; in one backward with the last reader (verl) because autograd runs a graph's later nodes
+(the last reader's) before its earlier ones (the prefix's, recorded micro-batches before). A
+count of the readers still owing their gradient checks this at every injection.
 """
 
 from __future__ import annotations
@@ -24,7 +39,7 @@ from typing import Literal
 
 import torch
 
-__all__ = ["PrefixKV", "PrefixKVStack", "read_through"]
+__all__ = ["PrefixKV", "PrefixKVPass", "PrefixKVStack", "read_through"]
 
 Mode = Literal["record", "read", "read_last"]
 
@@ -33,16 +48,17 @@ class PrefixKV:
     """Per-layer prefix K/V (this rank's K/V heads), keyed by megatron's ``layer_number``.
 
     Attributes:
-        mode: ``"record"`` while the prefix micro-batch runs, ``"read"`` while a suffix runs,
-            ``"read_last"`` while the last suffix runs in a loop that cannot call
-            :meth:`backward` (see the module doc).
+        mode: the mode of the next forward bound to this store (:meth:`forward_pass`, which
+            :class:`~.packed_seq.PlanPackedSeqParams` calls): ``"record"`` while the prefix
+            micro-batch runs, ``"read"`` while a suffix runs, ``"read_last"`` while the last
+            suffix runs in a loop that cannot call :meth:`backward` (see the module doc).
         leaves: ``layer_number -> (k, v)``, each ``[Lp, ng, hn]``, detached, requiring grad.
-        outputs: ``layer_number -> (k, v)`` of the last recorded pass, still in its graph
-            when it ran with grad: the tensors :meth:`backward` differentiates.
+        outputs: ``layer_number -> (k, v)`` of the last recorded pass that kept its graph
+            there (not recomputed): the tensors :meth:`backward` differentiates.
         router_leaves, router_outputs: ``layer_number -> [Lp, experts]`` router logits, as
             leaves and as recorded (MoE routers with batch statistics only).
         rows: the prefix's real rows ``Lp``: a prefix micro-batch padded for sequence
-            parallelism records its first ``rows`` K/V rows only (None: every row).
+            parallelism records its first ``rows`` rows only (None: every row).
     """
 
     def __init__(self, rows: int | None = None) -> None:
@@ -52,37 +68,24 @@ class PrefixKV:
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.router_leaves: dict[int, torch.Tensor] = {}
         self.router_outputs: dict[int, torch.Tensor] = {}
+        # (layer_number, "kv" | "router") -> reader passes whose backward has not yet
+        # accumulated into that layer's leaves
+        self.owing: dict[tuple[int, str], int] = {}
 
-    def exchange(
-        self, layer_number: int, key: torch.Tensor, value: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The keys and values this layer's attention uses: its own while recording (kept),
-        ``cat(prefix leaves, own)`` (``[Lp + T, ng, hn]``) while reading, ``cat(recorded
-        prefix, own)`` while reading last (:func:`read_through`)."""
-        if self.mode == "record":
-            self.outputs[layer_number] = (key[: self.rows], value[: self.rows])
-            if layer_number not in self.leaves:  # a recompute keeps the leaves and their grads
-                self.leaves[layer_number] = tuple(map(_leaf, self.outputs[layer_number]))
-            return key, value
-        k_leaf, v_leaf = self.leaves[layer_number]
-        if self.mode == "read_last":
-            k_out, v_out = self.outputs[layer_number]
-            k_leaf, v_leaf = read_through(k_out, k_leaf), read_through(v_out, v_leaf)
-        return torch.cat([k_leaf, key]), torch.cat([v_leaf, value])
+    def forward_pass(self, mode: Mode | None = None) -> PrefixKVPass:
+        """The view one forward reads the store through, its mode fixed now (``self.mode``
+        when None): every call of that forward, a recomputed layer's included, uses it."""
+        return PrefixKVPass(self, self.mode if mode is None else mode)
+
+    def exchange(self, layer_number: int, key: torch.Tensor,
+                 value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`PrefixKVPass.exchange` of a pass of its own in ``self.mode`` (one call of a
+        forward that is not recomputed)."""
+        return self.forward_pass().exchange(layer_number, key, value)
 
     def exchange_router_logits(self, layer_number: int, logits: torch.Tensor) -> torch.Tensor:
-        """The router logits this layer's batch statistics read, ``[rows, experts]``: its own
-        while recording (kept), ``cat(prefix leaf, own)`` (``[Lp + T, experts]``) while
-        reading, ``cat(recorded prefix, own)`` while reading last."""
-        if self.mode == "record":
-            self.router_outputs[layer_number] = logits[: self.rows]
-            if layer_number not in self.router_leaves:
-                self.router_leaves[layer_number] = _leaf(logits[: self.rows])
-            return logits
-        prefix = self.router_leaves[layer_number]
-        if self.mode == "read_last":
-            prefix = read_through(self.router_outputs[layer_number], prefix)
-        return torch.cat([prefix, logits])
+        """:meth:`PrefixKVPass.exchange_router_logits` of a pass of its own in ``self.mode``."""
+        return self.forward_pass().exchange_router_logits(layer_number, logits)
 
     def held_bytes(self) -> int:
         """Bytes held across the group: the leaves and their accumulated gradients
@@ -95,8 +98,9 @@ class PrefixKV:
 
     def backward(self, extra: list[torch.Tensor] | None = None) -> None:
         """Backward of the recorded pass with the accumulated dK/dV as incoming gradients,
-        plus ``extra`` scalar losses of that pass (e.g. its own tokens' loss terms)."""
-        tensors: list[torch.Tensor] = list(extra or [])
+        plus ``extra`` scalar losses of that pass (e.g. its own tokens' loss terms); a
+        recomputed layer's gradients enter through its replay (see the module doc)."""
+        tensors: list[torch.Tensor] = [t for t in extra or [] if t.requires_grad]
         grads: list[torch.Tensor | None] = [None] * len(tensors)
         pairs = [pair for layer, outs in self.outputs.items()
                  for pair in zip(outs, self.leaves[layer])]
@@ -109,6 +113,99 @@ class PrefixKV:
             raise RuntimeError("nothing to backpropagate: the prefix pass ran without grad")
         torch.autograd.backward(tensors, grads)
 
+    def _leaf(self, key: tuple[int, str], recorded: torch.Tensor) -> torch.Tensor:
+        leaf = recorded.detach().requires_grad_(True)
+        leaf.register_post_accumulate_grad_hook(lambda _: self._paid(key))
+        return leaf
+
+    def _paid(self, key: tuple[int, str]) -> None:
+        self.owing[key] = self.owing.get(key, 0) - 1
+
+
+class PrefixKVPass:
+    """One forward of one micro-batch over a group's :class:`PrefixKV`, in a fixed mode.
+
+    Megatron's activation recompute calls a layer's core attention (and router) again inside
+    the backward with the same ``packed_seq_params``, so the same pass: the replay is the
+    second call of that layer here, and does what its first run's mode asks (module doc).
+    """
+
+    def __init__(self, store: PrefixKV, mode: Mode) -> None:
+        self.store = store
+        self.mode: Mode = mode
+        self._runs: dict[tuple[int, str], str] = {}  # -> "graph" | "no_graph" | "read_through"
+
+    def exchange(self, layer_number: int, key: torch.Tensor,
+                 value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values this layer's attention uses: its own while recording (kept),
+        ``cat(prefix leaves, own)`` (``[Lp + T, ng, hn]``) while reading, ``cat(recorded
+        prefix, own)`` while reading last (:func:`read_through`)."""
+        store = self.store
+        if self.mode == "record":
+            return self._record((layer_number, "kv"), (key, value), store.leaves, store.outputs)
+        prefix = self._read((layer_number, "kv"), store.leaves[layer_number], store.outputs)
+        return torch.cat([prefix[0], key]), torch.cat([prefix[1], value])
+
+    def exchange_router_logits(self, layer_number: int, logits: torch.Tensor) -> torch.Tensor:
+        """The router logits this layer's batch statistics read, ``[rows, experts]``: its own
+        while recording (kept: the router routes what this returns), ``cat(prefix leaf, own)``
+        (``[Lp + T, experts]``) while reading, ``cat(recorded prefix, own)`` while reading
+        last."""
+        store = self.store
+        key = (layer_number, "router")
+        if self.mode == "record":
+            return self._record(key, (logits,), store.router_leaves, store.router_outputs,
+                                single=True)[0]
+        (prefix,) = self._read(key, (store.router_leaves[layer_number],), store.router_outputs,
+                               single=True)
+        return torch.cat([prefix, logits])
+
+    def _record(self, key: tuple[int, str], tensors: tuple[torch.Tensor, ...], leaves: dict,
+                outputs: dict, single: bool = False) -> tuple[torch.Tensor, ...]:
+        store, layer = self.store, key[0]
+        rows = tensors[0].size(0) if store.rows is None else store.rows
+        recorded = tuple(t[:rows] for t in tensors)
+        if layer not in leaves:  # a second prefix pass keeps the leaves and their gradients
+            made = tuple(store._leaf(key, r) for r in recorded)
+            leaves[layer] = made[0] if single else made
+        first = key not in self._runs
+        # (a slice taken without grad of a tensor that requires grad still says it does)
+        graph = torch.is_grad_enabled() and recorded[0].requires_grad
+        if first:
+            self._runs[key] = "graph" if graph else "no_graph"
+            if graph:
+                outputs[layer] = recorded[0] if single else recorded
+            else:
+                outputs.pop(layer, None)
+            return tensors
+        if not graph:  # a replay without grad records nothing either
+            return tensors
+        if self._runs[key] == "graph":
+            raise RuntimeError(f"layer {layer}'s prefix ({key[1]}) ran twice with grad in one "
+                               "pass: its readers' gradients would enter it twice")
+        # the replay of a first run without graph: the readers' gradients enter here
+        got = (leaves[layer],) if single else leaves[layer]
+        return tuple(torch.cat([_injected(r, leaf, key, store), t[rows:]])
+                     for r, leaf, t in zip(recorded, got, tensors))
+
+    def _read(self, key: tuple[int, str], leaves: tuple[torch.Tensor, ...], outputs: dict,
+              single: bool = False) -> tuple[torch.Tensor, ...]:
+        layer = key[0]
+        run = self._runs.get(key)
+        if run is None:
+            through = self.mode == "read_last" and layer in outputs
+            run = self._runs[key] = "read_through" if through else "leaves"
+            if through and not torch.is_grad_enabled():
+                raise RuntimeError(
+                    f"layer {layer}'s last reader of the prefix is recomputed but the prefix's "
+                    "layer was not (one activation recompute setting for all micro-batches)")
+        if run == "read_through":
+            recorded = (outputs[layer],) if single else outputs[layer]
+            return tuple(read_through(r, leaf) for r, leaf in zip(recorded, leaves))
+        if torch.is_grad_enabled():  # its backward will accumulate into the leaves
+            self.store.owing[key] = self.store.owing.get(key, 0) + len(leaves)
+        return leaves
+
 
 class PrefixKVStack:
     """What one micro-batch of a nested schedule reads and records: the K/V (and router
@@ -118,8 +215,15 @@ class PrefixKVStack:
     ``PlanPackedSeqParams.prefix_kv``; each element keeps its own mode (the stack's are
     ``"read"``, ``own``'s ``"record"``)."""
 
-    def __init__(self, reads: list[PrefixKV], own: PrefixKV | None = None) -> None:
+    def __init__(self, reads: list[PrefixKV | PrefixKVPass],
+                 own: PrefixKV | PrefixKVPass | None = None) -> None:
         self.reads, self.own = reads, own
+
+    def forward_pass(self) -> PrefixKVStack:
+        """The same stack over one forward's views of its stores (each in its own mode), so a
+        recomputed layer replays them (:meth:`PrefixKV.forward_pass`)."""
+        return PrefixKVStack([r.forward_pass() for r in self.reads],
+                             None if self.own is None else self.own.forward_pass())
 
     @property
     def mode(self) -> Mode:
@@ -157,5 +261,17 @@ def read_through(recorded: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:
     return used
 
 
-def _leaf(x: torch.Tensor) -> torch.Tensor:
-    return x.detach().requires_grad_(True)
+def _injected(recorded: torch.Tensor, leaf: torch.Tensor, key: tuple[int, str],
+              store: PrefixKV) -> torch.Tensor:
+    """:func:`read_through` for a recomputed prefix layer, checking that no reader still owes
+    its gradient to the leaf when the prefix's backward reads it."""
+    def check(grad: torch.Tensor) -> torch.Tensor:
+        if store.owing.get(key, 0) > 0:
+            raise RuntimeError(
+                f"the prefix's backward reached layer {key[0]} ({key[1]}) before "
+                f"{store.owing[key]} of its readers' backwards had accumulated into its leaves")
+        return grad
+
+    used = read_through(recorded, leaf)
+    used.register_hook(check)
+    return used

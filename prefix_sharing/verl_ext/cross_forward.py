@@ -19,8 +19,16 @@ runs forward then backward per micro-batch, so the prefix is woven into them:
 Each sample's log-probs and entropy come back as verl expects them (the value at ``t`` scores
 token ``t + 1``, the last position 0), so verl's loss runs unchanged on each micro-batch.
 Held across the group: the prefix's activations (its graph) and its K/V leaves with their
-gradients. The model must run with PP=1, without sequence parallelism, MoE router statistics,
-windows or activation recompute (each raises one error naming the setting).
+gradients. Under activation recompute (full or selective) the prefix's recomputed layers keep
+only their inputs, and their replay - inside the last micro-batch's backward, in the prefix's
+own ``record`` mode (:class:`~prefix_sharing.megatron_ext.prefix_kv.PrefixKVPass`) - injects
+every micro-batch's dK/dV, the last one's included, which then reads the leaves too. Under
+tensor parallelism each micro-batch's rows, the prefix's included, are padded to the
+tensor-parallel size (sequence parallelism splits them over its ranks; the prefix's pad rows are
+not kept). Sliding windows run as in the group driver. MoE router statistics are each cross
+micro-batch's plain micro-batch's, as in the group driver (at TP=1; under sequence
+parallelism they are refused). The model must run with PP=1 (each refusal raises one error
+naming the setting).
 """
 
 from __future__ import annotations
@@ -158,21 +166,15 @@ def check_cross_engine_setup(engine_config: Any) -> None:
     if replay not in (None, "disabled"):
         found.append(Refused("verl.cross_micro_batch.router_replay",
                              f"router_replay.mode={replay!r}"))
-    tp = getattr(engine_config, "tensor_model_parallel_size", 1) or 1
-    if tp > 1 and getattr(engine_config, "sequence_parallel", False):
-        found.append(Refused("verl.cross_micro_batch.sequence_parallel",
-                             f"sequence_parallel=True with tensor_model_parallel_size={tp}"))
     if found:
         raise refuse_all(found, error=PrefixSharingSetupError)
 
 
 def check_cross_model(model) -> None:
-    """The group driver's refusals (PP, windows), plus sequence parallelism (the group driver
-    runs it, verl's cross groups are not padded for it), plus activation
-    recompute: a recomputed layer would run again with the group's K/V in whatever mode the
-    last micro-batch left it; plus MoE routers with batch statistics: the group driver makes
-    them those of the stock step on the same micro-batch split, but verl's stock step splits
-    the batch differently (so it is no reference), and this path has no test of them yet."""
+    """The group driver's refusals (PP), plus MoE routers with batch statistics under
+    sequence parallelism: at TP=1 they equal verl's stock step forced onto the same split
+    (tested); under sequence parallelism that comparison does not hold yet (the group driver's
+    own does, against megatron's stock step)."""
     from megatron.core.utils import get_attr_wrapped_model
 
     from ..megatron_ext.cross_micro_batch import check_group_model
@@ -180,20 +182,12 @@ def check_cross_model(model) -> None:
 
     check_group_model(model)
     config = get_attr_wrapped_model(model, "config")
-    if config.sequence_parallel:
-        raise refuse("verl.cross_micro_batch.sequence_parallel", "sequence_parallel=True",
-                     error=PrefixSharingSetupError)
-    if config.recompute_granularity is not None:
-        raise refuse("verl.cross_micro_batch.recompute",
-                     f"recompute_granularity={config.recompute_granularity!r}",
-                     error=PrefixSharingSetupError)
     keeping = [name for name, module in model.named_modules()
                if isinstance(module, PrefixSharingRouter) and module.keeps_statistics()]
-    if config.num_moe_experts and keeping:
+    if config.num_moe_experts and keeping and config.sequence_parallel:
         raise refuse("verl.cross_micro_batch.router_statistics",
-                     f"num_moe_experts={config.num_moe_experts}; {keeping[0]}",
-                     error=PrefixSharingSetupError)
-
+                     f"num_moe_experts={config.num_moe_experts} with sequence_parallel=True; "
+                     f"{keeping[0]}", error=PrefixSharingSetupError)
 
 
 def _run_prefix(model, part: CrossPart, sharing: PrefixSharingConfig, temperature: float,
@@ -203,7 +197,9 @@ def _run_prefix(model, part: CrossPart, sharing: PrefixSharingConfig, temperatur
     from ..megatron_ext.prefix_kv import PrefixKV
 
     schedule = part.group.schedule
-    prefix_kv = PrefixKV()
+    # its block is planned padded as the group's other micro-batches are (microbatch.py):
+    # its pad rows are not kept
+    prefix_kv = PrefixKV(rows=schedule.prefix_len)
     prefix = PrefixPass(schedule, prefix_kv, sharing.backend, temperature, device)
     log_probs, entropy, _ = prefix.stats(model, with_entropy)
     shape = (len(schedule.seq_lens), schedule.prefix_len)

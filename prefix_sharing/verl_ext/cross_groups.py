@@ -95,18 +95,22 @@ def plan_cross_groups(
     token_budget: int,
     config: PrefixSharingConfig,
     uids: Sequence[Hashable] | None = None,
+    pad_to_multiple_of: int = 1,
 ) -> tuple[list[CrossGroup], list[int]]:
     """The groups of the batch that run across micro-batches, and the other samples' indices.
 
     Nothing crosses micro-batches unless ``config.cross_micro_batch`` (then every index is
     returned as ordinary). Groups are :func:`~prefix_sharing.batching.sharing_groups` (by
-    ``uids`` when given).
+    ``uids`` when given). ``pad_to_multiple_of``: each micro-batch's rows are padded to it
+    (the tensor-parallel size: sequence parallelism splits them over its ranks; the prefix
+    micro-batch is padded the same way where it runs).
     """
     if not config.cross_micro_batch:
         return [], list(range(len(sequences)))
     cross, rest = [], []
     for members in sharing_groups(sequences, config, uids):
-        schedule = _schedule([sequences[i] for i in members], token_budget, config)
+        schedule = _schedule([sequences[i] for i in members], token_budget, config,
+                             pad_to_multiple_of)
         if schedule is None:
             rest += members
         else:
@@ -115,7 +119,7 @@ def plan_cross_groups(
 
 
 def _schedule(sequences: list[TokenSequence], token_budget: int,
-              config: PrefixSharingConfig) -> GroupSchedule | None:
+              config: PrefixSharingConfig, pad_to_multiple_of: int = 1) -> GroupSchedule | None:
     """The group's schedule under ``token_budget`` (prefix included), or ``None`` when it fits
     one micro-batch or is left to the ordinary split (see the module doc)."""
     if len(sequences) < 2 or build_plan(sequences, config).num_tokens_unique <= token_budget:
@@ -125,6 +129,7 @@ def _schedule(sequences: list[TokenSequence], token_budget: int,
     if prefix_len < config.min_prefix_len or 2 * prefix_len > token_budget:
         return None
     try:
-        return plan_group(seqs, token_budget - prefix_len, config, one_level=True)
+        return plan_group(seqs, token_budget - prefix_len, config, one_level=True,
+                          pad_to_multiple_of=pad_to_multiple_of)
     except ValueError:  # a tail longer than the budget left beside the prefix
         return None

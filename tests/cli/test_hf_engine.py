@@ -27,6 +27,7 @@ def run(capfd, *argv):
     ("--workload", "agent", "--model", "tiny-moe"),
     ("--workload", "tree", "--model", "tiny-hybrid"),  # Qwen3.5: 3 Gated DeltaNet : 1 attention
     ("--workload", "tree", "--model", "tiny-nemotron-h"),  # Mamba-2, MLP, attention, MoE
+    ("--workload", "tree", "--model", "tiny-qwen2.5-vl"),  # Qwen2.5-VL, text-only batch
 ])
 def test_verify_passes_on_the_hf_engine(capfd, argv):
     code, out, _ = run(capfd, "verify", "--engine", "hf", "--json", *argv)
@@ -76,3 +77,49 @@ def test_an_mla_preset_is_refused_on_the_hf_engine_in_one_line(capfd):
     code, _, err = run(capfd, "verify", "--engine", "hf", "--model", "tiny-mla",
                        "--workload", "tree")
     assert code == 2 and "tiny-mla preset (multi-latent attention) runs on the megatron" in err
+
+
+def test_bench_a_vision_language_preset_puts_an_image_in_every_prompt(capfd, monkeypatch):
+    """tiny-qwen2.5-vl (its image shrunk to 4 x 4 patches for speed): every GRPO prompt holds an
+    image, each group's shared and encoded once; the table prints the counts."""
+    import dataclasses
+
+    from prefix_sharing.engines.hf import IMAGE_AFTER
+    from prefix_sharing.presets import PRESETS
+
+    preset = dataclasses.replace(PRESETS["tiny-qwen2.5-vl"], image_grid=(1, 4, 4))
+    monkeypatch.setitem(PRESETS, "tiny-qwen2.5-vl", preset)
+    code, out, _ = run(capfd, "bench", "--engine", "hf", "--model", "tiny-qwen2.5-vl",
+                       "--repeats", "1", "--workload", "grpo", "--json")
+    assert code == 0
+    (grpo,) = json.loads(out)["results"]
+    sizes = BENCH_SIZES["grpo"]
+    w = make_workload("grpo", vocab_size=preset.text_vocab_size, **sizes)
+    images = sizes["num_prompts"] * sizes["group_size"]
+    assert grpo["vision"] == {"vision_images_total": images,
+                              "vision_images_computed": sizes["num_prompts"],
+                              "vision_tokens_total": images * 4,
+                              "vision_tokens_computed": sizes["num_prompts"] * 4}
+    run_len = 4 + 2  # placeholders, vision start and end
+    assert grpo["tokens_total"] == w.num_tokens + images * run_len
+    prompt_tokens = sum(g.prompt_len + run_len for g in w.groups)
+    assert grpo["prompt_only"]["tokens_unique"] == grpo["tokens_total"] - sum(
+        (len(g.members) - 1) * (g.prompt_len + run_len) for g in w.groups)
+    assert prompt_tokens > IMAGE_AFTER and "peers" not in grpo  # PrefixGrouper: text only
+    code, out, _ = run(capfd, "bench", "--engine", "hf", "--model", "tiny-qwen2.5-vl",
+                       "--repeats", "1", "--workload", "none")
+    assert code == 0 and "none       vision: 8 of 8 images encoded, 32 of 32 vision tokens" in out
+
+
+@pytest.mark.parametrize("argv, key", [
+    (("--engine", "megatron"), "cli.vlm_preset"),
+    (("--engine", "hf", "--sequences", "{path}"), "cli.vlm_preset_sequences")])
+def test_a_vision_language_preset_is_refused_by_name(capfd, tmp_path, argv, key):
+    from prefix_sharing.refusals import REFUSALS
+
+    path = tmp_path / "r.jsonl"
+    path.write_text('{"input_ids": [1, 2, 3]}\n')
+    code, out, err = run(capfd, "bench", "--model", "tiny-qwen2.5-vl", "--repeats", "1",
+                         *(a.format(path=path) for a in argv))
+    assert code != 0 and out == "" and len(err.strip().splitlines()) == 1
+    assert REFUSALS[key].setting in err

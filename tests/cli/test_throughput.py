@@ -12,6 +12,7 @@ from prefix_sharing import PrefixSharingConfig, build_plan
 from prefix_sharing.batching import split_micro_batches
 from prefix_sharing.cli import main
 from prefix_sharing.cli.bench import BENCH_SIZES
+from prefix_sharing.flops import count_flops
 from prefix_sharing.presets import get_preset
 from prefix_sharing.workloads import make_workload
 
@@ -93,10 +94,46 @@ def test_cross_micro_batch_mode_computes_each_prefix_once(capfd):
     (["--workload", "grpo", "--cross-micro-batch"], "--cross-micro-batch needs --token-budget"),
     (["--workload", "none", "--token-budget", "640", "--cross-micro-batch"],
      "workload 'none': a group needs at least two sequences"),
-    (["--workload", "grpo", "--token-budget", "300", "--cross-micro-batch", "--model",
-      "tiny-window"], "(--cross-micro-batch with the tiny-window preset's windows)"),
+    (["--workload", "grpo", "--recompute", "full"], "--recompute runs in the throughput view"),
 ])
 def test_cross_micro_batch_refusals_are_one_line(capfd, argv, message):
     code, out, err = bench(capfd, *argv)
     assert code != 0 and out == "" and message in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_cross_view_reports_a_long_history_against_the_whole_group(capfd):
+    """``history``: a 512-token history and 8 branches of 32 under a 200-token budget. The
+    ordinary split runs every sequence alone, its history in each; ``cross`` computes the
+    history once in chunks, as ``whole`` (the group as one micro-batch) does. Figures only."""
+    code, out, _ = bench(capfd, "--workload", "history", "--token-budget", 200,
+                         "--cross-micro-batch", "--json")
+    assert code == 0
+    (result,) = json.loads(out)["results"]
+    preset = get_preset("tiny")
+    w = make_workload("history", vocab_size=preset.vocab_size, **BENCH_SIZES["history"])
+    whole_plan = build_plan(w.sequences, PrefixSharingConfig())
+    assert whole_plan.num_tokens_unique == 512 + 8 * 32
+    whole, plain, shared, cross = (result[m] for m in ("whole", "plain", "shared", "cross"))
+    assert whole["tokens_computed"] == whole["max_tokens_computed"] == 512 + 8 * 32
+    assert whole["flops"] == count_flops(whole_plan, preset).shared
+    for split in (plain, shared):  # each 544-token sequence alone, over the budget
+        assert split["oversized"] == 8 and split["micro_batches"] == 8
+        assert split["tokens_computed"] == 8 * 544 and split["max_tokens_computed"] == 544
+        assert split["vs_whole"]["tokens"] == 8 * 544 / (512 + 8 * 32)
+    assert plain["flops"] == shared["flops"] == sum(
+        count_flops(build_plan([s], PrefixSharingConfig()), preset).shared for s in w.sequences)
+    assert cross["tokens_computed"] == whole["tokens_computed"]  # the history once
+    assert cross["max_tokens_computed"] <= 200 and cross["num_shared_blocks"] == 3
+    assert cross["vs_whole"]["tokens"] == 1.0 and cross["vs_whole"]["flops"] == pytest.approx(1.0)
+    head_dim = preset.hidden_size // preset.num_attention_heads
+    assert cross["held_bytes"] == 2 * 2 * preset.num_layers * 512 * preset.num_query_groups \
+        * head_dim * 4
+    for mode in (whole, plain, shared, cross):
+        assert mode["peak_mb"] > 0 and mode["vs_whole"]["peak"] == mode["peak_mb"] / whole["peak_mb"]
+        assert mode["vs_whole"]["time"] == mode["batch_ms"] / whole["batch_ms"]
+    code, out, _ = bench(capfd, "--workload", "history", "--token-budget", 200,
+                         "--cross-micro-batch")
+    second = out.split("\n\n")[2].splitlines()
+    assert second[0].split()[:3] == ["workload", "mode", "tokens"]
+    assert [line.split()[1] for line in second[1:5]] == ["whole", "plain", "shared", "cross"]

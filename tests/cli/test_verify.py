@@ -157,6 +157,23 @@ def test_token_budget_under_tensor_parallelism(capsys):
     assert report["num_micro_batches"] > 2 * len(report["prefix_lens"])
 
 
+@pytest.mark.parametrize("argv, recompute", [
+    # the long-context combination: MoE (router losses) at TP=2 with sequence parallelism
+    (["--model", "tiny-moe", "--workload", "grpo", "--tp", "2", "--token-budget", 30], "full"),
+    (["--workload", "agent", "--token-budget", 60], "selective"),
+    # windows of 16 on every other layer against 34-token prefixes, sinks (megatron's stock
+    # windowed softmax builds its mask on "cuda" when recomputed: no recompute here on CPU)
+    (["--model", "tiny-window", "--workload", "agent", "--token-budget", 60], None),
+])
+def test_token_budget_with_recompute_tensor_parallelism_moe_and_windows(capsys, argv,
+                                                                        recompute):
+    """Every model of the run (shared, plain, reference) with the same recompute setting."""
+    extra = [] if recompute is None else ["--recompute", recompute]
+    code, out, _ = verify(capsys, *argv, *extra, "--min-prefix-len", 1, "--json")
+    report = json.loads(out)
+    assert code == 0 and report["passed"] and all(report["within_tolerance"].values()), report
+    assert report["recompute"] == recompute and report["vs_plain_within_fp32_rtol"]
+    assert report["prefix_recomputes_avoided"] > 0
 @pytest.mark.parametrize("budget, shape", [
     (12, "a common prefix of about 3 budgets"),  # prefixes 34 and 36: 3 chunks, then sub-trees
     (40, "a two-level tree"),  # each prefix in one block, each group's 2 branches in theirs
@@ -191,9 +208,6 @@ def test_token_budget_on_moe_with_chunked_prompts(capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--token-budget", "30", "--pp", "2"], "--token-budget (cross-micro-batch sharing) runs"),
-    (["--token-budget", "30", "--model", "tiny-window"],
-     "(--token-budget with the tiny-window preset's windows)"),
-    (["--token-budget", "30", "--model", "tiny-moe", "--tp", "2"], "MoE layers runs with --tp 1"),
 ])
 def test_token_budget_refusals_are_one_line(capsys, argv, message):
     code, out, err = verify(capsys, "--workload", "grpo", *argv)

@@ -89,3 +89,53 @@ def test_reading_through_without_grad_is_the_recorded_tensor():
 
     recorded = torch.ones(2, 1)
     assert read_through(recorded, recorded.clone().requires_grad_(True)) is recorded
+
+
+def _recomputed_prefix_run(read_last_backward_first: bool = True):
+    """A prefix layer under activation recompute: its first run without grad (inside the
+    checkpoint), readers, then its replay with grad inside the prefix's backward."""
+    torch.manual_seed(0)
+    w = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    own = [torch.randn(2, 3, dtype=torch.float64) for _ in range(2)]
+    store = PrefixKV()
+    prefix = store.forward_pass("record")
+    with torch.no_grad():
+        prefix.exchange(1, x @ w, x @ w)  # the first run: values recorded, no graph
+    leaves = store.leaves[1]
+    readers = [store.forward_pass("read"), store.forward_pass("read_last")]
+    losses = [((torch.cat(r.exchange(1, o, o)) ** 2).sum()) for r, o in zip(readers, own)]
+    return store, prefix, w, x, own, leaves, losses
+
+
+def test_a_recomputed_prefix_layer_records_once_and_its_replay_takes_in_every_reader():
+    store, prefix, w, x, own, leaves, losses = _recomputed_prefix_run()
+    assert not store.outputs  # nothing to differentiate: the first run kept no graph
+    for loss in losses:  # the last reader too reads the leaves (nothing recorded to read)
+        loss.backward()
+    k = x @ w  # the replay, with grad: the second call of the same pass
+    key, value = prefix.exchange(1, k, k)
+    assert store.leaves[1] is leaves and not store.outputs  # recorded once
+    (key.sum() + value.sum()).backward()
+    kk = x @ w
+    expected = torch.autograd.grad(
+        sum((torch.cat([kk, o, kk, o]) ** 2).sum() for o in own) + 2 * kk.sum(), w)[0]
+    torch.testing.assert_close(w.grad, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_a_prefix_replay_before_a_readers_backward_is_refused():
+    store, prefix, w, x, _, _, losses = _recomputed_prefix_run()
+    losses[0].backward()  # the other reader's backward has not run
+    key, value = prefix.exchange(1, x @ w, x @ w)
+    with pytest.raises(RuntimeError, match="before 2 of its readers"):
+        (key.sum() + value.sum()).backward()
+
+
+def test_a_pass_keeps_its_mode_whatever_the_store_says_later():
+    store = PrefixKV()
+    k = torch.ones(2, 1)
+    store.exchange(1, k, k)
+    reader = store.forward_pass()  # bound now, in the store's mode
+    assert reader.mode == "record"
+    store.mode = "read"
+    assert store.forward_pass().mode == "read" and reader.mode == "record"

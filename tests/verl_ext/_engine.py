@@ -41,8 +41,11 @@ def actor_config(prefix_grouper: dict | None, *, megatron: dict | None = None, *
     return config
 
 
-def build_engine(config, *, seed: int = 0, preset=PRESET):
-    """The registered megatron language-model engine for ``config``, tiny model injected."""
+def build_engine(config, *, seed: int = 0, preset=PRESET, spec: dict | None = None,
+                 **model_overrides: Any):
+    """The registered megatron language-model engine for ``config``, tiny model injected
+    (``spec``: the layer spec's arguments, e.g. ``num_experts``; ``model_overrides``: its
+    TransformerConfig fields, e.g. ``recompute_granularity``)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from verl.workers.engine.base import EngineRegistry
 
@@ -60,14 +63,16 @@ def build_engine(config, *, seed: int = 0, preset=PRESET):
     # lazily. Megatron's stock local spec cannot run packed sequences on CPU, the project's
     # core attention can: the plain engine runs it without a plan.
     engine.provider = None
-    engine.bridge = SimpleNamespace(_get_transformer_layer_spec=lambda vp_stage=None: get_gpt_layer_local_spec())
+    spec_args = spec or {}
+    engine.bridge = SimpleNamespace(
+        _get_transformer_layer_spec=lambda vp_stage=None: get_gpt_layer_local_spec(**spec_args))
     if getattr(engine, "prefix_sharing", None) is not None and engine.prefix_sharing.enabled:
         from prefix_sharing.verl_ext.mcore_engine import install_layer_spec
         install_layer_spec(engine)
-        spec = engine.bridge._get_transformer_layer_spec()
+        layer_spec = engine.bridge._get_transformer_layer_spec()
     else:
-        spec = shared_spec()
-    model = gpt_model(preset, seed=seed, layer_spec=spec)
+        layer_spec = shared_spec(**spec_args)
+    model = gpt_model(preset, seed=seed, layer_spec=layer_spec, **model_overrides)
     engine.module, engine.tf_config, engine.is_value_model = [model], model.config, False
     return engine
 

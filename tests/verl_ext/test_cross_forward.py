@@ -11,6 +11,7 @@ one's prefix is over half the budget, so it is cut by the ordinary split (and re
 prefix) beside the first one's cross run.
 """
 
+import contextlib
 import importlib.util
 from functools import partial
 
@@ -106,9 +107,118 @@ def test_each_group_computes_its_unique_tokens_once_and_verls_metrics_say_so(res
         float(2 * 2 * PRESET.num_layers * 36 * PRESET.num_query_groups * PRESET.head_dim * 4)]
 
 
-@pytest.mark.parametrize("field, value", [
-    ("recompute_granularity", "full"), ("sequence_parallel", True), ("num_moe_experts", 4)])
-def test_settings_a_cross_group_cannot_honour_are_refused_by_name(field, value):
+RECOMPUTE = {  # megatron's activation recompute, on the model of both runs
+    "full": dict(recompute_granularity="full", recompute_method="uniform",
+                 recompute_num_layers=1),
+    "selective": dict(recompute_granularity="selective"),  # core attention
+}
+# a 7-key sliding window on every other layer: shorter than the 34-36-token prefixes, so the
+# suffixes' gathers of the prefix rows are trimmed
+SETTINGS = {**RECOMPUTE, "window": dict(window_size=(6, 0), window_attn_skip_freq=2)}
+
+
+def setting_steps(rank: int) -> dict:
+    """Per setting: verl's stock step and the cross-micro-batch one at a budget of 80 with the
+    same setting; on ``full`` recompute, a control whose recomputed layers take the mode the
+    store is in when the backward replays them (the last micro-batch's), not their own."""
+    from unittest import mock
+
+    from verl.workers.utils.losses import ppo_loss
+
+    from prefix_sharing.megatron_ext.prefix_kv import PrefixKVPass
+
+    use_cpu_platform()
+    wrong_mode = property(lambda self: self.store.mode, lambda self, mode: None)
+    results = {}
+    for (setting, settings), name in [(item, name) for item in SETTINGS.items()
+                                      for name in ("off", "cross")] + [
+                                          (("full", RECOMPUTE["full"]), "control")]:
+        config = actor_config(None if name == "off" else CROSS)
+        engine = build_engine(config, **settings)
+        infer = engine.infer_batch(batch(80))
+        patch = (mock.patch.object(PrefixKVPass, "mode", wrong_mode, create=True)
+                 if name == "control" else contextlib.nullcontext())
+        with patch:
+            train = engine.forward_backward_batch(batch(80), partial(ppo_loss, config=config))
+        grads = {n: p.grad.clone() for n, p in engine.module[0].named_parameters()}
+        results[setting, name] = {"infer": plain_output(infer), "train": plain_output(train),
+                                  "grads": grads}
+    return results
+
+
+@pytest.fixture(scope="module")
+def setting_results():
+    return run_distributed(setting_steps, 1, timeout=600)[0]
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_recompute_and_windows_equal_verls_stock_step_with_the_same_setting(
+        setting_results, setting):
+    """A recomputed layer replays the mode of its first run: the prefix's layers, replayed
+    inside the last micro-batch's backward, inject every micro-batch's dK/dV. A windowed
+    layer's suffix gathers only the prefix rows its window sees."""
+    cross = setting_results[setting, "cross"]
+    assert cross["train"]["metrics"]["prefix_sharing/prefix_recomputes_avoided"] == [4.0]
+    same_outputs(cross, setting_results[setting, "off"], f"{setting}", per_micro_batch=False)
+
+
+def test_a_control_that_replays_the_last_micro_batchs_mode_fails(setting_results):
+    control = setting_results["full", "control"]
+    with pytest.raises(AssertionError, match="grad"):
+        same_outputs(control, setting_results["full", "off"], "control",
+                     per_micro_batch=False)
+
+
+LONG_CONTEXT = {  # TP=2 (two gloo ranks) with sequence parallelism, without and with recompute
+    "sp": dict(sequence_parallel=True),
+    "sp_recompute": dict(sequence_parallel=True, **RECOMPUTE["full"]),
+}
+
+
+def sequence_parallel_steps(rank: int) -> dict:
+    """Per setting: verl's stock step and the cross-micro-batch one at a budget of 80, each
+    rank's gradients completed over the tensor-parallel group as megatron's finalize does
+    (sequence parallelism leaves each rank the norm weights' share of its own rows)."""
+    from verl.workers.utils.losses import ppo_loss
+
+    from prefix_sharing.engines.megatron import finalize_sequence_parallel_grads
+
+    use_cpu_platform()
+    results = {}
+    for setting, settings in LONG_CONTEXT.items():
+        for name in ("off", "cross"):
+            config = actor_config(None if name == "off" else CROSS,
+                                  megatron=dict(tensor_model_parallel_size=2,
+                                                sequence_parallel=True))
+            engine = build_engine(config, **settings)
+            infer = engine.infer_batch(batch(80))
+            train = engine.forward_backward_batch(batch(80), partial(ppo_loss, config=config))
+            finalize_sequence_parallel_grads(engine.module[0])
+            grads = {n: p.grad.clone() for n, p in engine.module[0].named_parameters()}
+            results[setting, name] = {"infer": plain_output(infer), "train": plain_output(train),
+                                      "grads": grads}
+    return results
+
+
+@pytest.fixture(scope="module")
+def sequence_parallel_results():
+    return run_distributed(sequence_parallel_steps, 2, tp=2, timeout=900)
+
+
+@pytest.mark.parametrize("setting", LONG_CONTEXT)
+def test_tensor_and_sequence_parallel_equal_verls_stock_step(sequence_parallel_results,
+                                                             setting):
+    """Each cross micro-batch's rows (the prefix's too) padded to TP and split over the ranks;
+    every rank's outputs and gradients equal the stock step's."""
+    for rank in sequence_parallel_results:
+        cross = rank[setting, "cross"]
+        metrics = cross["train"]["metrics"]
+        assert metrics["prefix_sharing/prefix_recomputes_avoided"] == [4.0]
+        assert metrics["prefix_sharing/groups_split"] == [0.0]
+        same_outputs(cross, rank[setting, "off"], f"tp2 {setting}", per_micro_batch=False)
+
+
+def test_moe_router_statistics_under_sequence_parallelism_are_refused_by_name():
     from types import SimpleNamespace
 
     from unittest import mock
@@ -117,19 +227,22 @@ def test_settings_a_cross_group_cannot_honour_are_refused_by_name(field, value):
     from prefix_sharing.megatron_ext.moe import PrefixSharingRouter
     from prefix_sharing.verl_ext.cross_forward import check_cross_model
 
-    config = dict(sequence_parallel=False, pipeline_model_parallel_size=1, num_moe_experts=None,
-                  window_size=None, recompute_granularity=None)
+    config = dict(sequence_parallel=True, pipeline_model_parallel_size=1, num_moe_experts=4)
     router = mock.Mock(spec=PrefixSharingRouter)  # one that keeps aux-loss statistics
-    model = SimpleNamespace(config=SimpleNamespace(**{**config, field: value}),
+    model = SimpleNamespace(config=SimpleNamespace(**config),
                             named_modules=lambda: iter([("layers.0.mlp.router", router)]))
-    with pytest.raises(UnsupportedSetup, match=f"{field}={value!r}|{field}={value}"):
+    with pytest.raises(UnsupportedSetup, match="num_moe_experts=4 with sequence_parallel=True"):
         check_cross_model(model)
+    model.config.sequence_parallel = False  # at TP=1 they run (tested above)
+    check_cross_model(model)
+    model.config.sequence_parallel = True
+    router.keeps_statistics.return_value = False  # per-token routing runs under SP too
+    check_cross_model(model)
 
 
 @pytest.mark.parametrize("settings, named", [
     (dict(pipeline_model_parallel_size=2), "pipeline_model_parallel_size=2"),
-    (dict(virtual_pipeline_model_parallel_size=2), "virtual_pipeline_model_parallel_size=2"),
-    (dict(tensor_model_parallel_size=2, sequence_parallel=True), "sequence_parallel=True")])
+    (dict(virtual_pipeline_model_parallel_size=2), "virtual_pipeline_model_parallel_size=2")])
 def test_engine_settings_are_refused_by_name_at_construction(settings, named):
     from types import SimpleNamespace
 
@@ -138,7 +251,8 @@ def test_engine_settings_are_refused_by_name_at_construction(settings, named):
 
     base = dict(pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None,
                 tensor_model_parallel_size=2, sequence_parallel=False)
-    check_cross_engine_setup(SimpleNamespace(**base))  # TP without sequence parallelism runs
+    check_cross_engine_setup(SimpleNamespace(**base))  # TP runs, sequence parallel or not
+    check_cross_engine_setup(SimpleNamespace(**{**base, "sequence_parallel": True}))
     with pytest.raises(PrefixSharingSetupError, match=named):
         check_cross_engine_setup(SimpleNamespace(**{**base, **settings}))
 
@@ -149,3 +263,84 @@ def test_a_group_left_to_the_ordinary_split_is_cut_beside_a_cross_group(results)
     assert metrics["prefix_sharing/prefix_recomputes_avoided"] == [2.0]
     assert metrics["prefix_sharing/max_tokens_computed"][0] <= 70
 
+
+
+def moe_steps(rank: int, settings: dict) -> dict:
+    """The tiny MoE preset with its router losses (aux, seq-aux, global-aux, z-loss): the
+    cross-micro-batch step at a budget of 80, then verl's stock step forced onto the split the
+    cross step used (each of its micro-batches the same samples), since the router statistics
+    are each micro-batch's own; then a control whose cross micro-batches keep statistics over
+    the rows they compute (the prefix counted once, in the first)."""
+    from unittest import mock
+
+    import verl.workers.engine.utils as engine_utils
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from prefix_sharing.megatron_ext.moe import PrefixSharingRouter
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.losses import ppo_loss
+
+    from prefix_sharing.engines.megatron import finalize_sequence_parallel_grads
+    from prefix_sharing.presets import PRESETS, sharp
+
+    use_cpu_platform()
+    preset = sharp(PRESETS["tiny-moe"])
+    splits: list[list[list[int]]] = []
+    planned = engine_utils.rearrange_micro_batches
+
+    def recorded(*args, **kwargs):
+        micro_batches, index_lists = planned(*args, **kwargs)
+        splits.append(index_lists)
+        return micro_batches, index_lists
+
+    def replayed(batch, *args, **kwargs):
+        index_lists = splits.pop(0)
+        return [tu.index_select_tensor_dict(batch, idx) for idx in index_lists], index_lists
+
+    def computed_rows(self, logits, padding_mask):
+        return TopKRouter.routing(self, logits, padding_mask=padding_mask)
+
+    results = {}
+    for name, split in (("cross", recorded), ("off", replayed), ("control", planned)):
+        config = actor_config(None if name == "off" else CROSS)
+        engine = build_engine(config, preset=preset,
+                              spec=dict(num_experts=preset.num_experts, normalization="RMSNorm"),
+                              **settings)
+        routers = [m for m in engine.module[0].modules() if isinstance(m, PrefixSharingRouter)]
+        assert routers and all(r.keeps_statistics() for r in routers)
+        wrong = (mock.patch.object(PrefixSharingRouter, "_routing_across_micro_batches",
+                                   computed_rows)
+                 if name == "control" else contextlib.nullcontext())
+        with mock.patch.object(engine_utils, "rearrange_micro_batches", split), wrong:
+            infer = engine.infer_batch(batch(80))
+            train = engine.forward_backward_batch(batch(80), partial(ppo_loss, config=config))
+        finalize_sequence_parallel_grads(engine.module[0])
+        grads = {n: p.grad.clone() for n, p in engine.module[0].named_parameters()}
+        results[name] = {"infer": plain_output(infer), "train": plain_output(train),
+                         "grads": grads}
+    return results
+
+
+MOE_LAYOUTS = {  # name: (tensor-parallel size, model settings); under sequence parallelism
+    # (TP=2) refused: verl.cross_micro_batch.router_statistics
+    "tp1": (1, {}),
+    "tp1_recompute": (1, RECOMPUTE["full"]),
+}
+
+
+@pytest.fixture(scope="module", params=list(MOE_LAYOUTS))
+def moe_results(request):
+    tp, settings = MOE_LAYOUTS[request.param]
+    return request.param, run_distributed(moe_steps, tp, settings, tp=tp, timeout=900)
+
+
+def test_moe_router_statistics_equal_verls_stock_step_on_the_same_split(moe_results):
+    """Every rank's outputs, verl's loss per micro-batch and every gradient (the routers' carry
+    the aux / z-loss terms of every sample's prefix copies); the control fails."""
+    layout, ranks = moe_results
+    for results in ranks:
+        metrics = results["cross"]["train"]["metrics"]
+        assert metrics["prefix_sharing/prefix_recomputes_avoided"] == [4.0]
+        same_outputs(results["cross"], results["off"], f"moe {layout}")
+        with pytest.raises(AssertionError, match="grad"):
+            same_outputs(results["control"], results["off"], f"moe {layout} control")
