@@ -288,7 +288,8 @@ TABLE: tuple[Refusal, ...] = (
     Refusal("verl.model_type", "a model other than a language model",
             "sharing covers text-only language models (model_type='language_model')", _VERL),
     Refusal("verl.multimodal", "a multimodal model or inputs",
-            "sharing covers text-only language models (no value head, no vision inputs)", _VERL),
+            "verl's Megatron engine and the other multimodal families are text-only here; verl's "
+            "FSDP engine serves Qwen2.5-VL and Qwen3-VL images (docs/verl.md)", _VERL),
     Refusal("verl.prompt_lengths", "prompt_only mode without prompt lengths",
             "the batch has neither nested prompts (verl's v1 trainer) nor the padded "
             "attention_mask with prompts or response_mask (its legacy trainer); use "
@@ -305,6 +306,10 @@ TABLE: tuple[Refusal, ...] = (
             "it compares with verl's stock path, which has no exact packed form for a model "
             "with recurrent layers (Gated DeltaNet, Mamba-2); set self_check: false",
             ("verl-fsdp",)),
+    Refusal("verl.self_check.vlm", "the first-step self-check on a vision-language model",
+            "it compares with verl's stock packed path, whose Qwen2.5-VL attention calls "
+            "flash-attention's varlen kernel directly; set self_check: false (tests compare "
+            "with verl's padded step)", ("verl-fsdp",)),
     Refusal("verl.gdn_release", "a Gated DeltaNet hybrid in verl's Megatron engine on this "
             "megatron-core", "sharing carries the Gated DeltaNet state with megatron-core "
             "0.19.2's GatedDeltaNet only: install megatron-core==0.19.2, or use verl's FSDP "
@@ -360,10 +365,10 @@ TABLE: tuple[Refusal, ...] = (
     Refusal("hf.vlm_release", "a vision-language model on transformers older than 5.10",
             "4.x's get_rope_index reads the placeholders itself and its configs file mrope under "
             "rope_scaling (tested on 5.10 and 5.24): pip install -U transformers, or train the "
-            "text model", ("hf-fsdp",)),
+            "text model", ("hf-fsdp", "verl-fsdp")),
     Refusal("hf.video", "video inputs", "prefix sharing covers a vision-language model's images "
             "only (pixel_values, image_grid_thw), not video (pixel_values_videos, "
-            "video_grid_thw, video placeholder tokens)", ("hf-fsdp",)),
+            "video_grid_thw, video placeholder tokens)", ("hf-fsdp", "verl-fsdp")),
     Refusal("hf.images_for_text_model", "images for a text-only model",
             "images are shared for the vision-language families only (qwen2_5_vl, qwen3_vl, "
             "qwen3_vl_moe, qwen3_5, qwen3_5_moe); pass multi_modal_inputs=None", ("hf-fsdp",)),

@@ -155,7 +155,10 @@ MATRIX: dict[str, dict[str, Cell]] = {
     "vision-language models (images shared with their prefix)": {
         "megatron-core": refused("megatron.mrope"),
         "verl-megatron": refused("verl.multimodal"),
-        "verl-fsdp": refused("verl.multimodal"),
+        "verl-fsdp": works(_VX + "test_fsdp_vlm.py", releases="verl 0.9.1",
+                           note="Qwen2.5-VL, Qwen3-VL; against verl's padded step",
+                           refusals=("verl.multimodal", "verl.self_check.vlm", "hf.vlm_release",
+                                     "hf.video")),
         "hf-fsdp": works(_FX + "test_vlm.py", _FX + "test_vlm_inputs.py", _FX + "test_fsdp.py",
                          releases="transformers 5.10, 5.24",
                          note="Qwen2.5-VL, Qwen3-VL (+MoE), Qwen3.5 (+MoE)",

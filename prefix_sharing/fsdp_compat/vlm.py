@@ -27,7 +27,8 @@ from ..presets import ModelPreset
 from .switch import InPlaceSwitch
 
 __all__ = ["VLM_FAMILIES", "TEXT_FAMILY", "IMAGE_ROWS_KWARG", "is_vlm", "text_config", "vlm_config",
-           "install_sharing_vision", "check_sharing_vision", "check_release", "inner_model",
+           "install_sharing_vision", "check_sharing_vision", "check_release",
+           "vlm_release_problem", "inner_model",
            "MIN_TRANSFORMERS"]
 
 # model type -> the text family of the same shape (models.hf_config builds it)
@@ -52,13 +53,22 @@ def is_vlm(model_or_config: Any) -> bool:
     return getattr(config, "model_type", None) in TEXT_FAMILY
 
 
-def check_release(model_type: str) -> None:
-    """Refuses a vision-language model on a transformers older than :data:`MIN_TRANSFORMERS`."""
+def vlm_release_problem(model_type: str) -> str | None:
+    """What the ``hf.vlm_release`` refusal names ("<model> on transformers <version>") when the
+    installed transformers is older than :data:`MIN_TRANSFORMERS`; ``None`` otherwise."""
     import transformers
 
     release = tuple(int(part) for part in transformers.__version__.split(".")[:2])
     if release < MIN_TRANSFORMERS:
-        raise refuse("hf.vlm_release", f"{model_type} on transformers {transformers.__version__}")
+        return f"{model_type} on transformers {transformers.__version__}"
+    return None
+
+
+def check_release(model_type: str) -> None:
+    """Refuses a vision-language model on a transformers older than :data:`MIN_TRANSFORMERS`."""
+    problem = vlm_release_problem(model_type)
+    if problem:
+        raise refuse("hf.vlm_release", problem)
 
 
 def text_config(config: Any) -> Any:

@@ -27,7 +27,8 @@ API, for patch-set modules and for explicit use:
   ``.hybrid``: the Megatron engine's refusal of Gated DeltaNet hybrids before megatron-core 0.19.2.
 - Patch-set modules, one per verl engine, each registering a set per supported release:
   ``.mcore_engine`` (``verl*_mcore``: layer spec, forward-fn lookup, engine subclass),
-  ``.mindspeed`` (``verl*_mcore_mindspeed``) and ``.fsdp`` (``verl*_fsdp``).
+  ``.mindspeed`` (``verl*_mcore_mindspeed``) and ``.fsdp`` (``verl*_fsdp``; ``.vlm``: its
+  vision-language micro-batches).
   ``.balancing``: the trainer's data-parallel balancing (both trainers), hooked by every
   engine's set.
 """

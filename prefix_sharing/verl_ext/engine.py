@@ -48,11 +48,14 @@ class SharingEngineMixin:
     # Whether the engine's forward runs groups across micro-batches (prefix_grouper's
     # cross_micro_batch): the Megatron engine's does (verl_ext.cross_forward).
     supports_cross_micro_batch = False
+    # The vision-language model types the engine's forward serves (the FSDP engine's: .vlm).
+    vision_families: tuple[str, ...] = ()
 
     def __init__(self, model_config: Any, engine_config: Any, *args: Any, **kwargs: Any) -> None:
         self.prefix_sharing = sharing_config(engine_config)
         if self.prefix_sharing.enabled:
-            check_engine_setup(engine_config, model_config)
+            check_engine_setup(engine_config, model_config,
+                               vision_families=self.vision_families)
         if self.prefix_sharing.cross_micro_batch:
             if not self.supports_cross_micro_batch:
                 raise refuse("verl.cross_micro_batch.engine",

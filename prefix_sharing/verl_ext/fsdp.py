@@ -21,8 +21,11 @@ Hooks (each runs when verl imports the module):
 :class:`.engine.SharingEngineMixin`'s, the same as in the Megatron engine):
 
 - ``__init__`` refuses what cannot be exact (:func:`.mcore.check_engine_setup`: Ulysses
-  sequence parallel, ``use_remove_padding=False``, fused kernels, value or multimodal models);
-- ``_build_module`` switches the HF model to the sharing attention
+  sequence parallel, ``use_remove_padding=False``, fused kernels, value models, multimodal
+  models outside :data:`.vlm.ENGINE_FAMILIES`);
+- ``_build_module`` gives a vision-language model's instances transformers' own forwards back
+  (:func:`.vlm.restore_stock_forwards`: verl's replace them class-wide), then switches the HF
+  model to the sharing attention
   (:func:`prefix_sharing.fsdp_compat.enable_prefix_sharing`) after verl has loaded and
   monkey-patched it and before ``_build_fsdp_module`` wraps it. verl has turned gradient
   checkpointing on by then; that is harmless, as transformers reads the attention
@@ -30,7 +33,11 @@ Hooks (each runs when verl imports the module):
   keywords, the plan included. verl's remove-padding patch replaces only the flash-attention
   function, which the sharing attention does not call;
 - ``prepare_model_inputs`` plans the micro-batch from its nested ``input_ids`` (and ``uid`` for
-  ``prompt_only``) and returns :func:`prefix_sharing.fsdp_compat.model_kwargs` of the plan;
+  ``prompt_only``) and returns :func:`prefix_sharing.fsdp_compat.model_kwargs` of the plan; for
+  a VLM micro-batch with images, the plan takes the images' identity from its per-sample
+  ``multi_modal_inputs`` and the inputs add the HF shim's mrope rows, distinct images and
+  feature rows (:func:`prefix_sharing.fsdp_compat.mrope.vision_model_kwargs`), and the step's
+  metrics count images and image tokens (:mod:`.vlm`);
 - ``prepare_model_outputs`` turns the flat logits into log-probs / entropy through
   :func:`prefix_sharing.logprobs.token_log_probs` (never a ``(T_total, vocab)`` tensor), in
   verl's output contract: jagged nested tensors, one row per sample with its original length,
@@ -79,6 +86,7 @@ from .engine import SharingEngineMixin, install_engine
 from .microbatch import patch_prepare_micro_batches
 from .patchsets import register_releases
 from .switched_off import off_hooks
+from .vlm import ENGINE_FAMILIES, micro_batch_images, record_stock_forwards, restore_stock_forwards
 
 __all__ = ["PATCHSETS", "patch_engine", "stock_attention"]
 
@@ -107,19 +115,30 @@ def patch_engine(module: ModuleType) -> None:
     from verl.utils import tensordict_utils as tu
 
     from ..fsdp_compat import enable_prefix_sharing, model_kwargs
+    from ..fsdp_compat.mrope import vision_model_kwargs
+    from ..fsdp_compat.vision import vision_batch
+    from ..fsdp_compat.vlm import is_vlm
     from ..logprobs import token_log_probs
     from ..planner import build_plan
     from .mcore import PrefixSharingSetupError, micro_batch_groups, micro_batch_temperature
 
     stock = module.FSDPEngineWithLMHead
+    record_stock_forwards()  # before any engine's apply_monkey_patch replaces them
 
     class PrefixSharingFSDPEngine(SharingEngineMixin, stock):
         """verl's ``FSDPEngineWithLMHead``, computing each micro-batch's shared prefixes once."""
+
+        vision_families = ENGINE_FAMILIES
 
         def _build_module(self):
             hf_module = super()._build_module()
             if self.prefix_sharing.enabled:
                 self._stock_attention = (hf_module, hf_module.config._attn_implementation)
+                if is_vlm(hf_module):
+                    if self.prefix_sharing.self_check:
+                        raise refuse("verl.self_check.vlm", "prefix_grouper.self_check=true",
+                                     error=PrefixSharingSetupError)
+                    restore_stock_forwards(hf_module)  # transformers' own, for the plan
                 enable_prefix_sharing(hf_module)  # before _build_fsdp_module wraps it
                 if self.prefix_sharing.self_check and any(
                         getattr(m, marker, False) for m in hf_module.modules()
@@ -142,8 +161,9 @@ def patch_engine(module: ModuleType) -> None:
             unsupported = []
             if not tu.get_non_tensor_data(micro_batch, key="use_remove_padding", default=True):
                 unsupported.append(Refused("verl.padded_layout", "use_remove_padding=False"))
-            if module.extract_multi_modal_inputs(micro_batch.get("multi_modal_inputs", [])):
-                # multi_modal_inputs as verl reads them
+            vlm = is_vlm(self.module)
+            if not vlm and module.extract_multi_modal_inputs(
+                    micro_batch.get("multi_modal_inputs", [])):  # as verl reads them
                 unsupported.append(Refused("verl.multimodal", "multi_modal_inputs"))
 
             self.refuse_unsupported_switches(micro_batch, *unsupported)
@@ -152,10 +172,19 @@ def patch_engine(module: ModuleType) -> None:
             groups = None
             if self.prefix_sharing.mode == "prompt_only":
                 groups = micro_batch_groups(micro_batch, len(sequences))
-            plan = build_plan(sequences, self.prefix_sharing, groups=groups).to(input_ids.device)
+            images = None
+            if vlm:  # None for a text-only micro-batch
+                images = vision_batch(self.module.config, sequences,
+                                      micro_batch_images(micro_batch, len(sequences)))
+            plan = build_plan(sequences, self.prefix_sharing, groups=groups,
+                              images=None if images is None else images.tags)
+            plan = plan.to(input_ids.device)
             self._sharing_metrics.add(plan)
             model_inputs = model_kwargs(plan, self.prefix_sharing.backend)
             del model_inputs["use_cache"]  # verl's forward_step passes use_cache=False itself
+            if images is not None:  # mrope rows, distinct images, feature rows
+                model_inputs.update(vision_model_kwargs(self.module, sequences, plan, images))
+                self._sharing_metrics.add_vision(images.metrics(plan))
             output_args = {"plan": plan,
                            "temperature": micro_batch_temperature(micro_batch["temperature"])}
             return model_inputs, output_args

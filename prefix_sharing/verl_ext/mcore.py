@@ -42,9 +42,11 @@ __all__ = [
 ]
 
 
-def check_engine_setup(engine_config: Any, model_config: Any | None = None) -> None:
+def check_engine_setup(engine_config: Any, model_config: Any | None = None, *,
+                       vision_families: tuple[str, ...] = ()) -> None:
     """Raises :class:`PrefixSharingSetupError` for settings that sharing cannot honour, in
-    either verl engine (Megatron or FSDP: each reads the settings it has).
+    either verl engine (Megatron or FSDP: each reads the settings it has; ``vision_families``:
+    the vision-language model types the engine serves, :mod:`.vlm`).
 
     - dynamic CP (Megatron: ``dynamic_context_parallel``, whose scheduler gives each
       micro-batch its own CP group and splits samples across it), ``ulysses_sequence_parallel_size
@@ -59,7 +61,9 @@ def check_engine_setup(engine_config: Any, model_config: Any | None = None) -> N
     - ``use_fused_kernels=True``: the fused kernel computes log-probs from labels laid out per
       sample, which a shared row cannot give (one row serves several next tokens);
     - MTP training: its labels are laid out per sample as well;
-    - a value model or a multimodal model: sharing covers text-only language models;
+    - a value model; a multimodal model outside ``vision_families`` (``verl.multimodal``), or
+      one of them on a transformers older than the shim needs (``hf.vlm_release``: verl
+      0.8.0's 4.57);
     - ``router_replay`` with ``context_parallel_size > 1`` (Megatron; :mod:`.routing_replay`):
       ``R2`` and ``R3`` are accepted otherwise.
     """
@@ -79,14 +83,25 @@ def check_engine_setup(engine_config: Any, model_config: Any | None = None) -> N
     model_type = getattr(model_config, "model_type", "language_model")
     if model_type != "language_model":
         found.append(Refused("verl.model_type", f"model_type={model_type!r}"))
-    if getattr(getattr(model_config, "hf_config", None), "vision_config", None) is not None:
-        found.append(Refused("verl.multimodal", "the model has a vision_config"))
+    hf_config = getattr(model_config, "hf_config", None)
+    if getattr(hf_config, "vision_config", None) is not None:
+        found += _vision_problems(hf_config.model_type, vision_families)
     found += replay_mode_problems(engine_config)
     if found:
         raise refuse_all(found, error=PrefixSharingSetupError,
                          advice="Change the setting, or turn sharing off (use_prefix_grouper: "
                                 "false).")
 
+
+
+def _vision_problems(model_type: str, vision_families: tuple[str, ...]) -> list[Refused]:
+    """Why a model with a vision tower cannot run in the engine (nothing when it can)."""
+    if model_type not in vision_families:
+        return [Refused("verl.multimodal", f"the model ({model_type}) has a vision_config")]
+    from ..fsdp_compat.vlm import vlm_release_problem
+
+    problem = vlm_release_problem(model_type)
+    return [Refused("hf.vlm_release", problem)] if problem else []
 
 
 def prompt_lengths(batch: Any) -> list[int]:
@@ -141,6 +156,7 @@ class SharingMetrics:
     computed: int = 0
     micro_batches: int = 0
     route_divergent: int | None = None
+    vision: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def add(self, plan, replayed: bool = False) -> None:
         self.add_tokens(plan.num_tokens_total, plan.num_tokens_flat)
@@ -152,6 +168,11 @@ class SharingMetrics:
         self.total += total
         self.computed += computed
         self.micro_batches += 1
+
+    def add_vision(self, counts: dict[str, float]) -> None:
+        """One VLM micro-batch's images and image tokens (``VisionBatch.metrics``), summed."""
+        for key, value in counts.items():
+            self.vision[key] = self.vision.get(key, 0.0) + value
 
     def as_verl_metrics(self) -> dict[str, list[float]]:
         """``prefix_sharing/token_ratio`` = total / computed tokens, as ``SharingPlan.token_ratio``
@@ -167,6 +188,7 @@ class SharingMetrics:
         }
         if self.route_divergent is not None:
             metrics["prefix_sharing/route_divergent_prefix_tokens"] = [float(self.route_divergent)]
+        metrics.update({key: [value] for key, value in self.vision.items()})
         return metrics
 
 

@@ -117,9 +117,12 @@ def make_batch(workload: str, *, seed: int = 0, micro_batch_size: int = 2,
     return data
 
 
-def legacy_batch(prompts, responses, uids, temperatures, terms):
+def legacy_batch(prompts, responses, uids, temperatures, terms, positions=None,
+                 multi_modal_inputs=None):
     """The legacy trainer's layout: left-padded prompts, right-padded responses, through
-    ``left_right_2_no_padding`` (which keeps the padded masks); uid a NonTensorStack."""
+    ``left_right_2_no_padding`` (which keeps the padded masks); uid a NonTensorStack.
+    A VLM batch (``positions``: each sample's ``(4, L_i)`` rows, text over mrope, as verl's
+    dataset computes them; ``multi_modal_inputs``: its dict or ``None``, a NonTensorStack)."""
     from tensordict import TensorDict
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import left_right_2_no_padding
@@ -137,6 +140,10 @@ def legacy_batch(prompts, responses, uids, temperatures, terms):
         for key, values in terms.items():
             padded[key][i, : len(r)] = values[i]
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    if positions is not None:  # (n, 4, width), zero on the padding
+        position_ids = torch.zeros(n, 4, max_p + max_r, dtype=torch.long)
+        for i, (p, rows) in enumerate(zip(prompts, positions)):
+            position_ids[i, :, max_p - len(p): max_p - len(p) + rows.size(1)] = rows
     data = TensorDict(dict(
         input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask,
         position_ids=position_ids, prompts=input_ids[:, :max_p], responses=input_ids[:, max_p:],
@@ -144,6 +151,8 @@ def legacy_batch(prompts, responses, uids, temperatures, terms):
     ), batch_size=[n])
     data = left_right_2_no_padding(data)
     tu.assign_non_tensor(data, uid=uids)
+    if multi_modal_inputs is not None:
+        tu.assign_non_tensor(data, multi_modal_inputs=multi_modal_inputs)
     return data
 
 
