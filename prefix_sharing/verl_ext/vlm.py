@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ..errors import PrefixSharingSetupError
+from ..errors import InputError, PrefixSharingSetupError
 from ..refusals import refuse
 
 __all__ = ["ENGINE_FAMILIES", "record_stock_forwards", "restore_stock_forwards",
@@ -87,6 +87,6 @@ def micro_batch_images(micro_batch: Any, num_sequences: int) -> list[Mapping | N
         return None
     per_sample = [getattr(entry, "data", entry) for entry in entries]
     if len(per_sample) != num_sequences:
-        raise ValueError(f"{len(per_sample)} multi_modal_inputs for a micro-batch of "
+        raise InputError(f"{len(per_sample)} multi_modal_inputs for a micro-batch of "
                          f"{num_sequences} samples")
     return per_sample

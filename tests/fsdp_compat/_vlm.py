@@ -29,6 +29,20 @@ def vlm_models(family: str) -> tuple[torch.nn.Module, torch.nn.Module]:
     return plain, enable_prefix_sharing(copy.deepcopy(plain))
 
 
+def random_image(gen: torch.Generator, h: int, w: int, dtype: torch.dtype) -> dict:
+    """One image of ``h x w`` patches in verl's per-sample layout, drawn from ``gen``."""
+    return {"pixel_values": torch.randn(h * w, PATCH, generator=gen, dtype=dtype),
+            "image_grid_thw": torch.tensor([[1, h, w]])}
+
+
+def placeholder_ids(config, image: dict) -> torch.Tensor:
+    """The tokens standing for ``image``: vision start, one placeholder per merged 2x2 patch
+    block, vision end."""
+    n = int(image["image_grid_thw"].prod()) // 4
+    return torch.tensor([config.vision_start_token_id] + [config.image_token_id] * n
+                        + [config.vision_end_token_id])
+
+
 class Batch:
     """Builds sequences and their multi_modal_inputs from a seeded generator."""
 
@@ -42,14 +56,10 @@ class Batch:
 
     def image(self, h: int = 4, w: int = 4) -> dict:
         """One image of ``h x w`` patches (``h * w / 4`` placeholder tokens)."""
-        return {"pixel_values": torch.randn(h * w, PATCH, generator=self.gen, dtype=torch.float64),
-                "image_grid_thw": torch.tensor([[1, h, w]])}
+        return random_image(self.gen, h, w, torch.float64)
 
     def placeholders(self, image: dict) -> torch.Tensor:
-        c = self.config
-        n = int(image["image_grid_thw"].prod()) // 4
-        return torch.tensor([c.vision_start_token_id] + [c.image_token_id] * n
-                            + [c.vision_end_token_id])
+        return placeholder_ids(self.config, image)
 
     def add(self, parts: list[torch.Tensor], images: list[dict]) -> None:
         self.sequences.append(torch.cat(parts))

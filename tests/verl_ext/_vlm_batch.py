@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import torch
 
+from tests.fsdp_compat._vlm import placeholder_ids, random_image
+
 from ._batch import PRESET, legacy_batch
 
 TEXT_VOCAB = PRESET.vocab_size - 4  # the last four ids are the vision specials
-PATCH = 3 * 2 * 2 * 2  # channels x temporal x patch x patch (fsdp_compat.vlm's tiny tower)
 GRID = (8, 8)  # patches per image: 16 placeholder tokens after the 2x2 merge
 
 
@@ -34,15 +35,10 @@ class Samples:
         return torch.randint(0, TEXT_VOCAB, (n,), generator=self.gen)
 
     def image(self) -> dict:
-        h, w = GRID
-        return {"pixel_values": torch.randn(h * w, PATCH, generator=self.gen),
-                "image_grid_thw": torch.tensor([[1, h, w]])}
+        return random_image(self.gen, *GRID, torch.float32)
 
     def placeholders(self, image: dict) -> torch.Tensor:
-        c = self.config
-        n = int(image["image_grid_thw"].prod()) // 4
-        return torch.tensor([c.vision_start_token_id] + [c.image_token_id] * n
-                            + [c.vision_end_token_id])
+        return placeholder_ids(self.config, image)
 
     def add(self, prompt: list[torch.Tensor], response: list[torch.Tensor], images: list[dict],
             uid: str) -> None:
