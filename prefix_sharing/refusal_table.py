@@ -44,7 +44,9 @@ TABLE: tuple[Refusal, ...] = (
             "has one per reuser; RL trains without it: build the model with mtp_num_layers=None",
             _MEGATRON),
     Refusal("megatron.mrope", "multimodal RoPE",
-            "multimodal RoPE positions are not per-token 1-D; sharing covers text-only models",
+            "the plan carries one position per computed token, and multimodal RoPE takes three "
+            "rows per token (temporal, height, width), which the Megatron path does not carry "
+            "yet; the HF / FSDP shim serves Qwen VLMs (docs/huggingface.md)",
             _MEGATRON),
     Refusal("megatron.window_reads_later_keys", "a sliding window that reads later keys",
             "a causal sliding window reads no later keys; keep the left size and set the right "
@@ -290,6 +292,15 @@ TABLE: tuple[Refusal, ...] = (
     Refusal("verl.multimodal", "a multimodal model or inputs",
             "verl's Megatron engine and the other multimodal families are text-only here; verl's "
             "FSDP engine serves Qwen2.5-VL and Qwen3-VL images (docs/verl.md)", _VERL),
+    Refusal("verl.megatron_vlm", "a vision-language model on verl's Megatron engine",
+            "verl builds its Megatron model through Megatron-Bridge, whose import needs "
+            "Transformer Engine (megatron/bridge/peft/lora_layers.py), or mbridge 0.15.1, whose "
+            "Qwen2.5-VL needs Transformer Engine layers and packed attention in its vision "
+            "tower, fails on megatron-core 0.16.1 (Qwen2_5VLSelfAttention.forward takes no "
+            "rotary_pos_cos_sin) and does not pack verl's THD micro-batch; so verl's own "
+            "Megatron VLM step, the reference, has not run, and the Megatron plan carries no "
+            "mrope rows: use verl's FSDP engine (strategy: fsdp2), which serves Qwen2.5-VL and "
+            "Qwen3-VL images (docs/verl.md)", ("verl-megatron",)),
     Refusal("verl.prompt_lengths", "prompt_only mode without prompt lengths",
             "the batch has neither nested prompts (verl's v1 trainer) nor the padded "
             "attention_mask with prompts or response_mask (its legacy trainer); use "

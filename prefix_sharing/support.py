@@ -154,7 +154,7 @@ MATRIX: dict[str, dict[str, Cell]] = {
     },
     "vision-language models (images shared with their prefix)": {
         "megatron-core": refused("megatron.mrope"),
-        "verl-megatron": refused("verl.multimodal"),
+        "verl-megatron": refused("verl.megatron_vlm", note="refused: verl's VLM bridges need TE"),
         "verl-fsdp": works(_VX + "test_fsdp_vlm.py", releases="verl 0.9.1",
                            note="Qwen2.5-VL, Qwen3-VL; against verl's padded step",
                            refusals=("verl.multimodal", "verl.self_check.vlm", "hf.vlm_release",
@@ -168,7 +168,8 @@ MATRIX: dict[str, dict[str, Cell]] = {
     },
     "attention dropout, mrope / multimodal, MTP": {
         "megatron-core": refused("megatron.attention_dropout", "megatron.mrope", "megatron.mtp"),
-        "verl-megatron": refused("megatron.attention_dropout", "verl.multimodal", "verl.mtp"),
+        "verl-megatron": refused("megatron.attention_dropout", "verl.multimodal",
+                                 "verl.megatron_vlm", "verl.mtp"),
         "verl-fsdp": refused("hf.attention_dropout", "verl.multimodal", "verl.mtp"),
         "hf-fsdp": refused("hf.attention_dropout", "hf.multimodal", "hf.mtp"),
         "megatron-lm": refused("megatron.attention_dropout", "megatron_lm.model_argument"),

@@ -280,11 +280,14 @@ def shared_forward(
 
 
 def check_text_only(value_model: Any, vision_model: Any, multi_modal_inputs: Any) -> None:
-    """Refuses a value head or vision inputs: sharing covers text-only language models."""
-    named = [name for name, on in (("value_model", value_model), ("vision_model", vision_model),
-                                   ("multi_modal_inputs", multi_modal_inputs)) if on]
-    if named:
-        raise refuse("verl.multimodal", ", ".join(named), error=PrefixSharingSetupError)
+    """Refuses a value head or vision inputs: sharing covers text-only language models here
+    (a vision model: :mod:`.mcore_vlm`, which the engine's construction already raised)."""
+    found = [Refused("verl.multimodal", name) for name, on in (
+        ("value_model", value_model), ("multi_modal_inputs", multi_modal_inputs)) if on]
+    if vision_model:
+        found.append(Refused("verl.megatron_vlm", "vision_model"))
+    if found:
+        raise refuse_all(found, error=PrefixSharingSetupError)
 
 
 def micro_batch_temperature(temperature: Any) -> float:

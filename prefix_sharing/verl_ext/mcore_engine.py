@@ -19,8 +19,9 @@ imports its module):
   registered for. That subclass builds its model with the prefix-sharing layer spec
   (:func:`install_layer_spec`), reads each micro-batch (with its ``uid``) in ``forward_step``,
   splits dynamic batches keeping sharing groups together and reports the step's token counts in
-  verl's metrics (:class:`.engine.SharingEngineMixin`); a Gated DeltaNet hybrid on a
-  megatron-core other than 0.19.2 is refused at construction (:mod:`.hybrid`); under
+  verl's metrics (:class:`.engine.SharingEngineMixin`); a vision-language model
+  (:mod:`.mcore_vlm`) and a Gated DeltaNet hybrid on a megatron-core other than 0.19.2
+  (:mod:`.hybrid`) are refused at construction; under
   ``router_replay`` the micro-batch's ``routed_experts`` go with the plan, and an ``R2``
   recording forward's routes reach verl per plain token through its own
   ``merge_router_topk_indices`` call (:func:`patch_route_merge`, :mod:`.routing_replay`). With
@@ -149,6 +150,7 @@ def patch_engine(module: ModuleType) -> None:
     from .config import sharing_config
     from .hybrid import check_hybrid_release
     from .mcore import micro_batch_groups
+    from .mcore_vlm import check_no_vision_model
     from .routing_replay import RouteRecorder, micro_batch_routes
 
     stock = module.MegatronEngineWithLMHead
@@ -161,8 +163,9 @@ def patch_engine(module: ModuleType) -> None:
 
         def __init__(self, model_config: Any, engine_config: Any, *args: Any,
                      **kwargs: Any) -> None:
-            if sharing_config(engine_config).enabled:
-                check_hybrid_release(model_config)  # before verl builds anything
+            if sharing_config(engine_config).enabled:  # before verl builds anything
+                check_no_vision_model(model_config)
+                check_hybrid_release(model_config)
             super().__init__(model_config, engine_config, *args, **kwargs)
 
         def _build_tf_config(self) -> None:

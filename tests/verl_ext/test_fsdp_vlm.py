@@ -165,9 +165,10 @@ def test_the_self_check_and_other_vision_families_are_refused_by_name(tmp_path):
     assert "[verl.self_check.vlm]" in message, message
 
 
-def test_the_megatron_engine_and_an_old_transformers_refuse_a_vlm_by_name(monkeypatch):
-    """The engine check alone (the Megatron engine serves no vision family; verl 0.8.0's
-    transformers 4.57 is below the shim's 5.10)."""
+def test_an_engine_serving_no_vision_family_and_an_old_transformers_refuse_a_vlm(monkeypatch):
+    """The engine check alone (an engine that serves no vision family; verl 0.8.0's
+    transformers 4.57 is below the shim's 5.10). The Megatron engine refuses a VLM earlier, at
+    construction: test_mcore_vlm.py."""
     from types import SimpleNamespace
 
     import transformers
@@ -179,7 +180,7 @@ def test_the_megatron_engine_and_an_old_transformers_refuse_a_vlm_by_name(monkey
     model = SimpleNamespace(model_type="language_model",
                             hf_config=SimpleNamespace(vision_config={}, model_type=FAMILY))
     with pytest.raises(PrefixSharingSetupError, match=r"\[verl\.multimodal\]"):
-        check_engine_setup(SimpleNamespace(), model)  # the Megatron engine's call
+        check_engine_setup(SimpleNamespace(), model)
     monkeypatch.setattr(transformers, "__version__", "5.10.0")
     check_engine_setup(SimpleNamespace(), model, vision_families=ENGINE_FAMILIES)
     monkeypatch.setattr(transformers, "__version__", "4.57.1")
