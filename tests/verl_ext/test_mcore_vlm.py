@@ -76,7 +76,8 @@ def test_the_same_engine_builds_a_vlm_with_sharing_off_and_a_text_model_with_it_
 
 def test_the_forward_names_a_vision_model_and_images_for_a_text_model_apart():
     """The forward's own check (the constructor has refused a vision model before it)."""
-    with pytest.raises(PrefixSharingSetupError, match=r"\(vision_model\): .*\[verl\.megatron_vlm\]$"):
+    with pytest.raises(PrefixSharingSetupError,
+                       match=r"\(vision_model\): .*\[verl\.megatron_vlm\]$"):
         check_text_only(False, True, {})
     with pytest.raises(PrefixSharingSetupError,
                        match=r"\(multi_modal_inputs\): .*\[verl\.multimodal\]$"):
