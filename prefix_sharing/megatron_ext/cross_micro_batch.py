@@ -126,6 +126,12 @@ def forward_backward_group(
             megatron's ``MoEAuxLossAutoScaler`` for the group's backwards.
     """
     check_group_model(model)
+    if get_attr_wrapped_model(model, "config").pipeline_model_parallel_size > 1:
+        from .cross_pipeline import forward_backward_pipelined_group
+
+        # the prefix is recomputed there in any case (the last suffix carries it with grad)
+        return forward_backward_pipelined_group(model, schedule, token_loss, backend=backend,
+                                                temperature=temperature, keep_logits=keep_logits)
     device = next(model.parameters()).device
     multiple = _sequence_parallel_size(model)
     plans = [("block", b.plan) for b in schedule.blocks] + [
@@ -183,17 +189,23 @@ def _suffix(model: torch.nn.Module, suffix: SuffixMicroBatch, kvs: dict[int, Pre
             device: torch.device) -> None:
     """One suffix micro-batch's forward and backward, reading its stack of blocks."""
     plan = suffix.plan.to(device)
-    tail_plan = suffix.tail_plan.to(device)
     params = PlanPackedSeqParams.from_plan(plan, backend,
                                            prefix_kv=PrefixKVStack([kvs[r] for r in suffix.reads]))
     logits = model(plan.input_ids[None], plan.position_ids[None], None,
                    packed_seq_params=params)[0]  # [1, T, V] -> [T, V]
+    score_suffix(logits, suffix, token_loss, out, temperature).backward()
+
+
+def score_suffix(logits: torch.Tensor, suffix: SuffixMicroBatch, token_loss: TokenLoss,
+                 out: _Collector, temperature: float) -> torch.Tensor:
+    """A suffix micro-batch's loss from its logits (``[T, V]``), its outputs collected."""
+    tail_plan = suffix.tail_plan.to(logits.device)
     stats = token_log_probs(logits, tail_plan, temperature=temperature,
                             vocab_shard=vocab_shard(logits.size(-1)))
-    positions = suffix.token_positions.to(device)
+    positions = suffix.token_positions.to(logits.device)
     loss = token_loss(stats.log_probs, stats.entropy, positions)
-    loss.backward()
     out.add(positions, stats.log_probs, stats.entropy, loss, lambda: tail_plan.restore(logits))
+    return loss
 
 
 class PrefixPass:
@@ -226,7 +238,13 @@ class PrefixPass:
         """Forward, then every member's log-probs and entropy at the block's positions
         (``(N * length,)`` each, member-major: the block's ``positions``' order), and a
         callable giving those positions' logits."""
-        logits = self.forward(model)[: self.prefix_len]  # the pad rows' logits are not read
+        return self.stats_of(self.forward(model), with_entropy)
+
+    def stats_of(self, logits: torch.Tensor,
+                 with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                     Callable[[], torch.Tensor]]:
+        """:meth:`stats` of this pass's output ``logits`` (``[rows, V]``)."""
+        logits = logits[: self.prefix_len]  # the pad rows' logits are not read
         # one placeholder row per member: the stats plan's last position, discarded
         rows = torch.cat([logits, logits.new_zeros(self.num_sequences, logits.size(1))])
         stats = token_log_probs(rows, self.stats_plan, temperature=self.temperature,
@@ -238,7 +256,12 @@ class PrefixPass:
     def scored(self, model: torch.nn.Module, token_loss: TokenLoss,
                out: _Collector) -> torch.Tensor:
         """Forward with grad, and the loss of every member's positions in the block."""
-        log_probs, entropy, logits = self.stats(model)
+        return self.score(self.forward(model), token_loss, out)
+
+    def score(self, logits: torch.Tensor, token_loss: TokenLoss,
+              out: _Collector) -> torch.Tensor:
+        """:meth:`scored` of this pass's output ``logits`` (``[rows, V]``)."""
+        log_probs, entropy, logits = self.stats_of(logits)
         loss = token_loss(log_probs, entropy, self.positions)
         out.add(self.positions, log_probs, entropy, loss, logits)
         return loss
@@ -294,11 +317,29 @@ def _sequence_parallel_size(model: torch.nn.Module) -> int:
 
 
 def check_group_model(model: torch.nn.Module) -> None:
-    """Raises :class:`UnsupportedSetupError` naming every setting a group run cannot honour."""
+    """Raises :class:`UnsupportedSetupError` naming every setting a group run cannot honour:
+    under pipeline parallelism (:mod:`.cross_pipeline`), what is not tested there."""
     config = get_attr_wrapped_model(model, "config")
+    if config.pipeline_model_parallel_size == 1:
+        return
     found = []
-    if config.pipeline_model_parallel_size > 1:
+    if config.virtual_pipeline_model_parallel_size is not None:
+        found.append(Refused("megatron.virtual_pipeline", "virtual_pipeline_model_parallel_size="
+                             f"{config.virtual_pipeline_model_parallel_size}"))
+    untested = [f"{name}={getattr(config, name)}" for name, plain in _PIPELINED.items()
+                if getattr(config, name) not in plain]
+    if untested:
         found.append(Refused("megatron.cross_micro_batch.pipeline",
-                             f"pipeline_model_parallel_size={config.pipeline_model_parallel_size}"))
+                             f"pipeline_model_parallel_size={config.pipeline_model_parallel_size} "
+                             f"with {', '.join(untested)}"))
     if found:
         raise refuse_all(found, error=UnsupportedSetupError)
+
+
+# what the pipelined group run is tested with: TP=1 (so no sequence parallelism), dense
+# layers, no activation recompute
+_PIPELINED = {
+    "tensor_model_parallel_size": (1,),
+    "num_moe_experts": (None, 0),
+    "recompute_granularity": (None,),
+}

@@ -1,0 +1,108 @@
+"""A group across micro-batches under pipeline parallelism (PP=2, 1F1B): exact.
+
+One GRPO group (a 41-token prompt, 6 responses) under an 84-token budget at PP=2 on two gloo
+ranks: the first and the last suffix micro-batch carry the prompt's rows (so the tails are
+packed under 84 - 41: 4 suffix micro-batches), the prompt recorded without grad in the first and recomputed with grad
+in the last, whose backward - megatron's own, on each stage - is the prompt's. Judged on both
+stages as ``verify`` judges (the float64 verdict against megatron's stock step on the same
+samples in the same micro-batches; within 1e-5 of its fp32 run): the last stage's logits,
+log-probs, entropy and loss, and every gradient of each stage. A control whose last suffix
+reads the leaves instead of reading through (the prompt's backward then misses the other
+suffixes' dK/dV) fails on the gradients.
+"""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+
+from prefix_sharing import PrefixSharingConfig
+from prefix_sharing.equivalence import FP32_RTOL, QUANTITIES, within_tolerance
+from prefix_sharing.workloads import make_workload
+
+from ._distributed import PRESET, run_distributed, tiny_gpt
+from .test_cross_micro_batch import _split_runs
+
+CONFIG = PrefixSharingConfig(min_prefix_len=1, backend="torch")
+BUDGET = 84
+
+
+def _group() -> list[torch.Tensor]:
+    return make_workload("grpo", num_prompts=1, group_size=6, prompt_len=(40, 41),
+                         response_len=(12, 24), vocab_size=PRESET.vocab_size, seed=5).sequences
+
+
+def _judged(cross, seqs) -> dict:
+    from prefix_sharing.engines.megatron import compare
+
+    (plain, _), (reference, _) = _split_runs(tiny_gpt, seqs, cross)
+    return {"vs_reference": compare(cross.run, reference), "plain": compare(plain, reference),
+            "vs_plain": compare(cross.run, plain), "figures": cross.report(),
+            "outputs": len(cross.run.outputs), "grads": len(cross.run.grads),
+            "suffix_rows": [s.plan.num_tokens_unique for s in cross.schedules[0].suffixes]}
+
+
+def _job(rank: int) -> dict:
+    from prefix_sharing.engines.cross_micro_batch import forward_backward_cross
+    from prefix_sharing.megatron_ext.prefix_kv import PrefixKV
+
+    seqs = _group()
+    model = tiny_gpt("shared")
+    report = {"cross": _judged(forward_backward_cross(model, seqs, BUDGET, CONFIG), seqs)}
+    # the control: the last suffix reads the leaves, as the others do
+    forward_pass = PrefixKV.forward_pass
+
+    def never_last(self, mode=None):
+        return forward_pass(self, "read" if (mode or self.mode) == "read_last" else mode)
+
+    with mock.patch.object(PrefixKV, "forward_pass", never_last):
+        report["leaves_only"] = _judged(forward_backward_cross(model, seqs, BUDGET, CONFIG), seqs)
+    return report
+
+
+@pytest.fixture(scope="module")
+def stages() -> list[dict]:
+    return run_distributed(_job, 2, pp=2, timeout=600)
+
+
+def test_equals_the_stock_step_on_every_stage(stages):
+    first, last = stages
+    assert first["cross"]["outputs"] == 0 and last["cross"]["outputs"] >= 3
+    for stage in stages:
+        run = stage["cross"]
+        verdict = within_tolerance(run["vs_reference"], run["plain"], torch.float32)
+        assert set(verdict) == set(QUANTITIES) and all(verdict.values()), (
+            run["vs_reference"].max_rel_diff)
+        for q, d in run["vs_plain"].max_rel_diff.items():
+            assert d <= FP32_RTOL, f"{q}: {d} from the plain fp32 run"
+
+
+def test_the_prompt_is_computed_twice_and_the_budget_kept(stages):
+    for stage in stages:
+        run = stage["cross"]
+        figures = run["figures"]
+        (prefix_len,) = figures["prefix_lens"]
+        assert figures["num_micro_batches"] == 1 + len(run["suffix_rows"])
+        assert len(run["suffix_rows"]) >= 3
+        # the first and the last suffix carry the prompt's rows besides their tails
+        assert max(run["suffix_rows"]) + prefix_len <= BUDGET
+        carried = run["suffix_rows"][0] + prefix_len, run["suffix_rows"][-1] + prefix_len
+        assert figures["max_tokens_computed"] == max(*carried, *run["suffix_rows"])
+        assert figures["recomputed_tokens"] == prefix_len
+        assert figures["tokens_computed"] == figures["tokens_unique"] + prefix_len
+        # this stage's layer: K and V, leaves and gradients, fp32
+        head_dim = PRESET.hidden_size // PRESET.num_attention_heads
+        assert figures["held_bytes"] == (2 * 2 * (PRESET.num_layers // 2) * prefix_len
+                                         * PRESET.num_query_groups * head_dim * 4)
+
+
+def test_a_control_whose_last_suffix_does_not_read_through_fails(stages):
+    for stage in stages:
+        run = stage["leaves_only"]
+        verdict = within_tolerance(run["vs_reference"], run["plain"], torch.float32)
+        assert not verdict["grads"], run["vs_reference"].max_rel_diff
+    last = stages[1]["leaves_only"]
+    verdict = within_tolerance(last["vs_reference"], last["plain"], torch.float32)
+    assert verdict["log_probs"] and verdict["loss"]  # the forward is untouched
