@@ -45,8 +45,9 @@ Dense and MoE models (router statistics under sequence parallelism too: each ran
 slice of every suffix's plain view, the prefix's logits kept whole). Activation recompute
 (full or selective): a recomputed layer replays its first run's mode
 (:class:`~.prefix_kv.PrefixKVPass`). Sliding windows (a suffix's gather of the prefix rows
-trimmed to the window, as any plan's). Pipeline parallelism is refused by name (context
-parallelism by the core attention).
+trimmed to the window, as any plan's). Under pipeline parallelism a one-level schedule runs
+through megatron's 1F1B instead (:mod:`.cross_pipeline`; TP=1, dense, no recompute: the rest
+refused by name, context parallelism by the core attention).
 """
 
 from __future__ import annotations
