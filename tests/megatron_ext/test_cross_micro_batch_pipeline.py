@@ -8,7 +8,8 @@ stages as ``verify`` judges (the float64 verdict against megatron's stock step o
 samples in the same micro-batches; within 1e-5 of its fp32 run): the last stage's logits,
 log-probs, entropy and loss, and every gradient of each stage. A control whose last suffix
 reads the leaves instead of reading through (the prompt's backward then misses the other
-suffixes' dK/dV) fails on the gradients.
+suffixes' dK/dV) fails on the gradients. The same group within one suffix micro-batch (the
+first and the last) computes its prompt once, with grad.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from .test_cross_micro_batch import _split_runs
 
 CONFIG = PrefixSharingConfig(min_prefix_len=1, backend="torch")
 BUDGET = 84
+ONE_SUFFIX = 170  # the group's 162 unique tokens fit
 
 
 def _group() -> list[torch.Tensor]:
@@ -59,6 +61,8 @@ def _job(rank: int) -> dict:
 
     with mock.patch.object(PrefixKV, "forward_pass", never_last):
         report["leaves_only"] = _judged(forward_backward_cross(model, seqs, BUDGET, CONFIG), seqs)
+    # the whole group within the budget: one suffix, the first and the last, carries the prompt
+    report["one_suffix"] = _judged(forward_backward_cross(model, seqs, ONE_SUFFIX, CONFIG), seqs)
     return report
 
 
@@ -77,6 +81,16 @@ def test_equals_the_stock_step_on_every_stage(stages):
             run["vs_reference"].max_rel_diff)
         for q, d in run["vs_plain"].max_rel_diff.items():
             assert d <= FP32_RTOL, f"{q}: {d} from the plain fp32 run"
+
+
+def test_a_group_in_one_suffix_computes_its_prompt_once(stages):
+    for stage in stages:
+        run = stage["one_suffix"]
+        verdict = within_tolerance(run["vs_reference"], run["plain"], torch.float32)
+        assert all(verdict.values()), run["vs_reference"].max_rel_diff
+        figures = run["figures"]
+        assert len(run["suffix_rows"]) == 1 and figures["recomputed_tokens"] == 0
+        assert figures["tokens_computed"] == figures["tokens_unique"]
 
 
 def test_the_prompt_is_computed_twice_and_the_budget_kept(stages):
