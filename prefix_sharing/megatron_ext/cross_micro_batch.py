@@ -46,8 +46,8 @@ slice of every suffix's plain view, the prefix's logits kept whole). Activation 
 (full or selective): a recomputed layer replays its first run's mode
 (:class:`~.prefix_kv.PrefixKVPass`). Sliding windows (a suffix's gather of the prefix rows
 trimmed to the window, as any plan's). Under pipeline parallelism a one-level schedule runs
-through megatron's 1F1B instead (:mod:`.cross_pipeline`; TP=1, dense, no recompute: the rest
-refused by name, context parallelism by the core attention).
+through megatron's 1F1B instead (:mod:`.cross_pipeline`; dense, no recompute: the rest refused
+by name, context parallelism by the core attention).
 """
 
 from __future__ import annotations
@@ -127,14 +127,8 @@ def forward_backward_group(
             megatron's ``MoEAuxLossAutoScaler`` for the group's backwards.
     """
     check_group_model(model)
-    if get_attr_wrapped_model(model, "config").pipeline_model_parallel_size > 1:
-        from .cross_pipeline import forward_backward_pipelined_group
-
-        # the prefix is recomputed there in any case (the last suffix carries it with grad)
-        return forward_backward_pipelined_group(model, schedule, token_loss, backend=backend,
-                                                temperature=temperature, keep_logits=keep_logits)
     device = next(model.parameters()).device
-    multiple = _sequence_parallel_size(model)
+    multiple = sequence_parallel_size(model)
     plans = [("block", b.plan) for b in schedule.blocks] + [
         ("suffix micro-batch", s.plan) for s in schedule.suffixes]
     unpadded = [kind for kind, plan in plans if plan.input_ids.numel() % multiple]
@@ -142,6 +136,12 @@ def forward_backward_group(
         raise ValueError(
             f"a {unpadded[0]}'s rows do not split over the {multiple} "
             f"sequence-parallel ranks: plan the group with pad_to_multiple_of={multiple}")
+    if get_attr_wrapped_model(model, "config").pipeline_model_parallel_size > 1:
+        from .cross_pipeline import forward_backward_pipelined_group
+
+        # the prefix is recomputed there in any case (the last suffix carries it with grad)
+        return forward_backward_pipelined_group(model, schedule, token_loss, backend=backend,
+                                                temperature=temperature, keep_logits=keep_logits)
     if get_attr_wrapped_model(model, "config").num_moe_experts:
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
@@ -307,7 +307,7 @@ def _whole_vocab(logits: torch.Tensor) -> torch.Tensor:
     return gather_from_tensor_model_parallel_region(logits)
 
 
-def _sequence_parallel_size(model: torch.nn.Module) -> int:
+def sequence_parallel_size(model: torch.nn.Module) -> int:
     """The number of ranks a micro-batch's rows are split over (1 without sequence
     parallelism)."""
     if not get_attr_wrapped_model(model, "config").sequence_parallel:
@@ -337,10 +337,8 @@ def check_group_model(model: torch.nn.Module) -> None:
         raise refuse_all(found, error=UnsupportedSetupError)
 
 
-# what the pipelined group run is tested with: TP=1 (so no sequence parallelism), dense
-# layers, no activation recompute
+# what the pipelined group run is tested with: dense layers, no activation recompute
 _PIPELINED = {
-    "tensor_model_parallel_size": (1,),
     "num_moe_experts": (None, 0),
     "recompute_granularity": (None,),
 }

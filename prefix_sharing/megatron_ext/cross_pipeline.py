@@ -28,9 +28,10 @@ are sent on as one. The prefix is computed twice (``S_1`` without grad, ``S_k`` 
 ``k = 1``: once, with grad), reported in ``cross_recomputed_tokens``. Held across the group,
 per stage: its layers' K/V leaves and their gradients, no prefix activations.
 
-Built for one-level schedules (:func:`check_pipelined_group`) at tensor-parallel size 1,
-dense models, without activation recompute (the rest is refused by name:
-:func:`~.cross_micro_batch.check_group_model`).
+Under sequence parallelism each rank holds its slice of each part's rows (every part padded to
+the tensor-parallel size), so the received activation splits at the prefix's rows over TP.
+Built for one-level schedules (:func:`check_pipelined_group`), dense models, without
+activation recompute (the rest is refused by name: :func:`~.cross_micro_batch.check_group_model`).
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ from megatron.core.utils import get_attr_wrapped_model
 from ..cross_micro_batch import GroupSchedule, SuffixMicroBatch
 from ..refusals import refuse
 from .checks import UnsupportedSetupError
-from .cross_micro_batch import GroupRun, PrefixPass, TokenLoss, _Collector, score_suffix
+from .cross_micro_batch import (GroupRun, PrefixPass, TokenLoss, _Collector, score_suffix,
+                               sequence_parallel_size)
 from .packed_seq import PlanPackedSeqParams
 from .prefix_kv import PrefixKV, PrefixKVStack
 
@@ -91,6 +93,8 @@ def forward_backward_pipelined_group(
     last_stage = get_attr_wrapped_model(model, "post_process")
     decoder = get_attr_wrapped_model(model, "decoder")
     set_input_tensor = get_attr_wrapped_model(model, "set_input_tensor")
+    # under sequence parallelism each rank holds its slice of each part's (padded) rows
+    slices = sequence_parallel_size(model)
 
     def run(params: PlanPackedSeqParams, received: torch.Tensor | None,
             rows: slice) -> torch.Tensor:
@@ -109,12 +113,13 @@ def forward_backward_pipelined_group(
             prefix = PrefixPass(schedule, PrefixKVStack([], kv), backend, temperature, device)
             prefix_rows = prefix.params.plan.input_ids.numel()
             with torch.set_grad_enabled(step.last):
-                parts.append(run(prefix.params, received, slice(0, prefix_rows)))
+                parts.append(run(prefix.params, received, slice(0, prefix_rows // slices)))
         kv.mode = "read_last" if step.last else "read"
         plan = step.suffix.plan.to(device)
         params = PlanPackedSeqParams.from_plan(plan, backend, prefix_kv=PrefixKVStack([kv]))
-        parts.append(run(params, received, slice(prefix_rows, None)))
-        # logits [b, s, V] on the last stage, hidden states [s, b, h] before it
+        parts.append(run(params, received, slice(prefix_rows // slices, None)))
+        # logits [b, s, V] on the last stage (whole rows), hidden states [s, b, h] before it
+        # (this rank's rows of each part under sequence parallelism)
         output = torch.cat(parts, dim=1 if last_stage else 0)
 
         def loss_func(output: torch.Tensor):

@@ -365,10 +365,12 @@ def test_refuses_what_it_does_not_support_by_name():
     def model_with(**config):
         return types.SimpleNamespace(config=types.SimpleNamespace(**{**base, **config}))
 
-    # PP=2 runs (test_cross_micro_batch_pipeline.py) at TP=1, dense, without recompute
+    # PP=2 runs (test_cross_micro_batch_pipeline.py) dense, without recompute, TP=2 and
+    # sequence parallelism included
     check_group_model(model_with(pipeline_model_parallel_size=2))
-    for untested in (dict(tensor_model_parallel_size=2), dict(num_moe_experts=4),
-                     dict(recompute_granularity="full")):
+    check_group_model(model_with(pipeline_model_parallel_size=2, tensor_model_parallel_size=2,
+                                 sequence_parallel=True))
+    for untested in (dict(num_moe_experts=4), dict(recompute_granularity="full")):
         setting = "=".join(map(str, next(iter(untested.items()))))
         with pytest.raises(UnsupportedSetupError, match=re.escape(setting)):
             check_group_model(model_with(pipeline_model_parallel_size=2, **untested))

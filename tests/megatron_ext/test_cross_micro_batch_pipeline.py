@@ -9,7 +9,8 @@ samples in the same micro-batches; within 1e-5 of its fp32 run): the last stage'
 log-probs, entropy and loss, and every gradient of each stage. A control whose last suffix
 reads the leaves instead of reading through (the prompt's backward then misses the other
 suffixes' dK/dV) fails on the gradients. The same group within one suffix micro-batch (the
-first and the last) computes its prompt once, with grad.
+first and the last) computes its prompt once, with grad. TP=2 x PP=2 on four ranks, without
+and with sequence parallelism: the same verdict on every rank.
 """
 
 from __future__ import annotations
@@ -36,14 +37,16 @@ def _group() -> list[torch.Tensor]:
                          response_len=(12, 24), vocab_size=PRESET.vocab_size, seed=5).sequences
 
 
-def _judged(cross, seqs) -> dict:
+def _judged(cross, seqs, build=tiny_gpt) -> dict:
     from prefix_sharing.engines.megatron import compare
 
-    (plain, _), (reference, _) = _split_runs(tiny_gpt, seqs, cross)
+    (plain, _), (reference, _) = _split_runs(build, seqs, cross)
     return {"vs_reference": compare(cross.run, reference), "plain": compare(plain, reference),
             "vs_plain": compare(cross.run, plain), "figures": cross.report(),
             "outputs": len(cross.run.outputs), "grads": len(cross.run.grads),
-            "suffix_rows": [s.plan.num_tokens_unique for s in cross.schedules[0].suffixes]}
+            "suffix_rows": [s.plan.num_tokens_unique for s in cross.schedules[0].suffixes],
+            "padded_rows": [p.input_ids.numel() for p in (
+                cross.schedules[0].blocks[0].plan, *(s.plan for s in cross.schedules[0].suffixes))]}
 
 
 def _job(rank: int) -> dict:
@@ -120,3 +123,40 @@ def test_a_control_whose_last_suffix_does_not_read_through_fails(stages):
     last = stages[1]["leaves_only"]
     verdict = within_tolerance(last["vs_reference"], last["plain"], torch.float32)
     assert verdict["log_probs"] and verdict["loss"]  # the forward is untouched
+
+
+def _tp_job(rank: int) -> dict:
+    """TP=2 x PP=2, without and with sequence parallelism (each part's rows padded to 2 and
+    split over the tensor-parallel ranks: a rank sends its slice of the prompt's rows, then of
+    its own)."""
+    from prefix_sharing.engines.cross_micro_batch import forward_backward_cross
+
+    seqs = _group()
+    report = {}
+    for sequence_parallel in (False, True):
+        def build(layout: str, **overrides) -> torch.nn.Module:
+            return tiny_gpt(layout, sequence_parallel=sequence_parallel, **overrides)
+
+        cross = forward_backward_cross(build("shared"), seqs, BUDGET, CONFIG)
+        report[sequence_parallel] = _judged(cross, seqs, build)
+    return report
+
+
+@pytest.fixture(scope="module")
+def tp_stages() -> list[dict]:
+    return run_distributed(_tp_job, 4, tp=2, pp=2, timeout=900)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_tensor_parallel_2_by_pipeline_parallel_2(tp_stages, sequence_parallel):
+    for rank in tp_stages:
+        run = rank[sequence_parallel]
+        verdict = within_tolerance(run["vs_reference"], run["plain"], torch.float32)
+        assert all(verdict.values()), run["vs_reference"].max_rel_diff
+        for q, d in run["vs_plain"].max_rel_diff.items():
+            assert d <= FP32_RTOL, f"{q}: {d} from the plain fp32 run"
+        assert len(run["suffix_rows"]) >= 3
+        if sequence_parallel:  # the prompt's 41 rows and every suffix's padded to 2
+            assert run["padded_rows"][0] == 42 and all(n % 2 == 0 for n in run["padded_rows"])
+    assert [rank[sequence_parallel]["outputs"] > 0 for rank in tp_stages] == [False, False,
+                                                                            True, True]
