@@ -144,7 +144,7 @@ MATRIX: dict[str, dict[str, Cell]] = {
     "across micro-batches": {
         "megatron-core": works(_MX + "test_cross_micro_batch.py",
                                _MX + "test_cross_micro_batch_pipeline.py",
-                               note="CP=1; PP=2: one level, dense",
+                               note="CP=1; PP=2: one level",
                                refusals=("megatron.cross_micro_batch.pipeline",
                                          "megatron.cross_micro_batch.pipeline_nested",
                                          "megatron.cross_micro_batch.context_parallel")),

@@ -46,7 +46,7 @@ slice of every suffix's plain view, the prefix's logits kept whole). Activation 
 (full or selective): a recomputed layer replays its first run's mode
 (:class:`~.prefix_kv.PrefixKVPass`). Sliding windows (a suffix's gather of the prefix rows
 trimmed to the window, as any plan's). Under pipeline parallelism a one-level schedule runs
-through megatron's 1F1B instead (:mod:`.cross_pipeline`; dense, no recompute: the rest refused
+through megatron's 1F1B instead (:mod:`.cross_pipeline`; without activation recompute: refused
 by name, context parallelism by the core attention).
 """
 
@@ -141,7 +141,8 @@ def forward_backward_group(
 
         # the prefix is recomputed there in any case (the last suffix carries it with grad)
         return forward_backward_pipelined_group(model, schedule, token_loss, backend=backend,
-                                                temperature=temperature, keep_logits=keep_logits)
+                                                temperature=temperature, keep_logits=keep_logits,
+                                                aux_loss_scale=aux_loss_scale)
     if get_attr_wrapped_model(model, "config").num_moe_experts:
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
@@ -337,8 +338,7 @@ def check_group_model(model: torch.nn.Module) -> None:
         raise refuse_all(found, error=UnsupportedSetupError)
 
 
-# what the pipelined group run is tested with: dense layers, no activation recompute
+# what the pipelined group run is tested with: no activation recompute
 _PIPELINED = {
-    "num_moe_experts": (None, 0),
     "recompute_granularity": (None,),
 }

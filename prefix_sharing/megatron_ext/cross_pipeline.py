@@ -30,13 +30,18 @@ per stage: its layers' K/V leaves and their gradients, no prefix activations.
 
 Under sequence parallelism each rank holds its slice of each part's rows (every part padded to
 the tensor-parallel size), so the received activation splits at the prefix's rows over TP.
-Built for one-level schedules (:func:`check_pipelined_group`), dense models, without
-activation recompute (the rest is refused by name: :func:`~.cross_micro_batch.check_group_model`).
+MoE router statistics as at PP=1 (the prefix rows route without statistics, each suffix's
+statistics read ``cat(prefix logits, own)``), each group's router losses weighted by the whole
+step's micro-batch count (:func:`_router_loss_weight`). Built for one-level schedules
+(:func:`check_pipelined_group`), without activation recompute (refused by name:
+:func:`~.cross_micro_batch.check_group_model`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 
 import torch
 from megatron.core.utils import get_attr_wrapped_model
@@ -71,6 +76,7 @@ def forward_backward_pipelined_group(
     backend: str = "auto",
     temperature: float = 1.0,
     keep_logits: bool = False,
+    aux_loss_scale: float = 1.0,
 ) -> GroupRun:
     """This stage's part of one group's forward+backward (see the module doc); parameter
     gradients accumulate into ``.grad``. Every stage of the pipeline calls it with the same
@@ -79,6 +85,10 @@ def forward_backward_pipelined_group(
     The :class:`~.cross_micro_batch.GroupRun`'s log-probs, entropy, logits and loss are the
     last stage's (zeros and None elsewhere); ``tokens_computed`` counts the prefix twice
     (once when the group has one suffix micro-batch).
+
+    ``aux_loss_scale``: the gradient weight of each suffix micro-batch's MoE router losses, as
+    :func:`~.cross_micro_batch.forward_backward_group` takes it (megatron's schedule would give
+    them ``1 / num_microbatches`` of this group's alone).
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -128,22 +138,41 @@ def forward_backward_pipelined_group(
                                 temperature)
             if step.last:  # every member's prefix positions, scored with grad
                 loss = loss + prefix.score(logits[:prefix_rows], token_loss, out)
-            # megatron's schedule divides each micro-batch's loss by their count
-            return loss * count, {}
+            # megatron's schedule divides each micro-batch's loss by their count, then
+            # scales it by the factor (_router_loss_weight)
+            return loss * count / factor, {}
 
         return output, loss_func
 
-    get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(steps), model=[model],
-        num_microbatches=count, seq_length=block.length + max(
-            s.plan.input_ids.numel() for s in schedule.suffixes),
-        micro_batch_size=1,
-    )
+    with _router_loss_weight(model, count * aux_loss_scale) as factor:
+        get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(steps), model=[model],
+            num_microbatches=count, seq_length=block.length + max(
+                s.plan.input_ids.numel() for s in schedule.suffixes),
+            micro_batch_size=1,
+        )
     held = kv.held_bytes()
     again = block.length if count > 1 else 0
     metrics = schedule.metrics(recompute_prefix=count > 1)
     metrics["prefix_sharing/cross_held_bytes"] = float(held)
     return out.result(held, schedule.tokens_computed + again, metrics)
+
+
+@contextlib.contextmanager
+def _router_loss_weight(model: torch.nn.Module, factor: float) -> Iterator[float]:
+    """Megatron's schedule weighs each micro-batch's MoE router losses by ``grad_scale_func(1)
+    / num_microbatches`` and scales the last stage's loss by ``grad_scale_func`` before its
+    backward: while the group runs, that function is multiplied by ``factor`` (the loss
+    function divides its loss by it), so a group's router losses get the weight of the whole
+    step's micro-batch count, as the stock step over all of them gives."""
+    config = get_attr_wrapped_model(model, "config")
+    scale = config.grad_scale_func
+    config.grad_scale_func = ((lambda t: t * factor) if scale is None
+                              else (lambda t: scale(t) * factor))
+    try:
+        yield factor
+    finally:
+        config.grad_scale_func = scale
 
 
 def check_pipelined_group(schedule: GroupSchedule) -> None:

@@ -10,7 +10,10 @@ log-probs, entropy and loss, and every gradient of each stage. A control whose l
 reads the leaves instead of reading through (the prompt's backward then misses the other
 suffixes' dK/dV) fails on the gradients. The same group within one suffix micro-batch (the
 first and the last) computes its prompt once, with grad. TP=2 x PP=2 on four ranks, without
-and with sequence parallelism: the same verdict on every rank.
+and with sequence parallelism: the same verdict on every rank. The tiny MoE preset with router
+statistics (two groups; the expert bias on one): outputs, gradients and every router
+statistic equal the stock step's; a control weighing each group's router losses by its own
+micro-batch count (megatron's schedule left alone) fails on the gradients.
 """
 
 from __future__ import annotations
@@ -21,11 +24,12 @@ import pytest
 import torch
 
 from prefix_sharing import PrefixSharingConfig
-from prefix_sharing.equivalence import FP32_RTOL, QUANTITIES, within_tolerance
+from prefix_sharing.equivalence import FP32_RTOL, QUANTITIES, max_rel_diff, within_tolerance
 from prefix_sharing.workloads import make_workload
 
 from ._distributed import PRESET, run_distributed, tiny_gpt
-from .test_cross_micro_batch import _split_runs
+from ._router_statistics import reset_router_statistics, router_statistics
+from .test_cross_micro_batch import _LOSSES, MOE, MOE_VARIANTS, _split_runs
 
 CONFIG = PrefixSharingConfig(min_prefix_len=1, backend="torch")
 BUDGET = 84
@@ -160,3 +164,69 @@ def test_tensor_parallel_2_by_pipeline_parallel_2(tp_stages, sequence_parallel):
             assert run["padded_rows"][0] == 42 and all(n % 2 == 0 for n in run["padded_rows"])
     assert [rank[sequence_parallel]["outputs"] > 0 for rank in tp_stages] == [False, False,
                                                                             True, True]
+
+
+def _moe_job(rank: int) -> dict:
+    """The tiny MoE preset (8 experts, top-2) at PP=2: two GRPO groups with the router's aux +
+    seq-aux + global-aux losses and z-loss (each group its own pipelined schedule, its router
+    losses weighted by the step's micro-batch count), one with sigmoid scores and the expert
+    bias; every output, gradient and router statistic of each stage against the stock step on
+    the same split. The control weighs each group's router losses as megatron's schedule does
+    by itself (by the group's own micro-batch count)."""
+    import contextlib
+
+    from prefix_sharing.engines.cross_micro_batch import forward_backward_cross
+    from prefix_sharing.engines.megatron import gpt_model
+    from prefix_sharing.megatron_ext import cross_pipeline
+
+    two = make_workload("grpo", num_prompts=2, group_size=6, prompt_len=(40, 41),
+                        response_len=(12, 24), vocab_size=MOE.vocab_size, seed=5)
+    runs = {"losses": (two.sequences, [g.members for g in two.groups], "losses"),
+            "expert_bias": (_group(), None, "expert_bias"),
+            "group_weight": (two.sequences, [g.members for g in two.groups], "losses")}
+    report = {}
+    for name, (seqs, groups, variant) in runs.items():
+        def build(layout: str, settings=MOE_VARIANTS[variant], **overrides) -> torch.nn.Module:
+            return gpt_model(MOE, layout=layout, **settings, **overrides)
+
+        ours = build("shared")
+        reset_router_statistics(ours)
+        control = (mock.patch.object(cross_pipeline, "_router_loss_weight",
+                                     lambda model, factor: contextlib.nullcontext(1.0))
+                   if name == "group_weight" else contextlib.nullcontext())
+        with control:
+            cross = forward_backward_cross(ours, seqs, BUDGET, CONFIG, groups=groups)
+        stats = router_statistics(ours)
+        (_, plain_stats), _ = _split_runs(build, seqs, cross)
+        report[name] = {**_judged(cross, seqs, build), "statistic_names": sorted(plain_stats),
+                        "groups": len(cross.schedules),
+                        "statistics": {k: max_rel_diff(v, plain_stats[k])
+                                       for k, v in stats.items()}}
+    return report
+
+
+@pytest.fixture(scope="module")
+def moe_stages() -> list[dict]:
+    return run_distributed(_moe_job, 2, pp=2, timeout=900)
+
+
+@pytest.mark.parametrize("variant", ["losses", "expert_bias"])
+def test_moe_with_router_statistics(moe_stages, variant):
+    for stage in moe_stages:
+        run = stage[variant]
+        verdict = within_tolerance(run["vs_reference"], run["plain"], torch.float32)
+        assert all(verdict.values()), run["vs_reference"].max_rel_diff
+        for q, d in run["vs_plain"].max_rel_diff.items():
+            assert d <= FP32_RTOL, f"{q}: {d} from the plain fp32 run"
+        worst = {k: d for k, d in run["statistics"].items() if d > FP32_RTOL}
+        assert not worst, worst
+        assert set(run["statistics"]) == set(run["statistic_names"])
+        assert {k for k in _LOSSES if k.startswith("tracker.")} <= set(run["statistic_names"])
+    assert moe_stages[0][variant]["groups"] == (2 if variant == "losses" else 1)
+
+
+def test_moe_control_weighing_router_losses_per_group_fails(moe_stages):
+    for stage in moe_stages:
+        run = stage["group_weight"]
+        verdict = within_tolerance(run["vs_reference"], run["plain"], torch.float32)
+        assert not verdict["grads"], run["vs_reference"].max_rel_diff
