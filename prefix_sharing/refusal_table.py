@@ -183,12 +183,6 @@ TABLE: tuple[Refusal, ...] = (
             "cross-micro-batch sharing under context parallelism",
             "a group's prefix K/V kept across micro-batches is not split over context-parallel "
             "ranks; use context_parallel_size=1 or one micro-batch per group", _MEGATRON),
-    Refusal("megatron.cross_micro_batch.pipeline", "cross-micro-batch sharing under pipeline "
-            "parallelism with activation recompute",
-            "the pipelined group run (the first and last suffix carry the prefix rows between "
-            "stages) is not tested with megatron's activation recompute (a recomputed prefix "
-            "layer inside the last suffix's backward); turn recompute off, or use PP=1",
-            ("megatron-core",)),
     Refusal("megatron.cross_micro_batch.pipeline_nested", "a nested group schedule (a chunked "
             "prefix or sub-tree blocks) under pipeline parallelism",
             "under 1F1B the last suffix recomputes the one prefix block and carries it between "

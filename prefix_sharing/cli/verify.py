@@ -9,9 +9,9 @@ With ``--token-budget N`` the shared run computes each group (a prompt group of 
 the whole micro-batch) in micro-batches of at most N computed tokens, each of its shared
 prefixes once across them - a prefix longer than N in chunks, a sub-tree over N with its own
 shared blocks (cross-micro-batch sharing; CP=1; tensor parallel, MoE presets with
-sequence parallelism, windows and ``--recompute`` too; at ``--pp 2`` and more one level,
-without ``--recompute``: the first and last suffix micro-batch carry the prefix, their tails
-packed under N minus its length) - and is judged against
+sequence parallelism, windows and ``--recompute`` too; at ``--pp 2`` and more one level: the
+first and last suffix micro-batch carry the prefix, their tails packed under N minus its
+length) - and is judged against
 the plain run of the same samples in the same micro-batches (one per suffix micro-batch, its samples
 whole: the stock step's split, over which MoE router statistics are taken).
 

@@ -46,8 +46,8 @@ slice of every suffix's plain view, the prefix's logits kept whole). Activation 
 (full or selective): a recomputed layer replays its first run's mode
 (:class:`~.prefix_kv.PrefixKVPass`). Sliding windows (a suffix's gather of the prefix rows
 trimmed to the window, as any plan's). Under pipeline parallelism a one-level schedule runs
-through megatron's 1F1B instead (:mod:`.cross_pipeline`; without activation recompute: refused
-by name, context parallelism by the core attention).
+through megatron's 1F1B instead (:mod:`.cross_pipeline`); virtual pipeline stages are refused
+by name (context parallelism by the core attention).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ from megatron.core.utils import get_attr_wrapped_model
 
 from ..cross_micro_batch import GroupSchedule, SharedBlock, SuffixMicroBatch
 from ..logprobs import token_log_probs
-from ..refusals import Refused, refuse_all
+from ..refusals import refuse
 from .checks import UnsupportedSetupError
 from .logprobs import vocab_shard
 from .packed_seq import PlanPackedSeqParams
@@ -320,25 +320,9 @@ def sequence_parallel_size(model: torch.nn.Module) -> int:
 
 def check_group_model(model: torch.nn.Module) -> None:
     """Raises :class:`UnsupportedSetupError` naming every setting a group run cannot honour:
-    under pipeline parallelism (:mod:`.cross_pipeline`), what is not tested there."""
+    virtual pipeline stages (the pipelined run, :mod:`.cross_pipeline`, drives one model
+    chunk per stage)."""
     config = get_attr_wrapped_model(model, "config")
-    if config.pipeline_model_parallel_size == 1:
-        return
-    found = []
     if config.virtual_pipeline_model_parallel_size is not None:
-        found.append(Refused("megatron.virtual_pipeline", "virtual_pipeline_model_parallel_size="
-                             f"{config.virtual_pipeline_model_parallel_size}"))
-    untested = [f"{name}={getattr(config, name)}" for name, plain in _PIPELINED.items()
-                if getattr(config, name) not in plain]
-    if untested:
-        found.append(Refused("megatron.cross_micro_batch.pipeline",
-                             f"pipeline_model_parallel_size={config.pipeline_model_parallel_size} "
-                             f"with {', '.join(untested)}"))
-    if found:
-        raise refuse_all(found, error=UnsupportedSetupError)
-
-
-# what the pipelined group run is tested with: no activation recompute
-_PIPELINED = {
-    "recompute_granularity": (None,),
-}
+        raise refuse("megatron.virtual_pipeline", "virtual_pipeline_model_parallel_size="
+                     f"{config.virtual_pipeline_model_parallel_size}", error=UnsupportedSetupError)

@@ -32,9 +32,12 @@ Under sequence parallelism each rank holds its slice of each part's rows (every 
 the tensor-parallel size), so the received activation splits at the prefix's rows over TP.
 MoE router statistics as at PP=1 (the prefix rows route without statistics, each suffix's
 statistics read ``cat(prefix logits, own)``), each group's router losses weighted by the whole
-step's micro-batch count (:func:`_router_loss_weight`). Built for one-level schedules
-(:func:`check_pipelined_group`), without activation recompute (refused by name:
-:func:`~.cross_micro_batch.check_group_model`).
+step's micro-batch count (:func:`_router_loss_weight`). Activation recompute as at PP=1: a
+prefix layer recomputed in ``S_k`` replays inside its backward, after ``S_k``'s own rows'
+(created later, so run first by autograd), and injects the leaves' gradients then
+(:class:`~.prefix_kv.PrefixKVPass`). Built for one-level schedules
+(:func:`check_pipelined_group`); virtual stages are refused
+(:func:`~.cross_micro_batch.check_group_model`).
 """
 
 from __future__ import annotations

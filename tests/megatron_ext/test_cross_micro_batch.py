@@ -365,13 +365,11 @@ def test_refuses_what_it_does_not_support_by_name():
     def model_with(**config):
         return types.SimpleNamespace(config=types.SimpleNamespace(**{**base, **config}))
 
-    # PP=2 runs (test_cross_micro_batch_pipeline.py) without recompute, TP=2 with sequence
-    # parallelism and MoE included
-    check_group_model(model_with(pipeline_model_parallel_size=2))
+    # PP=2 runs (test_cross_micro_batch_pipeline.py), TP=2 with sequence parallelism, MoE and
+    # activation recompute included
     check_group_model(model_with(pipeline_model_parallel_size=2, tensor_model_parallel_size=2,
-                                 sequence_parallel=True, num_moe_experts=4))
-    with pytest.raises(UnsupportedSetupError, match="recompute_granularity=full"):
-        check_group_model(model_with(pipeline_model_parallel_size=2, recompute_granularity="full"))
+                                 sequence_parallel=True, num_moe_experts=4,
+                                 recompute_granularity="full"))
     with pytest.raises(UnsupportedSetupError, match="virtual_pipeline_model_parallel_size=2"):
         check_group_model(model_with(pipeline_model_parallel_size=2,
                                      virtual_pipeline_model_parallel_size=2))

@@ -13,11 +13,14 @@ first and the last) computes its prompt once, with grad. TP=2 x PP=2 on four ran
 and with sequence parallelism: the same verdict on every rank. The tiny MoE preset with router
 statistics (two groups; the expert bias on one): outputs, gradients and every router
 statistic equal the stock step's; a control weighing each group's router losses by its own
-micro-batch count (megatron's schedule left alone) fails on the gradients.
+micro-batch count (megatron's schedule left alone) fails on the gradients. Megatron's
+activation recompute, full and selective; a control whose replayed prefix layers record again
+fails on the gradients.
 """
 
 from __future__ import annotations
 
+import contextlib
 from unittest import mock
 
 import pytest
@@ -30,6 +33,7 @@ from prefix_sharing.workloads import make_workload
 from ._distributed import PRESET, run_distributed, tiny_gpt
 from ._router_statistics import reset_router_statistics, router_statistics
 from .test_cross_micro_batch import _LOSSES, MOE, MOE_VARIANTS, _split_runs
+from .test_cross_micro_batch_settings import _replay_records_again
 
 CONFIG = PrefixSharingConfig(min_prefix_len=1, backend="torch")
 BUDGET = 84
@@ -173,8 +177,6 @@ def _moe_job(rank: int) -> dict:
     bias; every output, gradient and router statistic of each stage against the stock step on
     the same split. The control weighs each group's router losses as megatron's schedule does
     by itself (by the group's own micro-batch count)."""
-    import contextlib
-
     from prefix_sharing.engines.cross_micro_batch import forward_backward_cross
     from prefix_sharing.engines.megatron import gpt_model
     from prefix_sharing.megatron_ext import cross_pipeline
@@ -228,5 +230,49 @@ def test_moe_with_router_statistics(moe_stages, variant):
 def test_moe_control_weighing_router_losses_per_group_fails(moe_stages):
     for stage in moe_stages:
         run = stage["group_weight"]
+        verdict = within_tolerance(run["vs_reference"], run["plain"], torch.float32)
+        assert not verdict["grads"], run["vs_reference"].max_rel_diff
+
+
+def _recompute_job(rank: int) -> dict:
+    """Megatron's activation recompute, full and selective, on every model of the run: the
+    carried prefix's layers replay inside the last suffix's backward, after its own rows'. The
+    control: a replayed prefix layer records as if run for the first time (so takes in none of
+    the readers' dK/dV)."""
+    from prefix_sharing.engines.cross_micro_batch import forward_backward_cross
+    from prefix_sharing.engines.recompute import RECOMPUTE
+
+    seqs = _group()
+    report = {}
+    runs = [(name, name, contextlib.nullcontext) for name in RECOMPUTE]
+    runs.append(("replay_records_again", "full", _replay_records_again))
+    for key, name, control in runs:
+        def build(layout: str, settings=RECOMPUTE[name], **overrides) -> torch.nn.Module:
+            return tiny_gpt(layout, **settings, **overrides)
+
+        with control():
+            cross = forward_backward_cross(build("shared"), seqs, BUDGET, CONFIG)
+        report[key] = _judged(cross, seqs, build)
+    return report
+
+
+@pytest.fixture(scope="module")
+def recompute_stages() -> list[dict]:
+    return run_distributed(_recompute_job, 2, pp=2, timeout=900)
+
+
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+def test_activation_recompute(recompute_stages, recompute):
+    for stage in recompute_stages:
+        run = stage[recompute]
+        verdict = within_tolerance(run["vs_reference"], run["plain"], torch.float32)
+        assert all(verdict.values()), run["vs_reference"].max_rel_diff
+        for q, d in run["vs_plain"].max_rel_diff.items():
+            assert d <= FP32_RTOL, f"{q}: {d} from the plain fp32 run"
+
+
+def test_a_replay_that_records_again_fails(recompute_stages):
+    for stage in recompute_stages:
+        run = stage["replay_records_again"]
         verdict = within_tolerance(run["vs_reference"], run["plain"], torch.float32)
         assert not verdict["grads"], run["vs_reference"].max_rel_diff
