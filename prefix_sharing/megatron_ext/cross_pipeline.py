@@ -62,10 +62,9 @@ __all__ = ["check_pipelined_group", "forward_backward_pipelined_group"]
 
 @dataclasses.dataclass(frozen=True)
 class _Step:
-    """One of the group's micro-batches in the pipeline: suffix ``index``, and whether it
-    carries the prefix rows (the first, without grad; the last, with grad)."""
+    """One of the group's micro-batches in the pipeline: its suffix, and whether it carries the
+    prefix rows (the first, without grad; the last, with grad)."""
 
-    index: int
     suffix: SuffixMicroBatch
     carries_prefix: bool
     last: bool
@@ -100,7 +99,7 @@ def forward_backward_pipelined_group(
     block = schedule.blocks[0]
     kv = PrefixKV(rows=block.length)
     count = len(schedule.suffixes)
-    steps = [_Step(j, s, j in (0, count - 1), j == count - 1)
+    steps = [_Step(s, j in (0, count - 1), j == count - 1)
              for j, s in enumerate(schedule.suffixes)]
     out = _Collector(schedule.num_tokens_total, device, keep_logits)
     last_stage = get_attr_wrapped_model(model, "post_process")
