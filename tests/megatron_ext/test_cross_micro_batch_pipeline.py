@@ -2,8 +2,8 @@
 
 One GRPO group (a 41-token prompt, 6 responses) under an 84-token budget at PP=2 on two gloo
 ranks: the first and the last suffix micro-batch carry the prompt's rows (so the tails are
-packed under 84 - 41: 4 suffix micro-batches), the prompt recorded without grad in the first and recomputed with grad
-in the last, whose backward - megatron's own, on each stage - is the prompt's. Judged on both
+packed under 84 - 41: 4 suffix micro-batches), the prompt recorded without grad in the first
+and recomputed with grad in the last, whose backward - megatron's own, on each stage - is the prompt's. Judged on both
 stages as ``verify`` judges (the float64 verdict against megatron's stock step on the same
 samples in the same micro-batches; within 1e-5 of its fp32 run): the last stage's logits,
 log-probs, entropy and loss, and every gradient of each stage. A control whose last suffix
@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from prefix_sharing import PrefixSharingConfig
+from prefix_sharing.engines.recompute import RECOMPUTE
 from prefix_sharing.equivalence import FP32_RTOL, QUANTITIES, max_rel_diff, within_tolerance
 from prefix_sharing.workloads import make_workload
 
@@ -49,58 +50,95 @@ def _judged(cross, seqs, build=tiny_gpt) -> dict:
     from prefix_sharing.engines.megatron import compare
 
     (plain, _), (reference, _) = _split_runs(build, seqs, cross)
+    schedule = cross.schedules[0]
     return {"vs_reference": compare(cross.run, reference), "plain": compare(plain, reference),
             "vs_plain": compare(cross.run, plain), "figures": cross.report(),
-            "outputs": len(cross.run.outputs), "grads": len(cross.run.grads),
-            "suffix_rows": [s.plan.num_tokens_unique for s in cross.schedules[0].suffixes],
-            "padded_rows": [p.input_ids.numel() for p in (
-                cross.schedules[0].blocks[0].plan, *(s.plan for s in cross.schedules[0].suffixes))]}
+            "outputs": len(cross.run.outputs),
+            "suffix_rows": [s.plan.num_tokens_unique for s in schedule.suffixes],
+            "padded_rows": [p.input_ids.numel()
+                            for p in (schedule.blocks[0].plan, *(s.plan for s in schedule.suffixes))]}
 
 
-def _job(rank: int) -> dict:
-    from prefix_sharing.engines.cross_micro_batch import forward_backward_cross
+def _assert_exact(run: dict) -> None:
+    """The float64 verdict on every quantity, and 1e-5 from the plain fp32 run."""
+    verdict = within_tolerance(run["vs_reference"], run["plain"], torch.float32)
+    assert set(verdict) == set(QUANTITIES) and all(verdict.values()), (
+        run["vs_reference"].max_rel_diff)
+    for q, d in run["vs_plain"].max_rel_diff.items():
+        assert d <= FP32_RTOL, f"{q}: {d} from the plain fp32 run"
+
+
+def _assert_gradients_fail(run: dict) -> None:
+    verdict = within_tolerance(run["vs_reference"], run["plain"], torch.float32)
+    assert not verdict["grads"], run["vs_reference"].max_rel_diff
+
+
+@contextlib.contextmanager
+def _never_reads_through():
+    """Wrong: the last suffix reads the leaves, as the others do, so the prompt's backward
+    (in its backward) misses the other suffixes' dK/dV."""
     from prefix_sharing.megatron_ext.prefix_kv import PrefixKV
 
-    seqs = _group()
-    model = tiny_gpt("shared")
-    report = {"cross": _judged(forward_backward_cross(model, seqs, BUDGET, CONFIG), seqs)}
-    # the control: the last suffix reads the leaves, as the others do
     forward_pass = PrefixKV.forward_pass
 
     def never_last(self, mode=None):
         return forward_pass(self, "read" if (mode or self.mode) == "read_last" else mode)
 
     with mock.patch.object(PrefixKV, "forward_pass", never_last):
-        report["leaves_only"] = _judged(forward_backward_cross(model, seqs, BUDGET, CONFIG), seqs)
-    # the whole group within the budget: one suffix, the first and the last, carries the prompt
-    report["one_suffix"] = _judged(forward_backward_cross(model, seqs, ONE_SUFFIX, CONFIG), seqs)
+        yield
+
+
+CONTROLS = {"never_reads_through": _never_reads_through,
+            "replay_records_again": _replay_records_again}
+
+
+def _job(rank: int, runs: dict) -> dict:
+    """``runs``: name -> (budget, TransformerConfig overrides of every model of the run, the
+    name of a control or None)."""
+    from prefix_sharing.engines.cross_micro_batch import forward_backward_cross
+
+    seqs = _group()
+    report = {}
+    for name, (budget, overrides, control) in runs.items():
+        def build(layout: str, overrides=overrides, **more) -> torch.nn.Module:
+            return tiny_gpt(layout, **overrides, **more)
+
+        with CONTROLS[control]() if control else contextlib.nullcontext():
+            cross = forward_backward_cross(build("shared"), seqs, budget, CONFIG)
+        report[name] = _judged(cross, seqs, build)
     return report
+
+
+RUNS = {
+    "cross": (BUDGET, {}, None),
+    "never_reads_through": (BUDGET, {}, "never_reads_through"),
+    # the whole group within the budget: one suffix, the first and the last, carries the prompt
+    "one_suffix": (ONE_SUFFIX, {}, None),
+    # megatron's activation recompute on every model of the run: the carried prompt's layers
+    # replay inside the last suffix's backward, after its own rows'
+    **{name: (BUDGET, settings, None) for name, settings in RECOMPUTE.items()},
+    # wrong: a replayed prompt layer records as if run for the first time
+    "replay_records_again": (BUDGET, RECOMPUTE["full"], "replay_records_again"),
+}
 
 
 @pytest.fixture(scope="module")
 def stages() -> list[dict]:
-    return run_distributed(_job, 2, pp=2, timeout=600)
+    return run_distributed(_job, 2, RUNS, pp=2, timeout=600)
 
 
-def test_equals_the_stock_step_on_every_stage(stages):
+@pytest.mark.parametrize("name", ["cross", "one_suffix", *RECOMPUTE])
+def test_equals_the_stock_step_on_every_stage(stages, name):
     first, last = stages
-    assert first["cross"]["outputs"] == 0 and last["cross"]["outputs"] >= 3
+    assert first[name]["outputs"] == 0 and last[name]["outputs"] >= 1
     for stage in stages:
-        run = stage["cross"]
-        verdict = within_tolerance(run["vs_reference"], run["plain"], torch.float32)
-        assert set(verdict) == set(QUANTITIES) and all(verdict.values()), (
-            run["vs_reference"].max_rel_diff)
-        for q, d in run["vs_plain"].max_rel_diff.items():
-            assert d <= FP32_RTOL, f"{q}: {d} from the plain fp32 run"
+        _assert_exact(stage[name])
 
 
 def test_a_group_in_one_suffix_computes_its_prompt_once(stages):
     for stage in stages:
-        run = stage["one_suffix"]
-        verdict = within_tolerance(run["vs_reference"], run["plain"], torch.float32)
-        assert all(verdict.values()), run["vs_reference"].max_rel_diff
-        figures = run["figures"]
-        assert len(run["suffix_rows"]) == 1 and figures["recomputed_tokens"] == 0
+        figures = stage["one_suffix"]["figures"]
+        assert len(stage["one_suffix"]["suffix_rows"]) == 1 and figures["recomputed_tokens"] == 0
         assert figures["tokens_computed"] == figures["tokens_unique"]
 
 
@@ -123,46 +161,32 @@ def test_the_prompt_is_computed_twice_and_the_budget_kept(stages):
                                          * PRESET.num_query_groups * head_dim * 4)
 
 
-def test_a_control_whose_last_suffix_does_not_read_through_fails(stages):
+@pytest.mark.parametrize("control", list(CONTROLS))
+def test_controls_fail_on_the_gradients(stages, control):
     for stage in stages:
-        run = stage["leaves_only"]
-        verdict = within_tolerance(run["vs_reference"], run["plain"], torch.float32)
-        assert not verdict["grads"], run["vs_reference"].max_rel_diff
-    last = stages[1]["leaves_only"]
-    verdict = within_tolerance(last["vs_reference"], last["plain"], torch.float32)
-    assert verdict["log_probs"] and verdict["loss"]  # the forward is untouched
+        _assert_gradients_fail(stage[control])
+    last = within_tolerance(stages[1][control]["vs_reference"], stages[1][control]["plain"],
+                            torch.float32)
+    assert last["log_probs"] and last["loss"]  # the forward is untouched
 
 
-def _tp_job(rank: int) -> dict:
-    """TP=2 x PP=2, without and with sequence parallelism (each part's rows padded to 2 and
-    split over the tensor-parallel ranks: a rank sends its slice of the prompt's rows, then of
-    its own)."""
-    from prefix_sharing.engines.cross_micro_batch import forward_backward_cross
-
-    seqs = _group()
-    report = {}
-    for sequence_parallel in (False, True):
-        def build(layout: str, **overrides) -> torch.nn.Module:
-            return tiny_gpt(layout, sequence_parallel=sequence_parallel, **overrides)
-
-        cross = forward_backward_cross(build("shared"), seqs, BUDGET, CONFIG)
-        report[sequence_parallel] = _judged(cross, seqs, build)
-    return report
+TP_RUNS = {sequence_parallel: (BUDGET, dict(sequence_parallel=sequence_parallel), None)
+           for sequence_parallel in (False, True)}
 
 
 @pytest.fixture(scope="module")
 def tp_stages() -> list[dict]:
-    return run_distributed(_tp_job, 4, tp=2, pp=2, timeout=900)
+    """TP=2 x PP=2, without and with sequence parallelism (each part's rows padded to 2 and
+    split over the tensor-parallel ranks: a rank sends its slice of the prompt's rows, then of
+    its own)."""
+    return run_distributed(_job, 4, TP_RUNS, tp=2, pp=2, timeout=900)
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_tensor_parallel_2_by_pipeline_parallel_2(tp_stages, sequence_parallel):
     for rank in tp_stages:
         run = rank[sequence_parallel]
-        verdict = within_tolerance(run["vs_reference"], run["plain"], torch.float32)
-        assert all(verdict.values()), run["vs_reference"].max_rel_diff
-        for q, d in run["vs_plain"].max_rel_diff.items():
-            assert d <= FP32_RTOL, f"{q}: {d} from the plain fp32 run"
+        _assert_exact(run)
         assert len(run["suffix_rows"]) >= 3
         if sequence_parallel:  # the prompt's 41 rows and every suffix's padded to 2
             assert run["padded_rows"][0] == 42 and all(n % 2 == 0 for n in run["padded_rows"])
@@ -216,10 +240,7 @@ def moe_stages() -> list[dict]:
 def test_moe_with_router_statistics(moe_stages, variant):
     for stage in moe_stages:
         run = stage[variant]
-        verdict = within_tolerance(run["vs_reference"], run["plain"], torch.float32)
-        assert all(verdict.values()), run["vs_reference"].max_rel_diff
-        for q, d in run["vs_plain"].max_rel_diff.items():
-            assert d <= FP32_RTOL, f"{q}: {d} from the plain fp32 run"
+        _assert_exact(run)
         worst = {k: d for k, d in run["statistics"].items() if d > FP32_RTOL}
         assert not worst, worst
         assert set(run["statistics"]) == set(run["statistic_names"])
@@ -229,50 +250,4 @@ def test_moe_with_router_statistics(moe_stages, variant):
 
 def test_moe_control_weighing_router_losses_per_group_fails(moe_stages):
     for stage in moe_stages:
-        run = stage["group_weight"]
-        verdict = within_tolerance(run["vs_reference"], run["plain"], torch.float32)
-        assert not verdict["grads"], run["vs_reference"].max_rel_diff
-
-
-def _recompute_job(rank: int) -> dict:
-    """Megatron's activation recompute, full and selective, on every model of the run: the
-    carried prefix's layers replay inside the last suffix's backward, after its own rows'. The
-    control: a replayed prefix layer records as if run for the first time (so takes in none of
-    the readers' dK/dV)."""
-    from prefix_sharing.engines.cross_micro_batch import forward_backward_cross
-    from prefix_sharing.engines.recompute import RECOMPUTE
-
-    seqs = _group()
-    report = {}
-    runs = [(name, name, contextlib.nullcontext) for name in RECOMPUTE]
-    runs.append(("replay_records_again", "full", _replay_records_again))
-    for key, name, control in runs:
-        def build(layout: str, settings=RECOMPUTE[name], **overrides) -> torch.nn.Module:
-            return tiny_gpt(layout, **settings, **overrides)
-
-        with control():
-            cross = forward_backward_cross(build("shared"), seqs, BUDGET, CONFIG)
-        report[key] = _judged(cross, seqs, build)
-    return report
-
-
-@pytest.fixture(scope="module")
-def recompute_stages() -> list[dict]:
-    return run_distributed(_recompute_job, 2, pp=2, timeout=900)
-
-
-@pytest.mark.parametrize("recompute", ["full", "selective"])
-def test_activation_recompute(recompute_stages, recompute):
-    for stage in recompute_stages:
-        run = stage[recompute]
-        verdict = within_tolerance(run["vs_reference"], run["plain"], torch.float32)
-        assert all(verdict.values()), run["vs_reference"].max_rel_diff
-        for q, d in run["vs_plain"].max_rel_diff.items():
-            assert d <= FP32_RTOL, f"{q}: {d} from the plain fp32 run"
-
-
-def test_a_replay_that_records_again_fails(recompute_stages):
-    for stage in recompute_stages:
-        run = stage["replay_records_again"]
-        verdict = within_tolerance(run["vs_reference"], run["plain"], torch.float32)
-        assert not verdict["grads"], run["vs_reference"].max_rel_diff
+        _assert_gradients_fail(stage["group_weight"])
