@@ -59,7 +59,8 @@ from .cross_packing import pack_at_equal_cost
 from .plan import SharingPlan
 from .planner import TokenSequence, build_plan
 
-__all__ = ["SharedBlock", "SuffixMicroBatch", "GroupSchedule", "common_prefix_len", "plan_group"]
+__all__ = ["SharedBlock", "SuffixMicroBatch", "GroupSchedule", "common_prefix_len", "plan_group",
+           "plan_pipelined_group"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,6 +289,32 @@ def plan_group(
         steps=tuple(builder.steps),
         tokens_distinct=build_plan(seqs, distinct).num_tokens_unique,
     )
+
+
+def plan_pipelined_group(
+    sequences: Sequence[TokenSequence],
+    token_budget: int,
+    config: PrefixSharingConfig | None = None,
+    *,
+    pad_to_multiple_of: int = 1,
+) -> GroupSchedule:
+    """The one-level schedule the pipelined group run takes
+    (:mod:`prefix_sharing.megatron_ext.cross_pipeline`): its first and last suffix
+    micro-batches carry the common prefix's rows too, so every suffix's tails are packed under
+    ``token_budget - prefix_len`` and no micro-batch exceeds the budget.
+
+    Raises:
+        ValueError: the prefix takes more than half the budget (or :func:`plan_group`'s).
+    """
+    seqs = [torch.as_tensor(s, dtype=torch.int64).reshape(-1).cpu() for s in sequences]
+    prefix_len = common_prefix_len(seqs) if len(seqs) > 1 else 0
+    if 2 * prefix_len > token_budget:
+        raise ValueError(
+            f"the group's common prefix ({prefix_len} tokens) is over half of token_budget="
+            f"{token_budget}; under pipeline parallelism the first and the last suffix "
+            "micro-batch carry it besides their tails")
+    return plan_group(seqs, token_budget - prefix_len, config,
+                      pad_to_multiple_of=pad_to_multiple_of, one_level=True)
 
 
 def common_prefix_len(seqs: list[torch.Tensor]) -> int:

@@ -185,9 +185,12 @@ TABLE: tuple[Refusal, ...] = (
             "cross-micro-batch sharing under context parallelism",
             "a group's prefix K/V kept across micro-batches is not split over context-parallel "
             "ranks; use context_parallel_size=1 or one micro-batch per group", _MEGATRON),
-    Refusal("megatron.cross_micro_batch.pipeline", "cross-micro-batch sharing with pipeline "
-            "parallelism", "a group runs at PP=1 only (megatron's 1F1B schedule runs several "
-            "forwards before their backwards)", ("megatron-core", "verl-megatron")),
+    Refusal("megatron.cross_micro_batch.pipeline_nested", "a nested group schedule (a chunked "
+            "prefix or sub-tree blocks) under pipeline parallelism",
+            "under 1F1B the last suffix recomputes the one prefix block and carries it between "
+            "stages; a stack of blocks, each backwarded after its readers, is not built there: "
+            "plan the group with one_level=True (the prefix within the token budget)",
+            ("megatron-core",)),
     Refusal("megatron.cross_micro_batch.router_replay", "router statistics across micro-batches "
             "with routing replay", "a group's common prefix is cut on its tokens alone (the "
             "replayed routes are no part of it) and the prefix micro-batch routes by its own "

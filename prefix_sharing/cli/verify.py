@@ -8,8 +8,10 @@ log-probs, entropy, loss and gradients. Exit status 0 only when within tolerance
 With ``--token-budget N`` the shared run computes each group (a prompt group of the input, or
 the whole micro-batch) in micro-batches of at most N computed tokens, each of its shared
 prefixes once across them - a prefix longer than N in chunks, a sub-tree over N with its own
-shared blocks (cross-micro-batch sharing; PP=1 and CP=1; tensor parallel, MoE presets with
-sequence parallelism, windows and ``--recompute`` too) - and is judged against
+shared blocks (cross-micro-batch sharing; CP=1; tensor parallel, MoE presets with
+sequence parallelism, windows and ``--recompute`` too; at ``--pp 2`` and more one level: the
+first and last suffix micro-batch carry the prefix, their tails packed under N minus its
+length) - and is judged against
 the plain run of the same samples in the same micro-batches (one per suffix micro-batch, its samples
 whole: the stock step's split, over which MoE router statistics are taken).
 
@@ -30,7 +32,7 @@ from ..errors import InputError
 from ..engines.recompute import recompute_settings
 from ..engines.verify import VerifyRequest
 from ..config import PrefixSharingConfig
-from ..cross_micro_batch import plan_group
+from ..cross_micro_batch import plan_group, plan_pipelined_group
 from ..planner import PromptGroup, build_plan
 from ..presets import ModelPreset, get_preset
 from ..equivalence import FP32_RTOL, QUANTITIES
@@ -60,7 +62,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_backend_option(parser)
     parser.add_argument("--token-budget", type=int, metavar="N",
                         help="run each group in micro-batches of at most N computed tokens, "
-                        "each shared prefix computed once across them (pp=1)")
+                        "each shared prefix computed once across them (one level at pp>1)")
     add_recompute_option(parser)
     parser.add_argument("--routing-replay", action="store_true",
                         help="replay recorded MoE routes (one diverging inside a shared prefix) "
@@ -110,15 +112,15 @@ def _check_cross(args: argparse.Namespace, engine: str, model: ModelPreset,
                  sequences: list, groups: list[PromptGroup] | None,
                  config: PrefixSharingConfig) -> None:
     """What ``--token-budget`` cannot run, as one line before any rank starts."""
-    if engine != "megatron" or args.pp != 1 or args.cp != 1:
+    if engine != "megatron" or args.cp != 1:
         raise InputError("--token-budget (cross-micro-batch sharing) runs on the megatron "
-                         f"engine with --pp 1 and --cp 1; got --engine {engine} --pp {args.pp} "
-                         f"--cp {args.cp}")
+                         f"engine with --cp 1; got --engine {engine} --cp {args.cp}")
     members = [list(range(len(sequences)))] if groups is None else [g.members for g in groups]
+    plan = plan_pipelined_group if args.pp > 1 else plan_group
     for m in members:
         with user_input(ValueError):
-            plan_group([sequences[i] for i in m], args.token_budget, config,
-                       pad_to_multiple_of=args.tp)
+            plan([sequences[i] for i in m], args.token_budget, config,
+                 pad_to_multiple_of=args.tp)
 
 
 def _replay_routes(args: argparse.Namespace, engine: str, model: ModelPreset, sequences: list,

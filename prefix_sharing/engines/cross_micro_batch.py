@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from ..config import PrefixSharingConfig
-from ..cross_micro_batch import GroupSchedule, plan_group
+from ..cross_micro_batch import GroupSchedule, plan_group, plan_pipelined_group
 from ..equivalence import RunOutputs, advantages, at_least_fp32
 from ..planner import build_plan
 from .megatron import MicroBatchRun, finalize_sequence_parallel_grads, full_grads
@@ -46,6 +46,8 @@ class CrossMicroBatchRun:
         tokens_computed: tokens the model ran over all micro-batches.
         tokens_unique: tokens the whole batch's single plan computes.
         recomputed_tokens: tokens computed more than once (``cross_recomputed_tokens``).
+        max_tokens_computed: the largest micro-batch's computed tokens (under pipeline
+            parallelism the first and last suffix's include the prefix rows they carry).
     """
 
     run: MicroBatchRun | None
@@ -55,6 +57,7 @@ class CrossMicroBatchRun:
     tokens_computed: int
     tokens_unique: int
     recomputed_tokens: int
+    max_tokens_computed: int
 
     def report(self) -> dict:
         """The figures ``verify --token-budget`` prints."""
@@ -62,7 +65,7 @@ class CrossMicroBatchRun:
             "num_micro_batches": sum(s.num_micro_batches for s in self.schedules),
             "num_shared_blocks": sum(len(s.blocks) for s in self.schedules),
             "tokens_computed": self.tokens_computed,
-            "max_tokens_computed": max(s.max_tokens_computed for s in self.schedules),
+            "max_tokens_computed": self.max_tokens_computed,
             "tokens_unique": self.tokens_unique,
             "tokens_total": sum(s.num_tokens_total for s in self.schedules),
             "prefix_lens": [s.prefix_len for s in self.schedules],
@@ -104,8 +107,11 @@ def forward_backward_cross(
     # under sequence parallelism each micro-batch's rows split over the tensor-parallel ranks
     multiple = (parallel_state.get_tensor_model_parallel_world_size()
                 if model.config.sequence_parallel else 1)
-    schedules = [plan_group([sequences[i] for i in members], token_budget, config,
-                            pad_to_multiple_of=multiple)
+    # under pipeline parallelism the first and last suffix carry the prefix (one level)
+    pipelined = parallel_state.get_pipeline_model_parallel_world_size() > 1
+    plan = plan_pipelined_group if pipelined else plan_group
+    schedules = [plan([sequences[i] for i in members], token_budget, config,
+                      pad_to_multiple_of=multiple)
                  for members in groups]
     split = [[members[m] for m in suffix.members]
              for members, schedule in zip(groups, schedules) for suffix in schedule.suffixes]
@@ -116,6 +122,7 @@ def forward_backward_cross(
     entropy = torch.zeros(total)
     logits: torch.Tensor | None = None
     held, computed, recomputed = 0, 0, 0
+    outputs_here = parallel_state.is_pipeline_last_stage()
     model.zero_grad(set_to_none=True)
     for members, schedule in zip(groups, schedules):
         # group-packed position -> batch-packed position
@@ -126,7 +133,7 @@ def forward_backward_cross(
             aux_loss_scale=1 / len(split))
         held, computed = max(held, group.held_bytes), computed + group.tokens_computed
         recomputed += int(group.metrics["prefix_sharing/cross_recomputed_tokens"])
-        if not collect:
+        if not (collect and outputs_here):
             continue
         rows = where.cpu()
         log_probs[rows], entropy[rows] = group.log_probs.cpu(), group.entropy.cpu()
@@ -137,14 +144,26 @@ def forward_backward_cross(
     unique = build_plan(sequences, config).num_tokens_unique
     run = None
     if collect:
-        outputs = []
-        for j, batch in enumerate(split):
+        outputs = []  # on the last pipeline stage
+        for j, batch in enumerate(split if outputs_here else []):
             rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in batch])
             outputs.append(RunOutputs(logits[rows], log_probs[rows], entropy[rows],
                                       terms.loss(j).cpu(), {}))
         finalize_sequence_parallel_grads(model)  # as forward_backward does
         run = MicroBatchRun(outputs, full_grads(model), [])
-    return CrossMicroBatchRun(run, schedules, split, held, computed, unique, recomputed)
+    largest = max(_largest_micro_batch(s, pipelined) for s in schedules)
+    return CrossMicroBatchRun(run, schedules, split, held, computed, unique, recomputed, largest)
+
+
+def _largest_micro_batch(schedule: GroupSchedule, pipelined: bool) -> int:
+    """The most tokens one of the group's micro-batches computes; ``pipelined``: the first and
+    last suffix carry the prefix rows (:mod:`~prefix_sharing.megatron_ext.cross_pipeline`)."""
+    if not pipelined:
+        return schedule.max_tokens_computed
+    rows = [s.plan.num_tokens_unique for s in schedule.suffixes]
+    for j in {0, len(rows) - 1}:
+        rows[j] += schedule.prefix_len
+    return max(rows)
 
 
 class _SplitLoss:

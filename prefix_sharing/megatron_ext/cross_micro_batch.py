@@ -45,8 +45,9 @@ Dense and MoE models (router statistics under sequence parallelism too: each ran
 slice of every suffix's plain view, the prefix's logits kept whole). Activation recompute
 (full or selective): a recomputed layer replays its first run's mode
 (:class:`~.prefix_kv.PrefixKVPass`). Sliding windows (a suffix's gather of the prefix rows
-trimmed to the window, as any plan's). Pipeline parallelism is refused by name (context
-parallelism by the core attention).
+trimmed to the window, as any plan's). Under pipeline parallelism a one-level schedule runs
+through megatron's 1F1B instead (:mod:`.cross_pipeline`); virtual pipeline stages are refused
+by name (context parallelism by the core attention).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ from megatron.core.utils import get_attr_wrapped_model
 
 from ..cross_micro_batch import GroupSchedule, SharedBlock, SuffixMicroBatch
 from ..logprobs import token_log_probs
-from ..refusals import Refused, refuse_all
+from ..refusals import refuse
 from .checks import UnsupportedSetupError
 from .logprobs import vocab_shard
 from .packed_seq import PlanPackedSeqParams
@@ -127,7 +128,7 @@ def forward_backward_group(
     """
     check_group_model(model)
     device = next(model.parameters()).device
-    multiple = _sequence_parallel_size(model)
+    multiple = sequence_parallel_size(model)
     plans = [("block", b.plan) for b in schedule.blocks] + [
         ("suffix micro-batch", s.plan) for s in schedule.suffixes]
     unpadded = [kind for kind, plan in plans if plan.input_ids.numel() % multiple]
@@ -135,6 +136,13 @@ def forward_backward_group(
         raise ValueError(
             f"a {unpadded[0]}'s rows do not split over the {multiple} "
             f"sequence-parallel ranks: plan the group with pad_to_multiple_of={multiple}")
+    if get_attr_wrapped_model(model, "config").pipeline_model_parallel_size > 1:
+        from .cross_pipeline import forward_backward_pipelined_group
+
+        # the prefix is recomputed there in any case (the last suffix carries it with grad)
+        return forward_backward_pipelined_group(model, schedule, token_loss, backend=backend,
+                                                temperature=temperature, keep_logits=keep_logits,
+                                                aux_loss_scale=aux_loss_scale)
     if get_attr_wrapped_model(model, "config").num_moe_experts:
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
@@ -183,17 +191,23 @@ def _suffix(model: torch.nn.Module, suffix: SuffixMicroBatch, kvs: dict[int, Pre
             device: torch.device) -> None:
     """One suffix micro-batch's forward and backward, reading its stack of blocks."""
     plan = suffix.plan.to(device)
-    tail_plan = suffix.tail_plan.to(device)
     params = PlanPackedSeqParams.from_plan(plan, backend,
                                            prefix_kv=PrefixKVStack([kvs[r] for r in suffix.reads]))
     logits = model(plan.input_ids[None], plan.position_ids[None], None,
                    packed_seq_params=params)[0]  # [1, T, V] -> [T, V]
+    score_suffix(logits, suffix, token_loss, out, temperature).backward()
+
+
+def score_suffix(logits: torch.Tensor, suffix: SuffixMicroBatch, token_loss: TokenLoss,
+                 out: _Collector, temperature: float) -> torch.Tensor:
+    """A suffix micro-batch's loss from its logits (``[T, V]``), its outputs collected."""
+    tail_plan = suffix.tail_plan.to(logits.device)
     stats = token_log_probs(logits, tail_plan, temperature=temperature,
                             vocab_shard=vocab_shard(logits.size(-1)))
-    positions = suffix.token_positions.to(device)
+    positions = suffix.token_positions.to(logits.device)
     loss = token_loss(stats.log_probs, stats.entropy, positions)
-    loss.backward()
     out.add(positions, stats.log_probs, stats.entropy, loss, lambda: tail_plan.restore(logits))
+    return loss
 
 
 class PrefixPass:
@@ -226,7 +240,13 @@ class PrefixPass:
         """Forward, then every member's log-probs and entropy at the block's positions
         (``(N * length,)`` each, member-major: the block's ``positions``' order), and a
         callable giving those positions' logits."""
-        logits = self.forward(model)[: self.prefix_len]  # the pad rows' logits are not read
+        return self.stats_of(self.forward(model), with_entropy)
+
+    def stats_of(self, logits: torch.Tensor,
+                 with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                     Callable[[], torch.Tensor]]:
+        """:meth:`stats` of this pass's output ``logits`` (``[rows, V]``)."""
+        logits = logits[: self.prefix_len]  # the pad rows' logits are not read
         # one placeholder row per member: the stats plan's last position, discarded
         rows = torch.cat([logits, logits.new_zeros(self.num_sequences, logits.size(1))])
         stats = token_log_probs(rows, self.stats_plan, temperature=self.temperature,
@@ -238,7 +258,12 @@ class PrefixPass:
     def scored(self, model: torch.nn.Module, token_loss: TokenLoss,
                out: _Collector) -> torch.Tensor:
         """Forward with grad, and the loss of every member's positions in the block."""
-        log_probs, entropy, logits = self.stats(model)
+        return self.score(self.forward(model), token_loss, out)
+
+    def score(self, logits: torch.Tensor, token_loss: TokenLoss,
+              out: _Collector) -> torch.Tensor:
+        """:meth:`scored` of this pass's output ``logits`` (``[rows, V]``)."""
+        log_probs, entropy, logits = self.stats_of(logits)
         loss = token_loss(log_probs, entropy, self.positions)
         out.add(self.positions, log_probs, entropy, loss, logits)
         return loss
@@ -283,7 +308,7 @@ def _whole_vocab(logits: torch.Tensor) -> torch.Tensor:
     return gather_from_tensor_model_parallel_region(logits)
 
 
-def _sequence_parallel_size(model: torch.nn.Module) -> int:
+def sequence_parallel_size(model: torch.nn.Module) -> int:
     """The number of ranks a micro-batch's rows are split over (1 without sequence
     parallelism)."""
     if not get_attr_wrapped_model(model, "config").sequence_parallel:
@@ -294,11 +319,10 @@ def _sequence_parallel_size(model: torch.nn.Module) -> int:
 
 
 def check_group_model(model: torch.nn.Module) -> None:
-    """Raises :class:`UnsupportedSetupError` naming every setting a group run cannot honour."""
+    """Raises :class:`UnsupportedSetupError` naming every setting a group run cannot honour:
+    virtual pipeline stages (the pipelined run, :mod:`.cross_pipeline`, drives one model
+    chunk per stage)."""
     config = get_attr_wrapped_model(model, "config")
-    found = []
-    if config.pipeline_model_parallel_size > 1:
-        found.append(Refused("megatron.cross_micro_batch.pipeline",
-                             f"pipeline_model_parallel_size={config.pipeline_model_parallel_size}"))
-    if found:
-        raise refuse_all(found, error=UnsupportedSetupError)
+    if config.virtual_pipeline_model_parallel_size is not None:
+        raise refuse("megatron.virtual_pipeline", "virtual_pipeline_model_parallel_size="
+                     f"{config.virtual_pipeline_model_parallel_size}", error=UnsupportedSetupError)

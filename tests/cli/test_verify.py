@@ -206,8 +206,23 @@ def test_token_budget_on_moe_with_chunked_prompts(capsys):
     assert report["num_shared_blocks"] > len(report["prefix_lens"])
 
 
+def test_token_budget_under_pipeline_parallelism(capsys):
+    """PP=2: each group's first and last suffix micro-batch carry its prompt between stages
+    (the tails packed under 44 minus the prompt), the prompt computed twice."""
+    code, out, _ = verify(capsys, "--workload", "grpo", "--token-budget", 44, "--pp", 2, "--json")
+    report = json.loads(out)
+    assert code == 0 and report["passed"] and all(report["within_tolerance"].values())
+    assert report["pp"] == 2 and report["vs_plain_within_fp32_rtol"]
+    assert report["num_micro_batches"] > 2 * len(report["prefix_lens"])  # 2+ suffixes each
+    assert report["recomputed_tokens"] == sum(report["prefix_lens"])
+    assert report["tokens_computed"] == report["tokens_unique"] + sum(report["prefix_lens"])
+    assert report["max_tokens_computed"] <= 44
+
+
 @pytest.mark.parametrize("argv, message", [
-    (["--token-budget", "30", "--pp", "2"], "--token-budget (cross-micro-batch sharing) runs"),
+    (["--token-budget", "30", "--cp", "2"], "--token-budget (cross-micro-batch sharing) runs"),
+    # a 21-token prompt is carried by the first and last suffix: over half of 30
+    (["--token-budget", "30", "--pp", "2"], "over half of token_budget=30"),
 ])
 def test_token_budget_refusals_are_one_line(capsys, argv, message):
     code, out, err = verify(capsys, "--workload", "grpo", *argv)

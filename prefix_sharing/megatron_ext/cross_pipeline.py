@@ -1,0 +1,186 @@
+"""One group's forward+backward under pipeline parallelism, through megatron's own 1F1B.
+
+Megatron's 1F1B schedule (``get_forward_backward_func()``) runs the micro-batches' forwards
+and their backwards in micro-batch order on every stage, a few forwards ahead of the backwards,
+and moves one ``[s, b, h]`` activation (and its gradient) per micro-batch between stages. A
+separate prefix micro-batch would be backwarded first, before any reader has accumulated its
+dK/dV; so for a one-level :class:`~prefix_sharing.cross_micro_batch.GroupSchedule` (the common
+prefix ``P``, ``Lp`` rows, read by suffix micro-batches ``S_1 .. S_k``) the prefix rides in the
+first and the last suffix instead (``docs/cross-micro-batch.md``, "under pipeline
+parallelism"):
+
+- ``S_1`` carries the prefix without grad: its activation is ``cat(prefix rows, own rows)``;
+  on every stage the prefix rows run under ``torch.no_grad()`` recording each layer's K/V as
+  leaves (:class:`~.prefix_kv.PrefixKV`), then ``S_1``'s rows run with grad reading them;
+- ``S_2 .. S_{k-1}`` read the leaves: their backwards accumulate dK/dV into them, stage by
+  stage;
+- ``S_k`` carries the prefix again, with grad: the prefix rows record once more (the leaves
+  and their gradients kept), ``S_k``'s rows read the recorded K/V *through*
+  (:func:`~.prefix_kv.read_through`: the leaves' accumulated gradients added on the way back),
+  and on the last stage the prefix rows' logits score every member's prefix positions. So
+  megatron's own backward of ``S_k`` is the prefix's backward, once, on every stage: after the
+  other suffixes' backwards there (1F1B keeps their order), with the gradient of the prefix
+  rows' output received from the next stage, its input gradient sent to the previous one.
+
+Each micro-batch that carries the prefix runs the stage twice, prefix rows then own rows: the
+received activation is split by rows (``set_input_tensor`` on each part) and the two outputs
+are sent on as one. The prefix is computed twice (``S_1`` without grad, ``S_k`` with it;
+``k = 1``: once, with grad), reported in ``cross_recomputed_tokens``. Held across the group,
+per stage: its layers' K/V leaves and their gradients, no prefix activations.
+
+Under sequence parallelism each rank holds its slice of each part's rows (every part padded to
+the tensor-parallel size), so the received activation splits at the prefix's rows over TP.
+MoE router statistics as at PP=1 (the prefix rows route without statistics, each suffix's
+statistics read ``cat(prefix logits, own)``), each group's router losses weighted by the whole
+step's micro-batch count (:func:`_router_loss_weight`). Activation recompute as at PP=1: a
+prefix layer recomputed in ``S_k`` replays inside its backward, after ``S_k``'s own rows'
+(created later, so run first by autograd), and injects the leaves' gradients then
+(:class:`~.prefix_kv.PrefixKVPass`). Built for one-level schedules
+(:func:`check_pipelined_group`); virtual stages are refused
+(:func:`~.cross_micro_batch.check_group_model`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+
+import torch
+from megatron.core.utils import get_attr_wrapped_model
+
+from ..cross_micro_batch import GroupSchedule, SuffixMicroBatch
+from ..refusals import refuse
+from .checks import UnsupportedSetupError
+from .cross_micro_batch import (GroupRun, PrefixPass, TokenLoss, _Collector, score_suffix,
+                               sequence_parallel_size)
+from .packed_seq import PlanPackedSeqParams
+from .prefix_kv import PrefixKV, PrefixKVStack
+
+__all__ = ["check_pipelined_group", "forward_backward_pipelined_group"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    """One of the group's micro-batches in the pipeline: its suffix, and whether it carries the
+    prefix rows (the first, without grad; the last, with grad)."""
+
+    suffix: SuffixMicroBatch
+    carries_prefix: bool
+    last: bool
+
+
+def forward_backward_pipelined_group(
+    model: torch.nn.Module,
+    schedule: GroupSchedule,
+    token_loss: TokenLoss,
+    *,
+    backend: str = "auto",
+    temperature: float = 1.0,
+    keep_logits: bool = False,
+    aux_loss_scale: float = 1.0,
+) -> GroupRun:
+    """This stage's part of one group's forward+backward (see the module doc); parameter
+    gradients accumulate into ``.grad``. Every stage of the pipeline calls it with the same
+    schedule (each plans it from its own data: the planner is deterministic).
+
+    The :class:`~.cross_micro_batch.GroupRun`'s log-probs, entropy, logits and loss are the
+    last stage's (zeros and None elsewhere); ``tokens_computed`` counts the prefix twice
+    (once when the group has one suffix micro-batch).
+
+    ``aux_loss_scale``: the gradient weight of each suffix micro-batch's MoE router losses, as
+    :func:`~.cross_micro_batch.forward_backward_group` takes it (megatron's schedule would give
+    them ``1 / num_microbatches`` of this group's alone).
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    check_pipelined_group(schedule)
+    device = next(model.parameters()).device
+    block = schedule.blocks[0]
+    kv = PrefixKV(rows=block.length)
+    count = len(schedule.suffixes)
+    steps = [_Step(s, j in (0, count - 1), j == count - 1)
+             for j, s in enumerate(schedule.suffixes)]
+    out = _Collector(schedule.num_tokens_total, device, keep_logits)
+    last_stage = get_attr_wrapped_model(model, "post_process")
+    decoder = get_attr_wrapped_model(model, "decoder")
+    set_input_tensor = get_attr_wrapped_model(model, "set_input_tensor")
+    # under sequence parallelism each rank holds its slice of each part's (padded) rows
+    slices = sequence_parallel_size(model)
+
+    def run(params: PlanPackedSeqParams, received: torch.Tensor | None,
+            rows: slice) -> torch.Tensor:
+        if received is not None:  # a later stage: its rows of the activation received
+            set_input_tensor(received[rows])
+        plan = params.plan
+        return model(plan.input_ids[None], plan.position_ids[None], None,
+                     packed_seq_params=params)
+
+    def forward_step(data_iterator, model):
+        step: _Step = next(data_iterator)
+        received = decoder.input_tensor  # [rows, b, h] (None on the first stage)
+        parts, prefix, prefix_rows = [], None, 0
+        if step.carries_prefix:
+            kv.mode = "record"  # a second record keeps the leaves and their gradients
+            prefix = PrefixPass(schedule, PrefixKVStack([], kv), backend, temperature, device)
+            prefix_rows = prefix.params.plan.input_ids.numel()
+            with torch.set_grad_enabled(step.last):
+                parts.append(run(prefix.params, received, slice(0, prefix_rows // slices)))
+        kv.mode = "read_last" if step.last else "read"
+        plan = step.suffix.plan.to(device)
+        params = PlanPackedSeqParams.from_plan(plan, backend, prefix_kv=PrefixKVStack([kv]))
+        parts.append(run(params, received, slice(prefix_rows // slices, None)))
+        # logits [b, s, V] on the last stage (whole rows), hidden states [s, b, h] before it
+        # (this rank's rows of each part under sequence parallelism)
+        output = torch.cat(parts, dim=1 if last_stage else 0)
+
+        def loss_func(output: torch.Tensor):
+            logits = output[0]  # [rows, V]
+            loss = score_suffix(logits[prefix_rows:], step.suffix, token_loss, out,
+                                temperature)
+            if step.last:  # every member's prefix positions, scored with grad
+                loss = loss + prefix.score(logits[:prefix_rows], token_loss, out)
+            # megatron's schedule divides each micro-batch's loss by their count, then
+            # scales it by the factor (_router_loss_weight)
+            return loss * count / factor, {}
+
+        return output, loss_func
+
+    with _router_loss_weight(model, count * aux_loss_scale) as factor:
+        get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(steps), model=[model],
+            num_microbatches=count, seq_length=block.length + max(
+                s.plan.input_ids.numel() for s in schedule.suffixes),
+            micro_batch_size=1,
+        )
+    held = kv.held_bytes()
+    again = block.length if count > 1 else 0
+    metrics = schedule.metrics(recompute_prefix=count > 1)
+    metrics["prefix_sharing/cross_held_bytes"] = float(held)
+    return out.result(held, schedule.tokens_computed + again, metrics)
+
+
+@contextlib.contextmanager
+def _router_loss_weight(model: torch.nn.Module, factor: float) -> Iterator[float]:
+    """Megatron's schedule weighs each micro-batch's MoE router losses by ``grad_scale_func(1)
+    / num_microbatches`` and scales the last stage's loss by ``grad_scale_func`` before its
+    backward: while the group runs, that function is multiplied by ``factor`` (the loss
+    function divides its loss by it), so a group's router losses get the weight of the whole
+    step's micro-batch count, as the stock step over all of them gives."""
+    config = get_attr_wrapped_model(model, "config")
+    scale = config.grad_scale_func
+    config.grad_scale_func = ((lambda t: t * factor) if scale is None
+                              else (lambda t: scale(t) * factor))
+    try:
+        yield factor
+    finally:
+        config.grad_scale_func = scale
+
+
+def check_pipelined_group(schedule: GroupSchedule) -> None:
+    """Raises :class:`UnsupportedSetupError` for a schedule the pipelined run does not build
+    (the model's settings: :func:`~.cross_micro_batch.check_group_model`)."""
+    if not schedule.one_level:
+        raise refuse("megatron.cross_micro_batch.pipeline_nested",
+                     f"a schedule of {len(schedule.blocks)} shared blocks",
+                     error=UnsupportedSetupError)

@@ -1,0 +1,253 @@
+"""A group across micro-batches under pipeline parallelism (PP=2, 1F1B): exact.
+
+One GRPO group (a 41-token prompt, 6 responses) under an 84-token budget at PP=2 on two gloo
+ranks: the first and the last suffix micro-batch carry the prompt's rows (so the tails are
+packed under 84 - 41: 4 suffix micro-batches), the prompt recorded without grad in the first
+and recomputed with grad in the last, whose backward - megatron's own, on each stage - is the prompt's. Judged on both
+stages as ``verify`` judges (the float64 verdict against megatron's stock step on the same
+samples in the same micro-batches; within 1e-5 of its fp32 run): the last stage's logits,
+log-probs, entropy and loss, and every gradient of each stage. A control whose last suffix
+reads the leaves instead of reading through (the prompt's backward then misses the other
+suffixes' dK/dV) fails on the gradients. The same group within one suffix micro-batch (the
+first and the last) computes its prompt once, with grad. TP=2 x PP=2 on four ranks, without
+and with sequence parallelism: the same verdict on every rank. The tiny MoE preset with router
+statistics (two groups; the expert bias on one): outputs, gradients and every router
+statistic equal the stock step's; a control weighing each group's router losses by its own
+micro-batch count (megatron's schedule left alone) fails on the gradients. Megatron's
+activation recompute, full and selective; a control whose replayed prefix layers record again
+fails on the gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from unittest import mock
+
+import pytest
+import torch
+
+from prefix_sharing import PrefixSharingConfig
+from prefix_sharing.engines.recompute import RECOMPUTE
+from prefix_sharing.equivalence import FP32_RTOL, QUANTITIES, max_rel_diff, within_tolerance
+from prefix_sharing.workloads import make_workload
+
+from ._distributed import PRESET, run_distributed, tiny_gpt
+from ._router_statistics import reset_router_statistics, router_statistics
+from .test_cross_micro_batch import _LOSSES, MOE, MOE_VARIANTS, _split_runs
+from .test_cross_micro_batch_settings import _replay_records_again
+
+CONFIG = PrefixSharingConfig(min_prefix_len=1, backend="torch")
+BUDGET = 84
+ONE_SUFFIX = 170  # the group's 162 unique tokens fit
+
+
+def _group() -> list[torch.Tensor]:
+    return make_workload("grpo", num_prompts=1, group_size=6, prompt_len=(40, 41),
+                         response_len=(12, 24), vocab_size=PRESET.vocab_size, seed=5).sequences
+
+
+def _judged(cross, seqs, build=tiny_gpt) -> dict:
+    from prefix_sharing.engines.megatron import compare
+
+    (plain, _), (reference, _) = _split_runs(build, seqs, cross)
+    schedule = cross.schedules[0]
+    return {"vs_reference": compare(cross.run, reference), "plain": compare(plain, reference),
+            "vs_plain": compare(cross.run, plain), "figures": cross.report(),
+            "outputs": len(cross.run.outputs),
+            "suffix_rows": [s.plan.num_tokens_unique for s in schedule.suffixes],
+            "padded_rows": [p.input_ids.numel()
+                            for p in (schedule.blocks[0].plan, *(s.plan for s in schedule.suffixes))]}
+
+
+def _assert_exact(run: dict) -> None:
+    """The float64 verdict on every quantity, and 1e-5 from the plain fp32 run."""
+    verdict = within_tolerance(run["vs_reference"], run["plain"], torch.float32)
+    assert set(verdict) == set(QUANTITIES) and all(verdict.values()), (
+        run["vs_reference"].max_rel_diff)
+    for q, d in run["vs_plain"].max_rel_diff.items():
+        assert d <= FP32_RTOL, f"{q}: {d} from the plain fp32 run"
+
+
+def _assert_gradients_fail(run: dict) -> None:
+    verdict = within_tolerance(run["vs_reference"], run["plain"], torch.float32)
+    assert not verdict["grads"], run["vs_reference"].max_rel_diff
+
+
+@contextlib.contextmanager
+def _never_reads_through():
+    """Wrong: the last suffix reads the leaves, as the others do, so the prompt's backward
+    (in its backward) misses the other suffixes' dK/dV."""
+    from prefix_sharing.megatron_ext.prefix_kv import PrefixKV
+
+    forward_pass = PrefixKV.forward_pass
+
+    def never_last(self, mode=None):
+        return forward_pass(self, "read" if (mode or self.mode) == "read_last" else mode)
+
+    with mock.patch.object(PrefixKV, "forward_pass", never_last):
+        yield
+
+
+CONTROLS = {"never_reads_through": _never_reads_through,
+            "replay_records_again": _replay_records_again}
+
+
+def _job(rank: int, runs: dict) -> dict:
+    """``runs``: name -> (budget, TransformerConfig overrides of every model of the run, the
+    name of a control or None)."""
+    from prefix_sharing.engines.cross_micro_batch import forward_backward_cross
+
+    seqs = _group()
+    report = {}
+    for name, (budget, overrides, control) in runs.items():
+        def build(layout: str, overrides=overrides, **more) -> torch.nn.Module:
+            return tiny_gpt(layout, **overrides, **more)
+
+        with CONTROLS[control]() if control else contextlib.nullcontext():
+            cross = forward_backward_cross(build("shared"), seqs, budget, CONFIG)
+        report[name] = _judged(cross, seqs, build)
+    return report
+
+
+RUNS = {
+    "cross": (BUDGET, {}, None),
+    "never_reads_through": (BUDGET, {}, "never_reads_through"),
+    # the whole group within the budget: one suffix, the first and the last, carries the prompt
+    "one_suffix": (ONE_SUFFIX, {}, None),
+    # megatron's activation recompute on every model of the run: the carried prompt's layers
+    # replay inside the last suffix's backward, after its own rows'
+    **{name: (BUDGET, settings, None) for name, settings in RECOMPUTE.items()},
+    # wrong: a replayed prompt layer records as if run for the first time
+    "replay_records_again": (BUDGET, RECOMPUTE["full"], "replay_records_again"),
+}
+
+
+@pytest.fixture(scope="module")
+def stages() -> list[dict]:
+    return run_distributed(_job, 2, RUNS, pp=2, timeout=600)
+
+
+@pytest.mark.parametrize("name", ["cross", "one_suffix", *RECOMPUTE])
+def test_equals_the_stock_step_on_every_stage(stages, name):
+    first, last = stages
+    assert first[name]["outputs"] == 0 and last[name]["outputs"] >= 1
+    for stage in stages:
+        _assert_exact(stage[name])
+
+
+def test_a_group_in_one_suffix_computes_its_prompt_once(stages):
+    for stage in stages:
+        figures = stage["one_suffix"]["figures"]
+        assert len(stage["one_suffix"]["suffix_rows"]) == 1 and figures["recomputed_tokens"] == 0
+        assert figures["tokens_computed"] == figures["tokens_unique"]
+
+
+def test_the_prompt_is_computed_twice_and_the_budget_kept(stages):
+    for stage in stages:
+        run = stage["cross"]
+        figures = run["figures"]
+        (prefix_len,) = figures["prefix_lens"]
+        assert figures["num_micro_batches"] == 1 + len(run["suffix_rows"])
+        assert len(run["suffix_rows"]) >= 3
+        # the first and the last suffix carry the prompt's rows besides their tails
+        assert max(run["suffix_rows"]) + prefix_len <= BUDGET
+        carried = run["suffix_rows"][0] + prefix_len, run["suffix_rows"][-1] + prefix_len
+        assert figures["max_tokens_computed"] == max(*carried, *run["suffix_rows"])
+        assert figures["recomputed_tokens"] == prefix_len
+        assert figures["tokens_computed"] == figures["tokens_unique"] + prefix_len
+        # this stage's layer: K and V, leaves and gradients, fp32
+        head_dim = PRESET.hidden_size // PRESET.num_attention_heads
+        assert figures["held_bytes"] == (2 * 2 * (PRESET.num_layers // 2) * prefix_len
+                                         * PRESET.num_query_groups * head_dim * 4)
+
+
+@pytest.mark.parametrize("control", list(CONTROLS))
+def test_controls_fail_on_the_gradients(stages, control):
+    for stage in stages:
+        _assert_gradients_fail(stage[control])
+    last = within_tolerance(stages[1][control]["vs_reference"], stages[1][control]["plain"],
+                            torch.float32)
+    assert last["log_probs"] and last["loss"]  # the forward is untouched
+
+
+TP_RUNS = {sequence_parallel: (BUDGET, dict(sequence_parallel=sequence_parallel), None)
+           for sequence_parallel in (False, True)}
+
+
+@pytest.fixture(scope="module")
+def tp_stages() -> list[dict]:
+    """TP=2 x PP=2, without and with sequence parallelism (each part's rows padded to 2 and
+    split over the tensor-parallel ranks: a rank sends its slice of the prompt's rows, then of
+    its own)."""
+    return run_distributed(_job, 4, TP_RUNS, tp=2, pp=2, timeout=900)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_tensor_parallel_2_by_pipeline_parallel_2(tp_stages, sequence_parallel):
+    for rank in tp_stages:
+        run = rank[sequence_parallel]
+        _assert_exact(run)
+        assert len(run["suffix_rows"]) >= 3
+        if sequence_parallel:  # the prompt's 41 rows and every suffix's padded to 2
+            assert run["padded_rows"][0] == 42 and all(n % 2 == 0 for n in run["padded_rows"])
+    assert [rank[sequence_parallel]["outputs"] > 0 for rank in tp_stages] == [False, False,
+                                                                            True, True]
+
+
+def _moe_job(rank: int) -> dict:
+    """The tiny MoE preset (8 experts, top-2) at PP=2: two GRPO groups with the router's aux +
+    seq-aux + global-aux losses and z-loss (each group its own pipelined schedule, its router
+    losses weighted by the step's micro-batch count), one with sigmoid scores and the expert
+    bias; every output, gradient and router statistic of each stage against the stock step on
+    the same split. The control weighs each group's router losses as megatron's schedule does
+    by itself (by the group's own micro-batch count)."""
+    from prefix_sharing.engines.cross_micro_batch import forward_backward_cross
+    from prefix_sharing.engines.megatron import gpt_model
+    from prefix_sharing.megatron_ext import cross_pipeline
+
+    two = make_workload("grpo", num_prompts=2, group_size=6, prompt_len=(40, 41),
+                        response_len=(12, 24), vocab_size=MOE.vocab_size, seed=5)
+    runs = {"losses": (two.sequences, [g.members for g in two.groups], "losses"),
+            "expert_bias": (_group(), None, "expert_bias"),
+            "group_weight": (two.sequences, [g.members for g in two.groups], "losses")}
+    report = {}
+    for name, (seqs, groups, variant) in runs.items():
+        def build(layout: str, settings=MOE_VARIANTS[variant], **overrides) -> torch.nn.Module:
+            return gpt_model(MOE, layout=layout, **settings, **overrides)
+
+        ours = build("shared")
+        reset_router_statistics(ours)
+        control = (mock.patch.object(cross_pipeline, "_router_loss_weight",
+                                     lambda model, factor: contextlib.nullcontext(1.0))
+                   if name == "group_weight" else contextlib.nullcontext())
+        with control:
+            cross = forward_backward_cross(ours, seqs, BUDGET, CONFIG, groups=groups)
+        stats = router_statistics(ours)
+        (_, plain_stats), _ = _split_runs(build, seqs, cross)
+        report[name] = {**_judged(cross, seqs, build), "statistic_names": sorted(plain_stats),
+                        "groups": len(cross.schedules),
+                        "statistics": {k: max_rel_diff(v, plain_stats[k])
+                                       for k, v in stats.items()}}
+    return report
+
+
+@pytest.fixture(scope="module")
+def moe_stages() -> list[dict]:
+    return run_distributed(_moe_job, 2, pp=2, timeout=900)
+
+
+@pytest.mark.parametrize("variant", ["losses", "expert_bias"])
+def test_moe_with_router_statistics(moe_stages, variant):
+    for stage in moe_stages:
+        run = stage[variant]
+        _assert_exact(run)
+        worst = {k: d for k, d in run["statistics"].items() if d > FP32_RTOL}
+        assert not worst, worst
+        assert set(run["statistics"]) == set(run["statistic_names"])
+        assert {k for k in _LOSSES if k.startswith("tracker.")} <= set(run["statistic_names"])
+    assert moe_stages[0][variant]["groups"] == (2 if variant == "losses" else 1)
+
+
+def test_moe_control_weighing_router_losses_per_group_fails(moe_stages):
+    for stage in moe_stages:
+        _assert_gradients_fail(stage["group_weight"])
