@@ -186,11 +186,6 @@ TABLE: tuple[Refusal, ...] = (
     Refusal("megatron.cross_micro_batch.pipeline", "cross-micro-batch sharing with pipeline "
             "parallelism", "a group runs at PP=1 only (megatron's 1F1B schedule runs several "
             "forwards before their backwards)", ("megatron-core", "verl-megatron")),
-    Refusal("megatron.cross_micro_batch.router_replay", "router statistics across micro-batches "
-            "with routing replay", "a group's common prefix is cut on its tokens alone (the "
-            "replayed routes are no part of it) and the prefix micro-batch routes by its own "
-            "logits (not built); replay within one micro-batch per group",
-            ("megatron-core", "verl-megatron")),
     Refusal("megatron.cross_micro_batch.router_padding_mask", "router statistics across "
             "micro-batches with a padding_mask", "the plan already says which rows are padding",
             ("megatron-core", "verl-megatron")),

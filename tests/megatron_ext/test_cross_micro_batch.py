@@ -44,17 +44,20 @@ def _group() -> list[torch.Tensor]:
     return make_workload("agent", vocab_size=PRESET.vocab_size, **GROUP).sequences
 
 
-def _split_runs(build, seqs, cross) -> tuple:
+def _split_runs(build, seqs, cross, routes=None) -> tuple:
     """The plain fp32 and float64 runs of the cross run's plain micro-batches (its
-    ``plain_split``), each a fresh model from ``build(layout, **overrides)``."""
+    ``plain_split``), each a fresh model from ``build(layout, **overrides)``; ``routes``
+    (per sequence) replayed by its samples in every plain micro-batch."""
     from prefix_sharing.engines.megatron import forward_backward
 
     batches = [[seqs[i] for i in members] for members in cross.plain_split]
+    split_routes = None if routes is None else [[routes[i] for i in members]
+                                                for members in cross.plain_split]
     runs = []
     for dtype in (torch.float32, torch.float64):
         model = build("padded", dtype=dtype)
         reset_router_statistics(model) if model.config.num_moe_experts else None
-        run = forward_backward(model, batches, "padded")
+        run = forward_backward(model, batches, "padded", routes=split_routes)
         runs.append((run, router_statistics(model) if model.config.num_moe_experts else {}))
     return runs
 
