@@ -331,10 +331,6 @@ TABLE: tuple[Refusal, ...] = (
             "layout", "a group runs at PP=1, without virtual stages and at context_parallel_size"
             "=1 (the group's prefix K/V is not split over context-parallel ranks)",
             ("verl-megatron",)),
-    Refusal("verl.cross_micro_batch.router_replay", "groups across micro-batches with routing "
-            "replay", "a group's common prefix is cut on its tokens alone, without the replayed "
-            "routes, and the prefix micro-batch does not replay (not built); set "
-            "router_replay.mode: disabled, or cross_micro_batch off", ("verl-megatron",)),
     Refusal("verl.cross_micro_batch.router_statistics", "groups across micro-batches with MoE "
             "router batch statistics under sequence parallelism", "at TP=1 they equal verl's "
             "stock step on the same split (tested), and the group driver's equal megatron's "

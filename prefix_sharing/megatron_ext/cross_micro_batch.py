@@ -47,9 +47,9 @@ slice of every suffix's plain view, the prefix's logits kept whole). Activation 
 (:class:`~.prefix_kv.PrefixKVPass`). Routing replay: a schedule planned with routes (cut on
 tokens and routes) has each block replay its rows' routes and each suffix its flat rows'; a
 suffix's plain view for the router statistics replays its stack's routes
-(:attr:`~.prefix_kv.PrefixKV.routes`) before its own. Sliding windows (a suffix's gather of the prefix rows
-trimmed to the window, as any plan's). Pipeline parallelism is refused by name (context
-parallelism by the core attention).
+(:attr:`~.prefix_kv.PrefixKV.routes`) before its own. Sliding windows (a suffix's gather of the
+prefix rows trimmed to the window, as any plan's). Pipeline parallelism is refused by name
+(context parallelism by the core attention).
 """
 
 from __future__ import annotations

@@ -266,14 +266,7 @@ def test_moe_equals_the_plain_micro_batches_statistics_included(moe_report, vari
     the prefix copies too), and every router statistic of the plain micro-batches; also with
     the prefix recomputed (its router logits recorded without grad, then again with it)."""
     run = moe_report[variant, mode]
-    verdict = within_tolerance(run["vs_reference"], run["plain"], torch.float32)
-    assert set(verdict) == set(QUANTITIES) and all(verdict.values()), (
-        run["vs_reference"].max_rel_diff)
-    for q, d in run["vs_plain"].max_rel_diff.items():
-        assert d <= FP32_RTOL, f"{q}: {d} from the plain fp32 run"
-    worst = {k: d for k, d in run["statistics"].items() if d > FP32_RTOL}
-    assert not worst, worst
-    assert set(run["statistics"]) == set(run["statistic_names"])
+    assert_equals_the_split_statistics_included(run)
     expected = {"no_statistics": set(), "losses": _LOSSES,
                 "expert_bias": _LOSSES | {"layer0.tokens_per_expert",
                                           "layer0.expert_bias_update"}}[variant]
@@ -290,6 +283,19 @@ def test_moe_equals_the_plain_micro_batches_statistics_included(moe_report, vari
     router_bytes = 0 if variant == "no_statistics" else 2 * run["routers"] * prefix_len * 8 * 4
     assert figures["held_bytes"] == (2 * 2 * MOE.num_layers * prefix_len
                                      * MOE.num_query_groups * head_dim * 4) + router_bytes
+
+
+def assert_equals_the_split_statistics_included(run: dict) -> None:
+    """The float64 verdict and 1e-5 of the plain fp32 run on every quantity, and every router
+    statistic of the plain micro-batches within 1e-5 (a ``_moe_job``-style report)."""
+    verdict = within_tolerance(run["vs_reference"], run["plain"], torch.float32)
+    assert set(verdict) == set(QUANTITIES) and all(verdict.values()), (
+        run["vs_reference"].max_rel_diff)
+    for q, d in run["vs_plain"].max_rel_diff.items():
+        assert d <= FP32_RTOL, f"{q}: {d} from the plain fp32 run"
+    worst = {k: d for k, d in run["statistics"].items() if d > FP32_RTOL}
+    assert not worst, worst
+    assert set(run["statistics"]) == set(run["statistic_names"])
 
 
 _LOSSES = {"tracker.load_balancing_loss", "tracker.seq_load_balancing_loss",

@@ -24,13 +24,14 @@ from unittest import mock
 import pytest
 import torch
 
-from prefix_sharing.equivalence import FP32_RTOL, QUANTITIES, max_rel_diff, within_tolerance
+from prefix_sharing.equivalence import max_rel_diff, within_tolerance
 from prefix_sharing.routes import diverge_inside_shared_prefix, recorded_routes
 from prefix_sharing.workloads import make_workload
 
 from ._distributed import run_distributed
 from ._router_statistics import reset_router_statistics, router_statistics
-from .test_cross_micro_batch import _LOSSES, CONFIG, MOE, MOE_VARIANTS, _split_runs
+from .test_cross_micro_batch import (_LOSSES, CONFIG, MOE, MOE_VARIANTS, _split_runs,
+                                     assert_equals_the_split_statistics_included)
 
 # (router variant, routes diverge?, token budget, recompute_prefix)
 CASES = {
@@ -103,14 +104,7 @@ def test_replay_across_micro_batches_equals_the_stock_replay_on_the_same_split(r
     """Outputs, loss, every gradient (the float64 verdict and 1e-5 of the plain fp32 run) and
     every router statistic the stock step logs on the same micro-batches."""
     run = report[name]
-    verdict = within_tolerance(run["vs_reference"], run["plain"], torch.float32)
-    assert set(verdict) == set(QUANTITIES) and all(verdict.values()), (
-        run["vs_reference"].max_rel_diff)
-    for q, d in run["vs_plain"].max_rel_diff.items():
-        assert d <= FP32_RTOL, f"{q}: {d} from the plain fp32 run"
-    worst = {k: d for k, d in run["statistics"].items() if d > FP32_RTOL}
-    assert not worst, worst
-    assert set(run["statistics"]) == set(run["statistic_names"])
+    assert_equals_the_split_statistics_included(run)
     variant = CASES[name][0]
     expected = {"no_statistics": set(), "losses": _LOSSES,
                 "expert_bias": _LOSSES | {"layer0.tokens_per_expert"}}[variant]

@@ -265,6 +265,25 @@ def test_a_group_left_to_the_ordinary_split_is_cut_beside_a_cross_group(results)
 
 
 
+def same_split(planned):
+    """``(recorded, replayed)``: verl's split ``planned`` that records its index lists, and a
+    split that replays them in order (verl's stock step forced onto a cross run's split)."""
+    from verl.utils import tensordict_utils as tu
+
+    splits: list[list[list[int]]] = []
+
+    def recorded(*args, **kwargs):
+        micro_batches, index_lists = planned(*args, **kwargs)
+        splits.append(index_lists)
+        return micro_batches, index_lists
+
+    def replayed(batch, *args, **kwargs):
+        index_lists = splits.pop(0)
+        return [tu.index_select_tensor_dict(batch, idx) for idx in index_lists], index_lists
+
+    return recorded, replayed
+
+
 def moe_steps(rank: int, settings: dict) -> dict:
     """The tiny MoE preset with its router losses (aux, seq-aux, global-aux, z-loss): the
     cross-micro-batch step at a budget of 80, then verl's stock step forced onto the split the
@@ -277,7 +296,6 @@ def moe_steps(rank: int, settings: dict) -> dict:
     from megatron.core.transformer.moe.router import TopKRouter
 
     from prefix_sharing.megatron_ext.moe import PrefixSharingRouter
-    from verl.utils import tensordict_utils as tu
     from verl.workers.utils.losses import ppo_loss
 
     from prefix_sharing.engines.megatron import finalize_sequence_parallel_grads
@@ -285,17 +303,8 @@ def moe_steps(rank: int, settings: dict) -> dict:
 
     use_cpu_platform()
     preset = sharp(PRESETS["tiny-moe"])
-    splits: list[list[list[int]]] = []
     planned = engine_utils.rearrange_micro_batches
-
-    def recorded(*args, **kwargs):
-        micro_batches, index_lists = planned(*args, **kwargs)
-        splits.append(index_lists)
-        return micro_batches, index_lists
-
-    def replayed(batch, *args, **kwargs):
-        index_lists = splits.pop(0)
-        return [tu.index_select_tensor_dict(batch, idx) for idx in index_lists], index_lists
+    recorded, replayed = same_split(planned)
 
     def computed_rows(self, logits, padding_mask):
         return TopKRouter.routing(self, logits, padding_mask=padding_mask)
