@@ -331,13 +331,6 @@ TABLE: tuple[Refusal, ...] = (
             "layout", "a group runs at PP=1, without virtual stages and at context_parallel_size"
             "=1 (the group's prefix K/V is not split over context-parallel ranks)",
             ("verl-megatron",)),
-    Refusal("verl.cross_micro_batch.router_statistics", "groups across micro-batches with MoE "
-            "router batch statistics under sequence parallelism", "at TP=1 they equal verl's "
-            "stock step on the same split (tested), and the group driver's equal megatron's "
-            "stock step under sequence parallelism, but through verl's engine at TP=2 with "
-            "sequence parallelism the gradients differ from verl's stock step on the same split "
-            "(not resolved); run MoE with router statistics at TP=1, without aux / z-loss and "
-            "expert bias, or with cross_micro_batch off", ("verl-megatron",)),
     Refusal("verl.cpu_shim_release", "a verl release the CPU test shim does not know",
             "prefix_sharing.testing.verl_cpu patches the releases that have patch sets "
             "(prefix_sharing.releases.VERL_RELEASES) only", _VERL),

@@ -26,8 +26,8 @@ every micro-batch's dK/dV, the last one's included, which then reads the leaves 
 tensor parallelism each micro-batch's rows, the prefix's included, are padded to the
 tensor-parallel size (sequence parallelism splits them over its ranks; the prefix's pad rows are
 not kept). Sliding windows run as in the group driver. MoE router statistics are each cross
-micro-batch's plain micro-batch's, as in the group driver (at TP=1; under sequence
-parallelism they are refused). Routing replay (verl's ``router_replay``): the group was cut on
+micro-batch's plain micro-batch's, as in the group driver (under sequence parallelism too,
+where verl's own step differs by counting its pad rows: :func:`check_cross_model`). Routing replay (verl's ``router_replay``): the group was cut on
 tokens and routes at the split (:mod:`.cross_groups`), the prefix replays its rows' routes and
 every micro-batch its tails' (:func:`replayed_routes`, checked against the micro-batch's own);
 ``R2``'s recording forward takes the ordinary split. The model must run with PP=1 (each
@@ -192,23 +192,13 @@ def check_cross_engine_setup(engine_config: Any) -> None:
 
 
 def check_cross_model(model) -> None:
-    """The group driver's refusals (PP), plus MoE routers with batch statistics under
-    sequence parallelism: at TP=1 they equal verl's stock step forced onto the same split
-    (tested); under sequence parallelism that comparison does not hold yet (the group driver's
-    own does, against megatron's stock step)."""
-    from megatron.core.utils import get_attr_wrapped_model
-
+    """The group driver's refusals (PP). MoE router statistics run under sequence parallelism
+    too: sharing keeps them over the samples' tokens, verl's stock step over its packed rows,
+    its pad rows (each sample padded to a multiple of TP) included - equal where no sample is
+    padded (``tests/verl_ext/test_cross_moe_sequence_parallel.py``), as in one micro-batch."""
     from ..megatron_ext.cross_micro_batch import check_group_model
-    from ..megatron_ext.moe import PrefixSharingRouter
 
     check_group_model(model)
-    config = get_attr_wrapped_model(model, "config")
-    keeping = [name for name, module in model.named_modules()
-               if isinstance(module, PrefixSharingRouter) and module.keeps_statistics()]
-    if config.num_moe_experts and keeping and config.sequence_parallel:
-        raise refuse("verl.cross_micro_batch.router_statistics",
-                     f"num_moe_experts={config.num_moe_experts} with sequence_parallel=True; "
-                     f"{keeping[0]}", error=PrefixSharingSetupError)
 
 
 def _run_prefix(model, part: CrossPart, sharing: PrefixSharingConfig, temperature: float,
