@@ -27,11 +27,12 @@ tensor parallelism each micro-batch's rows, the prefix's included, are padded to
 tensor-parallel size (sequence parallelism splits them over its ranks; the prefix's pad rows are
 not kept). Sliding windows run as in the group driver. MoE router statistics are each cross
 micro-batch's plain micro-batch's, as in the group driver (under sequence parallelism too,
-where verl's own step differs by counting its pad rows: :func:`check_cross_model`). Routing replay (verl's ``router_replay``): the group was cut on
-tokens and routes at the split (:mod:`.cross_groups`), the prefix replays its rows' routes and
-every micro-batch its tails' (:func:`replayed_routes`, checked against the micro-batch's own);
-``R2``'s recording forward takes the ordinary split. The model must run with PP=1 (each
-refusal raises one error naming the setting).
+where verl's own step differs by counting its pad rows: :func:`check_cross_model`). Routing
+replay (verl's ``router_replay``): the group was cut on tokens and routes at the split
+(:mod:`.cross_groups`), the prefix replays its rows' routes and every micro-batch its tails'
+(:func:`replayed_routes`, checked against the micro-batch's own); ``R2``'s recording forward
+takes the ordinary split. The model must run with PP=1 (each refusal raises one error naming
+the setting).
 """
 
 from __future__ import annotations
