@@ -9,7 +9,8 @@ statistic. Routes that agree (the schedule is the tokens' own), and routes with 
 route changed inside the token-identical prompt: the group's common prefix must end there,
 the rest of the prompt becoming a sub-tree of the members that agree. Router variants: the
 preset's aux + seq-aux + global-aux losses and z-loss (with the prefix kept and recomputed),
-sigmoid scores with the expert bias on a chunked prompt (a budget of 25), and no statistics.
+sigmoid scores with the expert bias on a chunked prompt (a budget of 25), and no statistics;
+under megatron's full activation recompute (each replayed layer replays its routes too).
 
 Controls: a schedule cut on the tokens alone (the diverged member reads a block that replays
 another member's route) fails; a cross run without routes differs from the stock replay (so
@@ -33,13 +34,17 @@ from ._router_statistics import reset_router_statistics, router_statistics
 from .test_cross_micro_batch import (_LOSSES, CONFIG, MOE, MOE_VARIANTS, _split_runs,
                                      assert_equals_the_split_statistics_included)
 
-# (router variant, routes diverge?, token budget, recompute_prefix)
+FULL_RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform",
+                      recompute_num_layers=1)
+# (router variant, routes diverge?, token budget, recompute_prefix, model settings)
 CASES = {
-    "agree": ("losses", False, 70, False),
-    "diverge": ("losses", True, 70, False),
-    "diverge_recomputed": ("losses", True, 70, True),
-    "expert_bias_chunked": ("expert_bias", True, 25, False),
-    "no_statistics": ("no_statistics", True, 70, False),
+    "agree": ("losses", False, 70, False, {}),
+    "diverge": ("losses", True, 70, False, {}),
+    "diverge_recomputed": ("losses", True, 70, True, {}),
+    # megatron's full recompute replays each layer, its router's routes with it
+    "diverge_full_recompute": ("losses", True, 70, False, FULL_RECOMPUTE),
+    "expert_bias_chunked": ("expert_bias", True, 25, False, {}),
+    "no_statistics": ("no_statistics", True, 70, False, {}),
 }
 CONTROLS = ("tokens_only", "native")  # on the "diverge" case
 
@@ -63,10 +68,11 @@ def _job(rank: int) -> dict:
     report = {"diverged_at": position, "token_prefix_len": common_prefix_len(seqs)}
     runs = dict(CASES)
     runs.update({name: CASES["diverge"] for name in CONTROLS})
-    for name, (variant, diverge, budget, recompute) in runs.items():
-        def build(layout: str, variant=variant, **overrides) -> torch.nn.Module:
+    for name, (variant, diverge, budget, recompute, settings) in runs.items():
+        def build(layout: str, variant=variant, settings=settings,
+                  **overrides) -> torch.nn.Module:
             return gpt_model(MOE, layout=layout, moe_enable_routing_replay=True,
-                             **MOE_VARIANTS[variant], **overrides)
+                             **MOE_VARIANTS[variant], **settings, **overrides)
 
         routes = diverged if diverge else agree
         ours = build("shared")
@@ -121,7 +127,7 @@ def test_a_route_diverging_inside_the_prompt_ends_the_common_prefix_there(report
     position, prompt = report["diverged_at"], report["token_prefix_len"]
     assert 0 < position < prompt
     assert report["agree"]["figures"]["prefix_lens"] == [prompt]
-    for name in ("diverge", "expert_bias_chunked", "no_statistics"):
+    for name in ("diverge", "diverge_full_recompute", "expert_bias_chunked", "no_statistics"):
         figures = report[name]["figures"]
         assert figures["prefix_lens"] == [position], (name, figures["prefix_lens"])
         nodes = {node for _, _, node in report[name]["blocks"]}
