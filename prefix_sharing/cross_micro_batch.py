@@ -42,7 +42,10 @@ then the suffix ``[9 | 4]`` (reading 0, 1, 2). Backwards run in reverse: the suf
 reader's dK/dV.
 
 A suffix is scored by ``tail_plan`` (the tails' own plan on its rows), a block by its
-``stats_plan``. Pure torch; the driver is :mod:`prefix_sharing.megatron_ext.cross_micro_batch`.
+``stats_plan``. With recorded MoE routes (routing replay, ``routes=``) the tree is cut on
+(token, route) pairs, as :func:`~prefix_sharing.planner.build_plan` shares: a route that
+diverges inside token-identical prefixes ends a node there, and each block and suffix carries
+its rows' routes. Pure torch; the driver is :mod:`prefix_sharing.megatron_ext.cross_micro_batch`.
 """
 
 from __future__ import annotations
@@ -57,7 +60,8 @@ from .batching.cost import CostModel, computed_cost
 from .config import PrefixSharingConfig
 from .cross_packing import pack_at_equal_cost
 from .plan import SharingPlan
-from .planner import TokenSequence, build_plan
+from .planner import TokenSequence, build_plan, token_identity
+from .refusals import refuse
 
 __all__ = ["SharedBlock", "SuffixMicroBatch", "GroupSchedule", "common_prefix_len", "plan_group",
            "plan_pipelined_group"]
@@ -81,6 +85,8 @@ class SharedBlock:
             logits it gives every member's log-probs and entropy at its positions (the
             placeholder position is discarded).
         positions: ``(N * length,)`` int64, those positions in the group's packed order.
+        routes: ``(length, moe_layers, topk)`` the recorded routes its rows replay (every
+            member's, which agree: blocks are cut on tokens and routes), or None.
     """
 
     members: tuple[int, ...]
@@ -91,6 +97,7 @@ class SharedBlock:
     plan: SharingPlan
     stats_plan: SharingPlan
     positions: torch.Tensor
+    routes: torch.Tensor | None = None
 
     length = property(lambda self: self.ids.numel())
     end = property(lambda self: self.start + self.ids.numel())
@@ -107,6 +114,8 @@ class SuffixMicroBatch:
         token_positions: ``(sum of tail lengths,)`` int64, where each tail token sits in the
             group's packed order (sequences in given order): where its log-prob belongs.
         reads: the blocks whose K/V it reads, in row order (its members' shared ancestors).
+        routes: its members' tails' recorded routes (``tail_plan``'s sequences, which it was
+            planned with), or None.
     """
 
     members: tuple[int, ...]
@@ -114,6 +123,7 @@ class SuffixMicroBatch:
     tail_plan: SharingPlan
     token_positions: torch.Tensor
     reads: tuple[int, ...] = (0,)
+    routes: tuple[torch.Tensor, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,6 +239,7 @@ def plan_group(
     pad_to_multiple_of: int = 1,
     one_level: bool = False,
     cost_model: CostModel | None = None,
+    routes: Sequence[TokenSequence] | None = None,
 ) -> GroupSchedule:
     """Cuts one group into shared blocks and suffix micro-batches of at most ``token_budget``
     computed tokens each (see the module doc).
@@ -248,6 +259,10 @@ def plan_group(
         one_level: the common prefix in one block, every suffix reading it alone, a branch
             over the budget cut (verl's engine).
         cost_model: weighs attended keys against tokens where chunk and suffix boundaries go.
+        routes: recorded MoE routes to replay, ``(L_i, moe_layers, topk)`` per sequence: a
+            token's routes are part of its identity, as in :func:`build_plan`, so every
+            shared node - the common prefix first - ends where the routes diverge, and each
+            block and suffix carries the routes of its rows.
 
     Raises:
         ValueError: fewer than two sequences, no common prefix, sharing switched off; with
@@ -265,15 +280,18 @@ def plan_group(
         raise ValueError(f"a group needs at least two sequences; got {len(seqs)}")
     if token_budget < 1:
         raise ValueError(f"token_budget must be positive; got {token_budget}")
-    prefix_len = common_prefix_len(seqs)
+    if routes is not None:
+        routes = [torch.as_tensor(r).to("cpu", torch.int64) for r in routes]
+    keys = seqs if routes is None else token_identity(seqs, routes)
+    prefix_len = common_prefix_len(keys)
     if prefix_len < 1:
         raise ValueError("the group's sequences share no prefix (of at least one token, "
-                         "leaving every sequence a tail)")
+                         "leaving every sequence a tail, its routes agreeing)")
     if one_level and prefix_len > token_budget:
         raise ValueError(
             f"the group's common prefix ({prefix_len} tokens) exceeds token_budget="
             f"{token_budget}; with one_level=True it is computed in one micro-batch")
-    builder = _Builder(seqs, token_budget, config, pad_to_multiple_of, one_level,
+    builder = _Builder(seqs, keys, routes, token_budget, config, pad_to_multiple_of, one_level,
                        CostModel() if cost_model is None else cost_model)
     everyone = list(range(len(seqs)))
     reads, chunks = builder.shared(everyone, 0, (), prefix_len)
@@ -284,10 +302,10 @@ def plan_group(
         prefix_ids=seqs[0][:prefix_len],
         suffixes=tuple(builder.suffixes),
         seq_lens=tuple(s.numel() for s in seqs),
-        tokens_unique=build_plan(seqs, config).num_tokens_unique,
+        tokens_unique=build_plan(seqs, config, routes=routes).num_tokens_unique,
         blocks=tuple(builder.blocks),
         steps=tuple(builder.steps),
-        tokens_distinct=build_plan(seqs, distinct).num_tokens_unique,
+        tokens_distinct=build_plan(seqs, distinct, routes=routes).num_tokens_unique,
     )
 
 
@@ -297,15 +315,20 @@ def plan_pipelined_group(
     config: PrefixSharingConfig | None = None,
     *,
     pad_to_multiple_of: int = 1,
+    routes: Sequence[TokenSequence] | None = None,
 ) -> GroupSchedule:
     """The one-level schedule the pipelined group run takes
     (:mod:`prefix_sharing.megatron_ext.cross_pipeline`): its first and last suffix
     micro-batches carry the common prefix's rows too, so every suffix's tails are packed under
-    ``token_budget - prefix_len`` and no micro-batch exceeds the budget.
+    ``token_budget - prefix_len`` and no micro-batch exceeds the budget. ``routes`` (routing
+    replay) are refused: the pipelined run does not replay them.
 
     Raises:
         ValueError: the prefix takes more than half the budget (or :func:`plan_group`'s).
+        UnsupportedSetup: ``routes`` given (``megatron.cross_micro_batch.pipeline_replay``).
     """
+    if routes is not None:
+        raise refuse("megatron.cross_micro_batch.pipeline_replay", "routes to replay")
     seqs = [torch.as_tensor(s, dtype=torch.int64).reshape(-1).cpu() for s in sequences]
     prefix_len = common_prefix_len(seqs) if len(seqs) > 1 else 0
     if 2 * prefix_len > token_budget:
@@ -330,11 +353,16 @@ def common_prefix_len(seqs: list[torch.Tensor]) -> int:
 
 
 class _Builder:
-    """Emits a group's blocks, suffixes and steps, depth first (see :func:`plan_group`)."""
+    """Emits a group's blocks, suffixes and steps, depth first (see :func:`plan_group`).
 
-    def __init__(self, seqs: list[torch.Tensor], budget: int, config: PrefixSharingConfig,
+    ``keys`` are what the tree is cut on: the tokens, or with ``routes`` one id per (token,
+    routes) pair (:func:`~prefix_sharing.planner.token_identity`), ordered as the tokens."""
+
+    def __init__(self, seqs: list[torch.Tensor], keys: list[torch.Tensor],
+                 routes: list[torch.Tensor] | None, budget: int, config: PrefixSharingConfig,
                  pad: int, one_level: bool, cost_model: CostModel) -> None:
-        self.seqs, self.budget, self.config, self.pad = seqs, budget, config, pad
+        self.seqs, self.keys, self.routes = seqs, keys, routes
+        self.budget, self.config, self.pad = budget, config, pad
         self.one_level, self.cost_model = one_level, cost_model
         self.starts = [0]
         for s in seqs:
@@ -375,10 +403,10 @@ class _Builder:
         """Branches (same first token) in lexicographic order into micro-batches (the fewest,
         at equal cost: :mod:`~prefix_sharing.cross_packing`); a branch that fits nowhere is
         a sub-tree, or (``one_level``, or no shared part to give it) is cut tail by tail."""
-        order = sorted(members, key=lambda i: self.seqs[i][depth:].tolist())
+        order = sorted(members, key=lambda i: self.keys[i][depth:].tolist())
         branches: list[list[int]] = []
         for i in order:
-            if branches and int(self.seqs[branches[-1][0]][depth]) == int(self.seqs[i][depth]):
+            if branches and int(self.keys[branches[-1][0]][depth]) == int(self.keys[i][depth]):
                 branches[-1].append(i)
             else:
                 branches.append([i])
@@ -409,7 +437,7 @@ class _Builder:
 
     def _suffixes(self, units: list[list[int]], depth: int, reads: tuple[int, ...]) -> None:
         def cost(members: list[int]) -> float:  # its tails, each query attending the stack
-            plan = build_plan([self.seqs[i][depth:] for i in members], self.config)
+            plan = build_plan([self.keys[i][depth:] for i in members], self.config)
             return (computed_cost(plan, self.cost_model)
                     + plan.num_tokens_unique * depth / self.cost_model.keys_per_token)
 
@@ -420,12 +448,12 @@ class _Builder:
         return [i for i in members if self.seqs[i].numel() - depth > 1]
 
     def _fits(self, members: list[int], depth: int) -> bool:
-        tails = [self.seqs[i][depth:] for i in members]
+        tails = [self.keys[i][depth:] for i in members]
         return build_plan(tails, self.config).num_tokens_unique <= self.budget
 
     def _common(self, members: list[int], depth: int) -> int:
         """The members' common tokens after ``depth``, each keeping a tail."""
-        return common_prefix_len([self.seqs[i][depth:] for i in members]) if len(members) > 1 \
+        return common_prefix_len([self.keys[i][depth:] for i in members]) if len(members) > 1 \
             else self.seqs[members[0]].numel() - depth - 1
 
     def _chunks(self, start: int, end: int) -> list[tuple[int, int]]:
@@ -461,12 +489,14 @@ class _Builder:
             plan=_with_external_prefix(own, a),
             stats_plan=_prefix_stats_plan([self.seqs[i][a:] for i in members], b - a),
             positions=torch.cat([torch.arange(a, b) + self.starts[i] for i in members]),
+            routes=None if self.routes is None else self.routes[members[0]][a:b],
         )
 
     def _suffix(self, members: list[int], depth: int, reads: tuple[int, ...]) -> None:
         members = sorted(members)
+        routes = None if self.routes is None else tuple(self.routes[i][depth:] for i in members)
         tail_plan = build_plan([self.seqs[i][depth:] for i in members], self.config,
-                               pad_to_multiple_of=self.pad)
+                               pad_to_multiple_of=self.pad, routes=routes)
         self.suffixes.append(SuffixMicroBatch(
             members=tuple(members),
             plan=_with_external_prefix(tail_plan, depth),
@@ -474,6 +504,7 @@ class _Builder:
             token_positions=torch.cat([torch.arange(depth, self.seqs[i].numel()) + self.starts[i]
                                        for i in members]),
             reads=reads,
+            routes=routes,
         ))
         self.steps.append(("suffix", len(self.suffixes) - 1))
 

@@ -34,7 +34,7 @@ import torch
 from .config import PrefixSharingConfig
 from .plan import SharingPlan
 
-__all__ = ["build_plan", "PromptGroup", "prompt_groups"]
+__all__ = ["build_plan", "PromptGroup", "prompt_groups", "token_identity"]
 
 TokenSequence = Union[torch.Tensor, np.ndarray, Sequence[int]]
 
@@ -126,6 +126,18 @@ def prompt_groups(uids: Sequence[object], prompt_lens: Sequence[int]) -> list[Pr
             raise ValueError(f"uid {uid!r} has members with different prompt lengths {sorted(lens)}")
         out.append(PromptGroup(lens.pop(), idx))
     return out
+
+
+def token_identity(sequences: Sequence[TokenSequence],
+                   routes: Sequence[TokenSequence]) -> list[torch.Tensor]:
+    """One int64 id per token of every sequence: the same id exactly where the token and its
+    recorded routes (``(L_i, ...)`` per sequence, as :func:`build_plan` takes them) are the
+    same, ordered as the tokens where the routes agree. What :func:`build_plan` compares with
+    ``routes``, for a caller that cuts sequences by it (a group across micro-batches:
+    :func:`prefix_sharing.cross_micro_batch.plan_group`)."""
+    tokens, lengths = _as_token_array(sequences)
+    identity = torch.from_numpy(_tagged_identity(tokens, lengths, routes, "routes"))
+    return list(identity.split(lengths.tolist()))
 
 
 # --------------------------------------------------------------------------- input checking

@@ -191,11 +191,11 @@ TABLE: tuple[Refusal, ...] = (
             "stages; a stack of blocks, each backwarded after its readers, is not built there: "
             "plan the group with one_level=True (the prefix within the token budget)",
             ("megatron-core",)),
-    Refusal("megatron.cross_micro_batch.router_replay", "router statistics across micro-batches "
-            "with routing replay", "a group's common prefix is cut on its tokens alone (the "
-            "replayed routes are no part of it) and the prefix micro-batch routes by its own "
-            "logits (not built); replay within one micro-batch per group",
-            ("megatron-core", "verl-megatron")),
+    Refusal("megatron.cross_micro_batch.pipeline_replay", "routing replay across micro-batches "
+            "under pipeline parallelism", "the pipelined group run (the first and last suffix "
+            "carrying the prefix rows) does not replay routes (not built); replay at "
+            "pipeline_model_parallel_size=1, or within one micro-batch per group",
+            ("megatron-core",)),
     Refusal("megatron.cross_micro_batch.router_padding_mask", "router statistics across "
             "micro-batches with a padding_mask", "the plan already says which rows are padding",
             ("megatron-core", "verl-megatron")),
@@ -350,17 +350,6 @@ TABLE: tuple[Refusal, ...] = (
             "layout", "a group runs at PP=1, without virtual stages and at context_parallel_size"
             "=1 (the group's prefix K/V is not split over context-parallel ranks)",
             ("verl-megatron",)),
-    Refusal("verl.cross_micro_batch.router_replay", "groups across micro-batches with routing "
-            "replay", "a group's common prefix is cut on its tokens alone, without the replayed "
-            "routes, and the prefix micro-batch does not replay (not built); set "
-            "router_replay.mode: disabled, or cross_micro_batch off", ("verl-megatron",)),
-    Refusal("verl.cross_micro_batch.router_statistics", "groups across micro-batches with MoE "
-            "router batch statistics under sequence parallelism", "at TP=1 they equal verl's "
-            "stock step on the same split (tested), and the group driver's equal megatron's "
-            "stock step under sequence parallelism, but through verl's engine at TP=2 with "
-            "sequence parallelism the gradients differ from verl's stock step on the same split "
-            "(not resolved); run MoE with router statistics at TP=1, without aux / z-loss and "
-            "expert bias, or with cross_micro_batch off", ("verl-megatron",)),
     Refusal("verl.cpu_shim_release", "a verl release the CPU test shim does not know",
             "prefix_sharing.testing.verl_cpu patches the releases that have patch sets "
             "(prefix_sharing.releases.VERL_RELEASES) only", _VERL),

@@ -5,7 +5,8 @@ import torch
 
 from prefix_sharing import PrefixSharingConfig, build_plan
 from prefix_sharing.batching import CostModel
-from prefix_sharing.cross_micro_batch import plan_group
+from prefix_sharing.cross_micro_batch import plan_group, plan_pipelined_group
+from prefix_sharing.errors import UnsupportedSetup
 from prefix_sharing.workloads import make_workload
 
 EVERY_PREFIX = PrefixSharingConfig(min_prefix_len=1)
@@ -279,3 +280,17 @@ def test_a_grpo_group_keeps_the_one_level_schedule():
     one_level = plan_group(w.sequences, 70, EVERY_PREFIX, one_level=True)
     assert [s.members for s in schedule.suffixes] == [s.members for s in one_level.suffixes]
     assert schedule.steps == one_level.steps
+
+
+def test_a_pipelined_schedule_carries_the_prefix_in_its_budget_and_refuses_routes():
+    """plan_pipelined_group packs the tails under the budget minus the prefix (the first and last
+    suffix carry it); it plans no replay, so routes are refused by name, not ignored."""
+    w = make_workload("grpo", num_prompts=1, group_size=6, prompt_len=(40, 41),
+                      response_len=(12, 24), seed=5)
+    schedule = plan_pipelined_group(w.sequences, 84, EVERY_PREFIX)
+    prefix = schedule.blocks[0].length
+    assert schedule.one_level and len(schedule.suffixes) >= 2
+    assert max(s.plan.input_ids.numel() for s in schedule.suffixes) <= 84 - prefix
+    routes = [torch.zeros(len(s), 1, 2, dtype=torch.int64) for s in w.sequences]
+    with pytest.raises(UnsupportedSetup, match="megatron.cross_micro_batch.pipeline_replay"):
+        plan_pipelined_group(w.sequences, 84, EVERY_PREFIX, routes=routes)

@@ -20,6 +20,7 @@ With ``--routing-replay`` (MoE presets) every run replays recorded routes (megat
 rollout engine records them, with one token's route changed inside the longest shared prefix
 (rollout engines are not batch-invariant). The plan shares only as far as the routes agree, and
 the shared run replays each computed row's route; the plain runs replay them on the padded batch.
+With ``--token-budget`` too, each group is cut on tokens and routes across its micro-batches.
 """
 
 from __future__ import annotations
@@ -82,13 +83,13 @@ def run(args: argparse.Namespace) -> int:
     engine.check_layout(model, args.tp, args.pp, args.cp)
     if config.mode == "prompt_only" and groups is None:
         raise InputError(f"--mode prompt_only needs prompt groups, but {name} has input_ids only")
-    if args.token_budget is not None:
-        _check_cross(args, engine.name, model, sequences, groups, config)
-    else:
-        groups = groups if config.mode == "prompt_only" else None
     routes, diverged_at = None, None
     if args.routing_replay:
-        routes, diverged_at = _replay_routes(args, engine.name, model, sequences, config, groups)
+        routes, diverged_at = _replay_routes(engine.name, model, sequences, config, groups)
+    if args.token_budget is not None:
+        _check_cross(args, engine.name, model, sequences, groups, config, routes)
+    else:
+        groups = groups if config.mode == "prompt_only" else None
     request = VerifyRequest([(sequences, groups)], config, model, dtype, args.steps,
                             token_budget=args.token_budget,
                             routes=None if routes is None else [routes],
@@ -110,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _check_cross(args: argparse.Namespace, engine: str, model: ModelPreset,
                  sequences: list, groups: list[PromptGroup] | None,
-                 config: PrefixSharingConfig) -> None:
+                 config: PrefixSharingConfig, routes: list | None = None) -> None:
     """What ``--token-budget`` cannot run, as one line before any rank starts."""
     if engine != "megatron" or args.cp != 1:
         raise InputError("--token-budget (cross-micro-batch sharing) runs on the megatron "
@@ -120,22 +121,23 @@ def _check_cross(args: argparse.Namespace, engine: str, model: ModelPreset,
     for m in members:
         with user_input(ValueError):
             plan([sequences[i] for i in m], args.token_budget, config,
-                 pad_to_multiple_of=args.tp)
+                 pad_to_multiple_of=args.tp,
+                 routes=None if routes is None else [routes[i] for i in m])
 
 
-def _replay_routes(args: argparse.Namespace, engine: str, model: ModelPreset, sequences: list,
+def _replay_routes(engine: str, model: ModelPreset, sequences: list,
                    config: PrefixSharingConfig,
                    groups: list[PromptGroup] | None) -> tuple[list, list[int] | None]:
     """The routes ``--routing-replay`` replays, and where one was made to diverge (None when
-    nothing is shared, so nothing can diverge inside a shared prefix)."""
+    nothing is shared, so nothing can diverge inside a shared prefix; with ``--token-budget``,
+    inside a prompt group's common prefix, which its schedule must then cut shorter)."""
     from ..routes import diverge_inside_shared_prefix, recorded_routes
 
     if engine != "megatron" or not model.num_experts:
         raise InputError(f"--routing-replay replays MoE routes on the megatron engine; got "
                          f"--engine {engine} with the {model.name} preset "
                          f"({model.num_experts or 'no'} experts)")
-    if args.token_budget is not None:
-        raise InputError("--routing-replay runs without --token-budget")
+    groups = groups if config.mode == "prompt_only" else None
     routes = recorded_routes(sequences, model.num_layers, model.moe_router_topk,
                              model.num_experts)
     if not build_plan(sequences, config, groups=groups).has_sharing:

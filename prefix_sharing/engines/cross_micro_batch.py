@@ -84,6 +84,7 @@ def forward_backward_cross(
     groups: Sequence[Sequence[int]] | None = None,
     recompute_prefix: bool = False,
     collect: bool = True,
+    routes: Sequence[torch.Tensor] | None = None,
 ) -> CrossMicroBatchRun:
     """Forward+backward of a batch, each group in micro-batches of at most ``token_budget``
     computed tokens with its common prefix computed once (see
@@ -95,6 +96,11 @@ def forward_backward_cross(
         recompute_prefix: see :func:`~prefix_sharing.megatron_ext.cross_micro_batch.
             forward_backward_group`.
         collect: gather the outputs and gradients for a comparison (off for timing).
+        routes: recorded MoE routes to replay, one ``[L_i, moe_layers, topk]`` tensor per
+            sequence (the model built with ``moe_enable_routing_replay=True``): each group is
+            cut on tokens and routes, and every block and suffix replays its rows' routes;
+            the reference replays them on the plain micro-batches
+            (:func:`~.megatron.forward_backward`'s ``routes``, per ``plain_split`` entry).
     """
     from megatron.core import parallel_state
 
@@ -111,7 +117,8 @@ def forward_backward_cross(
     pipelined = parallel_state.get_pipeline_model_parallel_world_size() > 1
     plan = plan_pipelined_group if pipelined else plan_group
     schedules = [plan([sequences[i] for i in members], token_budget, config,
-                      pad_to_multiple_of=multiple)
+                      pad_to_multiple_of=multiple,
+                      routes=None if routes is None else [routes[i] for i in members])
                  for members in groups]
     split = [[members[m] for m in suffix.members]
              for members, schedule in zip(groups, schedules) for suffix in schedule.suffixes]
@@ -141,7 +148,7 @@ def forward_backward_cross(
         if logits is None:
             logits = group_logits.new_zeros(total, group_logits.size(1))
         logits[rows] = group_logits
-    unique = build_plan(sequences, config).num_tokens_unique
+    unique = build_plan(sequences, config, routes=routes).num_tokens_unique
     run = None
     if collect:
         outputs = []  # on the last pipeline stage

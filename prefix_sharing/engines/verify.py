@@ -160,10 +160,13 @@ def _verify_batch(models: dict, batch: list, groups: list, request: VerifyReques
                                       routes=routes)
             digest = shared.digests[0]
         else:
-            cross = _cross(models["shared"], batch[0], groups[0], request)
+            cross = _cross(models["shared"], batch[0], groups[0], request,
+                           None if routes is None else routes[0])
             shared = cross.run
             digest = "".join(p.digest() for s in cross.schedules for p in s.plans())
             batch = [[batch[0][i] for i in members] for members in cross.plain_split]
+            if routes is not None:  # the plain micro-batches replay their samples' routes
+                routes = [[routes[0][i] for i in members] for members in cross.plain_split]
         plain = forward_backward(models["plain"], batch, "padded", routes=routes)
         reference = forward_backward(models["reference"], batch, "padded", routes=routes)
         steps.append({"shared": compare(shared, reference), "plain": compare(plain, reference),
@@ -173,12 +176,13 @@ def _verify_batch(models: dict, batch: list, groups: list, request: VerifyReques
     return steps
 
 
-def _cross(model, sequences: list, groups: list[PromptGroup] | None, request: VerifyRequest):
+def _cross(model, sequences: list, groups: list[PromptGroup] | None, request: VerifyRequest,
+           routes: list | None = None):
     from .cross_micro_batch import forward_backward_cross
 
     members = None if groups is None else [g.members for g in groups]
     return forward_backward_cross(model, sequences, request.token_budget, request.config,
-                                  groups=members)
+                                  groups=members, routes=routes)
 
 
 def summarize(ranks: list[list[list[dict]]], batch: int, dtype: torch.dtype) -> dict:

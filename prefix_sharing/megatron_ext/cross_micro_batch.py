@@ -44,8 +44,11 @@ size (the schedule planned with ``pad_to_multiple_of``) and a block's pad rows a
 Dense and MoE models (router statistics under sequence parallelism too: each rank routes its
 slice of every suffix's plain view, the prefix's logits kept whole). Activation recompute
 (full or selective): a recomputed layer replays its first run's mode
-(:class:`~.prefix_kv.PrefixKVPass`). Sliding windows (a suffix's gather of the prefix rows
-trimmed to the window, as any plan's). Under pipeline parallelism a one-level schedule runs
+(:class:`~.prefix_kv.PrefixKVPass`). Routing replay: a schedule planned with routes (cut on
+tokens and routes) has each block replay its rows' routes and each suffix its flat rows'; a
+suffix's plain view for the router statistics replays its stack's routes
+(:attr:`~.prefix_kv.PrefixKV.routes`) before its own. Sliding windows (a suffix's gather of the
+prefix rows trimmed to the window, as any plan's). Under pipeline parallelism a one-level schedule runs
 through megatron's 1F1B instead (:mod:`.cross_pipeline`); virtual pipeline stages are refused
 by name (context parallelism by the core attention).
 """
@@ -65,6 +68,7 @@ from .checks import UnsupportedSetupError
 from .logprobs import vocab_shard
 from .packed_seq import PlanPackedSeqParams
 from .prefix_kv import PrefixKV, PrefixKVStack
+from .routing_replay import flat_routes
 
 __all__ = ["GroupRun", "PrefixPass", "TokenLoss", "check_group_model", "forward_backward_group"]
 
@@ -162,7 +166,8 @@ def forward_backward_group(
                     device)
             continue
         if kind == "forward":
-            kvs[i] = PrefixKV(rows=schedule.blocks[i].length)
+            kvs[i] = PrefixKV(rows=schedule.blocks[i].length,
+                              routes=_to(schedule.blocks[i].routes, device))
             stack = PrefixKVStack([kvs[r] for r in schedule.blocks[i].reads], kvs[i])
             passes[i] = PrefixPass(schedule, stack, backend, temperature, device,
                                    block=schedule.blocks[i])
@@ -191,7 +196,9 @@ def _suffix(model: torch.nn.Module, suffix: SuffixMicroBatch, kvs: dict[int, Pre
             device: torch.device) -> None:
     """One suffix micro-batch's forward and backward, reading its stack of blocks."""
     plan = suffix.plan.to(device)
-    params = PlanPackedSeqParams.from_plan(plan, backend,
+    tail_plan = suffix.tail_plan.to(device)
+    routes = None if suffix.routes is None else flat_routes(tail_plan, suffix.routes, device)
+    params = PlanPackedSeqParams.from_plan(plan, backend, routes=routes,
                                            prefix_kv=PrefixKVStack([kvs[r] for r in suffix.reads]))
     logits = model(plan.input_ids[None], plan.position_ids[None], None,
                    packed_seq_params=params)[0]  # [1, T, V] -> [T, V]
@@ -221,7 +228,8 @@ class PrefixPass:
         block = schedule.blocks[0] if block is None else block
         self.prefix_len = block.length
         self.params = PlanPackedSeqParams.from_plan(block.plan.to(device), backend,
-                                                    prefix_kv=prefix_kv)
+                                                    prefix_kv=prefix_kv,
+                                                    routes=_block_routes(block, device))
         self.stats_plan = block.stats_plan.to(device)
         # the block's rows of every member, without the placeholder position
         self.keep = (~block.stats_plan.is_last_token).nonzero()[:, 0].to(device)
@@ -297,6 +305,19 @@ class _Collector:
                metrics: dict[str, float]) -> GroupRun:
         return GroupRun(self.log_probs, self.entropy, self.logits, self.loss, held_bytes,
                         tokens_computed, metrics)
+
+
+def _to(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if tensor is None else tensor.to(device)
+
+
+def _block_routes(block: SharedBlock, device: torch.device) -> torch.Tensor | None:
+    """The routes a block's flat rows replay: its tokens', then its pad rows' (nobody reads
+    them: the first row's, as :func:`~.routing_replay.flat_routes` gives pad rows)."""
+    if block.routes is None:
+        return None
+    pad = block.plan.num_tokens_flat - block.length
+    return torch.cat([block.routes, block.routes[:1].expand(pad, -1, -1)]).to(device)
 
 
 def _whole_vocab(logits: torch.Tensor) -> torch.Tensor:

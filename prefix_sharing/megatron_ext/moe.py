@@ -76,6 +76,9 @@ Under sequence and context parallelism that is this rank's slice: the flat rows 
 (chunk ``c * TP + t`` of the flat layout), or the slice of the padded plain batch it routes.
 A recording forward (the plan's ``record_routes``) records the flat rows; it runs without
 statistics (verl records in a forward without grad), else the top-k would see the plain view.
+Across micro-batches a block replays its own rows' routes, and a suffix's plain view of
+``cat(prefix logits, own logits)`` replays ``cat(prefix routes, own routes)`` (the prefix's
+kept with its K/V: :attr:`.prefix_kv.PrefixKV.routes`).
 """
 
 from __future__ import annotations
@@ -218,7 +221,6 @@ class PrefixSharingRouter(TopKRouter, FlatRowsRouter):
         slice of its padded plain view, as the stock router routes its slice of the plain
         micro-batch, the slices' probabilities and choices all-gathered back."""
         found = [refused for refused, on in (
-            (Refused("megatron.cross_micro_batch.router_replay"), self._routes is not None),
             (Refused("megatron.cross_micro_batch.router_padding_mask"), padding_mask is not None),
             (Refused("megatron.cross_micro_batch.context_parallel", "the router's statistics"),
              self.cp_group.size() > 1)) if on]
@@ -226,6 +228,7 @@ class PrefixSharingRouter(TopKRouter, FlatRowsRouter):
             raise refuse_all(found, error=UnsupportedSetupError)
         group = self._sharding_group()
         shards = 1 if group is None else group.size()
+        replay = getattr(self, "router_replay", None)
         flat_logits = logits.reshape(-1, self.num_experts)  # [T_flat / shards, E]
         whole = flat_logits
         if shards > 1 and (self._prefix.mode == "record" or self._computes_statistics()):
@@ -237,16 +240,20 @@ class PrefixSharingRouter(TopKRouter, FlatRowsRouter):
                 used = used.chunk(shards)[group.rank()]
             self._quiet = True
             try:
-                return super().routing(used.view_as(logits))
+                with replaying(replay, self._flat_routes(group)):
+                    return super().routing(used.view_as(logits))
             finally:
                 self._quiet = False
         if not self._computes_statistics():
-            return super().routing(logits)
+            with replaying(replay, self._flat_routes(group)):
+                return super().routing(logits)
         rows = self._prefix.exchange_router_logits(self.layer_number, whole)
         view = plain_batch_view(self._plan, self.routes_padded_batch(), shards,
                                 group.rank() if shards > 1 else 0,
                                 external_rows=rows.size(0) - whole.size(0))
-        probs, routing_map = super().routing(view.gather(rows), padding_mask=view.padding_mask)
+        with replaying(replay, self._plain_routes(view, self._prefix.routes)):
+            probs, routing_map = super().routing(view.gather(rows),
+                                                 padding_mask=view.padding_mask)
         if shards > 1:  # this rank's flat rows may be read in another rank's slice
             probs = gather_from_sequence_parallel_region(probs, group=group)
             routing_map = gather_from_sequence_parallel_region(routing_map, group=group)
@@ -284,12 +291,13 @@ class PrefixSharingRouter(TopKRouter, FlatRowsRouter):
                                    reduce_group=self.tp_cp_group)
         return logits
 
-    def _layer_routes(self) -> torch.Tensor | None:
-        """This layer's recorded route of every flat row, ``[T_flat, topk]`` (None: no replay).
+    def _layer_routes(self, routes: torch.Tensor | None = None) -> torch.Tensor | None:
+        """This layer's recorded route of every flat row, ``[T_flat, topk]`` (None: no replay),
+        or of the rows of ``routes`` (``[rows, layers, topk]``) when given.
 
         The routes' second dimension is either every MoE layer of the model (verl's R2 with
         dense layers) or every layer (verl's R3, dense layers included), as verl reads them."""
-        routes = self._routes
+        routes = self._routes if routes is None else routes
         if routes is None:
             return None
         if self.moe_layer_index is None:
@@ -309,12 +317,16 @@ class PrefixSharingRouter(TopKRouter, FlatRowsRouter):
             return routes
         return routes.chunk(group.size())[group.rank()]
 
-    def _plain_routes(self, view: PlainBatchView) -> torch.Tensor | None:
+    def _plain_routes(self, view: PlainBatchView,
+                      external: torch.Tensor | None = None) -> torch.Tensor | None:
         """The routes of the plain view's positions, ``[s / shards * b, topk]`` (s-major, as
-        the top-k sees them); padding positions take flat row 0's route."""
+        the top-k sees them); padding positions take flat row 0's route. ``external``: the
+        routes of a group's prefix rows, which a view across micro-batches addresses first."""
         routes = self._layer_routes()
         if routes is None:
             return None
+        if external is not None:
+            routes = torch.cat([self._layer_routes(external.to(routes.device)), routes])
         with_sentinel = torch.cat([routes, routes[:1]])  # the sentinel row: a valid route
         return with_sentinel.index_select(0, view.rows.reshape(-1))
 

@@ -59,10 +59,14 @@ class PrefixKV:
             leaves and as recorded (MoE routers with batch statistics only).
         rows: the prefix's real rows ``Lp``: a prefix micro-batch padded for sequence
             parallelism records its first ``rows`` rows only (None: every row).
+        routes: ``[Lp, moe_layers, topk]`` the recorded routes its rows replayed (routing
+            replay), which a reader's plain view of ``cat(prefix rows, own rows)`` replays
+            too (MoE routers with batch statistics), or None.
     """
 
-    def __init__(self, rows: int | None = None) -> None:
+    def __init__(self, rows: int | None = None, routes: torch.Tensor | None = None) -> None:
         self.rows = rows
+        self.routes = routes
         self.mode: Mode = "record"
         self.leaves: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -134,6 +138,11 @@ class PrefixKVPass:
         self.store = store
         self.mode: Mode = mode
         self._runs: dict[tuple[int, str], str] = {}  # -> "graph" | "no_graph" | "read_through"
+
+    @property
+    def routes(self) -> torch.Tensor | None:
+        """The store's rows' replayed routes (:attr:`PrefixKV.routes`)."""
+        return self.store.routes
 
     def exchange(self, layer_number: int, key: torch.Tensor,
                  value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,6 +238,13 @@ class PrefixKVStack:
     def mode(self) -> Mode:
         """``"record"`` for a block (its router keeps no statistic), else the readers'."""
         return "record" if self.own is not None else "read"
+
+    @property
+    def routes(self) -> torch.Tensor | None:
+        """The replayed routes of the stack's rows, in row order (the external rows a reader's
+        plain view addresses first), or None when its blocks replay none."""
+        routes = [r.routes for r in self.reads]
+        return None if not routes or any(r is None for r in routes) else torch.cat(routes)
 
     def exchange(self, layer_number: int, key: torch.Tensor,
                  value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,9 +26,13 @@ every micro-batch's dK/dV, the last one's included, which then reads the leaves 
 tensor parallelism each micro-batch's rows, the prefix's included, are padded to the
 tensor-parallel size (sequence parallelism splits them over its ranks; the prefix's pad rows are
 not kept). Sliding windows run as in the group driver. MoE router statistics are each cross
-micro-batch's plain micro-batch's, as in the group driver (at TP=1; under sequence
-parallelism they are refused). The model must run with PP=1 (each refusal raises one error
-naming the setting).
+micro-batch's plain micro-batch's, as in the group driver (under sequence parallelism too,
+where verl's own step differs by counting its pad rows: :func:`check_cross_model`). Routing
+replay (verl's ``router_replay``): the group was cut on tokens and routes at the split
+(:mod:`.cross_groups`), the prefix replays its rows' routes and every micro-batch its tails'
+(:func:`replayed_routes`, checked against the micro-batch's own); ``R2``'s recording forward
+takes the ordinary split. The model must run with PP=1 (each refusal raises one error naming
+the setting).
 """
 
 from __future__ import annotations
@@ -100,9 +104,6 @@ def cross_forward(
 ) -> dict[str, torch.Tensor]:
     """verl's ``gptmodel_forward_model_engine`` for the micro-batch ``part`` of a cross group
     (see the module doc); arguments as :func:`.mcore.shared_forward` takes them."""
-    if replay_routes is not None:
-        raise refuse("verl.cross_micro_batch.router_replay", "routes came with the micro-batch",
-                     error=PrefixSharingSetupError)
     from ..logprobs import token_log_probs
     from ..megatron_ext import check_sharing_model
     from ..megatron_ext.logprobs import vocab_shard
@@ -126,7 +127,9 @@ def cross_forward(
                      f"{state.temperature} and {temperature}", error=PrefixSharingSetupError)
     state.prefix_kv.mode = "read_last" if part.last else "read"
     plan, tail_plan = suffix.plan.to(device), suffix.tail_plan.to(device)
-    params = PlanPackedSeqParams.from_plan(plan, sharing.backend, prefix_kv=state.prefix_kv)
+    params = PlanPackedSeqParams.from_plan(
+        plan, sharing.backend, prefix_kv=state.prefix_kv,
+        routes=replayed_routes(model, part, tail_plan, replay_routes, device))
     logits = model(input_ids=plan.input_ids[None], attention_mask=None,
                    position_ids=plan.position_ids[None], packed_seq_params=params)[0]
     stats = token_log_probs(logits, tail_plan, temperature=temperature,
@@ -147,6 +150,29 @@ def cross_forward(
             for key, (rows, own) in result.items()}
 
 
+def replayed_routes(model, part: CrossPart, tail_plan, replay_routes: list | None,
+                    device: torch.device) -> torch.Tensor | None:
+    """The routes the micro-batch ``part``'s flat rows replay (verl's ``router_replay``):
+    its tails' as the group was planned with them (:func:`.routing_replay.split_routes`),
+    after checking they are the micro-batch's own; None without replay."""
+    from megatron.core.utils import unwrap_model
+
+    from ..megatron_ext.routing_replay import flat_routes
+    from .routing_replay import check_padded_statistics
+
+    schedule = part.group.schedule
+    tails = schedule.suffixes[part.index].routes
+    if replay_routes is None and tails is None:
+        return None
+    if replay_routes is None or tails is None or not all(
+            torch.equal(r[schedule.prefix_len:].cpu(), t)
+            for r, t in zip(replay_routes, tails, strict=True)):
+        raise ValueError(f"micro-batch {part.index} of a cross-micro-batch group replays routes "
+                         "other than those its group was planned with")
+    check_padded_statistics(unwrap_model(model))
+    return flat_routes(tail_plan, tails, device)
+
+
 def check_cross_engine_setup(engine_config: Any) -> None:
     """At engine construction: the parallel settings of verl's Megatron engine config under
     which a group cannot run across micro-batches (:func:`check_cross_model` checks the model
@@ -162,32 +188,18 @@ def check_cross_engine_setup(engine_config: Any) -> None:
     cp = getattr(engine_config, "context_parallel_size", 1) or 1
     if cp > 1:
         found.append(Refused("verl.cross_micro_batch.layout", f"context_parallel_size={cp}"))
-    replay = getattr(getattr(engine_config, "router_replay", None), "mode", "disabled")
-    if replay not in (None, "disabled"):
-        found.append(Refused("verl.cross_micro_batch.router_replay",
-                             f"router_replay.mode={replay!r}"))
     if found:
         raise refuse_all(found, error=PrefixSharingSetupError)
 
 
 def check_cross_model(model) -> None:
-    """The group driver's refusals (PP), plus MoE routers with batch statistics under
-    sequence parallelism: at TP=1 they equal verl's stock step forced onto the same split
-    (tested); under sequence parallelism that comparison does not hold yet (the group driver's
-    own does, against megatron's stock step)."""
-    from megatron.core.utils import get_attr_wrapped_model
-
+    """The group driver's refusals (PP). MoE router statistics run under sequence parallelism
+    too: sharing keeps them over the samples' tokens, verl's stock step over its packed rows,
+    its pad rows (each sample padded to a multiple of TP) included - equal where no sample is
+    padded (``tests/verl_ext/test_cross_moe_sequence_parallel.py``), as in one micro-batch."""
     from ..megatron_ext.cross_micro_batch import check_group_model
-    from ..megatron_ext.moe import PrefixSharingRouter
 
     check_group_model(model)
-    config = get_attr_wrapped_model(model, "config")
-    keeping = [name for name, module in model.named_modules()
-               if isinstance(module, PrefixSharingRouter) and module.keeps_statistics()]
-    if config.num_moe_experts and keeping and config.sequence_parallel:
-        raise refuse("verl.cross_micro_batch.router_statistics",
-                     f"num_moe_experts={config.num_moe_experts} with sequence_parallel=True; "
-                     f"{keeping[0]}", error=PrefixSharingSetupError)
 
 
 def _run_prefix(model, part: CrossPart, sharing: PrefixSharingConfig, temperature: float,
@@ -198,8 +210,11 @@ def _run_prefix(model, part: CrossPart, sharing: PrefixSharingConfig, temperatur
 
     schedule = part.group.schedule
     # its block is planned padded as the group's other micro-batches are (microbatch.py):
-    # its pad rows are not kept
-    prefix_kv = PrefixKV(rows=schedule.prefix_len)
+    # its pad rows are not kept; it replays its rows' routes (PrefixPass), as do the readers'
+    # plain views for the router statistics (PrefixKV.routes)
+    routes = schedule.blocks[0].routes
+    prefix_kv = PrefixKV(rows=schedule.prefix_len,
+                         routes=None if routes is None else routes.to(device))
     prefix = PrefixPass(schedule, prefix_kv, sharing.backend, temperature, device)
     log_probs, entropy, _ = prefix.stats(model, with_entropy)
     shape = (len(schedule.seq_lens), schedule.prefix_len)

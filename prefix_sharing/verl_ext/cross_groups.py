@@ -27,7 +27,7 @@ import torch
 from ..batching import sharing_groups
 from ..config import PrefixSharingConfig
 from ..cross_micro_batch import GroupSchedule, common_prefix_len, plan_group
-from ..planner import TokenSequence, build_plan
+from ..planner import TokenSequence, build_plan, token_identity
 
 __all__ = ["CrossGroup", "CrossPart", "plan_cross_groups"]
 
@@ -96,6 +96,7 @@ def plan_cross_groups(
     config: PrefixSharingConfig,
     uids: Sequence[Hashable] | None = None,
     pad_to_multiple_of: int = 1,
+    routes: Sequence[TokenSequence] | None = None,
 ) -> tuple[list[CrossGroup], list[int]]:
     """The groups of the batch that run across micro-batches, and the other samples' indices.
 
@@ -103,14 +104,17 @@ def plan_cross_groups(
     returned as ordinary). Groups are :func:`~prefix_sharing.batching.sharing_groups` (by
     ``uids`` when given). ``pad_to_multiple_of``: each micro-batch's rows are padded to it
     (the tensor-parallel size: sequence parallelism splits them over its ranks; the prefix
-    micro-batch is padded the same way where it runs).
+    micro-batch is padded the same way where it runs). ``routes``: the samples' recorded MoE
+    routes to replay (verl's ``router_replay``), part of a token's identity: a group's prefix
+    ends where its samples' routes diverge, and each of its micro-batches replays its rows'.
     """
     if not config.cross_micro_batch:
         return [], list(range(len(sequences)))
     cross, rest = [], []
     for members in sharing_groups(sequences, config, uids):
         schedule = _schedule([sequences[i] for i in members], token_budget, config,
-                             pad_to_multiple_of)
+                             pad_to_multiple_of,
+                             None if routes is None else [routes[i] for i in members])
         if schedule is None:
             rest += members
         else:
@@ -119,17 +123,19 @@ def plan_cross_groups(
 
 
 def _schedule(sequences: list[TokenSequence], token_budget: int,
-              config: PrefixSharingConfig, pad_to_multiple_of: int = 1) -> GroupSchedule | None:
+              config: PrefixSharingConfig, pad_to_multiple_of: int = 1,
+              routes: list[TokenSequence] | None = None) -> GroupSchedule | None:
     """The group's schedule under ``token_budget`` (prefix included), or ``None`` when it fits
     one micro-batch or is left to the ordinary split (see the module doc)."""
-    if len(sequences) < 2 or build_plan(sequences, config).num_tokens_unique <= token_budget:
+    if len(sequences) < 2 or build_plan(sequences, config,
+                                        routes=routes).num_tokens_unique <= token_budget:
         return None
     seqs = [torch.as_tensor(s, dtype=torch.int64).reshape(-1).cpu() for s in sequences]
-    prefix_len = common_prefix_len(seqs)
+    prefix_len = common_prefix_len(seqs if routes is None else token_identity(seqs, routes))
     if prefix_len < config.min_prefix_len or 2 * prefix_len > token_budget:
         return None
     try:
         return plan_group(seqs, token_budget - prefix_len, config, one_level=True,
-                          pad_to_multiple_of=pad_to_multiple_of)
+                          pad_to_multiple_of=pad_to_multiple_of, routes=routes)
     except ValueError:  # a tail longer than the budget left beside the prefix
         return None

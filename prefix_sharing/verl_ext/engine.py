@@ -21,6 +21,7 @@ from .config import sharing_config
 from .cross_forward import check_cross_engine_setup
 from .mcore import PrefixSharingSetupError, SharingMetrics, check_engine_setup
 from .microbatch import add_split_metrics, sharing_split
+from .routing_replay import replay_mode
 from .self_check import FirstStepSelfCheck, self_check_problems
 
 __all__ = ["SharingEngineMixin", "install_engine", "replace_registered_engine",
@@ -74,7 +75,9 @@ class SharingEngineMixin:
         if not self.prefix_sharing.enabled:
             return super().forward_backward_batch(data, loss_function, forward_only)
         self._sharing_metrics = SharingMetrics()
-        with sharing_split(self.prefix_sharing) as split:  # dynamic bsz keeps groups together
+        # dynamic bsz keeps groups together (across micro-batches cut on tokens and routes)
+        with sharing_split(self.prefix_sharing,
+                           replay_mode(getattr(self, "engine_config", None))) as split:
             output = super().forward_backward_batch(data, loss_function, forward_only)
         if output:  # empty on a Megatron engine's inner pipeline stages
             output.setdefault("metrics", {}).update(self._sharing_metrics.as_verl_metrics())

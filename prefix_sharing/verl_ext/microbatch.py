@@ -40,6 +40,7 @@ from ..batching import MicroBatchSplit, split_micro_batches
 from ..config import PrefixSharingConfig
 from .cross_groups import CrossPart, plan_cross_groups
 from .mcore import prompt_lengths
+from .routing_replay import split_routes
 
 __all__ = ["SplitRecord", "sharing_split", "active_split", "rearrange_micro_batches",
            "patch_prepare_micro_batches", "add_split_metrics", "METRIC_PREFIX", "PART_KEY"]
@@ -57,6 +58,7 @@ class SplitRecord:
     config: PrefixSharingConfig
     split: MicroBatchSplit | None = None
     parts: list[CrossPart] = dataclasses.field(default_factory=list)
+    replay_mode: str = "disabled"  # verl's router_replay.mode: cross groups plan with routes
 
     def metrics(self) -> dict[str, float]:
         if self.split is None:
@@ -83,13 +85,16 @@ _ACTIVE: contextvars.ContextVar[SplitRecord | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def sharing_split(config: PrefixSharingConfig) -> Iterator[SplitRecord]:
+def sharing_split(config: PrefixSharingConfig,
+                  replay_mode: str = "disabled") -> Iterator[SplitRecord]:
     """Within this block, verl's dynamic-bsz split keeps ``config``'s sharing groups together.
 
     An engine wraps its ``forward_backward_batch`` in it; the yielded record holds the split
     afterwards (for :func:`add_split_metrics`). With ``mode="off"`` verl's split runs as is.
+    ``replay_mode``: verl's ``router_replay.mode`` (groups across micro-batches are cut on
+    tokens and routes: :func:`.routing_replay.split_routes`).
     """
-    record = SplitRecord(config)
+    record = SplitRecord(config, replay_mode=replay_mode)
     token = _ACTIVE.set(record if config.enabled else None)
     try:
         yield record
@@ -141,8 +146,10 @@ def rearrange_micro_batches(
     from verl.utils import tensordict_utils as tu
 
     sequences, uids, prompt_lens = _samples(batch, record.config, tu)
+    routes, may_cross = split_routes(batch, record.replay_mode)
     cross, rest = plan_cross_groups(sequences, max_token_len, record.config, uids,
-                                    _tensor_parallel_size())
+                                    _tensor_parallel_size(), routes=routes) if may_cross else (
+                                        [], list(range(len(sequences))))
     parts = [part for group in cross for part in group.parts()]
     result = _split_ordinary(sequences, rest, max_token_len, record.config, uids, prompt_lens,
                              max(1, (min_num_micro_batch or 1) - len(parts)))

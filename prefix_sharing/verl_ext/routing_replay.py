@@ -41,8 +41,13 @@ from ..errors import InputError, PrefixSharingSetupError
 from ..refusals import Refused, refuse
 
 
-__all__ = ["replay_mode_problems", "micro_batch_routes", "router_action",
-           "check_padded_statistics", "RouteRecorder"]
+__all__ = ["replay_mode", "replay_mode_problems", "micro_batch_routes", "split_routes",
+           "router_action", "check_padded_statistics", "RouteRecorder"]
+
+
+def replay_mode(engine_config: Any) -> str:
+    """verl's ``router_replay.mode`` of an engine config (``"disabled"`` where it has none)."""
+    return getattr(getattr(engine_config, "router_replay", None), "mode", "disabled") or "disabled"
 
 
 def replay_mode_problems(engine_config: Any) -> list[Refused]:
@@ -117,6 +122,15 @@ def micro_batch_routes(batch: Any, mode: str) -> list[torch.Tensor] | None:
             part = part.masked_fill(native[i].to(part.device)[:, None, None], -1)
         routes.append(part.cpu())
     return routes
+
+
+def split_routes(batch: Any, mode: str) -> tuple[list[torch.Tensor] | None, bool]:
+    """What a split of ``batch`` (a whole step's) plans groups across micro-batches with: its
+    samples' routes (:func:`micro_batch_routes`; None without replay), and whether any group
+    may cross micro-batches - not in ``R2``'s recording forward, whose routers record the rows
+    they route per micro-batch (there the ordinary split runs)."""
+    routes = micro_batch_routes(batch, mode)
+    return routes, not (mode == "R2" and routes is None)
 
 
 def _native_rows(input_ids: torch.Tensor, batch: Any) -> list[torch.Tensor] | None:

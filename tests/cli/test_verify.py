@@ -241,6 +241,20 @@ def test_routing_replay_with_a_route_diverging_inside_a_shared_prefix(capsys):
     assert report["vs_plain_within_fp32_rtol"] and report["tokens_unique"] < report["tokens_total"]
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_routing_replay_across_micro_batches(capsys, tp):
+    """A route changed inside a prompt: that group's schedule cuts its common prefix there;
+    each prefix of tokens and routes computed once, judged against the stock replay (at
+    --tp 2 with sequence parallelism, each rank replaying its slices)."""
+    code, out, _ = verify(capsys, "--model", "tiny-moe", "--workload", "grpo", "--routing-replay",
+                          "--token-budget", 30, "--tp", tp, "--json")
+    report = json.loads(out)
+    assert code == 0 and report["passed"] and report["vs_plain_within_fp32_rtol"], report
+    _, position = report["route_diverged_at"]
+    assert position in report["prefix_lens"] and report["route_divergent_prefix_tokens"] > 0
+    assert report["tokens_computed"] == report["tokens_unique"] < report["tokens_total"]
+
+
 def test_routing_replay_needs_an_moe_preset(capsys):
     code, out, err = verify(capsys, "--routing-replay")
     assert code != 0 and out == ""

@@ -44,17 +44,20 @@ def _group() -> list[torch.Tensor]:
     return make_workload("agent", vocab_size=PRESET.vocab_size, **GROUP).sequences
 
 
-def _split_runs(build, seqs, cross) -> tuple:
+def _split_runs(build, seqs, cross, routes=None) -> tuple:
     """The plain fp32 and float64 runs of the cross run's plain micro-batches (its
-    ``plain_split``), each a fresh model from ``build(layout, **overrides)``."""
+    ``plain_split``), each a fresh model from ``build(layout, **overrides)``; ``routes``
+    (per sequence) replayed by its samples in every plain micro-batch."""
     from prefix_sharing.engines.megatron import forward_backward
 
     batches = [[seqs[i] for i in members] for members in cross.plain_split]
+    split_routes = None if routes is None else [[routes[i] for i in members]
+                                                for members in cross.plain_split]
     runs = []
     for dtype in (torch.float32, torch.float64):
         model = build("padded", dtype=dtype)
         reset_router_statistics(model) if model.config.num_moe_experts else None
-        run = forward_backward(model, batches, "padded")
+        run = forward_backward(model, batches, "padded", routes=split_routes)
         runs.append((run, router_statistics(model) if model.config.num_moe_experts else {}))
     return runs
 
@@ -263,14 +266,7 @@ def test_moe_equals_the_plain_micro_batches_statistics_included(moe_report, vari
     the prefix copies too), and every router statistic of the plain micro-batches; also with
     the prefix recomputed (its router logits recorded without grad, then again with it)."""
     run = moe_report[variant, mode]
-    verdict = within_tolerance(run["vs_reference"], run["plain"], torch.float32)
-    assert set(verdict) == set(QUANTITIES) and all(verdict.values()), (
-        run["vs_reference"].max_rel_diff)
-    for q, d in run["vs_plain"].max_rel_diff.items():
-        assert d <= FP32_RTOL, f"{q}: {d} from the plain fp32 run"
-    worst = {k: d for k, d in run["statistics"].items() if d > FP32_RTOL}
-    assert not worst, worst
-    assert set(run["statistics"]) == set(run["statistic_names"])
+    assert_equals_the_split_statistics_included(run)
     expected = {"no_statistics": set(), "losses": _LOSSES,
                 "expert_bias": _LOSSES | {"layer0.tokens_per_expert",
                                           "layer0.expert_bias_update"}}[variant]
@@ -287,6 +283,19 @@ def test_moe_equals_the_plain_micro_batches_statistics_included(moe_report, vari
     router_bytes = 0 if variant == "no_statistics" else 2 * run["routers"] * prefix_len * 8 * 4
     assert figures["held_bytes"] == (2 * 2 * MOE.num_layers * prefix_len
                                      * MOE.num_query_groups * head_dim * 4) + router_bytes
+
+
+def assert_equals_the_split_statistics_included(run: dict) -> None:
+    """The float64 verdict and 1e-5 of the plain fp32 run on every quantity, and every router
+    statistic of the plain micro-batches within 1e-5 (a ``_moe_job``-style report)."""
+    verdict = within_tolerance(run["vs_reference"], run["plain"], torch.float32)
+    assert set(verdict) == set(QUANTITIES) and all(verdict.values()), (
+        run["vs_reference"].max_rel_diff)
+    for q, d in run["vs_plain"].max_rel_diff.items():
+        assert d <= FP32_RTOL, f"{q}: {d} from the plain fp32 run"
+    worst = {k: d for k, d in run["statistics"].items() if d > FP32_RTOL}
+    assert not worst, worst
+    assert set(run["statistics"]) == set(run["statistic_names"])
 
 
 _LOSSES = {"tracker.load_balancing_loss", "tracker.seq_load_balancing_loss",

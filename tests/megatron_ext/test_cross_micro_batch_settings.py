@@ -89,7 +89,9 @@ def _one_rank_job(rank: int) -> dict:
     runs = [(name, False, None, BUDGET) for name in RECOMPUTE] + [
         ("full_uniform", True, None, BUDGET),
         ("full_uniform", False, _replay_records_again, BUDGET),
-        ("full_uniform", False, None, CHUNKED)]
+        ("full_uniform", False, None, CHUNKED),
+        ("selective", False, None, CHUNKED),
+        ("selective", False, _replay_records_again, CHUNKED)]
     for name, recompute_prefix, control, budget in runs:
         def build(layout: str, settings=RECOMPUTE[name], **overrides) -> torch.nn.Module:
             return tiny_gpt(layout, **settings, **overrides)
@@ -97,7 +99,7 @@ def _one_rank_job(rank: int) -> dict:
         with control() if control else contextlib.nullcontext():
             cross = forward_backward_cross(build("shared"), seqs, budget, CONFIG,
                                            recompute_prefix=recompute_prefix)
-        key = "control" if control else (name, recompute_prefix, budget)
+        key = ("control", name, budget) if control else (name, recompute_prefix, budget)
         report[key] = _compared(cross, build, seqs)
     return report
 
@@ -128,17 +130,20 @@ def test_activation_recompute_equals_the_stock_step_with_the_same_setting(
         prefix_len if recompute_prefix else 0)
 
 
-def test_full_recompute_on_a_nested_schedule_equals_the_stock_step(recompute_report):
+@pytest.mark.parametrize("name", ["full_uniform", "selective"])
+def test_recompute_on_a_nested_schedule_equals_the_stock_step(recompute_report, name):
     """The 113-token prefix under a budget of 60: in chunks, each read by the next, then
-    sub-trees with blocks of their own - every block's replay injects its readers' dK/dV."""
-    run = recompute_report["full_uniform", False, CHUNKED]
+    sub-trees with blocks of their own - every block's replay (of its layers, or of its core
+    attention) injects its readers' dK/dV."""
+    run = recompute_report[name, False, CHUNKED]
     _passes(run)
     assert max(run["figures"]["prefix_lens"]) > CHUNKED
     assert run["figures"]["tokens_computed"] == run["figures"]["tokens_unique"]
 
 
-def test_a_replay_that_records_again_fails_the_verdict(recompute_report):
-    run = recompute_report["control"]
+@pytest.mark.parametrize("name, budget", [("full_uniform", BUDGET), ("selective", CHUNKED)])
+def test_a_replay_that_records_again_fails_the_verdict(recompute_report, name, budget):
+    run = recompute_report["control", name, budget]
     verdict = within_tolerance(run["vs_reference"], run["plain"], torch.float32)
     assert not verdict["grads"]
     assert verdict["log_probs"] and verdict["loss"]  # the forward is untouched

@@ -218,28 +218,6 @@ def test_tensor_and_sequence_parallel_equal_verls_stock_step(sequence_parallel_r
         same_outputs(cross, rank[setting, "off"], f"tp2 {setting}", per_micro_batch=False)
 
 
-def test_moe_router_statistics_under_sequence_parallelism_are_refused_by_name():
-    from types import SimpleNamespace
-
-    from unittest import mock
-
-    from prefix_sharing.errors import UnsupportedSetup
-    from prefix_sharing.megatron_ext.moe import PrefixSharingRouter
-    from prefix_sharing.verl_ext.cross_forward import check_cross_model
-
-    config = dict(sequence_parallel=True, pipeline_model_parallel_size=1, num_moe_experts=4)
-    router = mock.Mock(spec=PrefixSharingRouter)  # one that keeps aux-loss statistics
-    model = SimpleNamespace(config=SimpleNamespace(**config),
-                            named_modules=lambda: iter([("layers.0.mlp.router", router)]))
-    with pytest.raises(UnsupportedSetup, match="num_moe_experts=4 with sequence_parallel=True"):
-        check_cross_model(model)
-    model.config.sequence_parallel = False  # at TP=1 they run (tested above)
-    check_cross_model(model)
-    model.config.sequence_parallel = True
-    router.keeps_statistics.return_value = False  # per-token routing runs under SP too
-    check_cross_model(model)
-
-
 @pytest.mark.parametrize("settings, named", [
     (dict(pipeline_model_parallel_size=2), "pipeline_model_parallel_size=2"),
     (dict(virtual_pipeline_model_parallel_size=2), "virtual_pipeline_model_parallel_size=2")])
@@ -265,6 +243,25 @@ def test_a_group_left_to_the_ordinary_split_is_cut_beside_a_cross_group(results)
 
 
 
+def same_split(planned):
+    """``(recorded, replayed)``: verl's split ``planned`` that records its index lists, and a
+    split that replays them in order (verl's stock step forced onto a cross run's split)."""
+    from verl.utils import tensordict_utils as tu
+
+    splits: list[list[list[int]]] = []
+
+    def recorded(*args, **kwargs):
+        micro_batches, index_lists = planned(*args, **kwargs)
+        splits.append(index_lists)
+        return micro_batches, index_lists
+
+    def replayed(batch, *args, **kwargs):
+        index_lists = splits.pop(0)
+        return [tu.index_select_tensor_dict(batch, idx) for idx in index_lists], index_lists
+
+    return recorded, replayed
+
+
 def moe_steps(rank: int, settings: dict) -> dict:
     """The tiny MoE preset with its router losses (aux, seq-aux, global-aux, z-loss): the
     cross-micro-batch step at a budget of 80, then verl's stock step forced onto the split the
@@ -277,7 +274,6 @@ def moe_steps(rank: int, settings: dict) -> dict:
     from megatron.core.transformer.moe.router import TopKRouter
 
     from prefix_sharing.megatron_ext.moe import PrefixSharingRouter
-    from verl.utils import tensordict_utils as tu
     from verl.workers.utils.losses import ppo_loss
 
     from prefix_sharing.engines.megatron import finalize_sequence_parallel_grads
@@ -285,17 +281,8 @@ def moe_steps(rank: int, settings: dict) -> dict:
 
     use_cpu_platform()
     preset = sharp(PRESETS["tiny-moe"])
-    splits: list[list[list[int]]] = []
     planned = engine_utils.rearrange_micro_batches
-
-    def recorded(*args, **kwargs):
-        micro_batches, index_lists = planned(*args, **kwargs)
-        splits.append(index_lists)
-        return micro_batches, index_lists
-
-    def replayed(batch, *args, **kwargs):
-        index_lists = splits.pop(0)
-        return [tu.index_select_tensor_dict(batch, idx) for idx in index_lists], index_lists
+    recorded, replayed = same_split(planned)
 
     def computed_rows(self, logits, padding_mask):
         return TopKRouter.routing(self, logits, padding_mask=padding_mask)
@@ -322,7 +309,7 @@ def moe_steps(rank: int, settings: dict) -> dict:
 
 
 MOE_LAYOUTS = {  # name: (tensor-parallel size, model settings); under sequence parallelism
-    # (TP=2) refused: verl.cross_micro_batch.router_statistics
+    # (TP=2): test_cross_moe_sequence_parallel.py
     "tp1": (1, {}),
     "tp1_recompute": (1, RECOMPUTE["full"]),
 }

@@ -1,0 +1,135 @@
+"""verl's ``router_replay`` with groups across micro-batches (``prefix_grouper.cross_micro_batch``)
+in verl's real Megatron engine: each group cut on tokens and routes, every micro-batch replaying
+its rows' routes, equal to verl's stock replay on the same split.
+
+The tiny MoE preset with its aux loss and z-loss (each micro-batch's statistics are its own, so
+the reference is verl's stock step forced onto the split the cross step used, as in
+``test_cross_forward``'s MoE test) on the agent batch of ``test_cross_forward`` (2 tasks, 34-
+and 36-token prefixes) at a budget of 80. ``R3``: the batch's routes (per token, as a
+batch-invariant rollout records them), agreeing and with one route changed at token 18 of the
+second group's 36-token prefix (that group's prefix then ends there): old log-probs, entropy
+(``infer_batch``), verl's loss per micro-batch and every gradient (``forward_backward_batch``).
+``R2``: the
+recording ``infer_batch`` runs the ordinary split (its routers record per micro-batch), its
+routes (equal to verl's own recording) replayed by the update across micro-batches. Control: the
+group cut on its tokens alone fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from functools import partial
+from unittest import mock
+
+import pytest
+
+from tests.verl_ext._requires import require_verl
+
+require_verl("0.9.1")
+
+from prefix_sharing.engines.launch import run_distributed  # noqa: E402
+from tests.verl_ext._compare import same_outputs  # noqa: E402
+from tests.verl_ext.test_routing_replay import MOE  # noqa: E402
+
+BUDGET = 80
+CASES = (("R3", "agree"), ("R3", "diverge"), ("R2", None), ("R3", "tokens_only"))
+
+
+def _routes(batch, preset):
+    """The batch's routes as recorded, and with one route changed inside the longest shared
+    prefix (the second group's), and where."""
+    from prefix_sharing import PrefixSharingConfig
+    from prefix_sharing.routes import diverge_inside_shared_prefix, recorded_routes
+
+    sequences = list(batch(BUDGET)["input_ids"].unbind())
+    agree = recorded_routes(sequences, preset.num_layers, preset.moe_router_topk,
+                            preset.num_experts)
+    diverged, where = diverge_inside_shared_prefix(sequences, agree, preset.num_experts,
+                                                   PrefixSharingConfig(min_prefix_len=1))
+    return {"agree": agree, "diverge": diverged, "tokens_only": diverged}, where
+
+
+def _with_routes(batch, routes):
+    import torch
+    from verl.utils import tensordict_utils as tu
+
+    data = batch(BUDGET)
+    if routes is not None:
+        data["routed_experts"] = torch.nested.as_nested_tensor(routes, layout=torch.jagged)
+    tu.assign_non_tensor(data, enable_routing_replay=True)
+    return data
+
+
+def steps(rank: int) -> dict:
+    """Per case: the cross step (its splits recorded), then verl's stock step with the same
+    replay mode forced onto those splits."""
+    from tests.verl_ext._batch import plain_output, use_cpu_platform
+
+    use_cpu_platform()  # before verl's router replay module takes its device name
+    from tests.verl_ext.test_cross_forward import CROSS, batch, same_split
+    import verl.workers.engine.utils as engine_utils
+    from verl.workers.utils.losses import ppo_loss
+
+    from prefix_sharing.presets import PRESETS, sharp
+    from tests.verl_ext._engine import actor_config, build_engine
+
+    preset = sharp(PRESETS["tiny-moe"])
+    routes, where = _routes(batch, preset)
+    planned = engine_utils.rearrange_micro_batches
+    results = {"diverged_at": where}
+    for mode, routes_name in CASES:
+        recorded, replayed = same_split(planned)
+        for name, split in (("cross", recorded), ("off", replayed)):
+            config = actor_config(None if name == "off" else CROSS, megatron=dict(
+                router_replay=dict(_target_="verl.workers.config.EngineRouterReplayConfig",
+                                   mode=mode)))
+            engine = build_engine(config, preset=preset,
+                                  spec=dict(num_experts=preset.num_experts,
+                                            normalization="RMSNorm"), **MOE)
+            cut_on_tokens = contextlib.ExitStack()
+            if name == "cross" and routes_name == "tokens_only":
+                for module in ("cross_micro_batch", "verl_ext.cross_groups"):
+                    cut_on_tokens.enter_context(mock.patch(
+                        f"prefix_sharing.{module}.token_identity", lambda seqs, routes: seqs))
+            with mock.patch.object(engine_utils, "rearrange_micro_batches", split), cut_on_tokens:
+                replay = routes.get(routes_name)
+                infer = plain_output(engine.infer_batch(_with_routes(batch, replay)))
+                if mode == "R2":
+                    replay = [r.long() for r in infer["model_output"]["routed_experts"]]
+                train = engine.forward_backward_batch(_with_routes(batch, replay),
+                                                      partial(ppo_loss, config=config))
+            grads = {n: p.grad.clone() for n, p in engine.module[0].named_parameters()}
+            results[mode, routes_name, name] = {"infer": infer, "train": plain_output(train),
+                                                "grads": grads, "replayed": replay}
+    return results
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_distributed(steps, 1, timeout=900)[0]
+
+
+@pytest.mark.parametrize("mode, routes", CASES[:3])
+def test_replay_across_micro_batches_equals_verls_stock_replay_on_the_same_split(
+        results, mode, routes):
+    cross, off = results[mode, routes, "cross"], results[mode, routes, "off"]
+    metrics = cross["train"]["metrics"]
+    assert metrics["prefix_sharing/prefix_recomputes_avoided"][0] >= 2, metrics
+    same_outputs(cross, off, f"{mode} {routes}")
+    if mode == "R2":  # the recording: verl's own, per token
+        for i, (s, p) in enumerate(zip(cross["replayed"], off["replayed"], strict=True)):
+            assert s.equal(p), f"R2 recorded routes of sample {i} differ"
+
+
+def test_a_diverging_route_ends_the_group_prefix_and_tokens_alone_fail(results):
+    """The diverged group still crosses micro-batches, its prefix now ending at the diverged
+    token (more tokens computed than with agreeing routes); cut on tokens alone, one sample
+    replays another's route there."""
+    agree = results["R3", "agree", "cross"]["train"]["metrics"]
+    diverge = results["R3", "diverge", "cross"]["train"]["metrics"]
+    assert diverge["prefix_sharing/groups_split"] == agree["prefix_sharing/groups_split"] == [0.0]
+    assert (diverge["prefix_sharing/tokens_computed"][0]
+            > agree["prefix_sharing/tokens_computed"][0])
+    with pytest.raises(AssertionError, match="relative error"):
+        same_outputs(results["R3", "tokens_only", "cross"], results["R3", "tokens_only", "off"],
+                     "tokens only")
