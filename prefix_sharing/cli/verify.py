@@ -110,10 +110,9 @@ def _check_cross(args: argparse.Namespace, engine: str, model: ModelPreset,
                  sequences: list, groups: list[PromptGroup] | None,
                  config: PrefixSharingConfig) -> None:
     """What ``--token-budget`` cannot run, as one line before any rank starts."""
-    if engine != "megatron" or args.pp != 1 or args.cp != 1:
+    if engine != "megatron" or args.pp != 1:
         raise InputError("--token-budget (cross-micro-batch sharing) runs on the megatron "
-                         f"engine with --pp 1 and --cp 1; got --engine {engine} --pp {args.pp} "
-                         f"--cp {args.cp}")
+                         f"engine with --pp 1; got --engine {engine} --pp {args.pp}")
     members = [list(range(len(sequences)))] if groups is None else [g.members for g in groups]
     for m in members:
         with user_input(ValueError):

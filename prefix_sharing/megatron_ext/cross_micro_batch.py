@@ -58,9 +58,10 @@ import torch
 from megatron.core.utils import get_attr_wrapped_model
 
 from ..cross_micro_batch import GroupSchedule, SharedBlock, SuffixMicroBatch
-from ..logprobs import token_log_probs
 from ..refusals import Refused, refuse_all
 from .checks import UnsupportedSetupError
+from .cross_context_parallel import (context_parallel_size, micro_batch_stats, model_inputs,
+                                     slice_micro_batch, whole_rows)
 from .logprobs import vocab_shard
 from .packed_seq import PlanPackedSeqParams
 from .prefix_kv import PrefixKV, PrefixKVStack
@@ -169,7 +170,7 @@ def forward_backward_group(
         if recompute_prefix:
             losses[i] = passes[i].scored(model, token_loss, out)
         held = max(held, sum(kv.held_bytes() for kv in kvs.values()))
-        kvs.pop(i).backward([losses.pop(i)])
+        kvs.pop(i).backward([losses.pop(i) * context_parallel_size()])  # as a suffix's
         del passes[i]
     computed = schedule.tokens_computed + (
         sum(b.length for b in schedule.blocks) if recompute_prefix else 0)
@@ -182,18 +183,18 @@ def _suffix(model: torch.nn.Module, suffix: SuffixMicroBatch, kvs: dict[int, Pre
             token_loss: TokenLoss, out: _Collector, backend: str, temperature: float,
             device: torch.device) -> None:
     """One suffix micro-batch's forward and backward, reading its stack of blocks."""
+    cp = slice_micro_batch(suffix.plan, suffix.tail_plan, suffix.plan.num_tokens_flat, device)
     plan = suffix.plan.to(device)
     tail_plan = suffix.tail_plan.to(device)
-    params = PlanPackedSeqParams.from_plan(plan, backend,
+    params = PlanPackedSeqParams.from_plan(plan, backend, cp=cp and cp.attention,
                                            prefix_kv=PrefixKVStack([kvs[r] for r in suffix.reads]))
-    logits = model(plan.input_ids[None], plan.position_ids[None], None,
-                   packed_seq_params=params)[0]  # [1, T, V] -> [T, V]
-    stats = token_log_probs(logits, tail_plan, temperature=temperature,
-                            vocab_shard=vocab_shard(logits.size(-1)))
+    logits = model(*model_inputs(plan, cp), None, packed_seq_params=params)[0]  # [T, V]
+    stats = micro_batch_stats(logits, tail_plan, cp, temperature=temperature)
     positions = suffix.token_positions.to(device)
     loss = token_loss(stats.log_probs, stats.entropy, positions)
-    loss.backward()
-    out.add(positions, stats.log_probs, stats.entropy, loss, lambda: tail_plan.restore(logits))
+    (loss * context_parallel_size()).backward()  # as megatron's schedule scales it under CP
+    out.add(positions, stats.log_probs, stats.entropy, loss,
+            lambda: tail_plan.restore(whole_rows(logits, cp)))
 
 
 class PrefixPass:
@@ -206,7 +207,9 @@ class PrefixPass:
                  block: SharedBlock | None = None) -> None:
         block = schedule.blocks[0] if block is None else block
         self.prefix_len = block.length
+        self.cp = slice_micro_batch(block.plan, block.stats_plan, block.length, device)
         self.params = PlanPackedSeqParams.from_plan(block.plan.to(device), backend,
+                                                    cp=self.cp and self.cp.attention,
                                                     prefix_kv=prefix_kv)
         self.stats_plan = block.stats_plan.to(device)
         # the block's rows of every member, without the placeholder position
@@ -216,9 +219,8 @@ class PrefixPass:
         self.temperature = temperature
 
     def forward(self, model: torch.nn.Module) -> torch.Tensor:
-        plan = self.params.plan
-        return model(plan.input_ids[None], plan.position_ids[None], None,
-                     packed_seq_params=self.params)[0]  # [length (+ pad rows), V]
+        return model(*model_inputs(self.params.plan, self.cp), None,
+                     packed_seq_params=self.params)[0]  # [length (+ pad rows) (/ CP), V]
 
     def stats(self, model: torch.nn.Module,
               with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None,
@@ -226,14 +228,22 @@ class PrefixPass:
         """Forward, then every member's log-probs and entropy at the block's positions
         (``(N * length,)`` each, member-major: the block's ``positions``' order), and a
         callable giving those positions' logits."""
-        logits = self.forward(model)[: self.prefix_len]  # the pad rows' logits are not read
-        # one placeholder row per member: the stats plan's last position, discarded
-        rows = torch.cat([logits, logits.new_zeros(self.num_sequences, logits.size(1))])
-        stats = token_log_probs(rows, self.stats_plan, temperature=self.temperature,
-                                with_entropy=with_entropy, vocab_shard=vocab_shard(rows.size(-1)))
+        logits = self.forward(model)
+
+        def with_placeholders(logits: torch.Tensor) -> torch.Tensor:
+            # the pad rows' logits are not read; one placeholder row per member: the stats
+            # plan's last position, discarded
+            logits = logits[: self.prefix_len]
+            return torch.cat([logits, logits.new_zeros(self.num_sequences, logits.size(1))])
+
+        # under CP this rank's rows, its positions those that read its block rows
+        rows = logits if self.cp is not None else with_placeholders(logits)
+        stats = micro_batch_stats(rows, self.stats_plan, self.cp, temperature=self.temperature,
+                                  with_entropy=with_entropy)
         log_probs = stats.log_probs.index_select(0, self.keep)
         entropy = stats.entropy.index_select(0, self.keep) if with_entropy else None
-        return log_probs, entropy, lambda: self.stats_plan.restore(rows).index_select(0, self.keep)
+        return log_probs, entropy, lambda: self.stats_plan.restore(
+            with_placeholders(whole_rows(logits, self.cp))).index_select(0, self.keep)
 
     def scored(self, model: torch.nn.Module, token_loss: TokenLoss,
                out: _Collector) -> torch.Tensor:
@@ -300,5 +310,15 @@ def check_group_model(model: torch.nn.Module) -> None:
     if config.pipeline_model_parallel_size > 1:
         found.append(Refused("megatron.cross_micro_batch.pipeline",
                              f"pipeline_model_parallel_size={config.pipeline_model_parallel_size}"))
+    if config.context_parallel_size > 1:  # built and tested at TP=1, dense, without recompute
+        found += [Refused("megatron.cross_micro_batch.context_parallel",
+                          f"context_parallel_size={config.context_parallel_size} with {setting}")
+                  for setting, on in (
+                      (f"tensor_model_parallel_size={config.tensor_model_parallel_size}",
+                       config.tensor_model_parallel_size > 1),
+                      (f"recompute_granularity={config.recompute_granularity!r}",
+                       config.recompute_granularity is not None),
+                      (f"num_moe_experts={config.num_moe_experts}",
+                       bool(config.num_moe_experts))) if on]
     if found:
         raise refuse_all(found, error=UnsupportedSetupError)

@@ -359,7 +359,7 @@ def test_refuses_what_it_does_not_support_by_name():
     from prefix_sharing.megatron_ext.cross_micro_batch import check_group_model
 
     base = dict(sequence_parallel=False, pipeline_model_parallel_size=1,
-                num_moe_experts=None, window_size=None)
+                num_moe_experts=None, window_size=None, context_parallel_size=1)
 
     def model_with(**config):
         return types.SimpleNamespace(config=types.SimpleNamespace(**{**base, **config}))
