@@ -180,9 +180,12 @@ TABLE: tuple[Refusal, ...] = (
             "('-') and MoE ('E') layers", _MEGATRON),
     # --- megatron-core: groups across micro-batches ---------------------------------------
     Refusal("megatron.cross_micro_batch.context_parallel",
-            "cross-micro-batch sharing under context parallelism",
-            "a group's prefix K/V kept across micro-batches is not split over context-parallel "
-            "ranks; use context_parallel_size=1 or one micro-batch per group", _MEGATRON),
+            "cross-micro-batch sharing under context parallelism with tensor parallelism, "
+            "activation recompute or MoE",
+            "a group runs under context parallelism at TP=1 on dense models without megatron's "
+            "activation recompute (tested at CP=2); the MoE router's statistics across "
+            "micro-batches are not split over context-parallel ranks; use "
+            "context_parallel_size=1 with those, or one micro-batch per group", _MEGATRON),
     Refusal("megatron.cross_micro_batch.pipeline", "cross-micro-batch sharing with pipeline "
             "parallelism", "a group runs at PP=1 only (megatron's 1F1B schedule runs several "
             "forwards before their backwards)", ("megatron-core", "verl-megatron")),
@@ -334,7 +337,8 @@ TABLE: tuple[Refusal, ...] = (
             ("verl-fsdp",)),
     Refusal("verl.cross_micro_batch.layout", "groups across micro-batches with this parallel "
             "layout", "a group runs at PP=1, without virtual stages and at context_parallel_size"
-            "=1 (the group's prefix K/V is not split over context-parallel ranks)",
+            "=1 (context parallelism across micro-batches runs in the group driver, not yet "
+            "in verl's engine)",
             ("verl-megatron",)),
     Refusal("verl.cross_micro_batch.router_replay", "groups across micro-batches with routing "
             "replay", "a group's common prefix is cut on its tokens alone, without the replayed "

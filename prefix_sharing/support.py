@@ -142,7 +142,9 @@ MATRIX: dict[str, dict[str, Cell]] = {
         "megatron-lm": refused("megatron_lm.spec"),
     },
     "across micro-batches": {
-        "megatron-core": works(_MX + "test_cross_micro_batch.py", note="PP=1, CP=1",
+        "megatron-core": works(_MX + "test_cross_micro_batch.py",
+                               _MX + "test_cross_micro_batch_context_parallel.py",
+                               note="PP=1; CP=2 at TP=1, dense",
                                refusals=("megatron.cross_micro_batch.pipeline",
                                          "megatron.cross_micro_batch.context_parallel")),
         "verl-megatron": works(_VX + "test_cross_forward.py", note="PP=1, CP=1",

@@ -45,8 +45,10 @@ Dense and MoE models (router statistics under sequence parallelism too: each ran
 slice of every suffix's plain view, the prefix's logits kept whole). Activation recompute
 (full or selective): a recomputed layer replays its first run's mode
 (:class:`~.prefix_kv.PrefixKVPass`). Sliding windows (a suffix's gather of the prefix rows
-trimmed to the window, as any plan's). Pipeline parallelism is refused by name (context
-parallelism by the core attention).
+trimmed to the window, as any plan's). Context parallelism at TP=1 on dense models without
+activation recompute: each micro-batch split over the CP ranks, a block's K/V recorded
+gathered (:mod:`.cross_context_parallel`). Pipeline parallelism is refused by name, and CP
+with TP, recompute or MoE.
 """
 
 from __future__ import annotations
@@ -110,7 +112,9 @@ def forward_backward_group(
     aux_loss_scale: float = 1.0,
 ) -> GroupRun:
     """Runs one group's micro-batches (see the module doc); parameter gradients accumulate
-    into ``.grad`` (call ``model.zero_grad()`` first when starting a step).
+    into ``.grad`` (call ``model.zero_grad()`` first when starting a step). Under context
+    parallelism each rank's ``.grad`` is CP x its rows' share, as megatron's schedule leaves
+    it: average over the data x context group (megatron's DDP) before the step.
 
     Args:
         model: a whole (single-stage) ``GPTModel`` built with the prefix-sharing layer spec.
