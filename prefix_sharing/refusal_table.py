@@ -336,9 +336,7 @@ TABLE: tuple[Refusal, ...] = (
             "splits a group too large for a micro-batch instead (set cross_micro_batch: false)",
             ("verl-fsdp",)),
     Refusal("verl.cross_micro_batch.layout", "groups across micro-batches with this parallel "
-            "layout", "a group runs at PP=1, without virtual stages and at context_parallel_size"
-            "=1 (context parallelism across micro-batches runs in the group driver, not yet "
-            "in verl's engine)",
+            "layout", "a group runs at PP=1, without virtual stages",
             ("verl-megatron",)),
     Refusal("verl.cross_micro_batch.router_replay", "groups across micro-batches with routing "
             "replay", "a group's common prefix is cut on its tokens alone, without the replayed "

@@ -147,7 +147,7 @@ MATRIX: dict[str, dict[str, Cell]] = {
                                note="PP=1; CP=2 at TP=1, dense",
                                refusals=("megatron.cross_micro_batch.pipeline",
                                          "megatron.cross_micro_batch.context_parallel")),
-        "verl-megatron": works(_VX + "test_cross_forward.py", note="PP=1, CP=1",
+        "verl-megatron": works(_VX + "test_cross_forward.py", note="PP=1; CP=2 at TP=1, dense",
                                refusals=("verl.cross_micro_batch.layout",
                                          "verl.cross_micro_batch.router_statistics")),
         "verl-fsdp": refused("verl.cross_micro_batch.engine"),

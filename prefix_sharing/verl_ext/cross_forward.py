@@ -25,7 +25,11 @@ own ``record`` mode (:class:`~prefix_sharing.megatron_ext.prefix_kv.PrefixKVPass
 every micro-batch's dK/dV, the last one's included, which then reads the leaves too. Under
 tensor parallelism each micro-batch's rows, the prefix's included, are padded to the
 tensor-parallel size (sequence parallelism splits them over its ranks; the prefix's pad rows are
-not kept). Sliding windows run as in the group driver. MoE router statistics are each cross
+not kept). Under context parallelism (TP=1, dense, without recompute, as in the group
+driver) each micro-batch, the prefix's included, is split over the CP ranks and padded to
+their count, the prefix's K/V recorded gathered (:mod:`~prefix_sharing.megatron_ext.
+cross_context_parallel`); every rank returns every sample whole, as the shared forward does
+under CP. Sliding windows run as in the group driver. MoE router statistics are each cross
 micro-batch's plain micro-batch's, as in the group driver (at TP=1; under sequence
 parallelism they are refused). The model must run with PP=1 (each refusal raises one error
 naming the setting).
@@ -103,9 +107,9 @@ def cross_forward(
     if replay_routes is not None:
         raise refuse("verl.cross_micro_batch.router_replay", "routes came with the micro-batch",
                      error=PrefixSharingSetupError)
-    from ..logprobs import token_log_probs
     from ..megatron_ext import check_sharing_model
-    from ..megatron_ext.logprobs import vocab_shard
+    from ..megatron_ext.cross_context_parallel import (micro_batch_stats, model_inputs,
+                                                       slice_micro_batch)
     from ..megatron_ext.packed_seq import PlanPackedSeqParams
 
     check_text_only(value_model, vision_model, multi_modal_inputs)
@@ -125,13 +129,15 @@ def cross_forward(
         raise refuse("verl.temperatures", f"a cross-micro-batch group with temperatures "
                      f"{state.temperature} and {temperature}", error=PrefixSharingSetupError)
     state.prefix_kv.mode = "read_last" if part.last else "read"
+    cp = slice_micro_batch(suffix.plan, suffix.tail_plan, suffix.plan.num_tokens_flat, device)
     plan, tail_plan = suffix.plan.to(device), suffix.tail_plan.to(device)
-    params = PlanPackedSeqParams.from_plan(plan, sharing.backend, prefix_kv=state.prefix_kv)
-    logits = model(input_ids=plan.input_ids[None], attention_mask=None,
-                   position_ids=plan.position_ids[None], packed_seq_params=params)[0]
-    stats = token_log_probs(logits, tail_plan, temperature=temperature,
-                            with_entropy=calculate_entropy,
-                            vocab_shard=vocab_shard(logits.size(-1)))
+    params = PlanPackedSeqParams.from_plan(plan, sharing.backend, cp=cp and cp.attention,
+                                           prefix_kv=state.prefix_kv)
+    input_ids, position_ids = model_inputs(plan, cp)  # under CP this rank's rows
+    logits = model(input_ids=input_ids, attention_mask=None, position_ids=position_ids,
+                   packed_seq_params=params)[0]
+    stats = micro_batch_stats(logits, tail_plan, cp, temperature=temperature,
+                              with_entropy=calculate_entropy)
     prefix = state.prefix_stats(list(suffix.members), part.last)
     if part.last:
         part.group.held_bytes = state.prefix_kv.held_bytes()
@@ -159,9 +165,6 @@ def check_cross_engine_setup(engine_config: Any) -> None:
     if vpp is not None and vpp > 1:
         found.append(Refused("verl.cross_micro_batch.layout",
                              f"virtual_pipeline_model_parallel_size={vpp}"))
-    cp = getattr(engine_config, "context_parallel_size", 1) or 1
-    if cp > 1:
-        found.append(Refused("verl.cross_micro_batch.layout", f"context_parallel_size={cp}"))
     replay = getattr(getattr(engine_config, "router_replay", None), "mode", "disabled")
     if replay not in (None, "disabled"):
         found.append(Refused("verl.cross_micro_batch.router_replay",

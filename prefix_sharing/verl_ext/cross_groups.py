@@ -102,8 +102,9 @@ def plan_cross_groups(
     Nothing crosses micro-batches unless ``config.cross_micro_batch`` (then every index is
     returned as ordinary). Groups are :func:`~prefix_sharing.batching.sharing_groups` (by
     ``uids`` when given). ``pad_to_multiple_of``: each micro-batch's rows are padded to it
-    (the tensor-parallel size: sequence parallelism splits them over its ranks; the prefix
-    micro-batch is padded the same way where it runs).
+    (the tensor- times context-parallel size: CP splits them over its ranks, sequence
+    parallelism each slice over TP; the prefix micro-batch is padded the same way where it
+    runs).
     """
     if not config.cross_micro_batch:
         return [], list(range(len(sequences)))
