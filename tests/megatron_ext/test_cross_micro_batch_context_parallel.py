@@ -8,7 +8,8 @@ their own). The reference is megatron's stock step on the same split at CP=1 (it
 cannot split a sequence), judged as ``verify`` judges: the float64 verdict and within 1e-5 of
 the plain fp32 run, on both ranks - logits, log-probs, entropy, loss, every gradient.
 
-The control: the blocks' backward returns to the rows' owner only the dK/dV of the readers on
+With sliding windows and learned sinks (the tiny-window preset) too, under the 150-token
+budget. The control: the blocks' backward returns to the rows' owner only the dK/dV of the readers on
 the same rank (the reduce-scatter's exchange of the other rank's readers' gradients dropped).
 """
 
@@ -22,11 +23,16 @@ import torch
 
 from prefix_sharing.equivalence import FP32_RTOL, QUANTITIES, within_tolerance
 
-from ._distributed import PRESET, run_distributed, tiny_gpt
+from ._distributed import PRESET, run_distributed
 from .test_cross_micro_batch import BUDGET, CONFIG, _group, _split_runs
-from .test_cross_micro_batch_settings import CHUNKED
+from .test_cross_micro_batch_settings import CHUNKED, WINDOWED
 
-CASES = {"one_level": (BUDGET, False), "recomputed": (BUDGET, True), "chunked": (CHUNKED, False)}
+CASES = {  # name: budget, recompute_prefix, preset
+    "one_level": (BUDGET, False, PRESET), "recomputed": (BUDGET, True, PRESET),
+    "chunked": (CHUNKED, False, PRESET),
+    # 16-key windows on layers 1 and 3 of 4, learned sinks, against the 113-token prefix
+    "window": (BUDGET, False, WINDOWED),
+}
 
 
 @contextlib.contextmanager
@@ -54,27 +60,30 @@ def _readers_on_other_ranks_dropped():
         yield
 
 
-def _runs(controls: bool) -> dict:
-    """Each case's cross run on this rank (and, with ``controls``, the control's)."""
+def _build(preset):
+    from prefix_sharing.engines.megatron import gpt_model
+
+    return lambda layout, **overrides: gpt_model(preset, layout=layout, **overrides)
+
+
+def _run(name: str):
+    """One case's cross run on this rank (``"control"``: the one-level case, wrong)."""
     from prefix_sharing.engines.cross_micro_batch import forward_backward_cross
 
-    seqs = _group()
-    runs = {name: forward_backward_cross(tiny_gpt("shared"), seqs, budget, CONFIG,
-                                         recompute_prefix=recompute)
-            for name, (budget, recompute) in CASES.items()}
-    if controls:
-        with _readers_on_other_ranks_dropped():
-            runs["control"] = forward_backward_cross(tiny_gpt("shared"), seqs, BUDGET, CONFIG)
-    return runs
+    budget, recompute, preset = CASES["one_level" if name == "control" else name]
+    with _readers_on_other_ranks_dropped() if name == "control" else contextlib.nullcontext():
+        return forward_backward_cross(_build(preset)("shared"), _group(), budget, CONFIG,
+                                      recompute_prefix=recompute)
 
 
 def _reference_job(rank: int) -> dict:
-    """At CP=1: the cross runs and megatron's stock step on their split (fp32, float64)."""
+    """At CP=1: each case's split (its cross run's) through megatron's stock step, fp32 and
+    float64."""
     report = {}
-    for name, cross in _runs(False).items():
-        (plain, _), (reference, _) = _split_runs(tiny_gpt, _group(), cross)
-        report[name] = {"plain": plain, "reference": reference, "cp1": cross.run,
-                        "figures": cross.report()}
+    for name, (_, _, preset) in CASES.items():
+        cross = _run(name)
+        (plain, _), (reference, _) = _split_runs(_build(preset), _group(), cross)
+        report[name] = {"plain": plain, "reference": reference, "figures": cross.report()}
     return report
 
 
@@ -89,10 +98,14 @@ def _cp_job(rank: int) -> dict:
         rows.append((x.size(0), out.size(0)))
         return out
 
+    report = {}
     with mock.patch.object(core_attention, "gather_rows", counted):
-        report = {name: {"run": cross.run, "figures": cross.report()}
-                  for name, cross in _runs(True).items()}
-    return {**report, "gathered_rows": rows}
+        for name in [*CASES, "control"]:
+            start = len(rows)
+            cross = _run(name)
+            report[name] = {"run": cross.run, "figures": cross.report(),
+                            "gathered_rows": rows[start:]}
+    return report
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +141,7 @@ def test_cp2_equals_the_stock_step_on_the_same_split(cp2, reference, name):
 def test_the_same_schedule_as_at_cp1_each_prefix_once(cp2, reference, name):
     """The split, the blocks and the computed tokens are CP=1's; each rank holds the whole
     prefix's K/V leaves and gradients, as CP=1 does (2 x 2 x layers x Lp x K/V heads x head
-    dim, fp32, on the one-level schedule)."""
+    dim, fp32, on the one-level schedule of the tiny preset)."""
     cp1 = reference[name]["figures"]
     for result in cp2:
         figures = result[name]["figures"]
@@ -137,24 +150,24 @@ def test_the_same_schedule_as_at_cp1_each_prefix_once(cp2, reference, name):
             sum(figures["prefix_lens"]) if name == "recomputed" else 0)
     assert len(reference["chunked"]["figures"]["prefix_lens"]) == 1
     assert reference["chunked"]["figures"]["num_shared_blocks"] > 2  # chunks and sub-trees
-    if name != "chunked":
+    if name in ("one_level", "recomputed"):
         (prefix_len,) = cp1["prefix_lens"]
         head_dim = PRESET.hidden_size // PRESET.num_attention_heads
         assert cp1["held_bytes"] == (2 * 2 * PRESET.num_layers * prefix_len
                                      * PRESET.num_query_groups * head_dim * 4)
 
 
-def test_every_micro_batch_is_split_over_the_cp_ranks(cp2, reference):
+@pytest.mark.parametrize("name", [*CASES, "control"])
+def test_every_micro_batch_is_split_over_the_cp_ranks(cp2, reference, name):
     """Each rank ran half of every micro-batch's rows: one K and one V all-gather per layer
     and forward (a block's at record time, and again when recomputed), nothing more."""
-    figures = {**{name: reference[name]["figures"] for name in CASES},
-               "control": reference["one_level"]["figures"]}
-    forwards = sum(f["num_micro_batches"] for f in figures.values()) + sum(
-        figures[name]["num_shared_blocks"] for name, (_, again) in CASES.items() if again)
+    figures = reference["one_level" if name == "control" else name]["figures"]
+    _, recompute, preset = CASES["one_level" if name == "control" else name]
+    forwards = figures["num_micro_batches"] + (figures["num_shared_blocks"] if recompute else 0)
     for result in cp2:
-        gathered = result["gathered_rows"]
+        gathered = result[name]["gathered_rows"]
         assert all(2 * local == whole for local, whole in gathered)
-        assert len(gathered) == 2 * PRESET.num_layers * forwards
+        assert len(gathered) == 2 * preset.num_layers * forwards
 
 
 def test_a_control_that_drops_the_other_ranks_readers_dkv_fails(cp2, reference):
