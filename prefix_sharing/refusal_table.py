@@ -180,11 +180,11 @@ TABLE: tuple[Refusal, ...] = (
             "('-') and MoE ('E') layers", _MEGATRON),
     # --- megatron-core: groups across micro-batches ---------------------------------------
     Refusal("megatron.cross_micro_batch.context_parallel",
-            "cross-micro-batch sharing under context parallelism with tensor parallelism, "
-            "activation recompute or MoE",
-            "a group runs under context parallelism at TP=1 on dense models without megatron's "
-            "activation recompute (tested at CP=2); the MoE router's statistics across "
-            "micro-batches are not split over context-parallel ranks; use "
+            "cross-micro-batch sharing under context parallelism with activation recompute "
+            "or MoE",
+            "a group runs under context parallelism on dense models without megatron's "
+            "activation recompute (tested at CP=2, with and without TP=2); the MoE router's "
+            "statistics across micro-batches are not split over context-parallel ranks; use "
             "context_parallel_size=1 with those, or one micro-batch per group", _MEGATRON),
     Refusal("megatron.cross_micro_batch.pipeline", "cross-micro-batch sharing with pipeline "
             "parallelism", "a group runs at PP=1 only (megatron's 1F1B schedule runs several "
@@ -336,7 +336,8 @@ TABLE: tuple[Refusal, ...] = (
             "splits a group too large for a micro-batch instead (set cross_micro_batch: false)",
             ("verl-fsdp",)),
     Refusal("verl.cross_micro_batch.layout", "groups across micro-batches with this parallel "
-            "layout", "a group runs at PP=1, without virtual stages",
+            "layout", "a group runs at PP=1, without virtual stages, and under context "
+            "parallelism at TP=1 (CP x TP is tested in the group driver only)",
             ("verl-megatron",)),
     Refusal("verl.cross_micro_batch.router_replay", "groups across micro-batches with routing "
             "replay", "a group's common prefix is cut on its tokens alone, without the replayed "

@@ -144,7 +144,7 @@ MATRIX: dict[str, dict[str, Cell]] = {
     "across micro-batches": {
         "megatron-core": works(_MX + "test_cross_micro_batch.py",
                                _MX + "test_cross_micro_batch_context_parallel.py",
-                               note="PP=1; CP=2 at TP=1, dense",
+                               note="PP=1; CP=2 (x TP=2), dense",
                                refusals=("megatron.cross_micro_batch.pipeline",
                                          "megatron.cross_micro_batch.context_parallel")),
         "verl-megatron": works(_VX + "test_cross_forward.py", note="PP=1; CP=2 at TP=1, dense",

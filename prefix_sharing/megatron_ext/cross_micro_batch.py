@@ -45,10 +45,10 @@ Dense and MoE models (router statistics under sequence parallelism too: each ran
 slice of every suffix's plain view, the prefix's logits kept whole). Activation recompute
 (full or selective): a recomputed layer replays its first run's mode
 (:class:`~.prefix_kv.PrefixKVPass`). Sliding windows (a suffix's gather of the prefix rows
-trimmed to the window, as any plan's). Context parallelism at TP=1 on dense models without
-activation recompute: each micro-batch split over the CP ranks, a block's K/V recorded
-gathered (:mod:`.cross_context_parallel`). Pipeline parallelism is refused by name, and CP
-with TP, recompute or MoE.
+trimmed to the window, as any plan's). Context parallelism on dense models without
+activation recompute, with or without TP: each micro-batch split over the CP ranks, a
+block's K/V recorded gathered (:mod:`.cross_context_parallel`). Pipeline parallelism is
+refused by name, and CP with activation recompute or MoE.
 """
 
 from __future__ import annotations
@@ -314,12 +314,10 @@ def check_group_model(model: torch.nn.Module) -> None:
     if config.pipeline_model_parallel_size > 1:
         found.append(Refused("megatron.cross_micro_batch.pipeline",
                              f"pipeline_model_parallel_size={config.pipeline_model_parallel_size}"))
-    if config.context_parallel_size > 1:  # built and tested at TP=1, dense, without recompute
+    if config.context_parallel_size > 1:  # built and tested on dense models without recompute
         found += [Refused("megatron.cross_micro_batch.context_parallel",
                           f"context_parallel_size={config.context_parallel_size} with {setting}")
                   for setting, on in (
-                      (f"tensor_model_parallel_size={config.tensor_model_parallel_size}",
-                       config.tensor_model_parallel_size > 1),
                       (f"recompute_granularity={config.recompute_granularity!r}",
                        config.recompute_granularity is not None),
                       (f"num_moe_experts={config.num_moe_experts}",

@@ -25,7 +25,7 @@ own ``record`` mode (:class:`~prefix_sharing.megatron_ext.prefix_kv.PrefixKVPass
 every micro-batch's dK/dV, the last one's included, which then reads the leaves too. Under
 tensor parallelism each micro-batch's rows, the prefix's included, are padded to the
 tensor-parallel size (sequence parallelism splits them over its ranks; the prefix's pad rows are
-not kept). Under context parallelism (TP=1, dense, without recompute, as in the group
+not kept). Under context parallelism (at TP=1 here; dense, without recompute, as in the group
 driver) each micro-batch, the prefix's included, is split over the CP ranks and padded to
 their count, the prefix's K/V recorded gathered (:mod:`~prefix_sharing.megatron_ext.
 cross_context_parallel`); every rank returns every sample whole, as the shared forward does
@@ -165,6 +165,11 @@ def check_cross_engine_setup(engine_config: Any) -> None:
     if vpp is not None and vpp > 1:
         found.append(Refused("verl.cross_micro_batch.layout",
                              f"virtual_pipeline_model_parallel_size={vpp}"))
+    cp = getattr(engine_config, "context_parallel_size", 1) or 1
+    tp = getattr(engine_config, "tensor_model_parallel_size", 1) or 1
+    if cp > 1 and tp > 1:  # CP x TP runs in the group driver; not tested through verl
+        found.append(Refused("verl.cross_micro_batch.layout",
+                             f"context_parallel_size={cp} with tensor_model_parallel_size={tp}"))
     replay = getattr(getattr(engine_config, "router_replay", None), "mode", "disabled")
     if replay not in (None, "disabled"):
         found.append(Refused("verl.cross_micro_batch.router_replay",

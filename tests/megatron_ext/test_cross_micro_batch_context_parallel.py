@@ -9,7 +9,7 @@ cannot split a sequence), judged as ``verify`` judges: the float64 verdict and w
 the plain fp32 run, on both ranks - logits, log-probs, entropy, loss, every gradient.
 
 With sliding windows and learned sinks (the tiny-window preset) too, under the 150-token
-budget. The control: the blocks' backward returns to the rows' owner only the dK/dV of the readers on
+budget; and at CP=2 x TP=2 (4 ranks), with and without sequence parallelism. The control: the blocks' backward returns to the rows' owner only the dK/dV of the readers on
 the same rank (the reduce-scatter's exchange of the other rank's readers' gradients dropped).
 """
 
@@ -170,6 +170,38 @@ def test_every_micro_batch_is_split_over_the_cp_ranks(cp2, reference, name):
         assert len(gathered) == 2 * preset.num_layers * forwards
 
 
+def _tp2_job(rank: int) -> dict:
+    """At CP=2 x TP=2: the one-level case without sequence parallelism, the chunked one with
+    it (each CP slice split again over TP)."""
+    from prefix_sharing.engines.cross_micro_batch import forward_backward_cross
+
+    runs = {}
+    for name, sequence_parallel in (("one_level", False), ("chunked", True)):
+        budget, _, preset = CASES[name]
+        model = _build(preset)("shared", sequence_parallel=sequence_parallel)
+        cross = forward_backward_cross(model, _group(), budget, CONFIG)
+        runs[name] = {"run": cross.run, "figures": cross.report()}
+    return runs
+
+
+def test_cp2_tp2_equals_the_stock_step_on_the_same_split(reference):
+    """Each rank keeps its K/V heads' prefix, whole over CP; the gradients gathered over TP
+    and averaged over CP equal the stock step's at CP=1, TP=1."""
+    ranks = run_distributed(_tp2_job, 4, tp=2, cp=2, timeout=900)
+    head_dim = PRESET.hidden_size // PRESET.num_attention_heads
+    for rank, result in enumerate(ranks):
+        for name, run in result.items():
+            compared = _compared(run["run"], reference[name])
+            verdict = within_tolerance(compared["vs_reference"], compared["plain"],
+                                       torch.float32)
+            assert all(verdict.values()), (rank, name, compared["vs_reference"].max_rel_diff)
+            for q, d in compared["vs_plain"].max_rel_diff.items():
+                assert d <= FP32_RTOL, f"CP x TP rank {rank} {name}: {q}: {d}"
+        (prefix_len,) = result["one_level"]["figures"]["prefix_lens"]
+        assert result["one_level"]["figures"]["held_bytes"] == (
+            2 * 2 * PRESET.num_layers * prefix_len * PRESET.num_query_groups // 2 * head_dim * 4)
+
+
 def test_a_control_that_drops_the_other_ranks_readers_dkv_fails(cp2, reference):
     for result in cp2:
         run = _compared(result["control"]["run"], reference["one_level"])
@@ -179,7 +211,7 @@ def test_a_control_that_drops_the_other_ranks_readers_dkv_fails(cp2, reference):
 
 
 def test_refuses_what_is_not_built_under_cp_by_name():
-    """CP with TP, megatron's activation recompute or MoE is refused before anything runs."""
+    """CP with megatron's activation recompute or MoE is refused before anything runs."""
     import types
 
     from prefix_sharing.megatron_ext import UnsupportedSetupError
@@ -192,7 +224,7 @@ def test_refuses_what_is_not_built_under_cp_by_name():
         return types.SimpleNamespace(config=types.SimpleNamespace(**{**base, **config}))
 
     check_group_model(model_with())
-    for setting in (dict(tensor_model_parallel_size=2), dict(recompute_granularity="full"),
-                    dict(num_moe_experts=4)):
+    check_group_model(model_with(tensor_model_parallel_size=2))  # tested above
+    for setting in (dict(recompute_granularity="full"), dict(num_moe_experts=4)):
         with pytest.raises(UnsupportedSetupError, match="cross_micro_batch.context_parallel"):
             check_group_model(model_with(**setting))

@@ -301,7 +301,9 @@ def test_moe_router_statistics_under_sequence_parallelism_are_refused_by_name():
 
 @pytest.mark.parametrize("settings, named", [
     (dict(pipeline_model_parallel_size=2), "pipeline_model_parallel_size=2"),
-    (dict(virtual_pipeline_model_parallel_size=2), "virtual_pipeline_model_parallel_size=2")])
+    (dict(virtual_pipeline_model_parallel_size=2), "virtual_pipeline_model_parallel_size=2"),
+    # CP at TP=1 runs (tested above); CP x TP is tested in the group driver only
+    (dict(context_parallel_size=2), "context_parallel_size=2 with tensor_model_parallel_size=2")])
 def test_engine_settings_are_refused_by_name_at_construction(settings, named):
     from types import SimpleNamespace
 
