@@ -182,9 +182,13 @@ TABLE: tuple[Refusal, ...] = (
             "('-') and MoE ('E') layers", _MEGATRON),
     # --- megatron-core: groups across micro-batches ---------------------------------------
     Refusal("megatron.cross_micro_batch.context_parallel",
-            "cross-micro-batch sharing under context parallelism",
-            "a group's prefix K/V kept across micro-batches is not split over context-parallel "
-            "ranks; use context_parallel_size=1 or one micro-batch per group", _MEGATRON),
+            "cross-micro-batch sharing under context parallelism with activation recompute, "
+            "MoE or pipeline parallelism",
+            "a group runs under context parallelism on dense models without megatron's "
+            "activation recompute, at PP=1 (tested at CP=2, with and without TP=2); the MoE "
+            "router's statistics across micro-batches are not split over context-parallel "
+            "ranks, and the pipelined group run does not split its micro-batches over them; use "
+            "context_parallel_size=1 with those, or one micro-batch per group", _MEGATRON),
     Refusal("megatron.cross_micro_batch.pipeline_nested", "a nested group schedule (a chunked "
             "prefix or sub-tree blocks) under pipeline parallelism",
             "under 1F1B the last suffix recomputes the one prefix block and carries it between "
@@ -347,8 +351,8 @@ TABLE: tuple[Refusal, ...] = (
             "splits a group too large for a micro-batch instead (set cross_micro_batch: false)",
             ("verl-fsdp",)),
     Refusal("verl.cross_micro_batch.layout", "groups across micro-batches with this parallel "
-            "layout", "a group runs at PP=1, without virtual stages and at context_parallel_size"
-            "=1 (the group's prefix K/V is not split over context-parallel ranks)",
+            "layout", "a group runs at PP=1, without virtual stages, and under context "
+            "parallelism at TP=1 (CP x TP is tested in the group driver only)",
             ("verl-megatron",)),
     Refusal("verl.cpu_shim_release", "a verl release the CPU test shim does not know",
             "prefix_sharing.testing.verl_cpu patches the releases that have patch sets "

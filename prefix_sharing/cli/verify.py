@@ -113,9 +113,10 @@ def _check_cross(args: argparse.Namespace, engine: str, model: ModelPreset,
                  sequences: list, groups: list[PromptGroup] | None,
                  config: PrefixSharingConfig, routes: list | None = None) -> None:
     """What ``--token-budget`` cannot run, as one line before any rank starts."""
-    if engine != "megatron" or args.cp != 1:
+    if engine != "megatron" or args.pp > 1 and args.cp > 1:
         raise InputError("--token-budget (cross-micro-batch sharing) runs on the megatron "
-                         f"engine with --cp 1; got --engine {engine} --cp {args.cp}")
+                         "engine, under --pp or --cp but not both; got --engine "
+                         f"{engine} --pp {args.pp} --cp {args.cp}")
     members = [list(range(len(sequences)))] if groups is None else [g.members for g in groups]
     plan = plan_pipelined_group if args.pp > 1 else plan_group
     for m in members:

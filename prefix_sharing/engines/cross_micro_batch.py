@@ -26,9 +26,10 @@ from ..config import PrefixSharingConfig
 from ..cross_micro_batch import GroupSchedule, plan_group, plan_pipelined_group
 from ..equivalence import RunOutputs, advantages, at_least_fp32
 from ..planner import build_plan
-from .megatron import MicroBatchRun, finalize_sequence_parallel_grads, full_grads
+from .megatron import (MicroBatchRun, finalize_context_parallel_grads,
+                       finalize_sequence_parallel_grads, full_grads)
 
-__all__ = ["CrossMicroBatchRun", "forward_backward_cross"]
+__all__ = ["CrossMicroBatchRun", "forward_backward_cross", "plan_cross"]
 
 
 @dataclasses.dataclass
@@ -106,22 +107,16 @@ def forward_backward_cross(
 
     from ..megatron_ext.cross_micro_batch import forward_backward_group
 
-    groups = [list(range(len(sequences)))] if groups is None else [list(g) for g in groups]
-    if sorted(i for g in groups for i in g) != list(range(len(sequences))):
-        raise ValueError("groups must hold every sequence exactly once")
     device = next(model.parameters()).device
-    # under sequence parallelism each micro-batch's rows split over the tensor-parallel ranks
+    # under sequence parallelism each micro-batch's rows split over the tensor-parallel ranks,
+    # under context parallelism over the CP ranks
     multiple = (parallel_state.get_tensor_model_parallel_world_size()
                 if model.config.sequence_parallel else 1)
+    multiple *= parallel_state.get_context_parallel_world_size()
     # under pipeline parallelism the first and last suffix carry the prefix (one level)
     pipelined = parallel_state.get_pipeline_model_parallel_world_size() > 1
-    plan = plan_pipelined_group if pipelined else plan_group
-    schedules = [plan([sequences[i] for i in members], token_budget, config,
-                      pad_to_multiple_of=multiple,
-                      routes=None if routes is None else [routes[i] for i in members])
-                 for members in groups]
-    split = [[members[m] for m in suffix.members]
-             for members, schedule in zip(groups, schedules) for suffix in schedule.suffixes]
+    groups, schedules, split = plan_cross(sequences, token_budget, config, groups, multiple,
+                                          pipelined=pipelined, routes=routes)
     starts = torch.tensor([0] + [len(s) for s in sequences]).cumsum(0)
     total = int(starts[-1])
     terms = _SplitLoss(split, starts, device)
@@ -157,6 +152,7 @@ def forward_backward_cross(
             outputs.append(RunOutputs(logits[rows], log_probs[rows], entropy[rows],
                                       terms.loss(j).cpu(), {}))
         finalize_sequence_parallel_grads(model)  # as forward_backward does
+        finalize_context_parallel_grads(model)
         run = MicroBatchRun(outputs, full_grads(model), [])
     largest = max(_largest_micro_batch(s, pipelined) for s in schedules)
     return CrossMicroBatchRun(run, schedules, split, held, computed, unique, recomputed, largest)
@@ -171,6 +167,33 @@ def _largest_micro_batch(schedule: GroupSchedule, pipelined: bool) -> int:
     for j in {0, len(rows) - 1}:
         rows[j] += schedule.prefix_len
     return max(rows)
+
+
+def plan_cross(
+    sequences: Sequence[torch.Tensor],
+    token_budget: int,
+    config: PrefixSharingConfig,
+    groups: Sequence[Sequence[int]] | None = None,
+    pad_to_multiple_of: int = 1,
+    *,
+    pipelined: bool = False,
+    routes: Sequence[torch.Tensor] | None = None,
+) -> tuple[list[list[int]], list[GroupSchedule], list[list[int]]]:
+    """The groups (the whole batch when omitted), each group's schedule, and the plain split
+    (:attr:`CrossMicroBatchRun.plain_split`) of :func:`forward_backward_cross`; host work.
+    ``pipelined``: the schedules of the pipelined run (:func:`plan_pipelined_group`);
+    ``routes``: per sequence, the routes to replay."""
+    groups = [list(range(len(sequences)))] if groups is None else [list(g) for g in groups]
+    if sorted(i for g in groups for i in g) != list(range(len(sequences))):
+        raise ValueError("groups must hold every sequence exactly once")
+    plan = plan_pipelined_group if pipelined else plan_group
+    schedules = [plan([sequences[i] for i in members], token_budget, config,
+                      pad_to_multiple_of=pad_to_multiple_of,
+                      routes=None if routes is None else [routes[i] for i in members])
+                 for members in groups]
+    split = [[members[m] for m in suffix.members]
+             for members, schedule in zip(groups, schedules) for suffix in schedule.suffixes]
+    return groups, schedules, split
 
 
 class _SplitLoss:

@@ -112,9 +112,18 @@ def plain_runs_job(rank: int, request: VerifyRequest) -> list[dict]:
                          **replay)
     reference = preset_model(request.preset, layout="padded", seed=request.seed,
                              dtype=reference_dtype(request.dtype), **replay)
-    return [{"plain": forward_backward(plain, [sequences], "padded", routes=routes),
-             "reference": forward_backward(reference, [sequences], "padded", routes=routes)}
-            for (sequences, _), routes in zip(request.batches, _batch_routes(request))]
+    runs = []
+    for (sequences, groups), routes in zip(request.batches, _batch_routes(request)):
+        batch = [sequences]
+        if request.token_budget is not None:  # the cross run's split (routes are refused)
+            from .cross_micro_batch import plan_cross
+
+            members = None if groups is None else [g.members for g in groups]
+            split = plan_cross(sequences, request.token_budget, request.config, members)[2]
+            batch = [[sequences[i] for i in m] for m in split]
+        runs.append({"plain": forward_backward(plain, batch, "padded", routes=routes),
+                     "reference": forward_backward(reference, batch, "padded", routes=routes)})
+    return runs
 
 
 def verify_cp_job(
@@ -125,7 +134,7 @@ def verify_cp_job(
     pipeline-parallel position (same weights: seeded by parameter name)."""
     from megatron.core import parallel_state
 
-    from .megatron import compare, forward_backward, preset_model
+    from .megatron import compare, preset_model
 
     plain_rank = (parallel_state.get_tensor_model_parallel_rank()
                   + parallel_state.get_tensor_model_parallel_world_size()
@@ -135,13 +144,26 @@ def verify_cp_job(
     reports = []
     for (sequences, groups), runs, routes in zip(request.batches, plain_ranks[plain_rank],
                                                  _batch_routes(request)):
-        shared = forward_backward(model, [sequences], "shared", request.config, [groups],
-                                  routes=routes)
+        shared, digest, cross = _shared_run(model, sequences, groups, request, routes)
         reports.append([{"shared": compare(shared, runs["reference"]),
                          "plain": compare(runs["plain"], runs["reference"]),
-                         "vs_plain": compare(shared, runs["plain"]),
-                         "digest": shared.digests[0]}])
+                         "vs_plain": compare(shared, runs["plain"]), "digest": digest,
+                         "cross_micro_batch": None if cross is None else cross.report()}])
     return reports
+
+
+def _shared_run(model, sequences: list, groups: list[PromptGroup] | None,
+                request: VerifyRequest, routes: list | None = None) -> tuple:
+    """The shared run of one micro-batch of the request (across micro-batches with a
+    ``token_budget``): ``(run, digest of its plans, the cross run or None)``."""
+    from .megatron import forward_backward
+
+    if request.token_budget is None:
+        shared = forward_backward(model, [sequences], "shared", request.config, [groups],
+                                  routes=routes)
+        return shared, shared.digests[0], None
+    cross = _cross(model, sequences, groups, request, None if routes is None else routes[0])
+    return cross.run, "".join(p.digest() for s in cross.schedules for p in s.plans()), cross
 
 
 def _verify_batch(models: dict, batch: list, groups: list, request: VerifyRequest,
@@ -154,21 +176,15 @@ def _verify_batch(models: dict, batch: list, groups: list, request: VerifyReques
         # the shared and the reference model compute with the plain model's (rounded) weights
         _copy_weights(models["plain"].parameters(), models["shared"])
         _copy_weights(models["plain"].parameters(), models["reference"])
-        cross = None
-        if request.token_budget is None:
-            shared = forward_backward(models["shared"], batch, "shared", request.config, groups,
-                                      routes=routes)
-            digest = shared.digests[0]
-        else:
-            cross = _cross(models["shared"], batch[0], groups[0], request,
-                           None if routes is None else routes[0])
-            shared = cross.run
-            digest = "".join(p.digest() for s in cross.schedules for p in s.plans())
-            batch = [[batch[0][i] for i in members] for members in cross.plain_split]
+        shared, digest, cross = _shared_run(models["shared"], batch[0], groups[0], request,
+                                            routes)
+        split, split_routes = batch, routes
+        if cross is not None:
+            split = [[batch[0][i] for i in members] for members in cross.plain_split]
             if routes is not None:  # the plain micro-batches replay their samples' routes
-                routes = [[routes[0][i] for i in members] for members in cross.plain_split]
-        plain = forward_backward(models["plain"], batch, "padded", routes=routes)
-        reference = forward_backward(models["reference"], batch, "padded", routes=routes)
+                split_routes = [[routes[0][i] for i in members] for members in cross.plain_split]
+        plain = forward_backward(models["plain"], split, "padded", routes=split_routes)
+        reference = forward_backward(models["reference"], split, "padded", routes=split_routes)
         steps.append({"shared": compare(shared, reference), "plain": compare(plain, reference),
                       "vs_plain": compare(shared, plain), "digest": digest,
                       "cross_micro_batch": None if cross is None else cross.report()})

@@ -19,7 +19,7 @@ from ..attention import prefix_attention, varlen_attention
 from ..attention.backends import READS_HOST_BOUNDARIES, resolve_backend
 from ..refusals import refuse
 from .checks import UnsupportedSetupError, check_layer_config, check_sharing_allowed
-from .context_parallel import ContextParallelSlice, gather_rows
+from .context_parallel import gather_rows
 from .packed_seq import PlanPackedSeqParams
 
 __all__ = ["PrefixSharingCoreAttention", "require_sharing_core_attention"]
@@ -154,11 +154,7 @@ class PrefixSharingCoreAttention(DotProductAttention):
             plan = packed_seq_params.plan
             check_sharing_allowed(self.config, plan, self.training)
             if packed_seq_params.cp is not None:
-                if packed_seq_params.prefix_kv is not None:
-                    raise refuse("megatron.cross_micro_batch.context_parallel",
-                                 f"context_parallel_size={self.config.context_parallel_size}",
-                                 error=UnsupportedSetupError)
-                out = self._context_parallel(query, key, value, packed_seq_params.cp, backend)
+                out = self._context_parallel(query, key, value, packed_seq_params, backend)
                 return out.reshape(out.size(0), -1)  # [T_local, np, hn] -> [T_local, np * hn]
             if packed_seq_params.prefix_kv is not None:  # a group's prefix across micro-batches
                 key, value = packed_seq_params.prefix_kv.exchange(self.layer_number, key, value)
@@ -176,10 +172,13 @@ class PrefixSharingCoreAttention(DotProductAttention):
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        cp: ContextParallelSlice,
+        params: PlanPackedSeqParams,
         backend: str,
     ) -> torch.Tensor:
-        """This CP rank's query rows against their segments' keys, gathered from every rank."""
+        """This CP rank's query rows against their segments' keys, gathered from every rank
+        (and, across micro-batches, the group's prefix K/V in front: see
+        :mod:`.cross_context_parallel`)."""
+        cp = params.cp
         if query.size(0) != cp.num_rows:
             raise ValueError(
                 f"q has {query.size(0)} tokens but this context-parallel rank holds "
@@ -187,6 +186,8 @@ class PrefixSharingCoreAttention(DotProductAttention):
             )
         # [T_local, ng, hn] -> [T_flat, ng, hn] (all-gather; dK, dV reduce-scattered back)
         key, value = gather_rows(key, cp), gather_rows(value, cp)
+        if params.prefix_kv is not None:  # a block records them whole; a suffix reads its stack
+            key, value = params.prefix_kv.exchange(self.layer_number, key, value)
         key = key.index_select(0, cp.kv_gather_index)  # [sum of local key ranges, ng, hn]
         value = value.index_select(0, cp.kv_gather_index)
         # A local query piece's keys are its segment's first keys in logical order, ending at

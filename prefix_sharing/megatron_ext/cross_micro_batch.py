@@ -48,9 +48,11 @@ slice of every suffix's plain view, the prefix's logits kept whole). Activation 
 tokens and routes) has each block replay its rows' routes and each suffix its flat rows'; a
 suffix's plain view for the router statistics replays its stack's routes
 (:attr:`~.prefix_kv.PrefixKV.routes`) before its own. Sliding windows (a suffix's gather of the
-prefix rows trimmed to the window, as any plan's). Under pipeline parallelism a one-level schedule runs
-through megatron's 1F1B instead (:mod:`.cross_pipeline`); virtual pipeline stages are refused
-by name (context parallelism by the core attention).
+prefix rows trimmed to the window, as any plan's). Context parallelism on dense models without
+activation recompute, with or without TP: each micro-batch split over the CP ranks, a block's
+K/V recorded gathered (:mod:`.cross_context_parallel`). Under pipeline parallelism a one-level
+schedule runs through megatron's 1F1B instead (:mod:`.cross_pipeline`); virtual pipeline
+stages are refused by name, and CP with activation recompute, MoE or PP.
 """
 
 from __future__ import annotations
@@ -62,9 +64,10 @@ import torch
 from megatron.core.utils import get_attr_wrapped_model
 
 from ..cross_micro_batch import GroupSchedule, SharedBlock, SuffixMicroBatch
-from ..logprobs import token_log_probs
-from ..refusals import refuse
+from ..refusals import Refused, refuse_all
 from .checks import UnsupportedSetupError
+from .cross_context_parallel import (CrossSlice, context_parallel_size, micro_batch_stats,
+                                     model_inputs, slice_micro_batch, whole_rows)
 from .logprobs import vocab_shard
 from .packed_seq import PlanPackedSeqParams
 from .prefix_kv import PrefixKV, PrefixKVStack
@@ -114,7 +117,9 @@ def forward_backward_group(
     aux_loss_scale: float = 1.0,
 ) -> GroupRun:
     """Runs one group's micro-batches (see the module doc); parameter gradients accumulate
-    into ``.grad`` (call ``model.zero_grad()`` first when starting a step).
+    into ``.grad`` (call ``model.zero_grad()`` first when starting a step). Under context
+    parallelism each rank's ``.grad`` is CP x its rows' share, as megatron's schedule leaves
+    it: average over the data x context group (megatron's DDP) before the step.
 
     Args:
         model: a whole (single-stage) ``GPTModel`` built with the prefix-sharing layer spec.
@@ -182,7 +187,7 @@ def forward_backward_group(
         if recompute_prefix:
             losses[i] = passes[i].scored(model, token_loss, out)
         held = max(held, sum(kv.held_bytes() for kv in kvs.values()))
-        kvs.pop(i).backward([losses.pop(i)])
+        kvs.pop(i).backward([losses.pop(i) * context_parallel_size()])  # as a suffix's
         del passes[i]
     computed = schedule.tokens_computed + (
         sum(b.length for b in schedule.blocks) if recompute_prefix else 0)
@@ -195,25 +200,28 @@ def _suffix(model: torch.nn.Module, suffix: SuffixMicroBatch, kvs: dict[int, Pre
             token_loss: TokenLoss, out: _Collector, backend: str, temperature: float,
             device: torch.device) -> None:
     """One suffix micro-batch's forward and backward, reading its stack of blocks."""
+    cp = slice_micro_batch(suffix.plan, suffix.tail_plan, suffix.plan.num_tokens_flat, device)
     plan = suffix.plan.to(device)
     tail_plan = suffix.tail_plan.to(device)
     routes = None if suffix.routes is None else flat_routes(tail_plan, suffix.routes, device)
-    params = PlanPackedSeqParams.from_plan(plan, backend, routes=routes,
+    params = PlanPackedSeqParams.from_plan(plan, backend, routes=routes, cp=cp and cp.attention,
                                            prefix_kv=PrefixKVStack([kvs[r] for r in suffix.reads]))
-    logits = model(plan.input_ids[None], plan.position_ids[None], None,
-                   packed_seq_params=params)[0]  # [1, T, V] -> [T, V]
-    score_suffix(logits, suffix, token_loss, out, temperature).backward()
+    logits = model(*model_inputs(plan, cp), None, packed_seq_params=params)[0]  # [T, V]
+    loss = score_suffix(logits, suffix, token_loss, out, temperature, cp)
+    (loss * context_parallel_size()).backward()  # as megatron's schedule scales it under CP
 
 
 def score_suffix(logits: torch.Tensor, suffix: SuffixMicroBatch, token_loss: TokenLoss,
-                 out: _Collector, temperature: float) -> torch.Tensor:
-    """A suffix micro-batch's loss from its logits (``[T, V]``), its outputs collected."""
+                 out: _Collector, temperature: float,
+                 cp: CrossSlice | None = None) -> torch.Tensor:
+    """A suffix micro-batch's loss from its logits (``[T, V]``; under CP this rank's rows,
+    ``cp``), its outputs collected."""
     tail_plan = suffix.tail_plan.to(logits.device)
-    stats = token_log_probs(logits, tail_plan, temperature=temperature,
-                            vocab_shard=vocab_shard(logits.size(-1)))
+    stats = micro_batch_stats(logits, tail_plan, cp, temperature=temperature)
     positions = suffix.token_positions.to(logits.device)
     loss = token_loss(stats.log_probs, stats.entropy, positions)
-    out.add(positions, stats.log_probs, stats.entropy, loss, lambda: tail_plan.restore(logits))
+    out.add(positions, stats.log_probs, stats.entropy, loss,
+            lambda: tail_plan.restore(whole_rows(logits, cp)))
     return loss
 
 
@@ -227,7 +235,9 @@ class PrefixPass:
                  block: SharedBlock | None = None) -> None:
         block = schedule.blocks[0] if block is None else block
         self.prefix_len = block.length
+        self.cp = slice_micro_batch(block.plan, block.stats_plan, block.length, device)
         self.params = PlanPackedSeqParams.from_plan(block.plan.to(device), backend,
+                                                    cp=self.cp and self.cp.attention,
                                                     prefix_kv=prefix_kv,
                                                     routes=_block_routes(block, device))
         self.stats_plan = block.stats_plan.to(device)
@@ -238,9 +248,8 @@ class PrefixPass:
         self.temperature = temperature
 
     def forward(self, model: torch.nn.Module) -> torch.Tensor:
-        plan = self.params.plan
-        return model(plan.input_ids[None], plan.position_ids[None], None,
-                     packed_seq_params=self.params)[0]  # [length (+ pad rows), V]
+        return model(*model_inputs(self.params.plan, self.cp), None,
+                     packed_seq_params=self.params)[0]  # [length (+ pad rows) (/ CP), V]
 
     def stats(self, model: torch.nn.Module,
               with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None,
@@ -253,15 +262,22 @@ class PrefixPass:
     def stats_of(self, logits: torch.Tensor,
                  with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None,
                                                      Callable[[], torch.Tensor]]:
-        """:meth:`stats` of this pass's output ``logits`` (``[rows, V]``)."""
-        logits = logits[: self.prefix_len]  # the pad rows' logits are not read
-        # one placeholder row per member: the stats plan's last position, discarded
-        rows = torch.cat([logits, logits.new_zeros(self.num_sequences, logits.size(1))])
-        stats = token_log_probs(rows, self.stats_plan, temperature=self.temperature,
-                                with_entropy=with_entropy, vocab_shard=vocab_shard(rows.size(-1)))
+        """:meth:`stats` of this pass's output ``logits`` (``[rows, V]``; under CP this rank's
+        rows)."""
+        # under CP this rank's rows, its positions those that read its block rows
+        rows = logits if self.cp is not None else self._with_placeholders(logits)
+        stats = micro_batch_stats(rows, self.stats_plan, self.cp, temperature=self.temperature,
+                                  with_entropy=with_entropy)
         log_probs = stats.log_probs.index_select(0, self.keep)
         entropy = stats.entropy.index_select(0, self.keep) if with_entropy else None
-        return log_probs, entropy, lambda: self.stats_plan.restore(rows).index_select(0, self.keep)
+        return log_probs, entropy, lambda: self.stats_plan.restore(
+            self._with_placeholders(whole_rows(logits, self.cp))).index_select(0, self.keep)
+
+    def _with_placeholders(self, logits: torch.Tensor) -> torch.Tensor:
+        """The block's rows (its pad rows' logits are not read), then one placeholder row per
+        member: the stats plan's last position, discarded."""
+        logits = logits[: self.prefix_len]
+        return torch.cat([logits, logits.new_zeros(self.num_sequences, logits.size(1))])
 
     def scored(self, model: torch.nn.Module, token_loss: TokenLoss,
                out: _Collector) -> torch.Tensor:
@@ -344,6 +360,19 @@ def check_group_model(model: torch.nn.Module) -> None:
     virtual pipeline stages (the pipelined run, :mod:`.cross_pipeline`, drives one model
     chunk per stage)."""
     config = get_attr_wrapped_model(model, "config")
+    found = []
     if config.virtual_pipeline_model_parallel_size is not None:
-        raise refuse("megatron.virtual_pipeline", "virtual_pipeline_model_parallel_size="
-                     f"{config.virtual_pipeline_model_parallel_size}", error=UnsupportedSetupError)
+        found.append(Refused("megatron.virtual_pipeline", "virtual_pipeline_model_parallel_size="
+                             f"{config.virtual_pipeline_model_parallel_size}"))
+    if config.context_parallel_size > 1:  # built and tested on dense models without recompute
+        found += [Refused("megatron.cross_micro_batch.context_parallel",
+                          f"context_parallel_size={config.context_parallel_size} with {setting}")
+                  for setting, on in (
+                      (f"recompute_granularity={config.recompute_granularity!r}",
+                       config.recompute_granularity is not None),
+                      (f"num_moe_experts={config.num_moe_experts}",
+                       bool(config.num_moe_experts)),
+                      (f"pipeline_model_parallel_size={config.pipeline_model_parallel_size}",
+                       config.pipeline_model_parallel_size > 1)) if on]
+    if found:
+        raise refuse_all(found, error=UnsupportedSetupError)

@@ -21,10 +21,12 @@ from megatron.core import parallel_state
 from megatron.core.utils import get_attr_wrapped_model
 
 from ..logprobs import TokenStats, token_log_probs
+from ..plan import SharingPlan
 from .model_check import check_sharing_model
 from .packed_seq import MicroBatch
 
-__all__ = ["MegatronVocabShard", "token_stats", "forward_token_stats", "vocab_shard"]
+__all__ = ["MegatronVocabShard", "context_parallel_token_stats", "token_stats", "forward_token_stats",
+           "vocab_shard"]
 
 
 class MegatronVocabShard:
@@ -79,15 +81,36 @@ def token_stats(
             logits, batch.plan, temperature=temperature, with_entropy=with_entropy,
             vocab_shard=shard,
         )
+    return context_parallel_token_stats(
+        logits, batch.plan, cp.token_positions, cp.row_start, cp.group,
+        temperature=temperature, with_entropy=with_entropy, vocab_shard=shard,
+    )
+
+
+def context_parallel_token_stats(
+    logits: torch.Tensor,
+    plan: SharingPlan,
+    positions: torch.Tensor,
+    row_start: int,
+    group: torch.distributed.ProcessGroup,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = True,
+    vocab_shard: MegatronVocabShard | None = None,
+) -> TokenStats:
+    """Every position's log-probs and entropy (``(T_total,)``, packed in ``plan``'s order) on
+    every rank of the CP ``group``, from this rank's logits ``[T_local, V_local]`` (the plan's
+    rows ``row_start ..``): this rank computes ``positions`` (those that read its rows; each
+    position computed by exactly one rank) and one all-reduce completes them (module doc)."""
     local = token_log_probs(
-        logits, batch.plan, temperature=temperature, with_entropy=with_entropy,
-        vocab_shard=shard, positions=cp.token_positions, row_start=cp.row_start,
+        logits, plan, temperature=temperature, with_entropy=with_entropy,
+        vocab_shard=vocab_shard, positions=positions, row_start=row_start,
     )
     stats = [s for s in local if s is not None]
-    packed = torch.zeros(len(stats), batch.plan.num_tokens_total, dtype=stats[0].dtype,
+    packed = torch.zeros(len(stats), plan.num_tokens_total, dtype=stats[0].dtype,
                          device=stats[0].device)
-    packed = packed.index_copy(1, cp.token_positions, torch.stack(stats))  # [1 or 2, T_total]
-    packed = _SumOverContextParallel.apply(packed, cp.group)
+    packed = packed.index_copy(1, positions, torch.stack(stats))  # [1 or 2, T_total]
+    packed = _SumOverContextParallel.apply(packed, group)
     return TokenStats(packed[0], packed[1] if with_entropy else None)
 
 

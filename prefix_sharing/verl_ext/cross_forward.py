@@ -25,7 +25,11 @@ own ``record`` mode (:class:`~prefix_sharing.megatron_ext.prefix_kv.PrefixKVPass
 every micro-batch's dK/dV, the last one's included, which then reads the leaves too. Under
 tensor parallelism each micro-batch's rows, the prefix's included, are padded to the
 tensor-parallel size (sequence parallelism splits them over its ranks; the prefix's pad rows are
-not kept). Sliding windows run as in the group driver. MoE router statistics are each cross
+not kept). Under context parallelism (at TP=1 here; dense, without recompute, as in the group
+driver) each micro-batch, the prefix's included, is split over the CP ranks and padded to
+their count, the prefix's K/V recorded gathered (:mod:`~prefix_sharing.megatron_ext.
+cross_context_parallel`); every rank returns every sample whole, as the shared forward does
+under CP. Sliding windows run as in the group driver. MoE router statistics are each cross
 micro-batch's plain micro-batch's, as in the group driver (under sequence parallelism too,
 where verl's own step differs by counting its pad rows: :func:`check_cross_model`). Routing
 replay (verl's ``router_replay``): the group was cut on tokens and routes at the split
@@ -104,9 +108,9 @@ def cross_forward(
 ) -> dict[str, torch.Tensor]:
     """verl's ``gptmodel_forward_model_engine`` for the micro-batch ``part`` of a cross group
     (see the module doc); arguments as :func:`.mcore.shared_forward` takes them."""
-    from ..logprobs import token_log_probs
     from ..megatron_ext import check_sharing_model
-    from ..megatron_ext.logprobs import vocab_shard
+    from ..megatron_ext.cross_context_parallel import (micro_batch_stats, model_inputs,
+                                                       slice_micro_batch)
     from ..megatron_ext.packed_seq import PlanPackedSeqParams
 
     check_text_only(value_model, vision_model, multi_modal_inputs)
@@ -126,15 +130,16 @@ def cross_forward(
         raise refuse("verl.temperatures", f"a cross-micro-batch group with temperatures "
                      f"{state.temperature} and {temperature}", error=PrefixSharingSetupError)
     state.prefix_kv.mode = "read_last" if part.last else "read"
+    cp = slice_micro_batch(suffix.plan, suffix.tail_plan, suffix.plan.num_tokens_flat, device)
     plan, tail_plan = suffix.plan.to(device), suffix.tail_plan.to(device)
     params = PlanPackedSeqParams.from_plan(
-        plan, sharing.backend, prefix_kv=state.prefix_kv,
+        plan, sharing.backend, cp=cp and cp.attention, prefix_kv=state.prefix_kv,
         routes=replayed_routes(model, part, tail_plan, replay_routes, device))
-    logits = model(input_ids=plan.input_ids[None], attention_mask=None,
-                   position_ids=plan.position_ids[None], packed_seq_params=params)[0]
-    stats = token_log_probs(logits, tail_plan, temperature=temperature,
-                            with_entropy=calculate_entropy,
-                            vocab_shard=vocab_shard(logits.size(-1)))
+    input_ids, position_ids = model_inputs(plan, cp)  # under CP this rank's rows
+    logits = model(input_ids=input_ids, attention_mask=None, position_ids=position_ids,
+                   packed_seq_params=params)[0]
+    stats = micro_batch_stats(logits, tail_plan, cp, temperature=temperature,
+                              with_entropy=calculate_entropy)
     prefix = state.prefix_stats(list(suffix.members), part.last)
     if part.last:
         part.group.held_bytes = state.prefix_kv.held_bytes()
@@ -186,8 +191,10 @@ def check_cross_engine_setup(engine_config: Any) -> None:
         found.append(Refused("verl.cross_micro_batch.layout",
                              f"virtual_pipeline_model_parallel_size={vpp}"))
     cp = getattr(engine_config, "context_parallel_size", 1) or 1
-    if cp > 1:
-        found.append(Refused("verl.cross_micro_batch.layout", f"context_parallel_size={cp}"))
+    tp = getattr(engine_config, "tensor_model_parallel_size", 1) or 1
+    if cp > 1 and tp > 1:  # CP x TP runs in the group driver; not tested through verl
+        found.append(Refused("verl.cross_micro_batch.layout",
+                             f"context_parallel_size={cp} with tensor_model_parallel_size={tp}"))
     if found:
         raise refuse_all(found, error=PrefixSharingSetupError)
 

@@ -103,10 +103,11 @@ def plan_cross_groups(
     Nothing crosses micro-batches unless ``config.cross_micro_batch`` (then every index is
     returned as ordinary). Groups are :func:`~prefix_sharing.batching.sharing_groups` (by
     ``uids`` when given). ``pad_to_multiple_of``: each micro-batch's rows are padded to it
-    (the tensor-parallel size: sequence parallelism splits them over its ranks; the prefix
-    micro-batch is padded the same way where it runs). ``routes``: the samples' recorded MoE
-    routes to replay (verl's ``router_replay``), part of a token's identity: a group's prefix
-    ends where its samples' routes diverge, and each of its micro-batches replays its rows'.
+    (the tensor- times context-parallel size: CP splits them over its ranks, sequence
+    parallelism each slice over TP; the prefix micro-batch is padded the same way where it
+    runs). ``routes``: the samples' recorded MoE routes to replay (verl's ``router_replay``),
+    part of a token's identity: a group's prefix ends where its samples' routes diverge, and
+    each of its micro-batches replays its rows'.
     """
     if not config.cross_micro_batch:
         return [], list(range(len(sequences)))

@@ -148,7 +148,7 @@ def rearrange_micro_batches(
     sequences, uids, prompt_lens = _samples(batch, record.config, tu)
     routes, may_cross = split_routes(batch, record.replay_mode)
     cross, rest = plan_cross_groups(sequences, max_token_len, record.config, uids,
-                                    _tensor_parallel_size(), routes=routes) if may_cross else (
+                                    _row_multiple(), routes=routes) if may_cross else (
                                         [], list(range(len(sequences))))
     parts = [part for group in cross for part in group.parts()]
     result = _split_ordinary(sequences, rest, max_token_len, record.config, uids, prompt_lens,
@@ -181,17 +181,19 @@ def rearrange_micro_batches(
     return micro_batches, index_lists
 
 
-def _tensor_parallel_size() -> int:
+def _row_multiple() -> int:
     """What a cross group's micro-batches are padded to, as the shared forward pads its plans:
-    megatron's tensor-parallel size (sequence parallelism splits the rows over its ranks; 1
-    without megatron, whose engine alone runs cross groups)."""
+    megatron's tensor- times context-parallel size (context parallelism splits the rows over
+    its ranks, sequence parallelism each slice over TP; 1 without megatron, whose engine alone
+    runs cross groups)."""
     try:
         from megatron.core import parallel_state
     except ImportError:
         return 1
     if not parallel_state.model_parallel_is_initialized():
         return 1
-    return parallel_state.get_tensor_model_parallel_world_size()
+    return (parallel_state.get_tensor_model_parallel_world_size()
+            * parallel_state.get_context_parallel_world_size())
 
 
 def _split_ordinary(sequences: list, rest: list[int], max_token_len: int,

@@ -157,6 +157,16 @@ def test_token_budget_under_tensor_parallelism(capsys):
     assert report["num_micro_batches"] > 2 * len(report["prefix_lens"])
 
 
+def test_token_budget_under_context_parallelism(capsys):
+    """Every block and suffix split over 2 CP ranks, against the stock step on the same split
+    at CP=1: two groups, their sub-trees with shared blocks of their own."""
+    code, out, _ = verify(capsys, "--workload", "agent", "--token-budget", 60, "--cp", 2, "--json")
+    report = json.loads(out)
+    assert code == 0 and report["passed"] and report["cp"] == 2, report
+    assert report["num_shared_blocks"] > len(report["prefix_lens"]) == 2
+    assert report["vs_plain_within_fp32_rtol"]
+
+
 @pytest.mark.parametrize("argv, recompute", [
     # the long-context combination: MoE (router losses) at TP=2 with sequence parallelism
     (["--model", "tiny-moe", "--workload", "grpo", "--tp", "2", "--token-budget", 30], "full"),
@@ -220,7 +230,8 @@ def test_token_budget_under_pipeline_parallelism(capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--token-budget", "30", "--cp", "2"], "--token-budget (cross-micro-batch sharing) runs"),
+    (["--token-budget", "30", "--cp", "2", "--pp", "2"],
+     "--token-budget (cross-micro-batch sharing) runs"),
     # a 21-token prompt is carried by the first and last suffix: over half of 30
     (["--token-budget", "30", "--pp", "2"], "over half of token_budget=30"),
 ])

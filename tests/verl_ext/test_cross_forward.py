@@ -8,7 +8,8 @@ unique tokens.
 Batch: 2 agent tasks of 3 episodes (59-65 tokens; 34- and 36-token common prefixes, a branch
 at every turn). At a budget of 80 both groups cross micro-batches (3 each); at 70 the second
 one's prefix is over half the budget, so it is cut by the ordinary split (and recomputes its
-prefix) beside the first one's cross run.
+prefix) beside the first one's cross run. At ``context_parallel_size=2`` (two gloo ranks)
+every micro-batch is split over the CP ranks and the step equals the stock one at CP=1.
 """
 
 import contextlib
@@ -83,6 +84,63 @@ def test_log_probs_entropy_loss_and_every_gradient_equal_verls_stock_step(result
 def test_a_control_that_drops_the_earlier_micro_batches_prefix_gradients_fails(results):
     with pytest.raises(AssertionError, match="grad"):
         same_outputs(results[80, "control"], results[80, "off"], "control", per_micro_batch=False)
+
+
+def context_parallel_steps(rank: int) -> dict:
+    """At ``context_parallel_size=2``: the cross-micro-batch step at a budget of 80 (every
+    micro-batch, the prefix's included, split over the CP ranks) and the control, the
+    gradients averaged over the CP group as megatron's DDP does."""
+    from verl.workers.utils.losses import ppo_loss
+
+    from prefix_sharing.engines.megatron import finalize_context_parallel_grads
+    from prefix_sharing.megatron_ext import prefix_kv
+
+    use_cpu_platform()
+    results = {}
+    for name in ("cross", "control"):
+        config = actor_config(CROSS, megatron={"context_parallel_size": 2})
+        engine = build_engine(config)
+        # verl's budget is max_token_len_per_gpu x CP: 40 per GPU is the 80 of the CP=1 run
+        infer = engine.infer_batch(batch(40))
+        rows = []  # each forward's rows on this rank (the prefix pass calls it positionally)
+        engine.module[0].register_forward_pre_hook(
+            lambda module, args, kwargs, rows=rows: rows.append(
+                kwargs.get("input_ids", args[0] if args else None).size(1)), with_kwargs=True)
+        read_through = prefix_kv.read_through
+        if name == "control":  # the last micro-batch drops what the earlier ones accumulated
+            prefix_kv.read_through = lambda recorded, leaf: recorded
+        try:
+            train = engine.forward_backward_batch(batch(40), partial(ppo_loss, config=config))
+        finally:
+            prefix_kv.read_through = read_through
+        finalize_context_parallel_grads(engine.module[0])
+        grads = {n: p.grad.clone() for n, p in engine.module[0].named_parameters()}
+        results[name] = {"infer": plain_output(infer), "train": plain_output(train),
+                         "grads": grads, "rows": rows}
+    return results
+
+
+@pytest.fixture(scope="module")
+def context_parallel_results():
+    return run_distributed(context_parallel_steps, 2, cp=2, timeout=900)
+
+
+def test_context_parallel_2_equals_verls_stock_step_at_cp1(context_parallel_results, results):
+    """Both CP ranks return every sample whole and, with the gradients averaged over CP, equal
+    the stock step at CP=1; each rank ran half of every micro-batch's rows (the prefix's
+    included), and the control fails."""
+    for rank, result in enumerate(context_parallel_results):
+        cross = result["cross"]
+        metrics = cross["train"]["metrics"]
+        assert metrics["prefix_sharing/prefix_recomputes_avoided"] == [4.0]
+        assert metrics["prefix_sharing/groups_split"] == [0.0]
+        same_outputs(cross, results[80, "off"], f"cp2 rank {rank}", per_micro_batch=False)
+        # 2 groups x (the prefix + 3 micro-batches), each forward half its computed rows
+        assert len(cross["rows"]) == 8 and 2 * sum(cross["rows"]) >= sum(
+            metrics["prefix_sharing/tokens_computed"])
+        with pytest.raises(AssertionError, match="grad"):
+            same_outputs(result["control"], results[80, "off"], "control",
+                         per_micro_batch=False)
 
 
 def test_each_group_computes_its_unique_tokens_once_and_verls_metrics_say_so(results):
@@ -220,7 +278,9 @@ def test_tensor_and_sequence_parallel_equal_verls_stock_step(sequence_parallel_r
 
 @pytest.mark.parametrize("settings, named", [
     (dict(pipeline_model_parallel_size=2), "pipeline_model_parallel_size=2"),
-    (dict(virtual_pipeline_model_parallel_size=2), "virtual_pipeline_model_parallel_size=2")])
+    (dict(virtual_pipeline_model_parallel_size=2), "virtual_pipeline_model_parallel_size=2"),
+    # CP at TP=1 runs (tested above); CP x TP is tested in the group driver only
+    (dict(context_parallel_size=2), "context_parallel_size=2 with tensor_model_parallel_size=2")])
 def test_engine_settings_are_refused_by_name_at_construction(settings, named):
     from types import SimpleNamespace
 
