@@ -57,52 +57,20 @@ stages are refused by name, and CP with activation recompute, MoE or PP.
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
-
 import torch
 from megatron.core.utils import get_attr_wrapped_model
 
-from ..cross_micro_batch import GroupSchedule, SharedBlock, SuffixMicroBatch
+from ..cross_micro_batch import GroupSchedule, SuffixMicroBatch
 from ..refusals import Refused, refuse_all
 from .checks import UnsupportedSetupError
-from .cross_context_parallel import (CrossSlice, context_parallel_size, micro_batch_stats,
-                                     model_inputs, slice_micro_batch, whole_rows)
-from .logprobs import vocab_shard
+from .cross_context_parallel import context_parallel_size, model_inputs, slice_micro_batch
+from .cross_run import (Collector, GroupRun, PrefixPass, TokenLoss, score_suffix,
+                        sequence_parallel_size)
 from .packed_seq import PlanPackedSeqParams
 from .prefix_kv import PrefixKV, PrefixKVStack
 from .routing_replay import flat_routes
 
 __all__ = ["GroupRun", "PrefixPass", "TokenLoss", "check_group_model", "forward_backward_group"]
-
-TokenLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-@dataclasses.dataclass
-class GroupRun:
-    """What one group's forward+backward produced (all detached).
-
-    Attributes:
-        log_probs, entropy: ``(T_total,)`` every token of the group, packed in given order.
-        logits: ``(T_total, V)`` the same rows' logits (the whole vocabulary), when asked for
-            (``keep_logits``).
-        loss: the sum of the micro-batches' losses.
-        held_bytes: the most K/V leaves and gradients held at once across the group (the
-            live blocks'; with MoE router statistics, their router logits and gradients too).
-        tokens_computed: tokens the model ran, over all micro-batches (a recomputed block
-            counted twice).
-        metrics: the schedule's figures (:meth:`GroupSchedule.metrics
-            <prefix_sharing.cross_micro_batch.GroupSchedule.metrics>`) and
-            ``prefix_sharing/cross_held_bytes``.
-    """
-
-    log_probs: torch.Tensor
-    entropy: torch.Tensor
-    logits: torch.Tensor | None
-    loss: torch.Tensor
-    held_bytes: int
-    tokens_computed: int
-    metrics: dict[str, float]
 
 
 def forward_backward_group(
@@ -160,7 +128,7 @@ def forward_backward_group(
         held = MoEAuxLossAutoScaler.main_loss_backward_scale
         MoEAuxLossAutoScaler.set_loss_scale(torch.full(
             (1,) if held is None else held.shape, float(aux_loss_scale), device=device))
-    out = _Collector(schedule.num_tokens_total, device, keep_logits)
+    out = Collector(schedule.num_tokens_total, device, keep_logits)
     kvs: dict[int, PrefixKV] = {}  # the live blocks'
     passes: dict[int, PrefixPass] = {}
     losses: dict[int, torch.Tensor] = {}
@@ -197,7 +165,7 @@ def forward_backward_group(
 
 
 def _suffix(model: torch.nn.Module, suffix: SuffixMicroBatch, kvs: dict[int, PrefixKV],
-            token_loss: TokenLoss, out: _Collector, backend: str, temperature: float,
+            token_loss: TokenLoss, out: Collector, backend: str, temperature: float,
             device: torch.device) -> None:
     """One suffix micro-batch's forward and backward, reading its stack of blocks."""
     cp = slice_micro_batch(suffix.plan, suffix.tail_plan, suffix.plan.num_tokens_flat, device)
@@ -211,148 +179,8 @@ def _suffix(model: torch.nn.Module, suffix: SuffixMicroBatch, kvs: dict[int, Pre
     (loss * context_parallel_size()).backward()  # as megatron's schedule scales it under CP
 
 
-def score_suffix(logits: torch.Tensor, suffix: SuffixMicroBatch, token_loss: TokenLoss,
-                 out: _Collector, temperature: float,
-                 cp: CrossSlice | None = None) -> torch.Tensor:
-    """A suffix micro-batch's loss from its logits (``[T, V]``; under CP this rank's rows,
-    ``cp``), its outputs collected."""
-    tail_plan = suffix.tail_plan.to(logits.device)
-    stats = micro_batch_stats(logits, tail_plan, cp, temperature=temperature)
-    positions = suffix.token_positions.to(logits.device)
-    loss = token_loss(stats.log_probs, stats.entropy, positions)
-    out.add(positions, stats.log_probs, stats.entropy, loss,
-            lambda: tail_plan.restore(whole_rows(logits, cp)))
-    return loss
-
-
-class PrefixPass:
-    """A shared block's micro-batch (by default the schedule's first: the whole common prefix
-    of a one-level schedule): its rows after the K/V of the blocks it reads (pad rows after
-    them), recording its own K/V."""
-
-    def __init__(self, schedule: GroupSchedule, prefix_kv: PrefixKV | PrefixKVStack,
-                 backend: str, temperature: float, device: torch.device, *,
-                 block: SharedBlock | None = None) -> None:
-        block = schedule.blocks[0] if block is None else block
-        self.prefix_len = block.length
-        self.cp = slice_micro_batch(block.plan, block.stats_plan, block.length, device)
-        self.params = PlanPackedSeqParams.from_plan(block.plan.to(device), backend,
-                                                    cp=self.cp and self.cp.attention,
-                                                    prefix_kv=prefix_kv,
-                                                    routes=_block_routes(block, device))
-        self.stats_plan = block.stats_plan.to(device)
-        # the block's rows of every member, without the placeholder position
-        self.keep = (~block.stats_plan.is_last_token).nonzero()[:, 0].to(device)
-        self.positions = block.positions.to(device)
-        self.num_sequences = len(block.members)
-        self.temperature = temperature
-
-    def forward(self, model: torch.nn.Module) -> torch.Tensor:
-        return model(*model_inputs(self.params.plan, self.cp), None,
-                     packed_seq_params=self.params)[0]  # [length (+ pad rows) (/ CP), V]
-
-    def stats(self, model: torch.nn.Module,
-              with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None,
-                                                  Callable[[], torch.Tensor]]:
-        """Forward, then every member's log-probs and entropy at the block's positions
-        (``(N * length,)`` each, member-major: the block's ``positions``' order), and a
-        callable giving those positions' logits."""
-        return self.stats_of(self.forward(model), with_entropy)
-
-    def stats_of(self, logits: torch.Tensor,
-                 with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None,
-                                                     Callable[[], torch.Tensor]]:
-        """:meth:`stats` of this pass's output ``logits`` (``[rows, V]``; under CP this rank's
-        rows)."""
-        # under CP this rank's rows, its positions those that read its block rows
-        rows = logits if self.cp is not None else self._with_placeholders(logits)
-        stats = micro_batch_stats(rows, self.stats_plan, self.cp, temperature=self.temperature,
-                                  with_entropy=with_entropy)
-        log_probs = stats.log_probs.index_select(0, self.keep)
-        entropy = stats.entropy.index_select(0, self.keep) if with_entropy else None
-        return log_probs, entropy, lambda: self.stats_plan.restore(
-            self._with_placeholders(whole_rows(logits, self.cp))).index_select(0, self.keep)
-
-    def _with_placeholders(self, logits: torch.Tensor) -> torch.Tensor:
-        """The block's rows (its pad rows' logits are not read), then one placeholder row per
-        member: the stats plan's last position, discarded."""
-        logits = logits[: self.prefix_len]
-        return torch.cat([logits, logits.new_zeros(self.num_sequences, logits.size(1))])
-
-    def scored(self, model: torch.nn.Module, token_loss: TokenLoss,
-               out: _Collector) -> torch.Tensor:
-        """Forward with grad, and the loss of every member's positions in the block."""
-        return self.score(self.forward(model), token_loss, out)
-
-    def score(self, logits: torch.Tensor, token_loss: TokenLoss,
-              out: _Collector) -> torch.Tensor:
-        """:meth:`scored` of this pass's output ``logits`` (``[rows, V]``)."""
-        log_probs, entropy, logits = self.stats_of(logits)
-        loss = token_loss(log_probs, entropy, self.positions)
-        out.add(self.positions, log_probs, entropy, loss, logits)
-        return loss
-
-
-class _Collector:
-    """Assembles the group's per-token outputs from its micro-batches."""
-
-    def __init__(self, total: int, device: torch.device, keep_logits: bool) -> None:
-        self.log_probs = torch.zeros(total, device=device)
-        self.entropy = torch.zeros(total, device=device)
-        self.logits: torch.Tensor | None = None
-        self.keep_logits = keep_logits
-        self.loss = torch.zeros((), device=device)
-        self.total = total
-
-    def add(self, positions: torch.Tensor, log_probs: torch.Tensor, entropy: torch.Tensor,
-            loss: torch.Tensor, logits: Callable[[], torch.Tensor]) -> None:
-        self.log_probs = self.log_probs.to(log_probs.dtype)
-        self.entropy = self.entropy.to(entropy.dtype)
-        self.log_probs[positions] = log_probs.detach()
-        self.entropy[positions] = entropy.detach()
-        self.loss = self.loss + loss.detach()
-        if self.keep_logits:
-            rows = _whole_vocab(logits().detach())
-            if self.logits is None:
-                self.logits = rows.new_zeros(self.total, rows.size(1))
-            self.logits[positions] = rows
-
-    def result(self, held_bytes: int, tokens_computed: int,
-               metrics: dict[str, float]) -> GroupRun:
-        return GroupRun(self.log_probs, self.entropy, self.logits, self.loss, held_bytes,
-                        tokens_computed, metrics)
-
-
 def _to(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
     return None if tensor is None else tensor.to(device)
-
-
-def _block_routes(block: SharedBlock, device: torch.device) -> torch.Tensor | None:
-    """The routes a block's flat rows replay: its tokens', then its pad rows' (nobody reads
-    them: the first row's, as :func:`~.routing_replay.flat_routes` gives pad rows)."""
-    if block.routes is None:
-        return None
-    pad = block.plan.num_tokens_flat - block.length
-    return torch.cat([block.routes, block.routes[:1].expand(pad, -1, -1)]).to(device)
-
-
-def _whole_vocab(logits: torch.Tensor) -> torch.Tensor:
-    """Every rank's vocabulary slice side by side (for comparisons; no gradient)."""
-    if vocab_shard(logits.size(-1)) is None:
-        return logits
-    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
-
-    return gather_from_tensor_model_parallel_region(logits)
-
-
-def sequence_parallel_size(model: torch.nn.Module) -> int:
-    """The number of ranks a micro-batch's rows are split over (1 without sequence
-    parallelism)."""
-    if not get_attr_wrapped_model(model, "config").sequence_parallel:
-        return 1
-    from megatron.core import parallel_state
-
-    return parallel_state.get_tensor_model_parallel_world_size()
 
 
 def check_group_model(model: torch.nn.Module) -> None:

@@ -52,8 +52,8 @@ from megatron.core.utils import get_attr_wrapped_model
 from ..cross_micro_batch import GroupSchedule, SuffixMicroBatch
 from ..refusals import refuse
 from .checks import UnsupportedSetupError
-from .cross_micro_batch import (GroupRun, PrefixPass, TokenLoss, _Collector, score_suffix,
-                               sequence_parallel_size)
+from .cross_run import (Collector, GroupRun, PrefixPass, TokenLoss, score_suffix,
+                        sequence_parallel_size)
 from .packed_seq import PlanPackedSeqParams
 from .prefix_kv import PrefixKV, PrefixKVStack
 
@@ -101,7 +101,7 @@ def forward_backward_pipelined_group(
     count = len(schedule.suffixes)
     steps = [_Step(s, j in (0, count - 1), j == count - 1)
              for j, s in enumerate(schedule.suffixes)]
-    out = _Collector(schedule.num_tokens_total, device, keep_logits)
+    out = Collector(schedule.num_tokens_total, device, keep_logits)
     last_stage = get_attr_wrapped_model(model, "post_process")
     decoder = get_attr_wrapped_model(model, "decoder")
     set_input_tensor = get_attr_wrapped_model(model, "set_input_tensor")

@@ -212,7 +212,7 @@ def check_cross_model(model) -> None:
 def _run_prefix(model, part: CrossPart, sharing: PrefixSharingConfig, temperature: float,
                 with_entropy: bool, device: torch.device) -> GroupState:
     """The group's prefix forward (recording its K/V) and its prefix-position statistics."""
-    from ..megatron_ext.cross_micro_batch import PrefixPass
+    from ..megatron_ext.cross_run import PrefixPass
     from ..megatron_ext.prefix_kv import PrefixKV
 
     schedule = part.group.schedule
