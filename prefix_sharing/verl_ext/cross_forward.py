@@ -117,23 +117,33 @@ def cross_forward(
                          f"{input_ids.size(0)} samples; its plan has {len(suffix.members)}")
     temperature = micro_batch_temperature((logits_processor_args or {}).get("temperature"))
     device = input_ids.device
-    if part.first:
+    if part.group.nested:  # chunks and sub-tree blocks (.cross_nested)
+        from .cross_nested import close_micro_batch, open_micro_batch
+
+        prefix_kv = open_micro_batch(model, part, sharing.backend, temperature,
+                                     calculate_entropy, device)
+    elif part.first:
         part.group.state = _run_prefix(model, part, sharing, temperature, calculate_entropy,
                                        device)
-    state: GroupState = part.group.state
+    state = part.group.state
     if temperature != state.temperature:
         raise refuse("verl.temperatures", f"a cross-micro-batch group with temperatures "
                      f"{state.temperature} and {temperature}", error=PrefixSharingSetupError)
-    state.prefix_kv.mode = "read_last" if part.last else "read"
+    if not part.group.nested:
+        state.prefix_kv.mode = "read_last" if part.last else "read"
+        prefix_kv = state.prefix_kv
     plan, tail_plan = suffix.plan.to(device), suffix.tail_plan.to(device)
-    params = PlanPackedSeqParams.from_plan(plan, sharing.backend, prefix_kv=state.prefix_kv)
+    params = PlanPackedSeqParams.from_plan(plan, sharing.backend, prefix_kv=prefix_kv)
     logits = model(input_ids=plan.input_ids[None], attention_mask=None,
                    position_ids=plan.position_ids[None], packed_seq_params=params)[0]
     stats = token_log_probs(logits, tail_plan, temperature=temperature,
                             with_entropy=calculate_entropy,
                             vocab_shard=vocab_shard(logits.size(-1)))
-    prefix = state.prefix_stats(list(suffix.members), part.last)
-    if part.last:
+    if part.group.nested:
+        prefix = close_micro_batch(part)
+    else:
+        prefix = state.prefix_stats(list(suffix.members), part.last)
+    if part.last and not part.group.nested:
         part.group.held_bytes = state.prefix_kv.held_bytes()
         part.group.state = None  # the last micro-batch's graph holds what its backward needs
     if metrics is not None:

@@ -57,6 +57,7 @@ class SplitRecord:
     config: PrefixSharingConfig
     split: MicroBatchSplit | None = None
     parts: list[CrossPart] = dataclasses.field(default_factory=list)
+    nested: bool = False  # a cross group may nest (the engine's model allows it)
 
     def metrics(self) -> dict[str, float]:
         if self.split is None:
@@ -68,6 +69,10 @@ class SplitRecord:
                 sum(g.schedule.prefix_recomputes_avoided for g in groups))
             metrics[f"{METRIC_PREFIX}prefix_kv_held_bytes"] = float(
                 max((g.held_bytes for g in groups), default=0))
+            metrics[f"{METRIC_PREFIX}cross_held_bytes"] = metrics[
+                f"{METRIC_PREFIX}prefix_kv_held_bytes"]
+            metrics[f"{METRIC_PREFIX}cross_recomputed_tokens"] = float(
+                sum(g.schedule.recomputed_tokens() + g.recomputed_tokens for g in groups))
         return metrics
 
     def part(self, micro_batch: Any) -> CrossPart | None:
@@ -83,13 +88,14 @@ _ACTIVE: contextvars.ContextVar[SplitRecord | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def sharing_split(config: PrefixSharingConfig) -> Iterator[SplitRecord]:
+def sharing_split(config: PrefixSharingConfig, nested: bool = False) -> Iterator[SplitRecord]:
     """Within this block, verl's dynamic-bsz split keeps ``config``'s sharing groups together.
 
     An engine wraps its ``forward_backward_batch`` in it; the yielded record holds the split
     afterwards (for :func:`add_split_metrics`). With ``mode="off"`` verl's split runs as is.
+    ``nested``: a group too large for one level may nest (:mod:`.cross_nested`).
     """
-    record = SplitRecord(config)
+    record = SplitRecord(config, nested=nested)
     token = _ACTIVE.set(record if config.enabled else None)
     try:
         yield record
@@ -142,7 +148,7 @@ def rearrange_micro_batches(
 
     sequences, uids, prompt_lens = _samples(batch, record.config, tu)
     cross, rest = plan_cross_groups(sequences, max_token_len, record.config, uids,
-                                    _tensor_parallel_size())
+                                    _tensor_parallel_size(), record.nested)
     parts = [part for group in cross for part in group.parts()]
     result = _split_ordinary(sequences, rest, max_token_len, record.config, uids, prompt_lens,
                              max(1, (min_num_micro_batch or 1) - len(parts)))

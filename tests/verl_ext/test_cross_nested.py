@@ -1,0 +1,125 @@
+"""Groups that nest inside verl's real Megatron engine (whichever supported verl is installed):
+a common prefix longer than half the budget - longer than the budget itself - computed in
+chunks, and a two-level tree whose branches do not fit beside their shared part, each shared
+part computed once (:mod:`prefix_sharing.verl_ext.cross_nested`). ``infer_batch`` (log-probs,
+entropy) and ``forward_backward_batch`` (verl's ``ppo_loss``, every gradient) equal verl's
+stock step with the feature off on the same weights (fp32, one process).
+
+Batches: ``chunks``, 2 agent tasks of 3 episodes (59-65 tokens, common prefixes of 34 and 36)
+under a budget of 30: each prefix in 2 chunks, the first task's longest episode a one-member
+sub-tree block (its 31-token tail does not fit); ``tree``, 1 agent task of 4 episodes (72-85
+tokens, a 34-token prefix, 2 first-turn branches of 13 and 18 shared tokens) under 40: the
+prefix in one block (over half the budget: one level refuses it), each branch a block reading
+it, 4 suffixes.
+"""
+
+import importlib.util
+from functools import partial
+
+import pytest
+
+if importlib.util.find_spec("verl") is None:
+    pytest.skip("verl is not installed (build an environment with .ci/verl_env.sh <version>)",
+                allow_module_level=True)
+
+from prefix_sharing.engines.launch import run_distributed  # noqa: E402
+from tests.verl_ext._batch import PRESET, make_batch, plain_output, use_cpu_platform  # noqa: E402
+from tests.verl_ext._compare import same_outputs  # noqa: E402
+from tests.verl_ext._engine import actor_config, build_engine  # noqa: E402
+
+CROSS = {"mode": "arbitrary_prefix", "min_prefix_len": 1, "cross_micro_batch": True}
+BATCHES = {  # name: (agent workload sizes, budget)
+    "chunks": (dict(num_tasks=2, num_turns=2, branching=3), 30),
+    "tree": (dict(num_tasks=1, num_turns=3, branching=2), 40),
+}
+STOCK_BUDGET = 200  # verl's own split refuses a sample longer than the budget
+
+
+def batch(name: str, budget: int | None = None):
+    from verl.utils import tensordict_utils as tu
+
+    sizes, nested_budget = BATCHES[name]
+    data = make_batch("agent", **sizes)
+    tu.assign_non_tensor(data, use_dynamic_bsz=True,
+                         max_token_len_per_gpu=budget or nested_budget)
+    return data
+
+
+def steps(rank: int) -> dict:
+    """Per batch: verl's stock step (feature off; under a budget its longest sample fits, as
+    verl requires: its result does not depend on the split) and the cross-micro-batch one; on
+    ``chunks``, a control whose last readers drop the gradients the earlier readers
+    accumulated in the blocks' leaves. Each on a fresh copy of the same seeded model."""
+    from verl.workers.utils.losses import ppo_loss
+
+    from prefix_sharing.megatron_ext import prefix_kv
+
+    use_cpu_platform()
+    results = {}
+    runs = [(name, mode) for name in BATCHES for mode in ("off", "cross")]
+    for name, mode in runs + [("chunks", "control")]:
+        config = actor_config(None if mode == "off" else CROSS)
+        engine = build_engine(config)
+        budget = STOCK_BUDGET if mode == "off" else None
+        infer = engine.infer_batch(batch(name, budget))
+        read_through = prefix_kv.read_through
+        if mode == "control":
+            prefix_kv.read_through = lambda recorded, leaf: recorded
+        try:
+            train = engine.forward_backward_batch(batch(name, budget),
+                                                  partial(ppo_loss, config=config))
+        finally:
+            prefix_kv.read_through = read_through
+        grads = {n: p.grad.clone() for n, p in engine.module[0].named_parameters()}
+        results[name, mode] = {"infer": plain_output(infer), "train": plain_output(train),
+                               "grads": grads}
+    return results
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_distributed(steps, 1, timeout=600)[0]
+
+
+@pytest.mark.parametrize("name", BATCHES)
+def test_log_probs_entropy_loss_and_every_gradient_equal_verls_stock_step(results, name):
+    same_outputs(results[name, "cross"], results[name, "off"], name, per_micro_batch=False)
+
+
+def test_a_control_that_drops_the_leaves_gradients_at_the_last_reader_fails(results):
+    with pytest.raises(AssertionError, match="grad"):
+        same_outputs(results["chunks", "control"], results["chunks", "off"], "control",
+                     per_micro_batch=False)
+
+
+def schedules(name: str) -> list:
+    from prefix_sharing import PrefixSharingConfig
+    from prefix_sharing.cross_micro_batch import plan_group
+    from prefix_sharing.workloads import make_workload
+
+    sizes, budget = BATCHES[name]
+    wl = make_workload("agent", vocab_size=PRESET.vocab_size, seed=0, **sizes)
+    config = PrefixSharingConfig(min_prefix_len=1)
+    return [plan_group([wl.sequences[m] for m in g.members], budget, config) for g in wl.groups]
+
+
+@pytest.mark.parametrize("name", BATCHES)
+def test_every_shared_part_is_computed_once_and_verls_metrics_say_so(results, name):
+    groups = schedules(name)
+    shapes = {"chunks": [[17, 17, 30], [18, 18]], "tree": [[34, 13, 18]]}[name]
+    assert [[b.length for b in s.blocks] for s in groups] == shapes
+    metrics = results[name, "cross"]["train"]["metrics"]
+    unique = sum(s.tokens_distinct for s in groups)
+    assert unique == {"chunks": 119 + 114, "tree": 176}[name]
+    assert metrics["prefix_sharing/tokens_computed"] == [float(unique)]
+    assert metrics["prefix_sharing/groups_split"] == [0.0]
+    assert metrics["prefix_sharing/num_micro_batches"] == [
+        float(sum(len(s.suffixes) for s in groups))]
+    # each block once more, in its last reader's backward
+    assert metrics["prefix_sharing/cross_recomputed_tokens"] == [
+        float(sum(b.length for s in groups for b in s.blocks))]
+    # the most K/V leaves and gradients held at once: a 36-row stack (chunks) read by every
+    # suffix; the tree's 34-row prefix with one branch's 18 rows
+    rows = {"chunks": 36, "tree": 34 + 18}[name]
+    assert metrics["prefix_sharing/cross_held_bytes"] == [
+        float(2 * 2 * PRESET.num_layers * rows * PRESET.num_query_groups * PRESET.head_dim * 4)]
