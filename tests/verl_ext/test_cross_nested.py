@@ -13,6 +13,7 @@ prefix in one block (over half the budget: one level refuses it), each branch a 
 it, 4 suffixes.
 """
 
+import contextlib
 import importlib.util
 from functools import partial
 
@@ -47,29 +48,34 @@ def batch(name: str, budget: int | None = None):
 
 def steps(rank: int) -> dict:
     """Per batch: verl's stock step (feature off; under a budget its longest sample fits, as
-    verl requires: its result does not depend on the split) and the cross-micro-batch one; on
-    ``chunks``, a control whose last readers drop the gradients the earlier readers
-    accumulated in the blocks' leaves. Each on a fresh copy of the same seeded model."""
+    verl requires: its result does not depend on the split) and the cross-micro-batch one.
+    Two controls: on ``chunks``, the last readers drop the gradients the earlier readers
+    accumulated in the blocks' leaves; on ``tree``, a branch block closing in the same
+    backward as the prefix reads the prefix's leaves, not its recorded K/V (its gradient then
+    reaches the leaves after - or before - the prefix's backward has read them, as autograd
+    happens to order two unrelated nodes). Each on a fresh copy of the same seeded model."""
+    from unittest import mock
+
     from verl.workers.utils.losses import ppo_loss
 
     from prefix_sharing.megatron_ext import prefix_kv
 
     use_cpu_platform()
+    start_pass = prefix_kv.PrefixKVPass.__init__
+    controls = {
+        "chunks": mock.patch.object(prefix_kv, "read_through", lambda recorded, leaf: recorded),
+        "tree": mock.patch.object(prefix_kv.PrefixKVPass, "__init__", lambda self, store, mode:
+                                  start_pass(self, store, mode.replace("read_recorded", "read"))),
+    }
     results = {}
-    runs = [(name, mode) for name in BATCHES for mode in ("off", "cross")]
-    for name, mode in runs + [("chunks", "control")]:
+    for name, mode in [(name, mode) for name in BATCHES for mode in ("off", "cross", "control")]:
         config = actor_config(None if mode == "off" else CROSS)
         engine = build_engine(config)
         budget = STOCK_BUDGET if mode == "off" else None
         infer = engine.infer_batch(batch(name, budget))
-        read_through = prefix_kv.read_through
-        if mode == "control":
-            prefix_kv.read_through = lambda recorded, leaf: recorded
-        try:
+        with controls[name] if mode == "control" else contextlib.nullcontext():
             train = engine.forward_backward_batch(batch(name, budget),
                                                   partial(ppo_loss, config=config))
-        finally:
-            prefix_kv.read_through = read_through
         grads = {n: p.grad.clone() for n, p in engine.module[0].named_parameters()}
         results[name, mode] = {"infer": plain_output(infer), "train": plain_output(train),
                                "grads": grads}
@@ -86,9 +92,10 @@ def test_log_probs_entropy_loss_and_every_gradient_equal_verls_stock_step(result
     same_outputs(results[name, "cross"], results[name, "off"], name, per_micro_batch=False)
 
 
-def test_a_control_that_drops_the_leaves_gradients_at_the_last_reader_fails(results):
+@pytest.mark.parametrize("name", BATCHES)
+def test_the_controls_fail_on_the_gradients(results, name):
     with pytest.raises(AssertionError, match="grad"):
-        same_outputs(results["chunks", "control"], results["chunks", "off"], "control",
+        same_outputs(results[name, "control"], results[name, "off"], f"{name} control",
                      per_micro_batch=False)
 
 
