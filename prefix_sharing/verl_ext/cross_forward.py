@@ -16,6 +16,10 @@ runs forward then backward per micro-batch, so the prefix is woven into them:
   other - runs the prefix's backward once, with every micro-batch's gradient, inside the same
   pass. Everything happens before verl's optimizer step and megatron's gradient reduction.
 
+A group that does not fit one level (a prefix over half the budget, a tail over the rest)
+nests instead - its prefix in chunks, its branches in sub-tree blocks - where the engine's model
+allows it: :mod:`.cross_nested` runs those blocks around the same suffix forward.
+
 Each sample's log-probs and entropy come back as verl expects them (the value at ``t`` scores
 token ``t + 1``, the last position 0), so verl's loss runs unchanged on each micro-batch.
 Held across the group: the prefix's activations (its graph) and its K/V leaves with their

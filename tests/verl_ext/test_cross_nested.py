@@ -120,6 +120,9 @@ def test_every_shared_part_is_computed_once_and_verls_metrics_say_so(results, na
     assert unique == {"chunks": 119 + 114, "tree": 176}[name]
     assert metrics["prefix_sharing/tokens_computed"] == [float(unique)]
     assert metrics["prefix_sharing/groups_split"] == [0.0]
+    # a micro-batch's forward computes the blocks opening in it besides its tails (they keep
+    # no activations): the first, 17 + 17 + 30 + a 1-token tail; 34 + 13 + a 29-token tail
+    assert metrics["prefix_sharing/max_tokens_computed"] == [{"chunks": 65.0, "tree": 76.0}[name]]
     assert metrics["prefix_sharing/num_micro_batches"] == [
         float(sum(len(s.suffixes) for s in groups))]
     # each block once more, in its last reader's backward
