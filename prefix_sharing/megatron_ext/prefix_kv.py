@@ -139,7 +139,8 @@ class PrefixKVPass:
         # set while a checkpoint recomputes this forward inside the backward (verl's nested
         # groups): every call then computes what its first call did and changes no state
         self.replaying = False
-        self._runs: dict[tuple[int, str], str] = {}  # -> "graph" | "no_graph" | "read_through"
+        # -> "graph" | "no_graph" (recording), "read_through" | "recorded" | "leaves" (reading)
+        self._runs: dict[tuple[int, str], str] = {}
 
     def exchange(self, layer_number: int, key: torch.Tensor,
                  value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -206,7 +207,7 @@ class PrefixKVPass:
                 raise RuntimeError(
                     f"layer {layer}'s last reader of the prefix is recomputed but the prefix's "
                     "layer was not (one activation recompute setting for all micro-batches)")
-        if run != "leaves":
+        if run in ("read_through", "recorded"):
             recorded = (outputs[layer],) if single else outputs[layer]
             if run == "recorded":
                 return recorded

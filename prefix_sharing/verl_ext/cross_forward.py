@@ -147,9 +147,9 @@ def cross_forward(
         prefix = close_micro_batch(part)
     else:
         prefix = state.prefix_stats(list(suffix.members), part.last)
-    if part.last and not part.group.nested:
-        part.group.held_bytes = state.prefix_kv.held_bytes()
-        part.group.state = None  # the last micro-batch's graph holds what its backward needs
+        if part.last:
+            part.group.held_bytes = state.prefix_kv.held_bytes()
+            part.group.state = None  # the last micro-batch's graph holds what its backward needs
     if metrics is not None:
         metrics.add_tokens(part.tokens_total, part.tokens_computed)
     result = {"log_probs": (prefix[0], stats.log_probs)}

@@ -13,7 +13,6 @@ prefix in one block (over half the budget: one level refuses it), each branch a 
 it, 4 suffixes.
 """
 
-import contextlib
 import importlib.util
 from functools import partial
 
@@ -24,9 +23,9 @@ if importlib.util.find_spec("verl") is None:
                 allow_module_level=True)
 
 from prefix_sharing.engines.launch import run_distributed  # noqa: E402
-from tests.verl_ext._batch import PRESET, make_batch, plain_output, use_cpu_platform  # noqa: E402
+from tests.verl_ext._batch import PRESET, make_batch, use_cpu_platform  # noqa: E402
 from tests.verl_ext._compare import same_outputs  # noqa: E402
-from tests.verl_ext._engine import actor_config, build_engine  # noqa: E402
+from tests.verl_ext._engine import actor_config, build_engine, step  # noqa: E402
 
 CROSS = {"mode": "arbitrary_prefix", "min_prefix_len": 1, "cross_micro_batch": True}
 BATCHES = {  # name: (agent workload sizes, budget)
@@ -56,8 +55,6 @@ def steps(rank: int) -> dict:
     happens to order two unrelated nodes). Each on a fresh copy of the same seeded model."""
     from unittest import mock
 
-    from verl.workers.utils.losses import ppo_loss
-
     from prefix_sharing.megatron_ext import prefix_kv
 
     use_cpu_platform()
@@ -70,15 +67,9 @@ def steps(rank: int) -> dict:
     results = {}
     for name, mode in [(name, mode) for name in BATCHES for mode in ("off", "cross", "control")]:
         config = actor_config(None if mode == "off" else CROSS)
-        engine = build_engine(config)
         budget = STOCK_BUDGET if mode == "off" else None
-        infer = engine.infer_batch(batch(name, budget))
-        with controls[name] if mode == "control" else contextlib.nullcontext():
-            train = engine.forward_backward_batch(batch(name, budget),
-                                                  partial(ppo_loss, config=config))
-        grads = {n: p.grad.clone() for n, p in engine.module[0].named_parameters()}
-        results[name, mode] = {"infer": plain_output(infer), "train": plain_output(train),
-                               "grads": grads}
+        results[name, mode] = step(build_engine(config), config, partial(batch, name, budget),
+                                   controls[name] if mode == "control" else None)
     return results
 
 
