@@ -108,6 +108,10 @@ def test_each_group_computes_its_unique_tokens_once_and_verls_metrics_say_so(res
     # 2 (K, V) x 2 x layers x 36 tokens x K/V heads x head dim x 4 bytes
     assert metrics["prefix_sharing/prefix_kv_held_bytes"] == [
         float(2 * 2 * PRESET.num_layers * 36 * PRESET.num_query_groups * PRESET.head_dim * 4)]
+    # the library's names: the same held bytes; nothing computed twice (every branch whole)
+    assert metrics["prefix_sharing/cross_held_bytes"] == metrics[
+        "prefix_sharing/prefix_kv_held_bytes"]
+    assert metrics["prefix_sharing/cross_recomputed_tokens"] == [0.0]
 
 
 RECOMPUTE = {  # megatron's activation recompute, on the model of both runs

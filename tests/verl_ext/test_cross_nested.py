@@ -124,3 +124,24 @@ def test_every_shared_part_is_computed_once_and_verls_metrics_say_so(results, na
     rows = {"chunks": 36, "tree": 34 + 18}[name]
     assert metrics["prefix_sharing/cross_held_bytes"] == [
         float(2 * 2 * PRESET.num_layers * rows * PRESET.num_query_groups * PRESET.head_dim * 4)]
+
+
+@pytest.mark.parametrize("setting", [
+    {}, {"recompute_granularity": "full"}, {"num_moe_experts": 4}, {"window_size": (6, 0)},
+    {"tensor_model_parallel_size": 2}])
+def test_groups_nest_only_on_the_settings_tested_here(setting):
+    """Elsewhere a group that does not fit one level is cut by the ordinary split, as before."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from megatron.core import parallel_state
+
+    from prefix_sharing.verl_ext.cross_nested import nested_supported
+
+    setting = dict(setting)
+    tp = setting.pop("tensor_model_parallel_size", 1)
+    config = SimpleNamespace(**{"recompute_granularity": None, "num_moe_experts": None,
+                                "window_size": None, **setting})
+    with mock.patch.object(parallel_state, "get_tensor_model_parallel_world_size",
+                           return_value=tp):
+        assert nested_supported(config) == (not setting and tp == 1)
