@@ -15,37 +15,44 @@ verl's loss reads every sample's full row), forward then backward, in turn. So:
   Every earlier reader, suffix or block, reads the block's leaves (detached copies that
   require grad), so its backward accumulates there; the last suffix reads the recorded tensors
   themselves with the leaves' gradients added on the way back (``prefix_kv.read_through``),
-  and a block closing in the same micro-batch reads them directly (mode ``"read_recorded"``):
-  then that micro-batch's backward (megatron's, like every other) runs the blocks'
-  backwards, each once, after all of its readers', **ordered by autograd's own dependencies**:
-  the leaves it adds were complete before that backward began (every other reader's backward
-  ran in an earlier micro-batch), and a block that reads it in the same backward is upstream
-  of it in the graph. Everything happens before verl's optimizer step and megatron's gradient
+  and a block that reads it and closes in the same micro-batch reads them directly (mode
+  ``"read_recorded"``): then that micro-batch's backward (megatron's, like every other) runs
+  the blocks' backwards, each once, after all of its readers', **ordered by autograd's own
+  dependencies**: the leaves' gradients it adds were complete before that backward began
+  (every other reader's backward ran in an earlier micro-batch), and a block that reads it in
+  the same backward is upstream of it in the graph. Everything happens before verl's optimizer step and megatron's gradient
   reduction, inside the step's usual backwards.
 - **memory**: a block's forward runs under a non-reentrant checkpoint
   (``torch.utils.checkpoint``): it keeps no activations between micro-batches, only its K/V
   and statistics (the leaves share their storage) and their gradients; the last reader's
-  backward recomputes it (``prefix_sharing/cross_recomputed_tokens`` counts those rows). So no
+  backward recomputes it when it reaches it, after that micro-batch's own nodes (autograd
+  runs later nodes first; ``prefix_sharing/cross_recomputed_tokens`` counts those rows). So no
   micro-batch holds more live activation rows than the budget (a tail, or one block while it
   is recomputed), and its tails are packed under the whole budget; what is held across
   micro-batches is the live blocks' K/V leaves and gradients (``prefix_sharing/
-  cross_held_bytes``) and their statistics. A forward-only step (old log-probs) computes each
-  block once, without grad.
+  cross_held_bytes``) and their statistics. Keeping the blocks' graphs instead, as the
+  one-level path keeps its prefix's, would hold a prefix longer than the budget in activations
+  across every micro-batch. A forward-only step (old log-probs) computes each block once,
+  without grad; a training step twice.
 
 Runs dense models at TP=1 without activation recompute or sliding windows (what the tests
 compare with verl's stock step); with other settings the engine plans such groups as before
-(one level, or the ordinary split: :func:`nested_supported`). The group's first-level state
-(the one-level path, :mod:`.cross_forward`) is untouched.
+(the ordinary split: :func:`nested_supported`). A group that fits one level keeps
+:mod:`.cross_forward`'s schedule (its prefix kept, computed once).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..cross_micro_batch import GroupSchedule
+
+if TYPE_CHECKING:
+    from ..megatron_ext.prefix_kv import PrefixKVStack
+    from .cross_groups import CrossPart
 
 __all__ = ["NestedState", "closing_suffixes", "opening_blocks", "nested_supported",
            "open_micro_batch", "close_micro_batch"]
@@ -113,8 +120,9 @@ class NestedState:
         self.opens = opening_blocks(self.schedule)
 
 
-def open_micro_batch(model, part, backend: str, temperature: float, with_entropy: bool,
-                     device: torch.device):
+def open_micro_batch(model: torch.nn.Module, part: CrossPart, backend: str,
+                     temperature: float, with_entropy: bool,
+                     device: torch.device) -> PrefixKVStack:
     """Runs the blocks opening at the start of micro-batch ``part`` and returns what its
     suffix reads: the stack of its blocks' stores, each in its mode (the leaves, or read
     through by their last reader)."""
@@ -134,7 +142,7 @@ def open_micro_batch(model, part, backend: str, temperature: float, with_entropy
     return PrefixKVStack([state.blocks[r].kv for r in reads])
 
 
-def close_micro_batch(part) -> tuple[torch.Tensor, torch.Tensor | None]:
+def close_micro_batch(part: CrossPart) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(n, depth)`` log-probs and entropy (or None) of micro-batch ``part``'s samples at the
     positions its blocks computed (the leaves, or the recorded tensors read through where it
     is their last reader); then drops the blocks it closes."""
@@ -163,7 +171,7 @@ def close_micro_batch(part) -> tuple[torch.Tensor, torch.Tensor | None]:
     return log_probs, torch.cat(heads[1], dim=1) if heads[1] else None
 
 
-def _run_block(model, state: NestedState, b: int, backend: str, with_entropy: bool,
+def _run_block(model: torch.nn.Module, state: NestedState, b: int, backend: str, with_entropy: bool,
                device: torch.device) -> _Block:
     """Block ``b``'s forward, recording its K/V, under a non-reentrant checkpoint when it
     keeps a graph (see the module doc): a block closing in the same micro-batch as one it
