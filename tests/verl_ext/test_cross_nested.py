@@ -13,6 +13,7 @@ prefix in one block (over half the budget: one level refuses it), each branch a 
 it, 4 suffixes.
 """
 
+import contextlib
 import importlib.util
 from functools import partial
 
@@ -55,7 +56,10 @@ def steps(rank: int) -> dict:
     happens to order two unrelated nodes). Each on a fresh copy of the same seeded model."""
     from unittest import mock
 
+    import torch.utils.checkpoint
+
     from prefix_sharing.megatron_ext import prefix_kv
+    from tests.megatron_ext._memory import SavedActivations
 
     use_cpu_platform()
     start_pass = prefix_kv.PrefixKVPass.__init__
@@ -64,13 +68,28 @@ def steps(rank: int) -> dict:
         "tree": mock.patch.object(prefix_kv.PrefixKVPass, "__init__", lambda self, store, mode:
                                   start_pass(self, store, mode.replace("read_recorded", "read"))),
     }
+    # the blocks' graphs kept across micro-batches instead of recomputed
+    kept = mock.patch.object(torch.utils.checkpoint, "checkpoint", lambda forward, **_: forward())
     results = {}
-    for name, mode in [(name, mode) for name in BATCHES for mode in ("off", "cross", "control")]:
+    for name, mode in [(name, mode) for name in BATCHES for mode in ("off", "cross", "control")
+                       ] + [("chunks", "kept")]:
         config = actor_config(None if mode == "off" else CROSS)
+        engine = build_engine(config)
         budget = STOCK_BUDGET if mode == "off" else None
-        results[name, mode] = step(build_engine(config), config, partial(batch, name, budget),
-                                   controls[name] if mode == "control" else None)
+        meter = SavedActivations(engine.module[0])
+        patch = {"control": controls[name], "kept": kept}.get(mode, contextlib.nullcontext())
+        results[name, mode] = step(engine, config, partial(batch, name, budget),
+                                   _together(meter, patch))
+        results[name, mode]["saved_peak"] = meter.peak
     return results
+
+
+@contextlib.contextmanager
+def _together(*managers):
+    with contextlib.ExitStack() as stack:
+        for manager in managers:
+            stack.enter_context(manager)
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +107,17 @@ def test_the_controls_fail_on_the_gradients(results, name):
     with pytest.raises(AssertionError, match="grad"):
         same_outputs(results[name, "control"], results[name, "off"], f"{name} control",
                      per_micro_batch=False)
+
+
+def test_the_blocks_keep_no_activations_across_micro_batches(results):
+    """Autograd's saved activations (tests/megatron_ext/_memory.py) at their peak over the
+    training step: the blocks, checkpointed, keep none between micro-batches (recomputed in
+    their last reader's backward, which the meter does not see); kept, their graphs add more
+    than the rest of the step holds at once."""
+    cross, kept = (results["chunks", mode]["saved_peak"] for mode in ("cross", "kept"))
+    assert 0 < cross < kept / 2
+    same_outputs(results["chunks", "kept"], results["chunks", "off"], "kept",
+                 per_micro_batch=False)  # the same step, only held differently
 
 
 def schedules(name: str) -> list:
