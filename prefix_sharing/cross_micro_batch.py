@@ -17,7 +17,8 @@ ancestors in the group's prefix tree - as external rows in front of its own:
 
 ``one_level=True`` keeps the one-level schedule (``P`` in one micro-batch, a branch larger
 than the budget cut between suffix micro-batches and computed in each): what verl's engine
-runs, where the prefix's backward happens inside the last suffix's.
+runs when it fits, the prefix kept beside its tails (a group that does not fit nests there
+too: :mod:`prefix_sharing.verl_ext.cross_nested`).
 
 A micro-batch's :class:`~prefix_sharing.plan.SharingPlan` addresses *external rows plus its own
 rows*: its K/V rows ``0 .. d-1`` are its stack of blocks' (read from the layers' kept K/V, in
@@ -167,7 +168,7 @@ class GroupSchedule:
 
     @property
     def one_level(self) -> bool:
-        """One block (the common prefix) read by every suffix: what verl's engine runs."""
+        """One block (the common prefix) read by every suffix."""
         return len(self.blocks) == 1
 
     @property
@@ -257,7 +258,7 @@ def plan_group(
             parallelism splits them over the tensor-parallel ranks); pad rows are not counted
             against the budget.
         one_level: the common prefix in one block, every suffix reading it alone, a branch
-            over the budget cut (verl's engine).
+            over the budget cut (verl's engine, where it fits).
         cost_model: weighs attended keys against tokens where chunk and suffix boundaries go.
         routes: recorded MoE routes to replay, ``(L_i, moe_layers, topk)`` per sequence: a
             token's routes are part of its identity, as in :func:`build_plan`, so every

@@ -41,7 +41,7 @@ import torch
 
 __all__ = ["PrefixKV", "PrefixKVPass", "PrefixKVStack", "read_through"]
 
-Mode = Literal["record", "read", "read_last"]
+Mode = Literal["record", "read", "read_last", "read_recorded"]
 
 
 class PrefixKV:
@@ -51,7 +51,10 @@ class PrefixKV:
         mode: the mode of the next forward bound to this store (:meth:`forward_pass`, which
             :class:`~.packed_seq.PlanPackedSeqParams` calls): ``"record"`` while the prefix
             micro-batch runs, ``"read"`` while a suffix runs, ``"read_last"`` while the last
-            suffix runs in a loop that cannot call :meth:`backward` (see the module doc).
+            suffix runs in a loop that cannot call :meth:`backward` (see the module doc),
+            ``"read_recorded"`` while a block whose backward runs in the same pass as this
+            one's reads it (the recorded K/V themselves, no gradient added: verl's nested
+            groups, :mod:`prefix_sharing.verl_ext.cross_nested`).
         leaves: ``layer_number -> (k, v)``, each ``[Lp, ng, hn]``, detached, requiring grad.
         outputs: ``layer_number -> (k, v)`` of the last recorded pass that kept its graph
             there (not recomputed): the tensors :meth:`backward` differentiates.
@@ -137,7 +140,11 @@ class PrefixKVPass:
     def __init__(self, store: PrefixKV, mode: Mode) -> None:
         self.store = store
         self.mode: Mode = mode
-        self._runs: dict[tuple[int, str], str] = {}  # -> "graph" | "no_graph" | "read_through"
+        # set while a checkpoint recomputes this forward inside the backward (verl's nested
+        # groups): every call then computes what its first call did and changes no state
+        self.replaying = False
+        # -> "graph" | "no_graph" (recording), "read_through" | "recorded" | "leaves" (reading)
+        self._runs: dict[tuple[int, str], str] = {}
 
     @property
     def routes(self) -> torch.Tensor | None:
@@ -187,7 +194,7 @@ class PrefixKVPass:
             else:
                 outputs.pop(layer, None)
             return tensors
-        if not graph:  # a replay without grad records nothing either
+        if not graph or self.replaying:  # a replay records nothing
             return tensors
         if self._runs[key] == "graph":
             raise RuntimeError(f"layer {layer}'s prefix ({key[1]}) ran twice with grad in one "
@@ -202,16 +209,19 @@ class PrefixKVPass:
         layer = key[0]
         run = self._runs.get(key)
         if run is None:
-            through = self.mode == "read_last" and layer in outputs
-            run = self._runs[key] = "read_through" if through else "leaves"
+            through = self.mode in ("read_last", "read_recorded") and layer in outputs
+            run = self._runs[key] = (("recorded" if self.mode == "read_recorded"
+                                      else "read_through") if through else "leaves")
             if through and not torch.is_grad_enabled():
                 raise RuntimeError(
                     f"layer {layer}'s last reader of the prefix is recomputed but the prefix's "
                     "layer was not (one activation recompute setting for all micro-batches)")
-        if run == "read_through":
+        if run in ("read_through", "recorded"):
             recorded = (outputs[layer],) if single else outputs[layer]
+            if run == "recorded":
+                return recorded
             return tuple(read_through(r, leaf) for r, leaf in zip(recorded, leaves))
-        if torch.is_grad_enabled():  # its backward will accumulate into the leaves
+        if torch.is_grad_enabled() and not self.replaying:  # its backward accumulates into them
             self.store.owing[key] = self.store.owing.get(key, 0) + len(leaves)
         return leaves
 

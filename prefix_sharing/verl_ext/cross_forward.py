@@ -16,6 +16,10 @@ runs forward then backward per micro-batch, so the prefix is woven into them:
   other - runs the prefix's backward once, with every micro-batch's gradient, inside the same
   pass. Everything happens before verl's optimizer step and megatron's gradient reduction.
 
+A group that does not fit one level (a prefix over half the budget, a tail over the rest)
+nests instead - its prefix in chunks, its branches in sub-tree blocks - where the engine's model
+allows it: :mod:`.cross_nested` runs those blocks around the same suffix forward.
+
 Each sample's log-probs and entropy come back as verl expects them (the value at ``t`` scores
 token ``t + 1``, the last position 0), so verl's loss runs unchanged on each micro-batch.
 Held across the group: the prefix's activations (its graph) and its K/V leaves with their
@@ -122,28 +126,38 @@ def cross_forward(
                          f"{input_ids.size(0)} samples; its plan has {len(suffix.members)}")
     temperature = micro_batch_temperature((logits_processor_args or {}).get("temperature"))
     device = input_ids.device
-    if part.first:
+    if part.group.nested:  # chunks and sub-tree blocks (.cross_nested)
+        from .cross_nested import close_micro_batch, open_micro_batch
+
+        prefix_kv = open_micro_batch(model, part, sharing.backend, temperature,
+                                     calculate_entropy, device)
+    elif part.first:
         part.group.state = _run_prefix(model, part, sharing, temperature, calculate_entropy,
                                        device)
-    state: GroupState = part.group.state
+    state = part.group.state
     if temperature != state.temperature:
         raise refuse("verl.temperatures", f"a cross-micro-batch group with temperatures "
                      f"{state.temperature} and {temperature}", error=PrefixSharingSetupError)
-    state.prefix_kv.mode = "read_last" if part.last else "read"
+    if not part.group.nested:
+        state.prefix_kv.mode = "read_last" if part.last else "read"
+        prefix_kv = state.prefix_kv
     cp = slice_micro_batch(suffix.plan, suffix.tail_plan, suffix.plan.num_tokens_flat, device)
     plan, tail_plan = suffix.plan.to(device), suffix.tail_plan.to(device)
     params = PlanPackedSeqParams.from_plan(
-        plan, sharing.backend, cp=cp and cp.attention, prefix_kv=state.prefix_kv,
+        plan, sharing.backend, cp=cp and cp.attention, prefix_kv=prefix_kv,
         routes=replayed_routes(model, part, tail_plan, replay_routes, device))
     input_ids, position_ids = model_inputs(plan, cp)  # under CP this rank's rows
     logits = model(input_ids=input_ids, attention_mask=None, position_ids=position_ids,
                    packed_seq_params=params)[0]
     stats = micro_batch_stats(logits, tail_plan, cp, temperature=temperature,
                               with_entropy=calculate_entropy)
-    prefix = state.prefix_stats(list(suffix.members), part.last)
-    if part.last:
-        part.group.held_bytes = state.prefix_kv.held_bytes()
-        part.group.state = None  # the last micro-batch's graph holds what its backward needs
+    if part.group.nested:
+        prefix = close_micro_batch(part)
+    else:
+        prefix = state.prefix_stats(list(suffix.members), part.last)
+        if part.last:
+            part.group.held_bytes = state.prefix_kv.held_bytes()
+            part.group.state = None  # the last micro-batch's graph holds what its backward needs
     if metrics is not None:
         metrics.add_tokens(part.tokens_total, part.tokens_computed)
     result = {"log_probs": (prefix[0], stats.log_probs)}

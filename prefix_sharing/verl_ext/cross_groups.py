@@ -9,9 +9,13 @@ common prefix computed once and its tails in consecutive micro-batches
 sample's full row), the samples whose tails it computes.
 
 The budget counts the prefix too: the prefix's rows stay alive (its activations and K/V) while
-every tail micro-batch runs, so the tails are packed under ``budget - prefix_len``. A group is
-left to the ordinary split when its common prefix is shorter than ``min_prefix_len``, or when
-it cannot be planned under that budget (a tail too long, a prefix over half the budget).
+every tail micro-batch runs, so the tails are packed under ``budget - prefix_len``. A group
+that cannot be planned so (a tail too long, a prefix over half the budget) *nests* where the
+engine allows it (``nested``): its common prefix in chunks, its branches that do not fit in
+sub-tree blocks, its tails under the whole budget, the blocks recomputed by their last
+reader's backward instead of kept (:mod:`.cross_nested`). A group is left to the ordinary split
+when its common prefix is shorter than ``min_prefix_len``, or when it cannot be planned either
+way.
 
 Pure torch: no verl, no megatron; every rank that sees the same batch plans the same groups.
 """
@@ -45,6 +49,11 @@ class CrossGroup:
             its first and after its last micro-batch.
         held_bytes: after its last micro-batch, the bytes of prefix K/V leaves and their
             gradients it held across its micro-batches (this rank's K/V heads).
+        nested: whether it runs as a nested schedule (:mod:`.cross_nested`; even with one
+            block, its tails were packed under the whole budget), or one level (the prefix
+            kept, :mod:`.cross_forward`).
+        recomputed_tokens: block rows its backwards computed again (a nested schedule's
+            blocks, recomputed by their last reader).
     """
 
     members: tuple[int, ...]
@@ -52,6 +61,8 @@ class CrossGroup:
     token_budget: int
     state: Any = None
     held_bytes: int = 0
+    nested: bool = False
+    recomputed_tokens: int = 0
 
     def parts(self) -> list[CrossPart]:
         return [CrossPart(self, k) for k in range(len(self.schedule.suffixes))]
@@ -85,9 +96,16 @@ class CrossPart:
 
     @property
     def tokens_computed(self) -> int:
-        """Tokens the model runs in it: its tails' plan, and the prefix in the first."""
-        own = self.group.schedule.suffixes[self.index].plan.num_tokens_unique
-        return own + (self.group.schedule.prefix_len if self.first else 0)
+        """Tokens the model runs in it: its tails' plan, and the prefix in the first (the
+        blocks opening before it, when the group nests)."""
+        schedule = self.group.schedule
+        own = schedule.suffixes[self.index].plan.num_tokens_unique
+        if self.group.nested:
+            from .cross_nested import opening_blocks
+
+            return own + sum(schedule.blocks[b].length
+                             for b in opening_blocks(schedule)[self.index])
+        return own + (schedule.prefix_len if self.first else 0)
 
 
 def plan_cross_groups(
@@ -97,6 +115,7 @@ def plan_cross_groups(
     uids: Sequence[Hashable] | None = None,
     pad_to_multiple_of: int = 1,
     routes: Sequence[TokenSequence] | None = None,
+    nested: bool = False,
 ) -> tuple[list[CrossGroup], list[int]]:
     """The groups of the batch that run across micro-batches, and the other samples' indices.
 
@@ -107,36 +126,48 @@ def plan_cross_groups(
     parallelism each slice over TP; the prefix micro-batch is padded the same way where it
     runs). ``routes``: the samples' recorded MoE routes to replay (verl's ``router_replay``),
     part of a token's identity: a group's prefix ends where its samples' routes diverge, and
-    each of its micro-batches replays its rows'.
+    each of its micro-batches replays its rows'. ``nested``: a group that does not fit one
+    level may nest (see the module doc).
     """
     if not config.cross_micro_batch:
         return [], list(range(len(sequences)))
     cross, rest = [], []
     for members in sharing_groups(sequences, config, uids):
-        schedule = _schedule([sequences[i] for i in members], token_budget, config,
-                             pad_to_multiple_of,
-                             None if routes is None else [routes[i] for i in members])
-        if schedule is None:
+        planned = _schedule([sequences[i] for i in members], token_budget, config,
+                            pad_to_multiple_of,
+                            None if routes is None else [routes[i] for i in members], nested)
+        if planned is None:
             rest += members
         else:
-            cross.append(CrossGroup(tuple(members), schedule, token_budget))
+            cross.append(CrossGroup(tuple(members), planned[0], token_budget,
+                                    nested=planned[1]))
     return cross, sorted(rest)
 
 
 def _schedule(sequences: list[TokenSequence], token_budget: int,
               config: PrefixSharingConfig, pad_to_multiple_of: int = 1,
-              routes: list[TokenSequence] | None = None) -> GroupSchedule | None:
-    """The group's schedule under ``token_budget`` (prefix included), or ``None`` when it fits
-    one micro-batch or is left to the ordinary split (see the module doc)."""
+              routes: list[TokenSequence] | None = None,
+              nested: bool = False) -> tuple[GroupSchedule, bool] | None:
+    """The group's schedule under ``token_budget`` (prefix included) and whether it nests, or
+    ``None`` when it fits one micro-batch or is left to the ordinary split (see the module
+    doc)."""
     if len(sequences) < 2 or build_plan(sequences, config,
                                         routes=routes).num_tokens_unique <= token_budget:
         return None
     seqs = [torch.as_tensor(s, dtype=torch.int64).reshape(-1).cpu() for s in sequences]
     prefix_len = common_prefix_len(seqs if routes is None else token_identity(seqs, routes))
-    if prefix_len < config.min_prefix_len or 2 * prefix_len > token_budget:
+    if prefix_len < config.min_prefix_len:
+        return None
+    if 2 * prefix_len <= token_budget:
+        try:
+            return plan_group(seqs, token_budget - prefix_len, config, one_level=True,
+                              pad_to_multiple_of=pad_to_multiple_of, routes=routes), False
+        except ValueError:  # a tail longer than the budget left beside the prefix
+            pass
+    if not nested:
         return None
     try:
-        return plan_group(seqs, token_budget - prefix_len, config, one_level=True,
-                          pad_to_multiple_of=pad_to_multiple_of, routes=routes)
-    except ValueError:  # a tail longer than the budget left beside the prefix
+        return plan_group(seqs, token_budget, config, pad_to_multiple_of=pad_to_multiple_of,
+                          routes=routes), True
+    except ValueError:  # a tail longer than the budget with nothing to share it by
         return None

@@ -77,13 +77,20 @@ class SharingEngineMixin:
         self._sharing_metrics = SharingMetrics()
         # dynamic bsz keeps groups together (across micro-batches cut on tokens and routes)
         with sharing_split(self.prefix_sharing,
-                           replay_mode(getattr(self, "engine_config", None))) as split:
+                           replay_mode(getattr(self, "engine_config", None)),
+                           nested=self.prefix_sharing.cross_micro_batch and self.cross_nested()
+                           ) as split:
             output = super().forward_backward_batch(data, loss_function, forward_only)
         if output:  # empty on a Megatron engine's inner pipeline stages
             output.setdefault("metrics", {}).update(self._sharing_metrics.as_verl_metrics())
             output["metrics"].update(self._self_check.pop_metrics())
             add_split_metrics(output, split)
         return output
+
+    def cross_nested(self) -> bool:
+        """Whether a group too large for one level may nest on this engine's model
+        (:mod:`.cross_nested`); the Megatron engine answers."""
+        return False
 
     @staticmethod
     def refuse_unsupported_switches(micro_batch: Any, *extra: Refused) -> None:

@@ -173,6 +173,11 @@ def patch_engine(module: ModuleType) -> None:
             if self.prefix_sharing.enabled:
                 install_layer_spec(self)
 
+        def cross_nested(self) -> bool:
+            from .cross_nested import nested_supported
+
+            return nested_supported(self.tf_config)
+
         def forward_step(self, batch_iter, model, logits_processor_func,
                          postprocess_micro_batch_func):
             if not self.prefix_sharing.enabled:

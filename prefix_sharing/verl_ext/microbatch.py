@@ -59,6 +59,7 @@ class SplitRecord:
     split: MicroBatchSplit | None = None
     parts: list[CrossPart] = dataclasses.field(default_factory=list)
     replay_mode: str = "disabled"  # verl's router_replay.mode: cross groups plan with routes
+    nested: bool = False  # a cross group may nest (the engine's model allows it)
 
     def metrics(self) -> dict[str, float]:
         if self.split is None:
@@ -70,6 +71,10 @@ class SplitRecord:
                 sum(g.schedule.prefix_recomputes_avoided for g in groups))
             metrics[f"{METRIC_PREFIX}prefix_kv_held_bytes"] = float(
                 max((g.held_bytes for g in groups), default=0))
+            metrics[f"{METRIC_PREFIX}cross_held_bytes"] = metrics[
+                f"{METRIC_PREFIX}prefix_kv_held_bytes"]
+            metrics[f"{METRIC_PREFIX}cross_recomputed_tokens"] = float(
+                sum(g.schedule.recomputed_tokens() + g.recomputed_tokens for g in groups))
         return metrics
 
     def part(self, micro_batch: Any) -> CrossPart | None:
@@ -85,16 +90,17 @@ _ACTIVE: contextvars.ContextVar[SplitRecord | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def sharing_split(config: PrefixSharingConfig,
-                  replay_mode: str = "disabled") -> Iterator[SplitRecord]:
+def sharing_split(config: PrefixSharingConfig, replay_mode: str = "disabled",
+                  nested: bool = False) -> Iterator[SplitRecord]:
     """Within this block, verl's dynamic-bsz split keeps ``config``'s sharing groups together.
 
     An engine wraps its ``forward_backward_batch`` in it; the yielded record holds the split
     afterwards (for :func:`add_split_metrics`). With ``mode="off"`` verl's split runs as is.
     ``replay_mode``: verl's ``router_replay.mode`` (groups across micro-batches are cut on
-    tokens and routes: :func:`.routing_replay.split_routes`).
+    tokens and routes: :func:`.routing_replay.split_routes`). ``nested``: a group too large
+    for one level may nest (:mod:`.cross_nested`).
     """
-    record = SplitRecord(config, replay_mode=replay_mode)
+    record = SplitRecord(config, replay_mode=replay_mode, nested=nested)
     token = _ACTIVE.set(record if config.enabled else None)
     try:
         yield record
@@ -148,7 +154,8 @@ def rearrange_micro_batches(
     sequences, uids, prompt_lens = _samples(batch, record.config, tu)
     routes, may_cross = split_routes(batch, record.replay_mode)
     cross, rest = plan_cross_groups(sequences, max_token_len, record.config, uids,
-                                    _row_multiple(), routes=routes) if may_cross else (
+                                    _row_multiple(), routes=routes,
+                                    nested=record.nested) if may_cross else (
                                         [], list(range(len(sequences))))
     parts = [part for group in cross for part in group.parts()]
     result = _split_ordinary(sequences, rest, max_token_len, record.config, uids, prompt_lens,

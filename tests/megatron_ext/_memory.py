@@ -29,7 +29,8 @@ class SavedActivations:
         self._hooks.__exit__(*exc)
 
     def _pack(self, t: torch.Tensor) -> object:
-        storage = t.untyped_storage()
+        # a jagged nested tensor (verl's per-sample outputs) holds its rows in values()
+        storage = (t.values() if t.is_nested else t).untyped_storage()
         key = storage.data_ptr()
         if key in self.params or storage.nbytes() == 0:
             return t

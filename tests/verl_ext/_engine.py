@@ -11,6 +11,8 @@ right-padded responses, then ``left_right_2_no_padding``).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from functools import partial
 from types import SimpleNamespace
 from typing import Any
@@ -75,6 +77,19 @@ def build_engine(config, *, seed: int = 0, preset=PRESET, spec: dict | None = No
     model = gpt_model(preset, seed=seed, layer_spec=layer_spec, **model_overrides)
     engine.module, engine.tf_config, engine.is_value_model = [model], model.config, False
     return engine
+
+
+def step(engine, config, data: Callable[[], Any], during: Any = None) -> dict:
+    """On ``engine``: old log-probs + entropy (``infer_batch``), then verl's ``ppo_loss`` and
+    every gradient (``forward_backward_batch``, inside the context manager ``during`` when
+    given), each on a fresh ``data()``; picklable, as the tests compare them."""
+    from verl.workers.utils.losses import ppo_loss
+
+    infer = engine.infer_batch(data())
+    with during or contextlib.nullcontext():
+        train = engine.forward_backward_batch(data(), partial(ppo_loss, config=config))
+    grads = {n: p.grad.clone() for n, p in engine.module[0].named_parameters()}
+    return {"infer": plain_output(infer), "train": plain_output(train), "grads": grads}
 
 
 def run(rank: int, workloads: list[str], modes: dict[str, dict | None], *,

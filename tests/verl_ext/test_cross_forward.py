@@ -7,8 +7,9 @@ unique tokens.
 
 Batch: 2 agent tasks of 3 episodes (59-65 tokens; 34- and 36-token common prefixes, a branch
 at every turn). At a budget of 80 both groups cross micro-batches (3 each); at 70 the second
-one's prefix is over half the budget, so it is cut by the ordinary split (and recomputes its
-prefix) beside the first one's cross run. At ``context_parallel_size=2`` (two gloo ranks)
+one's prefix is over half the budget, so, with nesting off (as on a model that does not allow
+it: ``test_cross_nested.py`` runs it nested), it is cut by the ordinary split (and recomputes
+its prefix) beside the first one's cross run. At ``context_parallel_size=2`` (two gloo ranks)
 every micro-batch is split over the CP ranks and the step equals the stock one at CP=1.
 """
 
@@ -54,6 +55,8 @@ def steps(rank: int) -> dict:
     for budget, name, prefix_grouper in runs + [(80, "control", CROSS)]:
         config = actor_config(prefix_grouper)
         engine = build_engine(config)
+        if budget == 70:  # see the module doc
+            engine.cross_nested = lambda: False
         infer = engine.infer_batch(batch(budget))
         read_through = prefix_kv.read_through
         if name == "control":  # the last micro-batch drops what the earlier ones accumulated
@@ -163,6 +166,10 @@ def test_each_group_computes_its_unique_tokens_once_and_verls_metrics_say_so(res
     # 2 (K, V) x 2 x layers x 36 tokens x K/V heads x head dim x 4 bytes
     assert metrics["prefix_sharing/prefix_kv_held_bytes"] == [
         float(2 * 2 * PRESET.num_layers * 36 * PRESET.num_query_groups * PRESET.head_dim * 4)]
+    # the library's names: the same held bytes; nothing computed twice (every branch whole)
+    assert metrics["prefix_sharing/cross_held_bytes"] == metrics[
+        "prefix_sharing/prefix_kv_held_bytes"]
+    assert metrics["prefix_sharing/cross_recomputed_tokens"] == [0.0]
 
 
 RECOMPUTE = {  # megatron's activation recompute, on the model of both runs

@@ -51,3 +51,19 @@ def test_a_prefix_over_half_the_budget_or_under_min_prefix_len_is_left_to_the_sp
     long_min = PrefixSharingConfig(min_prefix_len=35, cross_micro_batch=True)
     cross, rest = plan_cross_groups(AGENT.sequences, 80, long_min, UIDS)
     assert [g.schedule.prefix_len for g in cross] == [36] and rest == [0, 1, 2]
+
+
+def test_a_group_that_does_not_fit_one_level_nests_where_the_engine_allows_it():
+    # under 30 both 34- and 36-token prefixes are longer than the budget: chunks; under 40
+    # they are over half of it: one block, the tails packed under the whole budget
+    for budget, blocks in ((30, [3, 2]), (40, [1, 1])):
+        assert plan_cross_groups(AGENT.sequences, budget, CROSS, UIDS) == ([], list(range(6)))
+        cross, rest = plan_cross_groups(AGENT.sequences, budget, CROSS, UIDS, nested=True)
+        assert rest == [] and all(g.nested for g in cross)
+        assert [len(g.schedule.blocks) for g in cross] == blocks
+        for group in cross:
+            parts = group.parts()
+            assert max(len(p.group.schedule.suffixes[p.index].plan.input_ids)
+                       for p in parts) <= budget  # every tail micro-batch's rows
+            # the blocks count where they run: every token once
+            assert sum(p.tokens_computed for p in parts) == unique_tokens(group.members)

@@ -1,0 +1,210 @@
+"""verl's Megatron forward for a group whose schedule nests: chunks and sub-tree blocks.
+
+A group whose common prefix is too long to sit beside its tails in one micro-batch (over half
+the budget: agent histories longer than ``max_token_len_per_gpu`` included), or whose
+branches do not fit beside their shared part, is planned with
+:func:`~prefix_sharing.cross_micro_batch.plan_group` at the full budget: its common prefix in
+*chunks*, a branch that does not fit in a *sub-tree block* of its own, its tails in *suffix*
+micro-batches. verl runs each suffix as one of its micro-batches (each holds whole samples:
+verl's loss reads every sample's full row), forward then backward, in turn. So:
+
+- **where a block runs**: its forward (recording its K/V per layer and its members'
+  log-probs / entropy at its positions) runs at the start of the first suffix micro-batch
+  after it in the schedule (:func:`opening_blocks`), reading the blocks below it;
+- **its last reader**: the last suffix whose samples it holds (:func:`closing_suffixes`).
+  Every earlier reader, suffix or block, reads the block's leaves (detached copies that
+  require grad), so its backward accumulates there; the last suffix reads the recorded tensors
+  themselves with the leaves' gradients added on the way back (``prefix_kv.read_through``),
+  and a block that reads it and closes in the same micro-batch reads them directly (mode
+  ``"read_recorded"``): then that micro-batch's backward (megatron's, like every other) runs
+  the blocks' backwards, each once, after all of its readers', **ordered by autograd's own
+  dependencies**: the leaves' gradients it adds were complete before that backward began
+  (every other reader's backward ran in an earlier micro-batch), and a block that reads it in
+  the same backward is upstream of it in the graph. Everything happens before verl's optimizer step and megatron's gradient
+  reduction, inside the step's usual backwards.
+- **memory**: a block's forward runs under a non-reentrant checkpoint
+  (``torch.utils.checkpoint``): it keeps no activations between micro-batches, only its K/V
+  and statistics (the leaves share their storage) and their gradients; the last reader's
+  backward recomputes it when it reaches it, after that micro-batch's own nodes (autograd
+  runs later nodes first; ``prefix_sharing/cross_recomputed_tokens`` counts those rows). So no
+  micro-batch holds more live activation rows than the budget (a tail, or one block while it
+  is recomputed), and its tails are packed under the whole budget; what is held across
+  micro-batches is the live blocks' K/V leaves and gradients (``prefix_sharing/
+  cross_held_bytes``) and their statistics. Keeping the blocks' graphs instead, as the
+  one-level path keeps its prefix's, would hold a prefix longer than the budget in activations
+  across every micro-batch. A forward-only step (old log-probs) computes each block once,
+  without grad; a training step twice.
+
+Runs dense models at TP=1 without activation recompute or sliding windows (what the tests
+compare with verl's stock step); with other settings the engine plans such groups as before
+(the ordinary split: :func:`nested_supported`). A group that fits one level keeps
+:mod:`.cross_forward`'s schedule (its prefix kept, computed once).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..cross_micro_batch import GroupSchedule
+
+if TYPE_CHECKING:
+    from ..megatron_ext.prefix_kv import PrefixKVStack
+    from .cross_groups import CrossPart
+
+__all__ = ["NestedState", "closing_suffixes", "opening_blocks", "nested_supported",
+           "open_micro_batch", "close_micro_batch"]
+
+
+def closing_suffixes(schedule: GroupSchedule) -> dict[int, int]:
+    """``block -> the last suffix that reads it`` (every block is read by a suffix: its
+    node's tails)."""
+    close: dict[int, int] = {}
+    for j, suffix in enumerate(schedule.suffixes):
+        close.update(dict.fromkeys(suffix.reads, j))
+    return close
+
+
+def opening_blocks(schedule: GroupSchedule) -> list[tuple[int, ...]]:
+    """Per suffix, the blocks whose forwards run at its start: those the schedule's steps
+    place after the previous suffix."""
+    opened: list[tuple[int, ...]] = []
+    pending: list[int] = []
+    for kind, index in schedule.steps:
+        if kind == "forward":
+            pending.append(index)
+        elif kind == "suffix":
+            opened.append(tuple(pending))
+            pending = []
+    return opened
+
+
+def nested_supported(tf_config: Any) -> bool:
+    """Whether groups may nest on a model with this megatron ``TransformerConfig``: dense, at
+    TP=1 and CP=1, without activation recompute or sliding windows (the settings the tests
+    compare with verl's stock step)."""
+    from megatron.core import parallel_state
+
+    return (getattr(tf_config, "recompute_granularity", None) is None
+            and not getattr(tf_config, "num_moe_experts", None)
+            and getattr(tf_config, "window_size", None) is None
+            and parallel_state.get_tensor_model_parallel_world_size() == 1
+            and parallel_state.get_context_parallel_world_size() == 1)
+
+
+@dataclasses.dataclass
+class _Block:
+    """A live block: its K/V store and its members' statistics at its positions,
+    ``(members, length)`` each, as recorded (in its graph) and as leaves."""
+
+    kv: Any
+    members: tuple[int, ...]
+    recorded: tuple[torch.Tensor, torch.Tensor | None]
+    leaves: tuple[torch.Tensor, torch.Tensor | None]
+
+
+@dataclasses.dataclass
+class NestedState:
+    """A nested group while it runs (:attr:`CrossGroup.state
+    <.cross_groups.CrossGroup>`): its live blocks and sampling temperature."""
+
+    schedule: GroupSchedule
+    temperature: float
+    blocks: dict[int, _Block] = dataclasses.field(default_factory=dict)
+    close: dict[int, int] = dataclasses.field(init=False)
+    opens: list[tuple[int, ...]] = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.close = closing_suffixes(self.schedule)
+        self.opens = opening_blocks(self.schedule)
+
+
+def open_micro_batch(model: torch.nn.Module, part: CrossPart, backend: str,
+                     temperature: float, with_entropy: bool,
+                     device: torch.device) -> PrefixKVStack:
+    """Runs the blocks opening at the start of micro-batch ``part`` and returns what its
+    suffix reads: the stack of its blocks' stores, each in its mode (the leaves, or read
+    through by their last reader)."""
+    from ..megatron_ext.prefix_kv import PrefixKVStack
+
+    group = part.group
+    if part.first:
+        group.state = NestedState(group.schedule, temperature)
+    state: NestedState = group.state
+    for b in state.opens[part.index]:
+        state.blocks[b] = _run_block(model, state, b, backend, with_entropy, device)
+        if torch.is_grad_enabled():  # its last reader's backward recomputes it
+            group.recomputed_tokens += state.schedule.blocks[b].length
+    reads = state.schedule.suffixes[part.index].reads
+    for r in reads:
+        state.blocks[r].kv.mode = "read_last" if state.close[r] == part.index else "read"
+    return PrefixKVStack([state.blocks[r].kv for r in reads])
+
+
+def close_micro_batch(part: CrossPart) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(n, depth)`` log-probs and entropy (or None) of micro-batch ``part``'s samples at the
+    positions its blocks computed (the leaves, or the recorded tensors read through where it
+    is their last reader); then drops the blocks it closes."""
+    from ..megatron_ext import prefix_kv
+
+    state: NestedState = part.group.state
+    suffix = state.schedule.suffixes[part.index]
+    heads: list[list[torch.Tensor]] = [[], []]
+    for r in suffix.reads:
+        block = state.blocks[r]
+        rows = torch.tensor([block.members.index(m) for m in suffix.members],
+                            device=block.recorded[0].device)
+        for k, (recorded, leaf) in enumerate(zip(block.recorded, block.leaves)):
+            if recorded is not None:
+                source = (prefix_kv.read_through(recorded, leaf)
+                          if state.close[r] == part.index else leaf)
+                heads[k].append(source.index_select(0, rows))
+    part.group.held_bytes = max(part.group.held_bytes,
+                                sum(block.kv.held_bytes() for block in state.blocks.values()))
+    for r in suffix.reads:
+        if state.close[r] == part.index:
+            del state.blocks[r]
+    if part.last:
+        part.group.state = None
+    log_probs = torch.cat(heads[0], dim=1)
+    return log_probs, torch.cat(heads[1], dim=1) if heads[1] else None
+
+
+def _run_block(model: torch.nn.Module, state: NestedState, b: int, backend: str, with_entropy: bool,
+               device: torch.device) -> _Block:
+    """Block ``b``'s forward, recording its K/V, under a non-reentrant checkpoint when it
+    keeps a graph (see the module doc): a block closing in the same micro-batch as one it
+    reads reads that one's recorded tensors, else its leaves."""
+    from torch.utils.checkpoint import checkpoint
+
+    from ..megatron_ext.cross_micro_batch import PrefixPass
+    from ..megatron_ext.prefix_kv import PrefixKV, PrefixKVStack
+
+    block = state.schedule.blocks[b]
+    own = PrefixKV(rows=block.length)  # its pad rows are not kept
+    for r in block.reads:
+        state.blocks[r].kv.mode = "read_recorded" if state.close[r] == state.close[b] else "read"
+    stack = PrefixKVStack([state.blocks[r].kv for r in block.reads], own)
+    prefix = PrefixPass(state.schedule, stack, backend, state.temperature, device, block=block)
+    passes = [*prefix.params.prefix_kv.reads, prefix.params.prefix_kv.own]
+    calls = 0
+
+    def forward() -> tuple[torch.Tensor, torch.Tensor | None]:
+        nonlocal calls
+        calls += 1
+        for view in passes:  # the checkpoint's recompute: the same computation, no new state
+            view.replaying = calls > 1
+        log_probs, entropy, _ = prefix.stats(model, with_entropy)
+        return log_probs, entropy
+
+    if torch.is_grad_enabled():  # no dropout runs (refused): no RNG state to replay
+        log_probs, entropy = checkpoint(forward, use_reentrant=False, preserve_rng_state=False)
+    else:
+        log_probs, entropy = forward()
+    shape = (len(block.members), block.length)
+    recorded = tuple(None if t is None else t.view(shape) for t in (log_probs, entropy))
+    leaves = tuple(None if t is None else t.detach().requires_grad_(t.requires_grad)
+                   for t in recorded)
+    return _Block(own, block.members, recorded, leaves)

@@ -1,0 +1,179 @@
+"""Groups that nest inside verl's real Megatron engine (whichever supported verl is installed):
+a common prefix longer than half the budget - longer than the budget itself - computed in
+chunks, and a two-level tree whose branches do not fit beside their shared part, each shared
+part computed once (:mod:`prefix_sharing.verl_ext.cross_nested`). ``infer_batch`` (log-probs,
+entropy) and ``forward_backward_batch`` (verl's ``ppo_loss``, every gradient) equal verl's
+stock step with the feature off on the same weights (fp32, one process).
+
+Batches: ``chunks``, 2 agent tasks of 3 episodes (59-65 tokens, common prefixes of 34 and 36)
+under a budget of 30: each prefix in 2 chunks, the first task's longest episode a one-member
+sub-tree block (its 31-token tail does not fit); ``tree``, 1 agent task of 4 episodes (72-85
+tokens, a 34-token prefix, 2 first-turn branches of 13 and 18 shared tokens) under 40: the
+prefix in one block (over half the budget: one level refuses it), each branch a block reading
+it, 4 suffixes.
+"""
+
+import contextlib
+import importlib.util
+from functools import partial
+
+import pytest
+
+if importlib.util.find_spec("verl") is None:
+    pytest.skip("verl is not installed (build an environment with .ci/verl_env.sh <version>)",
+                allow_module_level=True)
+
+from prefix_sharing.engines.launch import run_distributed  # noqa: E402
+from tests.verl_ext._batch import PRESET, make_batch, use_cpu_platform  # noqa: E402
+from tests.verl_ext._compare import same_outputs  # noqa: E402
+from tests.verl_ext._engine import actor_config, build_engine, step  # noqa: E402
+
+CROSS = {"mode": "arbitrary_prefix", "min_prefix_len": 1, "cross_micro_batch": True}
+BATCHES = {  # name: (agent workload sizes, budget)
+    "chunks": (dict(num_tasks=2, num_turns=2, branching=3), 30),
+    "tree": (dict(num_tasks=1, num_turns=3, branching=2), 40),
+}
+STOCK_BUDGET = 200  # verl's own split refuses a sample longer than the budget
+
+
+def batch(name: str, budget: int | None = None):
+    from verl.utils import tensordict_utils as tu
+
+    sizes, nested_budget = BATCHES[name]
+    data = make_batch("agent", **sizes)
+    tu.assign_non_tensor(data, use_dynamic_bsz=True,
+                         max_token_len_per_gpu=budget or nested_budget)
+    return data
+
+
+def steps(rank: int) -> dict:
+    """Per batch: verl's stock step (feature off; under a budget its longest sample fits, as
+    verl requires: its result does not depend on the split) and the cross-micro-batch one.
+    Two controls: on ``chunks``, the last readers drop the gradients the earlier readers
+    accumulated in the blocks' leaves; on ``tree``, a branch block closing in the same
+    backward as the prefix reads the prefix's leaves, not its recorded K/V (its gradient then
+    reaches the leaves after - or before - the prefix's backward has read them, as autograd
+    happens to order two unrelated nodes). Each on a fresh copy of the same seeded model."""
+    from unittest import mock
+
+    import torch.utils.checkpoint
+
+    from prefix_sharing.megatron_ext import prefix_kv
+    from tests.megatron_ext._memory import SavedActivations
+
+    use_cpu_platform()
+    start_pass = prefix_kv.PrefixKVPass.__init__
+    controls = {
+        "chunks": mock.patch.object(prefix_kv, "read_through", lambda recorded, leaf: recorded),
+        "tree": mock.patch.object(prefix_kv.PrefixKVPass, "__init__", lambda self, store, mode:
+                                  start_pass(self, store, mode.replace("read_recorded", "read"))),
+    }
+    # the blocks' graphs kept across micro-batches instead of recomputed
+    kept = mock.patch.object(torch.utils.checkpoint, "checkpoint", lambda forward, **_: forward())
+    results = {}
+    for name, mode in [(name, mode) for name in BATCHES for mode in ("off", "cross", "control")
+                       ] + [("chunks", "kept")]:
+        config = actor_config(None if mode == "off" else CROSS)
+        engine = build_engine(config)
+        budget = STOCK_BUDGET if mode == "off" else None
+        meter = SavedActivations(engine.module[0])
+        patch = {"control": controls[name], "kept": kept}.get(mode, contextlib.nullcontext())
+        results[name, mode] = step(engine, config, partial(batch, name, budget),
+                                   _together(meter, patch))
+        results[name, mode]["saved_peak"] = meter.peak
+    return results
+
+
+@contextlib.contextmanager
+def _together(*managers):
+    with contextlib.ExitStack() as stack:
+        for manager in managers:
+            stack.enter_context(manager)
+        yield
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_distributed(steps, 1, timeout=600)[0]
+
+
+@pytest.mark.parametrize("name", BATCHES)
+def test_log_probs_entropy_loss_and_every_gradient_equal_verls_stock_step(results, name):
+    same_outputs(results[name, "cross"], results[name, "off"], name, per_micro_batch=False)
+
+
+@pytest.mark.parametrize("name", BATCHES)
+def test_the_controls_fail_on_the_gradients(results, name):
+    with pytest.raises(AssertionError, match="grad"):
+        same_outputs(results[name, "control"], results[name, "off"], f"{name} control",
+                     per_micro_batch=False)
+
+
+def test_the_blocks_keep_no_activations_across_micro_batches(results):
+    """Autograd's saved activations (tests/megatron_ext/_memory.py) at their peak over the
+    training step: the blocks, checkpointed, keep none between micro-batches (recomputed in
+    their last reader's backward, which the meter does not see); kept, their graphs add more
+    than the rest of the step holds at once."""
+    cross, kept = (results["chunks", mode]["saved_peak"] for mode in ("cross", "kept"))
+    assert 0 < cross < kept / 2
+    same_outputs(results["chunks", "kept"], results["chunks", "off"], "kept",
+                 per_micro_batch=False)  # the same step, only held differently
+
+
+def schedules(name: str) -> list:
+    from prefix_sharing import PrefixSharingConfig
+    from prefix_sharing.cross_micro_batch import plan_group
+    from prefix_sharing.workloads import make_workload
+
+    sizes, budget = BATCHES[name]
+    wl = make_workload("agent", vocab_size=PRESET.vocab_size, seed=0, **sizes)
+    config = PrefixSharingConfig(min_prefix_len=1)
+    return [plan_group([wl.sequences[m] for m in g.members], budget, config) for g in wl.groups]
+
+
+@pytest.mark.parametrize("name", BATCHES)
+def test_every_shared_part_is_computed_once_and_verls_metrics_say_so(results, name):
+    groups = schedules(name)
+    shapes = {"chunks": [[17, 17, 30], [18, 18]], "tree": [[34, 13, 18]]}[name]
+    assert [[b.length for b in s.blocks] for s in groups] == shapes
+    metrics = results[name, "cross"]["train"]["metrics"]
+    unique = sum(s.tokens_distinct for s in groups)
+    assert unique == {"chunks": 119 + 114, "tree": 176}[name]
+    assert metrics["prefix_sharing/tokens_computed"] == [float(unique)]
+    assert metrics["prefix_sharing/groups_split"] == [0.0]
+    # a micro-batch's forward computes the blocks opening in it besides its tails (they keep
+    # no activations): the first, 17 + 17 + 30 + a 1-token tail; 34 + 13 + a 29-token tail
+    assert metrics["prefix_sharing/max_tokens_computed"] == [{"chunks": 65.0, "tree": 76.0}[name]]
+    assert metrics["prefix_sharing/num_micro_batches"] == [
+        float(sum(len(s.suffixes) for s in groups))]
+    # each block once more, in its last reader's backward
+    assert metrics["prefix_sharing/cross_recomputed_tokens"] == [
+        float(sum(b.length for s in groups for b in s.blocks))]
+    # the most K/V leaves and gradients held at once: a 36-row stack (chunks) read by every
+    # suffix; the tree's 34-row prefix with one branch's 18 rows
+    rows = {"chunks": 36, "tree": 34 + 18}[name]
+    assert metrics["prefix_sharing/cross_held_bytes"] == [
+        float(2 * 2 * PRESET.num_layers * rows * PRESET.num_query_groups * PRESET.head_dim * 4)]
+
+
+@pytest.mark.parametrize("setting", [
+    {}, {"recompute_granularity": "full"}, {"num_moe_experts": 4}, {"window_size": (6, 0)},
+    {"tensor_model_parallel_size": 2}, {"context_parallel_size": 2}])
+def test_groups_nest_only_on_the_settings_tested_here(setting):
+    """Elsewhere a group that does not fit one level is cut by the ordinary split, as before."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from megatron.core import parallel_state
+
+    from prefix_sharing.verl_ext.cross_nested import nested_supported
+
+    setting = dict(setting)
+    tp = setting.pop("tensor_model_parallel_size", 1)
+    cp = setting.pop("context_parallel_size", 1)
+    config = SimpleNamespace(**{"recompute_granularity": None, "num_moe_experts": None,
+                                "window_size": None, **setting})
+    with mock.patch.object(parallel_state, "get_tensor_model_parallel_world_size",
+                           return_value=tp), \
+            mock.patch.object(parallel_state, "get_context_parallel_world_size", return_value=cp):
+        assert nested_supported(config) == (not setting and tp == 1 and cp == 1)
