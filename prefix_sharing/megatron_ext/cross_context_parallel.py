@@ -1,6 +1,6 @@
 """A group across micro-batches under context parallelism: each micro-batch split over CP ranks.
 
-Every micro-batch of a :class:`~prefix_sharing.cross_micro_batch.GroupSchedule` - a shared
+Every micro-batch of a :class:`~prefix_sharing.group_schedule.GroupSchedule` - a shared
 block or a suffix - is split as the context-parallel path splits one micro-batch
 (:mod:`.context_parallel`): its own rows (padded to a multiple of CP, ``plan_group``'s
 ``pad_to_multiple_of``) in contiguous slices, one per rank, each rank's query pieces cut

@@ -1,6 +1,6 @@
 """Forward+backward of one group over several micro-batches, each shared prefix computed once.
 
-For a :class:`~prefix_sharing.cross_micro_batch.GroupSchedule` (shared blocks - the chunks of
+For a :class:`~prefix_sharing.group_schedule.GroupSchedule` (shared blocks - the chunks of
 the group's common prefix and of its sub-trees' shared parts - and suffix micro-batches, each
 of at most the token budget), the schedule's steps run in order:
 

@@ -4,7 +4,7 @@ Megatron's 1F1B schedule (``get_forward_backward_func()``) runs the micro-batche
 and their backwards in micro-batch order on every stage, a few forwards ahead of the backwards,
 and moves one ``[s, b, h]`` activation (and its gradient) per micro-batch between stages. A
 separate prefix micro-batch would be backwarded first, before any reader has accumulated its
-dK/dV; so for a one-level :class:`~prefix_sharing.cross_micro_batch.GroupSchedule` (the common
+dK/dV; so for a one-level :class:`~prefix_sharing.group_schedule.GroupSchedule` (the common
 prefix ``P``, ``Lp`` rows, read by suffix micro-batches ``S_1 .. S_k``) the prefix rides in the
 first and the last suffix instead (``docs/cross-micro-batch.md``, "under pipeline
 parallelism"):

@@ -43,7 +43,7 @@ class GroupRun:
         tokens_computed: tokens the model ran, over all micro-batches (a recomputed block
             counted twice).
         metrics: the schedule's figures (:meth:`GroupSchedule.metrics
-            <prefix_sharing.cross_micro_batch.GroupSchedule.metrics>`) and
+            <prefix_sharing.group_schedule.GroupSchedule.metrics>`) and
             ``prefix_sharing/cross_held_bytes``.
     """
 

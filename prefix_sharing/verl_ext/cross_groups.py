@@ -101,10 +101,8 @@ class CrossPart:
         schedule = self.group.schedule
         own = schedule.suffixes[self.index].plan.num_tokens_unique
         if self.group.nested:
-            from .cross_nested import opening_blocks
-
             return own + sum(schedule.blocks[b].length
-                             for b in opening_blocks(schedule)[self.index])
+                             for b in schedule.opening_blocks()[self.index])
         return own + (schedule.prefix_len if self.first else 0)
 
 

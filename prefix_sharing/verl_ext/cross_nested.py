@@ -10,7 +10,7 @@ verl's loss reads every sample's full row), forward then backward, in turn. So:
 
 - **where a block runs**: its forward (recording its K/V per layer and its members'
   log-probs / entropy at its positions) runs at the start of the first suffix micro-batch
-  after it in the schedule (:func:`opening_blocks`), reading the blocks below it;
+  after it in the schedule (``GroupSchedule.opening_blocks``), reading the blocks below it;
 - **its last reader**: the last suffix whose samples it holds (:func:`closing_suffixes`).
   Every earlier reader, suffix or block, reads the block's leaves (detached copies that
   require grad), so its backward accumulates there; the last suffix reads the recorded tensors
@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from ..megatron_ext.prefix_kv import PrefixKVStack
     from .cross_groups import CrossPart
 
-__all__ = ["NestedState", "closing_suffixes", "opening_blocks", "nested_supported",
+__all__ = ["NestedState", "closing_suffixes", "nested_supported",
            "open_micro_batch", "close_micro_batch"]
 
 
@@ -65,20 +65,6 @@ def closing_suffixes(schedule: GroupSchedule) -> dict[int, int]:
     for j, suffix in enumerate(schedule.suffixes):
         close.update(dict.fromkeys(suffix.reads, j))
     return close
-
-
-def opening_blocks(schedule: GroupSchedule) -> list[tuple[int, ...]]:
-    """Per suffix, the blocks whose forwards run at its start: those the schedule's steps
-    place after the previous suffix."""
-    opened: list[tuple[int, ...]] = []
-    pending: list[int] = []
-    for kind, index in schedule.steps:
-        if kind == "forward":
-            pending.append(index)
-        elif kind == "suffix":
-            opened.append(tuple(pending))
-            pending = []
-    return opened
 
 
 def nested_supported(tf_config: Any) -> bool:
@@ -118,7 +104,7 @@ class NestedState:
 
     def __post_init__(self) -> None:
         self.close = closing_suffixes(self.schedule)
-        self.opens = opening_blocks(self.schedule)
+        self.opens = self.schedule.opening_blocks()
 
 
 def open_micro_batch(model: torch.nn.Module, part: CrossPart, backend: str,
