@@ -388,13 +388,3 @@ def test_refuses_what_it_does_not_support_by_name():
     check_group_model(model_with(sequence_parallel=True))
     # under sequence parallelism too (test_cross_micro_batch_settings.py)
     check_group_model(model_with(sequence_parallel=True, num_moe_experts=4))
-    # CP=2 runs on dense models (test_cross_micro_batch_context_parallel.py); not with activation
-    # recompute, MoE or PP, each named
-    check_group_model(model_with(context_parallel_size=2, tensor_model_parallel_size=2))
-    for setting, named in ((dict(recompute_granularity="full"), "recompute_granularity='full'"),
-                           (dict(num_moe_experts=4), "num_moe_experts=4"),
-                           (dict(pipeline_model_parallel_size=2),
-                            "pipeline_model_parallel_size=2")):
-        with pytest.raises(UnsupportedSetupError, match=re.escape(f"context_parallel_size=2 with "
-                                                                  f"{named}")):
-            check_group_model(model_with(context_parallel_size=2, **setting))

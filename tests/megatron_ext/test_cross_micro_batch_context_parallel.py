@@ -211,7 +211,8 @@ def test_a_control_that_drops_the_other_ranks_readers_dkv_fails(cp2, reference):
 
 
 def test_refuses_what_is_not_built_under_cp_by_name():
-    """CP with megatron's activation recompute or MoE is refused before anything runs."""
+    """CP with megatron's activation recompute, MoE or pipeline parallelism is refused before
+    anything runs."""
     import types
 
     from prefix_sharing.megatron_ext import UnsupportedSetupError
@@ -220,11 +221,12 @@ def test_refuses_what_is_not_built_under_cp_by_name():
     def model_with(**config):
         base = dict(pipeline_model_parallel_size=1, context_parallel_size=2,
                     tensor_model_parallel_size=1, recompute_granularity=None,
-                    num_moe_experts=None)
+                    num_moe_experts=None, virtual_pipeline_model_parallel_size=None)
         return types.SimpleNamespace(config=types.SimpleNamespace(**{**base, **config}))
 
     check_group_model(model_with())
     check_group_model(model_with(tensor_model_parallel_size=2))  # tested above
-    for setting in (dict(recompute_granularity="full"), dict(num_moe_experts=4)):
+    for setting in (dict(recompute_granularity="full"), dict(num_moe_experts=4),
+                    dict(pipeline_model_parallel_size=2)):
         with pytest.raises(UnsupportedSetupError, match="cross_micro_batch.context_parallel"):
             check_group_model(model_with(**setting))
