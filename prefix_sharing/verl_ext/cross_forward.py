@@ -46,61 +46,18 @@ nest takes the ordinary split). Each refusal raises one error naming the setting
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
 
 from ..config import PrefixSharingConfig
-from ..refusals import Refused, refuse, refuse_all
+from ..refusals import Refused, refuse_all
 from .cross_groups import CrossPart
+from .cross_state import GroupState, check_temperature, prefix_statistics, verl_output
 from .mcore import (PrefixSharingSetupError, SharingMetrics, check_text_only,
                     micro_batch_temperature)
 
-__all__ = ["GroupState", "check_cross_engine_setup", "check_cross_model", "cross_forward"]
-
-
-@dataclasses.dataclass
-class GroupState:
-    """What a group's first micro-batch leaves for the others.
-
-    Attributes:
-        prefix_kv: the prefix's K/V per layer, recorded and as leaves.
-        log_probs, entropy: ``(N, Lp)`` every sample's prefix-position statistics, in the
-            prefix's graph (``entropy`` ``None`` when not asked for; both ``None`` on an
-            inner pipeline stage).
-        leaves: the same, detached, requiring grad (what all but the last micro-batch read).
-        temperature: the group's sampling temperature (all its micro-batches must agree).
-    """
-
-    prefix_kv: Any
-    log_probs: torch.Tensor | None
-    entropy: torch.Tensor | None
-    leaves: tuple[torch.Tensor, torch.Tensor | None]
-    temperature: float
-
-    def prefix_stats(self, members: list[int],
-                     last: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(len(members), Lp)`` statistics of these samples' prefix positions: the leaves, or
-        the recorded tensors read through for the last micro-batch."""
-        from ..megatron_ext.prefix_kv import read_through
-
-        index = torch.tensor(members, device=self.log_probs.device)
-        picked = []
-        for recorded, leaf in zip((self.log_probs, self.entropy), self.leaves):
-            if recorded is None:
-                picked.append(None)
-                continue
-            source = read_through(recorded, leaf) if last else leaf
-            picked.append(source.index_select(0, index))
-        return picked[0], picked[1]
-
-    def check_temperature(self, temperature: float) -> None:
-        """A group's micro-batches must share one sampling temperature (its prefix rows serve
-        them all)."""
-        if temperature != self.temperature:
-            raise refuse("verl.temperatures", f"a cross-micro-batch group with temperatures "
-                         f"{self.temperature} and {temperature}", error=PrefixSharingSetupError)
+__all__ = ["check_cross_engine_setup", "check_cross_model", "cross_forward", "pipelined"]
 
 
 def cross_forward(
@@ -149,7 +106,7 @@ def cross_forward(
         part.group.state = _run_prefix(model, part, sharing, temperature, calculate_entropy,
                                        device)
     state = part.group.state
-    state.check_temperature(temperature)
+    check_temperature(state, temperature)
     if not part.group.nested:
         state.prefix_kv.mode = "read_last" if part.last else "read"
         prefix_kv = state.prefix_kv
@@ -173,20 +130,6 @@ def cross_forward(
     if metrics is not None:
         metrics.add_tokens(part.tokens_total, part.tokens_computed)
     return verl_output(prefix, stats, tail_plan, calculate_entropy)
-
-
-def verl_output(prefix: tuple[torch.Tensor, torch.Tensor | None], stats: Any, tail_plan: Any,
-                calculate_entropy: bool) -> dict[str, torch.Tensor]:
-    """verl's output of a cross micro-batch: each sample's prefix-position statistics
-    (``prefix``: ``(samples, Lp)`` log-probs and entropy) then its tail's (``stats`` over
-    ``tail_plan``), as jagged nested tensors."""
-    result = {"log_probs": (prefix[0], stats.log_probs)}
-    if calculate_entropy:
-        result["entropy"] = (prefix[1], stats.entropy)
-    return {key: torch.nested.as_nested_tensor(
-                [torch.cat([head, tail]) for head, tail in zip(rows, tail_plan.split(own))],
-                layout=torch.jagged)
-            for key, (rows, own) in result.items()}
 
 
 def pipelined(model) -> bool:
@@ -288,12 +231,3 @@ def _run_prefix(model, part: CrossPart, sharing: PrefixSharingConfig, temperatur
     leaves = tuple(None if t is None else t.detach().requires_grad_(t.requires_grad)
                    for t in (log_probs, entropy))
     return GroupState(prefix_kv, log_probs, entropy, leaves, temperature)
-
-
-def prefix_statistics(prefix: Any, logits: torch.Tensor, schedule: Any,
-                      with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(N, Lp)`` every sample's log-probs (and entropy) at the prefix positions, from the
-    prefix pass's output ``logits``."""
-    log_probs, entropy, _ = prefix.stats_of(logits, with_entropy)
-    shape = (len(schedule.seq_lens), schedule.prefix_len)
-    return log_probs.view(shape), None if entropy is None else entropy.view(shape)

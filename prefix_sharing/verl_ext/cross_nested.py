@@ -79,7 +79,7 @@ def nested_supported(tf_config: Any) -> bool:
             and getattr(tf_config, "window_size", None) is None
             and parallel_state.get_tensor_model_parallel_world_size() == 1
             and parallel_state.get_context_parallel_world_size() == 1
-            and parallel_state.get_pipeline_model_parallel_world_size() == 1)
+            and (getattr(tf_config, "pipeline_model_parallel_size", 1) or 1) == 1)
 
 
 @dataclasses.dataclass

@@ -11,7 +11,7 @@ prefix rows ride in the first and the last micro-batch of the group, on every st
   under ``torch.no_grad()`` recording each layer's K/V as leaves
   (:class:`~prefix_sharing.megatron_ext.prefix_kv.PrefixKV`), then its own rows with grad
   reading them; the last stage turns the prefix rows' logits into every sample's prefix-position
-  statistics, kept as leaves too (:class:`.cross_forward.GroupState`);
+  statistics, kept as leaves too (:class:`.cross_state.GroupState`);
 - the **middle** micro-batches read the leaves (K/V, and on the last stage the statistics of
   their samples' prefix positions): their backwards accumulate the prefix's gradients there,
   stage by stage;
@@ -34,12 +34,10 @@ CP=1 on dense models without activation recompute or sliding windows
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from ..config import PrefixSharingConfig
-from .cross_forward import GroupState, prefix_statistics, verl_output
+from .cross_state import GroupState, check_temperature, prefix_statistics, verl_output
 from .cross_groups import CrossPart
 from .mcore import SharingMetrics
 
@@ -64,7 +62,7 @@ def pipelined_cross_forward(model, part: CrossPart, sharing: PrefixSharingConfig
         group.state = GroupState(PrefixKV(rows=schedule.prefix_len), None, None, (None, None),
                                  temperature)
     state = group.state
-    state.check_temperature(temperature)
+    check_temperature(state, temperature)
     last_stage = get_attr_wrapped_model(model, "post_process")
     received = get_attr_wrapped_model(model, "decoder").input_tensor  # None on the first stage
     set_input_tensor = get_attr_wrapped_model(model, "set_input_tensor")

@@ -94,6 +94,8 @@ def test_the_first_and_last_micro_batch_of_each_group_carry_the_prefix_on_every_
         assert results[80, "cross"]["rows"] == group_forwards * 2
     metrics = stages[-1][80, "cross"]["train"]["metrics"]
     assert metrics["prefix_sharing/cross_recomputed_tokens"] == [70.0]
+    # each group's unique tokens (119 and 114: test_cross_forward.py) and its prefix again
+    assert metrics["prefix_sharing/tokens_computed"] == [float(119 + 114 + 34 + 36)]
     assert metrics["prefix_sharing/num_micro_batches"] == [6.0]
 
 
@@ -123,7 +125,8 @@ def test_untested_model_settings_are_refused_by_name_under_pipeline_parallelism(
                   context_parallel_size=1, recompute_granularity=None, num_moe_experts=None,
                   window_size=None)
     check_cross_model(SimpleNamespace(config=SimpleNamespace(**config)))
-    with pytest.raises(PrefixSharingSetupError, match=f"pipeline_model_parallel_size=2 with {named}"):
+    with pytest.raises(PrefixSharingSetupError,
+                       match=f"pipeline_model_parallel_size=2 with {named}"):
         check_cross_model(SimpleNamespace(config=SimpleNamespace(**{**config, **setting})))
     check_cross_model(SimpleNamespace(config=SimpleNamespace(
         **{**config, **setting, "pipeline_model_parallel_size": 1})))
