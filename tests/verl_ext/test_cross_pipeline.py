@@ -27,9 +27,9 @@ if importlib.util.find_spec("verl") is None:
                 allow_module_level=True)
 
 from prefix_sharing.engines.launch import run_distributed  # noqa: E402
-from tests.verl_ext._batch import plain_output, use_cpu_platform  # noqa: E402
+from tests.verl_ext._batch import use_cpu_platform  # noqa: E402
 from tests.verl_ext._compare import same_outputs  # noqa: E402
-from tests.verl_ext._engine import actor_config, build_engine  # noqa: E402
+from tests.verl_ext._engine import actor_config, build_engine, step  # noqa: E402
 from tests.verl_ext.test_cross_forward import CROSS, batch  # noqa: E402
 
 PIPELINE = {"pipeline_model_parallel_size": 2}
@@ -38,11 +38,13 @@ PIPELINE = {"pipeline_model_parallel_size": 2}
 def pipeline_steps(rank: int) -> dict:
     """verl's stock step (feature off), the cross-micro-batch step at budgets 80 and 70, and
     the control, each on a fresh copy of the same seeded model; this rank's stage."""
-    from verl.workers.utils.losses import ppo_loss
+    from unittest import mock
 
     from prefix_sharing.megatron_ext import prefix_kv
 
     use_cpu_platform()
+    # the control's last micro-batch drops what the earlier ones accumulated
+    dropped = mock.patch.object(prefix_kv, "read_through", lambda recorded, leaf: recorded)
     results = {}
     runs = [(80, "off", None), (80, "cross", CROSS), (70, "cross", CROSS),
             (80, "control", CROSS)]
@@ -53,17 +55,9 @@ def pipeline_steps(rank: int) -> dict:
         engine.module[0].register_forward_pre_hook(
             lambda module, args, kwargs, rows=rows: rows.append(kwargs["input_ids"].size(1)),
             with_kwargs=True)
-        infer = engine.infer_batch(batch(budget))
-        read_through = prefix_kv.read_through
-        if name == "control":  # the last micro-batch drops what the earlier ones accumulated
-            prefix_kv.read_through = lambda recorded, leaf: recorded
-        try:
-            train = engine.forward_backward_batch(batch(budget), partial(ppo_loss, config=config))
-        finally:
-            prefix_kv.read_through = read_through
-        grads = {n: p.grad.clone() for n, p in engine.module[0].named_parameters()}
-        results[budget, name] = {"infer": plain_output(infer), "train": plain_output(train),
-                                 "grads": grads, "rows": rows}
+        results[budget, name] = step(engine, config, partial(batch, budget),
+                                     during=dropped if name == "control" else None)
+        results[budget, name]["rows"] = rows
     return results
 
 
