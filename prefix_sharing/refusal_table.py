@@ -351,8 +351,10 @@ TABLE: tuple[Refusal, ...] = (
             "splits a group too large for a micro-batch instead (set cross_micro_batch: false)",
             ("verl-fsdp",)),
     Refusal("verl.cross_micro_batch.layout", "groups across micro-batches with this parallel "
-            "layout", "a group runs at PP=1, without virtual stages, and under context "
-            "parallelism at TP=1 (CP x TP is tested in the group driver only)",
+            "layout", "a group runs without virtual stages, under context parallelism at TP=1 "
+            "(CP x TP is tested in the group driver only), and under pipeline parallelism at "
+            "TP=1, CP=1 on a dense model without recompute or sliding windows (the settings "
+            "tested there)",
             ("verl-megatron",)),
     Refusal("verl.cpu_shim_release", "a verl release the CPU test shim does not know",
             "prefix_sharing.testing.verl_cpu patches the releases that have patch sets "

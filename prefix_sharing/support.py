@@ -153,7 +153,9 @@ MATRIX: dict[str, dict[str, Cell]] = {
         "verl-megatron": works(_VX + "test_cross_forward.py", _VX + "test_cross_nested.py",
                                _VX + "test_cross_replay.py",
                                _VX + "test_cross_moe_sequence_parallel.py",
-                               note="PP=1; CP=2 at TP=1, dense; nested: dense, TP=1",
+                               _VX + "test_cross_pipeline.py",
+                               note="PP=2 at TP=1, dense, one level; CP=2 at TP=1, dense; "
+                                    "nested: dense, TP=1, PP=1",
                                refusals=("verl.cross_micro_batch.layout",)),
         "verl-fsdp": refused("verl.cross_micro_batch.engine"),
         "hf-fsdp": NOT_OFFERED,

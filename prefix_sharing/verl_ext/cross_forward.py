@@ -39,59 +39,25 @@ where verl's own step differs by counting its pad rows: :func:`check_cross_model
 replay (verl's ``router_replay``): the group was cut on tokens and routes at the split
 (:mod:`.cross_groups`), the prefix replays its rows' routes and every micro-batch its tails'
 (:func:`replayed_routes`, checked against the micro-batch's own); ``R2``'s recording forward
-takes the ordinary split. The model must run with PP=1 (each refusal raises one error naming
-the setting).
+takes the ordinary split. Under pipeline parallelism the prefix rides in the group's first and
+last micro-batch on every stage instead (:mod:`.cross_pipeline`; one level: a group that would
+nest takes the ordinary split). Each refusal raises one error naming the setting.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
 
 from ..config import PrefixSharingConfig
-from ..refusals import Refused, refuse, refuse_all
+from ..refusals import Refused, refuse_all
 from .cross_groups import CrossPart
+from .cross_state import GroupState, check_temperature, prefix_statistics, verl_output
 from .mcore import (PrefixSharingSetupError, SharingMetrics, check_text_only,
                     micro_batch_temperature)
 
-__all__ = ["GroupState", "check_cross_engine_setup", "check_cross_model", "cross_forward"]
-
-
-@dataclasses.dataclass
-class GroupState:
-    """What a group's first micro-batch leaves for the others.
-
-    Attributes:
-        prefix_kv: the prefix's K/V per layer, recorded and as leaves.
-        log_probs, entropy: ``(N, Lp)`` every sample's prefix-position statistics, in the
-            prefix's graph (``entropy`` ``None`` when not asked for).
-        leaves: the same, detached, requiring grad (what all but the last micro-batch read).
-        temperature: the group's sampling temperature (all its micro-batches must agree).
-    """
-
-    prefix_kv: Any
-    log_probs: torch.Tensor
-    entropy: torch.Tensor | None
-    leaves: tuple[torch.Tensor, torch.Tensor | None]
-    temperature: float
-
-    def prefix_stats(self, members: list[int],
-                     last: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(len(members), Lp)`` statistics of these samples' prefix positions: the leaves, or
-        the recorded tensors read through for the last micro-batch."""
-        from ..megatron_ext.prefix_kv import read_through
-
-        index = torch.tensor(members, device=self.log_probs.device)
-        picked = []
-        for recorded, leaf in zip((self.log_probs, self.entropy), self.leaves):
-            if recorded is None:
-                picked.append(None)
-                continue
-            source = read_through(recorded, leaf) if last else leaf
-            picked.append(source.index_select(0, index))
-        return picked[0], picked[1]
+__all__ = ["check_cross_engine_setup", "check_cross_model", "cross_forward", "pipelined"]
 
 
 def cross_forward(
@@ -126,6 +92,11 @@ def cross_forward(
                          f"{input_ids.size(0)} samples; its plan has {len(suffix.members)}")
     temperature = micro_batch_temperature((logits_processor_args or {}).get("temperature"))
     device = input_ids.device
+    if pipelined(model):  # every stage carries the prefix rows in the first and last
+        from .cross_pipeline import pipelined_cross_forward
+
+        return pipelined_cross_forward(model, part, sharing, temperature, calculate_entropy,
+                                       metrics, device)
     if part.group.nested:  # chunks and sub-tree blocks (.cross_nested)
         from .cross_nested import close_micro_batch, open_micro_batch
 
@@ -135,9 +106,7 @@ def cross_forward(
         part.group.state = _run_prefix(model, part, sharing, temperature, calculate_entropy,
                                        device)
     state = part.group.state
-    if temperature != state.temperature:
-        raise refuse("verl.temperatures", f"a cross-micro-batch group with temperatures "
-                     f"{state.temperature} and {temperature}", error=PrefixSharingSetupError)
+    check_temperature(state, temperature)
     if not part.group.nested:
         state.prefix_kv.mode = "read_last" if part.last else "read"
         prefix_kv = state.prefix_kv
@@ -160,13 +129,14 @@ def cross_forward(
             part.group.state = None  # the last micro-batch's graph holds what its backward needs
     if metrics is not None:
         metrics.add_tokens(part.tokens_total, part.tokens_computed)
-    result = {"log_probs": (prefix[0], stats.log_probs)}
-    if calculate_entropy:
-        result["entropy"] = (prefix[1], stats.entropy)
-    return {key: torch.nested.as_nested_tensor(
-                [torch.cat([head, tail]) for head, tail in zip(rows, tail_plan.split(own))],
-                layout=torch.jagged)
-            for key, (rows, own) in result.items()}
+    return verl_output(prefix, stats, tail_plan, calculate_entropy)
+
+
+def pipelined(model) -> bool:
+    """Whether ``model`` is one stage of several (pipeline parallelism)."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    return get_attr_wrapped_model(model, "config").pipeline_model_parallel_size > 1
 
 
 def replayed_routes(model, part: CrossPart, tail_plan, replay_routes: list | None,
@@ -198,15 +168,18 @@ def check_cross_engine_setup(engine_config: Any) -> None:
     itself at its first cross micro-batch)."""
     found = []
     pp = getattr(engine_config, "pipeline_model_parallel_size", 1) or 1
-    if pp > 1:
-        found.append(Refused("verl.cross_micro_batch.layout", f"pipeline_model_parallel_size={pp}"))
+    cp = getattr(engine_config, "context_parallel_size", 1) or 1
+    tp = getattr(engine_config, "tensor_model_parallel_size", 1) or 1
+    if pp > 1:  # tested at TP=1, CP=1 (.cross_pipeline)
+        found += [Refused("verl.cross_micro_batch.layout",
+                          f"pipeline_model_parallel_size={pp} with {name}={size}")
+                  for name, size in (("tensor_model_parallel_size", tp),
+                                     ("context_parallel_size", cp)) if size > 1]
     vpp = getattr(engine_config, "virtual_pipeline_model_parallel_size", None)
     if vpp is not None and vpp > 1:
         found.append(Refused("verl.cross_micro_batch.layout",
                              f"virtual_pipeline_model_parallel_size={vpp}"))
-    cp = getattr(engine_config, "context_parallel_size", 1) or 1
-    tp = getattr(engine_config, "tensor_model_parallel_size", 1) or 1
-    if cp > 1 and tp > 1:  # CP x TP runs in the group driver; not tested through verl
+    if cp > 1 and tp > 1 and pp == 1:  # CP x TP runs in the group driver; not tested through verl
         found.append(Refused("verl.cross_micro_batch.layout",
                              f"context_parallel_size={cp} with tensor_model_parallel_size={tp}"))
     if found:
@@ -217,10 +190,26 @@ def check_cross_model(model) -> None:
     """The group driver's refusals (PP). MoE router statistics run under sequence parallelism
     too: sharing keeps them over the samples' tokens, verl's stock step over its packed rows,
     its pad rows (each sample padded to a multiple of TP) included - equal where no sample is
-    padded (``tests/verl_ext/test_cross_moe_sequence_parallel.py``), as in one micro-batch."""
+    padded (``tests/verl_ext/test_cross_moe_sequence_parallel.py``), as in one micro-batch.
+    Under pipeline parallelism (:mod:`.cross_pipeline`) the model must be dense, without
+    activation recompute or sliding windows: the settings tested there."""
+    from megatron.core.utils import get_attr_wrapped_model
+
     from ..megatron_ext.cross_micro_batch import check_group_model
 
     check_group_model(model)
+    config = get_attr_wrapped_model(model, "config")
+    pp = config.pipeline_model_parallel_size
+    if pp > 1:
+        found = [Refused("verl.cross_micro_batch.layout",
+                         f"pipeline_model_parallel_size={pp} with {setting}")
+                 for setting, on in (
+                     (f"recompute_granularity={config.recompute_granularity!r}",
+                      config.recompute_granularity is not None),
+                     (f"num_moe_experts={config.num_moe_experts}", bool(config.num_moe_experts)),
+                     (f"window_size={config.window_size}", config.window_size is not None)) if on]
+        if found:
+            raise refuse_all(found, error=PrefixSharingSetupError)
 
 
 def _run_prefix(model, part: CrossPart, sharing: PrefixSharingConfig, temperature: float,
@@ -237,10 +226,8 @@ def _run_prefix(model, part: CrossPart, sharing: PrefixSharingConfig, temperatur
     prefix_kv = PrefixKV(rows=schedule.prefix_len,
                          routes=None if routes is None else routes.to(device))
     prefix = PrefixPass(schedule, prefix_kv, sharing.backend, temperature, device)
-    log_probs, entropy, _ = prefix.stats(model, with_entropy)
-    shape = (len(schedule.seq_lens), schedule.prefix_len)
-    log_probs = log_probs.view(shape)
-    entropy = entropy.view(shape) if entropy is not None else None
+    log_probs, entropy = prefix_statistics(prefix, prefix.forward(model), schedule,
+                                           with_entropy)
     leaves = tuple(None if t is None else t.detach().requires_grad_(t.requires_grad)
                    for t in (log_probs, entropy))
     return GroupState(prefix_kv, log_probs, entropy, leaves, temperature)

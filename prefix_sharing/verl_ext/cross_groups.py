@@ -45,7 +45,7 @@ class CrossGroup:
         schedule: its prefix and tail micro-batches.
         token_budget: the budget its micro-batches were planned under (prefix included).
         state: while the group runs, what its first micro-batch left for the others (the
-            prefix's K/V and statistics: :class:`.cross_forward.GroupState`); ``None`` before
+            prefix's K/V and statistics: :class:`.cross_state.GroupState`); ``None`` before
             its first and after its last micro-batch.
         held_bytes: after its last micro-batch, the bytes of prefix K/V leaves and their
             gradients it held across its micro-batches (this rank's K/V heads).

@@ -69,15 +69,17 @@ def closing_suffixes(schedule: GroupSchedule) -> dict[int, int]:
 
 def nested_supported(tf_config: Any) -> bool:
     """Whether groups may nest on a model with this megatron ``TransformerConfig``: dense, at
-    TP=1 and CP=1, without activation recompute or sliding windows (the settings the tests
-    compare with verl's stock step)."""
+    TP=1, CP=1 and PP=1, without activation recompute or sliding windows (the settings the
+    tests compare with verl's stock step; under pipeline parallelism a group runs one level,
+    :mod:`.cross_pipeline`)."""
     from megatron.core import parallel_state
 
     return (getattr(tf_config, "recompute_granularity", None) is None
             and not getattr(tf_config, "num_moe_experts", None)
             and getattr(tf_config, "window_size", None) is None
             and parallel_state.get_tensor_model_parallel_world_size() == 1
-            and parallel_state.get_context_parallel_world_size() == 1)
+            and parallel_state.get_context_parallel_world_size() == 1
+            and (getattr(tf_config, "pipeline_model_parallel_size", 1) or 1) == 1)
 
 
 @dataclasses.dataclass

@@ -284,7 +284,11 @@ def test_tensor_and_sequence_parallel_equal_verls_stock_step(sequence_parallel_r
 
 
 @pytest.mark.parametrize("settings, named", [
-    (dict(pipeline_model_parallel_size=2), "pipeline_model_parallel_size=2"),
+    # PP at TP=1 runs (test_cross_pipeline.py); PP x TP and PP x CP are not tested
+    (dict(pipeline_model_parallel_size=2),
+     "pipeline_model_parallel_size=2 with tensor_model_parallel_size=2"),
+    (dict(pipeline_model_parallel_size=2, tensor_model_parallel_size=1, context_parallel_size=2),
+     "pipeline_model_parallel_size=2 with context_parallel_size=2"),
     (dict(virtual_pipeline_model_parallel_size=2), "virtual_pipeline_model_parallel_size=2"),
     # CP at TP=1 runs (tested above); CP x TP is tested in the group driver only
     (dict(context_parallel_size=2), "context_parallel_size=2 with tensor_model_parallel_size=2")])

@@ -158,7 +158,8 @@ def test_every_shared_part_is_computed_once_and_verls_metrics_say_so(results, na
 
 @pytest.mark.parametrize("setting", [
     {}, {"recompute_granularity": "full"}, {"num_moe_experts": 4}, {"window_size": (6, 0)},
-    {"tensor_model_parallel_size": 2}, {"context_parallel_size": 2}])
+    {"tensor_model_parallel_size": 2}, {"context_parallel_size": 2},
+    {"pipeline_model_parallel_size": 2}])  # one level under PP: test_cross_pipeline.py
 def test_groups_nest_only_on_the_settings_tested_here(setting):
     """Elsewhere a group that does not fit one level is cut by the ordinary split, as before."""
     from types import SimpleNamespace
