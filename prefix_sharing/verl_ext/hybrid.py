@@ -6,7 +6,7 @@ verl's FSDP engine serves these models through the HuggingFace shim
 megatron's ``GatedDeltaNet`` layers, which the sharing layer spec can replace only on
 megatron-core 0.19.2 (0.16.1 and 0.17.1 have no packed path; see
 :data:`prefix_sharing.megatron_ext.stock_gdn.GDN_NOT_SERVED`). The spec swap would refuse too,
-but only once verl's bridge builds the model; :func:`check_hybrid_release` refuses at engine
+but only once verl's bridge builds the model; :func:`hybrid_release_problem` refuses at engine
 construction, from the model's HF config, with the release that works.
 """
 
@@ -14,10 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..refusals import refuse
-from .mcore import PrefixSharingSetupError
+from ..refusals import Refused
 
-__all__ = ["HYBRID_MODEL_TYPES", "is_gdn_hybrid", "check_hybrid_release"]
+__all__ = ["HYBRID_MODEL_TYPES", "is_gdn_hybrid", "hybrid_release_problem"]
 
 # HF model types whose decoder holds Gated DeltaNet ("linear_attention") layers
 HYBRID_MODEL_TYPES: frozenset[str] = frozenset(
@@ -36,17 +35,16 @@ def is_gdn_hybrid(hf_config: Any) -> bool:
     return False
 
 
-def check_hybrid_release(model_config: Any) -> None:
-    """Raises :class:`~.mcore.PrefixSharingSetupError` when ``model_config`` (verl's
-    ``HFModelConfig``) is a Gated DeltaNet hybrid and this megatron-core has no GDN module
-    sharing can serve; a no-op otherwise."""
+def hybrid_release_problem(model_config: Any) -> Refused | None:
+    """``verl.gdn_release`` when ``model_config`` (verl's ``HFModelConfig``) is a Gated DeltaNet
+    hybrid and this megatron-core has no GDN module sharing can serve; None otherwise."""
     if not is_gdn_hybrid(getattr(model_config, "hf_config", None)):
-        return
+        return None
     from ..megatron_ext.stock_gdn import serves_gated_delta_net
     from ..megatron_ext.release import installed_release
 
     if serves_gated_delta_net():
-        return
+        return None
     model_type = getattr(model_config.hf_config, "model_type", "the model")
-    raise refuse("verl.gdn_release", f"{model_type} on megatron-core {installed_release()}",
-                 error=PrefixSharingSetupError)
+    return Refused("verl.gdn_release", f"{model_type} on megatron-core {installed_release()}")
+

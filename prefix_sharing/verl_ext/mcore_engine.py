@@ -147,10 +147,11 @@ def patch_engine(module: ModuleType) -> None:
     ``MegatronEngineWithLMHead``."""
     from verl.utils import tensordict_utils as tu
 
+    from ..refusals import refuse_all
     from .config import sharing_config
-    from .hybrid import check_hybrid_release
-    from .mcore import micro_batch_groups
-    from .mcore_vlm import check_no_vision_model
+    from .hybrid import hybrid_release_problem
+    from .mcore import PrefixSharingSetupError, micro_batch_groups
+    from .mcore_vlm import vision_model_problem
     from .routing_replay import RouteRecorder, micro_batch_routes
 
     stock = module.MegatronEngineWithLMHead
@@ -164,8 +165,10 @@ def patch_engine(module: ModuleType) -> None:
         def __init__(self, model_config: Any, engine_config: Any, *args: Any,
                      **kwargs: Any) -> None:
             if sharing_config(engine_config).enabled:  # before verl builds anything
-                check_no_vision_model(model_config)
-                check_hybrid_release(model_config)
+                found = [problem for problem in (vision_model_problem(model_config),
+                                                 hybrid_release_problem(model_config)) if problem]
+                if found:
+                    raise refuse_all(found, error=PrefixSharingSetupError)
             super().__init__(model_config, engine_config, *args, **kwargs)
 
         def _build_tf_config(self) -> None:

@@ -28,19 +28,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..refusals import refuse
-from .mcore import PrefixSharingSetupError
+from ..refusals import Refused
 
-__all__ = ["check_no_vision_model"]
+__all__ = ["vision_model_problem"]
 
 
-def check_no_vision_model(model_config: Any) -> None:
-    """Raises :class:`~.mcore.PrefixSharingSetupError` (``verl.megatron_vlm``) when
-    ``model_config`` (verl's ``HFModelConfig``) has a vision tower, as verl itself detects one
-    (a ``vision_config``); a no-op otherwise. Called before verl imports a bridge, so a user
-    meets this reason rather than a Transformer Engine import error."""
+def vision_model_problem(model_config: Any) -> Refused | None:
+    """``verl.megatron_vlm`` when ``model_config`` (verl's ``HFModelConfig``) has a vision tower,
+    as verl itself detects one (a ``vision_config``); None otherwise. Asked at the engine's
+    construction, before verl imports a bridge, so a user meets this reason rather than a
+    Transformer Engine import error."""
     hf_config = getattr(model_config, "hf_config", None)
     if getattr(hf_config, "vision_config", None) is None:
-        return
-    raise refuse("verl.megatron_vlm", f"{getattr(hf_config, 'model_type', 'the model')} has a "
-                 "vision_config", error=PrefixSharingSetupError)
+        return None
+    return Refused("verl.megatron_vlm",
+                   f"{getattr(hf_config, 'model_type', 'the model')} has a vision_config")

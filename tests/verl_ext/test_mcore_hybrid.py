@@ -18,7 +18,7 @@ require_verl(("0.9.1", "0.8.0"))
 import transformers  # noqa: E402
 
 from prefix_sharing.megatron_ext.stock_gdn import serves_gated_delta_net  # noqa: E402
-from prefix_sharing.verl_ext.hybrid import check_hybrid_release, is_gdn_hybrid  # noqa: E402
+from prefix_sharing.verl_ext.hybrid import hybrid_release_problem, is_gdn_hybrid  # noqa: E402
 from prefix_sharing.verl_ext.mcore import PrefixSharingSetupError  # noqa: E402
 from tests.verl_ext._compare import MODES  # noqa: E402
 from tests.verl_ext._engine import actor_config  # noqa: E402
@@ -51,13 +51,16 @@ def test_a_hybrid_is_refused_at_construction_naming_megatron_core_0192(config_na
     message = str(refused.value)
     assert hf_config.model_type in message and "Gated DeltaNet" in message
     assert "strategy: fsdp2" in message  # the engine that serves it
+    # a vision-language checkpoint (Qwen3_5Config) is named as one in the same error
+    assert ("verl.megatron_vlm" in message) == (getattr(hf_config, "vision_config", None)
+                                                 is not None)
 
 
 @pytest.mark.parametrize("config_name", HYBRID_CONFIGS)
 def test_hybrid_configs_are_recognised_and_attention_only_ones_are_not(config_name):
     assert is_gdn_hybrid(getattr(transformers, config_name)())
     assert not is_gdn_hybrid(transformers.Qwen2Config())
-    check_hybrid_release(model_config(transformers.Qwen2Config()))  # nothing to refuse
+    assert hybrid_release_problem(model_config(transformers.Qwen2Config())) is None
 
 
 def test_with_sharing_off_a_hybrid_reaches_verls_own_constructor(monkeypatch):
