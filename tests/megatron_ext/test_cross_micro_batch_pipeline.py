@@ -28,12 +28,13 @@ import torch
 
 from prefix_sharing import PrefixSharingConfig
 from prefix_sharing.engines.recompute import RECOMPUTE
-from prefix_sharing.equivalence import FP32_RTOL, QUANTITIES, max_rel_diff, within_tolerance
+from prefix_sharing.equivalence import max_rel_diff, within_tolerance
 from prefix_sharing.workloads import make_workload
 
 from ._distributed import PRESET, run_distributed, tiny_gpt
 from ._router_statistics import reset_router_statistics, router_statistics
-from .test_cross_micro_batch import _LOSSES, MOE, MOE_VARIANTS, _split_runs
+from .test_cross_micro_batch import (_LOSSES, MOE, MOE_VARIANTS, _split_runs,
+                                     assert_exact, assert_router_statistics_equal)
 from .test_cross_micro_batch_settings import _replay_records_again
 
 CONFIG = PrefixSharingConfig(min_prefix_len=1, backend="torch")
@@ -57,15 +58,6 @@ def _judged(cross, seqs, build=tiny_gpt) -> dict:
             "suffix_rows": [s.plan.num_tokens_unique for s in schedule.suffixes],
             "padded_rows": [p.input_ids.numel()
                             for p in (schedule.blocks[0].plan, *(s.plan for s in schedule.suffixes))]}
-
-
-def _assert_exact(run: dict) -> None:
-    """The float64 verdict on every quantity, and 1e-5 from the plain fp32 run."""
-    verdict = within_tolerance(run["vs_reference"], run["plain"], torch.float32)
-    assert set(verdict) == set(QUANTITIES) and all(verdict.values()), (
-        run["vs_reference"].max_rel_diff)
-    for q, d in run["vs_plain"].max_rel_diff.items():
-        assert d <= FP32_RTOL, f"{q}: {d} from the plain fp32 run"
 
 
 def _assert_gradients_fail(run: dict) -> None:
@@ -132,7 +124,7 @@ def test_equals_the_stock_step_on_every_stage(stages, name):
     first, last = stages
     assert first[name]["outputs"] == 0 and last[name]["outputs"] >= 1
     for stage in stages:
-        _assert_exact(stage[name])
+        assert_exact(stage[name])
 
 
 def test_a_group_in_one_suffix_computes_its_prompt_once(stages):
@@ -186,7 +178,7 @@ def tp_stages() -> list[dict]:
 def test_tensor_parallel_2_by_pipeline_parallel_2(tp_stages, sequence_parallel):
     for rank in tp_stages:
         run = rank[sequence_parallel]
-        _assert_exact(run)
+        assert_exact(run)
         assert len(run["suffix_rows"]) >= 3
         if sequence_parallel:  # the prompt's 41 rows and every suffix's padded to 2
             assert run["padded_rows"][0] == 42 and all(n % 2 == 0 for n in run["padded_rows"])
@@ -240,10 +232,8 @@ def moe_stages() -> list[dict]:
 def test_moe_with_router_statistics(moe_stages, variant):
     for stage in moe_stages:
         run = stage[variant]
-        _assert_exact(run)
-        worst = {k: d for k, d in run["statistics"].items() if d > FP32_RTOL}
-        assert not worst, worst
-        assert set(run["statistics"]) == set(run["statistic_names"])
+        assert_exact(run)
+        assert_router_statistics_equal(run)
         assert {k for k in _LOSSES if k.startswith("tracker.")} <= set(run["statistic_names"])
     assert moe_stages[0][variant]["groups"] == (2 if variant == "losses" else 1)
 

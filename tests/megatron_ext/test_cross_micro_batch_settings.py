@@ -19,12 +19,13 @@ from unittest import mock
 import pytest
 import torch
 
-from prefix_sharing.equivalence import FP32_RTOL, QUANTITIES, max_rel_diff, within_tolerance
+from prefix_sharing.equivalence import max_rel_diff, within_tolerance
 from prefix_sharing.presets import get_preset
 
 from ._distributed import run_distributed, tiny_gpt
 from ._router_statistics import reset_router_statistics, router_statistics
-from .test_cross_micro_batch import BUDGET, CONFIG, MOE, _group, _split_runs
+from .test_cross_micro_batch import (BUDGET, CONFIG, MOE, _group, _split_runs,
+                                     assert_exact, assert_router_statistics_equal)
 
 WINDOWED = get_preset("tiny-window")
 CHUNKED = 60  # a budget under the agent group's 113-token prefix: a nested schedule
@@ -109,20 +110,12 @@ def recompute_report() -> dict:
     return run_distributed(_one_rank_job, 1, timeout=600)[0]
 
 
-def _passes(run: dict) -> None:
-    verdict = within_tolerance(run["vs_reference"], run["plain"], torch.float32)
-    assert set(verdict) == set(QUANTITIES) and all(verdict.values()), (
-        run["vs_reference"].max_rel_diff, run["plain"].max_rel_diff)
-    for q, d in run["vs_plain"].max_rel_diff.items():
-        assert d <= FP32_RTOL, f"{q}: {d} from the plain fp32 run"
-
-
 @pytest.mark.parametrize("name, recompute_prefix",
                          [(name, False) for name in RECOMPUTE] + [("full_uniform", True)])
 def test_activation_recompute_equals_the_stock_step_with_the_same_setting(
         recompute_report, name, recompute_prefix):
     run = recompute_report[name, recompute_prefix, BUDGET]
-    _passes(run)
+    assert_exact(run)
     figures = run["figures"]
     assert figures["num_micro_batches"] == 4 and figures["prefix_recomputes_avoided"] == 2
     (prefix_len,) = figures["prefix_lens"]
@@ -136,7 +129,7 @@ def test_recompute_on_a_nested_schedule_equals_the_stock_step(recompute_report, 
     sub-trees with blocks of their own - every block's replay (of its layers, or of its core
     attention) injects its readers' dK/dV."""
     run = recompute_report[name, False, CHUNKED]
-    _passes(run)
+    assert_exact(run)
     assert max(run["figures"]["prefix_lens"]) > CHUNKED
     assert run["figures"]["tokens_computed"] == run["figures"]["tokens_unique"]
 
@@ -153,7 +146,7 @@ def test_a_replay_that_records_again_fails_the_verdict(recompute_report, name, b
 def test_sliding_windows_equal_the_stock_step_with_the_suffix_gathers_trimmed(
         recompute_report, name):
     run = recompute_report["window", name]
-    _passes(run)
+    assert_exact(run)
     assert all(trimmed < whole for trimmed, whole in run["gathered"]), run["gathered"]
 
 
@@ -206,10 +199,8 @@ def test_moe_statistics_under_sequence_parallelism_equal_the_stock_step(long_con
     statistics are the stock router's on the same split."""
     for rank in long_context_report:
         run = rank[name]
-        _passes(run)
-        worst = {k: d for k, d in run["statistics"].items() if d > FP32_RTOL}
-        assert not worst, worst
-        assert set(run["statistics"]) == set(run["statistic_names"])
+        assert_exact(run)
+        assert_router_statistics_equal(run)
         assert {"tracker.load_balancing_loss", "tracker.seq_load_balancing_loss",
                 "tracker.z_loss", "layer0.global_tokens_per_expert"} <= set(run["statistics"])
         assert run["figures"]["num_micro_batches"] >= 3
