@@ -156,7 +156,7 @@ class GroupSchedule:
                 ) -> dict[str, float]:
         """The figures a trainer logs per step (as :meth:`MicroBatchSplit.metrics
         <prefix_sharing.batching.MicroBatchSplit.metrics>` does for a split); the driver's
-        :attr:`GroupRun.metrics <prefix_sharing.megatron_ext.cross_micro_batch.GroupRun>`
+        :attr:`GroupRun.metrics <prefix_sharing.megatron_ext.cross_run.GroupRun>`
         adds the held bytes."""
         return {
             f"{prefix}num_micro_batches": float(self.num_micro_batches),

@@ -84,7 +84,7 @@ def forward_backward_pipelined_group(
     gradients accumulate into ``.grad``. Every stage of the pipeline calls it with the same
     schedule (each plans it from its own data: the planner is deterministic).
 
-    The :class:`~.cross_micro_batch.GroupRun`'s log-probs, entropy, logits and loss are the
+    The :class:`~.cross_run.GroupRun`'s log-probs, entropy, logits and loss are the
     last stage's (zeros and None elsewhere); ``tokens_computed`` counts the prefix twice
     (once when the group has one suffix micro-batch).
 

@@ -96,19 +96,13 @@ class PrefixPass:
         return model(*model_inputs(self.params.plan, self.cp), None,
                      packed_seq_params=self.params)[0]  # [length (+ pad rows) (/ CP), V]
 
-    def stats(self, model: torch.nn.Module,
-              with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None,
-                                                  Callable[[], torch.Tensor]]:
-        """Forward, then every member's log-probs and entropy at the block's positions
-        (``(N * length,)`` each, member-major: the block's ``positions``' order), and a
-        callable giving those positions' logits."""
-        return self.stats_of(self.forward(model), with_entropy)
-
     def stats_of(self, logits: torch.Tensor,
                  with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None,
                                                      Callable[[], torch.Tensor]]:
-        """:meth:`stats` of this pass's output ``logits`` (``[rows, V]``; under CP this rank's
-        rows)."""
+        """From this pass's output ``logits`` (``[rows, V]``; under CP this rank's rows), every
+        member's log-probs and entropy at the block's positions (``(N * length,)`` each,
+        member-major: the block's ``positions``' order), and a callable giving those
+        positions' logits."""
         # under CP this rank's rows, its positions those that read its block rows
         rows = logits if self.cp is not None else self._with_placeholders(logits)
         stats = micro_batch_stats(rows, self.stats_plan, self.cp, temperature=self.temperature,

@@ -53,7 +53,8 @@ import torch
 from ..config import PrefixSharingConfig
 from ..refusals import Refused, refuse_all
 from .cross_groups import CrossPart
-from .cross_state import GroupState, check_temperature, prefix_statistics, verl_output
+from .cross_state import (GroupState, check_temperature, leaves_of, prefix_statistics,
+                          verl_output)
 from .mcore import (PrefixSharingSetupError, SharingMetrics, check_text_only,
                     micro_batch_temperature)
 
@@ -187,7 +188,8 @@ def check_cross_engine_setup(engine_config: Any) -> None:
 
 
 def check_cross_model(model) -> None:
-    """The group driver's refusals (PP). MoE router statistics run under sequence parallelism
+    """The group driver's refusals (:func:`~prefix_sharing.megatron_ext.cross_micro_batch.
+    check_group_model`), then verl's own. MoE router statistics run under sequence parallelism
     too: sharing keeps them over the samples' tokens, verl's stock step over its packed rows,
     its pad rows (each sample padded to a multiple of TP) included - equal where no sample is
     padded (``tests/verl_ext/test_cross_moe_sequence_parallel.py``), as in one micro-batch.
@@ -226,8 +228,5 @@ def _run_prefix(model, part: CrossPart, sharing: PrefixSharingConfig, temperatur
     prefix_kv = PrefixKV(rows=schedule.prefix_len,
                          routes=None if routes is None else routes.to(device))
     prefix = PrefixPass(schedule, prefix_kv, sharing.backend, temperature, device)
-    log_probs, entropy = prefix_statistics(prefix, prefix.forward(model), schedule,
-                                           with_entropy)
-    leaves = tuple(None if t is None else t.detach().requires_grad_(t.requires_grad)
-                   for t in (log_probs, entropy))
-    return GroupState(prefix_kv, log_probs, entropy, leaves, temperature)
+    recorded = prefix_statistics(prefix, prefix.forward(model), with_entropy)
+    return GroupState(prefix_kv, *recorded, leaves_of(recorded), temperature)

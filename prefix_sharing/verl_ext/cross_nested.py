@@ -48,7 +48,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..cross_micro_batch import GroupSchedule
+from ..group_schedule import GroupSchedule
+from .cross_state import Statistics, leaves_of, prefix_statistics, select_statistics
 
 if TYPE_CHECKING:
     from ..megatron_ext.prefix_kv import PrefixKVStack
@@ -89,8 +90,8 @@ class _Block:
 
     kv: Any
     members: tuple[int, ...]
-    recorded: tuple[torch.Tensor, torch.Tensor | None]
-    leaves: tuple[torch.Tensor, torch.Tensor | None]
+    recorded: Statistics
+    leaves: Statistics
 
 
 @dataclasses.dataclass
@@ -135,20 +136,15 @@ def close_micro_batch(part: CrossPart) -> tuple[torch.Tensor, torch.Tensor | Non
     """``(n, depth)`` log-probs and entropy (or None) of micro-batch ``part``'s samples at the
     positions its blocks computed (the leaves, or the recorded tensors read through where it
     is their last reader); then drops the blocks it closes."""
-    from ..megatron_ext import prefix_kv
-
     state: NestedState = part.group.state
     suffix = state.schedule.suffixes[part.index]
-    heads: list[list[torch.Tensor]] = [[], []]
+    heads = []  # per block read, its (log-probs, entropy) of these samples
     for r in suffix.reads:
         block = state.blocks[r]
         rows = torch.tensor([block.members.index(m) for m in suffix.members],
                             device=block.recorded[0].device)
-        for k, (recorded, leaf) in enumerate(zip(block.recorded, block.leaves)):
-            if recorded is not None:
-                source = (prefix_kv.read_through(recorded, leaf)
-                          if state.close[r] == part.index else leaf)
-                heads[k].append(source.index_select(0, rows))
+        heads.append(select_statistics(block.recorded, block.leaves, rows,
+                                       through=state.close[r] == part.index))
     part.group.held_bytes = max(part.group.held_bytes,
                                 sum(block.kv.held_bytes() for block in state.blocks.values()))
     for r in suffix.reads:
@@ -156,8 +152,9 @@ def close_micro_batch(part: CrossPart) -> tuple[torch.Tensor, torch.Tensor | Non
             del state.blocks[r]
     if part.last:
         part.group.state = None
-    log_probs = torch.cat(heads[0], dim=1)
-    return log_probs, torch.cat(heads[1], dim=1) if heads[1] else None
+    log_probs, entropy = zip(*heads)
+    return (torch.cat(log_probs, dim=1),
+            None if entropy[0] is None else torch.cat(entropy, dim=1))
 
 
 def _run_block(model: torch.nn.Module, state: NestedState, b: int, backend: str, with_entropy: bool,
@@ -167,7 +164,7 @@ def _run_block(model: torch.nn.Module, state: NestedState, b: int, backend: str,
     reads reads that one's recorded tensors, else its leaves."""
     from torch.utils.checkpoint import checkpoint
 
-    from ..megatron_ext.cross_micro_batch import PrefixPass
+    from ..megatron_ext.cross_run import PrefixPass
     from ..megatron_ext.prefix_kv import PrefixKV, PrefixKVStack
 
     block = state.schedule.blocks[b]
@@ -179,20 +176,15 @@ def _run_block(model: torch.nn.Module, state: NestedState, b: int, backend: str,
     passes = [*prefix.params.prefix_kv.reads, prefix.params.prefix_kv.own]
     calls = 0
 
-    def forward() -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward() -> Statistics:
         nonlocal calls
         calls += 1
         for view in passes:  # the checkpoint's recompute: the same computation, no new state
             view.replaying = calls > 1
-        log_probs, entropy, _ = prefix.stats(model, with_entropy)
-        return log_probs, entropy
+        return prefix_statistics(prefix, prefix.forward(model), with_entropy)
 
     if torch.is_grad_enabled():  # no dropout runs (refused): no RNG state to replay
-        log_probs, entropy = checkpoint(forward, use_reentrant=False, preserve_rng_state=False)
+        recorded = checkpoint(forward, use_reentrant=False, preserve_rng_state=False)
     else:
-        log_probs, entropy = forward()
-    shape = (len(block.members), block.length)
-    recorded = tuple(None if t is None else t.view(shape) for t in (log_probs, entropy))
-    leaves = tuple(None if t is None else t.detach().requires_grad_(t.requires_grad)
-                   for t in recorded)
-    return _Block(own, block.members, recorded, leaves)
+        recorded = forward()
+    return _Block(own, block.members, recorded, leaves_of(recorded))

@@ -83,8 +83,7 @@ def pipelined_cross_forward(model, part: CrossPart, sharing: PrefixSharingConfig
         with torch.set_grad_enabled(training and part.last):
             outputs.append(run(prefix.params, slice(0, prefix_rows)))
             if last_stage:
-                recorded = prefix_statistics(prefix, outputs[-1][0], schedule,
-                                             calculate_entropy)
+                recorded = prefix_statistics(prefix, outputs[-1][0], calculate_entropy)
                 state.log_probs, state.entropy = recorded
         if last_stage and part.first:
             state.leaves = tuple(None if t is None else t.detach().requires_grad_(training)

@@ -13,7 +13,8 @@ import torch
 from ..refusals import refuse
 from .mcore import PrefixSharingSetupError
 
-__all__ = ["GroupState", "check_temperature", "prefix_statistics", "verl_output"]
+__all__ = ["GroupState", "Statistics", "check_temperature", "leaves_of", "prefix_statistics",
+           "select_statistics", "verl_output"]
 
 
 @dataclasses.dataclass
@@ -39,17 +40,29 @@ class GroupState:
                      last: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(len(members), Lp)`` statistics of these samples' prefix positions: the leaves, or
         the recorded tensors read through for the last micro-batch."""
-        from ..megatron_ext.prefix_kv import read_through
+        rows = torch.tensor(members, device=self.log_probs.device)
+        return select_statistics((self.log_probs, self.entropy), self.leaves, rows, last)
 
-        index = torch.tensor(members, device=self.log_probs.device)
-        picked = []
-        for recorded, leaf in zip((self.log_probs, self.entropy), self.leaves):
-            if recorded is None:
-                picked.append(None)
-                continue
-            source = read_through(recorded, leaf) if last else leaf
-            picked.append(source.index_select(0, index))
-        return picked[0], picked[1]
+
+Statistics = tuple[torch.Tensor, torch.Tensor | None]  # log-probs, entropy (or None)
+
+
+def leaves_of(recorded: Statistics) -> Statistics:
+    """Detached copies of a block's recorded statistics, requiring grad where they do: what its
+    readers but the last read, so their backwards accumulate there."""
+    return tuple(None if t is None else t.detach().requires_grad_(t.requires_grad)
+                 for t in recorded)
+
+
+def select_statistics(recorded: Statistics, leaves: Statistics, rows: torch.Tensor,
+                      through: bool) -> Statistics:
+    """The ``rows`` (samples) of a block's statistics: its leaves, or for its last reader
+    (``through``) the recorded tensors read through (the leaves' gradients added on the way
+    back: :func:`~prefix_sharing.megatron_ext.prefix_kv.read_through`)."""
+    from ..megatron_ext.prefix_kv import read_through
+
+    return tuple(None if r is None else (read_through(r, leaf) if through else leaf)
+                 .index_select(0, rows) for r, leaf in zip(recorded, leaves))
 
 
 def check_temperature(state: Any, temperature: float) -> None:
@@ -60,12 +73,11 @@ def check_temperature(state: Any, temperature: float) -> None:
                      f"{state.temperature} and {temperature}", error=PrefixSharingSetupError)
 
 
-def prefix_statistics(prefix: Any, logits: torch.Tensor, schedule: Any,
-                      with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(N, Lp)`` every sample's log-probs (and entropy) at the prefix positions, from the
-    prefix pass's output ``logits``."""
+def prefix_statistics(prefix: Any, logits: torch.Tensor, with_entropy: bool) -> Statistics:
+    """``(members, length)`` log-probs (and entropy) of a block's members at its positions, from
+    its pass's (:class:`~prefix_sharing.megatron_ext.cross_run.PrefixPass`) output ``logits``."""
     log_probs, entropy, _ = prefix.stats_of(logits, with_entropy)
-    shape = (len(schedule.seq_lens), schedule.prefix_len)
+    shape = (prefix.num_sequences, prefix.prefix_len)
     return log_probs.view(shape), None if entropy is None else entropy.view(shape)
 
 

@@ -152,7 +152,7 @@ def patch_engine(module: ModuleType) -> None:
     from .hybrid import hybrid_release_problem
     from .mcore import PrefixSharingSetupError, micro_batch_groups
     from .mcore_vlm import vision_model_problem
-    from .routing_replay import RouteRecorder, micro_batch_routes
+    from .routing_replay import RouteRecorder, micro_batch_routes, replay_mode
 
     stock = module.MegatronEngineWithLMHead
 
@@ -192,15 +192,14 @@ def patch_engine(module: ModuleType) -> None:
             if self.prefix_sharing.mode == "prompt_only":
                 groups = micro_batch_groups(batch, batch["input_ids"].size(0))
             record = active_split()
-            replay_mode = getattr(getattr(self.engine_config, "router_replay", None), "mode",
-                                  "disabled")
+            mode = replay_mode(self.engine_config)
             forward_kwargs = dict(
                 sharing=self.prefix_sharing, groups=groups,
                 calculate_entropy=tu.get_non_tensor_data(batch, key="calculate_entropy",
                                                          default=False),
                 metrics=self._sharing_metrics,
-                replay_routes=micro_batch_routes(batch, replay_mode),
-                route_recorder=RouteRecorder() if replay_mode == "R2" else None,
+                replay_routes=micro_batch_routes(batch, mode),
+                route_recorder=RouteRecorder() if mode == "R2" else None,
                 part=None if record is None else record.part(batch),
             )
             if forward_kwargs["part"] is None and self._self_check.pending:

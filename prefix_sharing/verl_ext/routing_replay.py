@@ -52,7 +52,7 @@ def replay_mode(engine_config: Any) -> str:
 
 def replay_mode_problems(engine_config: Any) -> list[Refused]:
     """The ``router_replay`` settings sharing cannot run with."""
-    mode = getattr(getattr(engine_config, "router_replay", None), "mode", "disabled")
+    mode = replay_mode(engine_config)
     cp = getattr(engine_config, "context_parallel_size", 1)
     if mode == "R2" and cp > 1:
         return [Refused("verl.routing_replay.r2_context_parallel",
