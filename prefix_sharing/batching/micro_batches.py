@@ -13,7 +13,10 @@ bounds computed tokens; the load spread over the micro-batches is their computed
 A group that alone exceeds the budget is cut in lexicographic order, between sub-trees
 (at its shallowest branch points where that needs no more pieces), so deep shared prefixes stay
 whole; every such group is counted in ``groups_split``. A single sequence longer than the
-budget gets a micro-batch of its own and is listed in ``oversized``. The split is deterministic:
+budget gets a micro-batch of its own and is listed in ``oversized``. With a fixed sample count
+per micro-batch instead of a budget (verl without dynamic batch size),
+:func:`split_fixed_micro_batches` packs the same groups into micro-batches of exactly that many
+samples. The split is deterministic:
 it depends on token ids, uids and the budget alone, so every rank that sees the same batch
 builds the same one.
 """
@@ -32,7 +35,7 @@ from ..planner import TokenSequence
 from .cost import CostModel, SubsetMeasure, check_batch, check_positive_int
 from .groups import lexicographic_order, sharing_groups
 
-__all__ = ["MicroBatchSplit", "split_micro_batches"]
+__all__ = ["MicroBatchSplit", "split_fixed_micro_batches", "split_micro_batches"]
 
 _Unit = tuple[int, float, list[int]]  # computed tokens, cost, members
 
@@ -45,7 +48,8 @@ class MicroBatchSplit:
         micro_batches: per micro-batch the batch indices it holds, ascending.
         tokens_total: per micro-batch the tokens of its sequences (what the plain forward runs).
         tokens_computed: per micro-batch the tokens its plan computes (the budgeted figure).
-        token_budget: the budget each micro-batch's computed tokens were kept under.
+        token_budget: the budget each micro-batch's computed tokens were kept under (0 for
+            :func:`split_fixed_micro_batches`, which counts samples).
         num_groups: sharing groups in the batch.
         groups_split: groups whose members landed in more than one micro-batch.
         oversized: sequences longer than the budget on their own (each alone in a micro-batch).
@@ -129,7 +133,109 @@ def split_micro_batches(
     bins = _pack(units, token_budget, min_micro_batches)
     _fill_empty(bins, sequences, measure)
 
-    micro_batches = sorted(tuple(sorted(i for *_, members in b for i in members)) for b in bins)
+    return _figures([[i for *_, members in b for i in members] for b in bins], groups,
+                    sequences, measure, token_budget)
+
+
+def split_fixed_micro_batches(
+    sequences: Sequence[TokenSequence],
+    size: int,
+    config: PrefixSharingConfig | None = None,
+    *,
+    uids: Sequence[Hashable] | None = None,
+    prompt_lens: Sequence[int] | None = None,
+    reorder: bool = True,
+) -> MicroBatchSplit:
+    """Micro-batches of exactly ``size`` samples (verl's fixed micro-batch size), cutting as
+    few sharing groups as the packing finds.
+
+    verl cuts its batch into contiguous chunks of ``size``: a group that straddles a chunk
+    boundary loses its sharing although another order of the samples would keep it whole.
+    Here the groups (:func:`sharing_groups`, as in :func:`split_micro_batches`) are packed
+    into ``len(sequences) // size`` micro-batches: a group larger than ``size`` fills whole
+    micro-batches with runs of its lexicographic order (sub-trees stay together) and leaves
+    its remainder; whole groups go best-fit, largest first, then the remainders; what fits
+    nowhere whole fills the gaps, largest gap first, remainders of groups already cut before
+    groups still whole. Bin packing is hard in general: this is a heuristic, exact when the
+    group sizes divide ``size`` or ``size`` divides them. The batch's own contiguous chunks
+    are returned instead unless the packing cuts fewer groups, or as many and computes fewer
+    tokens: a batch whose order already keeps its groups is left as it is
+    (:attr:`MicroBatchSplit.order` is then the identity). ``token_budget`` is 0: no token
+    budget applies. ``reorder=False``: the contiguous chunks, for their figures (a caller
+    that must keep the order still counts its cuts).
+
+    Raises:
+        InputError: when ``size`` does not divide the batch (verl asserts the same).
+    """
+    config = PrefixSharingConfig() if config is None else config
+    n = len(sequences)
+    check_batch("split_fixed_micro_batches", n, config, uids=uids, prompt_lens=prompt_lens)
+    check_positive_int("size", size)
+    if n % size:
+        raise InputError(f"a micro-batch size of {size} does not divide the batch of {n} "
+                         "sequences")
+    measure = SubsetMeasure(sequences, config, uids, prompt_lens)
+    groups = sharing_groups(sequences, config, uids)
+    chunks = _figures([list(range(s, s + size)) for s in range(0, n, size)], groups,
+                      sequences, measure, 0)
+    if not reorder:
+        return chunks
+    packed = _figures(_pack_fixed(groups, size, n // size, sequences), groups, sequences,
+                      measure, 0)
+    better = (packed.groups_split, sum(packed.tokens_computed)) < (
+        chunks.groups_split, sum(chunks.tokens_computed))
+    return packed if better else chunks
+
+
+def _pack_fixed(groups: list[list[int]], size: int, count: int,
+                sequences: Sequence[TokenSequence]) -> list[list[int]]:
+    """``count`` micro-batches of ``size`` samples holding every group (see
+    :func:`split_fixed_micro_batches`)."""
+    bins: list[list[int]] = []
+    whole: list[list[int]] = []
+    remainders: list[list[int]] = []
+    for members in groups:
+        if len(members) <= size:
+            whole.append(members)
+            continue
+        ordered, _ = lexicographic_order(members, sequences)
+        full = len(members) // size * size
+        bins += [ordered[s:s + size] for s in range(0, full, size)]
+        if full < len(members):
+            remainders.append(ordered[full:])
+    bins += [[] for _ in range(count - len(bins))]
+
+    def best_fit(items: list[list[int]]) -> list[list[int]]:
+        """Places each item whole where it leaves the least room; returns those that fit
+        nowhere."""
+        left = []
+        for item in sorted(items, key=lambda g: (-len(g), g[0])):
+            fits = [b for b in bins if size - len(b) >= len(item)]
+            if fits:
+                min(fits, key=lambda b: size - len(b)).extend(item)
+            else:
+                left.append(item)
+        return left
+
+    cut_remainders = best_fit(remainders)
+    cut_groups = best_fit(whole)
+    for item in cut_remainders + cut_groups:
+        ordered, _ = lexicographic_order(item, sequences)
+        while ordered:
+            gap = max(bins, key=lambda b: size - len(b))
+            take = size - len(gap)
+            gap.extend(ordered[:take])
+            ordered = ordered[take:]
+    return bins
+
+
+def _figures(bins: list[list[int]], groups: list[list[int]],
+             sequences: Sequence[TokenSequence], measure: SubsetMeasure,
+             token_budget: int) -> MicroBatchSplit:
+    """The :class:`MicroBatchSplit` of ``bins`` (lists of batch indices): each sorted,
+    ordered by first sample, with its tokens and the groups it cuts."""
+    n = len(sequences)
+    micro_batches = sorted(tuple(sorted(b)) for b in bins)
     where = np.empty(n, dtype=np.int64)
     for m, mb in enumerate(micro_batches):
         where[list(mb)] = m
@@ -141,7 +247,7 @@ def split_micro_batches(
         token_budget=token_budget,
         num_groups=len(groups),
         groups_split=sum(len(set(where[g].tolist())) > 1 for g in groups),
-        oversized=tuple(i for i in range(n) if lengths[i] > token_budget),
+        oversized=tuple(i for i in range(n) if token_budget and lengths[i] > token_budget),
     )
 
 

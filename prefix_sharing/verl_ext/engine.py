@@ -4,7 +4,7 @@
 reads the sharing config the actor config attached to the engine config, refuses the settings
 sharing cannot honour (at construction, and per micro-batch: :meth:`refuse_unsupported_switches`),
 and runs verl's ``forward_backward_batch`` inside the group-keeping
-dynamic-bsz split (:mod:`.microbatch`), adding the step's token counts, the split's figures
+split (:mod:`.microbatch`: dynamic bsz, or fixed micro-batches by the samples' order), adding the step's token counts, the split's figures
 and the first-step self-check's (:mod:`.self_check`, which the engine's forward runs) to verl's
 metrics. What differs per engine (how the model is built and how a micro-batch is run)
 stays in the engine's own subclass. :func:`install_engine` puts a subclass where verl looks for
@@ -20,7 +20,8 @@ from ..refusals import Refused, refuse, refuse_all
 from .config import sharing_config
 from .cross_forward import check_cross_engine_setup
 from .mcore import PrefixSharingSetupError, SharingMetrics, check_engine_setup
-from .microbatch import add_split_metrics, sharing_split
+from .microbatch import (add_split_metrics, fixed_order, restore_sample_order, select_samples,
+                         sharing_split)
 from .routing_replay import replay_mode
 from .self_check import FirstStepSelfCheck, self_check_problems
 
@@ -75,17 +76,30 @@ class SharingEngineMixin:
         if not self.prefix_sharing.enabled:
             return super().forward_backward_batch(data, loss_function, forward_only)
         self._sharing_metrics = SharingMetrics()
-        # dynamic bsz keeps groups together (across micro-batches cut on tokens and routes)
+        # dynamic bsz keeps groups together (across micro-batches cut on tokens and routes);
+        # fixed micro-batches keep them whole by the order of the samples
         with sharing_split(self.prefix_sharing,
                            replay_mode(getattr(self, "engine_config", None)),
                            nested=self.prefix_sharing.cross_micro_batch and self.cross_nested()
                            ) as split:
+            order = fixed_order(data, split, loss_function, forward_only,
+                                self.order_sensitive_statistics())
+            if order is not None:
+                data = select_samples(data, order)
             output = super().forward_backward_batch(data, loss_function, forward_only)
+        if order is not None:
+            restore_sample_order(output, order)
         if output:  # empty on a Megatron engine's inner pipeline stages
             output.setdefault("metrics", {}).update(self._sharing_metrics.as_verl_metrics())
             output["metrics"].update(self._self_check.pop_metrics())
             add_split_metrics(output, split)
         return output
+
+    def order_sensitive_statistics(self) -> str | None:
+        """Why this engine's model makes a training step depend on which samples share a
+        micro-batch (statistics taken per micro-batch, such as a router's auxiliary loss),
+        or ``None``; the Megatron engine answers (:func:`.microbatch.fixed_order`)."""
+        return None
 
     def cross_nested(self) -> bool:
         """Whether a group too large for one level may nest on this engine's model

@@ -159,8 +159,6 @@ def patch_engine(module: ModuleType) -> None:
             if not self.prefix_sharing.enabled:
                 return super().prepare_model_inputs(micro_batch)
             unsupported = []
-            if not tu.get_non_tensor_data(micro_batch, key="use_remove_padding", default=True):
-                unsupported.append(Refused("verl.padded_layout", "use_remove_padding=False"))
             vlm = is_vlm(self.module)
             if not vlm and module.extract_multi_modal_inputs(
                     micro_batch.get("multi_modal_inputs", [])):  # as verl reads them

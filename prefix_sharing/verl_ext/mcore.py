@@ -56,8 +56,6 @@ def check_engine_setup(engine_config: Any, model_config: Any | None = None, *,
       ranks attend to. Static ``context_parallel_size > 1`` runs: the plan splits the flat
       layout over the CP ranks and the core attention gathers K/V
       (:mod:`prefix_sharing.megatron_ext.context_parallel`);
-    - ``use_remove_padding=False`` (in the engine or the model config; the FSDP engine reads the
-      model's): sharing needs the packed layout;
     - ``use_fused_kernels=True``: the fused kernel computes log-probs from labels laid out per
       sample, which a shared row cannot give (one row serves several next tokens);
     - MTP training: its labels are laid out per sample as well;
@@ -73,8 +71,6 @@ def check_engine_setup(engine_config: Any, model_config: Any | None = None, *,
     if getattr(engine_config, "ulysses_sequence_parallel_size", 1) > 1:
         found.append(Refused("verl.ulysses", "ulysses_sequence_parallel_size="
                              f"{engine_config.ulysses_sequence_parallel_size}"))
-    if any(getattr(c, "use_remove_padding", True) is False for c in (engine_config, model_config)):
-        found.append(Refused("verl.padded_layout", "use_remove_padding=False"))
     if any(getattr(c, "use_fused_kernels", False) for c in (engine_config, model_config)):
         found.append(Refused("verl.fused_kernels", "use_fused_kernels=True"))
     mtp = getattr(model_config, "mtp", None)

@@ -176,6 +176,15 @@ def patch_engine(module: ModuleType) -> None:
             if self.prefix_sharing.enabled:
                 install_layer_spec(self)
 
+        def order_sensitive_statistics(self) -> str | None:
+            config = self.tf_config
+            aux = getattr(config, "moe_aux_loss_coeff", 0) or 0
+            aux = any(aux) if isinstance(aux, list) else bool(aux)
+            if getattr(config, "num_moe_experts", None) and (
+                    aux or getattr(config, "moe_z_loss_coeff", None)):
+                return "the MoE router's auxiliary / z-loss is taken per micro-batch"
+            return None
+
         def cross_nested(self) -> bool:
             from .cross_nested import nested_supported
 

@@ -18,6 +18,16 @@ the lighter micro-batches go to both ends, as verl orders them; a sequence longe
 budget is refused, as verl refuses it. Samples group by ``uid`` when the batch carries it, else
 by the prefixes the planner finds.
 
+Without dynamic batch size (``use_dynamic_bsz: false``, verl's default) verl cuts the batch
+into contiguous chunks of ``micro_batch_size_per_gpu`` samples, which cuts GRPO groups that
+straddle a chunk boundary. :func:`fixed_order` gives the order to put the batch in so that
+those chunks are :func:`prefix_sharing.batching.split_fixed_micro_batches`' micro-batches (as
+many samples each, groups whole where an order allows); the engine reorders the batch with
+:func:`select_samples` before verl's step and puts the outputs back with
+:func:`restore_sample_order`. That changes nothing only where verl's loss is a sum of
+per-sample terms over global figures (:func:`loss_order_problem`); elsewhere verl's order is
+kept and its cuts are counted.
+
 With ``cross_micro_batch`` on, a group too large for the budget is not cut: it runs as
 consecutive micro-batches over one prefix computation (:mod:`.cross_groups`), placed after the
 ordinary micro-batches, in order, each tagged (non-tensor key :data:`PART_KEY`) with its place in
@@ -30,25 +40,36 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import logging
 from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
 import torch
 
-from ..batching import MicroBatchSplit, split_micro_batches
+from ..batching import MicroBatchSplit, split_fixed_micro_batches, split_micro_batches
 from ..config import PrefixSharingConfig
 from .cross_groups import CrossPart, plan_cross_groups
 from .mcore import prompt_lengths
 from .routing_replay import split_routes
 
 __all__ = ["SplitRecord", "sharing_split", "active_split", "rearrange_micro_batches",
-           "patch_prepare_micro_batches", "add_split_metrics", "METRIC_PREFIX", "PART_KEY"]
+           "patch_prepare_micro_batches", "add_split_metrics", "fixed_order", "select_samples",
+           "restore_sample_order", "loss_order_problem", "METRIC_PREFIX", "PART_KEY",
+           "SAMPLEWISE_POLICY_LOSSES"]
+
+logger = logging.getLogger(__name__)
 
 METRIC_PREFIX = "prefix_sharing/"
 # Non-tensor key of a micro-batch that belongs to a cross-micro-batch group: its index in
 # SplitRecord.parts.
 PART_KEY = "prefix_sharing_cross_part"
+# verl's policy losses (policy_loss.loss_mode) that are sums of per-token or per-sequence
+# terms through agg_loss with the global batch figures: a micro-batch's share of the step's
+# loss does not depend on which samples share it. (geo_mean averages over its micro-batch,
+# clip_cov / kl_cov pick tokens within it.)
+SAMPLEWISE_POLICY_LOSSES = frozenset(
+    {"vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "dro", "cispo"})
 
 
 @dataclasses.dataclass
@@ -285,3 +306,104 @@ def patch_prepare_micro_batches(engine_utils: ModuleType) -> None:
     patched = functools.wraps(current)(functools.partial(rearrange_micro_batches, current))
     patched._prefix_sharing_stock = current
     engine_utils.rearrange_micro_batches = patched
+
+
+def fixed_order(data: Any, record: SplitRecord | None, loss_function: Any, forward_only: bool,
+                model_problem: str | None = None) -> list[int] | None:
+    """The sample order that makes verl's fixed micro-batches keep sharing groups whole, or
+    ``None`` to keep verl's order (see the module doc).
+
+    Applies without dynamic batch size and ``force_group_size`` 1, inside
+    :func:`sharing_split` (``record``, which receives the split's figures either way). The
+    order is taken when the packing improves on verl's chunks
+    (:func:`~prefix_sharing.batching.split_fixed_micro_batches`) and the step's results
+    cannot depend on which samples share a micro-batch: a forward-only step, or a loss that
+    :func:`loss_order_problem` accepts on a model without per-micro-batch statistics
+    (``model_problem``: the engine's reason, e.g. a router's auxiliary loss).
+    """
+    from verl.utils import tensordict_utils as tu
+
+    size = tu.get_non_tensor_data(data, key="micro_batch_size_per_gpu", default=None)
+    if (record is None or size is None
+            or tu.get_non_tensor_data(data, key="use_dynamic_bsz", default=True)
+            or tu.get_non_tensor_data(data, key="force_group_size", default=1) > 1
+            or len(data) % size):  # verl refuses the last itself
+        return None
+    sequences, uids, prompt_lens = _samples(data, record.config, tu)
+    problem = None if forward_only else model_problem or loss_order_problem(loss_function, data)
+    record.split = split_fixed_micro_batches(sequences, size, record.config, uids=uids,
+                                             prompt_lens=prompt_lens,
+                                             reorder=problem is None)
+    if problem is not None:
+        _warn_once(f"prefix-sharing: fixed micro-batches keep verl's sample order ({problem}); "
+                   "set use_dynamic_bsz: true, or a loss listed in docs/verl.md, to keep "
+                   "sharing groups whole")
+    order = record.split.order
+    return None if order == sorted(order) else order
+
+
+def loss_order_problem(loss_function: Any, data: Any) -> str | None:
+    """Why the step's loss and gradients could change when samples change micro-batches
+    (``None`` when they cannot).
+
+    verl's loss is summed over micro-batches; each micro-batch's term is its samples'
+    terms over the step's global figures when the loss is verl's ``sft_loss`` (global token
+    count) or ``ppo_loss`` with a policy loss in :data:`SAMPLEWISE_POLICY_LOSSES` and a
+    ``loss_agg_mode`` whose normaliser is global: ``token-mean`` (the engine sets the
+    global ``batch_num_tokens``), ``token-sum``, the ``seq-mean-*`` modes with the
+    trainer's ``global_batch_size``, and ``seq-mean-token-sum-norm`` only with a fixed
+    ``loss_scale_factor`` or a response mask of one width for the batch (else its horizon
+    is the micro-batch's longest response).
+    """
+    from verl.utils import tensordict_utils as tu
+
+    if loss_function is None:
+        return None
+    func = getattr(loss_function, "func", loss_function)
+    name = f"{getattr(func, '__module__', '?')}.{getattr(func, '__name__', func)}"
+    if name == "verl.workers.utils.losses.sft_loss":
+        return None
+    if name != "verl.workers.utils.losses.ppo_loss":
+        return f"the loss {name} is not known to be a sum over samples"
+    config = getattr(loss_function, "keywords", {}).get("config")
+    policy_loss = getattr(config, "policy_loss", None)
+    loss_mode = (policy_loss.get("loss_mode", "vanilla") if hasattr(policy_loss, "get")
+                 else getattr(policy_loss, "loss_mode", "vanilla"))
+    if loss_mode not in SAMPLEWISE_POLICY_LOSSES:
+        return f"policy_loss.loss_mode={loss_mode!r} depends on its micro-batch"
+    agg = config.loss_agg_mode
+    if agg.startswith("seq-mean") and tu.get_non_tensor_data(
+            data, key="global_batch_size", default=None) is None:
+        return f"loss_agg_mode={agg!r} without the trainer's global_batch_size"
+    if (agg == "seq-mean-token-sum-norm" and config.loss_scale_factor is None
+            and data["response_mask"].is_nested):
+        return ("loss_agg_mode='seq-mean-token-sum-norm' normalises by the micro-batch's "
+                "longest response unless loss_scale_factor is set")
+    return None
+
+
+def select_samples(data: Any, order: list[int]) -> Any:
+    """``data`` with its samples in ``order`` (every field, non-tensor ones included)."""
+    from verl.utils import tensordict_utils as tu
+
+    return tu.index_select_tensor_dict(data, order)
+
+
+def restore_sample_order(output: dict, order: list[int]) -> None:
+    """Puts each per-sample output of a step run on ``select_samples(data, order)`` back in
+    ``data``'s order, in place (verl's ``restore_dynamic_batch``, as verl restores its own
+    dynamic split). An inner pipeline stage's empty output is left as it is."""
+    from verl.utils.seqlen_balancing import restore_dynamic_batch
+
+    model_output = (output or {}).get("model_output", {})
+    for key, value in model_output.items():
+        model_output[key] = restore_dynamic_batch(value, [order])
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        logger.warning("%s", message)

@@ -1,11 +1,13 @@
 """split_micro_batches: every sample once, groups together, the budget in computed tokens."""
 
+from types import SimpleNamespace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefix_sharing import PrefixSharingConfig, build_plan
-from prefix_sharing.batching import split_micro_batches
+from prefix_sharing.batching import split_fixed_micro_batches, split_micro_batches
 from prefix_sharing.workloads import make_workload
 from tests.strategies import forests
 
@@ -139,3 +141,79 @@ def test_every_sample_once_budget_honoured_groups_counted(seqs, budget, min_mbs,
         groups = {u: {i for i in range(len(seqs)) if uids[i] == u} for u in set(uids)}
         kept = sum(any(g <= set(mb) for mb in split.micro_batches) for g in groups.values())
         assert split.num_groups == len(groups) and split.groups_split == len(groups) - kept
+
+
+# --- a fixed sample count per micro-batch (verl without dynamic batch size) -----------------
+
+def groups_cut(split, uids):
+    """Uid groups whose members sit in more than one micro-batch (counted independently)."""
+    where = {i: m for m, mb in enumerate(split.micro_batches) for i in mb}
+    return sum(len({where[i] for i, u in enumerate(uids) if u == g}) > 1 for g in set(uids))
+
+
+@pytest.mark.parametrize("uids, size, micro_batches, cut", [
+    # interleaved pairs: verl's chunks [0 1][2 3] cut both groups, the packing none
+    (["a", "b", "a", "b"], 2, ((0, 2), (1, 3)), 0),
+    # groups of 3, 3, 1, 1 into micro-batches of 4: each 3 beside a 1
+    (["a", "b", "a", "b", "a", "b", "c", "d"], 4, ((0, 2, 4, 6), (1, 3, 5, 7)), 0),
+    # groups of 3, 2, 2, 1 into micro-batches of 4: the 2s together, the 3 with the 1
+    (["a", "b", "c", "a", "b", "c", "a", "d"], 4, ((0, 3, 6, 7), (1, 2, 4, 5)), 0),
+    # a group larger than the size fills micro-batches whole and is counted once
+    (["a"] * 5 + ["b"] * 3, 4, None, 1),
+])
+def test_fixed_size_micro_batches_keep_groups_whole_where_an_order_allows(
+        uids, size, micro_batches, cut):
+    seqs = [[1, 2, i] for i in range(len(uids))]
+    split = split_fixed_micro_batches(seqs, size, EVERY_PREFIX, uids=uids)
+    assert all(len(mb) == size for mb in split.micro_batches)
+    assert sorted(split.order) == list(range(len(uids)))
+    if micro_batches is not None:
+        assert split.micro_batches == micro_batches
+    assert split.groups_split == cut == groups_cut(split, uids)
+    assert split.token_budget == 0 and split.oversized == ()
+
+
+def test_fixed_size_keeps_the_batch_order_unless_packing_cuts_or_computes_less():
+    # GRPO groups of 3 in micro-batches of 2: every order cuts both; verl's chunks stay
+    uids = ["a"] * 3 + ["b"] * 3
+    split = split_fixed_micro_batches([[1, i] for i in range(6)], 2, uids=uids)
+    assert split.micro_batches == ((0, 1), (2, 3), (4, 5)) and split.groups_split == 2
+    kept = split_fixed_micro_batches([[1, i] for i in range(4)], 2, uids=list("aabb"))
+    assert kept.order == [0, 1, 2, 3] and kept.groups_split == 0
+
+
+def test_fixed_size_cuts_an_oversized_tree_between_its_sub_trees():
+    w = make_workload("tree", depth=3, branching=2)  # 10 samples: two sub-trees of 5
+    split = split_fixed_micro_batches(w.sequences, 5)
+    assert split.micro_batches == ((0, 1, 2, 3, 9), (4, 5, 6, 7, 8))
+    assert split.groups_split == 1  # as verl's chunks [0-4][5-9], which compute more
+    chunks = [computed(w.sequences, range(s, s + 5)) for s in (0, 5)]
+    assert sum(split.tokens_computed) < sum(chunks)
+
+
+def test_fixed_size_must_divide_the_batch():
+    with pytest.raises(ValueError, match="a micro-batch size of 2 does not divide the batch of 3"):
+        split_fixed_micro_batches([[1, 2], [1, 3], [4]], 2)
+
+
+@settings(max_examples=100, deadline=None)
+@given(sizes=st.lists(st.integers(1, 6), min_size=1, max_size=8), size=st.integers(1, 6),
+       seed=st.integers(0, 1000))
+def test_fixed_size_every_sample_once_and_never_more_cuts_than_verls_chunks(sizes, size, seed):
+    import random
+
+    uids = [g for g, k in enumerate(sizes) for _ in range(k)]
+    uids += [len(sizes) + i for i in range(-len(uids) % size)]  # singletons make it divide
+    random.Random(seed).shuffle(uids)
+    seqs = [[u, 7, i] for i, u in enumerate(uids)]
+    split = split_fixed_micro_batches(seqs, size, EVERY_PREFIX, uids=uids)
+    assert sorted(split.order) == list(range(len(uids)))
+    assert all(len(mb) == size for mb in split.micro_batches)
+    assert split.groups_split == groups_cut(split, uids)
+    chunks = SimpleNamespace(micro_batches=[tuple(range(s, s + size))
+                                            for s in range(0, len(uids), size)])
+    assert split.groups_split <= groups_cut(chunks, uids)
+    # each group of at most ``size`` fits one micro-batch: with as many micro-batches as
+    # groups, at most the groups larger than the size are cut when they divide evenly
+    if all(size % k == 0 for k in sizes) and len(uids) == sum(sizes):
+        assert split.groups_split == 0

@@ -31,8 +31,11 @@ def same_outputs(shared: dict, plain: dict, where: str, *, per_micro_batch: bool
     """Every gradient; then, where the rank returns outputs (an inner pipeline stage returns
     none), log-probs (all but each sample's last position, which predicts nothing: verl fills
     it from a wrapped-around label, and downstream reads stop before it), entropy, and the
-    loss: per micro-batch, or its sum over the step when the two runs split the batch
-    differently (``per_micro_batch=False``)."""
+    step's loss, summed over its micro-batches (verl normalises each micro-batch's share by
+    the step's global figures; the sharing engine may put fixed micro-batches' samples in
+    another order, which moves loss between micro-batches but not the sum): with the same
+    number of micro-batches, or any when the two runs split the batch differently
+    (``per_micro_batch=False``)."""
     assert shared["grads"].keys() == plain["grads"].keys(), f"{where}: parameter names differ"
     assert plain["grads"], f"{where}: no gradients to compare"
     for name, grad in plain["grads"].items():
@@ -51,8 +54,7 @@ def same_outputs(shared: dict, plain: dict, where: str, *, per_micro_batch: bool
     if per_micro_batch:
         assert len(losses_s) == len(losses_p), (
             f"{where}: {len(losses_s)} vs {len(losses_p)} micro-batches")
-    else:
-        losses_s, losses_p = [sum(losses_s)], [sum(losses_p)]
     assert losses_p, f"{where}: no losses to compare"
+    losses_s, losses_p = [sum(losses_s)], [sum(losses_p)]
     for s, p in zip(losses_s, losses_p, strict=True):
         assert abs(s - p) <= RTOL * max(abs(p), 1e-6), f"{where} loss {s} vs {p}"

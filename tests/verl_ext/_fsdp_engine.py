@@ -107,7 +107,8 @@ def verl_float64() -> Iterator[None]:
 
 def run(rank: int, path: str, workloads: list[str], modes: dict[str, dict | None],
         dynamic_bsz: int | None = None, *, precision: str = "fp32",
-        padded_off: bool = False, layout: str = "legacy") -> dict:
+        padded_off: bool = False, padded: bool = False, layout: str = "legacy",
+        micro_batch_size: int = 2, batch_order: list[int] | None = None) -> dict:
     """For each workload and sharing setting (name -> ``prefix_grouper`` block, ``None`` for
     the feature off), on a fresh engine from the same checkpoint: ``infer_batch`` outputs (in
     verl's eval mode), ``forward_backward_batch`` outputs with verl's ``ppo_loss`` and every
@@ -123,6 +124,10 @@ def run(rank: int, path: str, workloads: list[str], modes: dict[str, dict | None
     :func:`prefix_sharing.fsdp_compat.plain_kernels.plain_gdn_kernel` (transformers' torch
     kernel on CPU; the float64 recurrence at float64). ``layout``: the trainer whose batch
     layout the engine gets (``_batch.make_batch``: ``"legacy"`` or verl 0.9's ``"v1"``).
+    ``padded``: every run uses verl's padded layout. ``micro_batch_size``: verl's fixed
+    micro-batch size; ``batch_order``: the batch's samples in this order (as a trainer's
+    balancing may leave them). ``input_rows`` counts the rows of each model call's
+    ``input_ids`` (1 for a packed or flat row, the micro-batch's samples when padded).
     """
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.losses import ppo_loss
@@ -133,7 +138,9 @@ def run(rank: int, path: str, workloads: list[str], modes: dict[str, dict | None
     use_cpu_platform()
 
     def batch(workload, remove_padding):
-        data = make_batch(workload, seed=rank, layout=layout)
+        data = make_batch(workload, seed=rank, layout=layout, micro_batch_size=micro_batch_size)
+        if batch_order is not None:
+            data = tu.index_select_tensor_dict(data, batch_order)
         tu.assign_non_tensor(data, use_remove_padding=remove_padding)
         if dynamic_bsz is not None:
             tu.assign_non_tensor(data, use_dynamic_bsz=True, max_token_len_per_gpu=dynamic_bsz)
@@ -147,11 +154,12 @@ def run(rank: int, path: str, workloads: list[str], modes: dict[str, dict | None
     results = {}
     for workload in workloads:
         for name, prefix_grouper in modes.items():
-            packed = not (padded_off and prefix_grouper is None)
+            packed = not (padded or (padded_off and prefix_grouper is None))
             config = actor_config(prefix_grouper, remove_padding=packed,
                                   mixed_precision=mixed_precision, model_dtype=precision)
             with verl_float64():
                 engine = build_engine(config, path, **model_fields)
+            rows = _count_rows(engine.module)
             with count_sharing_attention() as calls, plain_gdn_kernel(engine.module):
                 with engine.eval_mode():
                     infer = engine.infer_batch(batch(workload, packed))
@@ -162,8 +170,17 @@ def run(rank: int, path: str, workloads: list[str], modes: dict[str, dict | None
             results[workload, name] = {
                 "infer": plain_output(infer), "train": plain_output(train), "grads": grads,
                 "attention_calls": calls["n"], "engine": type(engine).__name__,
+                "input_rows": rows,
             }
     return results
+
+
+def _count_rows(module) -> list[int]:
+    """From now on, the rows of ``input_ids`` each call of ``module`` receives."""
+    rows: list[int] = []
+    module.register_forward_pre_hook(
+        lambda _, args, kwargs: rows.append(kwargs["input_ids"].size(0)), with_kwargs=True)
+    return rows
 
 
 @contextlib.contextmanager
@@ -207,7 +224,6 @@ def refusals(rank: int, path: str) -> dict[str, str]:
     cls = engine_class()
     for name, engine, model in (
         ("ulysses", dict(ulysses_sequence_parallel_size=2), {}),
-        ("remove_padding", {}, dict(use_remove_padding=False)),
         ("fused_kernels", {}, dict(use_fused_kernels=True)),
         ("value_model", {}, dict(model_type="value_model")),
     ):

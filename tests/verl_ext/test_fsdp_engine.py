@@ -7,7 +7,9 @@ verl loads a tiny seeded Qwen2 from a ``save_pretrained`` checkpoint through its
 verl's ``ppo_loss`` (entropy and KL terms on) and every gradient (``forward_backward_batch``), on
 GRPO, step-wise, tree and agent batches, one rank and two FSDP2 ranks (gloo; each rank its own
 batch). With dynamic batch size, the group-keeping split gives verl's results in fewer
-micro-batches. Settings that cannot be exact are refused with one error.
+micro-batches; with fixed micro-batches, an order of the samples that keeps groups whole gives
+verl's results in verl's order. verl's padded layout (``use_remove_padding: false``) is served
+against verl's own padded step. Settings that cannot be exact are refused with one error.
 """
 
 import importlib.util
@@ -30,13 +32,17 @@ SHARING = {"arbitrary_prefix": MODES["arbitrary_prefix"]}
 BUDGET = 110  # the GRPO batch: 138 tokens, 107 computed with sharing
 LAYERS = 2  # the tiny preset's decoder layers
 SPLIT_METRICS = ("prefix_sharing/num_micro_batches", "prefix_sharing/groups_split")
+INTERLEAVED = [0, 3, 1, 4, 2, 5]  # the GRPO batch's two groups of 3, alternating
 
 
 def one_rank(rank: int, path: str) -> dict:
-    """Every workload and mode; the dynamic-bsz step; the refusals (one spawned rank)."""
+    """Every workload and mode; the dynamic-bsz step; fixed micro-batches of 3 over
+    interleaved groups; the padded layout; the refusals (one spawned rank)."""
     return {
         "equivalence": run(rank, path, list(WORKLOADS), MODES),
         "dynamic": run(rank, path, ["grpo"], {"off": None, **SHARING}, dynamic_bsz=BUDGET),
+        "fixed": run(rank, path, ["grpo"], MODES, micro_batch_size=3, batch_order=INTERLEAVED),
+        "padded": run(rank, path, ["grpo", "tree"], {"off": None, **SHARING}, padded=True),
         "refusals": refusals(rank, path),
     }
 
@@ -124,7 +130,7 @@ def test_sharing_metrics_reach_verls_metrics_dict_as_lists(single):
                                for k in ("total", "computed"))
             assert computed < total, f"{workload} {mode}: nothing shared"
             assert metrics["prefix_sharing/token_ratio"] == [pytest.approx(total / computed)]
-            assert not any(key in metrics for key in SPLIT_METRICS)  # fixed micro-batches
+            assert all(key in metrics for key in SPLIT_METRICS)  # fixed micro-batches too
             assert all(isinstance(value, list) for key, value in metrics.items()
                        if key.startswith("prefix_sharing/")), metrics
 
@@ -138,9 +144,40 @@ def test_dynamic_bsz_keeps_groups_together_in_fewer_micro_batches_with_equal_res
     assert on["train"]["metrics"]["prefix_sharing/groups_split"] == [0.0]
 
 
+@pytest.mark.parametrize("mode", ["arbitrary_prefix", "prompt_only"])
+def test_fixed_micro_batches_keep_interleaved_groups_whole_with_verls_results(single, mode):
+    off, on = single["fixed"]["grpo", "off"], single["fixed"]["grpo", mode]
+    # per-sample outputs back in the batch's order; the loss is verl's global token mean
+    same_outputs(on, off, f"fixed micro-batches {mode}", per_micro_batch=False)
+    assert len(on["train"]["loss"]) == len(off["train"]["loss"]) == 2  # 3 samples each
+    metrics = on["train"]["metrics"]
+    # verl's chunks [a b a][b a b] cut both groups: nothing shared there
+    assert metrics["prefix_sharing/groups_split"] == [0.0]
+    assert metrics["prefix_sharing/tokens_computed"][0] < metrics["prefix_sharing/tokens_total"][0]
+
+
+def test_fixed_micro_batches_left_in_order_cut_the_groups_and_share_nothing(single):
+    # the control: verl's own chunks of the interleaved batch, as the sharing engine keeps
+    # them where the order already keeps the groups (here GRPO's contiguous groups of 3 in
+    # micro-batches of 2: cut either way)
+    metrics = single["equivalence"]["grpo", "arbitrary_prefix"]["train"]["metrics"]
+    assert metrics["prefix_sharing/groups_split"] == [2.0]
+    assert metrics["prefix_sharing/num_micro_batches"] == [3.0]
+
+
+def test_the_padded_layout_is_served_and_matches_verls_padded_step(single):
+    for workload in ("grpo", "tree"):
+        off, on = single["padded"][workload, "off"], single["padded"][workload, "arbitrary_prefix"]
+        same_outputs(on, off, f"padded {workload}")
+        assert set(off["input_rows"]) == {2}  # verl's padded rows: one per sample
+        assert set(on["input_rows"]) == {1}  # the flat layout, planned by the sharing engine
+        assert on["attention_calls"] > 0
+        metrics = on["train"]["metrics"]
+        assert metrics["prefix_sharing/tokens_computed"][0] < metrics["prefix_sharing/tokens_total"][0]
+
+
 @pytest.mark.parametrize("setting, message", [
     ("ulysses", "ulysses_sequence_parallel_size=2"),
-    ("remove_padding", "use_remove_padding=False"),
     ("fused_kernels", "use_fused_kernels=True"),
     ("value_model", "model_type='value_model'"),
     ("temperatures", "several sampling temperatures in one micro-batch (temperatures"),
