@@ -284,8 +284,6 @@ TABLE: tuple[Refusal, ...] = (
             "HF's flash attention, not the sharing attention, so a rank would miss the provider "
             "rows its reusers read; keep ulysses_sequence_parallel_size=1 (for long sequences "
             "use the Megatron engine's context_parallel_size)", ("verl-fsdp",)),
-    Refusal("verl.padded_layout", "the padded layout (use_remove_padding=False)",
-            "sharing needs the packed layout; set use_remove_padding: true", _VERL),
     Refusal("verl.fused_kernels", "verl's fused log-prob kernels",
             "the fused kernel computes log-probs from labels laid out per sample, which a shared "
             "row cannot give; set actor_rollout_ref.model.use_fused_kernels=false", _VERL),

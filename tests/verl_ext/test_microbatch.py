@@ -187,3 +187,100 @@ def test_data_parallel_ranks_agree_on_the_micro_batch_count():
     ranks = run_distributed(_count_on_rank, 2, [70, 10_000], timeout=300)
     assert [len(r) for r in ranks] == [2, 2]
     assert all(sorted(i for mb in r for i in mb) == list(range(6)) for r in ranks)
+
+
+# --- fixed micro-batches (use_dynamic_bsz: false) ---------------------------------------------
+
+INTERLEAVED = [0, 3, 1, 4, 2, 5]  # the GRPO batch's two groups of 3, alternating
+
+
+def ppo(**settings):
+    """verl's ``ppo_loss`` bound to an actor config, as verl's worker binds it."""
+    from functools import partial
+
+    from omegaconf import OmegaConf
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.utils.losses import ppo_loss
+
+    section = dict(_target_="verl.workers.config.FSDPActorConfig", strategy="fsdp2",
+                   rollout_n=3, ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2,
+                   **settings)
+    return partial(ppo_loss, config=omega_conf_to_dataclass(OmegaConf.create(section)))
+
+
+def fixed_interleaved(tu):
+    return tu.index_select_tensor_dict(make_batch("grpo", micro_batch_size=3), INTERLEAVED)
+
+
+@pytest.mark.parametrize("config", [ARBITRARY, PROMPT_ONLY], ids=["arbitrary", "prompt_only"])
+def test_fixed_micro_batches_put_each_group_in_one_chunk_and_back(verl, config):
+    from prefix_sharing.verl_ext.microbatch import (fixed_order, restore_sample_order,
+                                                    select_samples)
+
+    engine_utils, _, tu = verl
+    batch = fixed_interleaved(tu)
+    with sharing_split(config) as record:
+        order = fixed_order(batch, record, ppo(), forward_only=False)
+    assert order == [0, 2, 4, 1, 3, 5]
+    assert record.split.groups_split == 0 and record.split.token_budget == 0
+    chunks, _ = engine_utils.prepare_micro_batches(select_samples(batch, order))  # verl's own
+    uids = tu.get(batch, "uid")
+    assert [set(tu.get(mb, "uid")) for mb in chunks] == [{uids[0]}, {uids[1]}]
+    # per-sample outputs computed in that order come back in the batch's order
+    output = {"model_output": {"ids": select_samples(batch, order)["input_ids"]}}
+    restore_sample_order(output, order)
+    for got, want in zip(output["model_output"]["ids"].unbind(), batch["input_ids"].unbind()):
+        assert torch.equal(got, want)
+
+
+def test_fixed_micro_batches_keep_verls_order_where_it_already_keeps_the_groups(verl):
+    from prefix_sharing.verl_ext.microbatch import fixed_order
+
+    _, _, tu = verl
+    batch = make_batch("grpo", micro_batch_size=3)
+    with sharing_split(ARBITRARY) as record:
+        assert fixed_order(batch, record, ppo(), forward_only=False) is None
+    assert record.split.groups_split == 0 and len(record.split.micro_batches) == 2
+    with sharing_split(PrefixSharingConfig(mode="off")) as record:  # sharing off: verl's own
+        assert fixed_order(fixed_interleaved(tu), record, ppo(), forward_only=False) is None
+
+
+@pytest.mark.parametrize("settings, problem", [
+    ({}, None),
+    (dict(loss_agg_mode="token-sum"), None),
+    (dict(loss_agg_mode="seq-mean-token-mean"), None),  # the batch carries global_batch_size
+    (dict(policy_loss={"loss_mode": "gspo"}), None),
+    (dict(policy_loss={"loss_mode": "geo_mean"}), "loss_mode='geo_mean' depends on its"),
+    (dict(policy_loss={"loss_mode": "clip_cov"}), "loss_mode='clip_cov' depends on its"),
+])
+def test_a_loss_that_depends_on_the_micro_batch_keeps_verls_order_and_counts_its_cuts(
+        verl, settings, problem):
+    from prefix_sharing.verl_ext.microbatch import fixed_order, loss_order_problem
+
+    _, _, tu = verl
+    batch, loss = fixed_interleaved(tu), ppo(**settings)
+    found = loss_order_problem(loss, batch)
+    assert (found is None) if problem is None else (problem in found), found
+    with sharing_split(ARBITRARY) as record:
+        order = fixed_order(batch, record, loss, forward_only=False)
+    assert (order is None) == (problem is not None)
+    assert record.split.groups_split == (0 if problem is None else 2)
+    with sharing_split(ARBITRARY) as record:  # a forward-only step has no loss to change
+        assert fixed_order(batch, record, loss, forward_only=True) is not None
+
+
+def test_the_loss_order_rules_for_other_losses_and_global_figures(verl):
+    from functools import partial
+
+    from verl.workers.utils.losses import sft_loss
+
+    from prefix_sharing.verl_ext.microbatch import loss_order_problem
+
+    _, _, tu = verl
+    batch = fixed_interleaved(tu)
+    assert loss_order_problem(None, batch) is None
+    assert loss_order_problem(partial(sft_loss, config=None), batch) is None
+    assert "not known to be a sum over samples" in loss_order_problem(lambda **_: 0, batch)
+    tu.assign_non_tensor(batch, global_batch_size=None)
+    assert "without the trainer's global_batch_size" in loss_order_problem(
+        ppo(loss_agg_mode="seq-mean-token-sum"), batch)
