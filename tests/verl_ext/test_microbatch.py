@@ -247,7 +247,7 @@ def test_fixed_micro_batches_keep_verls_order_where_it_already_keeps_the_groups(
 
 @pytest.mark.parametrize("settings, problem", [
     ({}, None),
-    (dict(loss_agg_mode="token-sum"), None),
+    (dict(loss_agg_mode="seq-mean-token-sum"), None),
     (dict(loss_agg_mode="seq-mean-token-mean"), None),  # the batch carries global_batch_size
     (dict(policy_loss={"loss_mode": "gspo"}), None),
     (dict(policy_loss={"loss_mode": "geo_mean"}), "loss_mode='geo_mean' depends on its"),
