@@ -21,8 +21,8 @@ Hooks (each runs when verl imports the module):
 :class:`.engine.SharingEngineMixin`'s, the same as in the Megatron engine):
 
 - ``__init__`` refuses what cannot be exact (:func:`.mcore.check_engine_setup`: Ulysses
-  sequence parallel, ``use_remove_padding=False``, fused kernels, value models, multimodal
-  models outside :data:`.vlm.ENGINE_FAMILIES`);
+  sequence parallel, fused kernels, value models, multimodal models outside
+  :data:`.vlm.ENGINE_FAMILIES`);
 - ``_build_module`` gives a vision-language model's instances transformers' own forwards back
   (:func:`.vlm.restore_stock_forwards`: verl's replace them class-wide), then switches the HF
   model to the sharing attention
@@ -33,8 +33,11 @@ Hooks (each runs when verl imports the module):
   keywords, the plan included. verl's remove-padding patch replaces only the flash-attention
   function, which the sharing attention does not call;
 - ``prepare_model_inputs`` plans the micro-batch from its nested ``input_ids`` (and ``uid`` for
-  ``prompt_only``) and returns :func:`prefix_sharing.fsdp_compat.model_kwargs` of the plan; for
-  a VLM micro-batch with images, the plan takes the images' identity from its per-sample
+  ``prompt_only``) - in either layout: with ``use_remove_padding=False`` verl hands the
+  micro-batch over nested as well and pads it only for the model call, and its padded outputs
+  follow the packed ones' jagged contract, so the padded layout is served as is - and
+  returns :func:`prefix_sharing.fsdp_compat.model_kwargs` of the plan; for a VLM micro-batch
+  with images, the plan takes the images' identity from its per-sample
   ``multi_modal_inputs`` and the inputs add the HF shim's mrope rows, distinct images and
   feature rows (:func:`prefix_sharing.fsdp_compat.mrope.vision_model_kwargs`), and the step's
   metrics count images and image tokens (:mod:`.vlm`);

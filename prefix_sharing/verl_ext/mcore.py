@@ -218,7 +218,10 @@ def shared_forward(
     labels are laid out per sample, the flat layout has one row per computed token. With
     ``self_check`` pending, ``stock_forward`` (verl's own forward function) runs the same
     arguments as the reference (:mod:`.self_check`; the model's core attention takes the
-    plain THD path for verl's packed layout).
+    plain THD path for verl's packed layout). verl's ``data_format`` (``"bshd"`` under
+    ``use_remove_padding=False``) and its padding keywords go unused: the micro-batch arrives
+    nested either way, the plan's flat layout replaces both of verl's, and verl's ``bshd``
+    post-processing returns the same per-sample nested outputs as its ``thd`` one.
 
     Under context parallelism verl's ``local_cp_size`` / ``cp_layout`` (its zigzag split and
     the all-gather of its post-processing) are not used: each CP rank computes the log-probs
