@@ -3,9 +3,9 @@
 :class:`SharingEngineMixin` goes first in an engine subclass's bases, before verl's engine: it
 reads the sharing config the actor config attached to the engine config, refuses the settings
 sharing cannot honour (at construction, and per micro-batch: :meth:`refuse_unsupported_switches`),
-and runs verl's ``forward_backward_batch`` inside the group-keeping
-split (:mod:`.microbatch`: dynamic bsz, or fixed micro-batches by the samples' order), adding the step's token counts, the split's figures
-and the first-step self-check's (:mod:`.self_check`, which the engine's forward runs) to verl's
+and runs verl's ``forward_backward_batch`` inside the group-keeping split (:mod:`.microbatch`:
+dynamic bsz, or fixed micro-batches by the samples' order), adding the step's token counts, the
+split's figures and the first-step self-check's (:mod:`.self_check`, which the engine's forward runs) to verl's
 metrics. What differs per engine (how the model is built and how a micro-batch is run)
 stays in the engine's own subclass. :func:`install_engine` puts a subclass where verl looks for
 its engine. Nothing here imports verl at import time.

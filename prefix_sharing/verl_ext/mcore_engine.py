@@ -177,7 +177,9 @@ def patch_engine(module: ModuleType) -> None:
                 install_layer_spec(self)
 
         def order_sensitive_statistics(self) -> str | None:
-            config = self.tf_config
+            """A MoE router's auxiliary or z-loss: megatron takes it per micro-batch, so fixed
+            micro-batches keep verl's sample order (:func:`.microbatch.fixed_order`)."""
+            config = getattr(self, "tf_config", None)
             aux = getattr(config, "moe_aux_loss_coeff", 0) or 0
             aux = any(aux) if isinstance(aux, list) else bool(aux)
             if getattr(config, "num_moe_experts", None) and (

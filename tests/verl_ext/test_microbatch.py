@@ -284,3 +284,26 @@ def test_the_loss_order_rules_for_other_losses_and_global_figures(verl):
     tu.assign_non_tensor(batch, global_batch_size=None)
     assert "without the trainer's global_batch_size" in loss_order_problem(
         ppo(loss_agg_mode="seq-mean-token-sum"), batch)
+
+
+@pytest.mark.parametrize("moe, reordered", [
+    (dict(), True),
+    (dict(num_moe_experts=4, moe_aux_loss_coeff=0.0), True),
+    (dict(num_moe_experts=4, moe_aux_loss_coeff=0.01), False),
+    (dict(num_moe_experts=4, moe_aux_loss_coeff=[0.0, 0.01]), False),
+    (dict(num_moe_experts=4, moe_z_loss_coeff=1e-3), False),
+])
+def test_the_megatron_engine_keeps_verls_order_under_a_per_micro_batch_router_loss(
+        verl, moe, reordered):
+    from types import SimpleNamespace
+
+    import verl.workers.engine.megatron.transformer_impl as megatron_engine
+
+    from prefix_sharing.verl_ext.microbatch import fixed_order
+
+    _, _, tu = verl
+    engine = SimpleNamespace(tf_config=SimpleNamespace(**moe))
+    problem = megatron_engine.PrefixSharingMegatronEngine.order_sensitive_statistics(engine)
+    with sharing_split(ARBITRARY) as record:
+        order = fixed_order(fixed_interleaved(tu), record, ppo(), False, problem)
+    assert (order is not None) == reordered, problem
