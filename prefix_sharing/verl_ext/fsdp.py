@@ -86,7 +86,8 @@ from .engine import SharingEngineMixin, install_engine
 from .microbatch import patch_prepare_micro_batches
 from .patchsets import register_releases
 from .switched_off import off_hooks
-from .vlm import ENGINE_FAMILIES, micro_batch_images, record_stock_forwards, restore_stock_forwards
+from .vlm import (ENGINE_FAMILIES, blank_image_kwargs, micro_batch_images,
+                  record_stock_forwards, restore_stock_forwards)
 
 __all__ = ["PATCHSETS", "patch_engine", "stock_attention"]
 
@@ -185,6 +186,8 @@ def patch_engine(module: ModuleType) -> None:
             if images is not None:  # mrope rows, distinct images, feature rows
                 model_inputs.update(vision_model_kwargs(self.module, sequences, plan, images))
                 self._sharing_metrics.add_vision(images.metrics(plan))
+            elif vlm:  # a text-only micro-batch: the tower runs on a blank image, as in verl's
+                model_inputs.update(blank_image_kwargs(self.module, input_ids.device))
             output_args = {"plan": plan,
                            "temperature": micro_batch_temperature(micro_batch["temperature"])}
             return model_inputs, output_args
