@@ -29,12 +29,13 @@ FP32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
 FP64 = {"param_dtype": "fp64", "reduce_dtype": "fp64", "buffer_dtype": "fp64"}
 
 
-def save_model(directory: str, family: str = "qwen2", seed: int = 0, preset=PRESET) -> str:
-    """A seeded ``family`` model of ``preset``'s shape (the tiny one by default), saved where
-    verl will load it."""
+def save_model(directory: str, family: str = "qwen2", seed: int = 0, preset=PRESET,
+               **overrides: Any) -> str:
+    """A seeded ``family`` model of ``preset``'s shape (the tiny one by default; ``overrides``:
+    config fields), saved where verl will load it."""
     from prefix_sharing.fsdp_compat import build_model
 
-    build_model(family, preset, seed=seed).save_pretrained(directory)
+    build_model(family, preset, seed=seed, **overrides).save_pretrained(directory)
     return directory
 
 
@@ -107,7 +108,8 @@ def verl_float64() -> Iterator[None]:
 
 def run(rank: int, path: str, workloads: list[str], modes: dict[str, dict | None],
         dynamic_bsz: int | None = None, *, precision: str = "fp32",
-        padded_off: bool = False, layout: str = "legacy") -> dict:
+        padded_off: bool = False, layout: str = "legacy",
+        attn_implementation: str = "sdpa") -> dict:
     """For each workload and sharing setting (name -> ``prefix_grouper`` block, ``None`` for
     the feature off), on a fresh engine from the same checkpoint: ``infer_batch`` outputs (in
     verl's eval mode), ``forward_backward_batch`` outputs with verl's ``ppo_loss`` and every
@@ -123,6 +125,7 @@ def run(rank: int, path: str, workloads: list[str], modes: dict[str, dict | None
     :func:`prefix_sharing.fsdp_compat.plain_kernels.plain_gdn_kernel` (transformers' torch
     kernel on CPU; the float64 recurrence at float64). ``layout``: the trainer whose batch
     layout the engine gets (``_batch.make_batch``: ``"legacy"`` or verl 0.9's ``"v1"``).
+    ``attn_implementation``: the one verl loads the model with (gpt-oss's sinks: ``"eager"``).
     """
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.losses import ppo_loss
@@ -140,10 +143,10 @@ def run(rank: int, path: str, workloads: list[str], modes: dict[str, dict | None
         return data
 
     mixed_precision = {"fp32": FP32, "fp64": FP64}[precision]
-    model_fields = {}
+    override = {"attn_implementation": attn_implementation}
     if precision == "fp64":  # transformers' grouped_mm experts have no float64 kernel
-        model_fields["override_config"] = {"attn_implementation": "sdpa",
-                                           "_experts_implementation": "eager"}
+        override["_experts_implementation"] = "eager"
+    model_fields = {"override_config": override}
     results = {}
     for workload in workloads:
         for name, prefix_grouper in modes.items():
