@@ -37,7 +37,8 @@ Hooks (each runs when verl imports the module):
   a VLM micro-batch with images, the plan takes the images' identity from its per-sample
   ``multi_modal_inputs`` and the inputs add the HF shim's mrope rows, distinct images and
   feature rows (:func:`prefix_sharing.fsdp_compat.mrope.vision_model_kwargs`), and the step's
-  metrics count images and image tokens (:mod:`.vlm`);
+  metrics count images and image tokens (:mod:`.vlm`); a VLM micro-batch without images
+  encodes verl's blank image, none of whose features is placed (:func:`.vlm.blank_image_kwargs`);
 - ``prepare_model_outputs`` turns the flat logits into log-probs / entropy through
   :func:`prefix_sharing.logprobs.token_log_probs` (never a ``(T_total, vocab)`` tensor), in
   verl's output contract: jagged nested tensors, one row per sample with its original length,

@@ -33,8 +33,8 @@ import torch
 from ..errors import InputError, PrefixSharingSetupError
 from ..refusals import refuse
 
-__all__ = ["ENGINE_FAMILIES", "UNSERVED_FAMILIES", "record_stock_forwards", "restore_stock_forwards",
-           "micro_batch_images", "blank_image_kwargs"]
+__all__ = ["ENGINE_FAMILIES", "UNSERVED_FAMILIES", "record_stock_forwards",
+           "restore_stock_forwards", "micro_batch_images", "blank_image_kwargs"]
 
 # family -> (transformers module, the classes whose forward verl's apply_monkey_patch replaces)
 _PATCHED = {
