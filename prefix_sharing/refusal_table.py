@@ -295,8 +295,11 @@ TABLE: tuple[Refusal, ...] = (
     Refusal("verl.model_type", "a model other than a language model",
             "sharing covers text-only language models (model_type='language_model')", _VERL),
     Refusal("verl.multimodal", "a multimodal model or inputs",
-            "verl's Megatron engine and the other multimodal families are text-only here; verl's "
-            "FSDP engine serves Qwen2.5-VL and Qwen3-VL images (docs/verl.md)", _VERL),
+            "verl's Megatron engine is text-only here; verl's FSDP engine serves Qwen2.5-VL, "
+            "Qwen3-VL, Qwen3-VL-MoE and Qwen3.5 dense and MoE (images and text-only "
+            "micro-batches) and refuses the other families by name: GLM-4.1V (its vision tower "
+            "and positions are not in the HF shim), MiniCPM-o (transformers ships no model "
+            "class) (docs/verl.md)", _VERL),
     Refusal("verl.megatron_vlm", "a vision-language model on verl's Megatron engine",
             "verl builds its Megatron model through Megatron-Bridge, whose import needs "
             "Transformer Engine (megatron/bridge/peft/lora_layers.py), or mbridge 0.15.1, whose "
@@ -390,6 +393,10 @@ TABLE: tuple[Refusal, ...] = (
     Refusal("hf.attention_interface", "a model outside transformers' AttentionInterface",
             "the sharing attention is installed through AttentionInterface; the model's "
             "attention does not route through it", ("hf-fsdp", "verl-fsdp")),
+    Refusal("hf.residual_dropout", "residual (layer-output) dropout",
+            "a shared prefix row is one row, so its reusers would share one dropout mask where "
+            "the plain batch draws one per sequence; set the config's residual_dropout to 0 "
+            "(verl: override_config)", ("hf-fsdp", "verl-fsdp")),
     Refusal("hf.attention_dropout", "attention dropout",
             "the sharing attention has no attention dropout; set the config's "
             "attention_dropout to 0", ("hf-fsdp", "verl-fsdp")),

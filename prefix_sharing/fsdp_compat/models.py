@@ -1,6 +1,7 @@
 """HuggingFace causal LMs of a preset's shape with seeded random weights (no download).
 
-The families this shim is tested on: Llama, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm),
+The families this shim is tested on: Llama, Mistral, Gemma, Seed-OSS (q/k/v bias, residual
+dropout), Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm),
 Qwen3-MoE (top-k routed experts; its load-balancing loss is kept exact by
 :func:`prefix_sharing.fsdp_compat.router_aux_loss`), gpt-oss (alternating sliding-window and
 full layers, learned attention sinks, MoE, YaRN RoPE), Gemma 3 and Gemma 4 text models (sliding
@@ -32,7 +33,8 @@ __all__ = ["ATTENTION_FAMILIES", "FAMILIES", "HYBRID_FAMILIES", "MAMBA_HYBRID_FA
 
 # families whose token mixing is attention only
 ATTENTION_FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3_moe", "gpt_oss",
-                                       "gemma3_text", "gemma4_text")
+                                       "gemma3_text", "gemma4_text", "mistral", "gemma",
+                                       "seed_oss")
 FAMILIES: tuple[str, ...] = (*ATTENTION_FAMILIES, *HYBRID_FAMILIES, *MAMBA_HYBRID_FAMILIES,
                              *VLM_FAMILIES)
 # transformers has no SDPA path for these (gpt-oss's sinks): the plain model runs eager
@@ -83,6 +85,16 @@ def hf_config(family: str, preset: ModelPreset, **overrides: Any) -> Any:
     elif family == "qwen3":
         config_cls = transformers.Qwen3Config
         shape.update(head_dim=preset.head_dim, attention_bias=preset.add_qkv_bias)
+    elif family == "mistral":  # Mistral-Nemo's shape: an explicit head_dim, no window
+        config_cls = transformers.MistralConfig
+        shape.update(head_dim=preset.head_dim, sliding_window=None)
+    elif family == "gemma":  # Gemma 1: GeLU MLP, embeddings scaled by sqrt(hidden)
+        config_cls = transformers.GemmaConfig
+        shape.update(head_dim=preset.head_dim, attention_bias=preset.add_qkv_bias)
+    elif family == "seed_oss":  # q/k/v bias, no output bias; training dropouts off
+        config_cls = transformers.SeedOssConfig
+        shape.update(head_dim=preset.head_dim, attention_bias=True, attention_dropout=0.0,
+                     residual_dropout=0.0)
     elif family in HYBRID_FAMILIES:
         config_cls, extra = _hybrid_family(transformers, family, preset)
         shape.update(extra)
@@ -228,8 +240,9 @@ def check_supported(model: torch.nn.Module) -> None:
     :func:`~prefix_sharing.fsdp_compat.attention.prefix_sharing_attention`), the Gated
     DeltaNet layers of :data:`HYBRID_FAMILIES` and the Mamba-2 mixers of
     :data:`MAMBA_HYBRID_FAMILIES`, and the language model of the :data:`VLM_FAMILIES`;
-    attention logit soft-capping, bidirectional attention, other recurrent layers, MTP modules
-    and other multimodal models are refused.
+    attention logit soft-capping, bidirectional attention, residual dropout (Seed-OSS's
+    ``residual_dropout``), other recurrent layers, MTP modules and other multimodal models are
+    refused.
     """
     model_type = getattr(model.config, "model_type", type(model).__name__)
     config = text_config(model.config)  # a VLM's language model; its vision tower stays stock
@@ -240,6 +253,9 @@ def check_supported(model: torch.nn.Module) -> None:
         check_release(model_type)
     elif any(getattr(config, name, None) is not None for name in _MULTIMODAL_SUBCONFIGS):
         raise refuse("hf.multimodal", f"{model_type} is a multimodal model")
+    if getattr(config, "residual_dropout", 0.0):
+        raise refuse("hf.residual_dropout", f"{model_type} drops out its layer outputs "
+                     f"(residual_dropout={config.residual_dropout})")
     if getattr(config, "attn_logit_softcapping", None) is not None:
         raise refuse("hf.softcapping", f"{model_type} soft-caps its attention logits "
                      f"(attn_logit_softcapping={config.attn_logit_softcapping})")

@@ -40,7 +40,8 @@ Hooks (each runs when verl imports the module):
   with images, the plan takes the images' identity from its per-sample
   ``multi_modal_inputs`` and the inputs add the HF shim's mrope rows, distinct images and
   feature rows (:func:`prefix_sharing.fsdp_compat.mrope.vision_model_kwargs`), and the step's
-  metrics count images and image tokens (:mod:`.vlm`);
+  metrics count images and image tokens (:mod:`.vlm`); a VLM micro-batch without images
+  encodes verl's blank image, none of whose features is placed (:func:`.vlm.blank_image_kwargs`);
 - ``prepare_model_outputs`` turns the flat logits into log-probs / entropy through
   :func:`prefix_sharing.logprobs.token_log_probs` (never a ``(T_total, vocab)`` tensor), in
   verl's output contract: jagged nested tensors, one row per sample with its original length,
@@ -89,7 +90,8 @@ from .engine import SharingEngineMixin, install_engine
 from .microbatch import patch_prepare_micro_batches
 from .patchsets import register_releases
 from .switched_off import off_hooks
-from .vlm import ENGINE_FAMILIES, micro_batch_images, record_stock_forwards, restore_stock_forwards
+from .vlm import (ENGINE_FAMILIES, blank_image_kwargs, micro_batch_images,
+                  record_stock_forwards, restore_stock_forwards)
 
 __all__ = ["PATCHSETS", "patch_engine", "stock_attention"]
 
@@ -186,6 +188,8 @@ def patch_engine(module: ModuleType) -> None:
             if images is not None:  # mrope rows, distinct images, feature rows
                 model_inputs.update(vision_model_kwargs(self.module, sequences, plan, images))
                 self._sharing_metrics.add_vision(images.metrics(plan))
+            elif vlm:  # a text-only micro-batch: the tower runs on a blank image, as in verl's
+                model_inputs.update(blank_image_kwargs(self.module, input_ids.device))
             output_args = {"plan": plan,
                            "temperature": micro_batch_temperature(micro_batch["temperature"])}
             return model_inputs, output_args

@@ -30,6 +30,7 @@ from ..refusals import Refused, refuse, refuse_all
 from .routing_replay import (RouteRecorder, check_padded_statistics, replay_mode_problems,
                              router_action)
 from .self_check import FirstStepSelfCheck
+from .vlm import UNSERVED_FAMILIES
 
 __all__ = [
     "PrefixSharingSetupError",
@@ -93,7 +94,9 @@ def check_engine_setup(engine_config: Any, model_config: Any | None = None, *,
 def _vision_problems(model_type: str, vision_families: tuple[str, ...]) -> list[Refused]:
     """Why a model with a vision tower cannot run in the engine (nothing when it can)."""
     if model_type not in vision_families:
-        return [Refused("verl.multimodal", f"the model ({model_type}) has a vision_config")]
+        reason = UNSERVED_FAMILIES.get(model_type)
+        return [Refused("verl.multimodal", f"the model ({model_type}) has a vision_config"
+                        + (f": {reason}" if reason else ""))]
     from ..fsdp_compat.vlm import vlm_release_problem
 
     problem = vlm_release_problem(model_type)

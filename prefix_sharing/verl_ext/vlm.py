@@ -17,7 +17,8 @@ recorded when verl's engine module is imported (:func:`record_stock_forwards`, b
 engine is built) and put back on the sharing model's instances only
 (:func:`restore_stock_forwards`), so a stock engine in the same process keeps verl's.
 :data:`ENGINE_FAMILIES` are the families tested on the engine; the other VLM families stay
-refused (``verl.multimodal``).
+refused (``verl.multimodal``; :data:`UNSERVED_FAMILIES` names the reason for those verl's recipes
+train).
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ import torch
 from ..errors import InputError, PrefixSharingSetupError
 from ..refusals import refuse
 
-__all__ = ["ENGINE_FAMILIES", "record_stock_forwards", "restore_stock_forwards",
-           "micro_batch_images"]
+__all__ = ["ENGINE_FAMILIES", "UNSERVED_FAMILIES", "record_stock_forwards",
+           "restore_stock_forwards", "micro_batch_images", "blank_image_kwargs"]
 
 # family -> (transformers module, the classes whose forward verl's apply_monkey_patch replaces)
 _PATCHED = {
@@ -42,8 +43,25 @@ _PATCHED = {
                     "Qwen2_5_VLAttention")),
     "qwen3_vl": ("transformers.models.qwen3_vl.modeling_qwen3_vl",
                  ("Qwen3VLForConditionalGeneration", "Qwen3VLModel")),
+    "qwen3_vl_moe": ("transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe",
+                     ("Qwen3VLMoeForConditionalGeneration", "Qwen3VLMoeModel")),
+    # Qwen3.5: verl also patches the Gated DeltaNet class-wide; the sharing engine switches
+    # each GDN layer to a subclass of its own (fsdp_compat), whose forward wins over both
+    "qwen3_5": ("transformers.models.qwen3_5.modeling_qwen3_5",
+                ("Qwen3_5ForConditionalGeneration", "Qwen3_5Model", "Qwen3_5DecoderLayer")),
+    "qwen3_5_moe": ("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
+                    ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeModel",
+                     "Qwen3_5MoeDecoderLayer")),
 }
 ENGINE_FAMILIES: tuple[str, ...] = tuple(_PATCHED)
+# the vision-language families verl's FSDP recipes train that the engine refuses, and why
+UNSERVED_FAMILIES = {
+    "glm4v": "GLM-4.1V's vision tower and its own 3-row positions (get_rope_index over image "
+             "and video groups) are not among the HF shim's vision-language families",
+    "minicpmo": "transformers ships no MiniCPM-o model (the checkpoint's remote code places its "
+                "vision and audio features), so there is no stock forward to be exact against",
+}
+BLANK_GRID = (1, 4, 4)  # the blank image verl's forwards encode for a text-only micro-batch
 _STOCK: dict[type, Any] = {}  # class -> transformers' own forward
 
 
@@ -90,3 +108,20 @@ def micro_batch_images(micro_batch: Any, num_sequences: int) -> list[Mapping | N
         raise InputError(f"{len(per_sample)} multi_modal_inputs for a micro-batch of "
                          f"{num_sequences} samples")
     return per_sample
+
+
+def blank_image_kwargs(hf_module: torch.nn.Module, device: torch.device) -> dict:
+    """The forward keywords of a text-only micro-batch of a VLM: one blank image, none of whose
+    features is placed (no placeholder row reads it). verl's own forwards of these families
+    encode such an image on a text-only micro-batch and add 0 x its features: every rank runs
+    the tower's FSDP collectives (a rank with images and one without would otherwise wait on
+    each other) and the tower's parameters get zero gradients, as in verl's stock step."""
+    from ..fsdp_compat.vlm import IMAGE_ROWS_KWARG, inner_model
+
+    vision = hf_module.config.vision_config
+    patch = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
+    patches = BLANK_GRID[0] * BLANK_GRID[1] * BLANK_GRID[2]
+    return {"pixel_values": torch.zeros(patches, patch, device=device,
+                                        dtype=inner_model(hf_module).visual.dtype),
+            "image_grid_thw": torch.tensor([BLANK_GRID], device=device),
+            IMAGE_ROWS_KWARG: torch.zeros(0, dtype=torch.long, device=device)}

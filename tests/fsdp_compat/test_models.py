@@ -60,6 +60,12 @@ def test_a_vision_language_model_on_an_old_transformers_is_refused(monkeypatch):
         check_supported(model)
 
 
+def test_residual_dropout_is_refused_and_seed_oss_without_it_is_served():
+    with pytest.raises(UnsupportedSetup, match=r"residual_dropout=0.1.*\[hf.residual_dropout\]"):
+        check_supported(build_model("seed_oss", PRESET, residual_dropout=0.1))
+    check_supported(build_model("seed_oss", PRESET))
+
+
 def test_models_outside_the_attention_interface_are_refused():
     model = _stub(model_type="custom")
     model._supports_attention_backend = False

@@ -29,12 +29,13 @@ FP32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
 FP64 = {"param_dtype": "fp64", "reduce_dtype": "fp64", "buffer_dtype": "fp64"}
 
 
-def save_model(directory: str, family: str = "qwen2", seed: int = 0, preset=PRESET) -> str:
-    """A seeded ``family`` model of ``preset``'s shape (the tiny one by default), saved where
-    verl will load it."""
+def save_model(directory: str, family: str = "qwen2", seed: int = 0, preset=PRESET,
+               **overrides: Any) -> str:
+    """A seeded ``family`` model of ``preset``'s shape (the tiny one by default; ``overrides``:
+    config fields), saved where verl will load it."""
     from prefix_sharing.fsdp_compat import build_model
 
-    build_model(family, preset, seed=seed).save_pretrained(directory)
+    build_model(family, preset, seed=seed, **overrides).save_pretrained(directory)
     return directory
 
 
@@ -108,7 +109,8 @@ def verl_float64() -> Iterator[None]:
 def run(rank: int, path: str, workloads: list[str], modes: dict[str, dict | None],
         dynamic_bsz: int | None = None, *, precision: str = "fp32",
         padded_off: bool = False, padded: bool = False, layout: str = "legacy",
-        micro_batch_size: int = 2, batch_order: list[int] | None = None) -> dict:
+        micro_batch_size: int = 2, batch_order: list[int] | None = None,
+        attn_implementation: str = "sdpa") -> dict:
     """For each workload and sharing setting (name -> ``prefix_grouper`` block, ``None`` for
     the feature off), on a fresh engine from the same checkpoint: ``infer_batch`` outputs (in
     verl's eval mode), ``forward_backward_batch`` outputs with verl's ``ppo_loss`` and every
@@ -128,6 +130,7 @@ def run(rank: int, path: str, workloads: list[str], modes: dict[str, dict | None
     micro-batch size; ``batch_order``: the batch's samples in this order (as a trainer's
     balancing may leave them). ``input_rows`` counts the rows of each model call's
     ``input_ids`` (1 for a packed or flat row, the micro-batch's samples when padded).
+    ``attn_implementation``: the one verl loads the model with (gpt-oss's sinks: ``"eager"``).
     """
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.losses import ppo_loss
@@ -147,10 +150,10 @@ def run(rank: int, path: str, workloads: list[str], modes: dict[str, dict | None
         return data
 
     mixed_precision = {"fp32": FP32, "fp64": FP64}[precision]
-    model_fields = {}
+    override = {"attn_implementation": attn_implementation}
     if precision == "fp64":  # transformers' grouped_mm experts have no float64 kernel
-        model_fields["override_config"] = {"attn_implementation": "sdpa",
-                                           "_experts_implementation": "eager"}
+        override["_experts_implementation"] = "eager"
+    model_fields = {"override_config": override}
     results = {}
     for workload in workloads:
         for name, prefix_grouper in modes.items():

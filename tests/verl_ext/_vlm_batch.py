@@ -9,7 +9,8 @@ loop computes them (``_compute_position_ids``: the model's ``get_rope_index`` wi
 - ``grpo_images``: 2 prompts x 3 responses, one image per prompt (different images);
   ``same_tokens=True`` gives both prompts the same tokens (only their images differ);
 - ``multi_turn``: 3 trajectories of an agent whose turns each bring a screenshot: all share
-  turn 1 (its image and reply); two go on to a second turn, each with its own screenshot.
+  turn 1 (its image and reply); two go on to a second turn, each with its own screenshot;
+- ``text_only``: 2 prompts x 3 responses without images (``multi_modal_inputs`` ``None``).
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ class Samples:
             uid: str) -> None:
         self.prompts.append(torch.cat(prompt))
         self.responses.append(torch.cat(response))
-        self.images.append({key: torch.cat([i[key] for i in images]) for key in images[0]})
+        self.images.append({key: torch.cat([i[key] for i in images]) for key in images[0]}
+                           if images else None)  # None: a text-only sample, as verl stores it
         self.uids.append(uid)
 
 
@@ -70,11 +72,21 @@ def multi_turn(s: Samples) -> None:
     s.add(prompt, [s.text(5)], [first], "u0")  # another first reply, no second turn
 
 
+def text_only(s: Samples) -> None:
+    """GRPO without images: a text-only micro-batch of a vision-language model."""
+    for p in range(2):
+        prompt = [s.text(6)]
+        for _ in range(3):
+            s.add(prompt, [s.text(int(torch.randint(3, 7, (1,), generator=s.gen)))], [], f"u{p}")
+
+
 WORKLOADS = {"grpo_images": grpo_images, "multi_turn": multi_turn,
-             "grpo_same_tokens": lambda s: grpo_images(s, same_tokens=True)}
+             "grpo_same_tokens": lambda s: grpo_images(s, same_tokens=True),
+             "text_only": text_only}
 
 
-def verl_positions(model, sequence: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
+def verl_positions(model, sequence: torch.Tensor,
+                   image_grid_thw: torch.Tensor | None) -> torch.Tensor:
     """``(4, L)``: the text row over the mrope rows, as verl's agent loop builds them."""
     ids = sequence[None]
     types = (ids == model.config.image_token_id).long()
@@ -96,7 +108,8 @@ def make_vlm_batch(model, workload: str, *, seed: int = 0, temperature: float = 
              for key in ("old_log_probs", "ref_log_prob")}
     terms["advantages"] = [torch.rand(len(r), generator=gen) for r in s.responses]
     with torch.no_grad():
-        positions = [verl_positions(model, torch.cat([p, r]), mm["image_grid_thw"])
+        positions = [verl_positions(model, torch.cat([p, r]),
+                                    None if mm is None else mm["image_grid_thw"])
                      for p, r, mm in zip(s.prompts, s.responses, s.images)]
     data = legacy_batch(s.prompts, s.responses, s.uids, torch.full((n,), temperature), terms,
                         positions=positions, multi_modal_inputs=s.images)
@@ -111,7 +124,8 @@ def sample_tags(data, config) -> list[list[tuple[int, int]]]:
     distinct: dict[bytes, int] = {}
     out = []
     for ids, mm in zip(data["input_ids"].unbind(), data["multi_modal_inputs"]):
-        mm = getattr(mm, "data", mm)
+        mm = getattr(mm, "data", mm) or {"image_grid_thw": torch.zeros(0, 3, dtype=torch.long),
+                                         "pixel_values": torch.zeros(0)}
         patches = mm["image_grid_thw"].prod(-1).tolist()
         keys = [distinct.setdefault(piece.numpy().tobytes(), len(distinct))
                 for piece in torch.split(mm["pixel_values"], patches)]
