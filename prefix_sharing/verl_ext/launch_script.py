@@ -1,0 +1,173 @@
+"""The hydra overrides of a verl launch script, read without running it.
+
+A verl example launch script is bash: variable assignments, then one
+``python3 -m verl.trainer.main_ppo key=value ... "$@"`` command spread over ``\\``-continued
+lines. :func:`read_launch_script` joins the continuations, records the assignments
+(``VAR=value``, ``export VAR=...``, ``${VAR:-default}``) and expands ``$VAR`` / ``${VAR}`` in
+the command (not inside single quotes, as bash); ``"$@"`` becomes the arguments given to the
+script (``script_args``). What cannot be read statically - a command substitution, a variable
+assigned nowhere - stays as written and is listed in ``unresolved``. The first command that
+runs a ``verl.`` (or ``recipe.``) module is the launch; hydra's ``--config-name`` /
+``--config-path`` are read from it. Nothing here imports verl.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import shlex
+from collections.abc import Sequence
+
+__all__ = ["Launch", "read_launch_script", "parse_launch_text"]
+
+_ASSIGNMENT = re.compile(r"^(?:(?:export|local|readonly|declare(?:\s+-\w+)?)\s+)?"
+                         r"([A-Za-z_]\w*)=(.*)$")
+_VARIABLE = re.compile(r"\$\{([A-Za-z_]\w*)(?:(:?[-=])([^}]*))?\}|\$([A-Za-z_]\w*|[@*])")
+_STOP = {"|", "||", "&&", ";", "&"}
+_MODULE_PREFIXES = ("verl.", "recipe.")
+
+
+@dataclasses.dataclass
+class Launch:
+    """A launch read from a script: the module it runs, hydra's config name and path (None
+    where the script does not set them) and the overrides, in order; ``unresolved``: the
+    variables and substitutions left as written."""
+
+    module: str
+    overrides: list[str]
+    config_name: str | None = None
+    config_path: str | None = None
+    unresolved: list[str] = dataclasses.field(default_factory=list)
+
+
+def read_launch_script(path: str, script_args: Sequence[str] = ()) -> Launch:
+    """The launch in the bash script at ``path`` (see the module doc)."""
+    with open(path, encoding="utf-8") as handle:
+        return parse_launch_text(handle.read(), script_args)
+
+
+def parse_launch_text(text: str, script_args: Sequence[str] = ()) -> Launch:
+    """The launch in a script's text; ``ValueError`` when it runs no verl module."""
+    variables: dict[str, str | None] = {}
+    unresolved: list[str] = []
+    for line in _logical_lines(text):
+        assignment = _ASSIGNMENT.match(line)
+        if assignment and not line.startswith(("python", "torchrun")):
+            name, value = assignment.groups()
+            variables[name] = _assigned_value(value, variables, unresolved)
+            continue
+        words = _words(_expand(line, variables, script_args, unresolved))
+        launch = _launch(words)
+        if launch is not None:
+            launch.unresolved = list(dict.fromkeys(unresolved))
+            return launch
+    raise ValueError("the script runs no verl module (python -m verl.trainer.main_ppo ...)")
+
+
+def _logical_lines(text: str) -> list[str]:
+    """Lines with their ``\\``-continuations joined and comments dropped."""
+    joined = re.sub(r"\\\r?\n", " ", text)
+    lines = []
+    for line in joined.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            lines.append(line)
+    return lines
+
+
+def _assigned_value(value: str, variables: dict, unresolved: list[str]) -> str | None:
+    """A variable's value as bash assigns it (None: not readable here, e.g. ``$(...)``)."""
+    if value.startswith(("$(", "`", "(")):
+        return None
+    words = _words(_expand(value, variables, (), unresolved))
+    return words[0] if words else ""
+
+
+def _expand(text: str, variables: dict, script_args: Sequence[str],
+            unresolved: list[str]) -> str:
+    """``text`` with its variables expanded, except inside single quotes (as bash)."""
+    out: list[str] = []
+    buffer: list[str] = []
+    single = double = False
+
+    def flush(literal: bool) -> None:
+        segment = "".join(buffer)
+        out.append(segment if literal else _expand_segment(segment, variables, script_args,
+                                                           unresolved))
+        buffer.clear()
+
+    for char in text:
+        if char == "'" and not double:
+            flush(literal=single)
+            single = not single
+            out.append(char)
+            continue
+        if char == '"' and not single:
+            double = not double
+        buffer.append(char)
+    flush(literal=single)
+    return "".join(out)
+
+
+def _expand_segment(segment: str, variables: dict, script_args: Sequence[str],
+                    unresolved: list[str]) -> str:
+    def value(match: re.Match) -> str:
+        name, operator, default, bare = match.groups()
+        name = name or bare
+        if name in ("@", "*"):
+            return " ".join(shlex.quote(arg) for arg in script_args)
+        found = variables.get(name)
+        if found is None or (operator and operator.startswith(":") and found == ""):
+            if operator is not None:
+                return _expand_segment(default, variables, script_args, unresolved)
+            if name not in variables or found is None:
+                unresolved.append(f"${name}")
+                return match.group(0)
+        return found
+
+    return _VARIABLE.sub(value, segment)
+
+
+def _words(text: str) -> list[str]:
+    try:
+        return shlex.split(text, comments=True)
+    except ValueError:  # an unbalanced quote: read it word by word
+        return text.split()
+
+
+def _launch(words: list[str]) -> Launch | None:
+    """The launch in one command's words, or None when it runs no verl module."""
+    for index, word in enumerate(words):
+        module = None
+        if word == "-m" and index + 1 < len(words):
+            module = words[index + 1]
+            rest = words[index + 2:]
+        elif word.endswith(".py") and "/" in word and word.startswith(("verl/", "recipe/")):
+            module = word[:-3].replace("/", ".")
+            rest = words[index + 1:]
+        if module is not None and module.startswith(_MODULE_PREFIXES):
+            return _hydra_arguments(module, rest)
+    return None
+
+
+def _hydra_arguments(module: str, words: list[str]) -> Launch:
+    launch = Launch(module=module, overrides=[])
+    options = {"--config-name": "config_name", "-cn": "config_name",
+               "--config-path": "config_path", "-cp": "config_path"}
+    pending = None
+    for word in words:
+        if word in _STOP or word.startswith((">", "1>", "2>")):
+            break
+        if pending is not None:
+            setattr(launch, pending, word)
+            pending = None
+        elif word in options:
+            pending = options[word]
+        elif word.split("=", 1)[0] in options:
+            option, value = word.split("=", 1)
+            setattr(launch, options[option], value)
+        elif not word.startswith("-"):
+            launch.overrides.append(word)
+    if launch.config_name is not None and launch.config_name.endswith(".yaml"):
+        launch.config_name = launch.config_name[: -len(".yaml")]
+    return launch
