@@ -5,7 +5,7 @@ A verl example launch script is bash: variable assignments, then one
 lines. :func:`read_launch_script` joins the continuations, records the assignments
 (``VAR=value``, ``export VAR=...``, ``${VAR:-default}``) and expands ``$VAR`` / ``${VAR}`` in
 the command (not inside single quotes, as bash); ``"$@"`` becomes the arguments given to the
-script (``script_args``). What cannot be read statically - a command substitution, a variable
+script (``script_args``, which ``$1``... and ``shift`` read too). What cannot be read statically - a command substitution, a variable
 assigned nowhere - stays as written and is listed in ``unresolved``. The first command that
 runs a ``verl.`` (or ``recipe.``) module is the launch; hydra's ``--config-name`` /
 ``--config-path`` are read from it. Nothing here imports verl.
@@ -22,8 +22,9 @@ __all__ = ["Launch", "read_launch_script", "parse_launch_text"]
 
 _ASSIGNMENT = re.compile(r"^(?:(?:export|local|readonly|declare(?:\s+-\w+)?)\s+)?"
                          r"([A-Za-z_]\w*)=(.*)$")
-_VARIABLE = re.compile(r"\$\{([A-Za-z_]\w*)(?:(:?[-=])([^}]*))?\}|\$([A-Za-z_]\w*|[@*])")
+_VARIABLE = re.compile(r"\$\{([A-Za-z_]\w*|\d)(?:(:?[-=])([^}]*))?\}|\$([A-Za-z_]\w*|[@*]|\d)")
 _STOP = {"|", "||", "&&", ";", "&"}
+_ARGS = "\x00script-args\x00"  # where "$@" stood
 _MODULE_PREFIXES = ("verl.", "recipe.")
 
 
@@ -50,13 +51,19 @@ def parse_launch_text(text: str, script_args: Sequence[str] = ()) -> Launch:
     """The launch in a script's text; ``ValueError`` when it runs no verl module."""
     variables: dict[str, str | None] = {}
     unresolved: list[str] = []
+    script_args = list(script_args)
     for line in _logical_lines(text):
+        shift = re.fullmatch(r"shift(?:\s+(\d+))?", line)
+        if shift:  # drops the first positional arguments, as bash
+            script_args = script_args[int(shift.group(1) or 1):]
+            continue
         assignment = _ASSIGNMENT.match(line)
         if assignment and not line.startswith(("python", "torchrun")):
             name, value = assignment.groups()
-            variables[name] = _assigned_value(value, variables, unresolved)
+            variables[name] = _assigned_value(value, variables, script_args, unresolved)
             continue
-        words = _words(_expand(line, variables, script_args, unresolved))
+        words = _with_script_args(_words(_expand(line, variables, script_args, unresolved)),
+                                  script_args)
         launch = _launch(words)
         if launch is not None:
             launch.unresolved = list(dict.fromkeys(unresolved))
@@ -65,8 +72,10 @@ def parse_launch_text(text: str, script_args: Sequence[str] = ()) -> Launch:
 
 
 def _logical_lines(text: str) -> list[str]:
-    """Lines with their ``\\``-continuations joined and comments dropped."""
+    """Lines with their ``\\``-continuations joined and comments dropped (also inline ones
+    in backquotes)."""
     joined = re.sub(r"\\\r?\n", " ", text)
+    joined = re.sub(r"`\s*#[^`]*`", " ", joined)  # `# inline comments` between arguments
     lines = []
     for line in joined.splitlines():
         line = line.strip()
@@ -75,11 +84,12 @@ def _logical_lines(text: str) -> list[str]:
     return lines
 
 
-def _assigned_value(value: str, variables: dict, unresolved: list[str]) -> str | None:
+def _assigned_value(value: str, variables: dict, script_args: Sequence[str],
+                    unresolved: list[str]) -> str | None:
     """A variable's value as bash assigns it (None: not readable here, e.g. ``$(...)``)."""
     if value.startswith(("$(", "`", "(")):
         return None
-    words = _words(_expand(value, variables, (), unresolved))
+    words = _words(_expand(value, variables, script_args, unresolved))
     return words[0] if words else ""
 
 
@@ -115,17 +125,30 @@ def _expand_segment(segment: str, variables: dict, script_args: Sequence[str],
         name, operator, default, bare = match.groups()
         name = name or bare
         if name in ("@", "*"):
-            return " ".join(shlex.quote(arg) for arg in script_args)
+            return _ARGS  # one word per argument once split (_with_script_args)
         found = variables.get(name)
+        if name.isdigit() and 0 < int(name) <= len(script_args):  # a positional argument
+            found = script_args[int(name) - 1]
         if found is None or (operator and operator.startswith(":") and found == ""):
             if operator is not None:
                 return _expand_segment(default, variables, script_args, unresolved)
-            if name not in variables or found is None:
+            if found is None:
                 unresolved.append(f"${name}")
                 return match.group(0)
         return found
 
     return _VARIABLE.sub(value, segment)
+
+
+def _with_script_args(words: list[str], script_args: Sequence[str]) -> list[str]:
+    """``words`` with each ``"$@"`` replaced by the script's arguments, one word each."""
+    out = []
+    for word in words:
+        if _ARGS in word:
+            out += list(script_args)
+        else:
+            out.append(word)
+    return out
 
 
 def _words(text: str) -> list[str]:
@@ -166,7 +189,7 @@ def _hydra_arguments(module: str, words: list[str]) -> Launch:
         elif word.split("=", 1)[0] in options:
             option, value = word.split("=", 1)
             setattr(launch, options[option], value)
-        elif not word.startswith("-"):
+        elif word and not word.startswith("-"):  # "" : a "$@" without arguments
             launch.overrides.append(word)
     if launch.config_name is not None and launch.config_name.endswith(".yaml"):
         launch.config_name = launch.config_name[: -len(".yaml")]

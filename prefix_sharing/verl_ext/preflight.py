@@ -64,6 +64,10 @@ class RoleVerdict:
     asked: bool
     problems: list[Refused]
     note: str = ""
+    # what the check read: the sharing engine class (None: not a sharing engine) and the
+    # configs it would be built from (model, engine, optim, checkpoint)
+    engine_cls: type | None = dataclasses.field(default=None, repr=False)
+    configs: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @property
     def served(self) -> bool:
@@ -184,7 +188,7 @@ def _ppo(config: Any, model_config_dir: str | None) -> Preflight:
     actor = omega_conf_to_dataclass(section.actor)
     actor_sharing = PrefixSharingConfig.from_verl(section.actor)
     roles = [_verdict("actor", section.actor.strategy, model, actor.engine, actor_sharing,
-                      actor_sharing)]
+                      actor_sharing, optim=actor.optim, checkpoint=actor.checkpoint)]
     if need_reference_policy(config):
         ref_section = copy.deepcopy(section.ref)
         with open_dict(ref_section):  # what verl's worker does before converting it
@@ -203,7 +207,8 @@ def _ppo(config: Any, model_config_dir: str | None) -> Preflight:
             "actor_rollout_ref.ref has no use_prefix_grouper of its own (configs/verl/ sets "
             "it to the actor's)")
         roles.append(_verdict("reference", ref_section.strategy, ref_model, ref.engine,
-                              ref_sharing, actor_sharing, note_ref))
+                              ref_sharing, actor_sharing, note_ref, optim=ref.optim,
+                              checkpoint=ref.checkpoint))
     if need_critic(config):
         critic_model = copy.deepcopy(model)
         critic_model.model_type = "value_model"
@@ -247,7 +252,7 @@ def _model_config(section: Any, directory: str) -> Any:
 
 def _verdict(role: str, strategy: str, model: Any, engine_config: Any,
              sharing: PrefixSharingConfig, actor_sharing: PrefixSharingConfig,
-             note: str = "") -> RoleVerdict:
+             note: str = "", **configs: Any) -> RoleVerdict:
     """The role's refusals from its sharing engine's ``setup_problems``, checked with its own
     sharing options or, when it asks for none, the actor's (or ``arbitrary_prefix``)."""
     import importlib
@@ -268,7 +273,8 @@ def _verdict(role: str, strategy: str, model: Any, engine_config: Any,
         problems = [Refused("cli.unpatched_engine", f"strategy={strategy}")]
     else:
         problems = engine_cls.setup_problems(model, engine_config)
-    return RoleVerdict(role, strategy, sharing.enabled, problems, note)
+    return RoleVerdict(role, strategy, sharing.enabled, problems, note, engine_cls,
+                       dict(model=model, engine=engine_config, **configs))
 
 
 def sharing_engine(strategy: str) -> type | None:
