@@ -98,7 +98,11 @@ def test_the_settings_that_stay_refused_are_named_and_the_plain_ones_served(rows
     assert rows["megatron_lora"]["preflight"] == ("verl.megatron_lora",)
     assert rows["fsdp_lora"]["preflight"] == ()  # served: tests/verl_ext/test_fsdp_lora.py
     assert rows["megatron_vlm"]["preflight"] == ("verl.megatron_vlm",)
-    assert rows["fsdp_vlm"]["preflight"] == ()  # Qwen2.5-VL: the FSDP engine's family
+    # Qwen2.5-VL, a family of the FSDP engine's: served where transformers is new enough
+    from prefix_sharing.fsdp_compat.vlm import vlm_release_problem
+
+    release = () if vlm_release_problem("qwen2_5_vl") is None else ("hf.vlm_release",)
+    assert rows["fsdp_vlm"]["preflight"] == release
 
 
 def test_the_critic_is_a_value_model_that_asks_for_nothing(rows):
