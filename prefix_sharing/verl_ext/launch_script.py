@@ -21,10 +21,12 @@ from collections.abc import Sequence
 __all__ = ["Launch", "read_launch_script", "parse_launch_text"]
 
 _ASSIGNMENT = re.compile(r"^(?:(?:export|local|readonly|declare(?:\s+-\w+)?)\s+)?"
-                         r"([A-Za-z_]\w*)=(.*)$")
+                         r"([A-Za-z_]\w*)(\+?)=(.*)$")
+_ARRAY = re.compile(r"\$\{([A-Za-z_]\w*)\[[@*]\]\}")
+_ARITHMETIC = re.compile(r"\$\(\(((?:[^()]|\([^()]*\))+)\)\)")
 _VARIABLE = re.compile(r"\$\{([A-Za-z_]\w*|\d)(?:(:?[-=])([^}]*))?\}|\$([A-Za-z_]\w*|[@*]|\d)")
 _STOP = {"|", "||", "&&", ";", "&"}
-_ARGS = "\x00script-args\x00"  # where "$@" stood
+_LIST = "\x00"  # brackets where "$@" or "${array[@]}" stood, expanded once split
 _MODULE_PREFIXES = ("verl.", "recipe.")
 
 
@@ -50,6 +52,7 @@ def read_launch_script(path: str, script_args: Sequence[str] = ()) -> Launch:
 def parse_launch_text(text: str, script_args: Sequence[str] = ()) -> Launch:
     """The launch in a script's text; ``ValueError`` when it runs no verl module."""
     variables: dict[str, str | None] = {}
+    arrays: dict[str, list[str]] = {}
     unresolved: list[str] = []
     script_args = list(script_args)
     for line in _logical_lines(text):
@@ -57,17 +60,24 @@ def parse_launch_text(text: str, script_args: Sequence[str] = ()) -> Launch:
         if shift:  # drops the first positional arguments, as bash
             script_args = script_args[int(shift.group(1) or 1):]
             continue
-        assignment = _ASSIGNMENT.match(line)
-        if assignment and not line.startswith(("python", "torchrun")):
-            name, value = assignment.groups()
-            variables[name] = _assigned_value(value, variables, script_args, unresolved)
-            continue
-        words = _with_script_args(_words(_expand(line, variables, script_args, unresolved)),
-                                  script_args)
-        launch = _launch(words)
+        words = _with_lists(_words(_expand(line, variables, script_args, unresolved)),
+                            script_args, arrays, unresolved)
+        launch = _launch(words)  # also behind assignments: PYTHONUNBUFFERED=1 python3 -m ...
         if launch is not None:
             launch.unresolved = list(dict.fromkeys(unresolved))
             return launch
+        assignment = _ASSIGNMENT.match(line)
+        if assignment:
+            name, append, value = assignment.groups()
+            if value.startswith("(") and value.endswith(")"):  # an array
+                items = _with_lists(_words(_expand(value[1:-1], variables, script_args,
+                                                   unresolved)), script_args, arrays, unresolved)
+                arrays[name] = (arrays.get(name, []) if append else []) + items
+            else:
+                found = _assigned_value(value, variables, script_args, unresolved)
+                if append and found is not None:
+                    found = (variables.get(name) or "") + found
+                variables[name] = found
     raise ValueError("the script runs no verl module (python -m verl.trainer.main_ppo ...)")
 
 
@@ -76,18 +86,26 @@ def _logical_lines(text: str) -> list[str]:
     in backquotes)."""
     joined = re.sub(r"\\\r?\n", " ", text)
     joined = re.sub(r"`\s*#[^`]*`", " ", joined)  # `# inline comments` between arguments
-    lines = []
+    lines: list[str] = []
+    open_array = False
     for line in joined.splitlines():
         line = line.strip()
-        if line and not line.startswith("#"):
+        if not line or line.startswith("#"):
+            continue
+        if open_array:  # an array's items over several lines: one assignment
+            lines[-1] += " " + line
+        else:
             lines.append(line)
+        current = lines[-1]
+        open_array = (bool(re.match(r"^[A-Za-z_]\w*\+?=\(", current))
+                      and current.count("(") > current.count(")"))
     return lines
 
 
 def _assigned_value(value: str, variables: dict, script_args: Sequence[str],
                     unresolved: list[str]) -> str | None:
     """A variable's value as bash assigns it (None: not readable here, e.g. ``$(...)``)."""
-    if value.startswith(("$(", "`", "(")):
+    if value.startswith(("$(", "`")) and not value.startswith("$(("):
         return None
     words = _words(_expand(value, variables, script_args, unresolved))
     return words[0] if words else ""
@@ -125,7 +143,7 @@ def _expand_segment(segment: str, variables: dict, script_args: Sequence[str],
         name, operator, default, bare = match.groups()
         name = name or bare
         if name in ("@", "*"):
-            return _ARGS  # one word per argument once split (_with_script_args)
+            return f"{_LIST}@{_LIST}"  # one word per argument once split (_with_lists)
         found = variables.get(name)
         if name.isdigit() and 0 < int(name) <= len(script_args):  # a positional argument
             found = script_args[int(name) - 1]
@@ -137,17 +155,38 @@ def _expand_segment(segment: str, variables: dict, script_args: Sequence[str],
                 return match.group(0)
         return found
 
+    def arithmetic(match: re.Match) -> str:
+        expression = _expand_segment(match.group(1), variables, script_args, unresolved)
+        expression = re.sub(r"[A-Za-z_]\w*", lambda m: variables.get(m.group(0)) or "?",
+                            expression)
+        if re.fullmatch(r"[\d\s+\-*/%()]+", expression):
+            try:  # digits and operators only
+                return str(eval(expression.replace("/", "//")))  # noqa: S307
+            except (SyntaxError, ZeroDivisionError):
+                pass
+        unresolved.append(match.group(0))
+        return match.group(0)
+
+    segment = _ARITHMETIC.sub(arithmetic, segment)
+    segment = _ARRAY.sub(lambda m: f"{_LIST}{m.group(1)}{_LIST}", segment)
     return _VARIABLE.sub(value, segment)
 
 
-def _with_script_args(words: list[str], script_args: Sequence[str]) -> list[str]:
-    """``words`` with each ``"$@"`` replaced by the script's arguments, one word each."""
+def _with_lists(words: list[str], script_args: Sequence[str], arrays: dict,
+                unresolved: list[str]) -> list[str]:
+    """``words`` with each ``"$@"`` and ``"${array[@]}"`` replaced by its items, one word
+    each."""
     out = []
     for word in words:
-        if _ARGS in word:
+        marked = re.fullmatch(f"{_LIST}(@|\\w+){_LIST}", word)
+        if marked is None:
+            out.append(word.replace(_LIST, ""))
+        elif marked.group(1) == "@":
             out += list(script_args)
+        elif marked.group(1) in arrays:
+            out += arrays[marked.group(1)]
         else:
-            out.append(word)
+            unresolved.append(f"${{{marked.group(1)}[@]}}")
     return out
 
 

@@ -77,6 +77,34 @@ def test_an_sft_script_under_torchrun_with_positional_arguments_and_shift(tmp_pa
     assert read(tmp_path, SFT).overrides[-1] == "trainer.default_local_dir=$2"  # no arguments
 
 
+ARRAYS = r"""max_prompt_length=$((1024 * 2))
+max_response_length=$((1024 * 8))
+ACTOR=(
+    actor_rollout_ref.actor.strategy=megatron
+    actor_rollout_ref.actor.ppo_max_token_len_per_gpu=$((max_prompt_length + max_response_length))
+)
+ACTOR+=(actor_rollout_ref.actor.use_kl_loss=True)
+DATA="data.max_prompt_length=${max_prompt_length} data.max_response_length=${max_response_length}"
+PYTHONUNBUFFERED=1 python3 -m verl.trainer.main_ppo \
+    "${ACTOR[@]}" \
+    $DATA \
+    "${UNSET_ARRAY[@]}"
+"""
+
+
+def test_arrays_arithmetic_word_splitting_and_an_environment_prefix(tmp_path):
+    """verl 0.9's newer examples: bash arrays (over several lines, appended to), ``$((...))``,
+    a string of overrides split into words, ``VAR=1 python3 -m ...``."""
+    launch = read(tmp_path, ARRAYS)
+    assert launch.module == "verl.trainer.main_ppo"
+    assert launch.overrides == [
+        "actor_rollout_ref.actor.strategy=megatron",
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=10240",
+        "actor_rollout_ref.actor.use_kl_loss=True",
+        "data.max_prompt_length=2048", "data.max_response_length=8192"]
+    assert launch.unresolved == ["${UNSET_ARRAY[@]}"]
+
+
 def test_a_script_without_a_verl_module_is_bad_input(tmp_path):
     with pytest.raises(ValueError, match="runs no verl module"):
         read(tmp_path, "echo hello\npython3 train.py a=1\n")
