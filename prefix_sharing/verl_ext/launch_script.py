@@ -3,12 +3,16 @@
 A verl example launch script is bash: variable assignments, then one
 ``python3 -m verl.trainer.main_ppo key=value ... "$@"`` command spread over ``\\``-continued
 lines. :func:`read_launch_script` joins the continuations, records the assignments
-(``VAR=value``, ``export VAR=...``, ``${VAR:-default}``) and expands ``$VAR`` / ``${VAR}`` in
-the command (not inside single quotes, as bash); ``"$@"`` becomes the arguments given to the
-script (``script_args``, which ``$1``... and ``shift`` read too). What cannot be read statically - a command substitution, a variable
-assigned nowhere - stays as written and is listed in ``unresolved``. The first command that
-runs a ``verl.`` (or ``recipe.``) module is the launch; hydra's ``--config-name`` /
-``--config-path`` are read from it. Nothing here imports verl.
+(``VAR=value``, ``export VAR=...``, ``${VAR:-default}``, ``$((...))``, arrays ``A=(...)`` and
+``A+=(...)``) and expands ``$VAR`` / ``${VAR}`` / ``"${A[@]}"`` in the command (not inside
+single quotes, as bash); ``"$@"`` becomes the arguments given to the script
+(``script_args``, which ``$1``... and ``shift`` read too). What cannot be read statically - a
+command substitution, a variable assigned nowhere - stays as written and is listed in
+``unresolved``. Ascend branches (a ``case`` arm ``npu)``, an ``if`` comparing with ``npu``)
+are skipped, so the GPU launch is read; other branches are read in order. The first command
+that runs a ``verl.`` (or ``recipe.``) module is the launch (``VAR=1 python3 -m ...``
+included); hydra's ``--config-name`` / ``--config-path`` are read from it. Nothing here
+imports verl.
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ def parse_launch_text(text: str, script_args: Sequence[str] = ()) -> Launch:
     arrays: dict[str, list[str]] = {}
     unresolved: list[str] = []
     script_args = list(script_args)
-    for line in _logical_lines(text):
+    for line in _gpu_branch(_logical_lines(text)):
         shift = re.fullmatch(r"shift(?:\s+(\d+))?", line)
         if shift:  # drops the first positional arguments, as bash
             script_args = script_args[int(shift.group(1) or 1):]
@@ -100,6 +104,32 @@ def _logical_lines(text: str) -> list[str]:
         open_array = (bool(re.match(r"^[A-Za-z_]\w*\+?=\(", current))
                       and current.count("(") > current.count(")"))
     return lines
+
+
+def _gpu_branch(lines: list[str]) -> list[str]:
+    """``lines`` without the Ascend branches (``npu)`` arms of a ``case``, ``if`` tests that
+    compare with ``npu``, up to their ``else`` / ``elif`` / ``fi``): the GPU launch is read."""
+    kept, skipping = [], None
+    for line in lines:
+        if skipping == "case":
+            skipping = None if line.endswith(";;") else skipping
+            continue
+        if skipping == "if":
+            if line == "fi" or line.startswith(("else", "elif")):
+                skipping = None
+                if line.startswith("elif"):
+                    line = line[2:]  # elif -> if: test it as a new branch below
+            else:
+                continue
+        if re.match(r"^[\"']?npu[\"']?\)", line):
+            skipping = None if line.endswith(";;") else "case"
+            continue
+        if re.match(r"^if\s+\[.*(?<!!)==?\s*[\"']?npu[\"']?\s*\]", line):
+            skipping = "if"
+            continue
+        if line not in ("else", "fi") and not line.startswith("if "):
+            kept.append(line)
+    return kept
 
 
 def _assigned_value(value: str, variables: dict, script_args: Sequence[str],

@@ -105,6 +105,32 @@ def test_arrays_arithmetic_word_splitting_and_an_environment_prefix(tmp_path):
     assert launch.unresolved == ["${UNSET_ARRAY[@]}"]
 
 
+BRANCHES = r"""DEVICE=${DEVICE:-$(python3 -c 'import torch_npu' 2>/dev/null && echo npu || echo gpu)}
+case "${DEVICE}" in
+    gpu)
+        ATTN=flash_attention_2
+        ;;
+    npu)
+        ATTN=eager
+        ;;
+esac
+if [ "$DEVICE" == "npu" ]; then
+    STRATEGY=megatron
+else
+    STRATEGY=fsdp2
+fi
+python3 -m verl.trainer.main_ppo actor_rollout_ref.actor.strategy=$STRATEGY \
+    +actor_rollout_ref.model.override_config.attn_implementation=$ATTN
+"""
+
+
+def test_the_gpu_branch_of_a_device_switch_is_read(tmp_path):
+    launch = read(tmp_path, BRANCHES)
+    assert launch.overrides == [
+        "actor_rollout_ref.actor.strategy=fsdp2",
+        "+actor_rollout_ref.model.override_config.attn_implementation=flash_attention_2"]
+
+
 def test_a_script_without_a_verl_module_is_bad_input(tmp_path):
     with pytest.raises(ValueError, match="runs no verl module"):
         read(tmp_path, "echo hello\npython3 train.py a=1\n")
