@@ -128,3 +128,18 @@ def test_the_command_exits_0_served_1_refused_2_bad_input(checkpoint, tmp_path, 
                  "actor_rollout_ref.actor.attention_dropout=0.1"]) == 2  # not verl's key
     assert main(["preflight", "--script", str(script), "--", MODEL + "mtp.enable=true",
                  MODEL + "mtp.enable_train=true"]) == 1
+
+
+def test_the_sft_trainers_model_asks_for_nothing_and_is_checked_as_it_would_share(checkpoint):
+    from prefix_sharing.verl_ext.preflight import compose_config, preflight
+
+    served = preflight(compose_config([f"model.path={checkpoint}"], "sft_trainer_engine"))
+    assert [(r.role, r.engine, r.asked, r.problems) for r in served.roles] == [
+        ("sft", "fsdp", False, [])]
+    assert not served.refused
+    padded = preflight(compose_config([f"model.path={checkpoint}", "model.use_remove_padding=false",
+                                       "model.use_fused_kernels=true"], "sft_trainer_engine"))
+    keys = [p.key for p in padded.roles[0].problems]
+    with_sharing = padded.roles[0].engine_cls.setup_problems(padded.roles[0].configs["model"],
+                                                             padded.roles[0].configs["engine"])
+    assert keys == [p.key for p in with_sharing] and not padded.refused  # it did not ask
