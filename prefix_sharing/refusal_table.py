@@ -211,6 +211,11 @@ TABLE: tuple[Refusal, ...] = (
             "initial state per batch row), so a reuser's tail cannot start from its provider's "
             "state at the branch point; and its kernels are CUDA-only: use --engine hf",
             ("cli",)),
+    Refusal("cli.unpatched_engine", "sharing on a verl engine prefix sharing does not patch",
+            "prefix sharing runs in verl's FSDP (strategy fsdp, fsdp2) and Megatron (megatron) "
+            "language-model engines; on another engine (VeOmni, TorchTitan, AutoModel, ...) "
+            "use_prefix_grouper changes nothing: set actor_rollout_ref.actor.strategy=fsdp2 "
+            "or megatron", ("cli",)),
     Refusal("cli.vlm_preset", "a vision-language preset on the megatron engine",
             "the megatron engine builds a GPT of the preset's text shape, with no vision tower to "
             "encode the images its bench puts into the prompts: use --engine hf", ("cli",)),
@@ -309,6 +314,12 @@ TABLE: tuple[Refusal, ...] = (
             "Megatron VLM step, the reference, has not run, and the Megatron plan carries no "
             "mrope rows: use verl's FSDP engine (strategy: fsdp2), which serves Qwen2.5-VL and "
             "Qwen3-VL images (docs/verl.md)", ("verl-megatron",)),
+    Refusal("verl.megatron_lora", "LoRA on verl's Megatron engine",
+            "verl trains Megatron LoRA only through Megatron-Bridge's PEFT, whose import needs "
+            "Transformer Engine (megatron/bridge/peft/lora_layers.py), so verl's own Megatron "
+            "LoRA step, the reference, has not run; use verl's FSDP engine (strategy: fsdp2, "
+            "model.lora_rank), which serves LoRA (docs/verl.md), or set model.lora.rank=0",
+            ("verl-megatron",)),
     Refusal("verl.prompt_lengths", "prompt_only mode without prompt lengths",
             "the batch has neither nested prompts (verl's v1 trainer) nor the padded "
             "attention_mask with prompts or response_mask (its legacy trainer); use "

@@ -66,7 +66,8 @@ class Refused:
 def refuse_all(found: Iterable[Refused], *, error: type[UnsupportedSetup] = UnsupportedSetup,
                advice: str | None = None) -> UnsupportedSetup:
     """The ``error`` naming every refusal in ``found`` (at least one), then ``advice`` common
-    to all of them, for ``raise``; its ``refusals`` attribute holds their keys."""
+    to all of them, for ``raise``; its ``refusals`` attribute holds their keys, ``found`` the
+    :class:`Refused` items."""
     found = list(found)
     if not found:
         raise ValueError("refuse_all needs at least one refusal")
@@ -74,6 +75,7 @@ def refuse_all(found: Iterable[Refused], *, error: type[UnsupportedSetup] = Unsu
     exception = error(message + (f". {advice}" if advice else ""))
 
     exception.refusals = tuple(item.key for item in found)
+    exception.found = tuple(found)  # for a caller that reports them one by one (preflight)
     return exception
 
 

@@ -200,6 +200,15 @@ MATRIX: dict[str, dict[str, Cell]] = {
                                    "hf.images_for_text_model")),
         "megatron-lm": refused("megatron_lm.model_argument"),
     },
+    "LoRA (PEFT adapters)": {
+        "megatron-core": NOT_OFFERED,
+        "verl-megatron": refused("verl.megatron_lora",
+                                 note="refused: verl's Megatron LoRA needs TE"),
+        "verl-fsdp": works(_VX + "test_fsdp_lora.py", releases="verl 0.9.1, 0.8.0",
+                           note="PEFT; the reference with adapters off"),
+        "hf-fsdp": works(_FX + "test_lora.py", note="PEFT: active, disabled, merged"),
+        "megatron-lm": NOT_OFFERED,
+    },
     "attention dropout, mrope / multimodal, MTP": {
         "megatron-core": refused("megatron.attention_dropout", "megatron.mrope", "megatron.mtp"),
         "verl-megatron": refused("megatron.attention_dropout", "verl.multimodal",

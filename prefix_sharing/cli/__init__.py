@@ -15,11 +15,11 @@ import sys
 from collections.abc import Sequence
 
 from ..errors import InputError
-from . import analyze, bench, demo, patchsets, verify
+from . import analyze, bench, demo, patchsets, preflight, verify
 
 __all__ = ["main"]
 
-COMMANDS = (demo, analyze, verify, bench, patchsets)
+COMMANDS = (demo, analyze, verify, bench, patchsets, preflight)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

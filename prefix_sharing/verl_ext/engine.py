@@ -16,7 +16,7 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from ..refusals import Refused, refuse, refuse_all
+from ..refusals import Refused, refuse_all
 from .config import sharing_config
 from .cross_forward import check_cross_engine_setup
 from .mcore import PrefixSharingSetupError, SharingMetrics, check_engine_setup
@@ -55,22 +55,40 @@ class SharingEngineMixin:
 
     def __init__(self, model_config: Any, engine_config: Any, *args: Any, **kwargs: Any) -> None:
         self.prefix_sharing = sharing_config(engine_config)
-        if self.prefix_sharing.enabled:
-            check_engine_setup(engine_config, model_config,
-                               vision_families=self.vision_families)
-        if self.prefix_sharing.cross_micro_batch:
-            if not self.supports_cross_micro_batch:
-                raise refuse("verl.cross_micro_batch.engine",
-                             f"prefix_grouper.cross_micro_batch=true on {type(self).__name__}",
-                             error=PrefixSharingSetupError)
-            check_cross_engine_setup(engine_config)
-        found = self_check_problems(engine_config) if self.prefix_sharing.self_check else []
-        if self.prefix_sharing.enabled and found:
-            raise refuse_all(found, error=PrefixSharingSetupError)
+        found = self.setup_problems(model_config, engine_config)
+        if found:
+            raise refuse_all(found, error=PrefixSharingSetupError,
+                             advice="Change the setting, or turn sharing off "
+                                    "(use_prefix_grouper: false).")
         self._sharing_metrics = SharingMetrics()
         self._self_check = FirstStepSelfCheck(self.prefix_sharing.enabled
                                               and self.prefix_sharing.self_check)
         super().__init__(model_config, engine_config, *args, **kwargs)
+
+    @classmethod
+    def setup_problems(cls, model_config: Any, engine_config: Any) -> list[Refused]:
+        """Every setting this engine refuses at construction for these configs (verl's
+        ``HFModelConfig`` and the engine config the actor config built), without building
+        anything: what ``__init__`` raises, and what ``prefix-sharing preflight`` reports.
+
+        With sharing on, :func:`.mcore.check_engine_setup` and, with ``self_check``,
+        :func:`.self_check.self_check_problems`; with ``cross_micro_batch``, the engine's
+        support and :func:`.cross_forward.check_cross_engine_setup`.
+        """
+        sharing = sharing_config(engine_config)
+        found = []
+        if sharing.enabled:
+            found += _problems(check_engine_setup, engine_config, model_config,
+                               vision_families=cls.vision_families)
+        if sharing.cross_micro_batch:
+            if not cls.supports_cross_micro_batch:
+                found.append(Refused("verl.cross_micro_batch.engine",
+                                     f"prefix_grouper.cross_micro_batch=true on {cls.__name__}"))
+            else:
+                found += _problems(check_cross_engine_setup, engine_config)
+        if sharing.enabled and sharing.self_check:
+            found += self_check_problems(engine_config)
+        return found
 
     def forward_backward_batch(self, data: Any, loss_function: Any, forward_only: bool = False):
         if not self.prefix_sharing.enabled:
@@ -119,6 +137,15 @@ class SharingEngineMixin:
         if found:
             raise refuse_all(found, error=PrefixSharingSetupError)
 
+
+
+def _problems(check: Any, *args: Any, **kwargs: Any) -> list[Refused]:
+    """The refusals a raising check (``check(*args, **kwargs)``) finds, as a list."""
+    try:
+        check(*args, **kwargs)
+    except PrefixSharingSetupError as error:
+        return list(error.found)
+    return []
 
 
 def install_engine(module: ModuleType, stock: type, engine: type) -> None:

@@ -20,8 +20,8 @@ imports its module):
   (:func:`install_layer_spec`), reads each micro-batch (with its ``uid``) in ``forward_step``,
   splits dynamic batches keeping sharing groups together and reports the step's token counts in
   verl's metrics (:class:`.engine.SharingEngineMixin`); a vision-language model
-  (:mod:`.mcore_vlm`) and a Gated DeltaNet hybrid on a megatron-core other than 0.19.2
-  (:mod:`.hybrid`) are refused at construction; under
+  (:mod:`.mcore_vlm`), a Gated DeltaNet hybrid on a megatron-core other than 0.19.2
+  (:mod:`.hybrid`) and LoRA (:mod:`.megatron_lora`) are refused at construction; under
   ``router_replay`` the micro-batch's ``routed_experts`` go with the plan, and an ``R2``
   recording forward's routes reach verl per plain token through its own
   ``merge_router_topk_indices`` call (:func:`patch_route_merge`, :mod:`.routing_replay`). With
@@ -147,11 +147,11 @@ def patch_engine(module: ModuleType) -> None:
     ``MegatronEngineWithLMHead``."""
     from verl.utils import tensordict_utils as tu
 
-    from ..refusals import refuse_all
     from .config import sharing_config
     from .hybrid import hybrid_release_problem
-    from .mcore import PrefixSharingSetupError, micro_batch_groups
+    from .mcore import micro_batch_groups
     from .mcore_vlm import vision_model_problem
+    from .megatron_lora import megatron_lora_problem
     from .routing_replay import RouteRecorder, micro_batch_routes, replay_mode
 
     stock = module.MegatronEngineWithLMHead
@@ -162,14 +162,17 @@ def patch_engine(module: ModuleType) -> None:
 
         supports_cross_micro_batch = True
 
-        def __init__(self, model_config: Any, engine_config: Any, *args: Any,
-                     **kwargs: Any) -> None:
-            if sharing_config(engine_config).enabled:  # before verl builds anything
+        @classmethod
+        def setup_problems(cls, model_config: Any, engine_config: Any) -> list:
+            """The model's refusals on this engine (a vision tower, a GDN hybrid on this
+            megatron-core, LoRA) before the common ones, which they make moot."""
+            if sharing_config(engine_config).enabled:
                 found = [problem for problem in (vision_model_problem(model_config),
-                                                 hybrid_release_problem(model_config)) if problem]
+                                                 hybrid_release_problem(model_config),
+                                                 megatron_lora_problem(model_config)) if problem]
                 if found:
-                    raise refuse_all(found, error=PrefixSharingSetupError)
-            super().__init__(model_config, engine_config, *args, **kwargs)
+                    return found
+            return super().setup_problems(model_config, engine_config)
 
         def _build_tf_config(self) -> None:
             super()._build_tf_config()

@@ -1,0 +1,145 @@
+"""``prefix-sharing preflight`` says what the engines say: for each setting, the actor's
+verdict (the refusal keys, or none) equals what constructing verl's registered sharing engine
+from the same configs raises - on the FSDP and Megatron engines, whichever way a check goes.
+The settings that stay refused (MTP training, LoRA or a vision model on the Megatron engine, a
+value model) pin the verdicts' content; the command's exit status is 0 / 1 / 2 for served /
+refused / bad input, from overrides and from a launch script."""
+
+import importlib.util
+
+import pytest
+
+if importlib.util.find_spec("verl") is None:
+    pytest.skip("verl is not installed (build an environment with .ci/verl_env.sh <version>)",
+                allow_module_level=True)
+
+from prefix_sharing.cli import main  # noqa: E402
+from prefix_sharing.engines.launch import run_distributed  # noqa: E402
+
+BASE = ["algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.use_prefix_grouper=true",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2"]
+FSDP = ["actor_rollout_ref.actor.strategy=fsdp2"]
+MEGATRON = "ppo_megatron_trainer"
+MODEL = "actor_rollout_ref.model."
+# name -> (verl's config, overrides beyond BASE and the model path); "vlm" rows name a hub VLM
+ROWS = {
+    "fsdp2": ("ppo_trainer", FSDP),
+    "fsdp1": ("ppo_trainer", ["actor_rollout_ref.actor.strategy=fsdp"]),
+    "padded": ("ppo_trainer", FSDP + [MODEL + "use_remove_padding=false"]),
+    "fused": ("ppo_trainer", FSDP + [MODEL + "use_fused_kernels=true"]),
+    "ulysses": ("ppo_trainer", FSDP + ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"]),
+    "mtp": ("ppo_trainer", FSDP + [MODEL + "mtp.enable=true", MODEL + "mtp.enable_train=true"]),
+    "fsdp_lora": ("ppo_trainer", FSDP + [MODEL + "lora_rank=8"]),
+    "fsdp_vlm": ("ppo_trainer", FSDP + [MODEL + "path=Qwen/Qwen2.5-VL-7B-Instruct"]),
+    "megatron": (MEGATRON, []),
+    "megatron_lora": (MEGATRON, [MODEL + "lora.rank=8"]),
+    "megatron_vlm": (MEGATRON, [MODEL + "path=Qwen/Qwen2.5-VL-7B-Instruct"]),
+    "megatron_mtp": (MEGATRON, [MODEL + "mtp.enable=true", MODEL + "mtp.enable_train=true"]),
+}
+
+
+def verdicts_and_constructions(rank: int, path: str) -> dict:
+    """Per row: the actor's preflight keys, and the keys the engine's construction raises
+    (``()`` when it builds) from the configs preflight read; the critic's keys under GAE."""
+    from prefix_sharing.errors import PrefixSharingSetupError
+    from prefix_sharing.verl_ext.preflight import compose_config, preflight
+    from tests.verl_ext._batch import use_cpu_platform
+
+    use_cpu_platform()
+    found = {}
+    for name, (config_name, overrides) in ROWS.items():
+        config = compose_config(BASE + [MODEL + f"path={path}"] + overrides, config_name)
+        actor = preflight(config).roles[0]
+        built = ()
+        if actor.engine_cls is not None:
+            c = actor.configs
+            try:
+                actor.engine_cls(c["model"], c["engine"], c["optim"], c["checkpoint"])
+            except PrefixSharingSetupError as error:
+                built = error.refusals
+        found[name] = {"preflight": tuple(p.key for p in actor.problems), "built": built,
+                       "engine": actor.engine_cls.__name__ if actor.engine_cls else None}
+    gae = preflight(compose_config(BASE + FSDP + [MODEL + f"path={path}",
+                                                 "algorithm.adv_estimator=gae"]))
+    found["critic"] = [(r.role, r.asked, tuple(p.key for p in r.problems)) for r in gae.roles]
+    return found
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from tests.verl_ext._fsdp_engine import save_model
+
+    return save_model(str(tmp_path_factory.mktemp("qwen2")))
+
+
+@pytest.fixture(scope="module")
+def rows(checkpoint):
+    return run_distributed(verdicts_and_constructions, 1, checkpoint, timeout=500)[0]
+
+
+@pytest.mark.parametrize("row", [name for name in ROWS if name != "fsdp1"])
+def test_preflight_says_what_constructing_the_engine_raises(rows, row):
+    assert rows[row]["engine"] in ("PrefixSharingFSDPEngine", "PrefixSharingMegatronEngine")
+    assert rows[row]["preflight"] == rows[row]["built"], rows[row]
+
+
+def test_fsdp1_is_checked_by_the_same_engine_class_as_fsdp2(rows):
+    """FSDP1 cannot be constructed on CPU; its registered engine is the same sharing class."""
+    assert rows["fsdp1"]["engine"] == "PrefixSharingFSDPEngine"
+    assert rows["fsdp1"]["preflight"] == rows["fsdp2"]["preflight"]
+
+
+def test_the_settings_that_stay_refused_are_named_and_the_plain_ones_served(rows):
+    assert rows["fsdp2"]["preflight"] == () and rows["megatron"]["preflight"] == ()
+    assert "verl.mtp" in rows["mtp"]["preflight"]
+    assert "verl.mtp" in rows["megatron_mtp"]["preflight"]
+    assert rows["megatron_lora"]["preflight"] == ("verl.megatron_lora",)
+    assert rows["fsdp_lora"]["preflight"] == ()  # served: tests/verl_ext/test_fsdp_lora.py
+    assert rows["megatron_vlm"]["preflight"] == ("verl.megatron_vlm",)
+    # Qwen2.5-VL, a family of the FSDP engine's: served where transformers is new enough
+    from prefix_sharing.fsdp_compat.vlm import vlm_release_problem
+
+    release = () if vlm_release_problem("qwen2_5_vl") is None else ("hf.vlm_release",)
+    assert rows["fsdp_vlm"]["preflight"] == release
+
+
+def test_the_critic_is_a_value_model_that_asks_for_nothing(rows):
+    roles = dict((role, (asked, keys)) for role, asked, keys in rows["critic"])
+    assert roles["actor"] == (True, ())
+    assert roles["critic"] == (False, ("verl.model_type",))
+
+
+def test_the_command_exits_0_served_1_refused_2_bad_input(checkpoint, tmp_path, capsys):
+    served = BASE + FSDP + [MODEL + f"path={checkpoint}"]
+    assert main(["preflight", "--", *served]) == 0
+    assert main(["preflight", "--", *served, MODEL + "mtp.enable=true",
+                 MODEL + "mtp.enable_train=true"]) == 1
+    out = capsys.readouterr().out
+    assert "[verl.mtp]" in out and "set model.mtp.enable_train=False" in out
+    assert main(["preflight", "--", *served, "actor_rollout_ref.no_such_key=1"]) == 2
+    script = tmp_path / "run.sh"
+    script.write_text("MODEL=" + checkpoint + "\npython3 -m verl.trainer.main_ppo \\\n    "
+                      + " \\\n    ".join(BASE + FSDP) + " \\\n    "
+                      + "actor_rollout_ref.model.path=$MODEL \"$@\"\n")
+    assert main(["preflight", "--script", str(script)]) == 0
+    assert main(["preflight", "--script", str(script), "--",
+                 "actor_rollout_ref.actor.attention_dropout=0.1"]) == 2  # not verl's key
+    assert main(["preflight", "--script", str(script), "--", MODEL + "mtp.enable=true",
+                 MODEL + "mtp.enable_train=true"]) == 1
+
+
+def test_the_sft_trainers_model_asks_for_nothing_and_is_checked_as_it_would_share(checkpoint):
+    from prefix_sharing.verl_ext.preflight import compose_config, preflight
+
+    served = preflight(compose_config([f"model.path={checkpoint}"], "sft_trainer_engine"))
+    assert [(r.role, r.engine, r.asked, r.problems) for r in served.roles] == [
+        ("sft", "fsdp", False, [])]
+    assert not served.refused
+    padded = preflight(compose_config([f"model.path={checkpoint}", "model.use_remove_padding=false",
+                                       "model.use_fused_kernels=true"], "sft_trainer_engine"))
+    keys = [p.key for p in padded.roles[0].problems]
+    with_sharing = padded.roles[0].engine_cls.setup_problems(padded.roles[0].configs["model"],
+                                                             padded.roles[0].configs["engine"])
+    assert keys == [p.key for p in with_sharing] and not padded.refused  # it did not ask
