@@ -76,23 +76,23 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from functools import partial
 from types import ModuleType
 from typing import Any
 
-from ..refusals import Refused, refuse
+from ..refusals import Refused, refuse, refuse_all
 from .balancing import balancing_hooks
 from .config import accept_prefix_grouper
 from .engine import SharingEngineMixin, install_engine
 from .microbatch import patch_prepare_micro_batches
 from .patchsets import register_releases
 from .switched_off import off_hooks
+from .ulysses import has_recurrent_layers, plan_padding, sequence_parallel_group, ulysses_problems
 from .vlm import ENGINE_FAMILIES, micro_batch_images, record_stock_forwards, restore_stock_forwards
 
 __all__ = ["PATCHSETS", "patch_engine", "stock_attention"]
 
 ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
-# The class markers of recurrent modules switched to their sharing forms (fsdp_compat).
-RECURRENT_MARKERS = ("_prefix_sharing_gdn", "_prefix_sharing_mamba")
 
 
 @contextlib.contextmanager
@@ -116,6 +116,7 @@ def patch_engine(module: ModuleType) -> None:
 
     from ..fsdp_compat import enable_prefix_sharing, model_kwargs
     from ..fsdp_compat.mrope import vision_model_kwargs
+    from ..fsdp_compat.ulysses import ulysses_model_kwargs, ulysses_split, ulysses_token_stats
     from ..fsdp_compat.vision import vision_batch
     from ..fsdp_compat.vlm import is_vlm
     from ..logprobs import token_log_probs
@@ -140,11 +141,12 @@ def patch_engine(module: ModuleType) -> None:
                                      error=PrefixSharingSetupError)
                     restore_stock_forwards(hf_module)  # transformers' own, for the plan
                 enable_prefix_sharing(hf_module)  # before _build_fsdp_module wraps it
-                if self.prefix_sharing.self_check and any(
-                        getattr(m, marker, False) for m in hf_module.modules()
-                        for marker in RECURRENT_MARKERS):
+                if self.prefix_sharing.self_check and has_recurrent_layers(hf_module):
                     raise refuse("verl.self_check.recurrent", "prefix_grouper.self_check=true",
                                  error=PrefixSharingSetupError)
+                found = ulysses_problems(hf_module, plan_padding(self))
+                if found:
+                    raise refuse_all(found, error=PrefixSharingSetupError)
             return hf_module
 
         def _stock_outputs(self, micro_batch, logits_processor_func):
@@ -177,7 +179,8 @@ def patch_engine(module: ModuleType) -> None:
                 images = vision_batch(self.module.config, sequences,
                                       micro_batch_images(micro_batch, len(sequences)))
             plan = build_plan(sequences, self.prefix_sharing, groups=groups,
-                              images=None if images is None else images.tags)
+                              images=None if images is None else images.tags,
+                              pad_to_multiple_of=plan_padding(self))  # as verl pads for Ulysses
             plan = plan.to(input_ids.device)
             self._sharing_metrics.add(plan)
             model_inputs = model_kwargs(plan, self.prefix_sharing.backend)
@@ -187,6 +190,10 @@ def patch_engine(module: ModuleType) -> None:
                 self._sharing_metrics.add_vision(images.metrics(plan))
             output_args = {"plan": plan,
                            "temperature": micro_batch_temperature(micro_batch["temperature"])}
+            group = sequence_parallel_group(self)
+            if group is not None:  # this rank's rows; the split for the attention and log-probs
+                output_args["ulysses"] = ulysses_split(plan, group)
+                model_inputs.update(ulysses_model_kwargs(plan, output_args["ulysses"]))
             return model_inputs, output_args
 
         def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
@@ -195,9 +202,11 @@ def patch_engine(module: ModuleType) -> None:
                                                       logits_processor_func)
             calculate_entropy = tu.get_non_tensor_data(micro_batch, key="calculate_entropy",
                                                        default=False)
-            stats = token_log_probs(output.logits[0], output_args["plan"],  # [T_flat, vocab]
-                                    temperature=output_args["temperature"],
-                                    with_entropy=calculate_entropy)
+            split = output_args.get("ulysses")
+            score = token_log_probs if split is None else partial(ulysses_token_stats,
+                                                                   split=split)
+            stats = score(output.logits[0], output_args["plan"],  # [T_flat (/ Ulysses), vocab]
+                          temperature=output_args["temperature"], with_entropy=calculate_entropy)
             offsets = micro_batch["input_ids"].offsets()  # the plan packs samples in this order
             model_output = {"log_probs": torch.nested.nested_tensor_from_jagged(stats.log_probs,
                                                                                  offsets)}
