@@ -20,9 +20,9 @@ Hooks (each runs when verl imports the module):
 ``PrefixSharingFSDPEngine``, with sharing on (``__init__`` and ``forward_backward_batch`` are
 :class:`.engine.SharingEngineMixin`'s, the same as in the Megatron engine):
 
-- ``__init__`` refuses what cannot be exact (:func:`.mcore.check_engine_setup`: Ulysses
-  sequence parallel, ``use_remove_padding=False``, fused kernels, value models, multimodal
-  models outside :data:`.vlm.ENGINE_FAMILIES`);
+- ``__init__`` refuses what cannot be exact (:func:`.mcore.check_engine_setup`:
+  ``use_remove_padding=False``, fused kernels, value models, multimodal models outside
+  :data:`.vlm.ENGINE_FAMILIES`);
 - ``_build_module`` gives a vision-language model's instances transformers' own forwards back
   (:func:`.vlm.restore_stock_forwards`: verl's replace them class-wide), then switches the HF
   model to the sharing attention
@@ -31,19 +31,24 @@ Hooks (each runs when verl imports the module):
   checkpointing on by then; that is harmless, as transformers reads the attention
   implementation from the config at every call and the checkpointed layer replays the same
   keywords, the plan included. verl's remove-padding patch replaces only the flash-attention
-  function, which the sharing attention does not call;
+  function, which the sharing attention does not call. Under Ulysses sequence parallelism it
+  refuses the models it cannot split (:func:`.ulysses.ulysses_problems`);
 - ``prepare_model_inputs`` plans the micro-batch from its nested ``input_ids`` (and ``uid`` for
   ``prompt_only``) and returns :func:`prefix_sharing.fsdp_compat.model_kwargs` of the plan; for
   a VLM micro-batch with images, the plan takes the images' identity from its per-sample
   ``multi_modal_inputs`` and the inputs add the HF shim's mrope rows, distinct images and
   feature rows (:func:`prefix_sharing.fsdp_compat.mrope.vision_model_kwargs`), and the step's
-  metrics count images and image tokens (:mod:`.vlm`);
+  metrics count images and image tokens (:mod:`.vlm`). Under Ulysses the plan is padded to a
+  multiple of the group size and each rank gets its rows and the split for the attention's
+  all-to-all (:mod:`.ulysses`);
 - ``prepare_model_outputs`` turns the flat logits into log-probs / entropy through
   :func:`prefix_sharing.logprobs.token_log_probs` (never a ``(T_total, vocab)`` tensor), in
   verl's output contract: jagged nested tensors, one row per sample with its original length,
   the value at ``t`` scoring token ``t + 1`` at verl's temperature. The last position of each
   sample predicts nothing (verl reads a wrapped-around label there, this gives 0); verl reads
-  only ``[len - response - 1, len - 1)``;
+  only ``[len - response - 1, len - 1)``. Under Ulysses each rank scores the positions of its
+  rows and every rank gets them all
+  (:func:`prefix_sharing.fsdp_compat.ulysses.ulysses_token_stats`);
 - with ``prefix_grouper.self_check``, ``prepare_model_outputs`` of the first sharing
   micro-batch also runs verl's stock path on it (:mod:`.self_check`): verl's own
   ``prepare_model_inputs``, the model with the attention implementation it was loaded with
