@@ -284,11 +284,6 @@ TABLE: tuple[Refusal, ...] = (
     Refusal("verl.dynamic_context_parallel", "dynamic context parallelism",
             "its scheduler gives each micro-batch its own CP group and splits samples across "
             "it; use a static context_parallel_size", ("verl-megatron",)),
-    Refusal("verl.ulysses", "Ulysses sequence parallelism",
-            "verl slices the packed samples across the Ulysses group and its all-to-all wraps "
-            "HF's flash attention, not the sharing attention, so a rank would miss the provider "
-            "rows its reusers read; keep ulysses_sequence_parallel_size=1 (for long sequences "
-            "use the Megatron engine's context_parallel_size)", ("verl-fsdp",)),
     Refusal("verl.fused_kernels", "verl's fused log-prob kernels",
             "the fused kernel computes log-probs from labels laid out per sample, which a shared "
             "row cannot give; set actor_rollout_ref.model.use_fused_kernels=false", _VERL),

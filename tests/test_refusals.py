@@ -132,13 +132,13 @@ def test_refuse_keeps_the_sites_error_class():
 
 
 def test_refuse_all_names_every_problem_once_and_the_common_advice():
-    found = [Refused("verl.ulysses", "ulysses_sequence_parallel_size=2"),
+    found = [Refused("verl.ulysses.recurrent", "ulysses_sequence_parallel_size=2"),
              Refused("verl.fused_kernels", "use_fused_kernels=True")]
     error = refuse_all(found, error=PrefixSharingSetupError, advice="Or turn sharing off.")
     message = str(error)
     assert message.startswith("prefix sharing refuses " + str(found[0]) + "; " + str(found[1]))
     assert message.endswith(". Or turn sharing off.")
-    assert error.refusals == ("verl.ulysses", "verl.fused_kernels")
+    assert error.refusals == ("verl.ulysses.recurrent", "verl.fused_kernels")
     with pytest.raises(ValueError, match="at least one"):
         refuse_all([])
 

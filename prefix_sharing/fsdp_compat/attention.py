@@ -14,6 +14,7 @@ materialised.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -21,6 +22,8 @@ import torch
 from ..attention import prefix_attention
 from ..plan import SharingPlan
 from ..refusals import refuse
+from .ulysses import SPLIT_KWARG as ULYSSES_KWARG
+from .ulysses import ulysses_attention
 
 __all__ = ["ATTENTION_NAME", "PLAN_KWARG", "BACKEND_KWARG", "register_attention",
            "prefix_sharing_attention"]
@@ -58,9 +61,10 @@ def prefix_sharing_attention(
         dropout: must be 0: the kernels run without attention dropout.
         scaling: the softmax scale (``headdim ** -0.5`` when ``None``).
         kwargs: the forward's keywords; ``sharing_plan`` is required, ``sharing_backend``
-            optional; the layer's own ``sliding_window`` (a band of that many keys on logical
-            positions) and ``s_aux`` (gpt-oss's per-head sink logits) are honoured, a
-            ``softcap`` refused.
+            optional, ``sharing_ulysses`` on a Ulysses rank (:mod:`.ulysses`: ``query``,
+            ``key``, ``value`` and the output then hold the rank's rows); the layer's own
+            ``sliding_window`` (a band of that many keys on logical positions) and ``s_aux``
+            (gpt-oss's per-head sink logits) are honoured, a ``softcap`` refused.
 
     Returns:
         ``((1, T_flat, nheads, headdim), None)``: no attention weights are ever built.
@@ -87,10 +91,11 @@ def prefix_sharing_attention(
 
     # [1, h, T, d] -> [T, h, d]: the varlen kernels' token-major layout
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
-    out = prefix_attention(q, k, v, plan, softmax_scale=scaling,
-                           window=_window(module, kwargs), sinks=kwargs.get("s_aux"),
-                           backend=kwargs.get(BACKEND_KWARG) or "auto",
-                           kernel_cache=_kernel_cache(module))
+    split = kwargs.get(ULYSSES_KWARG)  # a Ulysses rank's rows: the all-to-all goes around it
+    attend = prefix_attention if split is None else partial(ulysses_attention, split=split)
+    out = attend(q, k, v, plan, softmax_scale=scaling, window=_window(module, kwargs),
+                 sinks=kwargs.get("s_aux"), backend=kwargs.get(BACKEND_KWARG) or "auto",
+                 kernel_cache=_kernel_cache(module))
     return out.unsqueeze(0), None  # [1, T, h, d], as transformers' attention functions return
 
 

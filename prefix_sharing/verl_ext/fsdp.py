@@ -20,8 +20,8 @@ Hooks (each runs when verl imports the module):
 ``PrefixSharingFSDPEngine``, with sharing on (``__init__`` and ``forward_backward_batch`` are
 :class:`.engine.SharingEngineMixin`'s, the same as in the Megatron engine):
 
-- ``__init__`` refuses what cannot be exact (:func:`.mcore.check_engine_setup`: Ulysses
-  sequence parallel, fused kernels, value models, multimodal models outside
+- ``__init__`` refuses what cannot be exact (:func:`.mcore.check_engine_setup`: fused kernels,
+  value models, multimodal models outside
   :data:`.vlm.ENGINE_FAMILIES`);
 - ``_build_module`` gives a vision-language model's instances transformers' own forwards back
   (:func:`.vlm.restore_stock_forwards`: verl's replace them class-wide), then switches the HF
@@ -31,7 +31,8 @@ Hooks (each runs when verl imports the module):
   checkpointing on by then; that is harmless, as transformers reads the attention
   implementation from the config at every call and the checkpointed layer replays the same
   keywords, the plan included. verl's remove-padding patch replaces only the flash-attention
-  function, which the sharing attention does not call;
+  function, which the sharing attention does not call. Under Ulysses sequence parallelism it
+  refuses the models it cannot split (:func:`.ulysses.ulysses_problems`);
 - ``prepare_model_inputs`` plans the micro-batch from its nested ``input_ids`` (and ``uid`` for
   ``prompt_only``) - in either layout: with ``use_remove_padding=False`` verl hands the
   micro-batch over nested as well and pads it only for the model call, and its padded outputs
@@ -41,13 +42,17 @@ Hooks (each runs when verl imports the module):
   ``multi_modal_inputs`` and the inputs add the HF shim's mrope rows, distinct images and
   feature rows (:func:`prefix_sharing.fsdp_compat.mrope.vision_model_kwargs`), and the step's
   metrics count images and image tokens (:mod:`.vlm`); a VLM micro-batch without images
-  encodes verl's blank image, none of whose features is placed (:func:`.vlm.blank_image_kwargs`);
+  encodes verl's blank image, none of whose features is placed (:func:`.vlm.blank_image_kwargs`).
+  Under Ulysses the plan is padded to a multiple of the group size and each rank gets its rows
+  and the split for the attention's all-to-all (:mod:`.ulysses`);
 - ``prepare_model_outputs`` turns the flat logits into log-probs / entropy through
   :func:`prefix_sharing.logprobs.token_log_probs` (never a ``(T_total, vocab)`` tensor), in
   verl's output contract: jagged nested tensors, one row per sample with its original length,
   the value at ``t`` scoring token ``t + 1`` at verl's temperature. The last position of each
   sample predicts nothing (verl reads a wrapped-around label there, this gives 0); verl reads
-  only ``[len - response - 1, len - 1)``;
+  only ``[len - response - 1, len - 1)``. Under Ulysses each rank scores the positions of its
+  rows and every rank gets them all
+  (:func:`prefix_sharing.fsdp_compat.ulysses.ulysses_token_stats`);
 - with ``prefix_grouper.self_check``, ``prepare_model_outputs`` of the first sharing
   micro-batch also runs verl's stock path on it (:mod:`.self_check`): verl's own
   ``prepare_model_inputs``, the model with the attention implementation it was loaded with
@@ -80,24 +85,24 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from functools import partial
 from types import ModuleType
 from typing import Any
 
-from ..refusals import Refused, refuse
+from ..refusals import Refused, refuse, refuse_all
 from .balancing import balancing_hooks
 from .config import accept_prefix_grouper
 from .engine import SharingEngineMixin, install_engine
 from .microbatch import patch_prepare_micro_batches
 from .patchsets import register_releases
 from .switched_off import off_hooks
+from .ulysses import has_recurrent_layers, plan_padding, sequence_parallel_group, ulysses_problems
 from .vlm import (ENGINE_FAMILIES, blank_image_kwargs, micro_batch_images,
                   record_stock_forwards, restore_stock_forwards)
 
 __all__ = ["PATCHSETS", "patch_engine", "stock_attention"]
 
 ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
-# The class markers of recurrent modules switched to their sharing forms (fsdp_compat).
-RECURRENT_MARKERS = ("_prefix_sharing_gdn", "_prefix_sharing_mamba")
 
 
 @contextlib.contextmanager
@@ -121,6 +126,7 @@ def patch_engine(module: ModuleType) -> None:
 
     from ..fsdp_compat import enable_prefix_sharing, model_kwargs
     from ..fsdp_compat.mrope import vision_model_kwargs
+    from ..fsdp_compat.ulysses import ulysses_model_kwargs, ulysses_split, ulysses_token_stats
     from ..fsdp_compat.vision import vision_batch
     from ..fsdp_compat.vlm import is_vlm
     from ..logprobs import token_log_probs
@@ -145,11 +151,12 @@ def patch_engine(module: ModuleType) -> None:
                                      error=PrefixSharingSetupError)
                     restore_stock_forwards(hf_module)  # transformers' own, for the plan
                 enable_prefix_sharing(hf_module)  # before _build_fsdp_module wraps it
-                if self.prefix_sharing.self_check and any(
-                        getattr(m, marker, False) for m in hf_module.modules()
-                        for marker in RECURRENT_MARKERS):
+                if self.prefix_sharing.self_check and has_recurrent_layers(hf_module):
                     raise refuse("verl.self_check.recurrent", "prefix_grouper.self_check=true",
                                  error=PrefixSharingSetupError)
+                found = ulysses_problems(hf_module, plan_padding(self))
+                if found:
+                    raise refuse_all(found, error=PrefixSharingSetupError)
             return hf_module
 
         def _stock_outputs(self, micro_batch, logits_processor_func):
@@ -180,7 +187,8 @@ def patch_engine(module: ModuleType) -> None:
                 images = vision_batch(self.module.config, sequences,
                                       micro_batch_images(micro_batch, len(sequences)))
             plan = build_plan(sequences, self.prefix_sharing, groups=groups,
-                              images=None if images is None else images.tags)
+                              images=None if images is None else images.tags,
+                              pad_to_multiple_of=plan_padding(self))  # as verl pads for Ulysses
             plan = plan.to(input_ids.device)
             self._sharing_metrics.add(plan)
             model_inputs = model_kwargs(plan, self.prefix_sharing.backend)
@@ -192,6 +200,10 @@ def patch_engine(module: ModuleType) -> None:
                 model_inputs.update(blank_image_kwargs(self.module, input_ids.device))
             output_args = {"plan": plan,
                            "temperature": micro_batch_temperature(micro_batch["temperature"])}
+            group = sequence_parallel_group(self)
+            if group is not None:  # this rank's rows; the split for the attention and log-probs
+                output_args["ulysses"] = ulysses_split(plan, group)
+                model_inputs.update(ulysses_model_kwargs(plan, output_args["ulysses"]))
             return model_inputs, output_args
 
         def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
@@ -200,9 +212,11 @@ def patch_engine(module: ModuleType) -> None:
                                                       logits_processor_func)
             calculate_entropy = tu.get_non_tensor_data(micro_batch, key="calculate_entropy",
                                                        default=False)
-            stats = token_log_probs(output.logits[0], output_args["plan"],  # [T_flat, vocab]
-                                    temperature=output_args["temperature"],
-                                    with_entropy=calculate_entropy)
+            split = output_args.get("ulysses")
+            score = token_log_probs if split is None else partial(ulysses_token_stats,
+                                                                   split=split)
+            stats = score(output.logits[0], output_args["plan"],  # [T_flat (/ Ulysses), vocab]
+                          temperature=output_args["temperature"], with_entropy=calculate_entropy)
             offsets = micro_batch["input_ids"].offsets()  # the plan packs samples in this order
             model_output = {"log_probs": torch.nested.nested_tensor_from_jagged(stats.log_probs,
                                                                                  offsets)}

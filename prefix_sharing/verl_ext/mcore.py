@@ -50,13 +50,12 @@ def check_engine_setup(engine_config: Any, model_config: Any | None = None, *,
     the vision-language model types the engine serves, :mod:`.vlm`).
 
     - dynamic CP (Megatron: ``dynamic_context_parallel``, whose scheduler gives each
-      micro-batch its own CP group and splits samples across it), ``ulysses_sequence_parallel_size
-      > 1`` (FSDP: verl's slicing and its all-to-all around HF's flash attention know nothing
-      of the plan, and the all-to-all around the sharing attention is not implemented): a
-      sequence-parallel rank would hold part of a provider's prefix that its reusers on other
-      ranks attend to. Static ``context_parallel_size > 1`` runs: the plan splits the flat
-      layout over the CP ranks and the core attention gathers K/V
-      (:mod:`prefix_sharing.megatron_ext.context_parallel`);
+      micro-batch its own CP group and splits samples across it): a sequence-parallel rank
+      would hold part of a provider's prefix that its reusers on other ranks attend to. Static
+      ``context_parallel_size > 1`` runs: the plan splits the flat layout over the CP ranks and
+      the core attention gathers K/V (:mod:`prefix_sharing.megatron_ext.context_parallel`); so
+      does the FSDP engine's Ulysses (``ulysses_sequence_parallel_size > 1``, :mod:`.ulysses`,
+      which refuses the models it cannot split once the model is built);
     - ``use_fused_kernels=True``: the fused kernel computes log-probs from labels laid out per
       sample, which a shared row cannot give (one row serves several next tokens);
     - MTP training: its labels are laid out per sample as well;
@@ -69,9 +68,6 @@ def check_engine_setup(engine_config: Any, model_config: Any | None = None, *,
     found = []
     if getattr(engine_config, "dynamic_context_parallel", False):
         found.append(Refused("verl.dynamic_context_parallel", "dynamic_context_parallel=True"))
-    if getattr(engine_config, "ulysses_sequence_parallel_size", 1) > 1:
-        found.append(Refused("verl.ulysses", "ulysses_sequence_parallel_size="
-                             f"{engine_config.ulysses_sequence_parallel_size}"))
     if any(getattr(c, "use_fused_kernels", False) for c in (engine_config, model_config)):
         found.append(Refused("verl.fused_kernels", "use_fused_kernels=True"))
     mtp = getattr(model_config, "mtp", None)

@@ -226,7 +226,6 @@ def refusals(rank: int, path: str) -> dict[str, str]:
 
     cls = engine_class()
     for name, engine, model in (
-        ("ulysses", dict(ulysses_sequence_parallel_size=2), {}),
         ("fused_kernels", {}, dict(use_fused_kernels=True)),
         ("value_model", {}, dict(model_type="value_model")),
     ):

@@ -177,7 +177,6 @@ def test_the_padded_layout_is_served_and_matches_verls_padded_step(single):
 
 
 @pytest.mark.parametrize("setting, message", [
-    ("ulysses", "ulysses_sequence_parallel_size=2"),
     ("fused_kernels", "use_fused_kernels=True"),
     ("value_model", "model_type='value_model'"),
     ("temperatures", "several sampling temperatures in one micro-batch (temperatures"),
