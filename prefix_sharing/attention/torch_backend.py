@@ -134,7 +134,10 @@ def _attend_with_sinks(
 # aten's CPU flash kernel returns the log-sum-exp and its backward takes the output and the
 # log-sum-exp it is given: the contract the merge over key sources needs (each part's backward
 # is run with the *merged* output and log-sum-exp, as ring attention does). Its mask is
-# additive in q's dtype, and it takes one head count for q, k and v (GQA is expanded here).
+# additive in q's dtype, and it takes one head count and one head dim for q, k and v: GQA is
+# expanded here, and a smaller value head dim (multi-latent attention) zero-padded to the
+# query's, the output trimmed back (the padded channels are sums of zeros; in the backward
+# their output gradient is zero, so they change nothing).
 
 
 def attention_lse_torch(
@@ -177,7 +180,7 @@ def attention_lse_torch(
         # [1, h, s, d] each; the kernel's lse is [1, h, s]
         oi, li = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             qi, ki, vi, 0.0, is_causal, attn_mask=mask, scale=softmax_scale)
-        out[qs:qe] = oi[0].transpose(0, 1)
+        out[qs:qe] = oi[0, ..., : v.size(-1)].transpose(0, 1)
         lse[:, qs:qe] = li[0]
     return out, lse
 
@@ -215,14 +218,14 @@ def attention_lse_backward_torch(
     for qs, qe, ks, ke in _segments(bounds_q, bounds_k):
         qi, ki, vi, mask, is_causal = _segment_inputs(q, k, v, qs, qe, ks, ke, causal, window)
         gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout[qs:qe].transpose(0, 1).unsqueeze(0), qi, ki, vi,
-            out[qs:qe].transpose(0, 1).unsqueeze(0),
+            _pad_value(dout[qs:qe], q.size(-1)).transpose(0, 1).unsqueeze(0), qi, ki, vi,
+            _pad_value(out[qs:qe], q.size(-1)).transpose(0, 1).unsqueeze(0),
             lse[:, qs:qe].to(kernel_lse).unsqueeze(0), 0.0, is_causal, attn_mask=mask,
             scale=softmax_scale)
         dq[qs:qe] = gq[0].transpose(0, 1)
         # [1, h, L, d] -> [L, hk, group, d]: the query heads of one key head summed in fp32
         dk[ks:ke] = _sum_groups(gk[0], group).to(k.dtype)
-        dv[ks:ke] = _sum_groups(gv[0], group).to(v.dtype)
+        dv[ks:ke] = _sum_groups(gv[0, ..., : v.size(-1)], group).to(v.dtype)
     return dq, dk, dv
 
 
@@ -245,7 +248,8 @@ def _segment_inputs(q, k, v, qs, qe, ks, ke, causal, window):
     group = q.size(1) // k.size(1)
     qi = q[qs:qe].transpose(0, 1).unsqueeze(0)  # [s, h, d] -> [1, h, s, d]
     ki = k[ks:ke].repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
-    vi = v[ks:ke].repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
+    vi = _pad_value(v[ks:ke], q.size(-1)).repeat_interleave(group, dim=1).transpose(0, 1)
+    vi = vi.unsqueeze(0)
     if not causal:
         return qi, ki, vi, None, False
     if s == L and window is None:
@@ -255,8 +259,13 @@ def _segment_inputs(q, k, v, qs, qe, ks, ke, causal, window):
     return qi, ki, vi, mask, False
 
 
+def _pad_value(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """``[n, h, dv] -> [n, h, head_dim]`` with zeros (``dv <= head_dim``)."""
+    return x if x.size(-1) == head_dim else F.pad(x, (0, head_dim - x.size(-1)))
+
+
 def _sum_groups(grad: torch.Tensor, group: int) -> torch.Tensor:
     """``[h, L, d]`` per query head -> ``[L, hk, d]`` per key head (fp32 sum over a group)."""
     h, L, d = grad.shape
     summed = grad.float() if grad.dtype != torch.float64 else grad
-    return summed.view(h // group, group, L, d).sum(1).transpose(0, 1)
+    return summed.reshape(h // group, group, L, d).sum(1).transpose(0, 1)
