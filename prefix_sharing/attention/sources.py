@@ -128,6 +128,10 @@ def _build_layout(plan: SharingPlan) -> SourceLayout | None:
     readers = _node_readers(runs)
     rows_total = plan.num_tokens_flat
     device = plan.cu_seqlens_q.device
+    own = KeyPart(None, plan.cu_seqlens_q, plan.cu_seqlens_q, bounds_q, bounds_q,
+                  plan.max_seqlen_q, plan.max_seqlen_q, causal=True)
+    if not readers:  # no segment reads a prefix: its own segments are everything
+        return SourceLayout((own,))
 
     # the node part: per node, its readers' tails (segment order) over its rows; the rows
     # between nodes are segments without queries, so K/V stay in place
@@ -143,8 +147,6 @@ def _build_layout(plan: SharingPlan) -> SourceLayout | None:
         cu_q.append(cu_q[-1])
         cu_k.append(rows_total)
     rows = np.concatenate(q_rows)
-    own = KeyPart(None, plan.cu_seqlens_q, plan.cu_seqlens_q, bounds_q, bounds_q,
-                  plan.max_seqlen_q, plan.max_seqlen_q, causal=True)
     nodes = KeyPart(
         q_index=torch.from_numpy(rows).to(device),
         cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device=device),
