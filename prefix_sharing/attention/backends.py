@@ -45,6 +45,7 @@ BACKEND_FUNCTIONS: dict[str, tuple[str, str, str | None, str | None]] = {
 # by the gather (:mod:`.sources`).
 LSE_KERNELS: dict[str, tuple[str, str, str]] = {
     "torch": ("torch_backend", "attention_lse_torch", "attention_lse_backward_torch"),
+    "flash_attn": ("flash_attn_backend", "attention_lse_flash", "attention_lse_backward_flash"),
 }
 # Kernels that take the segment boundaries as host ints (``cu_seqlens_*_host``): without them
 # they copy ``cu_seqlens`` to the host themselves, a device sync in every call.

@@ -242,3 +242,78 @@ def _kv_rows_held(k, v, run) -> int:
     with _KeyCopies() as copies:
         run()
     return k.size(0) + v.size(0) + copies.rows
+
+
+# ---------------------------------------------------------------- flash-attn (CPU fake)
+# Its with-lse pair is checked against the fake written from flash-attn's documentation
+# (tests/attention/fake_kernels.py), in float16, against the einsum reference on the same
+# rounded values.
+
+FORESTS = [TREE, [[1, 2, 3, 4], [1, 2, 3, 4], [1, 2]],  # duplicates and a strict prefix
+           [[0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5, 1], [0, 1, 5], [3, 3]]]
+
+
+@pytest.fixture
+def flash(monkeypatch):
+    from tests.attention import fake_kernels
+
+    return fake_kernels.install_flash_attn(monkeypatch)
+
+
+def _half_inputs(plan):
+    token, position, w = projections()
+    with torch.no_grad():
+        q, k, v = qkv(token, position, w, plan.input_ids, plan.position_ids)
+    return [x.half().requires_grad_() for x in (q, k, v)]
+
+
+def _reference_of_rows(plan, q, k, v, window):
+    """The einsum reference per sequence on the flat rows' values (float64)."""
+    per_seq = [plan.split(plan.restore(x.detach().double().requires_grad_(False)))
+               for x in (q, k, v)]
+    outs, lses = zip(*(einsum_reference(a, b, c, window, None) for a, b, c in zip(*per_seq)))
+    return torch.cat(outs), torch.cat(lses)
+
+
+@pytest.mark.parametrize("window", [None, 2])
+@pytest.mark.parametrize("seqs", FORESTS, ids=["tree", "duplicates", "mixed"])
+def test_out_and_lse_of_flash_attn_equal_the_einsum_reference(flash, seqs, window):
+    plan = build_plan(seqs, EVERY_PREFIX)
+    q, k, v = _half_inputs(plan)
+    index = plan.kv_gather_index
+    out, lse = varlen_attention(
+        q, k.index_select(0, index), v.index_select(0, index), plan.cu_seqlens_q,
+        plan.cu_seqlens_kv, plan.max_seqlen_q, plan.max_seqlen_kv, window=window,
+        backend="flash_attn", return_lse=True)
+    want_out, want_lse = _reference_of_rows(plan, q, k, v, window)
+    assert lse.dtype == torch.float32 and flash.calls[0]["return_attn_probs"]
+    torch.testing.assert_close(plan.restore(out).double(), want_out, rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(plan.restore(lse.t()).double(), want_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("seqs", FORESTS, ids=["tree", "duplicates", "mixed"])
+def test_sources_on_flash_attn_equal_the_einsum_reference(flash, seqs):
+    """prefix_attention on flash-attn runs over sources (its backward at the merged state,
+    deterministic). flash-attn's rule: output and q/k/v gradients no further from the float64
+    reference on the same values than 2x (gradients 3x) the gather on the same kernel, plus
+    float16's rounding floor."""
+    plan = build_plan(seqs, EVERY_PREFIX)
+    ref_leaves = [x.detach().double().requires_grad_() for x in _half_inputs(plan)]
+    per_seq = [plan.split(plan.restore(x)) for x in ref_leaves]
+    want = torch.cat([einsum_reference(a, b, c, None, None)[0] for a, b, c in zip(*per_seq)])
+    grad = torch.randn(want.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    ref = (want.detach(), *torch.autograd.grad(want, ref_leaves, grad))
+    errors = {}
+    for execution in ("sources", "gather"):
+        q, k, v = _half_inputs(plan)
+        out = plan.restore(prefix_attention(q, k, v, plan, backend="flash_attn",
+                                            execution=execution))
+        got = (out, *torch.autograd.grad(out, (q, k, v), grad.half()))
+        errors[execution] = [float((a.detach().double() - b).abs().max() / b.abs().max())
+                             for a, b in zip(got, ref)]
+    floor = 2 * torch.finfo(torch.float16).eps
+    for i, (mine, gather) in enumerate(zip(errors["sources"], errors["gather"])):
+        assert mine <= (2 if i == 0 else 3) * gather + floor, (i, errors)
+    causal = {call["causal"] for call in flash.backward_calls}
+    assert causal == ({True, False} if plan.has_kv_gather else {True})  # the nodes' rectangles
+    assert all(call["deterministic"] for call in flash.backward_calls)
