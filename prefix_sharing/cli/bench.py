@@ -165,7 +165,7 @@ PEER_LABELS = {"prefix_grouper": "PG (peer)"}
 def table(results: list[dict]) -> str:
     header = (f"{'workload':<10} {'mode':<12} {'tokens':>7} {'unique':>7} {'flop x':>7} "
               f"{'plain ms':>9} {'shared ms':>9} {'speedup':>8} {'of flop':>8} {'memory x':>9} "
-              f"{'plan ms':>8} {'kv rows':>8} {'gather':>7}")
+              f"{'plan ms':>8}")
     lines = [header]
     for r in results:
         for mode, entry in (("arbitrary", r), ("prompt_only", r.get("prompt_only"))):
@@ -176,8 +176,7 @@ def table(results: list[dict]) -> str:
                 f"{entry['tokens_unique']:>7} {entry['flop_ratio']:>7.2f} {r['plain_ms']:>9.0f} "
                 f"{entry['shared_ms']:>9.0f} {entry['speedup']:>8.2f} "
                 f"{entry['speedup_vs_flop_ratio']:>8.2f} {entry['memory_ratio']:>9.2f} "
-                f"{entry['planner_ms']:>8.2f} {entry['kv_rows_per_layer']:>8} "
-                f"{entry['kv_rows_gather']:>7}")
+                f"{entry['planner_ms']:>8.2f}")
         for name, peer in r.get("peers", {}).items():  # another implementation, same model
             lines.append(
                 f"{r['workload']:<10} {PEER_LABELS.get(name, name):<12} {r['tokens_total']:>7} "
@@ -191,9 +190,13 @@ def table(results: list[dict]) -> str:
                          f"{v['vision_tokens_computed']} of {v['vision_tokens_total']} vision "
                          "tokens computed (plain: every image of every sequence)")
     lines += ["", "flop x: plain/shared FLOPs (the limit); speedup: plain/shared step time "
-              "(median); of flop: speedup/flop x; memory x: plain/shared peak memory; kv rows: "
-              "K/V rows one attention layer holds (shared step); gather: what copying each "
-              "segment's keys would hold (the plain step holds tokens)"]
+              "(median); of flop: speedup/flop x; memory x: plain/shared peak memory"]
+    kv = [f"{r['workload']} {r['kv_rows_per_layer']} ({r['kv_execution']}) / "
+          f"{r['kv_rows_gather']}" for r in results if "kv_rows_per_layer" in r]
+    if kv:  # results recorded before issue 39 have no such count
+        lines.append("K/V rows one attention layer holds, shared step (its execution) / with "
+                     "every segment's keys gathered; the plain step holds its tokens: "
+                     + ", ".join(kv))
     if any("peers" in r for r in results):
         lines.append("PG (peer): PrefixGrouper's step on the same model and weights; its unique "
                      "tokens are its padded grid (groups x longest group)")
