@@ -17,7 +17,7 @@ Qwen3.5 in float64 (``_fsdp_engine.verl_float64``): the fp32 rule cannot hold fo
 DeltaNet's decay gradients even between two plain runs (``test_fsdp_hybrid``). The step's
 metrics count images and image tokens; a control whose image identity is switched off (every
 image hashes alike) shares two prompts whose tokens agree but whose images differ, and must
-fail.
+fail; one without the blank image leaves the tower out of a text-only step, and must fail.
 """
 
 import dataclasses
@@ -109,9 +109,10 @@ def one_rank(rank: int, path: str, family: str) -> dict:
     if precision == "fp64":  # transformers' grouped_mm experts have no float64 kernel
         model_fields["override_config"] = {"attn_implementation": "sdpa",
                                            "_experts_implementation": "eager"}
+    served = family_workloads(family)
+    controls = ["grpo_same_tokens"] + [name for name in ("text_only",) if name in served]
     for mode, prefix_grouper, workloads in (
-            ("off", None, family_workloads(family)), ("shared", SHARING, family_workloads(family)),
-            ("no_image_identity", SHARING, ["grpo_same_tokens"])):
+            ("off", None, served), ("shared", SHARING, served), ("controls", SHARING, controls)):
         packed = prefix_grouper is not None
         config = actor_config(prefix_grouper, remove_padding=packed, model_dtype=precision,
                               mixed_precision={"fp32": FP32, "fp64": FP64}[precision])
@@ -120,10 +121,14 @@ def one_rank(rank: int, path: str, family: str) -> dict:
         for name in workloads:
             data = batches[name].clone()
             tu.assign_non_tensor(data, use_remove_padding=packed)
-            if mode == "no_image_identity":
+            if mode == "controls" and name == "grpo_same_tokens":
                 with mock.patch("prefix_sharing.fsdp_compat.vision._digest",
                                 lambda pixel, grid: b"one image"):
-                    results[name, mode] = step(engine, data, config)
+                    results[name, "no_image_identity"] = step(engine, data, config)
+            elif mode == "controls":  # no blank image for a text-only micro-batch
+                with mock.patch("prefix_sharing.verl_ext.fsdp.blank_image_kwargs",
+                                lambda *args: {}):
+                    results[name, "no_blank_image"] = step(engine, data, config)
             else:
                 results[name, mode] = step(engine, data, config)
             results[mode, "engine"] = type(engine).__name__
@@ -180,6 +185,15 @@ def test_a_control_without_image_identity_shares_different_images_and_fails(runs
     assert control["train"]["metrics"]["prefix_sharing/vision_images_computed"] == [1]
     with pytest.raises(AssertionError, match="relative error"):
         same_outputs(control, runs["grpo_same_tokens", "off"], "no image identity")
+
+
+def test_a_control_without_the_blank_image_leaves_the_tower_out_and_fails(runs):
+    family, runs = runs
+    if (family, "text_only") in STOCK_FAILS:
+        pytest.skip(f"verl's stock {family} step fails on text_only (STOCK_FAILS)")
+    with pytest.raises(AssertionError, match="parameter names differ"):
+        same_outputs(runs["text_only", "no_blank_image"], runs["text_only", "off"],
+                     "no blank image")
 
 
 def refused_on_build(rank: int, path: str, prefix_grouper: dict) -> str:
