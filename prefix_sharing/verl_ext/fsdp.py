@@ -115,12 +115,15 @@ def patch_engine(module: ModuleType) -> None:
     from verl.utils import tensordict_utils as tu
 
     from ..fsdp_compat import enable_prefix_sharing, model_kwargs
+    from ..fsdp_compat.head import (HEAD_KWARG, HeadOutput, HeadRequest, head_problem,
+                                    install_hidden_state_head)
     from ..fsdp_compat.mrope import vision_model_kwargs
     from ..fsdp_compat.vision import vision_batch
     from ..fsdp_compat.vlm import is_vlm
     from ..logprobs import token_log_probs
     from ..planner import build_plan
-    from .mcore import PrefixSharingSetupError, micro_batch_groups, micro_batch_temperature
+    from .mcore import (PrefixSharingSetupError, micro_batch_groups, micro_batch_temperature,
+                        prompt_lengths)
 
     stock = module.FSDPEngineWithLMHead
     record_stock_forwards()  # before any engine's apply_monkey_patch replaces them
@@ -129,6 +132,7 @@ def patch_engine(module: ModuleType) -> None:
         """verl's ``FSDPEngineWithLMHead``, computing each micro-batch's shared prefixes once."""
 
         vision_families = ENGINE_FAMILIES
+        serves_fused_kernels = True  # the sharing head is chunked from the hidden states
 
         def _build_module(self):
             hf_module = super()._build_module()
@@ -140,6 +144,13 @@ def patch_engine(module: ModuleType) -> None:
                                      error=PrefixSharingSetupError)
                     restore_stock_forwards(hf_module)  # transformers' own, for the plan
                 enable_prefix_sharing(hf_module)  # before _build_fsdp_module wraps it
+                # log-probs from the hidden states in chunks of rows, unless the head is not a
+                # plain linear layer (then from the model's logits, token_log_probs); verl's
+                # fused kernels skip a final logit transform, so the head does too under them
+                fused = bool(getattr(self.model_config, "use_fused_kernels", False))
+                self._hidden_head = head_problem(hf_module, ignore_logit_transform=fused) is None
+                if self._hidden_head:
+                    install_hidden_state_head(hf_module, ignore_logit_transform=fused)
                 if self.prefix_sharing.self_check and any(
                         getattr(m, marker, False) for m in hf_module.modules()
                         for marker in RECURRENT_MARKERS):
@@ -187,6 +198,12 @@ def patch_engine(module: ModuleType) -> None:
                 self._sharing_metrics.add_vision(images.metrics(plan))
             output_args = {"plan": plan,
                            "temperature": micro_batch_temperature(micro_batch["temperature"])}
+            if self._hidden_head:  # the model returns log-probs / entropy, no logits
+                model_inputs[HEAD_KWARG] = HeadRequest(
+                    plan, output_args["temperature"],
+                    with_entropy=tu.get_non_tensor_data(micro_batch, key="calculate_entropy",
+                                                        default=False),
+                    read_from=read_from(micro_batch))
             return model_inputs, output_args
 
         def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
@@ -195,9 +212,12 @@ def patch_engine(module: ModuleType) -> None:
                                                       logits_processor_func)
             calculate_entropy = tu.get_non_tensor_data(micro_batch, key="calculate_entropy",
                                                        default=False)
-            stats = token_log_probs(output.logits[0], output_args["plan"],  # [T_flat, vocab]
-                                    temperature=output_args["temperature"],
-                                    with_entropy=calculate_entropy)
+            if isinstance(output, HeadOutput):
+                stats = output.stats
+            else:
+                stats = token_log_probs(output.logits[0], output_args["plan"],  # [T_flat, vocab]
+                                        temperature=output_args["temperature"],
+                                        with_entropy=calculate_entropy)
             offsets = micro_batch["input_ids"].offsets()  # the plan packs samples in this order
             model_output = {"log_probs": torch.nested.nested_tensor_from_jagged(stats.log_probs,
                                                                                  offsets)}
@@ -207,8 +227,17 @@ def patch_engine(module: ModuleType) -> None:
             self._self_check.check(
                 output_args["plan"], model_output,
                 lambda: self._stock_outputs(micro_batch, logits_processor_func),
-                getattr(self, "_autocast_dtype", torch.bfloat16))  # verl's compute dtype
+                getattr(self, "_autocast_dtype", torch.bfloat16),  # verl's compute dtype
+                read_from(micro_batch) if isinstance(output, HeadOutput) else None)
             return model_output
+
+    def read_from(micro_batch) -> list[int] | None:
+        """Per sample, the first position verl reads: its prompt's last one (``[len - response
+        - 1, len - 1)`` is read) when the micro-batch has responses (RL); ``None`` (every
+        position) without them (SFT's loss reads the whole sample through its loss mask)."""
+        if micro_batch.get("responses", None) is None:
+            return None
+        return [n - 1 for n in prompt_lengths(micro_batch)]
 
     install_engine(module, stock, PrefixSharingFSDPEngine)
 
