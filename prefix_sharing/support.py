@@ -88,6 +88,14 @@ MATRIX: dict[str, dict[str, Cell]] = {
         "hf-fsdp": NOT_OFFERED,
         "megatron-lm": refused("megatron_lm.context_parallel"),
     },
+    "log-probs from hidden states in chunks (fused kernels)": {
+        "megatron-core": Cell("not offered", note="logits, then chunked log-probs"),
+        "verl-megatron": refused("verl.fused_kernels"),
+        "verl-fsdp": works(_VX + "test_fsdp_fused.py", releases="verl 0.9.1, 0.8.0",
+                           note="always with sharing; use_fused_kernels and entropy knobs"),
+        "hf-fsdp": NOT_OFFERED,
+        "megatron-lm": NOT_OFFERED,
+    },
     "MoE (exact router statistics), EP": {
         "megatron-core": works(_MX + "test_moe.py", _MX + "test_context_parallel_moe.py",
                                refusals=("megatron.moe.capacity_factor", "megatron.moe.sinkhorn")),

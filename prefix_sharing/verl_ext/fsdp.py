@@ -21,8 +21,8 @@ Hooks (each runs when verl imports the module):
 :class:`.engine.SharingEngineMixin`'s, the same as in the Megatron engine):
 
 - ``__init__`` refuses what cannot be exact (:func:`.mcore.check_engine_setup`: Ulysses
-  sequence parallel, ``use_remove_padding=False``, fused kernels, value models, multimodal
-  models outside :data:`.vlm.ENGINE_FAMILIES`);
+  sequence parallel, ``use_remove_padding=False``, value models, multimodal models outside
+  :data:`.vlm.ENGINE_FAMILIES`); ``use_fused_kernels`` is served (``serves_fused_kernels``);
 - ``_build_module`` gives a vision-language model's instances transformers' own forwards back
   (:func:`.vlm.restore_stock_forwards`: verl's replace them class-wide), then switches the HF
   model to the sharing attention
@@ -31,19 +31,31 @@ Hooks (each runs when verl imports the module):
   checkpointing on by then; that is harmless, as transformers reads the attention
   implementation from the config at every call and the checkpointed layer replays the same
   keywords, the plan included. verl's remove-padding patch replaces only the flash-attention
-  function, which the sharing attention does not call;
+  function, which the sharing attention does not call. Then the model instance's forward and
+  its LM head's are wrapped (:func:`prefix_sharing.fsdp_compat.head.install_hidden_state_head`)
+  so that a forward with a head request returns log-probs and entropy computed from the last
+  hidden states in chunks of rows (:mod:`prefix_sharing.head_logprobs`), never logits; a model
+  whose final logits are soft-capped or scaled keeps its logits (unless ``use_fused_kernels``,
+  whose verl kernel skips that transform too);
 - ``prepare_model_inputs`` plans the micro-batch from its nested ``input_ids`` (and ``uid`` for
   ``prompt_only``) and returns :func:`prefix_sharing.fsdp_compat.model_kwargs` of the plan; for
   a VLM micro-batch with images, the plan takes the images' identity from its per-sample
   ``multi_modal_inputs`` and the inputs add the HF shim's mrope rows, distinct images and
   feature rows (:func:`prefix_sharing.fsdp_compat.mrope.vision_model_kwargs`), and the step's
   metrics count images and image tokens (:mod:`.vlm`);
-- ``prepare_model_outputs`` turns the flat logits into log-probs / entropy through
-  :func:`prefix_sharing.logprobs.token_log_probs` (never a ``(T_total, vocab)`` tensor), in
+  and, with the chunked head, the head request (:class:`prefix_sharing.fsdp_compat.head.HeadRequest`:
+  the plan, the temperature, ``calculate_entropy`` and the read window, each sample from its
+  prompt's last position when the micro-batch has ``responses``);
+- ``prepare_model_outputs`` takes the head's log-probs / entropy (or, for a transformed head,
+  turns the flat logits into them through :func:`prefix_sharing.logprobs.token_log_probs`) in
   verl's output contract: jagged nested tensors, one row per sample with its original length,
-  the value at ``t`` scoring token ``t + 1`` at verl's temperature. The last position of each
-  sample predicts nothing (verl reads a wrapped-around label there, this gives 0); verl reads
-  only ``[len - response - 1, len - 1)``;
+  the value at ``t`` scoring token ``t + 1`` at verl's temperature. verl reads only
+  ``[len - response - 1, len - 1)``: the chunked head scores only those positions (and each
+  sample's last one), the others are 0. The last position of each sample predicts nothing
+  (verl reads a wrapped-around label there, this gives 0). verl's entropy switches
+  (``entropy_from_logits_with_chunking``, ``entropy_checkpointing``, ``use_torch_compile``)
+  change how verl computes the entropy of full logits, which the chunked head never builds:
+  the results are the same;
 - with ``prefix_grouper.self_check``, ``prepare_model_outputs`` of the first sharing
   micro-batch also runs verl's stock path on it (:mod:`.self_check`): verl's own
   ``prepare_model_inputs``, the model with the attention implementation it was loaded with

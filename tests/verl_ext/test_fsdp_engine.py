@@ -141,7 +141,6 @@ def test_dynamic_bsz_keeps_groups_together_in_fewer_micro_batches_with_equal_res
 @pytest.mark.parametrize("setting, message", [
     ("ulysses", "ulysses_sequence_parallel_size=2"),
     ("remove_padding", "use_remove_padding=False"),
-    ("fused_kernels", "use_fused_kernels=True"),
     ("value_model", "model_type='value_model'"),
     ("temperatures", "several sampling temperatures in one micro-batch (temperatures"),
     ("sum_pi_squared", "per-sample logits (calculate_sum_pi_squared)"),
