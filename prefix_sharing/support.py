@@ -60,8 +60,10 @@ MATRIX: dict[str, dict[str, Cell]] = {
     "dense GPT (GQA, RoPE, YaRN, qk-norm)": {
         "megatron-core": works(_MX + "test_equivalence.py"),
         "verl-megatron": works(_VX + "test_verl091_engine.py", _VX + "test_verl080_engine.py",
-                               releases="verl 0.9.1, 0.8.0"),
-        "verl-fsdp": works(_VX + "test_fsdp_engine.py", releases="verl 0.9.1, 0.8.0"),
+                               releases="verl 0.9.1, 0.8.0", refusals=("verl.fused_kernels",)),
+        # log-probs from hidden states in chunks: use_fused_kernels and the entropy knobs served
+        "verl-fsdp": works(_VX + "test_fsdp_engine.py", _VX + "test_fsdp_fused.py",
+                           releases="verl 0.9.1, 0.8.0"),
         "hf-fsdp": works(_FX + "test_forward.py"),
         "megatron-lm": works(_LM),
     },
@@ -87,14 +89,6 @@ MATRIX: dict[str, dict[str, Cell]] = {
         "verl-fsdp": refused("verl.ulysses", note="Ulysses refused"),
         "hf-fsdp": NOT_OFFERED,
         "megatron-lm": refused("megatron_lm.context_parallel"),
-    },
-    "log-probs from hidden states in chunks (fused kernels)": {
-        "megatron-core": Cell("not offered", note="logits, then chunked log-probs"),
-        "verl-megatron": refused("verl.fused_kernels"),
-        "verl-fsdp": works(_VX + "test_fsdp_fused.py", releases="verl 0.9.1, 0.8.0",
-                           note="always with sharing; use_fused_kernels and entropy knobs"),
-        "hf-fsdp": NOT_OFFERED,
-        "megatron-lm": NOT_OFFERED,
     },
     "MoE (exact router statistics), EP": {
         "megatron-core": works(_MX + "test_moe.py", _MX + "test_context_parallel_moe.py",
