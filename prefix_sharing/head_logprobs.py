@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from .logprobs import CHUNK_ELEMENTS, TokenStats, VocabShard, _WholeVocab
+from .logprobs import CHUNK_ELEMENTS, TokenStats, VocabShard, _WholeVocab, shifted_logit_grad
 from .plan import SharingPlan
 
 __all__ = ["hidden_token_stats", "linear_log_probs", "read_positions"]
@@ -127,7 +127,8 @@ class _LinearTokenStats(torch.autograd.Function):
         compute = torch.promote_types(hidden.dtype, torch.float32)
         rows = hidden.size(0)
         row_max = hidden.new_empty(rows, dtype=compute)  # [R] each row's max logit (local)
-        sums = hidden.new_zeros((2, rows), dtype=compute)  # [2, R] sum e^(z-max), sum e^(z-max)(z-max)
+        # [2, R]: sum e^(z - max) and sum e^(z - max) (z - max) per row
+        sums = hidden.new_zeros((2, rows), dtype=compute)
         picked = hidden.new_zeros(readers.shape, dtype=compute)  # [P] z[target] - max
         for start, stop in _chunks(rows, chunk_rows):
             z = _logits(hidden, weight, bias, start, stop, compute, temperature)  # [c, V_local]
@@ -178,32 +179,16 @@ class _LinearTokenStats(torch.autograd.Function):
         grad_bias = (torch.zeros(bias.shape, dtype=compute, device=bias.device)
                      if bias is not None and ctx.needs_input_grad[2] else None)
 
-        def chunk_grad(start: int, stop: int) -> torch.Tensor:
-            # a function, so that a chunk's buffers are freed before the next chunk's are made
-            with torch.autocast(**ctx.autocast):  # the forward's logits again
-                z = _logits(hidden, weight, bias, start, stop, compute, temperature)
-            z.sub_(shift[start:stop, None])  # [c, V_local]
-            p = (z - log_denominator[start:stop, None]).exp_()
-            if row_ent is None:
-                factor = row_lp[start:stop, None]
-            else:  # g_lp + g_ent * (z - E[z]), built in z's buffer
-                factor = z.sub_(expected[start:stop, None]).mul_(row_ent[start:stop, None])
-                if row_lp is not None:
-                    factor.add_(row_lp[start:stop, None])
-            dz = p.mul_(factor).neg_()
-            del z, factor
-            if row_lp is not None:  # + g_lp at each reader's target (in this shard)
-                local = readers - start
-                inside = (local >= 0) & (local < stop - start)
-                dz.index_put_((local.clamp(0, stop - start - 1), targets),
-                              picked_grad.masked_fill(~inside, 0.0), accumulate=True)
-            return dz.div_(temperature) if temperature != 1.0 else dz
-
         with torch.autocast(**ctx.autocast):
             matmul = _logits_dtype(hidden, weight)
         weight_mm = weight.to(matmul)
         for start, stop in _chunks(rows, ctx.chunk_rows):
-            dlogits = chunk_grad(start, stop).to(matmul)  # [c, V_local]
+            with torch.autocast(**ctx.autocast):  # the forward's logits again
+                z = _logits(hidden, weight, bias, start, stop, compute, temperature)
+            dlogits = shifted_logit_grad(  # [c, V_local]
+                z.sub_(shift[start:stop, None]), start, log_denominator, expected, row_lp,
+                row_ent, readers, targets, picked_grad, temperature).to(matmul)
+            del z
             if grad_hidden is not None:
                 grad_hidden[start:stop] = dlogits @ weight_mm
             if grad_weight is not None:

@@ -1,8 +1,6 @@
 """hidden_token_stats / linear_log_probs: the LM head, log-softmax and entropy in chunks of
 rows, scoring only the rows that are read, equal to the plain full-logits computation."""
 
-import threading
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,7 +12,7 @@ from prefix_sharing import PrefixSharingConfig, build_plan
 from prefix_sharing.equivalence import plain_token_log_probs
 from prefix_sharing.head_logprobs import hidden_token_stats, linear_log_probs, read_positions
 from tests.strategies import forests
-from tests.test_logprobs import _Exchange, _ThreadShard
+from tests.test_logprobs import run_shards
 
 VOCAB, HIDDEN = 11, 5
 SHARE_EVERY_PREFIX = PrefixSharingConfig(min_prefix_len=1)
@@ -200,29 +198,14 @@ def test_a_split_vocabulary_gives_the_whole_vocabulary_results(bounds):
     plan = build_plan(SEQS, SHARE_EVERY_PREFIX)
     hidden, weight, bias = head(plan)
     kwargs = dict(temperature=0.7, read_from=[2, 3, 0, 1, 1], chunk_rows=3)
-    exchange = _Exchange(len(bounds))
-    results: list = [None] * len(bounds)
+    def rank_main(shard, start, stop):
+        local = [t.detach().clone().requires_grad_() for t in
+                 (hidden, weight[start:stop], bias[start:stop])]
+        stats = hidden_token_stats(local[0], local[1], plan, bias=local[2], vocab_shard=shard,
+                                   **kwargs)
+        return stats, torch.autograd.grad(loss(*stats), local)
 
-    def rank_main(rank, start, stop):
-        try:
-            local = [t.detach().clone().requires_grad_() for t in
-                     (hidden, weight[start:stop], bias[start:stop])]
-            stats = hidden_token_stats(local[0], local[1], plan, bias=local[2],
-                                       vocab_shard=_ThreadShard(exchange, rank, start), **kwargs)
-            results[rank] = (stats, torch.autograd.grad(loss(*stats), local))
-        except BaseException as error:  # noqa: BLE001 - re-raised below
-            exchange.barrier.abort()
-            results[rank] = error
-
-    threads = [threading.Thread(target=rank_main, args=(r, a, b))
-               for r, (a, b) in enumerate(bounds)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for r in results:
-        if isinstance(r, BaseException):
-            raise r
+    results = run_shards(bounds, rank_main)
     whole = hidden_token_stats(hidden, weight, plan, bias=bias, **kwargs)
     want = torch.autograd.grad(loss(*whole), [hidden, weight, bias])
     for stats, _ in results:

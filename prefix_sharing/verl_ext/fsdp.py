@@ -42,10 +42,10 @@ Hooks (each runs when verl imports the module):
   a VLM micro-batch with images, the plan takes the images' identity from its per-sample
   ``multi_modal_inputs`` and the inputs add the HF shim's mrope rows, distinct images and
   feature rows (:func:`prefix_sharing.fsdp_compat.mrope.vision_model_kwargs`), and the step's
-  metrics count images and image tokens (:mod:`.vlm`);
-  and, with the chunked head, the head request (:class:`prefix_sharing.fsdp_compat.head.HeadRequest`:
-  the plan, the temperature, ``calculate_entropy`` and the read window, each sample from its
-  prompt's last position when the micro-batch has ``responses``);
+  metrics count images and image tokens (:mod:`.vlm`); with the chunked head, the inputs carry
+  the head request (:class:`prefix_sharing.fsdp_compat.head.HeadRequest`: the plan, the
+  temperature, ``calculate_entropy`` and the read window, each sample from its prompt's last
+  position when the micro-batch has ``responses``);
 - ``prepare_model_outputs`` takes the head's log-probs / entropy (or, for a transformed head,
   turns the flat logits into them through :func:`prefix_sharing.logprobs.token_log_probs`) in
   verl's output contract: jagged nested tensors, one row per sample with its original length,
