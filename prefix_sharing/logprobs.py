@@ -188,7 +188,7 @@ class _TokenStatsFunction(torch.autograd.Function):
         if grad_log_probs is None and grad_entropy is None:
             return (None,) * 8
         # per flat row: the summed upstream gradient of its readers (0 for unread pad rows)
-        row_lp = row_ent = None
+        row_lp = row_ent = picked_grad = None
         if grad_log_probs is not None:
             row_lp = shift.new_zeros(shift.shape).index_add_(
                 0, rows, grad_log_probs.to(shift.dtype).masked_fill(is_last, 0.0))
@@ -196,28 +196,46 @@ class _TokenStatsFunction(torch.autograd.Function):
         if grad_entropy is not None:
             row_ent = shift.new_zeros(shift.shape).index_add_(0, rows, grad_entropy.to(shift.dtype))
 
-        def chunk_grad(start: int, stop: int) -> torch.Tensor:
-            # a function, so that a chunk's buffers are freed before the next chunk's are made
-            z = _shifted(logits, start, stop, shift, temperature)  # [rows, V_local]
-            p = (z - log_denominator[start:stop, None]).exp_()
-            if row_ent is None:
-                weight = row_lp[start:stop, None]
-            else:  # g_lp + g_ent * (z - E[z]), built in z's buffer
-                weight = z.sub_(expected[start:stop, None]).mul_(row_ent[start:stop, None])
-                if row_lp is not None:
-                    weight.add_(row_lp[start:stop, None])
-            dz = p.mul_(weight).neg_()
-            if row_lp is not None:  # + onehot(target) per reader; others add 0 to a clamped cell
-                local = rows - start
-                inside = (local >= 0) & (local < stop - start)
-                dz.index_put_((local.clamp(0, stop - start - 1), targets),
-                              picked_grad.masked_fill(~inside, 0.0), accumulate=True)
-            return dz.div_(temperature) if temperature != 1.0 else dz
-
         grad = torch.empty_like(logits)
-        for start, stop in _chunks(logits):
-            grad[start:stop] = chunk_grad(start, stop)  # rounded once to the logits' dtype
+        for start, stop in _chunks(logits):  # rounded once to the logits' dtype
+            grad[start:stop] = shifted_logit_grad(
+                _shifted(logits, start, stop, shift, temperature), start, log_denominator,
+                expected, row_lp, row_ent, rows, targets, picked_grad, temperature)
         return (grad,) + (None,) * 7
+
+
+def shifted_logit_grad(z: torch.Tensor, start: int, log_denominator: torch.Tensor,
+                       expected: torch.Tensor | None, row_lp: torch.Tensor | None,
+                       row_ent: torch.Tensor | None, readers: torch.Tensor,
+                       targets: torch.Tensor, picked_grad: torch.Tensor | None,
+                       temperature: float) -> torch.Tensor:
+    """The gradient wrt the logits of the rows ``[start, start + len(z))``, built in ``z``'s
+    buffer: ``(onehot terms - p * (g_lp + g_ent * (z - E[z]))) / T``.
+
+    ``z``: ``(rows, V_local)`` logits / T minus each row's (global) shift, a fresh buffer;
+    ``log_denominator``, ``expected``: per row, the forward's ``log sum exp(z)`` and ``E[z]``
+    (shifted); ``row_lp`` / ``row_ent``: per row, its readers' summed upstream gradients
+    (``None``: no gradient for that output); ``readers`` / ``targets`` / ``picked_grad``: each
+    reader's row, its target column in this shard and its log-prob gradient (0 where the target
+    is elsewhere). Shared by :func:`token_log_probs` and
+    :func:`prefix_sharing.head_logprobs.linear_log_probs`.
+    """
+    stop = start + z.size(0)
+    p = (z - log_denominator[start:stop, None]).exp_()
+    if row_ent is None:
+        factor = row_lp[start:stop, None]
+    else:  # g_lp + g_ent * (z - E[z]), built in z's buffer
+        factor = z.sub_(expected[start:stop, None]).mul_(row_ent[start:stop, None])
+        if row_lp is not None:
+            factor.add_(row_lp[start:stop, None])
+    dz = p.mul_(factor).neg_()
+    del z, factor
+    if row_lp is not None:  # + onehot(target) per reader; others add 0 to a clamped cell
+        local = readers - start
+        inside = (local >= 0) & (local < stop - start)
+        dz.index_put_((local.clamp(0, stop - start - 1), targets),
+                      picked_grad.masked_fill(~inside, 0.0), accumulate=True)
+    return dz.div_(temperature) if temperature != 1.0 else dz
 
 
 def _chunks(logits: torch.Tensor) -> list[tuple[int, int]]:

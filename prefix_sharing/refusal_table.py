@@ -284,12 +284,15 @@ TABLE: tuple[Refusal, ...] = (
     Refusal("verl.dynamic_context_parallel", "dynamic context parallelism",
             "its scheduler gives each micro-batch its own CP group and splits samples across "
             "it; use a static context_parallel_size", ("verl-megatron",)),
-    Refusal("verl.fused_kernels", "verl's fused log-prob kernels",
-            "the fused kernel computes log-probs from labels laid out per sample, which a shared "
-            "row cannot give; set actor_rollout_ref.model.use_fused_kernels=false", _VERL),
+    Refusal("verl.fused_kernels", "verl's fused log-prob kernels (Megatron engine)",
+            "verl's Megatron fused kernel computes log-probs from labels laid out per sample, "
+            "which a shared row cannot give (the FSDP engine serves the switch: its sharing "
+            "head is computed from hidden states in chunks of rows); set "
+            "actor_rollout_ref.model.use_fused_kernels=false", ("verl-megatron",)),
     Refusal("verl.micro_batch_switch", "a micro-batch switch that needs per-sample logits",
-            "calculate_sum_pi_squared, distillation and fused kernels need per-sample labels or "
-            "logits, which the flat layout does not have; turn the switch off", _VERL),
+            "calculate_sum_pi_squared, distillation and (Megatron engine) fused kernels need "
+            "per-sample labels or logits, which the flat layout does not have; turn the switch "
+            "off", _VERL),
     Refusal("verl.mtp", "MTP training", "its labels are laid out per sample; set "
             "model.mtp.enable_train=False", _VERL),
     Refusal("verl.model_type", "a model other than a language model",

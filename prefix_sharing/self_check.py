@@ -85,9 +85,12 @@ class SelfCheckResult:
 
 def compare_with_stock(shared: Mapping[str, Sequence[torch.Tensor]],
                        stock: Mapping[str, Sequence[torch.Tensor]],
-                       dtype: torch.dtype) -> SelfCheckResult:
+                       dtype: torch.dtype,
+                       read_from: Sequence[int] | None = None) -> SelfCheckResult:
     """Compares one micro-batch's per-sample outputs (``log_probs``, and ``entropy`` where the
-    stock side has it), sample by sample.
+    stock side has it), sample by sample, from each sample's ``read_from`` position on (the
+    shared path scores only what verl reads, :func:`prefix_sharing.head_logprobs.read_positions`;
+    ``None``: every position).
 
     Each sample's last log-prob predicts nothing (verl fills it from a wrapped-around label,
     the shared path gives 0; nothing downstream reads it) and is left out. Raises
@@ -102,8 +105,10 @@ def compare_with_stock(shared: Mapping[str, Sequence[torch.Tensor]],
         pairs = list(zip(_samples(shared[quantity]), _samples(stock[quantity]), strict=True))
         if not pairs:
             raise AssertionError("self-check: an empty micro-batch")
-        candidate = torch.cat([a[:upto].reshape(-1) for a, _ in pairs]).double()
-        reference = torch.cat([b[:upto].reshape(-1) for _, b in pairs]).double()
+        starts = [0] * len(pairs) if read_from is None else read_from
+        candidate = torch.cat([a[s:upto].reshape(-1) for (a, _), s in zip(pairs, starts)])
+        reference = torch.cat([b[s:upto].reshape(-1) for (_, b), s in zip(pairs, starts)])
+        candidate, reference = candidate.double(), reference.double()
         abs_diff[quantity] = max_abs_diff(candidate, reference.to(candidate.device))
         rel_diff[quantity] = max_rel_diff(candidate, reference.to(candidate.device))
     return SelfCheckResult(dtype, abs_diff, rel_diff, self_check_bound(dtype))

@@ -60,9 +60,10 @@ MATRIX: dict[str, dict[str, Cell]] = {
     "dense GPT (GQA, RoPE, YaRN, qk-norm)": {
         "megatron-core": works(_MX + "test_equivalence.py"),
         "verl-megatron": works(_VX + "test_verl091_engine.py", _VX + "test_verl080_engine.py",
-                               releases="verl 0.9.1, 0.8.0"),
+                               releases="verl 0.9.1, 0.8.0", refusals=("verl.fused_kernels",)),
+        # log-probs from hidden states in chunks: use_fused_kernels and the entropy knobs served
         "verl-fsdp": works(_VX + "test_fsdp_engine.py", _VX + "test_fsdp_families.py",
-                           releases="verl 0.9.1, 0.8.0",
+                           _VX + "test_fsdp_fused.py", releases="verl 0.9.1, 0.8.0",
                            note="Qwen2.5, Qwen3, Mistral, Gemma, Seed-OSS, Llama"),
         "hf-fsdp": works(_FX + "test_forward.py", refusals=("hf.residual_dropout",)),
         "megatron-lm": works(_LM),

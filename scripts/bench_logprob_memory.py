@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Peak memory of ``token_log_probs`` (forward + backward), before and after issue 7.
+"""Peak memory of the log-probs (forward + backward): ``token_log_probs`` before and after
+issue 7, and with ``--head`` the LM head itself, verl's stock path against the sharing head.
 
 Counts the bytes of every tensor storage created while the computation runs and still alive
 (a ``TorchDispatchMode`` that weakly references each new storage), at every aten op boundary,
@@ -11,6 +12,18 @@ into memory, so the package keeps one implementation); "after" is the installed 
 micro-batch is GRPO-shaped: one prompt (a quarter of the flat rows) shared by 4 responses.
 
     python scripts/bench_logprob_memory.py [--tokens 4096] [--vocab 32768] [--after-only]
+
+``--head`` (needs verl: run it with a verl environment's python) starts from hidden states
+``(T, hidden)`` and the head's ``(vocab, hidden)`` weight instead of logits, on the same GRPO
+micro-batch read from the prompt's last position on (verl's read window), and prints, runs
+interleaved: verl's stock FSDP-engine path on the plain packed batch (``lm_head`` ->
+``(T_total, vocab)`` logits -> ``logprobs_from_logits`` + ``entropy_from_logits``; on CPU
+verl's log_softmax fallback, flash-attn's in-place cross-entropy is CUDA-only), verl's fused
+kernel (``use_fused_kernels``, torch backend) on the plain batch, and the sharing head
+(:func:`prefix_sharing.head_logprobs.hidden_token_stats`) on the flat layout. In GiB of live
+tensor bytes (inputs and their weight gradient not counted; the hidden states' gradient is):
+
+    python scripts/bench_logprob_memory.py --head --tokens 2048 8192 --vocab 152064
 """
 
 from __future__ import annotations
@@ -27,6 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from prefix_sharing import PrefixSharingConfig, build_plan
+from prefix_sharing.head_logprobs import read_positions
 from prefix_sharing.logprobs import token_log_probs
 from prefix_sharing.plan import SharingPlan
 
@@ -89,6 +103,68 @@ def measure(log_probs_fn: Callable, plan: SharingPlan, vocab: int, dtype: torch.
     return {"forward": forward_peak, "held": held, "total": mode.peak}
 
 
+def measure_head(path: str, plan: SharingPlan, vocab: int, hidden_size: int,
+                 read_from: list[int]) -> int:
+    """Peak live bytes of one ``path`` (``stock``, ``fused`` or ``shared``) from hidden states
+    to ``sum(w * log_probs) + sum(entropy)`` and its backward (hidden states and weight)."""
+    import torch.nn.functional as F
+
+    from prefix_sharing.head_logprobs import hidden_token_stats
+
+    g = torch.Generator().manual_seed(1)
+    weight = (torch.randn(vocab, hidden_size, generator=g) * 0.05).requires_grad_()
+    flat = torch.randn(plan.num_tokens_flat, hidden_size, generator=g)
+    plain = plan.restore(flat).requires_grad_()  # [T_total, hidden]: the plain batch's rows
+    flat.requires_grad_()
+    labels = torch.roll(plan.token_ids, -1)  # verl's rolled labels on the packed batch
+    with LiveBytes([weight, flat, plain, labels, plan.kv_index, plan.next_token_ids,
+                    plan.is_last_token]) as mode:
+        if path == "shared":
+            log_probs, entropy = hidden_token_stats(flat, weight, plan, read_from=read_from)
+        elif path == "fused":
+            from verl.utils.experimental.torch_functional import FusedLinearForPPO
+
+            log_probs, entropy = FusedLinearForPPO().forward(plain, weight, labels)
+        else:
+            from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
+
+            logits = F.linear(plain, weight)  # [T_total, vocab]: the HF model's output
+            entropy = entropy_from_logits(logits)
+            log_probs = logprobs_from_logits(logits, labels, inplace_backward=False)
+            del logits
+        (log_probs.sum() + entropy.sum()).backward()
+    return mode.peak
+
+
+def head_main(tokens: list[int], vocab: int, hidden_size: int, stock_limit: float) -> None:
+    """``--head``: the three paths per token count, interleaved; the stock path skipped where
+    its measured bytes per logit predict more than ``stock_limit`` GiB (the fused kernel and
+    the sharing head are bounded by their chunks: they always run)."""
+    gib = 2**30
+    per_logit = {}  # path -> peak bytes / (T_total * vocab), from the smallest run
+    print(f"V={vocab} hidden={hidden_size}; peak live GiB (forward + backward)")
+    print(f"{'T_total':>8} {'T_flat':>7} {'read rows':>9} {'stock':>8} {'fused':>8} {'shared':>8}")
+    for total in sorted(tokens):
+        plan = grpo_plan(total, vocab)
+        read_from = [total // 4 - 1] * plan.num_sequences  # each prompt's last position on
+        rows = plan.kv_index[read_positions(plan, read_from)].unique().numel()
+        cells = {}
+        for path in ("stock", "fused", "shared"):
+            predicted = per_logit.get(path, 0) * plan.num_tokens_total * vocab / gib
+            if path == "stock" and predicted > stock_limit:  # the others are bounded
+                cells[path] = f"~{predicted:.1f}*"
+                continue
+            peak = measure_head(path, plan, vocab, hidden_size, read_from)
+            per_logit.setdefault(path, peak / (plan.num_tokens_total * vocab))
+            cells[path] = f"{peak / gib:.3f}"
+        print(f"{plan.num_tokens_total:>8} {plan.num_tokens_flat:>7} {rows:>9} "
+              f"{cells['stock']:>8} {cells['fused']:>8} {cells['shared']:>8}")
+    print("* not run: predicted from the stock path's bytes per (token x vocab) logit, over "
+          f"--stock-limit {stock_limit} GiB")
+    for path, value in per_logit.items():
+        print(f"{path}: {value:.2f} bytes per (T_total x vocab) logit at the smallest size")
+
+
 def before_implementation() -> Callable:
     """``token_log_probs`` as of :data:`BEFORE`, loaded from git into a throwaway module."""
     shown = subprocess.run(["git", "show", f"{BEFORE}:prefix_sharing/logprobs.py"], cwd=ROOT,
@@ -105,12 +181,21 @@ def before_implementation() -> Callable:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", type=int, default=4096, help="flat rows T_flat")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[4096],
+                        help="flat rows T_flat (--head: one run per value)")
     parser.add_argument("--vocab", type=int, default=32768)
     parser.add_argument("--after-only", action="store_true",
                         help="skip the 'before' rows (no git history needed)")
+    parser.add_argument("--head", action="store_true",
+                        help="from hidden states: verl's stock path vs the sharing head")
+    parser.add_argument("--hidden", type=int, default=64, help="--head: hidden size")
+    parser.add_argument("--stock-limit", type=float, default=5.0,
+                        help="--head: GiB above which the stock paths are predicted, not run")
     args = parser.parse_args()
-    plan = grpo_plan(args.tokens, args.vocab)
+    if args.head:
+        head_main(args.tokens, args.vocab, args.hidden, args.stock_limit)
+        return
+    plan = grpo_plan(args.tokens[0], args.vocab)
     buffer = plan.num_tokens_flat * args.vocab * 4
     impls = {"after": token_log_probs}
     if not args.after_only:

@@ -225,22 +225,32 @@ def split_run(flat, plan, bounds, used, **kwargs):
     """Each vocabulary slice ``[a, b)`` in its own thread, as a tensor-parallel rank would run
     it; returns each shard's stats, the slices' gradients put back together, and each shard's
     reductions in the forward and in the backward."""
+    def rank_main(shard, start, stop):
+        local = flat.detach()[:, start:stop].clone().requires_grad_()
+        stats = token_log_probs(local, plan, vocab_shard=shard, **kwargs)
+        forward_calls = list(shard.calls)
+        grad = torch.autograd.grad(weighted_sum(*stats, used), local)[0]
+        return stats, grad, (forward_calls, shard.calls[len(forward_calls):])
+
+    stats, grads, calls = zip(*run_shards(bounds, rank_main))
+    return stats, torch.cat(grads, dim=1), calls
+
+
+def run_shards(bounds, rank_main) -> list:
+    """``rank_main(shard, start, stop)`` for each vocabulary slice ``[start, stop)`` in its own
+    thread, each with a :class:`_ThreadShard` over one exchange; their results in rank order
+    (the first error raised here)."""
     exchange = _Exchange(len(bounds))
     results: list = [None] * len(bounds)
 
-    def rank_main(rank, start, stop):
+    def run(rank, start, stop):
         try:
-            local = flat.detach()[:, start:stop].clone().requires_grad_()
-            shard = _ThreadShard(exchange, rank, start)
-            stats = token_log_probs(local, plan, vocab_shard=shard, **kwargs)
-            forward_calls = list(shard.calls)
-            grad = torch.autograd.grad(weighted_sum(*stats, used), local)[0]
-            results[rank] = (stats, grad, (forward_calls, shard.calls[len(forward_calls):]))
+            results[rank] = rank_main(_ThreadShard(exchange, rank, start), start, stop)
         except BaseException as error:  # noqa: BLE001 - re-raised in the caller
             exchange.barrier.abort()
             results[rank] = error
 
-    threads = [threading.Thread(target=rank_main, args=(rank, start, stop))
+    threads = [threading.Thread(target=run, args=(rank, start, stop))
                for rank, (start, stop) in enumerate(bounds)]
     for t in threads:
         t.start()
@@ -249,8 +259,7 @@ def split_run(flat, plan, bounds, used, **kwargs):
     for r in results:
         if isinstance(r, BaseException):
             raise r
-    stats, grads, calls = zip(*results)
-    return stats, torch.cat(grads, dim=1), calls
+    return results
 
 
 @pytest.mark.parametrize("bounds", [[(0, 6), (6, 11)], [(0, 3), (3, 4), (4, 11)]])

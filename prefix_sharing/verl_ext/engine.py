@@ -29,7 +29,8 @@ __all__ = ["SharingEngineMixin", "install_engine", "replace_registered_engine",
            "UNSUPPORTED_SWITCHES"]
 
 # Micro-batch switches both verl engines read (a micro-batch may override the engine config's
-# use_fused_kernels) that need per-sample labels or logits, which the flat layout does not have.
+# use_fused_kernels) that need per-sample labels or logits, which the flat layout does not have;
+# use_fused_kernels only where the engine does not serve it (serves_fused_kernels).
 UNSUPPORTED_SWITCHES = ("calculate_sum_pi_squared", "distillation_use_topk", "distillation_only",
                         "use_fused_kernels")
 
@@ -52,6 +53,8 @@ class SharingEngineMixin:
     supports_cross_micro_batch = False
     # The vision-language model types the engine's forward serves (the FSDP engine's: .vlm).
     vision_families: tuple[str, ...] = ()
+    # Whether the engine serves use_fused_kernels (the FSDP engine's chunked sharing head).
+    serves_fused_kernels = False
 
     def __init__(self, model_config: Any, engine_config: Any, *args: Any, **kwargs: Any) -> None:
         self.prefix_sharing = sharing_config(engine_config)
@@ -79,7 +82,8 @@ class SharingEngineMixin:
         found = []
         if sharing.enabled:
             found += _problems(check_engine_setup, engine_config, model_config,
-                               vision_families=cls.vision_families)
+                               vision_families=cls.vision_families,
+                               serves_fused_kernels=cls.serves_fused_kernels)
         if sharing.cross_micro_batch:
             if not cls.supports_cross_micro_batch:
                 found.append(Refused("verl.cross_micro_batch.engine",
@@ -124,15 +128,17 @@ class SharingEngineMixin:
         (:mod:`.cross_nested`); the Megatron engine answers."""
         return False
 
-    @staticmethod
-    def refuse_unsupported_switches(micro_batch: Any, *extra: Refused) -> None:
+    @classmethod
+    def refuse_unsupported_switches(cls, micro_batch: Any, *extra: Refused) -> None:
         """Raises :class:`~.mcore.PrefixSharingSetupError` naming every
-        :data:`UNSUPPORTED_SWITCHES` entry set on ``micro_batch``, plus the engine's own
-        ``extra`` refusals."""
+        :data:`UNSUPPORTED_SWITCHES` entry set on ``micro_batch`` (``use_fused_kernels`` only
+        where the engine does not serve it), plus the engine's own ``extra`` refusals."""
         from verl.utils import tensordict_utils as tu
 
+        served = ("use_fused_kernels",) if cls.serves_fused_kernels else ()
         found = [Refused("verl.micro_batch_switch", key) for key in UNSUPPORTED_SWITCHES
-                 if tu.get_non_tensor_data(micro_batch, key=key, default=False)]
+                 if key not in served
+                 and tu.get_non_tensor_data(micro_batch, key=key, default=False)]
         found += extra
         if found:
             raise refuse_all(found, error=PrefixSharingSetupError)

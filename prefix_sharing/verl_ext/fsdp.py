@@ -20,9 +20,9 @@ Hooks (each runs when verl imports the module):
 ``PrefixSharingFSDPEngine``, with sharing on (``__init__`` and ``forward_backward_batch`` are
 :class:`.engine.SharingEngineMixin`'s, the same as in the Megatron engine):
 
-- ``__init__`` refuses what cannot be exact (:func:`.mcore.check_engine_setup`: fused kernels,
-  value models, multimodal models outside
-  :data:`.vlm.ENGINE_FAMILIES`);
+- ``__init__`` refuses what cannot be exact (:func:`.mcore.check_engine_setup`: value models,
+  multimodal models outside :data:`.vlm.ENGINE_FAMILIES`); ``use_fused_kernels`` is served
+  (``serves_fused_kernels``);
 - ``_build_module`` gives a vision-language model's instances transformers' own forwards back
   (:func:`.vlm.restore_stock_forwards`: verl's replace them class-wide), then switches the HF
   model to the sharing attention
@@ -32,7 +32,13 @@ Hooks (each runs when verl imports the module):
   implementation from the config at every call and the checkpointed layer replays the same
   keywords, the plan included. verl's remove-padding patch replaces only the flash-attention
   function, which the sharing attention does not call. Under Ulysses sequence parallelism it
-  refuses the models it cannot split (:func:`.ulysses.ulysses_problems`);
+  refuses the models it cannot split (:func:`.ulysses.ulysses_problems`). Then the model
+  instance's forward and its LM head's are wrapped
+  (:func:`prefix_sharing.fsdp_compat.head.install_hidden_state_head`) so that a forward with a
+  head request returns log-probs and entropy computed from the last hidden states in chunks of
+  rows (:mod:`prefix_sharing.head_logprobs`), never logits; a model whose final logits are
+  soft-capped or scaled keeps its logits (unless ``use_fused_kernels``, whose verl kernel skips
+  that transform too);
 - ``prepare_model_inputs`` plans the micro-batch from its nested ``input_ids`` (and ``uid`` for
   ``prompt_only``) - in either layout: with ``use_remove_padding=False`` verl hands the
   micro-batch over nested as well and pads it only for the model call, and its padded outputs
@@ -44,15 +50,23 @@ Hooks (each runs when verl imports the module):
   metrics count images and image tokens (:mod:`.vlm`); a VLM micro-batch without images
   encodes verl's blank image, none of whose features is placed (:func:`.vlm.blank_image_kwargs`).
   Under Ulysses the plan is padded to a multiple of the group size and each rank gets its rows
-  and the split for the attention's all-to-all (:mod:`.ulysses`);
-- ``prepare_model_outputs`` turns the flat logits into log-probs / entropy through
-  :func:`prefix_sharing.logprobs.token_log_probs` (never a ``(T_total, vocab)`` tensor), in
-  verl's output contract: jagged nested tensors, one row per sample with its original length,
-  the value at ``t`` scoring token ``t + 1`` at verl's temperature. The last position of each
-  sample predicts nothing (verl reads a wrapped-around label there, this gives 0); verl reads
-  only ``[len - response - 1, len - 1)``. Under Ulysses each rank scores the positions of its
-  rows and every rank gets them all
-  (:func:`prefix_sharing.fsdp_compat.ulysses.ulysses_token_stats`);
+  and the split for the attention's all-to-all (:mod:`.ulysses`); otherwise, with the chunked
+  head, the inputs carry the head request
+  (:class:`prefix_sharing.fsdp_compat.head.HeadRequest`: the plan, the temperature,
+  ``calculate_entropy`` and the read window, each sample from its prompt's last position when
+  the micro-batch has ``responses``);
+- ``prepare_model_outputs`` takes the head's log-probs / entropy (or, for a transformed head or
+  under Ulysses, turns the flat logits into them through
+  :func:`prefix_sharing.logprobs.token_log_probs`; under Ulysses each rank scores the positions
+  of its rows and every rank gets them all,
+  :func:`prefix_sharing.fsdp_compat.ulysses.ulysses_token_stats`) in verl's output contract:
+  jagged nested tensors, one row per sample with its original length, the value at ``t``
+  scoring token ``t + 1`` at verl's temperature. verl reads only ``[len - response - 1, len -
+  1)``: the chunked head scores only those positions (and each sample's last one), the others
+  are 0. The last position of each sample predicts nothing (verl reads a wrapped-around label
+  there, this gives 0). verl's entropy switches (``entropy_from_logits_with_chunking``,
+  ``entropy_checkpointing``, ``use_torch_compile``) change how verl computes the entropy of
+  full logits, which the chunked head never builds: the results are the same;
 - with ``prefix_grouper.self_check``, ``prepare_model_outputs`` of the first sharing
   micro-batch also runs verl's stock path on it (:mod:`.self_check`): verl's own
   ``prepare_model_inputs``, the model with the attention implementation it was loaded with
@@ -125,13 +139,16 @@ def patch_engine(module: ModuleType) -> None:
     from verl.utils import tensordict_utils as tu
 
     from ..fsdp_compat import enable_prefix_sharing, model_kwargs
+    from ..fsdp_compat.head import (HEAD_KWARG, HeadOutput, HeadRequest, head_problem,
+                                    install_hidden_state_head)
     from ..fsdp_compat.mrope import vision_model_kwargs
     from ..fsdp_compat.ulysses import ulysses_model_kwargs, ulysses_split, ulysses_token_stats
     from ..fsdp_compat.vision import vision_batch
     from ..fsdp_compat.vlm import is_vlm
     from ..logprobs import token_log_probs
     from ..planner import build_plan
-    from .mcore import PrefixSharingSetupError, micro_batch_groups, micro_batch_temperature
+    from .mcore import (PrefixSharingSetupError, micro_batch_groups, micro_batch_temperature,
+                        prompt_lengths)
 
     stock = module.FSDPEngineWithLMHead
     record_stock_forwards()  # before any engine's apply_monkey_patch replaces them
@@ -140,6 +157,7 @@ def patch_engine(module: ModuleType) -> None:
         """verl's ``FSDPEngineWithLMHead``, computing each micro-batch's shared prefixes once."""
 
         vision_families = ENGINE_FAMILIES
+        serves_fused_kernels = True  # the sharing head is chunked from the hidden states
 
         def _build_module(self):
             hf_module = super()._build_module()
@@ -151,6 +169,13 @@ def patch_engine(module: ModuleType) -> None:
                                      error=PrefixSharingSetupError)
                     restore_stock_forwards(hf_module)  # transformers' own, for the plan
                 enable_prefix_sharing(hf_module)  # before _build_fsdp_module wraps it
+                # log-probs from the hidden states in chunks of rows, unless the head is not a
+                # plain linear layer (then from the model's logits, token_log_probs); verl's
+                # fused kernels skip a final logit transform, so the head does too under them
+                fused = bool(getattr(self.model_config, "use_fused_kernels", False))
+                self._hidden_head = head_problem(hf_module, ignore_logit_transform=fused) is None
+                if self._hidden_head:
+                    install_hidden_state_head(hf_module, ignore_logit_transform=fused)
                 if self.prefix_sharing.self_check and has_recurrent_layers(hf_module):
                     raise refuse("verl.self_check.recurrent", "prefix_grouper.self_check=true",
                                  error=PrefixSharingSetupError)
@@ -204,6 +229,12 @@ def patch_engine(module: ModuleType) -> None:
             if group is not None:  # this rank's rows; the split for the attention and log-probs
                 output_args["ulysses"] = ulysses_split(plan, group)
                 model_inputs.update(ulysses_model_kwargs(plan, output_args["ulysses"]))
+            elif self._hidden_head:  # the model returns log-probs / entropy, no logits
+                model_inputs[HEAD_KWARG] = HeadRequest(
+                    plan, output_args["temperature"],
+                    with_entropy=tu.get_non_tensor_data(micro_batch, key="calculate_entropy",
+                                                        default=False),
+                    read_from=read_from(micro_batch))
             return model_inputs, output_args
 
         def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
@@ -213,10 +244,14 @@ def patch_engine(module: ModuleType) -> None:
             calculate_entropy = tu.get_non_tensor_data(micro_batch, key="calculate_entropy",
                                                        default=False)
             split = output_args.get("ulysses")
-            score = token_log_probs if split is None else partial(ulysses_token_stats,
-                                                                   split=split)
-            stats = score(output.logits[0], output_args["plan"],  # [T_flat (/ Ulysses), vocab]
-                          temperature=output_args["temperature"], with_entropy=calculate_entropy)
+            if isinstance(output, HeadOutput):
+                stats = output.stats
+            else:  # [T_flat (/ Ulysses), vocab] logits
+                score = token_log_probs if split is None else partial(ulysses_token_stats,
+                                                                       split=split)
+                stats = score(output.logits[0], output_args["plan"],
+                              temperature=output_args["temperature"],
+                              with_entropy=calculate_entropy)
             offsets = micro_batch["input_ids"].offsets()  # the plan packs samples in this order
             model_output = {"log_probs": torch.nested.nested_tensor_from_jagged(stats.log_probs,
                                                                                  offsets)}
@@ -226,8 +261,17 @@ def patch_engine(module: ModuleType) -> None:
             self._self_check.check(
                 output_args["plan"], model_output,
                 lambda: self._stock_outputs(micro_batch, logits_processor_func),
-                getattr(self, "_autocast_dtype", torch.bfloat16))  # verl's compute dtype
+                getattr(self, "_autocast_dtype", torch.bfloat16),  # verl's compute dtype
+                read_from(micro_batch) if isinstance(output, HeadOutput) else None)
             return model_output
+
+    def read_from(micro_batch) -> list[int] | None:
+        """Per sample, the first position verl reads: its prompt's last one (``[len - response
+        - 1, len - 1)`` is read) when the micro-batch has responses (RL); ``None`` (every
+        position) without them (SFT's loss reads the whole sample through its loss mask)."""
+        if micro_batch.get("responses", None) is None:
+            return None
+        return [n - 1 for n in prompt_lengths(micro_batch)]
 
     install_engine(module, stock, PrefixSharingFSDPEngine)
 

@@ -44,10 +44,12 @@ __all__ = [
 
 
 def check_engine_setup(engine_config: Any, model_config: Any | None = None, *,
-                       vision_families: tuple[str, ...] = ()) -> None:
+                       vision_families: tuple[str, ...] = (),
+                       serves_fused_kernels: bool = False) -> None:
     """Raises :class:`PrefixSharingSetupError` for settings that sharing cannot honour, in
     either verl engine (Megatron or FSDP: each reads the settings it has; ``vision_families``:
-    the vision-language model types the engine serves, :mod:`.vlm`).
+    the vision-language model types the engine serves, :mod:`.vlm`; ``serves_fused_kernels``:
+    the engine computes ``use_fused_kernels``' log-probs itself, as the FSDP engine does).
 
     - dynamic CP (Megatron: ``dynamic_context_parallel``, whose scheduler gives each
       micro-batch its own CP group and splits samples across it): a sequence-parallel rank
@@ -56,8 +58,10 @@ def check_engine_setup(engine_config: Any, model_config: Any | None = None, *,
       the core attention gathers K/V (:mod:`prefix_sharing.megatron_ext.context_parallel`); so
       does the FSDP engine's Ulysses (``ulysses_sequence_parallel_size > 1``, :mod:`.ulysses`,
       which refuses the models it cannot split once the model is built);
-    - ``use_fused_kernels=True``: the fused kernel computes log-probs from labels laid out per
-      sample, which a shared row cannot give (one row serves several next tokens);
+    - ``use_fused_kernels=True`` unless ``serves_fused_kernels`` (Megatron: verl's fused kernel
+      computes log-probs from labels laid out per sample, which a shared row cannot give, one
+      row serving several next tokens; the FSDP engine's sharing head is itself chunked from
+      the hidden states, :mod:`prefix_sharing.head_logprobs`);
     - MTP training: its labels are laid out per sample as well;
     - a value model; a multimodal model outside ``vision_families`` (``verl.multimodal``), or
       one of them on a transformers older than the shim needs (``hf.vlm_release``: verl
@@ -68,7 +72,8 @@ def check_engine_setup(engine_config: Any, model_config: Any | None = None, *,
     found = []
     if getattr(engine_config, "dynamic_context_parallel", False):
         found.append(Refused("verl.dynamic_context_parallel", "dynamic_context_parallel=True"))
-    if any(getattr(c, "use_fused_kernels", False) for c in (engine_config, model_config)):
+    if not serves_fused_kernels and any(getattr(c, "use_fused_kernels", False)
+                                        for c in (engine_config, model_config)):
         found.append(Refused("verl.fused_kernels", "use_fused_kernels=True"))
     mtp = getattr(model_config, "mtp", None)
     if mtp is not None and getattr(mtp, "enable", False) and getattr(mtp, "enable_train", False):

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -54,16 +54,17 @@ class FirstStepSelfCheck:
         self._unreported: dict[str, float] = {}
 
     def check(self, plan: Any, shared: Mapping[str, Any], stock: Callable[[], Mapping[str, Any]],
-              dtype: torch.dtype) -> None:
+              dtype: torch.dtype, read_from: Sequence[int] | None = None) -> None:
         """Runs ``stock()`` (verl's stock path on the micro-batch ``plan`` was built for) and
-        compares its outputs with ``shared``, if the check is pending and ``plan`` shares
-        something; logs the figures and raises beyond the bound."""
+        compares its outputs with ``shared`` (from each sample's ``read_from`` position on), if
+        the check is pending and ``plan`` shares something; logs the figures and raises beyond
+        the bound."""
         if not self.pending or not plan.has_sharing:
             return
         self.pending = False  # once, whatever the outcome
         with torch.no_grad(), _rng_kept():
             reference = stock()
-        self.result = compare_with_stock(shared, reference, dtype)
+        self.result = compare_with_stock(shared, reference, dtype, read_from)
         self._unreported = self.result.as_metrics()
         logger.warning("%s", self.result.describe())
         self.result.raise_if_beyond()

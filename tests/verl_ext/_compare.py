@@ -30,12 +30,13 @@ def close(shared: torch.Tensor, plain: torch.Tensor, what: str) -> None:
 def same_outputs(shared: dict, plain: dict, where: str, *, per_micro_batch: bool = True) -> None:
     """Every gradient; then, where the rank returns outputs (an inner pipeline stage returns
     none), log-probs (all but each sample's last position, which predicts nothing: verl fills
-    it from a wrapped-around label, and downstream reads stop before it), entropy, and the
-    step's loss, summed over its micro-batches (verl normalises each micro-batch's share by
-    the step's global figures; the sharing engine may put fixed micro-batches' samples in
-    another order, which moves loss between micro-batches but not the sum): with the same
-    number of micro-batches, or any when the two runs split the batch differently
-    (``per_micro_batch=False``)."""
+    it from a wrapped-around label, and downstream reads stop before it; from each sample's
+    ``shared["read_from"]`` position on where the shared run scores only verl's read window),
+    entropy (where the runs return it), and the step's loss, summed over its micro-batches
+    (verl normalises each micro-batch's share by the step's global figures; the sharing engine
+    may put fixed micro-batches' samples in another order, which moves loss between
+    micro-batches but not the sum): with the same number of micro-batches, or any when the two
+    runs split the batch differently (``per_micro_batch=False``)."""
     assert shared["grads"].keys() == plain["grads"].keys(), f"{where}: parameter names differ"
     assert plain["grads"], f"{where}: no gradients to compare"
     for name, grad in plain["grads"].items():
@@ -44,12 +45,17 @@ def same_outputs(shared: dict, plain: dict, where: str, *, per_micro_batch: bool
     if not plain["infer"]:
         return
     for key in ("log_probs", "entropy"):
+        if key not in plain["infer"]["model_output"]:
+            assert key not in shared["infer"]["model_output"], f"{where}: only shared has {key}"
+            continue
         pairs = zip(shared["infer"]["model_output"][key], plain["infer"]["model_output"][key],
                     strict=True)
+        read_from = shared.get("read_from")
         for i, (s, p) in enumerate(pairs):
             assert s.shape == p.shape, f"{where} {key}[{i}] shape"
+            start = 0 if read_from is None else read_from[i]
             upto = -1 if key == "log_probs" else None
-            close(s[:upto], p[:upto], f"{where} {key}[{i}]")
+            close(s[start:upto], p[start:upto], f"{where} {key}[{i}]")
     losses_s, losses_p = shared["train"]["loss"], plain["train"]["loss"]
     if per_micro_batch:
         assert len(losses_s) == len(losses_p), (

@@ -137,6 +137,7 @@ def run(rank: int, path: str, workloads: list[str], modes: dict[str, dict | None
 
     from prefix_sharing.fsdp_compat.fsdp import full_gradients
     from prefix_sharing.fsdp_compat.plain_kernels import plain_gdn_kernel
+    from prefix_sharing.verl_ext.mcore import prompt_lengths
 
     use_cpu_platform()
 
@@ -174,6 +175,8 @@ def run(rank: int, path: str, workloads: list[str], modes: dict[str, dict | None
                 "infer": plain_output(infer), "train": plain_output(train), "grads": grads,
                 "attention_calls": calls["n"], "engine": type(engine).__name__,
                 "input_rows": rows,
+                # the sharing head scores verl's read window only (_compare.same_outputs)
+                "read_from": [n - 1 for n in prompt_lengths(batch(workload, packed))],
             }
     return results
 
@@ -226,7 +229,6 @@ def refusals(rank: int, path: str) -> dict[str, str]:
 
     cls = engine_class()
     for name, engine, model in (
-        ("fused_kernels", {}, dict(use_fused_kernels=True)),
         ("value_model", {}, dict(model_type="value_model")),
     ):
         config = actor_config(on, **engine)

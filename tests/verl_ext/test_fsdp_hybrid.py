@@ -114,13 +114,16 @@ def test_verls_packed_row_carries_gdn_state_across_samples(runs):
 
 
 def _pairs(run_: dict, reference: dict) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """``(candidate, reference)`` tensors per quantity, as verl returns them (each sample's
-    last log-prob predicts nothing and is left out)."""
+    """``(candidate, reference)`` tensors per quantity, as verl returns them, from each sample's
+    first read position (the sharing head scores verl's read window only; each sample's last
+    log-prob predicts nothing and is left out)."""
     outputs, ref = run_["infer"]["model_output"], reference["infer"]["model_output"]
+    starts = run_["read_from"]
     return {
-        "log_probs": [(a[:-1], b[:-1]) for a, b in zip(outputs["log_probs"], ref["log_probs"],
+        "log_probs": [(a[s:-1], b[s:-1]) for a, b, s in zip(
+            outputs["log_probs"], ref["log_probs"], starts, strict=True)],
+        "entropy": [(a[s:], b[s:]) for a, b, s in zip(outputs["entropy"], ref["entropy"], starts,
                                                        strict=True)],
-        "entropy": list(zip(outputs["entropy"], ref["entropy"], strict=True)),
         "loss": [(torch.tensor(a), torch.tensor(b))
                  for a, b in zip(run_["train"]["loss"], reference["train"]["loss"], strict=True)],
         "grads": [(run_["grads"][name], grad) for name, grad in reference["grads"].items()],

@@ -75,6 +75,7 @@ def step(engine, data, config) -> dict:
 
     from prefix_sharing.fsdp_compat.fsdp import full_gradients
     from prefix_sharing.fsdp_compat.plain_kernels import plain_gdn_kernel
+    from prefix_sharing.verl_ext.mcore import prompt_lengths
     from tests.verl_ext._batch import plain_output
     from tests.verl_ext._fsdp_engine import count_sharing_attention
 
@@ -85,7 +86,8 @@ def step(engine, data, config) -> dict:
             train = engine.forward_backward_batch(data.clone(), partial(ppo_loss, config=config))
             grads = full_gradients(engine.module)
     return {"infer": plain_output(infer), "train": plain_output(train), "grads": grads,
-            "attention_calls": calls["n"]}
+            "attention_calls": calls["n"],  # the sharing head scores verl's read window only
+            "read_from": [n - 1 for n in prompt_lengths(data)]}
 
 
 def one_rank(rank: int, path: str, family: str) -> dict:
