@@ -284,6 +284,18 @@ TABLE: tuple[Refusal, ...] = (
     Refusal("verl.dynamic_context_parallel", "dynamic context parallelism",
             "its scheduler gives each micro-batch its own CP group and splits samples across "
             "it; use a static context_parallel_size", ("verl-megatron",)),
+    Refusal("verl.ulysses.recurrent", "Ulysses sequence parallelism on a model with "
+            "recurrent layers",
+            "a Gated DeltaNet or Mamba-2 layer's recurrence over the plan's segments would need "
+            "its state passed between the Ulysses ranks, which the sharing recurrence does not "
+            "do (verl runs Qwen3.5's GDN under Ulysses only through FLA's CUDA context-parallel "
+            "kernels, Qwen3-Next's and Nemotron-H's not at all); keep "
+            "ulysses_sequence_parallel_size=1 (for long sequences use the Megatron engine's "
+            "context_parallel_size)", ("verl-fsdp",)),
+    Refusal("verl.ulysses.vlm", "Ulysses sequence parallelism on a vision-language model",
+            "verl slices a VLM's sequence after the embedding, inside the text model, which the "
+            "shim's mrope rows and image features of the flat layout do not follow yet; keep "
+            "ulysses_sequence_parallel_size=1", ("verl-fsdp",)),
     Refusal("verl.fused_kernels", "verl's fused log-prob kernels (Megatron engine)",
             "verl's Megatron fused kernel computes log-probs from labels laid out per sample, "
             "which a shared row cannot give (the FSDP engine serves the switch: its sharing "
