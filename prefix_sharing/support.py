@@ -63,15 +63,15 @@ MATRIX: dict[str, dict[str, Cell]] = {
                                releases="verl 0.9.1, 0.8.0", refusals=("verl.fused_kernels",)),
         # log-probs from hidden states in chunks: use_fused_kernels and the entropy knobs served
         "verl-fsdp": works(_VX + "test_fsdp_engine.py", _VX + "test_fsdp_families.py",
-                           _VX + "test_fsdp_fused.py", releases="verl 0.9.1, 0.8.0",
-                           note="Qwen2.5, Qwen3, Mistral, Gemma, Seed-OSS, Llama"),
+                           _VX + "test_fsdp_fused.py", releases="verl 0.9.1, 0.8.0; FSDP1, FSDP2",
+                           note="FSDP1, FSDP2; Qwen2.5, Qwen3, Mistral, Gemma, Seed-OSS, Llama"),
         "hf-fsdp": works(_FX + "test_forward.py", refusals=("hf.residual_dropout",)),
         "megatron-lm": works(_LM),
     },
     "TP / SP, PP": {
         "megatron-core": works(_MX + "test_equivalence.py", _MX + "test_sequence_parallel.py"),
         "verl-megatron": works(_VX + "test_verl091_engine.py"),
-        "verl-fsdp": works(_VX + "test_fsdp_engine.py", note="FSDP2"),
+        "verl-fsdp": works(_VX + "test_fsdp_engine.py", note="FSDP1, FSDP2"),
         "hf-fsdp": works(_FX + "test_fsdp.py", note="FSDP2"),
         "megatron-lm": works(_LM),
     },

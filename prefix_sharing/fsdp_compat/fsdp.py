@@ -1,4 +1,5 @@
-"""FSDP2 wrapping of a HuggingFace causal LM that uses the sharing attention.
+"""FSDP2 wrapping of a HuggingFace causal LM that uses the sharing attention, and the whole
+gradients of an FSDP2- or FSDP1-wrapped model.
 
 Sharing changes nothing FSDP sees: parameters are gathered per decoder layer as usual, and the
 plan travels in the forward's keywords, which ``fully_shard``'s hooks pass through. Every rank
@@ -60,13 +61,40 @@ def _enable_checkpointing(model: torch.nn.Module) -> None:
 
 
 def full_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter's whole gradient by name (sharded ones gathered: collective on all ranks)."""
+    """Every parameter's whole gradient by its model name (collective on all ranks): FSDP2's
+    sharded ones gathered, and FSDP1's flat parameters (``use_orig_params=False``, verl's
+    default) gathered and split back into the parameters they hold."""
     from torch.distributed.tensor import DTensor
 
     grads = {}
     for name, param in model.named_parameters():
         if param.grad is None:
             continue
+        if hasattr(param, "_fqns"):  # an FSDP1 FlatParameter
+            grads.update(_flat_gradients(name, param))
+            continue
         grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
         grads[name] = grad.detach().clone()
+    return grads
+
+
+def _flat_gradients(name: str, flat: torch.nn.Parameter) -> dict[str, torch.Tensor]:
+    """The gradients of the parameters FSDP1 flattened into ``flat`` (named ``name``): each
+    rank holds an equal, padded shard of the flat gradient."""
+    import torch.distributed as dist
+
+    grad = flat.grad.detach()
+    unsharded = flat._unpadded_unsharded_size.numel()
+    if grad.numel() < unsharded:  # sharded: gather every rank's piece
+        pieces = [torch.empty_like(grad) for _ in range(dist.get_world_size())]
+        dist.all_gather(pieces, grad.contiguous())
+        grad = torch.cat(pieces)
+    values = iter(grad[:unsharded].split(list(flat._numels_with_padding)))
+    prefix = name.replace("_fsdp_wrapped_module.", "").removesuffix("_flat_param")
+    grads = {}
+    names = iter(zip(flat._fqns, flat._shapes))
+    for value, padding in zip(values, flat._is_padding_mask):
+        if not padding:
+            fqn, shape = next(names)
+            grads[prefix + fqn] = value.view(shape).clone()
     return grads

@@ -2,8 +2,9 @@
 
 ``import prefix_sharing`` activates it (see :mod:`.activation`): every patch set that targets
 the installed verl release is applied when verl imports the modules it changes, in the driver
-and in every Ray worker that imports ``prefix_sharing`` (verl's
-``actor_rollout_ref.model.external_lib: prefix_sharing``). Nothing here imports verl eagerly.
+and in every Ray worker that imports ``prefix_sharing`` (verl 0.9.1 loads it as a plugin,
+:mod:`.plugin`; 0.8.0 through ``actor_rollout_ref.model.external_lib: prefix_sharing``).
+Nothing here imports verl eagerly.
 
 Switches (environment): ``ENABLE_PREFIX_SHARING=0`` runs verl's stock computation with the same
 config (only the config acceptance is patched: :mod:`.switched_off`);

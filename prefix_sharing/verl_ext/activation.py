@@ -2,10 +2,10 @@
 
 ``import prefix_sharing`` calls :func:`activate`, which only puts a finder on ``sys.meta_path``:
 verl is not imported. When a module that some patch set targets is imported later (by the
-driver or by a Ray worker that imports ``prefix_sharing`` through verl's
-``model.external_lib`` / ``VERL_USE_EXTERNAL_MODULES``), the finder runs the patch set's hook
-right after the module's own code. Modules imported before ``prefix_sharing`` are patched at
-once. Everything is idempotent.
+driver or by a Ray worker that imports ``prefix_sharing``: verl 0.9.1 through its plugin entry
+point, :mod:`.plugin`; 0.8.0 through ``model.external_lib`` / ``VERL_USE_EXTERNAL_MODULES``),
+the finder runs the patch set's hook right after the module's own code. Modules imported
+before ``prefix_sharing`` are patched at once. Everything is idempotent.
 
 Environment (read by the first :func:`install`, i.e. at ``import prefix_sharing``):
     ENABLE_PREFIX_SHARING: ``1`` (the default) shares; ``0`` runs verl's stock computation with

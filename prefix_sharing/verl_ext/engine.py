@@ -8,7 +8,7 @@ dynamic bsz, or fixed micro-batches by the samples' order), adding the step's to
 split's figures and the first-step self-check's (:mod:`.self_check`, which the engine's forward runs) to verl's
 metrics. What differs per engine (how the model is built and how a micro-batch is run)
 stays in the engine's own subclass. :func:`install_engine` puts a subclass where verl looks for
-its engine. Nothing here imports verl at import time.
+its engine; :func:`registered_engine` is the class verl's registry selects. Nothing here imports verl at import time.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from .microbatch import (add_split_metrics, fixed_order, restore_sample_order, s
 from .routing_replay import replay_mode
 from .self_check import FirstStepSelfCheck, self_check_problems
 
-__all__ = ["SharingEngineMixin", "install_engine", "replace_registered_engine",
+__all__ = ["SharingEngineMixin", "install_engine", "register_engine", "registered_engine",
            "UNSUPPORTED_SWITCHES"]
 
 # Micro-batch switches both verl engines read (a micro-batch may override the engine config's
@@ -157,19 +157,57 @@ def _problems(check: Any, *args: Any, **kwargs: Any) -> list[Refused]:
 def install_engine(module: ModuleType, stock: type, engine: type) -> None:
     """Makes ``engine`` (a subclass of ``stock``) verl's engine wherever ``stock`` was: an
     attribute of ``module`` (verl's engine module, where pickling and logs look for it, in every
-    process) and every entry of verl's engine registry."""
+    process) and what verl's engine registry selects (:func:`register_engine`)."""
     engine.__module__ = module.__name__
     engine.__qualname__ = engine.__name__
     setattr(module, engine.__name__, engine)
-    replace_registered_engine(stock, engine)
+    register_engine(stock, engine)
 
 
-def replace_registered_engine(stock: type, replacement: type) -> None:
-    """Puts ``replacement`` wherever verl's ``EngineRegistry`` lists ``stock`` as a language-model
-    engine (every backend and device); ``EngineRegistry.register`` refuses a second entry."""
+def register_engine(stock: type, replacement: type) -> None:
+    """Makes verl's ``EngineRegistry`` select ``replacement`` wherever it selects ``stock`` (every
+    model type, backend and device ``stock`` is registered for).
+
+    verl 0.9.1: through the public decorator's vendor key, for every vendor of a platform
+    registered for that device (``nvidia`` and ``amd`` on cuda, ``huawei`` on npu, a plugin's
+    own): ``get_engine_cls`` tries ``(device, vendor)`` before the device alone, where
+    ``stock`` stays. A platform registered after the engine module is imported gets ``stock``.
+    verl 0.8.0's registry has no vendor key and ``register`` keeps an existing entry, so there
+    the entries are replaced in place."""
+    import inspect
+
     from verl.workers.engine.base import EngineRegistry
 
-    for backends in EngineRegistry._engines.get("language_model", {}).values():
-        for key, engine_cls in list(backends.items()):
-            if engine_cls is stock:
-                backends[key] = replacement
+    vendor_keys = "vendor" in inspect.signature(EngineRegistry.register).parameters
+    vendors = _platform_vendors() if vendor_keys else {}
+    for model_type, backends in EngineRegistry._engines.items():
+        for backend, by_key in backends.items():
+            devices = [key for key, cls in by_key.items() if cls is stock and isinstance(key, str)]
+            for device in devices:
+                if not vendor_keys:
+                    by_key[device] = replacement
+                    continue
+                free = [v for v in vendors.get(device, ()) if (device, v) not in by_key]
+                if free:
+                    EngineRegistry.register(model_type, backend, device, vendor=free)(replacement)
+
+
+def _platform_vendors() -> dict[str, list[str]]:
+    """verl 0.9.1's registered platforms as ``{device: [vendor, ...]}``."""
+    from verl.plugin.platform import PlatformRegistry
+
+    vendors: dict[str, list[str]] = {}
+    for name in PlatformRegistry.registered_names():
+        platform = PlatformRegistry.get(name)()
+        vendors.setdefault(platform.device_name, []).append(platform.vendor_name)
+    return vendors
+
+
+def registered_engine(model_type: str, backend: str, device: str = "cuda",
+                      vendor: str = "nvidia") -> type:
+    """The engine class verl's ``EngineRegistry`` selects for ``backend`` on ``device`` of
+    ``vendor`` (its vendor key first, then the device's; 0.8.0 has device keys only)."""
+    from verl.workers.engine.base import EngineRegistry
+
+    registry = EngineRegistry._engines[model_type][backend]
+    return registry.get((device, vendor)) or registry[device]

@@ -14,8 +14,9 @@ patched then; each patch set's ``off_hooks`` (:func:`off_hooks`) apply only:
   rank's samples in that order (verl 0.8.0's trainer; 0.9.1's default ``use_v1`` trainer does
   not read it). That changes which samples form each mini- and micro-batch, so with the switch
   at 0 the balancing runs as without the key. The trainer's process must import
-  ``prefix_sharing`` for this (``VERL_USE_EXTERNAL_MODULES=prefix_sharing``): it is also the
-  process that validates the config, which fails on ``prefix_grouper`` otherwise.
+  ``prefix_sharing`` for this (verl 0.9.1's plugin discovery does, :mod:`.plugin`; on 0.8.0
+  ``VERL_USE_EXTERNAL_MODULES=prefix_sharing``): it is also the process that validates the
+  config, which fails on ``prefix_grouper`` otherwise.
 """
 
 from __future__ import annotations

@@ -36,10 +36,11 @@ def _engine_job(rank: int, mode: str) -> dict:
     import verl.workers.engine.mindspeed.transformer_impl as mindspeed_impl
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from mindspeed.features_manager.features_manager import MindSpeedFeaturesManager
-    from verl.workers.engine.base import EngineRegistry
     from verl.workers.engine.megatron import transformer_impl as megatron_impl
 
-    engine = EngineRegistry._engines["language_model"]["megatron"]["npu"]
+    from prefix_sharing.verl_ext.engine import registered_engine
+
+    engine = registered_engine("language_model", "megatron", "npu", "huawei")
     events = []
     repatch = mindspeed_impl.repatch
 
@@ -71,11 +72,12 @@ def _context_parallel_job(rank: int) -> dict:
     from tests.verl_ext import _engine  # noqa: F401 - imports verl's Megatron engine on CPU
 
     from megatron.core.transformer import dot_product_attention
-    from verl.workers.engine.base import EngineRegistry
     from verl.workers.engine.megatron import transformer_impl as megatron_impl
 
+    from prefix_sharing.verl_ext.engine import registered_engine
+
     megatron_impl.MegatronEngineWithLMHead._init_device_mesh = lambda self: None
-    engine = EngineRegistry._engines["language_model"]["megatron"]["npu"]
+    engine = registered_engine("language_model", "megatron", "npu", "huawei")
     report = {}
     for name, override in (("megatron_cp_algo", {}),
                            ("ulysses_cp_algo", {"context_parallel_algo": "ulysses_cp_algo"})):

@@ -23,7 +23,8 @@ WORKLOADS = {
 def use_cpu_platform() -> None:
     """verl assumes nvidia without a platform; a CUDA platform whose device calls are CPU no-ops.
     verl 0.8.0 has no platform plugin; its unpadding imports flash_attn (CUDA): route it to
-    verl's pure-torch copy of the same functions."""
+    verl's pure-torch copy of the same functions; its device module on the host is ``torch.cpu``,
+    which lacks the ``empty_cache`` its FSDP1 parameter initialisation calls."""
     import importlib.util
 
     if importlib.util.find_spec("verl.plugin") is None:
@@ -32,6 +33,8 @@ def use_cpu_platform() -> None:
         attention_utils._get_attention_functions = lambda: (
             torch_impl.index_first_axis, torch_impl.pad_input, torch_impl.rearrange,
             torch_impl.unpad_input)
+        if not hasattr(torch.cpu, "empty_cache"):
+            torch.cpu.empty_cache = _HostDevice.empty_cache
         return
     from verl.plugin.platform import platform_manager
     from verl.plugin.platform.platform_cuda import PlatformCUDA

@@ -49,12 +49,12 @@ def build_engine(config, *, seed: int = 0, preset=PRESET, spec: dict | None = No
     (``spec``: the layer spec's arguments, e.g. ``num_experts``; ``model_overrides``: its
     TransformerConfig fields, e.g. ``recompute_granularity``)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from verl.workers.engine.base import EngineRegistry
 
     from prefix_sharing.engines.megatron import gpt_model
     from prefix_sharing.megatron_ext import get_gpt_layer_local_spec as shared_spec
+    from prefix_sharing.verl_ext.engine import registered_engine
 
-    engine_cls = EngineRegistry._engines["language_model"]["megatron"]["cuda"]
+    engine_cls = registered_engine("language_model", "megatron")
     model_config = SimpleNamespace(
         hf_config=SimpleNamespace(architectures=["Qwen2ForCausalLM"]),
         tokenizer=SimpleNamespace(pad_token_id=0),

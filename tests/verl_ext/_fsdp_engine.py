@@ -2,17 +2,19 @@
 
 Per rank (spawned by ``tests.fsdp_compat._launch.run_gloo``: a plain gloo process group, no
 megatron): select a CPU platform, build the actor config through verl's own config conversion
-(``FSDPActorConfig``, strategy ``fsdp2``, with ``prefix_grouper``) and the model config through
-verl's ``HFModelConfig`` on a tiny seeded Qwen2 saved with ``save_pretrained``; instantiate the
-registered language-model engine and let verl's own ``initialize()`` load the checkpoint, apply
-its monkey patches and gradient checkpointing, shard with FSDP2 and build the optimizer. Then
+(``FSDPActorConfig``, strategy ``fsdp2`` or ``fsdp`` (FSDP1, verl's default), with
+``prefix_grouper``) and the model config through verl's ``HFModelConfig`` on a tiny seeded Qwen2
+saved with ``save_pretrained``; instantiate the language-model engine verl's registry selects
+and let verl's own ``initialize()`` load the checkpoint, apply its monkey patches and gradient
+checkpointing, shard with FSDP2 or FSDP1 and build the optimizer. Then
 ``infer_batch`` (old log-probs + entropy) and ``train_batch``'s core,
 ``forward_backward_batch`` with verl's ``ppo_loss``, on batches laid out as verl's trainer lays
 them out. fp32 end to end (mixed precision set to fp32, so verl skips autocast), or float64
 (:func:`verl_float64`); transformers' ``sdpa`` attention for the plain engine (flash-attention
 does not run on CPU), which tells the packed samples apart by their restarting
 ``position_ids`` (a Gated DeltaNet hybrid's GDN layers do not: its plain runs use verl's padded
-layout, ``run(..., padded_off=True)``).
+layout, ``run(..., padded_off=True)``). FSDP1 on CPU needs one test-only change:
+:func:`cpu_fsdp1`.
 """
 
 from __future__ import annotations
@@ -39,9 +41,11 @@ def save_model(directory: str, family: str = "qwen2", seed: int = 0, preset=PRES
     return directory
 
 
-def actor_config(prefix_grouper: dict | None, *, remove_padding: bool = True, **engine: Any):
+def actor_config(prefix_grouper: dict | None, *, remove_padding: bool = True,
+                 strategy: str = "fsdp2", **engine: Any):
     """verl's ``FSDPActorConfig`` built the way the worker builds it (OmegaConf -> dataclass);
-    ``engine`` overrides ``fsdp_config`` keys; ``remove_padding=False``: verl's padded layout."""
+    ``engine`` overrides ``fsdp_config`` keys; ``remove_padding=False``: verl's padded layout;
+    ``strategy``: ``fsdp2`` or ``fsdp`` (FSDP1)."""
     from omegaconf import OmegaConf
     from verl.utils.config import omega_conf_to_dataclass
 
@@ -49,7 +53,7 @@ def actor_config(prefix_grouper: dict | None, *, remove_padding: bool = True, **
                        use_torch_compile=False)
     fsdp_config.update(engine)
     section = dict(
-        _target_="verl.workers.config.FSDPActorConfig", strategy="fsdp2", rollout_n=3,
+        _target_="verl.workers.config.FSDPActorConfig", strategy=strategy, rollout_n=3,
         ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2, use_kl_loss=True,
         kl_loss_coef=0.1, entropy_coeff=0.01, fsdp_config=fsdp_config,
         optim=dict(_target_="verl.workers.config.FSDPOptimizerConfig"),
@@ -72,11 +76,11 @@ def model_config(path: str, **overrides: Any):
     return HFModelConfig(**fields)
 
 
-def engine_class():
-    """The registered FSDP2 language-model engine (verl registers it for cuda and npu)."""
-    from verl.workers.engine.base import EngineRegistry
+def engine_class(strategy: str = "fsdp2"):
+    """The language-model engine verl selects for ``strategy`` on an NVIDIA GPU."""
+    from prefix_sharing.verl_ext.engine import registered_engine
 
-    return EngineRegistry._engines["language_model"]["fsdp2"]["cuda"]
+    return registered_engine("language_model", strategy)
 
 
 def build_engine(config, path: str, **model_fields: Any):
@@ -84,9 +88,28 @@ def build_engine(config, path: str, **model_fields: Any):
     (``model_fields``: ``HFModelConfig`` overrides)."""
     model = model_config(path, use_remove_padding=config.engine.use_remove_padding,
                          **model_fields)
-    engine = engine_class()(model, config.engine, config.optim, config.checkpoint)
-    engine.initialize()
+    engine = engine_class(config.strategy)(model, config.engine, config.optim, config.checkpoint)
+    with cpu_fsdp1():
+        engine.initialize()
     return engine
+
+
+@contextlib.contextmanager
+def cpu_fsdp1() -> Iterator[None]:
+    """Within the block FSDP1 broadcasts CPU parameters: verl wraps with
+    ``sync_module_states=True`` (only rank 0 loads the checkpoint; the others build the model on
+    the meta device and receive rank 0's weights), and torch refuses that broadcast for CPU
+    tensors ("requires them to be on GPU") though gloo carries it. Switching
+    ``sync_module_states`` off instead would leave ranks other than 0 with uninitialised
+    weights. Test support only: on a GPU verl's call runs as is."""
+    from torch.distributed.fsdp import _init_utils
+
+    stock = _init_utils._check_module_states_for_sync_module_states
+    _init_utils._check_module_states_for_sync_module_states = lambda states: None
+    try:
+        yield
+    finally:
+        _init_utils._check_module_states_for_sync_module_states = stock
 
 
 @contextlib.contextmanager
@@ -110,7 +133,7 @@ def run(rank: int, path: str, workloads: list[str], modes: dict[str, dict | None
         dynamic_bsz: int | None = None, *, precision: str = "fp32",
         padded_off: bool = False, padded: bool = False, layout: str = "legacy",
         micro_batch_size: int = 2, batch_order: list[int] | None = None,
-        attn_implementation: str = "sdpa") -> dict:
+        attn_implementation: str = "sdpa", strategy: str = "fsdp2") -> dict:
     """For each workload and sharing setting (name -> ``prefix_grouper`` block, ``None`` for
     the feature off), on a fresh engine from the same checkpoint: ``infer_batch`` outputs (in
     verl's eval mode), ``forward_backward_batch`` outputs with verl's ``ppo_loss`` and every
@@ -131,6 +154,7 @@ def run(rank: int, path: str, workloads: list[str], modes: dict[str, dict | None
     balancing may leave them). ``input_rows`` counts the rows of each model call's
     ``input_ids`` (1 for a packed or flat row, the micro-batch's samples when padded).
     ``attn_implementation``: the one verl loads the model with (gpt-oss's sinks: ``"eager"``).
+    ``strategy``: verl's FSDP backend, ``"fsdp2"`` or ``"fsdp"`` (FSDP1).
     """
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.losses import ppo_loss
@@ -159,7 +183,7 @@ def run(rank: int, path: str, workloads: list[str], modes: dict[str, dict | None
     for workload in workloads:
         for name, prefix_grouper in modes.items():
             packed = not (padded or (padded_off and prefix_grouper is None))
-            config = actor_config(prefix_grouper, remove_padding=packed,
+            config = actor_config(prefix_grouper, remove_padding=packed, strategy=strategy,
                                   mixed_precision=mixed_precision, model_dtype=precision)
             with verl_float64():
                 engine = build_engine(config, path, **model_fields)

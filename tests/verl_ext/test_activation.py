@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from importlib.metadata import entry_points
 
 from tests.verl_ext._requires import require_verl
 
@@ -16,12 +17,12 @@ require_verl("0.9.1")
 # registered, whether the actor config accepts prefix_grouper, whether the forward-fn lookup is wrapped.
 PROBE = """
 import json
-from verl.workers.engine.base import EngineRegistry
 import verl.workers.engine.megatron.transformer_impl as ti
 import verl.models.mcore as mcore
 from verl.workers.config import McoreActorConfig
 import prefix_sharing.verl_ext as ve
-engine = EngineRegistry._engines["language_model"]["megatron"]["cuda"]
+from prefix_sharing.verl_ext.engine import registered_engine
+engine = registered_engine("language_model", "megatron")
 print(json.dumps(dict(
     installed=ve.installed(), enabled=ve.activation.enabled(), engine=engine.__name__,
     accepts=any(f == "prefix_grouper" for f in McoreActorConfig.__dataclass_fields__),
@@ -31,7 +32,8 @@ print(json.dumps(dict(
 
 def _run(code: str, **env: str) -> subprocess.CompletedProcess:
     environ = {k: v for k, v in os.environ.items()
-               if k not in ("ENABLE_PREFIX_SHARING", "PREFIX_SHARING_PATCHSET")}
+               if k not in ("ENABLE_PREFIX_SHARING", "PREFIX_SHARING_PATCHSET",
+                            "VERL_USE_EXTERNAL_MODULES", "VERL_USE_EXTERNAL_PLUGINS")}
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env={**environ, "OMP_NUM_THREADS": "1", **env}, timeout=300)
 
@@ -62,14 +64,59 @@ def test_importing_it_after_verl_through_verls_plugin_route_patches_it_once():
 
 
 def test_verls_external_modules_variable_reaches_every_process_that_imports_verl():
-    # VERL_USE_EXTERNAL_MODULES is read in verl/__init__, in the driver and each Ray worker.
-    assert _patched(_probe("import verl", VERL_USE_EXTERNAL_MODULES="prefix_sharing"))
+    # VERL_USE_EXTERNAL_MODULES is read in verl/__init__, in the driver and each Ray worker
+    # (verl 0.8.0's route; plugin discovery off here, so the variable alone loads it).
+    assert _patched(_probe("import verl", VERL_USE_EXTERNAL_MODULES="prefix_sharing",
+                           VERL_USE_EXTERNAL_PLUGINS="none"))
+
+
+# What `import verl` alone leaves behind, before this process imports prefix_sharing itself:
+# whether verl's plugin discovery loaded it, and the engines verl's own lookup selects on an
+# NVIDIA GPU (VERL_ENGINE_DEVICE / VERL_ENGINE_VENDOR below).
+PLUGIN_PROBE = """
+import json, sys
+import verl
+loaded = "prefix_sharing" in sys.modules
+import verl.workers.engine
+from verl.workers.config import FSDPActorConfig
+from verl.workers.engine.base import EngineRegistry
+print(json.dumps(dict(
+    loaded=loaded,
+    engines=[EngineRegistry.get_engine_cls("language_model", backend).__name__
+             for backend in ("fsdp", "fsdp2", "megatron")],
+    accepts="prefix_grouper" in FSDPActorConfig.__dataclass_fields__)))
+"""
+SHARING_ENGINES = ["PrefixSharingFSDPEngine", "PrefixSharingFSDPEngine",
+                   "PrefixSharingMegatronEngine"]
+STOCK_ENGINES = ["FSDPEngineWithLMHead", "FSDPEngineWithLMHead", "MegatronEngineWithLMHead"]
+
+
+def _plugin_probe(**env: str) -> dict:
+    plugins = [ep.value for ep in entry_points(group="verl.plugins") if ep.name == "prefix_sharing"]
+    assert plugins == ["prefix_sharing.verl_ext.plugin"], (
+        "the verl.plugins entry point is not in this environment's metadata: install the project "
+        "(pip install -e . --no-deps), as .ci/verl_env.sh does")
+    out = _run(PLUGIN_PROBE, VERL_ENGINE_DEVICE="cuda", VERL_ENGINE_VENDOR="nvidia", **env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_installing_the_project_is_enough_verl_loads_it_as_a_plugin():
+    # no VERL_USE_EXTERNAL_MODULES, no model.external_lib, no import prefix_sharing
+    assert _plugin_probe() == dict(loaded=True, engines=SHARING_ENGINES, accepts=True)
+
+
+def test_verls_plugin_switch_off_leaves_verl_stock():
+    # the control: with verl's discovery off nothing loads it, and verl's engines stay
+    assert _plugin_probe(VERL_USE_EXTERNAL_PLUGINS="none") == dict(
+        loaded=False, engines=STOCK_ENGINES, accepts=False)
 
 
 def test_enable_prefix_sharing_0_patches_only_the_config_acceptance():
     """verl's own engine and forward; the actor config accepts prefix_grouper, so the config
-    that turns sharing on runs with the switch at 0 (tests/verl_ext/test_switch.py runs it)."""
-    got = _probe("import prefix_sharing", ENABLE_PREFIX_SHARING="0")
+    that turns sharing on runs with the switch at 0 (tests/verl_ext/test_switched_off.py runs
+    it). Loaded as verl's plugin (``import verl`` first), which reads the switch the same way."""
+    got = _probe("import verl", ENABLE_PREFIX_SHARING="0")
     assert got == dict(installed=["verl091_fsdp", "verl091_mcore"], enabled=False,
                        engine="MegatronEngineWithLMHead", accepts=True, wrapped=False)
 
@@ -114,17 +161,17 @@ def test_an_unsupported_verl_release_is_refused_with_the_override_named():
 # (the actor configs' module, the micro-batch split's module).
 BOTH_PROBE = """
 import json
-from verl.workers.engine.base import EngineRegistry
 import verl.workers.engine.megatron.transformer_impl, verl.workers.engine.fsdp.transformer_impl
 from verl.workers.config import FSDPActorConfig, McoreActorConfig
 from verl.utils import seqlen_balancing
 from verl.workers.engine import utils as engine_utils
 import prefix_sharing.verl_ext as ve
-engines = EngineRegistry._engines["language_model"]
+from prefix_sharing.verl_ext.engine import registered_engine
 split = engine_utils.rearrange_micro_batches
 print(json.dumps(dict(
     installed=ve.installed(),
-    engines=[engines[backend]["cuda"].__name__ for backend in ("megatron", "fsdp", "fsdp2")],
+    engines=[registered_engine("language_model", backend).__name__
+             for backend in ("megatron", "fsdp", "fsdp2")],
     accepts=[any(f == "prefix_grouper" for f in c.__dataclass_fields__)
              for c in (McoreActorConfig, FSDPActorConfig)],
     split_wraps_verls_own=getattr(split, "_prefix_sharing_stock", None)

@@ -6,10 +6,11 @@ verl loads a tiny seeded Qwen2 from a ``save_pretrained`` checkpoint through its
 ``_fsdp_engine``. Compared, fp32 within 1e-5: old log-probs and entropy (``infer_batch``),
 verl's ``ppo_loss`` (entropy and KL terms on) and every gradient (``forward_backward_batch``), on
 GRPO, step-wise, tree and agent batches, one rank and two FSDP2 ranks (gloo; each rank its own
-batch). With dynamic batch size, the group-keeping split gives verl's results in fewer
-micro-batches; with fixed micro-batches, an order of the samples that keeps groups whole gives
-verl's results in verl's order. verl's padded layout (``use_remove_padding: false``) is served
-against verl's own padded step. Settings that cannot be exact are refused with one error.
+batch). FSDP1 (``strategy: fsdp``, verl's default) on GRPO and tree batches, one rank and two.
+With dynamic batch size, the group-keeping split gives verl's results in fewer micro-batches;
+with fixed micro-batches, an order of the samples that keeps groups whole gives verl's results
+in verl's order. verl's padded layout (``use_remove_padding: false``) is served against verl's
+own padded step. Settings that cannot be exact are refused with one error.
 """
 
 import importlib.util
@@ -17,6 +18,7 @@ from functools import partial
 from importlib.metadata import version
 
 import pytest
+import torch
 
 if importlib.util.find_spec("verl") is None:
     pytest.skip("verl is not installed (build an environment with .ci/verl_env.sh <version>)",
@@ -66,23 +68,47 @@ def v1_layout(checkpoint):
                     {"off": None, "prompt_only": MODES["prompt_only"]}, timeout=400)[0]
 
 
+@pytest.fixture(scope="module", params=["fsdp2", "fsdp"])
+def two_ranks(request, checkpoint):
+    """GRPO and tree, feature off and on, at two ranks of FSDP2 or FSDP1."""
+    return run_gloo(partial(run, strategy=request.param), 2, checkpoint, ["grpo", "tree"],
+                    {"off": None, **SHARING}, timeout=400)
+
+
 @pytest.fixture(scope="module")
-def two_ranks(checkpoint):
-    return run_gloo(run, 2, checkpoint, ["grpo", "tree"], {"off": None, **SHARING}, timeout=400)
+def fsdp1(checkpoint):
+    """GRPO, feature off and on, on one FSDP1 rank (the workloads and modes ``single`` covers
+    on FSDP2 run the same forward; ``two_ranks`` adds the tree)."""
+    return run_gloo(partial(run, strategy="fsdp"), 1, checkpoint, ["grpo"],
+                    {"off": None, **SHARING}, timeout=400)[0]
 
 
 def test_the_fsdp_patch_set_of_the_installed_release_is_applied():
     import verl.workers.engine.fsdp.transformer_impl  # noqa: F401
-    from verl.workers.engine.base import EngineRegistry
 
     from prefix_sharing.verl_ext import installed
+    from prefix_sharing.verl_ext.engine import registered_engine
 
     release = "verl" + version("verl").replace(".", "")
     assert f"{release}_fsdp" in installed()
     assert all(name.startswith(release) for name in installed())
-    engines = EngineRegistry._engines["language_model"]
-    assert {engines[backend][device].__name__ for backend in ("fsdp", "fsdp2")
-            for device in ("cuda", "npu")} == {"PrefixSharingFSDPEngine"}
+    assert {registered_engine("language_model", backend, *device).__name__
+            for backend in ("fsdp", "fsdp2")
+            for device in (("cuda", "nvidia"), ("cuda", "amd"), ("npu", "huawei"))
+            } == {"PrefixSharingFSDPEngine"}
+
+
+@pytest.mark.skipif(version("verl") == "0.8.0", reason="verl 0.8.0's registry has no vendor keys")
+def test_the_sharing_engine_is_registered_beside_verls_under_vendor_keys():
+    # through EngineRegistry.register's public vendor key, which verl's lookup tries first;
+    # verl's own class stays the device's entry
+    import verl.workers.engine.fsdp.transformer_impl as impl
+    from verl.workers.engine.base import EngineRegistry
+
+    for backend in ("fsdp", "fsdp2"):
+        entries = EngineRegistry._engines["language_model"][backend]
+        assert entries["cuda"] is entries["npu"] is impl.FSDPEngineWithLMHead
+        assert entries["cuda", "nvidia"] is impl.PrefixSharingFSDPEngine
 
 
 def test_log_probs_entropy_loss_and_gradients_match_the_feature_off_on_one_rank(single):
@@ -102,11 +128,28 @@ def test_prompt_only_shares_and_matches_the_feature_off_on_the_v1_trainers_batch
     assert v1_layout["grpo", "prompt_only"]["attention_calls"] > 0
 
 
-def test_two_fsdp2_ranks_match_the_feature_off(two_ranks):
+def test_two_fsdp_ranks_match_the_feature_off(two_ranks):
     for rank, runs in enumerate(two_ranks):
         for workload in ("grpo", "tree"):
             same_outputs(runs[workload, "arbitrary_prefix"], runs[workload, "off"],
                          f"rank {rank} {workload}")
+            assert runs[workload, "arbitrary_prefix"]["attention_calls"] > 0
+    # the data-parallel gradient is whole on every rank: FSDP1's flat shards gathered right
+    for name, grad in two_ranks[0]["grpo", "off"]["grads"].items():
+        assert torch.equal(two_ranks[1]["grpo", "off"]["grads"][name], grad), name
+
+
+def test_fsdp1_matches_the_feature_off_on_one_rank(fsdp1):
+    on, off = fsdp1["grpo", "arbitrary_prefix"], fsdp1["grpo", "off"]
+    same_outputs(on, off, "FSDP1 grpo")
+    assert on["engine"] == "PrefixSharingFSDPEngine"
+    assert on["attention_calls"] == 3 * LAYERS * len(on["train"]["loss"])
+    assert off["attention_calls"] == 0
+
+
+def test_fsdp1_and_fsdp2_give_verl_the_same_step(fsdp1, single):
+    # same weights, same batch, feature off: FSDP1's gradients, by name, are FSDP2's
+    same_outputs(fsdp1["grpo", "off"], single["equivalence"]["grpo", "off"], "FSDP1 vs FSDP2")
 
 
 def test_the_model_verl_built_runs_the_sharing_attention_and_the_plain_one_does_not(single):

@@ -36,9 +36,9 @@ def model_config(hf_config):
 
 
 def engine_class():
-    from verl.workers.engine.base import EngineRegistry
+    from prefix_sharing.verl_ext.engine import registered_engine
 
-    return EngineRegistry._engines["language_model"]["megatron"]["cuda"]
+    return registered_engine("language_model", "megatron")
 
 
 @pytest.mark.skipif(serves_gated_delta_net(), reason="megatron-core 0.19.2 serves GDN hybrids")

@@ -27,14 +27,15 @@ def build_engines(rank: int) -> dict:
 
     import verl.workers.engine.megatron.transformer_impl  # noqa: F401  (registers it, patched)
     from transformers import AutoConfig
-    from verl.workers.engine.base import EngineRegistry
+
+    from prefix_sharing.verl_ext.engine import registered_engine
 
     from tests.verl_ext._batch import use_cpu_platform
     from tests.verl_ext._compare import MODES
     from tests.verl_ext._engine import actor_config
 
     use_cpu_platform()
-    engine_cls = EngineRegistry._engines["language_model"]["megatron"]["cuda"]
+    engine_cls = registered_engine("language_model", "megatron")
     found = {}
     for model_type in (*VISION_FAMILIES, "qwen2"):
         model_config = SimpleNamespace(

@@ -72,12 +72,12 @@ def _engine(config):
     MoE layer specs; the engine's constructor applies verl's router-replay patch first)."""
     from types import SimpleNamespace
 
-    from verl.workers.engine.base import EngineRegistry
 
     from prefix_sharing.engines.megatron import gpt_model
     from prefix_sharing.megatron_ext import get_gpt_layer_local_spec as shared_spec
+    from prefix_sharing.verl_ext.engine import registered_engine
 
-    engine_cls = EngineRegistry._engines["language_model"]["megatron"]["cuda"]
+    engine_cls = registered_engine("language_model", "megatron")
     model_config = SimpleNamespace(
         hf_config=SimpleNamespace(architectures=["Qwen3MoeForCausalLM"]),
         tokenizer=SimpleNamespace(pad_token_id=0),

@@ -132,9 +132,9 @@ def fsdp_rank(rank: int, path: str, hybrid_path: str | None) -> dict:
 
 def megatron_rank(rank: int) -> dict:
     import prefix_sharing.megatron_ext as megatron_ext
-    from verl.workers.engine.base import EngineRegistry
     from verl.workers.utils.losses import ppo_loss
 
+    from prefix_sharing.verl_ext.engine import registered_engine
     from prefix_sharing.verl_ext.mcore import PrefixSharingSetupError
     from tests.verl_ext._engine import actor_config, build_engine
 
@@ -166,7 +166,7 @@ def megatron_rank(rank: int) -> dict:
     finally:
         megatron_ext.token_stats = stock_stats
 
-    engine_cls = EngineRegistry._engines["language_model"]["megatron"]["cuda"]
+    engine_cls = registered_engine("language_model", "megatron")
     results["refused"] = {}
     for name, megatron in REFUSED_MEGATRON.items():
         config = actor_config(CHECKED, megatron=megatron)

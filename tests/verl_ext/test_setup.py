@@ -36,12 +36,12 @@ import prefix_sharing
 {setup}
 import verl.workers.engine  # every engine, as verl's workers import them
 from verl.workers.config import FSDPActorConfig, McoreActorConfig
-from verl.workers.engine.base import EngineRegistry
-lm = EngineRegistry._engines["language_model"]
+from prefix_sharing.verl_ext.engine import registered_engine
 print(json.dumps(dict(
     installed=prefix_sharing.setup.installed(),
-    engines=[lm[backend][device].__name__
-             for backend, device in (("megatron", "cuda"), ("megatron", "npu"), ("fsdp", "cuda"))],
+    engines=[registered_engine("language_model", backend, *device).__name__
+             for backend, device in (("megatron", ("cuda", "nvidia")), ("megatron", ("npu", "huawei")),
+                                     ("fsdp", ("cuda", "nvidia")))],
     accepts=[any(f == "prefix_grouper" for f in c.__dataclass_fields__)
              for c in (McoreActorConfig, FSDPActorConfig)])))
 """

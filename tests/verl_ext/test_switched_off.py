@@ -42,14 +42,13 @@ def _job(rank: int) -> dict:
     logging.getLogger("prefix_sharing.verl_ext.config").addHandler(handler)
     results = run(rank, WORKLOADS, {"without keys": None, "with keys": QUICK_START})
 
-    from verl.workers.engine.base import EngineRegistry
-
     from prefix_sharing.verl_ext import activation
+    from prefix_sharing.verl_ext.engine import registered_engine
     from prefix_sharing.verl_ext.switched_off import TRAINER_MODULE
 
     return dict(results=results, enabled=activation.enabled(),
                 log=[r.getMessage() for r in records],
-                engine=EngineRegistry._engines["language_model"]["megatron"]["cuda"].__name__,
+                engine=registered_engine("language_model", "megatron").__name__,
                 # the trainer is not imported here (verl 0.9.1's needs cachetools); its hook is
                 # among those the finder waits for
                 balancing_hooked=TRAINER_MODULE in activation._targets())

@@ -42,7 +42,8 @@ def _mbridge_layer_spec() -> dict:
     from mbridge.core.llm_bridge import LLMBridge
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from transformers import Qwen2Config
-    from verl.workers.engine.base import EngineRegistry
+
+    from prefix_sharing.verl_ext.engine import registered_engine
 
     LLMBridge._get_transformer_layer_spec = lambda self, vp_stage=None: get_gpt_decoder_block_spec(
         self.config, use_transformer_engine=False)
@@ -52,7 +53,7 @@ def _mbridge_layer_spec() -> dict:
                             tie_word_embeddings=False)
     model_config = SimpleNamespace(hf_config=hf_config, tokenizer=SimpleNamespace(pad_token_id=0),
                                    mtp=SimpleNamespace(enable=False, enable_train=False))
-    engine_cls = EngineRegistry._engines["language_model"]["megatron"]["cuda"]
+    engine_cls = registered_engine("language_model", "megatron")
     found = {}
     for name, mode in (("actor", "arbitrary_prefix"), ("ref", "off")):
         config = actor_config(MODES[mode])

@@ -38,12 +38,12 @@ def test_a_typo_in_the_block_fails_at_config_time():
      "router_replay.mode='R2' with context_parallel_size=2"),
 ])
 def test_settings_sharing_cannot_honour_raise_one_clear_error(setting, message):
-    from verl.workers.engine.base import EngineRegistry
+    from prefix_sharing.verl_ext.engine import registered_engine
 
     config = actor_config({"mode": "arbitrary_prefix"})
     for key, value in setting.items():
         object.__setattr__(config.engine, key, value)
-    engine_cls = EngineRegistry._engines["language_model"]["megatron"]["cuda"]
+    engine_cls = registered_engine("language_model", "megatron")
     model_config = SimpleNamespace(mtp=SimpleNamespace(enable=False, enable_train=False))
     with pytest.raises(PrefixSharingSetupError, match=message):
         engine_cls(model_config, config.engine, config.optim, config.checkpoint)
@@ -56,6 +56,6 @@ def test_each_overlay_configures_the_actor_and_the_reference_model(overlay, mode
         ppo_micro_batch_size_per_gpu=2,
         megatron={"_target_": "verl.workers.config.McoreEngineConfig"},
     ))
-    assert merged.actor_rollout_ref.model.external_lib == "prefix_sharing"
+    assert "external_lib" not in merged.actor_rollout_ref.model  # the plugin loads it on 0.9.1
     for section, config in configs.items():
         assert config.engine.prefix_sharing.mode == mode, section

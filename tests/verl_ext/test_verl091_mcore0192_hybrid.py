@@ -80,16 +80,16 @@ def run(rank: int) -> dict:
     ``tiny-hybrid`` model: ``infer_batch``, then ``forward_backward_batch`` with ``ppo_loss``."""
     import torch
     import verl.workers.engine.megatron.transformer_impl  # noqa: F401  (registers the engine)
-    from verl.workers.engine.base import EngineRegistry
     from verl.workers.utils.losses import ppo_loss
 
     from prefix_sharing.engines.megatron import hybrid_model
     from prefix_sharing.presets import PRESETS
+    from prefix_sharing.verl_ext.engine import registered_engine
     from tests.verl_ext._batch import make_batch, plain_output, use_cpu_platform
     from tests.verl_ext._engine import actor_config
 
     use_cpu_platform()
-    engine_cls = EngineRegistry._engines["language_model"]["megatron"]["cuda"]
+    engine_cls = registered_engine("language_model", "megatron")
     model_config = SimpleNamespace(
         hf_config=SimpleNamespace(architectures=["Qwen3NextForCausalLM"]),
         tokenizer=SimpleNamespace(pad_token_id=0),

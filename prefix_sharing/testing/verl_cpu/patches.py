@@ -171,14 +171,20 @@ def _rewrite_process_group_backend() -> None:
 
 def _register_fsdp_engines_for_cpu() -> None:
     """The FSDP engines are registered for cuda and npu only
-    (``workers/engine/fsdp/transformer_impl.py:1143,1594`` in 0.9.1): add "cpu" beside them."""
+    (``workers/engine/fsdp/transformer_impl.py:1143,1594`` in 0.9.1): register for "cpu" the
+    class verl selects on an NVIDIA GPU, through verl's own decorator. That is prefix-sharing's
+    engine where its patch set registered one (0.9.1 registers it under vendor keys beside
+    verl's, which a device key for "cpu" copied from "cuda" would miss)."""
     from verl.workers.engine import EngineRegistry
     from verl.workers.engine.fsdp import transformer_impl  # noqa: F401  (registers them)
 
-    for backends in EngineRegistry._engines.values():
-        for backend, by_device in backends.items():
-            if backend in ("fsdp", "fsdp2") and "cuda" in by_device:
-                by_device.setdefault("cpu", by_device["cuda"])
+    from prefix_sharing.verl_ext.engine import registered_engine
+
+    for model_type, backends in EngineRegistry._engines.items():
+        for backend, by_key in backends.items():
+            if backend in ("fsdp", "fsdp2") and "cuda" in by_key and "cpu" not in by_key:
+                engine = registered_engine(model_type, backend)
+                EngineRegistry.register(model_type, backend, device="cpu")(engine)
 
 
 def _unpin_cpu_offload() -> None:
