@@ -4,6 +4,7 @@ WORKDIR``: runs both and prints the table)."""
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -14,6 +15,16 @@ COMPARED = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm"
 RATIO = "actor/prefix_sharing/token_ratio"
 # the trainer's data-parallel partition: the token ratio its ranks compute, and the ideal
 DP_RATIO, DP_IDEAL = "prefix_sharing/dp_token_ratio", "prefix_sharing/dp_ideal_token_ratio"
+
+
+# what verl 0.9.1's trainer imports beyond torch and this package (the [verl] extra brings them)
+TRAINER_MODULES = ("verl", "transfer_queue", "pandas", "ray", "uvicorn", "fastapi", "openai",
+                   "msgspec")
+
+
+def missing_modules() -> list[str]:
+    """The modules of :data:`TRAINER_MODULES` this environment lacks."""
+    return [name for name in TRAINER_MODULES if importlib.util.find_spec(name) is None]
 
 
 def rollouts_by_prompt(generations: list[dict]) -> dict[str, list[str]]:
@@ -59,4 +70,9 @@ def main(workdir: str, n_ranks: int = 2, mode: str = "arbitrary_prefix") -> None
 
 
 if __name__ == "__main__":
+    if missing := missing_modules():
+        print(f"DEVICE=cpu runs verl 0.9.1's trainer, which needs {', '.join(missing)} here: "
+              "build its environment first (torch, then pip install -e '.[verl]': README, "
+              "\"See it in verl's real trainer\")", file=sys.stderr)
+        sys.exit(2)
     main(sys.argv[1], *(int(a) if a.isdigit() else a for a in sys.argv[2:]))
