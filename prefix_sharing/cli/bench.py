@@ -133,13 +133,15 @@ def _check_memory(args: argparse.Namespace, model, batches, dtype) -> None:
     does not have (:mod:`prefix_sharing.engines.memory`)."""
     lengths = [[len(s) for s in seqs] for _, seqs, _ in batches]
     largest = max(lengths, key=sum)
-    what = (f"the largest micro-batch {sum(largest)} tokens, the {model.name} preset with a "
+    what = (f"the largest micro-batch {min(sum(largest), args.token_budget or sum(largest))} "
+            f"tokens, the {model.name} preset with a "
             f"{model.vocab_size}-token vocabulary, {args.dtype}")
     instead = ("pass fewer or shorter rows, or smaller token ids (the vocabulary is sized to the "
                "largest)" if args.sequences else
                "pass a smaller --length-scale, --model tiny, or fewer --workload names")
-    check_fits("bench", bench_peak_bytes(model, lengths, dtype.itemsize, args.tp * args.pp * args.cp,
-                                         args.tp), what, instead)
+    estimate = bench_peak_bytes(model, lengths, dtype.itemsize, args.tp * args.pp * args.cp,
+                                args.tp, args.token_budget)
+    check_fits("bench", estimate, what, instead)
 
 
 def _emit(args: argparse.Namespace, report: dict, text: str, title: str) -> int:

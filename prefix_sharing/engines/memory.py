@@ -11,16 +11,18 @@ The estimate is the sum of
   dtype, the reference in float64 or float32, and the plain model's initial copy; ``bench``: the
   plain and the shared model, each with Adam's two moments), and
 - the largest single forward+backward: per computed row the logits over the vocabulary
-  (:data:`LOGIT_COPIES` live copies: logits, their log-softmax, the gradients) and each layer's
-  activations (:data:`ACTIVATION_COPIES` copies of the hidden and MLP widths), plus each layer's
-  attention scores and probabilities for every (query, key) pair. The plain runs of ``verify``
-  are megatron's stock spec on *padded* input: every sequence takes the longest's rows and its
+  (:data:`LOGIT_COPIES` live copies: logits, their log-softmax, the gradients, the float64
+  reference's casts) and each layer's activations (:data:`ACTIVATION_COPIES` copies of the
+  hidden and MLP widths), plus, where attention is megatron's unfused stock kernel, each
+  layer's scores and probabilities for every (query, key) pair. The plain runs of ``verify``
+  are that stock spec on *padded* input: every sequence takes the longest's rows and its
   attention is the full square - which is what makes a few long rows over a large vocabulary
   expensive.
 - :data:`PROCESS_BYTES` per process (torch, megatron-core and the spawned ranks' own copies).
 
-The constants are upper bounds taken from measured runs (``docs/cli.md`` has the command): the
-estimate should refuse a run that fits rather than start one that is killed.
+The constants are upper bounds from a measured run (``docs/cli.md``, Memory: 4 padded rows of 573
+tokens over a 151k vocabulary peaked at 14.5 GiB, estimated at 17.6): the estimate should rather
+refuse a run that would just fit than start one that is killed.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ __all__ = ["verify_peak_bytes", "bench_peak_bytes", "available_bytes", "check_fi
 
 GIB = 1024 ** 3
 LOGIT_COPIES = 6
-ACTIVATION_COPIES = 16
+ACTIVATION_COPIES = 8
 SCORE_COPIES = 3
 PROCESS_BYTES = 600 * 1024 ** 2
 
@@ -69,11 +71,6 @@ def _padded(lengths: Sequence[int]) -> tuple[int, int]:
     return len(lengths) * longest, len(lengths) * longest * longest
 
 
-def _packed(lengths: Sequence[int]) -> tuple[int, int]:
-    """Rows and attended pairs per head of the packed (THD) batch: each sequence causal."""
-    return sum(lengths), sum(n * (n + 1) // 2 for n in lengths)
-
-
 def verify_peak_bytes(model: ModelPreset, lengths: Sequence[int], element_bytes: int,
                       reference_bytes: int, world_size: int = 1,
                       tensor_parallel: int = 1) -> int:
@@ -86,13 +83,16 @@ def verify_peak_bytes(model: ModelPreset, lengths: Sequence[int], element_bytes:
 
 
 def bench_peak_bytes(model: ModelPreset, batches: Sequence[Sequence[int]], element_bytes: int,
-                     world_size: int = 1, tensor_parallel: int = 1) -> int:
+                     world_size: int = 1, tensor_parallel: int = 1,
+                     token_budget: int | None = None) -> int:
     """The peak of ``bench`` over micro-batches of these sequence lengths (the largest one:
-    they run one after another); the plain step is the packed one, an upper bound of the
-    shared step's."""
+    they run one after another; with a ``token_budget``, micro-batches of that many rows). Its
+    steps are packed and attend per segment through SDPA, whose CPU and GPU kernels keep no
+    (query, key) matrix, so only rows count; the plain step's bound the shared step's."""
     params = _parameters(model) * 2 * 4 * element_bytes
-    step = max(_step_bytes(model, *_packed(lengths), element_bytes, tensor_parallel)
-               for lengths in batches)
+    rows = max(sum(lengths) for lengths in batches)
+    rows = rows if token_budget is None else min(rows, token_budget)
+    step = _step_bytes(model, rows, 0, element_bytes, tensor_parallel)
     return params + step + PROCESS_BYTES * (1 + world_size)
 
 
