@@ -64,3 +64,16 @@ def test_the_trainer_demo_names_its_environment_when_run_outside_it(tmp_path):
     assert result.stderr.count("\n") == 1 and "pip install -e '.[verl]'" in result.stderr
     extra = re.search(r"^verl =\n((?:    .*\n)+)", (ROOT / "setup.cfg").read_text(), re.M)
     assert "verl==0.9.1" in extra.group(1) and "TransferQueue" in extra.group(1)
+
+
+def test_a_trainer_run_outlasting_its_timeout_is_one_line(monkeypatch, capsys):
+    from prefix_sharing.testing.verl_cpu import compare
+
+    def too_slow(*args):
+        raise TimeoutError("verl's main_ppo did not finish within 900 s; its log: w/off/main_ppo.log")
+
+    monkeypatch.setattr(compare, "missing_modules", lambda: [])
+    monkeypatch.setattr(compare, "main", too_slow)
+    assert compare.demo(["w"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "its log: w/off/main_ppo.log" in err, err
