@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # Build the verl test environment for one supported verl version: .venv-verl<digits> beside the
 # project (e.g. .venv-verl091), torch 2.13.0 (CPU) first so no later requirement pulls a CUDA
-# build, then verl and the megatron-core / transformers releases that version needs, then this
-# project without dependencies. Usage: .ci/verl_env.sh 0.9.1   (prints the venv path last)
+# build, then verl and the megatron-core / transformers releases that version needs (0.9.1: the
+# project's verl extra), then this project without dependencies. Usage: .ci/verl_env.sh 0.9.1   (prints the venv path last)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 version=${1:?usage: .ci/verl_env.sh <verl version: 0.9.1>}
 case "$version" in
-  # 0.9.1: TransferQueue is its v1 trainer's batch store (verl's verl-core extra); uvicorn,
-  # fastapi, openai and msgspec are imported by its rollout server layer (tests/verl_ext/trainer).
-  0.9.1) deps=(verl==0.9.1 megatron-core==0.16.1 'transformers>=5.5.3,<5.11' einops cachetools
-               TransferQueue==0.1.11 uvicorn fastapi openai msgspec pytest hypothesis) ;;
+  # 0.9.1: the project's verl extra (setup.cfg: verl, TransferQueue - its v1 trainer's batch
+  # store - and uvicorn, fastapi, openai, msgspec - its rollout server layer), which README's
+  # trainer demo installs too.
+  0.9.1) deps=(-e '.[verl]' pytest hypothesis) ;;
   # 0.8.0: transformers 4.x; verl's imports need the server and data packages below; mbridge is
   # the vanilla-mbridge route 0.8.0 builds its model with (not a dependency of verl's wheel).
   0.8.0) deps=(verl==0.8.0 megatron-core==0.16.1 'transformers<5' 'pyarrow<22' 'datasets<5' uvicorn

@@ -9,7 +9,8 @@ refuses (:class:`UnsupportedSetup`) is bad input too: the user changes the setti
 
 from __future__ import annotations
 
-__all__ = ["InputError", "MissingPackageError", "PrefixSharingSetupError", "UnsupportedSetup"]
+__all__ = ["InputError", "MissingPackageError", "PrefixSharingSetupError", "UnsupportedSetup",
+           "RankKilled"]
 
 
 class InputError(ValueError):
@@ -31,3 +32,9 @@ class UnsupportedSetup(InputError):
 class PrefixSharingSetupError(UnsupportedSetup):
     """A verl engine or trainer setting that prefix sharing cannot run with (raised by
     :mod:`prefix_sharing.verl_ext`; bad input: a ``ValueError``)."""
+
+
+class RankKilled(InputError):
+    """A spawned rank was killed by a signal (on Linux, SIGKILL is most often the out-of-memory
+    killer): the run asked more of the machine than it had, which the user changes by asking
+    less; shown as one line like bad input."""

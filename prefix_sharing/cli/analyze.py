@@ -106,7 +106,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "(default: %(default)s)")
     parser.add_argument("--dp", type=int, default=None, metavar="N",
                         help="also report the tokens each of N data-parallel ranks computes, "
-                        "under verl's stock balancing and the sharing-aware one")
+                        "under verl's stock balancing (that row needs verl installed: it calls "
+                        "verl's own partition function) and the sharing-aware one")
     parser.add_argument("--image-token-id", type=int, default=None, metavar="N",
                         help="a vision-language dump: the image placeholder token id (the "
                         "model config's image_token_id); each row's image_hashes name its runs "

@@ -18,6 +18,7 @@ from pathlib import Path
 from ..engines import get_engine
 from ..engines.bench import BenchRequest, BenchWorkload
 from ..engines.bench_cp import table as cp_table
+from ..engines.memory import bench_peak_bytes, check_fits
 from ..engines.throughput import throughput_report
 from ..presets import get_preset
 from ..workloads import scale_lengths
@@ -25,7 +26,7 @@ from ..errors import InputError, MissingPackageError
 from .record import write_result
 from .options import (add_backend_option, add_dtype_option, add_engine_option,
                       add_input_options, add_model_option, add_recompute_option,
-                      add_sharing_options, load_batches, run_dtype, sharing_config,
+                      add_sharing_options, help_text, load_batches, run_dtype, sharing_config,
                       user_input)
 
 # Built-in micro-batch sizes for the bench: ~1-2k tokens, so that on the "small" preset a CPU
@@ -45,7 +46,7 @@ BENCH_SIZES = {
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "bench", help="time a training step plain vs shared, and its peak memory",
-        description=__doc__.split("\n\n")[1].replace("\n", " "))
+        description=help_text(__doc__))
     add_input_options(parser, many_workloads=True)
     add_engine_option(parser)
     add_model_option(parser, "small", "model shape (random weights)")
@@ -101,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
                  for name, kwargs in BENCH_SIZES.items()}
     model, batches = load_batches(args, get_preset(args.model), sizes)
     workloads = [BenchWorkload(name, seqs, groups) for name, seqs, groups in batches]
+    _check_memory(args, model, batches, dtype)
     if args.cross_micro_batch and args.token_budget is None:
         raise InputError("--cross-micro-batch needs --token-budget N")
     if args.recompute is not None and (args.token_budget is None
@@ -124,6 +126,22 @@ def run(args: argparse.Namespace) -> int:
         report["plot"] = args.plot
     return _emit(args, report, table(results),
                  f"Training step, {engine.name} engine, {model.name} preset")
+
+
+def _check_memory(args: argparse.Namespace, model, batches, dtype) -> None:
+    """Refuses, before any step runs, micro-batches whose estimated peak memory the machine
+    does not have (:mod:`prefix_sharing.engines.memory`)."""
+    lengths = [[len(s) for s in seqs] for _, seqs, _ in batches]
+    largest = max(lengths, key=sum)
+    what = (f"the largest micro-batch {min(sum(largest), args.token_budget or sum(largest))} "
+            f"tokens, the {model.name} preset with a "
+            f"{model.vocab_size}-token vocabulary, {args.dtype}")
+    instead = ("pass fewer or shorter rows, or smaller token ids (the vocabulary is sized to the "
+               "largest)" if args.sequences else
+               "pass a smaller --length-scale, --model tiny, or fewer --workload names")
+    estimate = bench_peak_bytes(model, lengths, dtype.itemsize, args.tp * args.pp * args.cp,
+                                args.tp, args.token_budget)
+    check_fits("bench", estimate, what, instead)
 
 
 def _emit(args: argparse.Namespace, report: dict, text: str, title: str) -> int:
@@ -163,25 +181,33 @@ PEER_LABELS = {"prefix_grouper": "PG (peer)"}
 
 
 def table(results: list[dict]) -> str:
+    """The bench's table. Results that carry a noise figure (every run since it was added) get
+    its column and ``~`` on a speedup within it; older result files print as they were."""
+    noisy = any("noise" in r for r in results)
+    noise_head, speedup_width = (f" {'noise':>6}", 9) if noisy else ("", 8)
+    no_noise = f" {'-':>6}" if noisy else ""  # a peer's row: its steps are not compared
     header = (f"{'workload':<10} {'mode':<12} {'tokens':>7} {'unique':>7} {'flop x':>7} "
-              f"{'plain ms':>9} {'shared ms':>9} {'speedup':>8} {'of flop':>8} {'memory x':>9} "
-              f"{'plan ms':>8}")
+              f"{'plain ms':>9} {'shared ms':>9} {'speedup':>{speedup_width}}{noise_head} "
+              f"{'of flop':>8} {'memory x':>9} {'plan ms':>8}")
     lines = [header]
     for r in results:
         for mode, entry in (("arbitrary", r), ("prompt_only", r.get("prompt_only"))):
             if entry is None:
                 continue
+            noise = f" {entry['noise']:>6.0%}" if noisy else ""
+            speedup = ("~" if entry.get("within_noise") else "") + f"{entry['speedup']:.2f}"
             lines.append(
                 f"{r['workload']:<10} {mode:<12} {entry['tokens_total']:>7} "
                 f"{entry['tokens_unique']:>7} {entry['flop_ratio']:>7.2f} {r['plain_ms']:>9.0f} "
-                f"{entry['shared_ms']:>9.0f} {entry['speedup']:>8.2f} "
+                f"{entry['shared_ms']:>9.0f} {speedup:>{speedup_width}}{noise} "
                 f"{entry['speedup_vs_flop_ratio']:>8.2f} {entry['memory_ratio']:>9.2f} "
                 f"{entry['planner_ms']:>8.2f}")
         for name, peer in r.get("peers", {}).items():  # another implementation, same model
             lines.append(
                 f"{r['workload']:<10} {PEER_LABELS.get(name, name):<12} {r['tokens_total']:>7} "
                 f"{peer['tokens_computed']:>7} {'-':>7} {r['plain_ms']:>9.0f} {peer['ms']:>9.0f} "
-                f"{peer['speedup']:>8.2f} {'-':>8} {peer['memory_ratio']:>9.2f} {'-':>8}")
+                f"{peer['speedup']:>{speedup_width}.2f}{no_noise} "
+                f"{'-':>8} {peer['memory_ratio']:>9.2f} {'-':>8}")
     for r in results:
         if "vision" in r:
             v = r["vision"]
@@ -197,6 +223,10 @@ def table(results: list[dict]) -> str:
         lines.append("K/V rows one attention layer holds, shared step (its execution) / with "
                      "every segment's keys gathered; the plain step holds its tokens: "
                      + ", ".join(kv))
+    if noisy:
+        lines.append("noise: the spread of the timed steps, (slowest - fastest) / median, of the "
+                     "noisier mode; ~: the speedup is within that noise of 1 (no difference "
+                     "measured: more --repeats, a larger --length-scale or a quieter machine)")
     if any("peers" in r for r in results):
         lines.append("PG (peer): PrefixGrouper's step on the same model and weights; its unique "
                      "tokens are its padded grid (groups x longest group)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import re
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -19,9 +20,25 @@ from ..refusals import refuse
 
 __all__ = ["add_sharing_options", "add_backend_option", "add_dtype_option", "run_dtype",
            "DTYPES", "add_engine_option", "add_model_option", "add_input_options", "sharing_config",
-           "Batch", "load_batches", "read_rollouts", "user_input", "add_recompute_option"]
+           "Batch", "load_batches", "read_rollouts", "user_input", "add_recompute_option",
+           "help_text"]
 
 Batch = tuple[str, list[torch.Tensor], list[PromptGroup] | None]  # name, sequences, groups
+
+
+# reStructuredText a docstring may hold: a role (:mod:`x`, :func:`~a.b`) or a literal (``x``)
+_ROLE = re.compile(r":[a-z]+:`(~?)([^`]+)`")
+_LITERAL = re.compile(r"``([^`]+)``")
+
+
+def help_text(doc: str) -> str:
+    """A module docstring's second paragraph (the first after its title line) as ``--help``
+    shows it: one line of plain text, since argparse prints a description as written - a
+    role becomes its target (``~a.b.c``: ``c``), a literal its content."""
+    paragraph = " ".join(doc.split("\n\n")[1].split())
+    paragraph = _ROLE.sub(lambda m: m.group(2).rsplit(".", 1)[-1] if m.group(1) else m.group(2),
+                          paragraph)
+    return _LITERAL.sub(r"\1", paragraph)
 
 
 def add_sharing_options(parser: argparse.ArgumentParser) -> None:
@@ -120,8 +137,9 @@ def add_input_options(parser: argparse.ArgumentParser, *, many_workloads: bool) 
                             "(one group over the budget: with --token-budget)")
     else:
         source.add_argument("--workload", metavar="NAME", default="grpo",
-                            help=f"a built-in micro-batch: {', '.join(WORKLOADS)} "
-                            "(default: %(default)s)")
+                            help=f"a built-in micro-batch: {', '.join(WORKLOADS)}, or "
+                            f"{', '.join(LONG_WORKLOADS)} (one group: a long history and its "
+                            "branches) (default: %(default)s)")
 
 
 def load_batches(args: argparse.Namespace, model: ModelPreset,

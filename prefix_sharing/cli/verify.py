@@ -31,7 +31,8 @@ import json
 from ..engines import get_engine
 from ..errors import InputError
 from ..engines.recompute import recompute_settings
-from ..engines.verify import VerifyRequest
+from ..engines.memory import available_bytes, check_fits, verify_peak_bytes
+from ..engines.verify import VerifyRequest, reference_dtype
 from ..config import PrefixSharingConfig
 from ..cross_micro_batch import plan_group, plan_pipelined_group
 from ..planner import PromptGroup, build_plan
@@ -39,14 +40,14 @@ from ..presets import ModelPreset, get_preset
 from ..equivalence import FP32_RTOL, QUANTITIES
 from .options import (add_backend_option, add_dtype_option, add_engine_option,
                       add_input_options, add_model_option, add_recompute_option,
-                      add_sharing_options, load_batches, run_dtype,
+                      add_sharing_options, help_text, load_batches, run_dtype,
                       sharing_config, user_input)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "verify", help="prove the shared forward+backward equals the plain one",
-        description=__doc__.split("\n\n")[1].replace("\n", " "))
+        description=help_text(__doc__))
     add_input_options(parser, many_workloads=False)
     add_engine_option(parser)
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default: 1)")
@@ -90,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
         _check_cross(args, engine.name, model, sequences, groups, config, routes)
     else:
         groups = groups if config.mode == "prompt_only" else None
+    _check_memory(args, model, [len(s) for s in sequences], dtype)
     request = VerifyRequest([(sequences, groups)], config, model, dtype, args.steps,
                             token_budget=args.token_budget,
                             routes=None if routes is None else [routes],
@@ -124,6 +126,31 @@ def _check_cross(args: argparse.Namespace, engine: str, model: ModelPreset,
             plan([sequences[i] for i in m], args.token_budget, config,
                  pad_to_multiple_of=args.tp,
                  routes=None if routes is None else [routes[i] for i in m])
+
+
+def _check_memory(args: argparse.Namespace, model: ModelPreset, lengths: list[int],
+                  dtype) -> None:
+    """Refuses, before any rank starts, a run whose estimated peak memory the machine does not
+    have (:mod:`prefix_sharing.engines.memory`), saying how many of the file's first rows fit."""
+    ranks, available = args.tp * args.pp * args.cp, available_bytes()
+
+    def peak(rows: list[int]) -> int:
+        return verify_peak_bytes(model, rows, dtype.itemsize, reference_dtype(dtype).itemsize,
+                                 ranks, args.tp)
+
+    what = (f"{len(lengths)} sequences padded to {max(lengths)} tokens in the plain runs, the "
+            f"{model.name} preset with a {model.vocab_size}-token vocabulary, {args.dtype} with a "
+            f"{str(reference_dtype(dtype)).removeprefix('torch.')} reference")
+    if args.sequences:
+        fit = max((k for k in range(1, len(lengths)) if peak(lengths[:k]) <= available),
+                  default=0)
+        instead = (f"pass fewer rows (its first {fit} fit), shorter ones, or smaller token ids "
+                   "(the vocabulary is sized to the largest)" if fit else
+                   "pass shorter rows or smaller token ids (the vocabulary is sized to the "
+                   "largest)")
+    else:
+        instead = "pass --model tiny"
+    check_fits("verify", peak(lengths), what, instead, available)
 
 
 def _replay_routes(engine: str, model: ModelPreset, sequences: list,

@@ -37,7 +37,7 @@ from ..presets import ModelPreset
 __all__ = [
     "BenchRequest", "BenchWorkload", "bench_job", "time_workload", "peak_memory_bytes",
     "keep_freed_memory_in_heap", "without_profiler_chatter", "megatron_training_step",
-    "timed", "Progress",
+    "timed", "Progress", "relative_spread",
 ]
 
 
@@ -222,6 +222,12 @@ def without_profiler_chatter() -> Iterator[None]:
             sys.stderr.flush()
 
 
+def relative_spread(steps: list[float]) -> float:
+    """The spread of one mode's timed steps, (slowest - fastest) / median: how far apart two
+    medians of such steps may lie by noise alone (0 for a single step, which shows none)."""
+    return (max(steps) - min(steps)) / statistics.median(steps)
+
+
 def _report(workload: BenchWorkload, request: BenchRequest, configs: dict,
             times: dict[str, list[float]], peaks: dict[str, int]) -> dict:
     plain_s = statistics.median(times["plain"])
@@ -244,12 +250,14 @@ def _report(workload: BenchWorkload, request: BenchRequest, configs: dict,
             "shared_ms": shared_s * 1e3,
             "shared_steps_ms": [t * 1e3 for t in times[name]],
             "speedup": plain_s / shared_s,
+            "noise": max(relative_spread(times["plain"]), relative_spread(times[name])),
             "shared_peak_mb": peaks[name] / 2**20,
             "memory_ratio": peaks["plain"] / peaks[name],
             "planner_ms": planner_ms,
             **_kv_rows(plan, request),
         }
         entry["speedup_vs_flop_ratio"] = entry["speedup"] / entry["flop_ratio"]
+        entry["within_noise"] = abs(entry["speedup"] - 1) <= entry["noise"]
         if name == "shared":
             result.update(entry)
         else:

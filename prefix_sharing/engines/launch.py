@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import pickle
 import queue
+import signal
 import socket
 import time
 import traceback
@@ -22,7 +23,7 @@ from typing import Any, Callable
 import torch
 import torch.multiprocessing as mp
 
-from ..errors import InputError
+from ..errors import InputError, RankKilled
 
 __all__ = ["run_distributed", "init_megatron", "rank_threads", "RankError", "RemoteTraceback"]
 
@@ -63,8 +64,9 @@ def run_distributed(
     Raises:
         InputError: a rank found bad input (an :class:`~prefix_sharing.errors.InputError`):
             one line naming the rank and the error; the rank's traceback is its cause.
-        RankError: a rank raised anything else, or died; the message holds that rank's
-            traceback.
+        RankKilled: a rank was killed by a signal (SIGKILL: most often out of memory).
+        RankError: a rank raised anything else, or exited without a result; the message
+            holds that rank's traceback.
         TimeoutError: the ranks had not all returned after ``timeout`` seconds (a hang); all
             ranks are killed first.
 
@@ -121,9 +123,7 @@ def _collect(procs: list[Any], results_queue: Any, timeout: float) -> dict[int, 
             # in the queue died without reporting (a crash, os._exit, a kill).
             gone = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in results]
             if gone and results_queue.empty():
-                raise RankError(
-                    f"rank {gone[0]} exited with code {procs[gone[0]].exitcode} without a result"
-                ) from None
+                raise _death(gone[0], procs[gone[0]].exitcode) from None
             if time.monotonic() > deadline:
                 missing = sorted(set(range(len(procs))) - set(results))
                 raise TimeoutError(
@@ -137,6 +137,18 @@ def _collect(procs: list[Any], results_queue: Any, timeout: float) -> dict[int, 
             raise RankError(f"rank {rank} failed:\n{remote}")
         results[rank] = pickle.loads(data)
     return results
+
+
+def _death(rank: int, exitcode: int) -> Exception:
+    """The error for a rank that exited without a result: killed by a signal (a negative exit
+    code), one line for the user (:class:`RankKilled`); else a bug in it (:class:`RankError`)."""
+    if exitcode >= 0:
+        return RankError(f"rank {rank} exited with code {exitcode} without a result")
+    name = signal.Signals(-exitcode).name if -exitcode in signal.valid_signals() else "a signal"
+    cause = (" - on Linux most often the out-of-memory killer: the run needed more memory than "
+             "the machine had; ask for less (fewer or shorter rows, a smaller --model preset or "
+             "--length-scale)" if -exitcode == signal.SIGKILL else "")
+    return RankKilled(f"rank {rank} was killed by {name}{cause}")
 
 
 def rank_threads(world_size: int) -> int:

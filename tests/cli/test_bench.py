@@ -11,7 +11,8 @@ import torch
 
 from prefix_sharing import PrefixSharingConfig, build_plan
 from prefix_sharing.cli import main
-from prefix_sharing.cli.bench import BENCH_SIZES
+from prefix_sharing.cli.bench import BENCH_SIZES, table
+from prefix_sharing.engines.bench import relative_spread
 from prefix_sharing.flops import count_flops
 from prefix_sharing.presets import get_preset
 from prefix_sharing.workloads import make_workload
@@ -59,6 +60,23 @@ def test_length_scale_benches_the_same_shapes_with_longer_segments(capfd):
     w = make_workload("steprl", vocab_size=tiny.vocab_size, **BENCH_SIZES["steprl"])
     assert report["length_scale"] == 2 and steprl["sequences"] == len(w.sequences)
     assert steprl["tokens_total"] > 1.5 * w.num_tokens
+
+
+def test_noise_is_the_spread_of_the_repeats_and_a_speedup_within_it_is_marked(capfd):
+    """The issue's case: a shared step timed slower than plain (0.63x) on a noisy machine is
+    marked as no measured difference, not shown as a slowdown."""
+    assert relative_spread([100.0, 80.0, 160.0]) == pytest.approx(0.8)
+    assert relative_spread([5.0]) == 0
+    code, out, _ = bench(capfd, "--workload", "agent", "--repeats", "2", "--json")
+    (agent,) = json.loads(out)["results"]
+    assert agent["noise"] >= 0 and agent["within_noise"] == (abs(agent["speedup"] - 1)
+                                                             <= agent["noise"])
+    row = dict(agent, speedup=0.63, noise=0.45, within_noise=True)
+    text = table([row])
+    assert "noise" in text.splitlines()[0] and " ~0.63    45% " in text.splitlines()[1], text
+    assert "~: the speedup is within that noise of 1" in text
+    steady = table([dict(row, speedup=1.83, noise=0.04, within_noise=False)])
+    assert "  1.83     4% " in steady.splitlines()[1], steady
 
 
 def test_text_table(capfd):

@@ -285,12 +285,21 @@ def test_moe_equals_the_plain_micro_batches_statistics_included(moe_report, vari
 
 
 def assert_exact(run: dict) -> None:
-    """The float64 verdict on every quantity, and 1e-5 from the plain fp32 run."""
+    """The float64 verdict on every quantity, and 1e-5 from the plain fp32 run - or, where the
+    plain fp32 run is itself further than that from float64, no further from it than it is.
+
+    Two fp32 runs that are each 1e-5 or more from the float64 truth agree closer than that
+    only while they happen to round alike: on the tiny MoE preset under sequence parallelism
+    the plain run's gradients are 2.0e-5 from float64 on torch 2.13 and 2.15 alike; the shared
+    run's were too on 2.13 (6.9e-7 from plain), and are 1.1e-5 on 2.15 (1.1e-5 from plain) -
+    closer to the truth, further from the plain run's rounding. The verdict above judges that;
+    a fixed 1e-5 here would fail the more accurate run."""
     verdict = within_tolerance(run["vs_reference"], run["plain"], torch.float32)
     assert set(verdict) == set(QUANTITIES) and all(verdict.values()), (
         run["vs_reference"].max_rel_diff, run["plain"].max_rel_diff)
     for q, d in run["vs_plain"].max_rel_diff.items():
-        assert d <= FP32_RTOL, f"{q}: {d} from the plain fp32 run"
+        own = run["plain"].max_rel_diff[q]
+        assert d <= max(FP32_RTOL, own), f"{q}: {d} from the plain fp32 run ({own} from float64)"
 
 
 def assert_equals_the_split_statistics_included(run: dict) -> None:

@@ -4,6 +4,7 @@ WORKDIR``: runs both and prints the table)."""
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -14,6 +15,16 @@ COMPARED = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm"
 RATIO = "actor/prefix_sharing/token_ratio"
 # the trainer's data-parallel partition: the token ratio its ranks compute, and the ideal
 DP_RATIO, DP_IDEAL = "prefix_sharing/dp_token_ratio", "prefix_sharing/dp_ideal_token_ratio"
+
+
+# what verl 0.9.1's trainer imports beyond torch and this package (the [verl] extra brings them)
+TRAINER_MODULES = ("verl", "transfer_queue", "pandas", "ray", "uvicorn", "fastapi", "openai",
+                   "msgspec")
+
+
+def missing_modules() -> list[str]:
+    """The modules of :data:`TRAINER_MODULES` this environment lacks."""
+    return [name for name in TRAINER_MODULES if importlib.util.find_spec(name) is None]
 
 
 def rollouts_by_prompt(generations: list[dict]) -> dict[str, list[str]]:
@@ -58,5 +69,23 @@ def main(workdir: str, n_ranks: int = 2, mode: str = "arbitrary_prefix") -> None
     print(table(on, off))
 
 
+def demo(argv: list[str]) -> int:
+    """``scripts/run_prefix_sharing.sh``'s CPU mode: one line and exit 2 outside verl's
+    environment, one line and exit 1 when a run outlasts its timeout (a busy machine), else
+    :func:`main`'s table."""
+    if missing := missing_modules():
+        print(f"DEVICE=cpu runs verl 0.9.1's trainer, which needs {', '.join(missing)} here: "
+              "build its environment first (torch, then pip install -e '.[verl]': README, "
+              "\"See it in verl's real trainer\")", file=sys.stderr)
+        return 2
+    try:
+        main(argv[0], *(int(a) if a.isdigit() else a for a in argv[1:]))
+    except TimeoutError as error:  # a busy machine: the run takes ~2 min on an idle one
+        print(f"{error} (about 2 min on an idle 2-core machine: is this one busy?)",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], *(int(a) if a.isdigit() else a for a in sys.argv[2:]))
+    sys.exit(demo(sys.argv[1:]))

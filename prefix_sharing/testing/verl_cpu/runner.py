@@ -99,7 +99,8 @@ def child_env(enable_sharing: bool, env: dict[str, str] | None = None) -> dict[s
 
 def run_main_ppo(workdir: str | Path, overrides: list[str], env: dict[str, str] | None = None,
                  *, enable_sharing: bool = True, timeout_s: float = 900) -> TrainerRun:
-    """Run the trainer in ``workdir``; raise with the log's tail if it fails."""
+    """Run the trainer in ``workdir``; raise with the log's tail if it fails, and
+    ``TimeoutError`` naming its log if it outlasts ``timeout_s``."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     metrics_file = workdir / "metrics.jsonl"
@@ -113,9 +114,13 @@ def run_main_ppo(workdir: str | Path, overrides: list[str], env: dict[str, str] 
                f"trainer.default_local_dir={workdir / 'checkpoints'}"]
     token_log.unlink(missing_ok=True)
     start = time.monotonic()
-    with open(workdir / "main_ppo.log", "w") as log:
-        result = subprocess.run(command, cwd=workdir, env=child, stdout=log,
-                                stderr=subprocess.STDOUT, timeout=timeout_s)
+    try:
+        with open(workdir / "main_ppo.log", "w") as log:
+            result = subprocess.run(command, cwd=workdir, env=child, stdout=log,
+                                    stderr=subprocess.STDOUT, timeout=timeout_s)
+    except subprocess.TimeoutExpired as error:
+        raise TimeoutError(f"verl's main_ppo did not finish within {timeout_s:.0f} s; its log: "
+                           f"{workdir / 'main_ppo.log'}") from error
     wall = time.monotonic() - start
     if result.returncode != 0:
         tail = (workdir / "main_ppo.log").read_text()[-6000:]
