@@ -16,7 +16,9 @@ untied ``lm_head`` in its own FSDP2 unit; its fused kernels
 ``lm_head.weight`` outside the head's call and meet the sharded parameter there.
 
 Only a plain linear head can be computed this way: a model that scales or soft-caps its final
-logits (:func:`head_problem`) keeps its own forward and the caller scores its logits.
+logits, or whose forward returns router statistics (``output_router_logits``: the MoE causal-LM
+forward adds ``router_logits`` and ``aux_loss``), keeps its own forward and the caller scores
+its logits (:func:`head_problem`).
 """
 
 from __future__ import annotations
@@ -81,9 +83,12 @@ def head_problem(model: torch.nn.Module, *, ignore_logit_transform: bool = False
     head = model.get_output_embeddings()
     if not isinstance(head, torch.nn.Linear):
         return f"its LM head is a {type(head).__name__}, not a linear layer"
+    config = text_config(model.config)
+    if getattr(config, "output_router_logits", False):  # transformers' MoE causal-LM forward
+        return ("it returns router statistics (output_router_logits: router_logits, aux_loss), "
+                "which the head's output does not carry")
     if ignore_logit_transform:
         return None
-    config = text_config(model.config)
     for name in _LOGIT_TRANSFORMS:
         value = getattr(config, name, None)
         if value is not None and value != 1:
@@ -106,7 +111,12 @@ def install_hidden_state_head(model: torch.nn.Module, *,
         request = kwargs.pop(HEAD_KWARG, None)
         if request is None:
             return previous(*args, **kwargs)
-        hidden = getattr(self, self.base_model_prefix)(*args, **kwargs).last_hidden_state
+        # the decoder under the causal LM; transformers 4.57's Gemma 3 text model names its
+        # prefix "language_model" but holds it as `model`, which get_decoder() returns
+        base = getattr(self, self.base_model_prefix, None)
+        if base is None:
+            base = self.get_decoder()
+        hidden = base(*args, **kwargs).last_hidden_state
         return HeadOutput(*self.get_output_embeddings()(hidden[0], request))  # [T_flat, hidden]
 
     head = model.get_output_embeddings()

@@ -38,7 +38,8 @@ Hooks (each runs when verl imports the module):
   head request returns log-probs and entropy computed from the last hidden states in chunks of
   rows (:mod:`prefix_sharing.head_logprobs`), never logits; a model whose final logits are
   soft-capped or scaled keeps its logits (unless ``use_fused_kernels``, whose verl kernel skips
-  that transform too);
+  that transform too), and so does a MoE model with ``output_router_logits`` on
+  (:func:`prefix_sharing.fsdp_compat.head.head_problem`);
 - ``prepare_model_inputs`` plans the micro-batch from its nested ``input_ids`` (and ``uid`` for
   ``prompt_only``) - in either layout: with ``use_remove_padding=False`` verl hands the
   micro-batch over nested as well and pads it only for the model call, and its padded outputs

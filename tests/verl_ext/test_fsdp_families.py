@@ -94,8 +94,11 @@ def one_rank(rank: int, paths: dict[str, str]) -> dict:
         family, _, reference, precision = FAMILIES[name]
         records = []
         with router_statistics(records):
+            # the whole batch (6 samples) in one micro-batch: the router statistic is taken per micro-batch,
+            # and fixed micro-batches of 2 would let the sharing engine reorder the samples
+            # (which changes no loss or gradient here, but the micro-batches' statistics)
             results[name] = run(rank, path, ["tree"], SHARING, precision=precision,
-                                padded_off=reference == "padded",
+                                micro_batch_size=6, padded_off=reference == "padded",
                                 attn_implementation="eager" if family == "gpt_oss" else "sdpa")
         half = len(records) // 2  # the stock step's micro-batches, then the shared step's
         results[name]["router"] = {"off": records[:half], "on": records[half:]}

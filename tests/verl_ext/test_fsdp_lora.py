@@ -39,6 +39,7 @@ def lora_runs(rank: int, path: str, lora: dict, workload: str) -> dict:
     from verl.workers.utils.losses import ppo_loss
 
     from prefix_sharing.fsdp_compat.fsdp import full_gradients
+    from prefix_sharing.verl_ext.mcore import prompt_lengths
 
     use_cpu_platform()
 
@@ -62,7 +63,9 @@ def lora_runs(rank: int, path: str, lora: dict, workload: str) -> dict:
                 grads = full_gradients(engine.module)
         results[name] = {"infer": plain_output(infer), "reference": plain_output(reference),
                          "train": plain_output(train), "grads": grads,
-                         "attention_calls": calls["n"], "engine": type(engine).__name__}
+                         "attention_calls": calls["n"], "engine": type(engine).__name__,
+                         # the sharing head scores verl's read window only (_compare.same_outputs)
+                         "read_from": [n - 1 for n in prompt_lengths(batch())]}
     return results
 
 
@@ -116,8 +119,8 @@ def _same_references(shared: dict, plain: dict, where: str) -> None:
         pairs = zip(shared["reference"]["model_output"][key],
                     plain["reference"]["model_output"][key], strict=True)
         for i, (s, p) in enumerate(pairs):
-            upto = -1 if key == "log_probs" else None
-            close(s[:upto], p[:upto], f"{where} reference {key}[{i}]")
+            start, upto = shared["read_from"][i], -1 if key == "log_probs" else None
+            close(s[start:upto], p[start:upto], f"{where} reference {key}[{i}]")
 
 
 def test_a_loaded_adapter_matches_the_feature_off_actor_reference_loss_and_lora_gradients(loaded):
