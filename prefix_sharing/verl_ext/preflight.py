@@ -278,9 +278,13 @@ def _verdict(role: str, strategy: str, model: Any, engine_config: Any,
 
 
 def sharing_engine(strategy: str) -> type | None:
-    """The language-model engine verl registered for ``strategy`` when it is a sharing one
-    (this project's patch set replaced verl's), else None."""
-    from verl.workers.engine.base import EngineRegistry
+    """The language-model engine verl selects for ``strategy`` on a GPU
+    (:func:`.engine.registered_engine`) when it is a sharing one (this project's patch set
+    registered it), else None."""
+    from .engine import registered_engine
 
-    registered = EngineRegistry._engines.get("language_model", {}).get(strategy, {})
-    return next((cls for cls in registered.values() if hasattr(cls, "setup_problems")), None)
+    try:
+        engine_cls = registered_engine("language_model", strategy)
+    except KeyError:  # verl registered no engine for this backend on a GPU
+        return None
+    return engine_cls if hasattr(engine_cls, "setup_problems") else None
