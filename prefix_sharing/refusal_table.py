@@ -54,9 +54,11 @@ TABLE: tuple[Refusal, ...] = (
     Refusal("megatron.virtual_pipeline", "interleaved (virtual) pipeline stages",
             "interleaved pipeline schedules are not tested with sharing (a first run mislaid a "
             "stage's plan); use virtual_pipeline_model_parallel_size=None", _MEGATRON),
-    Refusal("megatron.rope_fusion", "the fused THD RoPE",
-            "the fused THD RoPE restarts positions per segment, but a reuser's tail starts at "
-            "its prefix length; set apply_rope_fusion=False", _MEGATRON),
+    Refusal("megatron.rope_fusion", "MLA's fused RoPE",
+            "MLA's fused RoPE kernels (fused_apply_mla_rope_for_q / _kv) take positions from "
+            "cu_seqlens, restarting in every segment, and no per-token table, but a reuser's "
+            "tail starts at its prefix length (GPT attention keeps TE's fused RoPE, given one "
+            "rotary row per token); set apply_rope_fusion=False", _MEGATRON),
     Refusal("megatron.context_parallel.moe_per_token_loss",
             "per-token loss with MoE under context parallelism",
             "the router's z-loss is weighted per token as at CP=1 for megatron's per-micro-batch "
