@@ -54,9 +54,11 @@ TABLE: tuple[Refusal, ...] = (
     Refusal("megatron.virtual_pipeline", "interleaved (virtual) pipeline stages",
             "interleaved pipeline schedules are not tested with sharing (a first run mislaid a "
             "stage's plan); use virtual_pipeline_model_parallel_size=None", _MEGATRON),
-    Refusal("megatron.rope_fusion", "the fused THD RoPE",
-            "the fused THD RoPE restarts positions per segment, but a reuser's tail starts at "
-            "its prefix length; set apply_rope_fusion=False", _MEGATRON),
+    Refusal("megatron.rope_fusion", "MLA's fused RoPE",
+            "MLA's fused RoPE kernels (fused_apply_mla_rope_for_q / _kv) take positions from "
+            "cu_seqlens, restarting in every segment, and no per-token table, but a reuser's "
+            "tail starts at its prefix length (GPT attention keeps TE's fused RoPE, given one "
+            "rotary row per token); set apply_rope_fusion=False", _MEGATRON),
     Refusal("megatron.context_parallel.moe_per_token_loss",
             "per-token loss with MoE under context parallelism",
             "the router's z-loss is weighted per token as at CP=1 for megatron's per-micro-batch "
@@ -296,11 +298,13 @@ TABLE: tuple[Refusal, ...] = (
             "verl slices a VLM's sequence after the embedding, inside the text model, which the "
             "shim's mrope rows and image features of the flat layout do not follow yet; keep "
             "ulysses_sequence_parallel_size=1", ("verl-fsdp",)),
-    Refusal("verl.fused_kernels", "verl's fused log-prob kernels (Megatron engine)",
-            "verl's Megatron fused kernel computes log-probs from labels laid out per sample, "
-            "which a shared row cannot give (the FSDP engine serves the switch: its sharing "
-            "head is computed from hidden states in chunks of rows); set "
-            "actor_rollout_ref.model.use_fused_kernels=false", ("verl-megatron",)),
+    Refusal("verl.fused_kernels",
+            "fused log-probs under context parallelism or across micro-batches (Megatron engine)",
+            "the sharing engine serves use_fused_kernels with its own head, run in chunks from "
+            "the hidden states of the whole flat layout on each tensor-parallel rank; under "
+            "context parallelism each rank holds a slice of the rows, and the cross-micro-batch "
+            "forward scores from logits; set actor_rollout_ref.model.use_fused_kernels=false",
+            ("verl-megatron",)),
     Refusal("verl.micro_batch_switch", "a micro-batch switch that needs per-sample logits",
             "calculate_sum_pi_squared, distillation and (Megatron engine) fused kernels need "
             "per-sample labels or logits, which the flat layout does not have; turn the switch "

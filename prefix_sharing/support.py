@@ -60,7 +60,9 @@ MATRIX: dict[str, dict[str, Cell]] = {
     "dense GPT (GQA, RoPE, YaRN, qk-norm)": {
         "megatron-core": works(_MX + "test_equivalence.py"),
         "verl-megatron": works(_VX + "test_verl091_engine.py", _VX + "test_verl080_engine.py",
-                               releases="verl 0.9.1, 0.8.0", refusals=("verl.fused_kernels",)),
+                               _VX + "test_mcore_fused.py", _VX + "test_mcore_rope_fusion.py",
+                               releases="verl 0.9.1, 0.8.0", refusals=("verl.fused_kernels",),
+                               note="use_fused_kernels and apply_rope_fusion served (verl 0.9.1)"),
         # log-probs from hidden states in chunks: use_fused_kernels and the entropy knobs served
         "verl-fsdp": works(_VX + "test_fsdp_engine.py", _VX + "test_fsdp_families.py",
                            _VX + "test_fsdp_fused.py", releases="verl 0.9.1, 0.8.0; FSDP1, FSDP2",
@@ -133,7 +135,8 @@ MATRIX: dict[str, dict[str, Cell]] = {
     },
     "MLA (DeepSeek-V3 shape)": {
         "megatron-core": works(_MX + "test_mla.py"),
-        "verl-megatron": UNTESTED,
+        "verl-megatron": works(_VX + "test_mcore_mla.py", releases="verl 0.9.1",
+                               note="TP=2 with SP, MoE with a shared expert"),
         "verl-fsdp": NOT_OFFERED,
         "hf-fsdp": NOT_OFFERED,
         "megatron-lm": UNTESTED,

@@ -34,7 +34,8 @@ from .layer_specs import (  # noqa: E402
     register_spec_form,
     with_prefix_sharing,
 )
-from .logprobs import forward_token_stats, token_stats  # noqa: E402
+from .logprobs import (forward_token_stats, head_token_stats, lm_head_inputs,  # noqa: E402
+                       token_stats)
 from .mla import PrefixSharingMLASelfAttention  # noqa: E402
 from .model_check import check_sharing_model  # noqa: E402
 from .moe import PrefixSharingRouter, PrefixSharingTransformerLayer  # noqa: E402
@@ -54,6 +55,8 @@ __all__ = [
     "assert_same_plan",
     "check_sharing_model",
     "forward_token_stats",
+    "head_token_stats",
+    "lm_head_inputs",
     "get_gpt_layer_local_spec",
     "get_gpt_layer_with_transformer_engine_spec",
     "prepare_micro_batch",

@@ -46,8 +46,11 @@ def check_layer_config(config: TransformerConfig) -> None:
     if virtual_stages is not None and virtual_stages > 1:
         found.append(Refused("megatron.virtual_pipeline",
                              f"virtual_pipeline_model_parallel_size={virtual_stages}"))
-    if config.apply_rope_fusion:
-        found.append(Refused("megatron.rope_fusion", "apply_rope_fusion=True"))
+    if config.apply_rope_fusion and config.multi_latent_attention:
+        # GPT attention keeps the fused kernel: PrefixSharingSelfAttention hands it one
+        # rotary row per flat token (TE's BSHD format); MLA's fused kernels take cu_seqlens.
+        found.append(Refused("megatron.rope_fusion",
+                             "apply_rope_fusion=True with multi_latent_attention=True"))
     if found:
         raise refuse_all(found, error=UnsupportedSetupError)
 

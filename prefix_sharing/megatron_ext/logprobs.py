@@ -6,6 +6,11 @@ group in the forward (two all-reduces per call). The backward needs no communica
 :mod:`prefix_sharing.logprobs`). Rows are still read through the plan's ``kv_index``, so
 nothing of size ``(T_total, vocab)`` is built on any rank.
 
+:func:`lm_head_inputs` and :func:`head_token_stats` skip the logits altogether: the model
+returns the output layer's input, and the head runs inside the scoring, in chunks of rows, on
+this rank's vocabulary slice (:mod:`prefix_sharing.head_logprobs`) - nothing of size
+``(T_flat, V_local)`` either (verl's ``use_fused_kernels``).
+
 Under context parallelism each rank holds the logits of its slice of the flat rows: it computes
 the positions that read those rows, and one all-reduce over the CP group (of two ``(T_total,)``
 vectors, each position filled by exactly one rank) completes them on every rank. Its backward
@@ -16,17 +21,25 @@ then reduced over the group as megatron's ``finalize_model_grads`` does.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
 import torch
 from megatron.core import parallel_state
-from megatron.core.utils import get_attr_wrapped_model
+from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
+                                                    gather_from_sequence_parallel_region)
+from megatron.core.utils import get_attr_wrapped_model, unwrap_model
 
+from ..head_logprobs import hidden_token_stats
 from ..logprobs import TokenStats, token_log_probs
 from ..plan import SharingPlan
 from .model_check import check_sharing_model
 from .packed_seq import MicroBatch
 
 __all__ = ["MegatronVocabShard", "context_parallel_token_stats", "token_stats", "forward_token_stats",
-           "vocab_shard"]
+           "vocab_shard", "lm_head_inputs", "LMHead", "head_token_stats"]
 
 
 class MegatronVocabShard:
@@ -161,3 +174,62 @@ def forward_token_stats(
     logits = model(batch.input_ids, batch.position_ids, None,
                    packed_seq_params=batch.packed_seq_params)
     return token_stats(logits, batch, temperature=temperature, with_entropy=with_entropy)
+
+
+@dataclasses.dataclass
+class LMHead:
+    """The output layer's weight (this rank's vocabulary slice; the tied embedding's when the
+    model shares it), recorded by :func:`lm_head_inputs` when the model called its head."""
+
+    weight: torch.Tensor | None = None
+
+
+@contextlib.contextmanager
+def lm_head_inputs(model: torch.nn.Module) -> Iterator[LMHead]:
+    """Within the block, ``GPTModel``'s output layer returns its input instead of logits, so the
+    model returns ``[1, T, hidden]`` (every flat row on every tensor-parallel rank), and the
+    yielded :class:`LMHead` holds the weight it was called with.
+
+    The input goes through the same tensor-parallel mapping the column-parallel head applies:
+    gathered from the sequence-parallel region (the backward reduce-scatters), or copied into
+    the tensor-parallel region (the backward all-reduces) - each rank's gradient of the rows
+    covers its vocabulary slice only, so the ranks' shares must be summed, as for the head's
+    own matrix product. ``model``: the (wrapped) ``GPTModel`` of the last pipeline stage.
+    """
+    layer = unwrap_model(model).output_layer
+    head = LMHead()
+
+    def head_input(hidden: torch.Tensor, weight: torch.Tensor | None = None,
+                   **_: Any) -> tuple[torch.Tensor, None]:
+        head.weight = layer.weight if weight is None else weight
+        if layer.sequence_parallel:
+            return gather_from_sequence_parallel_region(hidden), None
+        return copy_to_tensor_model_parallel_region(hidden), None
+
+    layer.forward = head_input
+    try:
+        yield head
+    finally:
+        del layer.forward  # the class's forward again
+
+
+def head_token_stats(
+    hidden: torch.Tensor,
+    head: LMHead,
+    batch: MicroBatch,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = True,
+) -> TokenStats:
+    """:func:`token_stats` from the model's output under :func:`lm_head_inputs` (``[1, T_flat,
+    hidden]``): the head runs in chunks of rows on this rank's vocabulary slice, each flat row
+    that a position reads scored once (:func:`prefix_sharing.head_logprobs.hidden_token_stats`).
+    Not under context parallelism (each rank would hold a slice of the rows)."""
+    if batch.cp is not None:
+        raise ValueError("head_token_stats covers the whole flat layout; under context "
+                         "parallelism use token_stats")
+    if head.weight is None:
+        raise ValueError("the model did not call its output layer under lm_head_inputs")
+    return hidden_token_stats(hidden[0], head.weight, batch.plan, temperature=temperature,
+                              with_entropy=with_entropy,
+                              vocab_shard=vocab_shard(head.weight.size(0)))

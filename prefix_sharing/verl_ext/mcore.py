@@ -17,8 +17,10 @@ Version-neutral pieces that a verl patch set wires into its release's engine:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -40,6 +42,9 @@ __all__ = [
     "micro_batch_temperature",
     "prompt_lengths",
     "shared_forward",
+    "shared_fused_forward",
+    "fused_forward_patched",
+    "fused_kernel_problems",
 ]
 
 
@@ -58,10 +63,11 @@ def check_engine_setup(engine_config: Any, model_config: Any | None = None, *,
       the core attention gathers K/V (:mod:`prefix_sharing.megatron_ext.context_parallel`); so
       does the FSDP engine's Ulysses (``ulysses_sequence_parallel_size > 1``, :mod:`.ulysses`,
       which refuses the models it cannot split once the model is built);
-    - ``use_fused_kernels=True`` unless ``serves_fused_kernels`` (Megatron: verl's fused kernel
-      computes log-probs from labels laid out per sample, which a shared row cannot give, one
-      row serving several next tokens; the FSDP engine's sharing head is itself chunked from
-      the hidden states, :mod:`prefix_sharing.head_logprobs`);
+    - ``use_fused_kernels=True`` unless ``serves_fused_kernels`` (verl's fused kernel computes
+      log-probs from labels laid out per sample, which a shared row cannot give, one row
+      serving several next tokens; both engines' sharing heads are chunked from the hidden
+      states instead, :mod:`prefix_sharing.head_logprobs`; the Megatron engine's limits:
+      :func:`fused_kernel_problems`);
     - MTP training: its labels are laid out per sample as well;
     - a value model; a multimodal model outside ``vision_families`` (``verl.multimodal``), or
       one of them on a transformers older than the shim needs (``hf.vlm_release``: verl
@@ -90,6 +96,25 @@ def check_engine_setup(engine_config: Any, model_config: Any | None = None, *,
                          advice="Change the setting, or turn sharing off (use_prefix_grouper: "
                                 "false).")
 
+
+
+def fused_kernel_problems(engine_config: Any, model_config: Any,
+                          sharing: PrefixSharingConfig) -> list[Refused]:
+    """Where the Megatron engine does not serve ``use_fused_kernels`` with sharing on: its head
+    scores the whole flat layout on every tensor-parallel rank (:func:`shared_fused_forward`),
+    so not under context parallelism, where each rank holds a slice of the rows, nor across
+    micro-batches, whose forward scores from logits."""
+    if not any(getattr(c, "use_fused_kernels", False) for c in (engine_config, model_config)):
+        return []
+    found = []
+    cp = getattr(engine_config, "context_parallel_size", 1)
+    if cp > 1:
+        found.append(Refused("verl.fused_kernels",
+                             f"use_fused_kernels=True with context_parallel_size={cp}"))
+    if sharing.cross_micro_batch:
+        found.append(Refused("verl.fused_kernels", "use_fused_kernels=True with "
+                                                   "prefix_grouper.cross_micro_batch=true"))
+    return found
 
 
 def _vision_problems(model_type: str, vision_families: tuple[str, ...]) -> list[Refused]:
@@ -209,6 +234,7 @@ def shared_forward(
     route_recorder: RouteRecorder | None = None,
     self_check: FirstStepSelfCheck | None = None,
     stock_forward: Callable[..., Any] | None = None,
+    lm_head: str = "logits",
     **_verl_kwargs: Any,
 ) -> Any:
     """verl's ``gptmodel_forward_model_engine`` for one micro-batch, computing shared prefixes once.
@@ -222,7 +248,11 @@ def shared_forward(
     labels are laid out per sample, the flat layout has one row per computed token. With
     ``self_check`` pending, ``stock_forward`` (verl's own forward function) runs the same
     arguments as the reference (:mod:`.self_check`; the model's core attention takes the
-    plain THD path for verl's packed layout). verl's ``data_format`` (``"bshd"`` under
+    plain THD path for verl's packed layout). ``lm_head="hidden"`` (verl's
+    ``use_fused_kernels``, :func:`shared_fused_forward`): the model returns its last hidden
+    states and the head runs in chunks of rows inside the scoring, on this rank's vocabulary
+    slice (:func:`prefix_sharing.megatron_ext.head_token_stats`); ``"logits"``: the model's
+    vocab-parallel logits. verl's ``data_format`` (``"bshd"`` under
     ``use_remove_padding=False``) and its padding keywords go unused: the micro-batch arrives
     nested either way, the plan's flat layout replaces both of verl's, and verl's ``bshd``
     post-processing returns the same per-sample nested outputs as its ``thd`` one.
@@ -238,7 +268,8 @@ def shared_forward(
     from megatron.core import parallel_state
     from megatron.core.utils import unwrap_model
 
-    from ..megatron_ext import check_sharing_model, prepare_micro_batch, token_stats
+    from ..megatron_ext import (check_sharing_model, head_token_stats, lm_head_inputs,
+                                prepare_micro_batch, token_stats)
 
     check_text_only(value_model, vision_model, multi_modal_inputs)
     check_sharing_model(model)
@@ -261,15 +292,22 @@ def shared_forward(
     )
     if metrics is not None:
         metrics.add(mb.plan, replayed=replay_routes is not None)
-    output = model(input_ids=mb.input_ids, attention_mask=None, position_ids=mb.position_ids,
-                   packed_seq_params=mb.packed_seq_params)
+    last_stage = unwrap_model(model).post_process
+    capture = lm_head_inputs(model) if last_stage and lm_head == "hidden" else nullcontext()
+    with capture as head:
+        output = model(input_ids=mb.input_ids, attention_mask=None, position_ids=mb.position_ids,
+                       packed_seq_params=mb.packed_seq_params)
     if route_recorder is not None:
         route_recorder.ran(unwrap_model(model), mb.plan)
-    if not unwrap_model(model).post_process or logits_processor is None:
+    if not last_stage or (logits_processor is None and lm_head == "logits"):
         return output  # an inner pipeline stage: activations for the next one
     temperature = micro_batch_temperature((logits_processor_args or {}).get("temperature"))
-    stats = token_stats(output, mb, temperature=temperature,
-                        with_entropy=calculate_entropy)
+    if lm_head == "hidden":
+        stats = head_token_stats(output, head, mb, temperature=temperature,
+                                 with_entropy=calculate_entropy)
+    else:
+        stats = token_stats(output, mb, temperature=temperature,
+                            with_entropy=calculate_entropy)
     result = {"log_probs": stats.log_probs}
     if calculate_entropy:
         result["entropy"] = stats.entropy
@@ -280,6 +318,51 @@ def shared_forward(
             model, input_ids, multi_modal_inputs, logits_processor, logits_processor_args,
             value_model, vision_model, **_verl_kwargs), unwrap_model(model).config.params_dtype)
     return result
+
+
+def shared_fused_forward(
+    model,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    multi_modal_inputs: dict,
+    temperature: float,
+    calculate_entropy: bool,
+    pad_token_id: int,
+    *,
+    stock_forward: Callable[..., Any] | None = None,
+    **kwargs: Any,
+) -> Any:
+    """verl's fused forward (``use_fused_kernels``: ``fused_forward_model_engine``) for one
+    micro-batch, computing shared prefixes once: :func:`shared_forward` with the head run in
+    chunks from the hidden states (``lm_head="hidden"``), as verl's fused kernel does from its
+    own. verl's ``labels`` (its per-sample rolled ``input_ids``) go unused: each position's
+    target is its next token in the plan. ``kwargs``: :func:`shared_forward`'s sharing keywords
+    and verl's remaining ones (CP layout, padding buckets), unused as there. With the
+    self-check pending, ``stock_forward`` (verl's fused forward) is the reference, run with
+    verl's fused patch on the model (:func:`fused_forward_patched`)."""
+    reference = None
+    if stock_forward is not None:
+        def reference(*_shared_forward_arguments: Any, **_keywords: Any) -> Any:
+            with fused_forward_patched(model):
+                return stock_forward(model, input_ids, labels, multi_modal_inputs, temperature,
+                                     calculate_entropy, pad_token_id)
+    return shared_forward(model, input_ids, multi_modal_inputs,
+                          logits_processor_args={"temperature": temperature},
+                          calculate_entropy=calculate_entropy, stock_forward=reference,
+                          lm_head="hidden", **kwargs)
+
+
+@contextlib.contextmanager
+def fused_forward_patched(model) -> Iterator[None]:
+    """verl's fused-forward patch on ``model`` for the block (the sharing engine takes it off
+    at build: :func:`shared_fused_forward` calls the model unpatched)."""
+    from verl.models.mcore.model_forward_fused import patch_fused_forward, unpatch_fused_forward
+
+    patch_fused_forward(model)
+    try:
+        yield
+    finally:
+        unpatch_fused_forward(model)
 
 
 def check_text_only(value_model: Any, vision_model: Any, multi_modal_inputs: Any) -> None:

@@ -116,29 +116,43 @@ def install_layer_spec(engine: Any) -> None:
 
 
 def patch_forward_fn_lookup(module: ModuleType) -> None:
-    """Hook on ``verl.models.mcore``: the forward-fn lookup answers the shared forward while a
-    sharing engine runs a micro-batch. Idempotent."""
-    from .cross_forward import cross_forward
-    from .mcore import shared_forward
+    """Hook on ``verl.models.mcore``: both forward-fn lookups (``get_mcore_engine_forward_fn``
+    and, under ``use_fused_kernels``, ``get_mcore_forward_fused_model_engine_fn``) answer the
+    shared forward while a sharing engine runs a micro-batch. Idempotent."""
+    from .mcore import shared_forward, shared_fused_forward
 
-    stock = module.get_mcore_engine_forward_fn
+    _share_lookup(module, "get_mcore_engine_forward_fn", shared_forward)
+    _share_lookup(module, "get_mcore_forward_fused_model_engine_fn", shared_fused_forward,
+                  passed_by_verl=("calculate_entropy",))
+
+
+def _share_lookup(module: ModuleType, name: str, shared: Callable[..., Any],
+                  passed_by_verl: tuple[str, ...] = ()) -> None:
+    """``module.name(hf_config)`` returns ``shared`` bound to the current micro-batch's
+    keywords (less those verl's call passes itself: ``passed_by_verl``) while one runs, or
+    :func:`.cross_forward.cross_forward` for a micro-batch of a group run across micro-batches;
+    verl's own function otherwise, which is also the self-check's reference."""
+    from .cross_forward import cross_forward
+
+    stock = getattr(module, name)
     if getattr(stock, "_prefix_sharing", False):
         return
 
     @functools.wraps(stock)
-    def get_mcore_engine_forward_fn(hf_config):
+    def lookup(hf_config):
         current = _CURRENT.get()
         if current is None:
             return stock(hf_config)
         if current.get("part") is not None:  # a micro-batch of a cross-micro-batch group
             return functools.partial(cross_forward, **current)
-        forward_kwargs = {k: v for k, v in current.items() if k != "part"}
+        forward_kwargs = {k: v for k, v in current.items()
+                          if k != "part" and k not in passed_by_verl}
         if forward_kwargs.get("self_check") is not None:  # the reference: verl's own forward
             forward_kwargs["stock_forward"] = stock(hf_config)
-        return functools.partial(shared_forward, **forward_kwargs)
+        return functools.partial(shared, **forward_kwargs)
 
-    get_mcore_engine_forward_fn._prefix_sharing = True
-    module.get_mcore_engine_forward_fn = get_mcore_engine_forward_fn
+    lookup._prefix_sharing = True
+    setattr(module, name, lookup)
 
 
 def patch_engine(module: ModuleType) -> None:
@@ -149,7 +163,7 @@ def patch_engine(module: ModuleType) -> None:
 
     from .config import sharing_config
     from .hybrid import hybrid_release_problem
-    from .mcore import micro_batch_groups
+    from .mcore import fused_kernel_problems, micro_batch_groups
     from .mcore_vlm import vision_model_problem
     from .megatron_lora import megatron_lora_problem
     from .routing_replay import RouteRecorder, micro_batch_routes, replay_mode
@@ -161,18 +175,34 @@ def patch_engine(module: ModuleType) -> None:
         once."""
 
         supports_cross_micro_batch = True
+        serves_fused_kernels = True  # the head in chunks from hidden states: shared_fused_forward
 
         @classmethod
         def setup_problems(cls, model_config: Any, engine_config: Any) -> list:
             """The model's refusals on this engine (a vision tower, a GDN hybrid on this
-            megatron-core, LoRA) before the common ones, which they make moot."""
-            if sharing_config(engine_config).enabled:
+            megatron-core, LoRA) before the common ones, which they make moot; then where
+            ``use_fused_kernels`` is not served (:func:`.mcore.fused_kernel_problems`)."""
+            sharing = sharing_config(engine_config)
+            if sharing.enabled:
                 found = [problem for problem in (vision_model_problem(model_config),
                                                  hybrid_release_problem(model_config),
                                                  megatron_lora_problem(model_config)) if problem]
                 if found:
                     return found
-            return super().setup_problems(model_config, engine_config)
+            found = super().setup_problems(model_config, engine_config)
+            if sharing.enabled:
+                found += fused_kernel_problems(engine_config, model_config, sharing)
+            return found
+
+        def _maybe_enable_fused_kernels(self) -> None:
+            """verl's fused forward patch comes off again with sharing on: the shared forward
+            calls the model unpatched and scores from its hidden states itself."""
+            super()._maybe_enable_fused_kernels()
+            if self.prefix_sharing.enabled and self.engine_config.use_fused_kernels:
+                from verl.models.mcore.model_forward_fused import unpatch_fused_forward
+
+                for chunk in self.module:
+                    unpatch_fused_forward(chunk)
 
         def _build_tf_config(self) -> None:
             super()._build_tf_config()

@@ -84,10 +84,16 @@ def test_context_parallel_layer_is_built_but_plain_inputs_are_refused():
         layer(q, q, q, None)
 
 
-def test_fused_rope_is_refused():
+def test_fused_rope_is_refused_with_mla_only():
+    """GPT attention keeps TE's fused RoPE (tests/megatron_ext/test_self_attention.py); MLA's
+    fused kernels take positions from cu_seqlens."""
     config = TransformerConfig(**BASE)
     config.apply_rope_fusion = True  # needs TE to construct; the check reads the flag
-    with pytest.raises(UnsupportedSetupError, match="apply_rope_fusion=True.*set apply_rope_fusion=False"):
+    check_layer_config(config)
+    config.multi_latent_attention = True
+    with pytest.raises(UnsupportedSetupError,
+                       match="apply_rope_fusion=True with multi_latent_attention=True.*"
+                             "set apply_rope_fusion=False"):
         check_layer_config(config)
 
 

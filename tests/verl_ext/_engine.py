@@ -79,15 +79,19 @@ def build_engine(config, *, seed: int = 0, preset=PRESET, spec: dict | None = No
     return engine
 
 
-def step(engine, config, data: Callable[[], Any], during: Any = None) -> dict:
+def step(engine, config, data: Callable[[], Any], during: Any = None,
+         finalize: Callable[[Any], None] | None = None) -> dict:
     """On ``engine``: old log-probs + entropy (``infer_batch``), then verl's ``ppo_loss`` and
     every gradient (``forward_backward_batch``, inside the context manager ``during`` when
-    given), each on a fresh ``data()``; picklable, as the tests compare them."""
+    given; then ``finalize(model)``, e.g. megatron's sequence-parallel gradient sum), each on a
+    fresh ``data()``; picklable, as the tests compare them."""
     from verl.workers.utils.losses import ppo_loss
 
     infer = engine.infer_batch(data())
     with during or contextlib.nullcontext():
         train = engine.forward_backward_batch(data(), partial(ppo_loss, config=config))
+    if finalize is not None:
+        finalize(engine.module[0])
     grads = {n: p.grad.clone() for n, p in engine.module[0].named_parameters()}
     return {"infer": plain_output(infer), "train": plain_output(train), "grads": grads}
 
