@@ -64,6 +64,7 @@ from tests.verl_ext.test_preflight import BASE, MODEL  # noqa: E402
 ACTOR = "actor_rollout_ref.actor."
 SHARED = MODES["arbitrary_prefix"]
 BUDGET = 110  # dynamic bsz: verl splits the GRPO batch (138 tokens) in two
+CONTROL_LOSS = "geo_mean"  # its loss is a mean over the micro-batch's sequences
 TINY = dataclasses.replace(PRESET, full_attention_every=2)
 RL = {c: rows for c, rows in combinations().items() if c.trainer == "rl"}
 # transformers has no MiniCPM-o config class: its verdict is checked on a stand-in config
@@ -154,12 +155,16 @@ def verdicts(rank: int, dirs: dict[str, str]) -> dict:
 def recipe_steps(rank: int, paths: dict[str, str], plan: dict) -> dict:
     """For each engine setting of ``plan`` (-> its step settings), a stock engine and a sharing
     one; each step on both; ``calculate_sum_pi_squared`` on the sharing one where asked."""
+    from unittest import mock
+
+    import torch
     import transformers
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.losses import ppo_loss
 
     from prefix_sharing.errors import PrefixSharingSetupError
     from prefix_sharing.fsdp_compat.fsdp import full_gradients
+    from prefix_sharing.verl_ext import engine as sharing_engine
     from prefix_sharing.verl_ext.mcore import prompt_lengths
     from tests.verl_ext._batch import make_batch, plain_output, use_cpu_platform
     from tests.verl_ext._fsdp_engine import actor_config, build_engine, count_sharing_attention
@@ -185,6 +190,7 @@ def recipe_steps(rank: int, paths: dict[str, str], plan: dict) -> dict:
             packed = remove_padding and not (padded_reference and grouper is None)
             config = actor_config(grouper, remove_padding=packed, strategy=strategy,
                                   **engine_keys)
+            torch.manual_seed(0)  # a fresh LoRA adapter's A is drawn at random: the same in both
             try:
                 engine = build_engine(config, paths[family], **model)
                 for loss_mode, dynamic_bsz in steps:
@@ -223,6 +229,15 @@ def recipe_steps(rank: int, paths: dict[str, str], plan: dict) -> dict:
                         except PrefixSharingSetupError as error:
                             result["sum_pi_squared"] = tuple(error.refusals)
                     results[settings, (loss_mode, dynamic_bsz), side] = result
+                    if grouper is not None and dynamic_bsz and loss_mode == CONTROL_LOSS:
+                        # the control: the group-keeping split under a loss that depends on
+                        # its micro-batches (the engine keeps verl's split for it)
+                        with mock.patch.object(sharing_engine, "dynamic_split_problem",
+                                               lambda *args: None), engine.train_mode():
+                            control = engine.forward_backward_batch(
+                                batch(), partial(ppo_loss, config=loss))
+                            results["control"] = {**result, "train": plain_output(control),
+                                                  "grads": full_gradients(engine.module)}
             finally:
                 model_class.forward = stock_forward
     return results
@@ -320,8 +335,9 @@ def test_the_recipes_shared_step_equals_verls_stock_step(steps, c):
 def test_the_loss_modes_change_verls_loss_so_their_comparisons_are_not_vacuous(steps):
     """The control: each recipe loss mode gives another loss than vanilla on the same engine."""
     by_engine: dict = {}
-    for (settings, (loss_mode, dynamic_bsz), side), result in steps.items():
-        if side == "off":
+    for key, result in steps.items():
+        if key != "control" and key[2] == "off":
+            settings, (loss_mode, dynamic_bsz), _ = key
             by_engine.setdefault((settings, dynamic_bsz), {})[loss_mode] = sum(
                 result["train"]["loss"])
     modes = {m for losses in by_engine.values() for m in losses} - {"vanilla"}
@@ -330,6 +346,20 @@ def test_the_loss_modes_change_verls_loss_so_their_comparisons_are_not_vacuous(s
     assert compared
     for losses in compared:
         assert all(abs(v - losses["vanilla"]) > 1e-6 for m, v in losses.items() if m != "vanilla")
+
+
+def test_a_loss_of_its_micro_batches_keeps_verls_dynamic_split(steps):
+    """GMPO's ``geo_mean`` averages over the micro-batch's sequences: the sharing engine keeps
+    verl's two micro-batches (sharing within each) and gives verl's gradients; the control, the
+    group-keeping split (one micro-batch), does not."""
+    key = next(k for k in steps if k != "control" and k[1] == (CONTROL_LOSS, True)
+               and k[2] == "on")
+    on, off = steps[key], steps[(*key[:2], "off")]
+    assert len(on["train"]["loss"]) == len(off["train"]["loss"]) == 2
+    control = steps["control"]
+    assert len(control["train"]["loss"]) == 1
+    with pytest.raises(AssertionError, match="grad"):
+        same_outputs(control, off, "control", per_micro_batch=False)
 
 
 def test_calculate_sum_pi_squared_is_refused_per_micro_batch(steps):
