@@ -48,6 +48,8 @@ RECURRENT = {"qwen3_next", "qwen3_5", "qwen3_5_moe"}
 UNSERVED_VLM = {"glm4v", "minicpmo"}
 NEXT_ISSUE = "next issue"
 TEST = "tests/verl_ext/test_verl_recipes.py"
+VLM_TESTS = ("test_fsdp_vlm.py (FSDP2), test_fsdp_engine.py (FSDP1), test_fsdp_fused.py, "
+             "test_fsdp_lora.py")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +154,17 @@ class Combination:
             return "refused", tuple(keys), ""
         return "served", (), ""
 
+    def evidence(self) -> str:
+        """The tests that show the verdict: an engine step against verl's stock step in
+        :data:`TEST` for a served text combination; a served vision-language one runs per
+        switch in the FSDP engine's VLM, fused-kernel, LoRA and FSDP1 tests (its verdict in
+        :data:`TEST`)."""
+        if self.verdict()[0] != "served":
+            return f"verdict: {TEST}" if self.trainer == "rl" else ""
+        if self.vision:
+            return f"verdict: {TEST}; steps per switch: {VLM_TESTS}"
+        return f"engine step: {TEST}"
+
     def construction_keys(self) -> tuple[str, ...]:
         """The verdict's keys the engine raises when it is built (the others per micro-batch:
         ``calculate_sum_pi_squared`` rides on the batch)."""
@@ -166,10 +179,18 @@ def combinations(rows: Iterable[Row] | None = None) -> dict[Combination, list[Ro
     return dict(sorted(found.items()))
 
 
+def _reason(key: str, combination: Combination) -> str:
+    """The refusal's reason, the family's own for a refused vision-language family."""
+    from ..refusals import REFUSALS
+    from .vlm import UNSERVED_FAMILIES
+
+    if key == "verl.multimodal" and combination.model_type in UNSERVED_FAMILIES:
+        return UNSERVED_FAMILIES[combination.model_type]
+    return REFUSALS[key].reason.replace("|", "\\|")
+
+
 def render_section() -> list[str]:
     """docs/support.md's section: every combination, its launches, its verdict, its test."""
-    from ..refusals import REFUSALS
-
     lines = [
         "## verl 0.9 recipes (FSDP engine)",
         "",
@@ -177,20 +198,20 @@ def render_section() -> list[str]:
         "one row per script under `examples/` of verl's `release/v0.9.0`), reduced to the "
         "settings the sharing engine's step depends on (`prefix_sharing/verl_ext/recipes.py`; "
         "Ulysses sizes above 1 run at 2, an unresolved `fsdp` is verl's default FSDP1). "
-        f"Status of the actor and reference; each row is checked by `{TEST}` (verl 0.9.1): "
-        "preflight and the engine's construction give the same keys, and the served ones run "
-        "an engine step against verl's stock step (the docstring there says which are merged).",
+        "Status of the actor and reference, verl 0.9.1: for every RL row preflight and the "
+        "engine's construction give the keys shown; a served text combination runs an engine "
+        "step against verl's stock step with its switches (Ulysses at 2 ranks); a served "
+        "vision-language one runs each switch in the tests named (the test module's docstring "
+        "says what is merged and why).",
         "",
-        "| combination | launches | status | keys, reason |",
-        "|---|---|---|---|",
+        "| combination | launches | status | keys, reason | tests |",
+        "|---|---|---|---|---|",
     ]
     for combination, rows in combinations().items():
         status, keys, reason = combination.verdict()
-        detail = ", ".join(f"`{k}`" for k in keys)
-        if keys:
-            detail += ": " + "; ".join(REFUSALS[k].reason.replace("|", "\\|") for k in keys)
-        detail = detail or reason
+        detail = "; ".join(f"`{k}`: " + _reason(k, combination) for k in keys) or reason
         if combination.critic:
-            detail = (detail + "; " if detail else "") + "the critic: `verl.model_type` (next issue)"
-        lines.append(f"| {combination.name} | {len(rows)} | {status} | {detail} |")
+            detail += ("; " if detail else "") + "the critic: `verl.model_type` (next issue)"
+        lines.append(f"| {combination.name} | {len(rows)} | {status} | {detail} "
+                     f"| {combination.evidence()} |")
     return lines

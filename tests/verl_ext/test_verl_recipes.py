@@ -12,14 +12,18 @@ verl 0.9.1 only (the CSV is verl 0.9's launches). For every RL combination:
   issue's). The HF config of each family is transformers' default for its model type; MiniCPM-o
   has none in transformers (remote code only), so its refusal is checked on a config that says
   ``minicpmo`` with a vision tower.
-- the served text-family combinations at one rank, one spawned process: one engine step each,
-  sharing on against the same engine with it off (``_fsdp_engine``: verl's ``initialize()`` on
-  a tiny seeded checkpoint of the family, ``infer_batch`` then ``forward_backward_batch`` with
-  verl's ``ppo_loss`` at the recipe's loss mode), fp32 within 1e-5: log-probs, entropy, the
-  step's loss and every gradient, on a GRPO batch. gpt-oss's reference is verl's padded step
-  (``test_fsdp_windowed``). The refused-at-step ``calculate_sum_pi_squared`` is asserted as the
-  engine's refusal. Every combination with the same engine settings shares one pair of engines
-  (a loss mode or dynamic bsz changes the step, not the engine).
+- the served text-family combinations, one engine step each - those at one rank in one
+  spawned process, the Ulysses ones (FSDP1 and FSDP2, any size > 1 run at 2) in one more of two
+  ranks - sharing on against the same engine with it off (``_fsdp_engine``: verl's
+  ``initialize()`` on a tiny seeded checkpoint of the family, ``infer_batch`` then
+  ``forward_backward_batch`` with verl's ``ppo_loss`` at the recipe's loss mode), fp32 within
+  1e-5: log-probs, entropy, the step's loss and every gradient, on a GRPO batch. gpt-oss's
+  reference is verl's padded step (``test_fsdp_windowed``); the Ulysses reference is verl's own
+  Ulysses wrapper over a CPU kernel (``test_fsdp_ulysses``). The refused-at-step
+  ``calculate_sum_pi_squared`` is asserted as the engine's refusal. Every combination with the
+  same engine settings shares one pair of engines (a loss mode or dynamic bsz changes the step,
+  not the engine). GMPO's ``geo_mean`` under dynamic bsz keeps verl's micro-batches (its loss
+  is a mean over the micro-batch's sequences); the control, the group-keeping split, fails.
 
 Merged, and why (module budget: CI's verl runs; each merge is covered where named):
 
@@ -33,8 +37,8 @@ Merged, and why (module budget: CI's verl runs; each merge is covered where name
   family in ``test_fsdp_vlm`` (FSDP2, images and text-only), FSDP1 in ``test_fsdp_engine``,
   fused kernels and the entropy switches in ``test_fsdp_fused``, LoRA in ``test_fsdp_lora``;
   their verdicts are checked here;
-- the served Ulysses combinations (2 ranks) run in ``test_fsdp_ulysses`` (FSDP2, the Qwen2
-  family at 2 and 4 ranks); their verdicts are checked here.
+- Qwen3-Next under Ulysses and Qwen3-VL-MoE under Ulysses are refused at construction
+  (checked above), so they run no step.
 """
 
 from __future__ import annotations
@@ -73,8 +77,8 @@ NO_HF_CONFIG = {"minicpmo"}
 
 def stepped(combination: Combination) -> bool:
     """Whether the one-rank process runs the combination's engine step (module doc)."""
-    return (combination.verdict()[0] != "next issue" and combination.ulysses == 1
-            and not combination.vision and not combination.verdict()[1])
+    return (combination.verdict()[0] != "next issue" and not combination.vision
+            and not combination.verdict()[1])
 
 
 def engine_settings(c: Combination) -> tuple:
@@ -152,9 +156,11 @@ def verdicts(rank: int, dirs: dict[str, str]) -> dict:
     return found
 
 
-def recipe_steps(rank: int, paths: dict[str, str], plan: dict) -> dict:
+def recipe_steps(rank: int, paths: dict[str, str], plan: dict, ulysses: int = 1) -> dict:
     """For each engine setting of ``plan`` (-> its step settings), a stock engine and a sharing
-    one; each step on both; ``calculate_sum_pi_squared`` on the sharing one where asked."""
+    one; each step on both; ``calculate_sum_pi_squared`` on the sharing one where asked.
+    ``ulysses`` > 1: one Ulysses group of that many ranks, which share their batch; the stock
+    engine runs verl's Ulysses wrapper over a CPU kernel (``test_fsdp_ulysses``)."""
     from unittest import mock
 
     import torch
@@ -170,6 +176,20 @@ def recipe_steps(rank: int, paths: dict[str, str], plan: dict) -> dict:
     from tests.verl_ext._fsdp_engine import actor_config, build_engine, count_sharing_attention
 
     use_cpu_platform()
+    if ulysses > 1:
+        from tests.verl_ext.test_fsdp_ulysses import REFERENCE_ATTENTION, use_reference_attention
+
+        use_reference_attention()
+
+    def kernel_calls() -> int:
+        """Calls of the stock Ulysses wrapper's CPU kernel since the last reading."""
+        if ulysses == 1:
+            return 0
+        from tests.verl_ext.test_fsdp_ulysses import KERNEL_CALLS
+
+        calls, KERNEL_CALLS["n"] = KERNEL_CALLS["n"], 0
+        return calls
+
     results = {}
     for settings, (steps, sum_pi_squared) in plan.items():
         strategy, family, remove_padding, fused, chunked, entckpt, gc, lora = settings
@@ -183,20 +203,25 @@ def recipe_steps(rank: int, paths: dict[str, str], plan: dict) -> dict:
         if fused:
             model.update(use_fused_kernels=True, fused_kernel_options={"impl_backend": "torch"})
         engine_keys = dict(entropy_from_logits_with_chunking=chunked,
-                           entropy_checkpointing=entckpt, use_fused_kernels=fused)
+                           entropy_checkpointing=entckpt, use_fused_kernels=fused,
+                           ulysses_sequence_parallel_size=ulysses)
         model_class = getattr(transformers, _architecture_name(paths[family]))
         stock_forward = model_class.forward  # verl's fused kernels replace it class-wide
         for side, grouper in (("off", None), ("on", SHARED)):
             packed = remove_padding and not (padded_reference and grouper is None)
             config = actor_config(grouper, remove_padding=packed, strategy=strategy,
                                   **engine_keys)
+            if ulysses > 1 and grouper is None:
+                model["override_config"] = {"attn_implementation": REFERENCE_ATTENTION}
+            elif ulysses > 1:
+                model["override_config"] = {"attn_implementation": "sdpa"}
             torch.manual_seed(0)  # a fresh LoRA adapter's A is drawn at random: the same in both
             try:
                 engine = build_engine(config, paths[family], **model)
                 for loss_mode, dynamic_bsz in steps:
 
                     def batch(**switches):
-                        data = make_batch("grpo", seed=rank)
+                        data = make_batch("grpo", seed=rank // ulysses)  # one per group
                         data.pop("temperature")  # one per batch (verl's fused kernels' rule)
                         tu.assign_non_tensor_data(data, "temperature", 0.9)
                         tu.assign_non_tensor(data, use_remove_padding=packed,
@@ -219,7 +244,7 @@ def recipe_steps(rank: int, paths: dict[str, str], plan: dict) -> dict:
                             grads = full_gradients(engine.module)
                     result = {"infer": plain_output(infer), "train": plain_output(train),
                               "grads": grads, "engine": type(engine).__name__,
-                              "attention_calls": calls["n"],
+                              "attention_calls": calls["n"], "kernel_calls": kernel_calls(),
                               "read_from": [n - 1 for n in prompt_lengths(batch())]}
                     if sum_pi_squared and grouper is not None:
                         try:
@@ -251,12 +276,12 @@ def _architecture_name(path: str) -> str:
         return json.load(handle)["architectures"][0]
 
 
-def step_plan() -> dict:
-    """Engine settings -> ``(steps: [(loss mode, dynamic bsz)], whether a recipe of them sets
-    calculate_sum_pi_squared)``: one pair of engines each."""
+def step_plan(ulysses: int) -> dict:
+    """Engine settings at ``ulysses`` -> ``(steps: [(loss mode, dynamic bsz)], whether a recipe
+    of them sets calculate_sum_pi_squared)``: one pair of engines each."""
     plan: dict = {}
     for c in RL:
-        if stepped(c) or (c.sum_pi_squared and c.ulysses == 1):
+        if c.ulysses == ulysses and (stepped(c) or c.sum_pi_squared):
             steps, sum_pi = plan.get(engine_settings(c), ([], False))
             if step_settings(c) not in steps:
                 steps.append(step_settings(c))
@@ -269,7 +294,7 @@ def checkpoints(tmp_path_factory):
     """A tiny seeded checkpoint of each stepped family (Seed-OSS tied: verl's fused forward
     reads an untied head's sharded weight under FSDP2, test_fsdp_fused)."""
     paths = {}
-    for settings in step_plan():
+    for settings in [*step_plan(1), *step_plan(2)]:
         family = settings[1]
         if family in paths:
             continue
@@ -282,7 +307,12 @@ def checkpoints(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def steps(checkpoints):
-    return run_gloo(recipe_steps, 1, checkpoints, step_plan(), timeout=900)[0]
+    """Every one-rank step, then every Ulysses step at two ranks (rank 0's; each rank's outputs
+    and gradients are whole: verl gathers them)."""
+    one = run_gloo(recipe_steps, 1, checkpoints, step_plan(1), timeout=900)[0]
+    two = run_gloo(recipe_steps, 2, checkpoints, step_plan(2), 2, timeout=900)
+    assert two[0].keys() == two[1].keys()
+    return {**one, **{key: result for key, result in two[0].items() if key != "control"}}
 
 
 @pytest.fixture(scope="module")
@@ -321,10 +351,17 @@ def test_a_vision_family_transformers_cannot_load_is_refused_by_name():
             c.construction_keys())
 
 
+def test_the_docs_name_an_engine_step_exactly_for_the_combinations_stepped_here():
+    for c in RL:
+        assert c.evidence().startswith("engine step") == stepped(c), c.name
+
+
 @pytest.mark.parametrize("c", [c for c in RL if stepped(c)], ids=lambda c: c.name)
 def test_the_recipes_shared_step_equals_verls_stock_step(steps, c):
     key = (engine_settings(c), step_settings(c))
     on, off = steps[(*key, "on")], steps[(*key, "off")]
+    if c.ulysses > 1:  # verl's Ulysses wrapper ran on the stock side (test_fsdp_ulysses)
+        assert off["kernel_calls"] > 0 and on["kernel_calls"] == 0
     assert on["engine"] == "PrefixSharingFSDPEngine"
     assert on["attention_calls"] > 0 and off["attention_calls"] == 0
     metrics = on["train"]["metrics"]
