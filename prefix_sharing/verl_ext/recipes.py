@@ -1,12 +1,16 @@
 """verl 0.9's own example launches on its FSDP engine, reduced to the setting combinations that
 matter to the sharing engine, each with its verdict.
 
-The data: ``docs/results/verl-0.9-recipes.csv``, one row per training launch script under
-``examples/`` of verl's ``release/v0.9.0`` branch (tip 885121936, the release line of verl
-0.9.1), its settings read statically from the script with verl 0.9.1's defaults where the script
-says nothing (columns: ``../shared/notes/verl-recipes.md`` of the session that made it, and the
-column list below). This project's own data: the reader is approximate, open the script before
-relying on one row.
+The data: ``docs/results/verl-0.9-recipes.csv``, this project's own, one row per training
+launch script under ``examples/`` of verl's ``release/v0.9.0`` branch (tip 885121936,
+2026-08-20: the release line of verl 0.9.1; 107 launches, 92 RL and 15 SFT). The settings were
+read statically from each script (bash variables resolved, the last hydra override wins, the
+GPU branch taken) with verl 0.9.1's defaults where the script says nothing (``actor.strategy:
+fsdp``, ``use_remove_padding: true``, ``use_dynamic_bsz: false``, ``use_fused_kernels: false``,
+``use_torch_compile: true``). Columns read here: ``kind`` (rl / sft), ``loss_mode``, ``engine``,
+``family``, ``vl``, ``ulysses``, ``rmpad``, ``dyn_bsz``, ``critic``, ``lora``, ``fused``,
+``distill``, ``sum_pi2``, ``recompute`` (``gc:True``: gradient checkpointing) and
+``entropy_knobs``. The reader is approximate: open the script before relying on one row.
 
 :func:`combinations` reduces the FSDP-engine rows (``engine`` ``fsdp1`` / ``fsdp2`` / ``fsdp``
 / ``fsdp(fsdp2)``; an unresolved ``fsdp`` is verl's default, FSDP1) to their distinct
@@ -15,7 +19,7 @@ vision tower), Ulysses (any size > 1 is run at 2), ``use_remove_padding``, ``use
 ``use_fused_kernels``, the entropy switches, gradient checkpointing, the policy loss mode, LoRA,
 distillation, ``calculate_sum_pi_squared``, the critic and the trainer (RL or SFT). The
 advantage estimator is left out: advantages are the loss's inputs, the engine never sees how they
-were made. Every row maps to exactly one combination (``tests/verl_ext/test_verl_recipes.py``).
+were made. Every row maps to exactly one combination (``tests/verl_ext/test_recipes.py``).
 
 :meth:`Combination.verdict` is what the sharing engine does with it - served, or the refusal
 keys and why - which the recipe tests check against the engine and ``preflight``, and
@@ -58,9 +62,6 @@ class Row:
 
     script: str
     fields: dict
-
-    def __hash__(self) -> int:
-        return hash(self.script)
 
 
 def read_rows(path: pathlib.Path = CSV) -> list[Row]:
@@ -131,10 +132,6 @@ class Combination:
         parts += [self.loss_mode] if self.loss_mode != "vanilla" else []
         parts += [f"distill-{self.distillation}"] if self.distillation else []
         return ("sft-" if self.trainer == "sft" else "") + "-".join(parts)
-
-    @property
-    def ranks(self) -> int:
-        return self.ulysses
 
     def verdict(self) -> tuple[str, tuple[str, ...], str]:
         """``(status, refusal keys, reason)``: status ``served``, ``refused`` or
