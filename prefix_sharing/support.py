@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from .refusals import REFUSALS
+from .verl_ext.recipes import render_section as render_recipe_section
 
 
 __all__ = ["COLUMNS", "MATRIX", "STATUSES", "Cell", "readme_with_table", "render_page",
@@ -280,6 +281,7 @@ def render_page() -> str:
             if cell.tests:
                 tests = ", ".join(f"`{test}`" for test in cell.tests)
                 lines.append(f"- {feature}, {COLUMNS[column]}: {tests}")
+    lines += ["", *render_recipe_section()]
     lines += [
         "",
         "## Every refusal",

@@ -20,8 +20,8 @@ from ..refusals import Refused, refuse_all
 from .config import sharing_config
 from .cross_forward import check_cross_engine_setup
 from .mcore import PrefixSharingSetupError, SharingMetrics, check_engine_setup
-from .microbatch import (add_split_metrics, fixed_order, restore_sample_order, select_samples,
-                         sharing_split)
+from .microbatch import (add_split_metrics, dynamic_split_problem, fixed_order,
+                         restore_sample_order, select_samples, sharing_split)
 from .routing_replay import replay_mode
 from .self_check import FirstStepSelfCheck, self_check_problems
 
@@ -98,12 +98,14 @@ class SharingEngineMixin:
         if not self.prefix_sharing.enabled:
             return super().forward_backward_batch(data, loss_function, forward_only)
         self._sharing_metrics = SharingMetrics()
-        # dynamic bsz keeps groups together (across micro-batches cut on tokens and routes);
-        # fixed micro-batches keep them whole by the order of the samples
+        # dynamic bsz keeps groups together (across micro-batches cut on tokens and routes)
+        # unless the loss depends on its micro-batches; fixed micro-batches keep them whole by
+        # the order of the samples
         with sharing_split(self.prefix_sharing,
                            replay_mode(getattr(self, "engine_config", None)),
                            nested=self.prefix_sharing.cross_micro_batch and self.cross_nested()
                            ) as split:
+            dynamic_split_problem(data, split, loss_function, forward_only)
             order = fixed_order(data, split, loss_function, forward_only,
                                 self.order_sensitive_statistics())
             if order is not None:

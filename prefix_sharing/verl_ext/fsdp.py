@@ -21,7 +21,9 @@ Hooks (each runs when verl imports the module):
 :class:`.engine.SharingEngineMixin`'s, the same as in the Megatron engine):
 
 - ``__init__`` refuses what cannot be exact (:func:`.mcore.check_engine_setup`: value models,
-  multimodal models outside :data:`.vlm.ENGINE_FAMILIES`); ``use_fused_kernels`` is served
+  multimodal models outside :data:`.vlm.ENGINE_FAMILIES`; under Ulysses sequence parallelism,
+  the models it cannot split, :func:`.ulysses.ulysses_problems`, from the HF config: its
+  ``setup_problems``, which ``preflight`` reads); ``use_fused_kernels`` is served
   (``serves_fused_kernels``);
 - ``_build_module`` gives a vision-language model's instances transformers' own forwards back
   (:func:`.vlm.restore_stock_forwards`: verl's replace them class-wide), then switches the HF
@@ -31,8 +33,7 @@ Hooks (each runs when verl imports the module):
   checkpointing on by then; that is harmless, as transformers reads the attention
   implementation from the config at every call and the checkpointed layer replays the same
   keywords, the plan included. verl's remove-padding patch replaces only the flash-attention
-  function, which the sharing attention does not call. Under Ulysses sequence parallelism it
-  refuses the models it cannot split (:func:`.ulysses.ulysses_problems`). Then the model
+  function, which the sharing attention does not call. Then the model
   instance's forward and its LM head's are wrapped
   (:func:`prefix_sharing.fsdp_compat.head.install_hidden_state_head`) so that a forward with a
   head request returns log-probs and entropy computed from the last hidden states in chunks of
@@ -104,9 +105,9 @@ from functools import partial
 from types import ModuleType
 from typing import Any
 
-from ..refusals import Refused, refuse, refuse_all
+from ..refusals import Refused, refuse
 from .balancing import balancing_hooks
-from .config import accept_prefix_grouper
+from .config import accept_prefix_grouper, sharing_config
 from .engine import SharingEngineMixin, install_engine
 from .microbatch import patch_prepare_micro_batches
 from .patchsets import register_releases
@@ -180,10 +181,18 @@ def patch_engine(module: ModuleType) -> None:
                 if self.prefix_sharing.self_check and has_recurrent_layers(hf_module):
                     raise refuse("verl.self_check.recurrent", "prefix_grouper.self_check=true",
                                  error=PrefixSharingSetupError)
-                found = ulysses_problems(hf_module, plan_padding(self))
-                if found:
-                    raise refuse_all(found, error=PrefixSharingSetupError)
             return hf_module
+
+        @classmethod
+        def setup_problems(cls, model_config, engine_config):
+            """The mixin's, and under Ulysses the models it cannot split
+            (:func:`.ulysses.ulysses_problems`, from the HF config)."""
+            found = super().setup_problems(model_config, engine_config)
+            if sharing_config(engine_config).enabled:
+                found += ulysses_problems(
+                    getattr(model_config, "hf_config", None),
+                    getattr(engine_config, "ulysses_sequence_parallel_size", 1))
+            return found
 
         def _stock_outputs(self, micro_batch, logits_processor_func):
             """verl's own forward of ``micro_batch`` (the self-check's reference)."""

@@ -62,7 +62,7 @@ def check_engine_setup(engine_config: Any, model_config: Any | None = None, *,
       ``context_parallel_size > 1`` runs: the plan splits the flat layout over the CP ranks and
       the core attention gathers K/V (:mod:`prefix_sharing.megatron_ext.context_parallel`); so
       does the FSDP engine's Ulysses (``ulysses_sequence_parallel_size > 1``, :mod:`.ulysses`,
-      which refuses the models it cannot split once the model is built);
+      whose ``setup_problems`` refuses the models it cannot split, from their HF config);
     - ``use_fused_kernels=True`` unless ``serves_fused_kernels`` (verl's fused kernel computes
       log-probs from labels laid out per sample, which a shared row cannot give, one row
       serving several next tokens; both engines' sharing heads are chunked from the hidden

@@ -26,7 +26,9 @@ many samples each, groups whole where an order allows); the engine reorders the 
 :func:`select_samples` before verl's step and puts the outputs back with
 :func:`restore_sample_order`. That changes nothing only where verl's loss is a sum of
 per-sample terms over global figures (:func:`loss_order_problem`); elsewhere verl's order is
-kept and its cuts are counted.
+kept and its cuts are counted. The same holds with dynamic batch size: where the loss depends
+on its micro-batches, verl's own split runs (:func:`dynamic_split_problem`), each micro-batch
+shared within.
 
 With ``cross_micro_batch`` on, a group too large for the budget is not cut: it runs as
 consecutive micro-batches over one prefix computation (:mod:`.cross_groups`), placed after the
@@ -55,8 +57,8 @@ from .routing_replay import split_routes
 
 __all__ = ["SplitRecord", "sharing_split", "active_split", "rearrange_micro_batches",
            "patch_prepare_micro_batches", "add_split_metrics", "fixed_order", "select_samples",
-           "restore_sample_order", "loss_order_problem", "METRIC_PREFIX", "PART_KEY",
-           "SAMPLEWISE_POLICY_LOSSES"]
+           "restore_sample_order", "loss_order_problem", "dynamic_split_problem",
+           "METRIC_PREFIX", "PART_KEY", "SAMPLEWISE_POLICY_LOSSES"]
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +83,9 @@ class SplitRecord:
     parts: list[CrossPart] = dataclasses.field(default_factory=list)
     replay_mode: str = "disabled"  # verl's router_replay.mode: cross groups plan with routes
     nested: bool = False  # a cross group may nest (the engine's model allows it)
+    # why verl's own dynamic-bsz split runs (the step's loss depends on its micro-batches:
+    # :func:`dynamic_split_problem`), None to keep the groups together
+    verl_split_reason: str | None = None
 
     def metrics(self) -> dict[str, float]:
         if self.split is None:
@@ -158,12 +163,13 @@ def rearrange_micro_batches(
 ) -> tuple[list, list[list[int]]]:
     """verl's ``rearrange_micro_batches`` with sharing groups kept together (see module doc).
 
-    ``stock`` is verl's own function: it runs when no :func:`sharing_split` is active, and when
+    ``stock`` is verl's own function: it runs when no :func:`sharing_split` is active, when
     ``force_group_size > 1`` (verl's fixed blocks, used for reward-model pairs, which the
-    sharing split does not know about).
+    sharing split does not know about) and when the step's loss depends on its micro-batches
+    (``record.verl_split_reason``: :func:`dynamic_split_problem`).
     """
     record = _ACTIVE.get()
-    if record is None or force_group_size > 1:
+    if record is None or force_group_size > 1 or record.verl_split_reason is not None:
         return stock(batch, max_token_len, dp_group=dp_group,
                      num_batches_divided_by=num_batches_divided_by,
                      same_micro_num_in_dp=same_micro_num_in_dp,
@@ -340,6 +346,24 @@ def fixed_order(data: Any, record: SplitRecord | None, loss_function: Any, forwa
                    "sharing groups whole")
     order = record.split.order
     return None if order == sorted(order) else order
+
+
+def dynamic_split_problem(data: Any, record: SplitRecord, loss_function: Any,
+                          forward_only: bool) -> str | None:
+    """Why verl's own dynamic-bsz split must run for this step, or ``None``: a training step
+    whose loss depends on which samples share a micro-batch (:func:`loss_order_problem`, e.g.
+    ``geo_mean``'s mean over the micro-batch's sequences) gets verl's micro-batches, shared
+    within each, so its gradients stay verl's. Sets ``record.verl_split_reason`` (warned once)."""
+    from verl.utils import tensordict_utils as tu
+
+    if (forward_only or not record.config.enabled
+            or not tu.get_non_tensor_data(data, key="use_dynamic_bsz", default=False)):
+        return None
+    record.verl_split_reason = loss_order_problem(loss_function, data)
+    if record.verl_split_reason is not None:
+        _warn_once(f"prefix-sharing: dynamic bsz keeps verl's micro-batches "
+                   f"({record.verl_split_reason}); sharing groups cut by them share less")
+    return record.verl_split_reason
 
 
 def loss_order_problem(loss_function: Any, data: Any) -> str | None:

@@ -13,7 +13,8 @@ its own all-to-all (:mod:`prefix_sharing.fsdp_compat.ulysses`), and every rank g
 sample's log-probs and entropy in verl's output contract
 (:func:`~prefix_sharing.fsdp_compat.ulysses.ulysses_token_stats`).
 
-Refused (:func:`ulysses_problems`): models with recurrent layers switched to their sharing
+Refused at the engine's construction (:func:`ulysses_problems`, from the HF config, so
+``prefix-sharing preflight`` says it too): models with recurrent layers switched to their sharing
 forms (Gated DeltaNet, Mamba-2), whose recurrence over the plan's segments would need its
 state passed between ranks (verl itself runs Qwen3.5's GDN under Ulysses only through FLA's
 context-parallel kernels, CUDA only, and Qwen3-Next's and Nemotron-H's not at all), and
@@ -26,10 +27,13 @@ from typing import Any
 
 from ..refusals import Refused
 
-__all__ = ["plan_padding", "sequence_parallel_group", "ulysses_problems"]
+__all__ = ["plan_padding", "recurrent_layer_types", "sequence_parallel_group",
+           "ulysses_problems"]
 
 # The class markers of recurrent modules switched to their sharing forms (fsdp_compat).
 RECURRENT_MARKERS = ("_prefix_sharing_gdn", "_prefix_sharing_mamba")
+# The configs' names of those layers (``layer_types`` / ``layers_block_type`` entries).
+RECURRENT_LAYER_TYPES = frozenset({"linear_attention", "mamba"})
 
 
 def sequence_parallel_group(engine: Any) -> Any | None:
@@ -52,19 +56,32 @@ def has_recurrent_layers(hf_module: Any) -> bool:
                for marker in RECURRENT_MARKERS)
 
 
-def ulysses_problems(hf_module: Any, size: int) -> list[Refused]:
-    """Why the switched model cannot run under Ulysses over ``size`` ranks (nothing when it
-    can; module doc)."""
+def ulysses_problems(hf_config: Any, size: int) -> list[Refused]:
+    """Why a model of ``hf_config`` cannot run with sharing under Ulysses over ``size`` ranks
+    (nothing when it can; module doc), read from the config alone so that the engine's
+    construction and ``preflight`` say it before any model is built: recurrent layers are the
+    ``layer_types`` (or Nemotron-H's ``layers_block_type``) the sharing engine switches to a
+    sharing recurrence (:func:`has_recurrent_layers` on the switched model), a vision-language
+    model has a ``vision_config``."""
     if size <= 1:
         return []
-    from ..fsdp_compat.vlm import is_vlm
-
     setting = f"ulysses_sequence_parallel_size={size}"
+    model_type = getattr(hf_config, "model_type", type(hf_config).__name__)
     found = []
-    if has_recurrent_layers(hf_module):
+    if recurrent_layer_types(hf_config):
         found.append(Refused("verl.ulysses.recurrent",
-                             f"{setting} with {type(hf_module).__name__}'s recurrent layers"))
-    if is_vlm(hf_module):
+                             f"{setting} with {model_type}'s recurrent layers"))
+    if getattr(hf_config, "vision_config", None) is not None:
         found.append(Refused("verl.ulysses.vlm",
-                             f"{setting} with the vision-language {type(hf_module).__name__}"))
+                             f"{setting} with the vision-language {model_type}"))
     return found
+
+
+def recurrent_layer_types(hf_config: Any) -> set[str]:
+    """The recurrent layer kinds (``linear_attention``: Gated DeltaNet; ``mamba``) among the
+    config's (or its text config's) layers."""
+    text = getattr(hf_config, "text_config", None) or hf_config
+    kinds = set()
+    for field in ("layer_types", "layers_block_type"):
+        kinds.update(getattr(text, field, None) or ())
+    return kinds & RECURRENT_LAYER_TYPES

@@ -42,25 +42,27 @@ def save_model(directory: str, family: str = "qwen2", seed: int = 0, preset=PRES
 
 
 def actor_config(prefix_grouper: dict | None, *, remove_padding: bool = True,
-                 strategy: str = "fsdp2", **engine: Any):
+                 strategy: str = "fsdp2", section: dict | None = None, **engine: Any):
     """verl's ``FSDPActorConfig`` built the way the worker builds it (OmegaConf -> dataclass);
-    ``engine`` overrides ``fsdp_config`` keys; ``remove_padding=False``: verl's padded layout;
-    ``strategy``: ``fsdp2`` or ``fsdp`` (FSDP1)."""
+    ``engine`` overrides ``fsdp_config`` keys, ``section`` the actor section's (``policy_loss``);
+    ``remove_padding=False``: verl's padded layout; ``strategy``: ``fsdp2`` or ``fsdp``
+    (FSDP1)."""
     from omegaconf import OmegaConf
     from verl.utils.config import omega_conf_to_dataclass
 
     fsdp_config = dict(_target_="verl.workers.config.FSDPEngineConfig", mixed_precision=FP32,
                        use_torch_compile=False)
     fsdp_config.update(engine)
-    section = dict(
+    actor = dict(
         _target_="verl.workers.config.FSDPActorConfig", strategy=strategy, rollout_n=3,
         ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2, use_kl_loss=True,
         kl_loss_coef=0.1, entropy_coeff=0.01, fsdp_config=fsdp_config,
         optim=dict(_target_="verl.workers.config.FSDPOptimizerConfig"),
     )
+    actor.update(section or {})
     if prefix_grouper is not None:
-        section.update(use_prefix_grouper=True, prefix_grouper=prefix_grouper)
-    config = omega_conf_to_dataclass(OmegaConf.create(section))
+        actor.update(use_prefix_grouper=True, prefix_grouper=prefix_grouper)
+    config = omega_conf_to_dataclass(OmegaConf.create(actor))
     config.engine.use_remove_padding = remove_padding  # as verl's worker copies it from the model
     config.engine.use_dynamic_bsz = False
     config.engine.micro_batch_size_per_gpu = 2

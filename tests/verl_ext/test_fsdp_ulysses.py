@@ -153,13 +153,15 @@ def test_control_the_gather_without_verls_gradient_scale_gets_the_gradients_wron
     ("qwen2_5_vl", "tiny", ("verl.ulysses.vlm",)),
 ])
 def test_models_whose_layers_ulysses_cannot_split_are_refused_by_name(family, preset, keys):
-    """What the engine raises once verl has built and switched the model (``_build_module``)."""
+    """What the engine's construction (and preflight) raises, read from the HF config alone:
+    the recurrent layers it names are the ones the sharing engine switches once verl has built
+    the model."""
     import dataclasses
 
     from prefix_sharing.fsdp_compat import build_model, enable_prefix_sharing
     from prefix_sharing.fsdp_compat.vlm import vlm_release_problem
     from prefix_sharing.presets import PRESETS
-    from prefix_sharing.verl_ext.ulysses import ulysses_problems
+    from prefix_sharing.verl_ext.ulysses import has_recurrent_layers, ulysses_problems
 
     if family == "nemotron_h":
         pytest.importorskip("transformers.models.nemotron_h", reason="Nemotron-H: transformers 5")
@@ -169,5 +171,6 @@ def test_models_whose_layers_ulysses_cannot_split_are_refused_by_name(family, pr
     if family in ("qwen3_next", "qwen2_5_vl"):  # 4 layers, every other one full attention
         preset = dataclasses.replace(preset, num_layers=4, full_attention_every=2)
     model = enable_prefix_sharing(build_model(family, preset))
-    assert tuple(found.key for found in ulysses_problems(model, 2)) == keys
-    assert ulysses_problems(model, 1) == []
+    assert tuple(found.key for found in ulysses_problems(model.config, 2)) == keys
+    assert ulysses_problems(model.config, 1) == []
+    assert has_recurrent_layers(model) == ("verl.ulysses.recurrent" in keys)

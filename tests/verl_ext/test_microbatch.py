@@ -269,6 +269,29 @@ def test_a_loss_that_depends_on_the_micro_batch_keeps_verls_order_and_counts_its
         assert fixed_order(batch, record, loss, forward_only=True) is not None
 
 
+@pytest.mark.parametrize("loss_mode", ["vanilla", "geo_mean"])
+def test_dynamic_bsz_keeps_verls_split_where_the_loss_depends_on_its_micro_batches(
+        verl, loss_mode):
+    """GMPO's ``geo_mean`` (a mean over the micro-batch's sequences): verl's own split, shared
+    within; a sample-wise loss, and every forward-only step, keep the groups together."""
+    from prefix_sharing.verl_ext.microbatch import dynamic_split_problem
+
+    engine_utils, seqlen_balancing, tu = verl
+    batch = dynamic(make_batch("grpo"), tu)
+    loss = ppo(policy_loss={"loss_mode": loss_mode})
+    _, stock = seqlen_balancing.rearrange_micro_batches(batch, max_token_len=BUDGET)
+    for forward_only in (False, True):
+        with sharing_split(ARBITRARY) as record:
+            found = dynamic_split_problem(batch, record, loss, forward_only)
+            _, index_lists = engine_utils.prepare_micro_batches(batch)
+        kept = loss_mode == "geo_mean" and not forward_only
+        assert (found is not None) == kept and (record.split is None) == kept
+        if kept:
+            assert index_lists == stock and "geo_mean" in found
+        else:
+            assert not split_groups(index_lists, tu.get(batch, "uid"))
+
+
 def test_the_loss_order_rules_for_other_losses_and_global_figures(verl):
     from functools import partial
 

@@ -1,0 +1,214 @@
+"""verl 0.9's own example launches on its FSDP engine, reduced to the setting combinations that
+matter to the sharing engine, each with its verdict.
+
+The data: ``docs/results/verl-0.9-recipes.csv``, this project's own, one row per training
+launch script under ``examples/`` of verl's ``release/v0.9.0`` branch (tip 885121936,
+2026-08-20: the release line of verl 0.9.1; 107 launches, 92 RL and 15 SFT). The settings were
+read statically from each script (bash variables resolved, the last hydra override wins, the
+GPU branch taken) with verl 0.9.1's defaults where the script says nothing (``actor.strategy:
+fsdp``, ``use_remove_padding: true``, ``use_dynamic_bsz: false``, ``use_fused_kernels: false``,
+``use_torch_compile: true``). Columns read here: ``kind`` (rl / sft), ``loss_mode``, ``engine``,
+``family``, ``vl``, ``ulysses``, ``rmpad``, ``dyn_bsz``, ``critic``, ``lora``, ``fused``,
+``distill``, ``sum_pi2``, ``recompute`` (``gc:True``: gradient checkpointing) and
+``entropy_knobs``. The reader is approximate: open the script before relying on one row.
+
+:func:`combinations` reduces the FSDP-engine rows (``engine`` ``fsdp1`` / ``fsdp2`` / ``fsdp``
+/ ``fsdp(fsdp2)``; an unresolved ``fsdp`` is verl's default, FSDP1) to their distinct
+:class:`Combination` of what changes the sharing engine's step: strategy, model family (and its
+vision tower), Ulysses (any size > 1 is run at 2), ``use_remove_padding``, ``use_dynamic_bsz``,
+``use_fused_kernels``, the entropy switches, gradient checkpointing, the policy loss mode, LoRA,
+distillation, ``calculate_sum_pi_squared``, the critic and the trainer (RL or SFT). The
+advantage estimator is left out: advantages are the loss's inputs, the engine never sees how they
+were made. Every row maps to exactly one combination (``tests/verl_ext/test_recipes.py``).
+
+:meth:`Combination.verdict` is what the sharing engine does with it - served, or the refusal
+keys and why - which the recipe tests check against the engine and ``preflight``, and
+``docs/support.md`` lists (:func:`render_section`).
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import pathlib
+from collections.abc import Iterable
+
+__all__ = ["CSV", "Combination", "Row", "combinations", "fsdp_rows", "read_rows",
+           "render_section", "NEXT_ISSUE"]
+
+CSV = pathlib.Path(__file__).resolve().parents[2] / "docs" / "results" / "verl-0.9-recipes.csv"
+FSDP_ENGINES = {"fsdp1": "fsdp", "fsdp": "fsdp", "fsdp2": "fsdp2", "fsdp(fsdp2)": "fsdp2"}
+# recipe family -> the HF model type of its checkpoints
+MODEL_TYPES = {
+    "qwen2.5": "qwen2", "qwen3": "qwen3", "qwen3-moe": "qwen3_moe", "qwen3-next": "qwen3_next",
+    "gpt-oss": "gpt_oss", "mistral": "mistral", "gemma": "gemma", "seed-oss": "seed_oss",
+    "deepseek-coder(llama)": "llama", "qwen2.5-vl": "qwen2_5_vl", "qwen3-vl": "qwen3_vl",
+    "qwen3-vl-moe": "qwen3_vl_moe", "qwen3.5": "qwen3_5", "qwen3.5-moe": "qwen3_5_moe",
+    "glm4.1v": "glm4v", "minicpm-o": "minicpmo",
+}
+# model types whose layers the sharing engine switches to a sharing recurrence (Gated DeltaNet)
+RECURRENT = {"qwen3_next", "qwen3_5", "qwen3_5_moe"}
+# vision-language model types the FSDP engine refuses (prefix_sharing.verl_ext.vlm)
+UNSERVED_VLM = {"glm4v", "minicpmo"}
+NEXT_ISSUE = "next issue"
+TEST = "tests/verl_ext/test_verl_recipes.py"
+VLM_TESTS = ("test_fsdp_vlm.py (FSDP2), test_fsdp_engine.py (FSDP1), test_fsdp_fused.py, "
+             "test_fsdp_lora.py")
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One launch script's row (the columns the reduction reads)."""
+
+    script: str
+    fields: dict
+
+
+def read_rows(path: pathlib.Path = CSV) -> list[Row]:
+    with open(path, newline="") as handle:
+        return [Row(r["script"], r) for r in csv.DictReader(handle)]
+
+
+def fsdp_rows(rows: Iterable[Row] | None = None) -> list[Row]:
+    """The rows on verl's FSDP engine (FSDP1, FSDP2, or the unresolved default)."""
+    return [r for r in (read_rows() if rows is None else rows)
+            if r.fields["engine"] in FSDP_ENGINES]
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Combination:
+    """The settings of one or more launches that the sharing engine's step depends on."""
+
+    trainer: str  # "rl" or "sft"
+    strategy: str  # verl's actor.strategy: "fsdp" (FSDP1) or "fsdp2"
+    family: str  # the recipe's family name (MODEL_TYPES)
+    vision: bool
+    ulysses: int  # 1, or 2 for any size > 1
+    remove_padding: bool
+    dynamic_bsz: bool
+    fused_kernels: bool
+    chunked_entropy: bool
+    entropy_checkpointing: bool
+    torch_compile: bool
+    gradient_checkpointing: bool
+    loss_mode: str  # actor.policy_loss.loss_mode
+    lora: bool
+    distillation: str  # the distillation loss mode, "" without
+    sum_pi_squared: bool
+    critic: bool
+
+    @classmethod
+    def of(cls, row: Row) -> Combination:
+        f = row.fields
+        knobs = f["entropy_knobs"].split()
+        return cls(
+            trainer=f["kind"], strategy=FSDP_ENGINES[f["engine"]], family=f["family"],
+            vision=f["vl"] == "1", ulysses=2 if int(f["ulysses"]) > 1 else 1,
+            remove_padding=f["rmpad"] == "1", dynamic_bsz=f["dyn_bsz"] == "1",
+            fused_kernels=f["fused"] == "1", chunked_entropy="chunked_entropy" in knobs,
+            entropy_checkpointing="entropy_ckpt" in knobs,
+            torch_compile="torch_compile=False" not in knobs,  # verl's default: on
+            gradient_checkpointing="gc:True" in f["recompute"],
+            loss_mode=f["loss_mode"] or "vanilla", lora=f["lora"] == "1",
+            distillation=f["distill"], sum_pi_squared=f["sum_pi2"] == "1",
+            critic=f["critic"] == "1")
+
+    @property
+    def model_type(self) -> str:
+        return MODEL_TYPES[self.family]
+
+    @property
+    def name(self) -> str:
+        """A short id: the family, strategy and each switch that differs from the plain RL
+        step (FSDP2 ... remove padding on, the rest off, vanilla loss)."""
+        parts = [self.family, "fsdp1" if self.strategy == "fsdp" else "fsdp2"]
+        parts += [f"sp{self.ulysses}"] if self.ulysses > 1 else []
+        flags = (("padded", not self.remove_padding), ("dyn", self.dynamic_bsz),
+                 ("fused", self.fused_kernels), ("chunked", self.chunked_entropy),
+                 ("entckpt", self.entropy_checkpointing), ("compile", self.torch_compile),
+                 ("gc", self.gradient_checkpointing), ("lora", self.lora),
+                 ("sumpi2", self.sum_pi_squared), ("critic", self.critic))
+        parts += [flag for flag, on in flags if on]
+        parts += [self.loss_mode] if self.loss_mode != "vanilla" else []
+        parts += [f"distill-{self.distillation}"] if self.distillation else []
+        return ("sft-" if self.trainer == "sft" else "") + "-".join(parts)
+
+    def verdict(self) -> tuple[str, tuple[str, ...], str]:
+        """``(status, refusal keys, reason)``: status ``served``, ``refused`` or
+        :data:`NEXT_ISSUE` (roles beyond the actor and reference: verl's SFT trainer)."""
+        if self.trainer == "sft":
+            return NEXT_ISSUE, (), "verl's SFT trainer: its config takes no prefix_grouper"
+        keys = []
+        if self.model_type in UNSERVED_VLM:
+            keys.append("verl.multimodal")
+        if self.ulysses > 1 and self.model_type in RECURRENT:
+            keys.append("verl.ulysses.recurrent")
+        if self.ulysses > 1 and self.vision:
+            keys.append("verl.ulysses.vlm")
+        if self.sum_pi_squared:
+            keys.append("verl.micro_batch_switch")
+        if keys:
+            return "refused", tuple(keys), ""
+        return "served", (), ""
+
+    def evidence(self) -> str:
+        """The tests that show the verdict: an engine step against verl's stock step in
+        :data:`TEST` for a served text combination; a served vision-language one runs per
+        switch in the FSDP engine's VLM, fused-kernel, LoRA and FSDP1 tests (its verdict in
+        :data:`TEST`)."""
+        if self.verdict()[0] != "served":
+            return f"verdict: {TEST}" if self.trainer == "rl" else ""
+        if self.vision:
+            return f"verdict: {TEST}; steps per switch: {VLM_TESTS}"
+        return f"engine step: {TEST}"
+
+    def construction_keys(self) -> tuple[str, ...]:
+        """The verdict's keys the engine raises when it is built (the others per micro-batch:
+        ``calculate_sum_pi_squared`` rides on the batch)."""
+        return tuple(k for k in self.verdict()[1] if k != "verl.micro_batch_switch")
+
+
+def combinations(rows: Iterable[Row] | None = None) -> dict[Combination, list[Row]]:
+    """Each distinct combination of the FSDP-engine rows and the rows that map to it."""
+    found: dict[Combination, list[Row]] = {}
+    for row in fsdp_rows(rows):
+        found.setdefault(Combination.of(row), []).append(row)
+    return dict(sorted(found.items()))
+
+
+def _reason(key: str, combination: Combination) -> str:
+    """The refusal's reason, the family's own for a refused vision-language family."""
+    from ..refusals import REFUSALS
+    from .vlm import UNSERVED_FAMILIES
+
+    if key == "verl.multimodal" and combination.model_type in UNSERVED_FAMILIES:
+        return UNSERVED_FAMILIES[combination.model_type]
+    return REFUSALS[key].reason.replace("|", "\\|")
+
+
+def render_section() -> list[str]:
+    """docs/support.md's section: every combination, its launches, its verdict, its test."""
+    lines = [
+        "## verl 0.9 recipes (FSDP engine)",
+        "",
+        "verl 0.9's example launches on its FSDP engine (`docs/results/verl-0.9-recipes.csv`, "
+        "one row per script under `examples/` of verl's `release/v0.9.0`), reduced to the "
+        "settings the sharing engine's step depends on (`prefix_sharing/verl_ext/recipes.py`; "
+        "Ulysses sizes above 1 run at 2, an unresolved `fsdp` is verl's default FSDP1). "
+        "Status of the actor and reference, verl 0.9.1: for every RL row preflight and the "
+        "engine's construction give the keys shown; a served text combination runs an engine "
+        "step against verl's stock step with its switches (Ulysses at 2 ranks); a served "
+        "vision-language one runs each switch in the tests named (the test module's docstring "
+        "says what is merged and why).",
+        "",
+        "| combination | launches | status | keys, reason | tests |",
+        "|---|---|---|---|---|",
+    ]
+    for combination, rows in combinations().items():
+        status, keys, reason = combination.verdict()
+        detail = "; ".join(f"`{k}`: " + _reason(k, combination) for k in keys) or reason
+        if combination.critic:
+            detail += ("; " if detail else "") + "the critic: `verl.model_type` (next issue)"
+        lines.append(f"| {combination.name} | {len(rows)} | {status} | {detail} "
+                     f"| {combination.evidence()} |")
+    return lines

@@ -1,0 +1,405 @@
+"""verl 0.9's own recipes on its FSDP engine (``prefix_sharing.verl_ext.recipes``: the CSV's
+FSDP rows reduced to their setting combinations), each as the sharing engine takes it.
+
+verl 0.9.1 only (the CSV is verl 0.9's launches). For every RL combination:
+
+- ``preflight`` of the recipe's overrides (strategy, Ulysses, padding, fused kernels, gradient
+  checkpointing, dynamic bsz, entropy switches, loss mode, LoRA, ``calculate_sum_pi_squared``,
+  GAE for a critic) gives the combination's verdict keys for the actor and the reference, and
+  constructing the registered engine from the same configs raises the same keys (the refused
+  VLM families, GLM-4.1V, and the Ulysses refusals of a recurrent or vision-language model,
+  which the engine now says at construction); a critic is refused ``verl.model_type`` (the next
+  issue's). The HF config of each family is transformers' default for its model type; MiniCPM-o
+  has none in transformers (remote code only), so its refusal is checked on a config that says
+  ``minicpmo`` with a vision tower.
+- the served text-family combinations, one engine step each - those at one rank in one
+  spawned process, the Ulysses ones (FSDP1 and FSDP2, any size > 1 run at 2) in one more of two
+  ranks - sharing on against the same engine with it off (``_fsdp_engine``: verl's
+  ``initialize()`` on a tiny seeded checkpoint of the family, ``infer_batch`` then
+  ``forward_backward_batch`` with verl's ``ppo_loss`` at the recipe's loss mode), fp32 within
+  1e-5: log-probs, entropy, the step's loss and every gradient, on a GRPO batch. gpt-oss's
+  reference is verl's padded step (``test_fsdp_windowed``); the Ulysses reference is verl's own
+  Ulysses wrapper over a CPU kernel (``test_fsdp_ulysses``). The refused-at-step
+  ``calculate_sum_pi_squared`` is asserted as the engine's refusal. Every combination with the
+  same engine settings shares one pair of engines (a loss mode or dynamic bsz changes the step,
+  not the engine). GMPO's ``geo_mean`` under dynamic bsz keeps verl's micro-batches (its loss
+  is a mean over the micro-batch's sequences); the control, the group-keeping split, fails.
+
+Merged, and why (module budget: CI's verl runs; each merge is covered where named):
+
+- ``use_torch_compile`` runs off on both sides (inductor compiles for minutes on CPU):
+  ``test_fsdp_fused`` shows the sharing engine never calls verl's compiled function and gives
+  bitwise the same outputs with it on;
+- a critic (GAE) or k1 distillation changes no actor step: the step is the combination without
+  them (the critic role is refused above; the distillation loss is verl's over the log-probs
+  checked here, ``distillation_use_topk`` off);
+- the vision-language combinations (Qwen2.5-VL, Qwen3-VL, Qwen3.5 dense and MoE) run per
+  family in ``test_fsdp_vlm`` (FSDP2, images and text-only), FSDP1 in ``test_fsdp_engine``,
+  fused kernels and the entropy switches in ``test_fsdp_fused``, LoRA in ``test_fsdp_lora``;
+  their verdicts are checked here;
+- Qwen3-Next under Ulysses and Qwen3-VL-MoE under Ulysses are refused at construction
+  (checked above), so they run no step.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from importlib.metadata import version
+
+import pytest
+
+if importlib.util.find_spec("verl") is None:
+    pytest.skip("verl is not installed (build an environment with .ci/verl_env.sh <version>)",
+                allow_module_level=True)
+if version("verl") != "0.9.1":
+    pytest.skip(f"the recipe table is verl 0.9's launches; verl {version('verl')} is installed",
+                allow_module_level=True)
+
+import dataclasses  # noqa: E402
+from functools import partial  # noqa: E402
+
+from prefix_sharing.engines.launch import run_distributed  # noqa: E402
+from prefix_sharing.verl_ext.recipes import Combination, combinations  # noqa: E402
+from tests.fsdp_compat._launch import run_gloo  # noqa: E402
+from tests.verl_ext._compare import MODES, same_outputs  # noqa: E402
+from tests.verl_ext._fsdp_engine import PRESET, save_model  # noqa: E402
+from tests.verl_ext.test_preflight import BASE, MODEL  # noqa: E402
+
+ACTOR = "actor_rollout_ref.actor."
+SHARED = MODES["arbitrary_prefix"]
+BUDGET = 110  # dynamic bsz: verl splits the GRPO batch (138 tokens) in two
+CONTROL_LOSS = "geo_mean"  # its loss is a mean over the micro-batch's sequences
+TINY = dataclasses.replace(PRESET, full_attention_every=2)
+RL = {c: rows for c, rows in combinations().items() if c.trainer == "rl"}
+# transformers has no MiniCPM-o config class: its verdict is checked on a stand-in config
+NO_HF_CONFIG = {"minicpmo"}
+
+
+def stepped(combination: Combination) -> bool:
+    """Whether the one-rank process runs the combination's engine step (module doc)."""
+    return (combination.verdict()[0] != "next issue" and not combination.vision
+            and not combination.verdict()[1])
+
+
+def engine_settings(c: Combination) -> tuple:
+    """What the engine is built with (the step's loss mode and dynamic bsz are not)."""
+    return (c.strategy, c.family, c.remove_padding, c.fused_kernels, c.chunked_entropy,
+            c.entropy_checkpointing, c.gradient_checkpointing, c.lora)
+
+
+def step_settings(c: Combination) -> tuple:
+    return (c.loss_mode, c.dynamic_bsz)
+
+
+def overrides(c: Combination, path: str) -> list[str]:
+    """The recipe's hydra overrides for ``c`` (beyond test_preflight's BASE)."""
+    found = [MODEL + f"path={path}", ACTOR + f"strategy={c.strategy}", ACTOR + "use_kl_loss=true",
+             ACTOR + f"ulysses_sequence_parallel_size={c.ulysses}",
+             ACTOR + f"use_dynamic_bsz={c.dynamic_bsz}",
+             ACTOR + f"entropy_from_logits_with_chunking={c.chunked_entropy}",
+             ACTOR + f"entropy_checkpointing={c.entropy_checkpointing}",
+             ACTOR + f"use_torch_compile={c.torch_compile}",
+             ACTOR + f"policy_loss.loss_mode={c.loss_mode}",
+             ACTOR + f"calculate_sum_pi_squared={c.sum_pi_squared}",
+             MODEL + f"use_remove_padding={c.remove_padding}",
+             MODEL + f"use_fused_kernels={c.fused_kernels}",
+             MODEL + f"enable_gradient_checkpointing={c.gradient_checkpointing}"]
+    if c.lora:
+        found.append(MODEL + "lora_rank=8")
+    if c.critic:
+        found.append("algorithm.adv_estimator=gae")
+    return found
+
+
+def config_dirs(root: str) -> dict[str, str]:
+    """Per model type of the table (but MiniCPM-o), transformers' default config of it."""
+    import os
+
+    from transformers import AutoConfig
+
+    from prefix_sharing.verl_ext.preflight import _architecture
+
+    dirs = {}
+    for model_type in {c.model_type for c in RL} - NO_HF_CONFIG:
+        config = AutoConfig.for_model(model_type)
+        config.architectures = [_architecture(model_type)]
+        dirs[model_type] = os.path.join(root, model_type)
+        config.save_pretrained(dirs[model_type])
+    return dirs
+
+
+def verdicts(rank: int, dirs: dict[str, str]) -> dict:
+    """Per RL combination: each role's preflight keys, and the keys constructing the actor's
+    engine from the configs preflight read raises (None where the engine needs more ranks than
+    one: a served Ulysses combination)."""
+    from prefix_sharing.errors import PrefixSharingSetupError
+    from prefix_sharing.verl_ext.preflight import compose_config, preflight
+    from tests.verl_ext._batch import use_cpu_platform
+
+    use_cpu_platform()
+    found = {}
+    for c in RL:
+        if c.model_type in NO_HF_CONFIG:
+            continue
+        checked = preflight(compose_config(BASE + overrides(c, dirs[c.model_type])))
+        roles = {r.role: tuple(sorted(p.key for p in r.problems)) for r in checked.roles}
+        actor = checked.roles[0]
+        built = None
+        if roles["actor"] or c.ulysses == 1:
+            cfg = actor.configs
+            built = ()
+            try:
+                actor.engine_cls(cfg["model"], cfg["engine"], cfg["optim"], cfg["checkpoint"])
+            except PrefixSharingSetupError as error:
+                built = tuple(sorted(error.refusals))
+        found[c] = {"roles": roles, "built": built, "engine": actor.engine_cls.__name__}
+    return found
+
+
+def recipe_steps(rank: int, paths: dict[str, str], plan: dict, ulysses: int = 1) -> dict:
+    """For each engine setting of ``plan`` (-> its step settings), a stock engine and a sharing
+    one; each step on both; ``calculate_sum_pi_squared`` on the sharing one where asked.
+    ``ulysses`` > 1: one Ulysses group of that many ranks, which share their batch; the stock
+    engine runs verl's Ulysses wrapper over a CPU kernel (``test_fsdp_ulysses``)."""
+    from unittest import mock
+
+    import torch
+    import transformers
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.losses import ppo_loss
+
+    from prefix_sharing.errors import PrefixSharingSetupError
+    from prefix_sharing.fsdp_compat.fsdp import full_gradients
+    from prefix_sharing.verl_ext import engine as sharing_engine
+    from prefix_sharing.verl_ext.mcore import prompt_lengths
+    from tests.verl_ext._batch import make_batch, plain_output, use_cpu_platform
+    from tests.verl_ext._fsdp_engine import actor_config, build_engine, count_sharing_attention
+
+    use_cpu_platform()
+    if ulysses > 1:
+        from tests.verl_ext.test_fsdp_ulysses import REFERENCE_ATTENTION, use_reference_attention
+
+        use_reference_attention()
+
+    def kernel_calls() -> int:
+        """Calls of the stock Ulysses wrapper's CPU kernel since the last reading."""
+        if ulysses == 1:
+            return 0
+        from tests.verl_ext.test_fsdp_ulysses import KERNEL_CALLS
+
+        calls, KERNEL_CALLS["n"] = KERNEL_CALLS["n"], 0
+        return calls
+
+    results = {}
+    for settings, (steps, sum_pi_squared) in plan.items():
+        strategy, family, remove_padding, fused, chunked, entckpt, gc, lora = settings
+        model_type = next(c.model_type for c in RL if c.family == family)
+        padded_reference = model_type == "gpt_oss"  # test_fsdp_windowed
+        model = dict(enable_gradient_checkpointing=gc,
+                     override_config={"attn_implementation": "eager" if padded_reference
+                                      else "sdpa"})
+        if lora:
+            model.update(lora_rank=8, lora_alpha=16, target_modules="all-linear")
+        if fused:
+            model.update(use_fused_kernels=True, fused_kernel_options={"impl_backend": "torch"})
+        engine_keys = dict(entropy_from_logits_with_chunking=chunked,
+                           entropy_checkpointing=entckpt, use_fused_kernels=fused,
+                           ulysses_sequence_parallel_size=ulysses)
+        model_class = getattr(transformers, _architecture_name(paths[family]))
+        stock_forward = model_class.forward  # verl's fused kernels replace it class-wide
+        for side, grouper in (("off", None), ("on", SHARED)):
+            packed = remove_padding and not (padded_reference and grouper is None)
+            config = actor_config(grouper, remove_padding=packed, strategy=strategy,
+                                  **engine_keys)
+            if ulysses > 1 and grouper is None:
+                model["override_config"] = {"attn_implementation": REFERENCE_ATTENTION}
+            elif ulysses > 1:
+                model["override_config"] = {"attn_implementation": "sdpa"}
+            torch.manual_seed(0)  # a fresh LoRA adapter's A is drawn at random: the same in both
+            try:
+                engine = build_engine(config, paths[family], **model)
+                for loss_mode, dynamic_bsz in steps:
+
+                    def batch(**switches):
+                        data = make_batch("grpo", seed=rank // ulysses)  # one per group
+                        data.pop("temperature")  # one per batch (verl's fused kernels' rule)
+                        tu.assign_non_tensor_data(data, "temperature", 0.9)
+                        tu.assign_non_tensor(data, use_remove_padding=packed,
+                                             use_fused_kernels=fused, **switches)
+                        if dynamic_bsz:
+                            tu.assign_non_tensor(data, use_dynamic_bsz=True,
+                                                 max_token_len_per_gpu=BUDGET)
+                        return data
+
+                    loss = actor_config(grouper, strategy=strategy,
+                                        section=dict(policy_loss=dict(
+                                            _target_="verl.workers.config.PolicyLossConfig",
+                                            loss_mode=loss_mode)))
+                    with count_sharing_attention() as calls:
+                        with engine.eval_mode():
+                            infer = engine.infer_batch(batch())
+                        with engine.train_mode():
+                            train = engine.forward_backward_batch(
+                                batch(), partial(ppo_loss, config=loss))
+                            grads = full_gradients(engine.module)
+                    result = {"infer": plain_output(infer), "train": plain_output(train),
+                              "grads": grads, "engine": type(engine).__name__,
+                              "attention_calls": calls["n"], "kernel_calls": kernel_calls(),
+                              "read_from": [n - 1 for n in prompt_lengths(batch())]}
+                    if sum_pi_squared and grouper is not None:
+                        try:
+                            with engine.eval_mode():
+                                engine.infer_batch(batch(calculate_sum_pi_squared=True))
+                            result["sum_pi_squared"] = ()
+                        except PrefixSharingSetupError as error:
+                            result["sum_pi_squared"] = tuple(error.refusals)
+                    results[settings, (loss_mode, dynamic_bsz), side] = result
+                    if grouper is not None and dynamic_bsz and loss_mode == CONTROL_LOSS:
+                        # the control: the group-keeping split under a loss that depends on
+                        # its micro-batches (the engine keeps verl's split for it)
+                        with mock.patch.object(sharing_engine, "dynamic_split_problem",
+                                               lambda *args: None), engine.train_mode():
+                            control = engine.forward_backward_batch(
+                                batch(), partial(ppo_loss, config=loss))
+                            results["control"] = {**result, "train": plain_output(control),
+                                                  "grads": full_gradients(engine.module)}
+            finally:
+                model_class.forward = stock_forward
+    return results
+
+
+def _architecture_name(path: str) -> str:
+    import json
+    import os
+
+    with open(os.path.join(path, "config.json")) as handle:
+        return json.load(handle)["architectures"][0]
+
+
+def step_plan(ulysses: int) -> dict:
+    """Engine settings at ``ulysses`` -> ``(steps: [(loss mode, dynamic bsz)], whether a recipe
+    of them sets calculate_sum_pi_squared)``: one pair of engines each."""
+    plan: dict = {}
+    for c in RL:
+        if c.ulysses == ulysses and (stepped(c) or c.sum_pi_squared):
+            steps, sum_pi = plan.get(engine_settings(c), ([], False))
+            if step_settings(c) not in steps:
+                steps.append(step_settings(c))
+            plan[engine_settings(c)] = (steps, sum_pi or c.sum_pi_squared)
+    return plan
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """A tiny seeded checkpoint of each stepped family (Seed-OSS tied: verl's fused forward
+    reads an untied head's sharded weight under FSDP2, test_fsdp_fused)."""
+    paths = {}
+    for settings in [*step_plan(1), *step_plan(2)]:
+        family = settings[1]
+        if family in paths:
+            continue
+        model_type = next(c.model_type for c in RL if c.family == family)
+        preset = dataclasses.replace(TINY, tie_embeddings=True) if settings[3] else TINY
+        paths[family] = save_model(str(tmp_path_factory.mktemp(model_type)), model_type,
+                                   preset=preset)
+    return paths
+
+
+@pytest.fixture(scope="module")
+def steps(checkpoints):
+    """Every one-rank step, then every Ulysses step at two ranks (rank 0's; each rank's outputs
+    and gradients are whole: verl gathers them)."""
+    one = run_gloo(recipe_steps, 1, checkpoints, step_plan(1), timeout=900)[0]
+    two = run_gloo(recipe_steps, 2, checkpoints, step_plan(2), 2, timeout=900)
+    assert two[0].keys() == two[1].keys()
+    return {**one, **{key: result for key, result in two[0].items() if key != "control"}}
+
+
+@pytest.fixture(scope="module")
+def checked(tmp_path_factory):
+    dirs = config_dirs(str(tmp_path_factory.mktemp("configs")))
+    return run_distributed(verdicts, 1, dirs, timeout=500)[0]
+
+
+@pytest.mark.parametrize("c", [c for c in RL if c.model_type not in NO_HF_CONFIG],
+                         ids=lambda c: c.name)
+def test_preflight_and_the_engine_give_the_combinations_verdict(checked, c):
+    found = checked[c]
+    keys = tuple(sorted(c.construction_keys()))
+    assert found["engine"] == "PrefixSharingFSDPEngine"
+    assert found["roles"]["actor"] == found["roles"]["reference"] == keys
+    if found["built"] is not None:
+        assert found["built"] == keys
+    assert ("critic" in found["roles"]) == c.critic
+    if c.critic:
+        assert found["roles"]["critic"] == ("verl.model_type",)
+
+
+def test_a_vision_family_transformers_cannot_load_is_refused_by_name():
+    """MiniCPM-o (remote code only): the engine's check on a config saying so."""
+    import types
+
+    from tests.verl_ext._fsdp_engine import actor_config, engine_class
+
+    minicpm = [c for c in RL if c.model_type == "minicpmo"]
+    assert minicpm
+    engine = actor_config(SHARED, strategy=minicpm[0].strategy).engine
+    model = types.SimpleNamespace(hf_config=types.SimpleNamespace(
+        model_type="minicpmo", vision_config=object()))
+    for c in minicpm:
+        assert tuple(p.key for p in engine_class(c.strategy).setup_problems(model, engine)) == (
+            c.construction_keys())
+
+
+def test_the_docs_name_an_engine_step_exactly_for_the_combinations_stepped_here():
+    for c in RL:
+        assert c.evidence().startswith("engine step") == stepped(c), c.name
+
+
+@pytest.mark.parametrize("c", [c for c in RL if stepped(c)], ids=lambda c: c.name)
+def test_the_recipes_shared_step_equals_verls_stock_step(steps, c):
+    key = (engine_settings(c), step_settings(c))
+    on, off = steps[(*key, "on")], steps[(*key, "off")]
+    if c.ulysses > 1:  # verl's Ulysses wrapper ran on the stock side (test_fsdp_ulysses)
+        assert off["kernel_calls"] > 0 and on["kernel_calls"] == 0
+    assert on["engine"] == "PrefixSharingFSDPEngine"
+    assert on["attention_calls"] > 0 and off["attention_calls"] == 0
+    metrics = on["train"]["metrics"]
+    assert metrics["prefix_sharing/tokens_computed"][0] < metrics["prefix_sharing/tokens_total"][0]
+    same_outputs(on, off, c.name, per_micro_batch=False)
+
+
+def test_the_loss_modes_change_verls_loss_so_their_comparisons_are_not_vacuous(steps):
+    """The control: each recipe loss mode gives another loss than vanilla on the same engine."""
+    by_engine: dict = {}
+    for key, result in steps.items():
+        if key != "control" and key[2] == "off":
+            settings, (loss_mode, dynamic_bsz), _ = key
+            by_engine.setdefault((settings, dynamic_bsz), {})[loss_mode] = sum(
+                result["train"]["loss"])
+    modes = {m for losses in by_engine.values() for m in losses} - {"vanilla"}
+    assert modes >= {"gspo", "cispo", "geo_mean", "gpg", "sapo"}
+    compared = [losses for losses in by_engine.values() if "vanilla" in losses and len(losses) > 1]
+    assert compared
+    for losses in compared:
+        assert all(abs(v - losses["vanilla"]) > 1e-6 for m, v in losses.items() if m != "vanilla")
+
+
+def test_a_loss_of_its_micro_batches_keeps_verls_dynamic_split(steps):
+    """GMPO's ``geo_mean`` averages over the micro-batch's sequences: the sharing engine keeps
+    verl's two micro-batches (sharing within each) and gives verl's gradients; the control, the
+    group-keeping split (one micro-batch), does not."""
+    key = next(k for k in steps if k != "control" and k[1] == (CONTROL_LOSS, True)
+               and k[2] == "on")
+    on, off = steps[key], steps[(*key[:2], "off")]
+    assert len(on["train"]["loss"]) == len(off["train"]["loss"]) == 2
+    control = steps["control"]
+    assert len(control["train"]["loss"]) == 1
+    with pytest.raises(AssertionError, match="grad"):
+        same_outputs(control, off, "control", per_micro_batch=False)
+
+
+def test_calculate_sum_pi_squared_is_refused_per_micro_batch(steps):
+    refused = [r["sum_pi_squared"] for r in steps.values() if "sum_pi_squared" in r]
+    expected = {c.verdict()[1] for c in RL if c.sum_pi_squared}
+    assert refused and set(refused) == expected == {("verl.micro_batch_switch",)}
