@@ -106,7 +106,7 @@ from typing import Any
 
 from ..refusals import Refused, refuse, refuse_all
 from .balancing import balancing_hooks
-from .config import accept_prefix_grouper
+from .config import config_hooks
 from .engine import SharingEngineMixin, install_engine
 from .microbatch import patch_prepare_micro_batches
 from .patchsets import register_releases
@@ -280,12 +280,12 @@ def patch_engine(module: ModuleType) -> None:
 PATCHSETS = register_releases(
     "fsdp",
     hooks={
-        "verl.workers.config.actor": lambda m: accept_prefix_grouper(m, "FSDPActorConfig"),
+        **config_hooks("FSDPActorConfig", "FSDPEngineConfig"),
         ENGINE_MODULE: patch_engine,
         "verl.workers.engine.utils": patch_prepare_micro_batches,
         **balancing_hooks(),
     },
     summary="verl {release} FSDP engine: actor config, sharing attention, forward, "
             "group-keeping micro-batches, metrics",
-    off_hooks=off_hooks("FSDPActorConfig"),
+    off_hooks=off_hooks("FSDPActorConfig", "FSDPEngineConfig"),
 )

@@ -148,3 +148,22 @@ def test_the_sft_trainers_model_asks_for_nothing_and_is_checked_as_it_would_shar
     with_sharing = padded.roles[0].engine_cls.setup_problems(padded.roles[0].configs["model"],
                                                              padded.roles[0].configs["engine"])
     assert keys == [p.key for p in with_sharing] and not padded.refused  # it did not ask
+
+
+SFT_SHARING = ["+engine.use_prefix_grouper=true", "+engine.prefix_grouper.mode=arbitrary_prefix"]
+
+
+@pytest.mark.parametrize("engine", ["fsdp", "megatron"])
+def test_the_sft_trainers_engine_section_asks_with_the_actors_keys(checkpoint, engine):
+    from prefix_sharing.config import PrefixSharingConfig
+    from prefix_sharing.verl_ext.preflight import compose_config, preflight
+
+    asked = preflight(compose_config([f"model.path={checkpoint}", f"engine={engine}",
+                                      *SFT_SHARING], "sft_trainer_engine"))
+    role = asked.roles[0]
+    assert (role.role, role.engine, role.asked, role.problems) == ("sft", engine, True, [])
+    assert role.configs["engine"].prefix_sharing == PrefixSharingConfig(mode="arbitrary_prefix")
+    refused = preflight(compose_config([f"model.path={checkpoint}", f"engine={engine}",
+                                        "model.mtp.enable=true", "model.mtp.enable_train=true",
+                                        *SFT_SHARING], "sft_trainer_engine"))
+    assert refused.roles[0].asked and refused.roles[0].problems and refused.refused
