@@ -228,8 +228,13 @@ def _sft(config: Any, model_config_dir: str | None) -> Preflight:
     sharing = PrefixSharingConfig.from_verl(config.engine)
     note_sft = "" if sharing.enabled else "engine.use_prefix_grouper is not set"
     # the megatron engine section names no strategy: the dataclass has it ("megatron")
-    return Preflight([_verdict("sft", engine.strategy, model, engine, sharing,
-                               PrefixSharingConfig(mode="arbitrary_prefix"), note_sft)], note)
+    verdict = _verdict("sft", engine.strategy, model, engine, sharing,
+                       PrefixSharingConfig(mode="arbitrary_prefix"), note_sft)
+    if sharing.mode == "prompt_only":  # what the engine's first micro-batch raises
+        verdict.problems.append(Refused("verl.prompt_uids", "prefix_grouper.mode=prompt_only "
+                                        "(use_prefix_grouper without a mode) in the SFT "
+                                        "trainer, whose samples carry no uid"))
+    return Preflight([verdict], note)
 
 
 def _model_config(section: Any, directory: str) -> Any:

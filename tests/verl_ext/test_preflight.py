@@ -167,3 +167,9 @@ def test_the_sft_trainers_engine_section_asks_with_the_actors_keys(checkpoint, e
                                         "model.mtp.enable=true", "model.mtp.enable_train=true",
                                         *SFT_SHARING], "sft_trainer_engine"))
     assert refused.roles[0].asked and refused.roles[0].problems and refused.refused
+    # use_prefix_grouper alone means prompt_only, which needs the uids SFT samples lack (the
+    # engine raises it at its first micro-batch: tests/verl_ext/test_sft_engine.py)
+    prompt_only = preflight(compose_config([f"model.path={checkpoint}", f"engine={engine}",
+                                            "+engine.use_prefix_grouper=true"],
+                                           "sft_trainer_engine"))
+    assert [p.key for p in prompt_only.roles[0].problems] == ["verl.prompt_uids"]
