@@ -9,14 +9,11 @@ group backend (gloo) and CPU platform apply as for ``main_ppo`` (:mod:`.patches`
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 from .assets import WORDS, make_tiny_assets
-from .runner import FP32, TrainerRun, child_env
+from .runner import FP32, TrainerRun, child_env, run_trainer
 
 SYSTEM_WORDS = 60  # the shared system prompt: ~250 tokens after the tiny BPE
 
@@ -83,24 +80,10 @@ def run_sft_trainer(workdir: str | Path, overrides: list[str], *, n_ranks: int =
     log's tail if it fails."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    metrics_file = workdir / "metrics.jsonl"
-    metrics_file.unlink(missing_ok=True)
     child = child_env(enable_sharing)
-    child["VERL_FILE_LOGGER_PATH"] = str(metrics_file)
+    child["VERL_FILE_LOGGER_PATH"] = str(workdir / "metrics.jsonl")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={n_ranks}", "-m", "verl.trainer.sft_trainer", *overrides,
                f"trainer.default_local_dir={workdir / 'checkpoints'}"]
-    start = time.monotonic()
-    with open(workdir / "sft_trainer.log", "w") as log:
-        try:
-            result = subprocess.run(command, cwd=workdir, env=child, stdout=log,
-                                    stderr=subprocess.STDOUT, timeout=timeout_s)
-        except subprocess.TimeoutExpired as error:
-            raise TimeoutError(f"verl's sft_trainer did not finish within {timeout_s:.0f} s; "
-                               f"its log: {workdir / 'sft_trainer.log'}") from error
-    wall = time.monotonic() - start
-    if result.returncode != 0:
-        tail = (workdir / "sft_trainer.log").read_text()[-6000:]
-        raise RuntimeError(f"sft_trainer exited {result.returncode} in {workdir}:\n{tail}")
-    steps = [json.loads(line)["data"] for line in metrics_file.read_text().splitlines() if line]
+    wall, steps = run_trainer(command, workdir, child, "sft_trainer", timeout_s)
     return TrainerRun(workdir, steps, wall_s=wall)
