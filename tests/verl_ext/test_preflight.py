@@ -173,3 +173,22 @@ def test_the_sft_trainers_engine_section_asks_with_the_actors_keys(checkpoint, e
                                             "+engine.use_prefix_grouper=true"],
                                            "sft_trainer_engine"))
     assert [p.key for p in prompt_only.roles[0].problems] == ["verl.prompt_uids"]
+
+
+def test_an_actors_engine_section_that_asks_keeps_its_own_and_a_different_actor_request_fails():
+    from omegaconf import OmegaConf
+    from verl.utils.config import omega_conf_to_dataclass
+
+    import prefix_sharing  # noqa: F401  (the config classes accept the keys)
+
+    def actor(**section):
+        engine = dict(_target_="verl.workers.config.FSDPEngineConfig", use_prefix_grouper=True,
+                      prefix_grouper={"mode": "arbitrary_prefix"})
+        return omega_conf_to_dataclass(OmegaConf.create(dict(
+            _target_="verl.workers.config.FSDPActorConfig", strategy="fsdp2", rollout_n=1,
+            ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=1, fsdp_config=engine,
+            optim=dict(_target_="verl.workers.config.FSDPOptimizerConfig"), **section)))
+
+    assert actor().engine.prefix_sharing.mode == "arbitrary_prefix"
+    with pytest.raises(Exception, match="set it in one of them"):  # hydra wraps the ValueError
+        actor(use_prefix_grouper=True, prefix_grouper={"mode": "prompt_only"})
