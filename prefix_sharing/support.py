@@ -97,6 +97,16 @@ MATRIX: dict[str, dict[str, Cell]] = {
         "hf-fsdp": NOT_OFFERED,
         "megatron-lm": NOT_OFFERED,
     },
+    "SFT (verl: engine.use_prefix_grouper)": {
+        "megatron-core": NOT_OFFERED,
+        "verl-megatron": works(_VX + "test_sft_engine.py", releases="verl 0.9.1",
+                               note="its SFT step, TP=1"),
+        "verl-fsdp": works(_VX + "test_sft_engine.py", _VX + "trainer/test_sft_trainer.py",
+                           releases="verl 0.9.1, 0.8.0; the trainer run 0.9.1",
+                           note="FSDP2; verl's sft_trainer end to end"),
+        "hf-fsdp": NOT_OFFERED,
+        "megatron-lm": works(_LM, note="SFT conversations"),
+    },
     "interleaved (virtual) PP": {
         "megatron-core": refused("megatron.virtual_pipeline"),
         "verl-megatron": refused("megatron.virtual_pipeline"),

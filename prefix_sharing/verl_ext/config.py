@@ -11,6 +11,13 @@ only object the engine's forward can read it from (:func:`sharing_config`).
 The reference model reads the ``ref`` section, which has no ``prefix_grouper`` of its own: the
 overlays in ``configs/verl/`` point it at the actor's.
 
+verl's SFT trainer has no role section: it converts its ``engine`` section straight into the
+engine config (``FSDPEngineConfig`` / ``McoreEngineConfig``) and builds the engine from it, so
+there the same keys sit in the engine section (``engine.use_prefix_grouper``,
+``engine.prefix_grouper``) and the engine-config class accepts them (``section=None``). An
+actor's engine config that asked for sharing itself keeps its own; an actor section asking for
+a different one is an error.
+
 With ``ENABLE_PREFIX_SHARING=0`` the subclass is installed with ``enabled=False``: the block is
 still accepted and validated (the same config runs with the switch at 0 or 1), but nothing
 reaches the engine, which is verl's own (:mod:`.switched_off`).
@@ -25,7 +32,7 @@ from typing import Any, Dict, Optional
 
 from ..config import PrefixSharingConfig
 
-__all__ = ["accept_prefix_grouper", "announce", "sharing_config", "ATTRIBUTE"]
+__all__ = ["accept_prefix_grouper", "announce", "config_hooks", "sharing_config", "ATTRIBUTE"]
 
 # Where the validated config rides on verl's engine config (an attribute, not a field).
 ATTRIBUTE = "prefix_sharing"
@@ -45,26 +52,38 @@ def announce(class_name: str) -> None:
                        class_name)
 
 
-def accept_prefix_grouper(module: ModuleType, class_name: str, *, enabled: bool = True) -> None:
-    """Replaces ``module.<class_name>`` (a verl actor-config dataclass) by a subclass that
-    accepts ``prefix_grouper`` and carries the sharing config to its ``engine``; with
-    ``enabled=False`` it only accepts and validates it (and says once that the environment
-    switched sharing off, when the config asks for it)."""
+def accept_prefix_grouper(module: ModuleType, class_name: str, *, enabled: bool = True,
+                          section: str | None = "engine") -> None:
+    """Replaces ``module.<class_name>`` (a verl config dataclass) by a subclass that accepts
+    ``prefix_grouper`` (and ``use_prefix_grouper`` where verl's class lacks it) and carries the
+    sharing config to its engine config: the attribute ``section`` of it (an actor config's
+    ``engine``), or the config itself with ``section=None`` (an engine config: the SFT
+    trainer's ``engine`` section). With ``enabled=False`` it only accepts and validates it
+    (and says once that the environment switched sharing off, when the config asks for it)."""
     base = getattr(module, class_name)
     if getattr(base, "_prefix_sharing_base", None) is not None:
         return  # already replaced
 
     def __post_init__(self) -> None:
-        base.__post_init__(self)
+        if hasattr(base, "__post_init__"):
+            base.__post_init__(self)
         requested = PrefixSharingConfig.from_verl(self)  # a typo fails at 0 as at 1
         if enabled:
-            setattr(self.engine, ATTRIBUTE, requested)
+            if section is None:  # an engine config: attached only when asked (see _carry)
+                if requested.enabled:
+                    setattr(self, ATTRIBUTE, requested)
+            else:
+                _carry(getattr(self, section), requested, class_name)
         elif requested.enabled:
             announce(class_name)
 
-    namespace = {
-        "__annotations__": {"prefix_grouper": Optional[Dict[str, Any]]},
-        "prefix_grouper": dataclasses.field(default_factory=dict),
+    annotations: dict[str, Any] = {"prefix_grouper": Optional[Dict[str, Any]]}
+    namespace: dict[str, Any] = {"prefix_grouper": dataclasses.field(default_factory=dict)}
+    if "use_prefix_grouper" not in {f.name for f in dataclasses.fields(base)}:
+        annotations["use_prefix_grouper"] = bool
+        namespace["use_prefix_grouper"] = False
+    namespace.update({
+        "__annotations__": annotations,
         "__post_init__": __post_init__,
         "__doc__": f"{base.__doc__ or ''}\n    prefix_grouper: prefix-sharing options "
                    "(mode, min_prefix_len, min_group_size, backend, cross_micro_batch, "
@@ -72,12 +91,38 @@ def accept_prefix_grouper(module: ModuleType, class_name: str, *, enabled: bool 
         "_prefix_sharing_base": base,
         "__module__": base.__module__,
         "__qualname__": base.__qualname__,
-    }
+    })
     cls = dataclasses.dataclass(type(class_name, (base,), namespace))
     setattr(module, class_name, cls)
     package = __import__(module.__name__.rpartition(".")[0], fromlist=["_"])
     if getattr(package, class_name, None) is base:
         setattr(package, class_name, cls)
+
+
+def _carry(engine_config: Any, requested: PrefixSharingConfig, class_name: str) -> None:
+    """Attaches a role section's ``requested`` to its ``engine_config``, unless the engine
+    section asked for sharing itself: then it keeps its own, and a different request from the
+    role section is an error. (An engine config attaches only a request for sharing, so that
+    its role section can still attach one after it: verl's config classes freeze an attribute
+    once set.)"""
+    own = getattr(engine_config, ATTRIBUTE, None)
+    if own is None:
+        setattr(engine_config, ATTRIBUTE, requested)
+    elif requested.enabled and requested != own:
+        raise ValueError(f"{class_name}: prefix_grouper is set both in its section ({requested}) "
+                         f"and in its engine section ({own}); set it in one of them")
+
+
+def config_hooks(actor_class: str, engine_class: str, *, enabled: bool = True) -> dict:
+    """A patch set's hooks on verl's config modules: its actor-config class and its
+    engine-config class (the SFT trainer's ``engine`` section) accept the keys
+    (:func:`accept_prefix_grouper`; ``enabled=False``: accepted and validated only)."""
+    return {
+        "verl.workers.config.actor":
+            lambda m: accept_prefix_grouper(m, actor_class, enabled=enabled),
+        "verl.workers.config.engine":
+            lambda m: accept_prefix_grouper(m, engine_class, enabled=enabled, section=None),
+    }
 
 
 def sharing_config(engine_config: Any) -> PrefixSharingConfig:

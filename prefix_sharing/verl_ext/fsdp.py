@@ -107,7 +107,7 @@ from typing import Any
 
 from ..refusals import Refused, refuse
 from .balancing import balancing_hooks
-from .config import accept_prefix_grouper, sharing_config
+from .config import config_hooks, sharing_config
 from .engine import SharingEngineMixin, install_engine
 from .microbatch import patch_prepare_micro_batches
 from .patchsets import register_releases
@@ -289,12 +289,12 @@ def patch_engine(module: ModuleType) -> None:
 PATCHSETS = register_releases(
     "fsdp",
     hooks={
-        "verl.workers.config.actor": lambda m: accept_prefix_grouper(m, "FSDPActorConfig"),
+        **config_hooks("FSDPActorConfig", "FSDPEngineConfig"),
         ENGINE_MODULE: patch_engine,
         "verl.workers.engine.utils": patch_prepare_micro_batches,
         **balancing_hooks(),
     },
     summary="verl {release} FSDP engine: actor config, sharing attention, forward, "
             "group-keeping micro-batches, metrics",
-    off_hooks=off_hooks("FSDPActorConfig"),
+    off_hooks=off_hooks("FSDPActorConfig", "FSDPEngineConfig"),
 )

@@ -54,7 +54,7 @@ from types import ModuleType
 from typing import Any
 
 from .balancing import balancing_hooks
-from .config import accept_prefix_grouper
+from .config import config_hooks
 from .engine import SharingEngineMixin, install_engine
 from .microbatch import active_split, patch_prepare_micro_batches
 from .patchsets import register_releases
@@ -281,7 +281,7 @@ def patch_route_merge(module: ModuleType) -> None:
 PATCHSETS = register_releases(
     "mcore",
     hooks={
-        "verl.workers.config.actor": lambda m: accept_prefix_grouper(m, "McoreActorConfig"),
+        **config_hooks("McoreActorConfig", "McoreEngineConfig"),
         "verl.models.mcore": patch_forward_fn_lookup,
         "verl.workers.engine.megatron.transformer_impl": patch_engine,
         "verl.workers.engine.utils": patch_prepare_micro_batches,
@@ -289,5 +289,5 @@ PATCHSETS = register_releases(
     },
     summary="verl {release} Megatron engine: actor config, layer spec, forward, "
             "group-keeping micro-batches, metrics",
-    off_hooks=off_hooks("McoreActorConfig"),
+    off_hooks=off_hooks("McoreActorConfig", "McoreEngineConfig"),
 )

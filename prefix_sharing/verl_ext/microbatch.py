@@ -51,8 +51,9 @@ import torch
 
 from ..batching import MicroBatchSplit, split_fixed_micro_batches, split_micro_batches
 from ..config import PrefixSharingConfig
+from ..refusals import refuse
 from .cross_groups import CrossPart, plan_cross_groups
-from .mcore import prompt_lengths
+from .mcore import PrefixSharingSetupError, prompt_lengths
 from .routing_replay import split_routes
 
 __all__ = ["SplitRecord", "sharing_split", "active_split", "rearrange_micro_batches",
@@ -279,8 +280,9 @@ def _samples(batch: Any, config: PrefixSharingConfig, tu: ModuleType) -> tuple[l
     prompt_lens = None
     if config.mode == "prompt_only":
         if uids is None:
-            raise ValueError("prefix_grouper.mode=prompt_only shares each uid's prompt, but the "
-                             "batch has no 'uid' field")
+            raise refuse("verl.prompt_uids", "prefix_grouper.mode=prompt_only, but the batch "
+                         "has no 'uid' field (an SFT batch has none)",
+                         error=PrefixSharingSetupError)
         prompt_lens = prompt_lengths(batch)
     return sequences, uids, prompt_lens
 

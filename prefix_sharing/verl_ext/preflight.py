@@ -12,8 +12,9 @@ so the two cannot disagree. No model is built and no device is touched.
 
 Roles: the actor; the reference model when verl's ``need_reference_policy`` says so; the critic
 when ``need_critic`` does (a value model; verl's critic section takes no ``prefix_grouper``);
-the model of the SFT trainer (its config has no ``prefix_grouper`` either). A role that does
-not ask for sharing is checked with the actor's sharing options, to say what it would get.
+the model of the SFT trainer (the keys in its ``engine`` section). A role that does not ask for
+sharing is checked with the actor's sharing options (the SFT model: ``arbitrary_prefix``), to
+say what it would get.
 
 The model's HF config comes from ``model.path`` when it is a local directory, else from
 ``model_config_dir`` (the command's ``--model-config``), else from the model family guessed
@@ -224,10 +225,16 @@ def _sft(config: Any, model_config_dir: str | None) -> Preflight:
     directory, note = model_source(config.model.path, model_config_dir)
     model = _model_config(config.model, directory)
     engine = omega_conf_to_dataclass(config.engine)
-    would = PrefixSharingConfig(mode="arbitrary_prefix")
-    return Preflight([_verdict("sft", config.engine.strategy, model, engine,
-                               PrefixSharingConfig(mode="off"), would,
-                               "verl's SFT trainer config takes no prefix_grouper")], note)
+    sharing = PrefixSharingConfig.from_verl(config.engine)
+    note_sft = "" if sharing.enabled else "engine.use_prefix_grouper is not set"
+    # the megatron engine section names no strategy: the dataclass has it ("megatron")
+    verdict = _verdict("sft", engine.strategy, model, engine, sharing,
+                       PrefixSharingConfig(mode="arbitrary_prefix"), note_sft)
+    if sharing.mode == "prompt_only":  # what the engine's first micro-batch raises
+        verdict.problems.append(Refused("verl.prompt_uids", "prefix_grouper.mode=prompt_only "
+                                        "(use_prefix_grouper without a mode) in the SFT "
+                                        "trainer, whose samples carry no uid"))
+    return Preflight([verdict], note)
 
 
 def _model_config(section: Any, directory: str) -> Any:

@@ -5,9 +5,10 @@ config, with ``use_prefix_grouper`` / ``prefix_grouper`` in it, must run verl's 
 when it is 0 - the results and code path of a run without those keys. Nothing of the engines is
 patched then; each patch set's ``off_hooks`` (:func:`off_hooks`) apply only:
 
-- ``verl.workers.config.actor``: the actor-config class accepts and validates
-  ``prefix_grouper`` but hands nothing to the engine (:func:`.config.accept_prefix_grouper`
-  with ``enabled=False``); verl's engine then never sees it. The first such config in a
+- ``verl.workers.config.actor`` / ``.engine``: the actor-config class and the engine-config
+  class (the SFT trainer's ``engine`` section) accept and validate ``prefix_grouper`` but hand
+  nothing to the engine (:func:`.config.config_hooks` with ``enabled=False``); verl's engine
+  then never sees it. The first such config in a
   process logs one line (:func:`.config.announce`);
 - ``verl.trainer.ppo.ray_trainer`` (:func:`stock_balancing`): verl's legacy trainer reads
   ``use_prefix_grouper`` itself, to balance data-parallel ranks by uid group and keep each
@@ -24,7 +25,7 @@ from __future__ import annotations
 import functools
 from types import ModuleType
 
-from .config import accept_prefix_grouper
+from .config import config_hooks
 from .patchsets import Hook
 
 __all__ = ["stock_balancing", "off_hooks", "TRAINER_MODULE"]
@@ -49,10 +50,8 @@ def stock_balancing(module: ModuleType) -> None:
     trainer._balance_batch = _balance_batch
 
 
-def off_hooks(actor_config_class: str) -> dict[str, Hook]:
-    """The ``off_hooks`` of a patch set whose engine reads ``actor_config_class``."""
-    return {
-        "verl.workers.config.actor":
-            lambda m: accept_prefix_grouper(m, actor_config_class, enabled=False),
-        TRAINER_MODULE: stock_balancing,
-    }
+def off_hooks(actor_config_class: str, engine_config_class: str) -> dict[str, Hook]:
+    """The ``off_hooks`` of a patch set whose engine reads ``actor_config_class`` and
+    ``engine_config_class``."""
+    return {**config_hooks(actor_config_class, engine_config_class, enabled=False),
+            TRAINER_MODULE: stock_balancing}

@@ -148,3 +148,47 @@ def test_the_sft_trainers_model_asks_for_nothing_and_is_checked_as_it_would_shar
     with_sharing = padded.roles[0].engine_cls.setup_problems(padded.roles[0].configs["model"],
                                                              padded.roles[0].configs["engine"])
     assert keys == [p.key for p in with_sharing] and not padded.refused  # it did not ask
+
+
+SFT_SHARING = ["+engine.use_prefix_grouper=true", "+engine.prefix_grouper.mode=arbitrary_prefix"]
+
+
+@pytest.mark.parametrize("engine", ["fsdp", "megatron"])
+def test_the_sft_trainers_engine_section_asks_with_the_actors_keys(checkpoint, engine):
+    from prefix_sharing.config import PrefixSharingConfig
+    from prefix_sharing.verl_ext.preflight import compose_config, preflight
+
+    asked = preflight(compose_config([f"model.path={checkpoint}", f"engine={engine}",
+                                      *SFT_SHARING], "sft_trainer_engine"))
+    role = asked.roles[0]
+    assert (role.role, role.engine, role.asked, role.problems) == ("sft", engine, True, [])
+    assert role.configs["engine"].prefix_sharing == PrefixSharingConfig(mode="arbitrary_prefix")
+    refused = preflight(compose_config([f"model.path={checkpoint}", f"engine={engine}",
+                                        "model.mtp.enable=true", "model.mtp.enable_train=true",
+                                        *SFT_SHARING], "sft_trainer_engine"))
+    assert refused.roles[0].asked and refused.roles[0].problems and refused.refused
+    # use_prefix_grouper alone means prompt_only, which needs the uids SFT samples lack (the
+    # engine raises it at its first micro-batch: tests/verl_ext/test_sft_engine.py)
+    prompt_only = preflight(compose_config([f"model.path={checkpoint}", f"engine={engine}",
+                                            "+engine.use_prefix_grouper=true"],
+                                           "sft_trainer_engine"))
+    assert [p.key for p in prompt_only.roles[0].problems] == ["verl.prompt_uids"]
+
+
+def test_an_actors_engine_section_that_asks_keeps_its_own_and_a_different_actor_request_fails():
+    from omegaconf import OmegaConf
+    from verl.utils.config import omega_conf_to_dataclass
+
+    import prefix_sharing  # noqa: F401  (the config classes accept the keys)
+
+    def actor(**section):
+        engine = dict(_target_="verl.workers.config.FSDPEngineConfig", use_prefix_grouper=True,
+                      prefix_grouper={"mode": "arbitrary_prefix"})
+        return omega_conf_to_dataclass(OmegaConf.create(dict(
+            _target_="verl.workers.config.FSDPActorConfig", strategy="fsdp2", rollout_n=1,
+            ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=1, fsdp_config=engine,
+            optim=dict(_target_="verl.workers.config.FSDPOptimizerConfig"), **section)))
+
+    assert actor().engine.prefix_sharing.mode == "arbitrary_prefix"
+    with pytest.raises(Exception, match="set it in one of them"):  # hydra wraps the ValueError
+        actor(use_prefix_grouper=True, prefix_grouper={"mode": "prompt_only"})

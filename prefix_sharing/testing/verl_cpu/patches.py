@@ -153,15 +153,18 @@ def _route_unpadding_to_torch() -> None:
 def _rewrite_process_group_backend() -> None:
     """verl asks for ``cpu:gloo,{device}:{backend}`` (``utils/distributed.py:63,89``): NCCL is not
     built here, and ``cpu:gloo,cpu:gloo`` is a duplicate. Any backend string naming gloo for
-    cpu becomes plain gloo."""
+    cpu becomes plain gloo; so does 0.8.0's SFT trainer's positional ``"nccl"``
+    (``initialize_global_process_group``, ``utils/distributed.py:61``)."""
     init = torch.distributed.init_process_group
     if getattr(init, "_cpu_shim", False):
         return
 
     @functools.wraps(init)
     def init_process_group(*args, **kwargs):
+        if args:  # the backend, positionally
+            kwargs["backend"], args = args[0], args[1:]
         backend = kwargs.get("backend")
-        if isinstance(backend, str) and "cpu:gloo" in backend:
+        if isinstance(backend, str) and ("cpu:gloo" in backend or backend == "nccl"):
             kwargs["backend"] = "gloo"
         return init(*args, **kwargs)
 

@@ -97,6 +97,31 @@ def child_env(enable_sharing: bool, env: dict[str, str] | None = None) -> dict[s
     return base
 
 
+def run_trainer(command: list[str], workdir: Path, env: dict[str, str], name: str,
+                timeout_s: float) -> tuple[float, list[dict[str, float]]]:
+    """Run one of verl's trainers (``command``) in ``workdir``, its output in ``<name>.log``;
+    its wall time and per-step metrics (verl's file logger, which ``env`` points at
+    ``workdir/metrics.jsonl``). Raises with the log's tail if it fails, and ``TimeoutError``
+    naming its log if it outlasts ``timeout_s``."""
+    log_path = workdir / f"{name}.log"
+    metrics_file = workdir / "metrics.jsonl"
+    metrics_file.unlink(missing_ok=True)
+    start = time.monotonic()
+    try:
+        with open(log_path, "w") as log:
+            result = subprocess.run(command, cwd=workdir, env=env, stdout=log,
+                                    stderr=subprocess.STDOUT, timeout=timeout_s)
+    except subprocess.TimeoutExpired as error:
+        raise TimeoutError(f"verl's {name} did not finish within {timeout_s:.0f} s; its log: "
+                           f"{log_path}") from error
+    wall = time.monotonic() - start
+    if result.returncode != 0:
+        raise RuntimeError(f"{name} exited {result.returncode} in {workdir}:\n"
+                           f"{log_path.read_text()[-6000:]}")
+    return wall, [json.loads(line)["data"] for line in metrics_file.read_text().splitlines()
+                  if line]
+
+
 def run_main_ppo(workdir: str | Path, overrides: list[str], env: dict[str, str] | None = None,
                  *, enable_sharing: bool = True, timeout_s: float = 900) -> TrainerRun:
     """Run the trainer in ``workdir``; raise with the log's tail if it fails, and
@@ -113,19 +138,7 @@ def run_main_ppo(workdir: str | Path, overrides: list[str], env: dict[str, str] 
                f"trainer.rollout_data_dir={rollouts}",
                f"trainer.default_local_dir={workdir / 'checkpoints'}"]
     token_log.unlink(missing_ok=True)
-    start = time.monotonic()
-    try:
-        with open(workdir / "main_ppo.log", "w") as log:
-            result = subprocess.run(command, cwd=workdir, env=child, stdout=log,
-                                    stderr=subprocess.STDOUT, timeout=timeout_s)
-    except subprocess.TimeoutExpired as error:
-        raise TimeoutError(f"verl's main_ppo did not finish within {timeout_s:.0f} s; its log: "
-                           f"{workdir / 'main_ppo.log'}") from error
-    wall = time.monotonic() - start
-    if result.returncode != 0:
-        tail = (workdir / "main_ppo.log").read_text()[-6000:]
-        raise RuntimeError(f"main_ppo exited {result.returncode} in {workdir}:\n{tail}")
-    steps = [json.loads(line)["data"] for line in metrics_file.read_text().splitlines() if line]
+    wall, steps = run_trainer(command, workdir, child, "main_ppo", timeout_s)
     generations = [[json.loads(line) for line in path.read_text().splitlines() if line]
                    for path in sorted(rollouts.glob("*.jsonl"), key=lambda p: int(p.stem))]
     tokens = [json.loads(line) for line in token_log.read_text().splitlines() if line]
