@@ -1,4 +1,4 @@
-"""The ``prefix_grouper`` block in verl's actor config, and its way to the engine.
+"""The ``prefix_grouper`` block in verl's actor and critic configs, and its way to the engine.
 
 verl converts the actor section into a strict dataclass (``McoreActorConfig`` in 0.9.1) that
 rejects unknown keys, so :func:`accept_prefix_grouper` replaces that class, in its module, by a
@@ -9,7 +9,10 @@ the worker that reads it), and attaches the result to the engine config
 only object the engine's forward can read it from (:func:`sharing_config`).
 
 The reference model reads the ``ref`` section, which has no ``prefix_grouper`` of its own: the
-overlays in ``configs/verl/`` point it at the actor's.
+overlays in ``configs/verl/`` point it at the actor's. The critic's config classes
+(``FSDPCriticConfig``, ``McoreCriticConfig``) have no ``use_prefix_grouper`` either: the same
+replacement adds both keys (``critic.use_prefix_grouper``, ``critic.prefix_grouper``, given with
+hydra's ``+`` as they are not in verl's defaults) and hands them to the critic's engine config.
 
 With ``ENABLE_PREFIX_SHARING=0`` the subclass is installed with ``enabled=False``: the block is
 still accepted and validated (the same config runs with the switch at 0 or 1), but nothing
@@ -45,11 +48,19 @@ def announce(class_name: str) -> None:
                        class_name)
 
 
-def accept_prefix_grouper(module: ModuleType, class_name: str, *, enabled: bool = True) -> None:
-    """Replaces ``module.<class_name>`` (a verl actor-config dataclass) by a subclass that
-    accepts ``prefix_grouper`` and carries the sharing config to its ``engine``; with
-    ``enabled=False`` it only accepts and validates it (and says once that the environment
-    switched sharing off, when the config asks for it)."""
+def accept_prefix_grouper(module: ModuleType, *class_names: str, enabled: bool = True) -> None:
+    """Replaces each ``module.<class_name>`` (a verl actor- or critic-config dataclass) by a
+    subclass that accepts ``prefix_grouper`` (and ``use_prefix_grouper`` where the class has
+    none: the critic's) and carries the sharing config to its ``engine``; with
+    ``enabled=False`` it only accepts and validates them (and says once that the environment
+    switched sharing off, when the config asks for it). Names ``module`` lacks (a release
+    without that class) are skipped."""
+    for class_name in class_names:
+        if hasattr(module, class_name):
+            _accept(module, class_name, enabled)
+
+
+def _accept(module: ModuleType, class_name: str, enabled: bool) -> None:
     base = getattr(module, class_name)
     if getattr(base, "_prefix_sharing_base", None) is not None:
         return  # already replaced
@@ -62,9 +73,14 @@ def accept_prefix_grouper(module: ModuleType, class_name: str, *, enabled: bool 
         elif requested.enabled:
             announce(class_name)
 
+    annotations: dict[str, Any] = {"prefix_grouper": Optional[Dict[str, Any]]}
+    fields: dict[str, Any] = {"prefix_grouper": dataclasses.field(default_factory=dict)}
+    if "use_prefix_grouper" not in {f.name for f in dataclasses.fields(base)}:
+        annotations["use_prefix_grouper"] = bool
+        fields["use_prefix_grouper"] = False
     namespace = {
-        "__annotations__": {"prefix_grouper": Optional[Dict[str, Any]]},
-        "prefix_grouper": dataclasses.field(default_factory=dict),
+        "__annotations__": annotations,
+        **fields,
         "__post_init__": __post_init__,
         "__doc__": f"{base.__doc__ or ''}\n    prefix_grouper: prefix-sharing options "
                    "(mode, min_prefix_len, min_group_size, backend, cross_micro_batch, "

@@ -148,81 +148,98 @@ def patch_engine(module: ModuleType) -> None:
     from verl.utils import tensordict_utils as tu
 
     from .config import sharing_config
+    from .critic import value_head_problems
     from .hybrid import hybrid_release_problem
     from .mcore import micro_batch_groups
     from .mcore_vlm import vision_model_problem
     from .megatron_lora import megatron_lora_problem
     from .routing_replay import RouteRecorder, micro_batch_routes, replay_mode
 
-    stock = module.MegatronEngineWithLMHead
+    def sharing_engine(stock: type, value_head: bool) -> type:
+        """The sharing subclass of ``stock`` (verl's language-model engine, or its value-model
+        engine with ``value_head``: the critic, :mod:`.critic`)."""
 
-    class PrefixSharingMegatronEngine(SharingEngineMixin, stock):
-        """verl's ``MegatronEngineWithLMHead``, computing each micro-batch's shared prefixes
-        once."""
+        class PrefixSharingMegatronEngine(SharingEngineMixin, stock):
+            """verl's ``MegatronEngineWithLMHead``, computing each micro-batch's shared prefixes
+            once."""
 
-        supports_cross_micro_batch = True
+            supports_cross_micro_batch = True
 
-        @classmethod
-        def setup_problems(cls, model_config: Any, engine_config: Any) -> list:
-            """The model's refusals on this engine (a vision tower, a GDN hybrid on this
-            megatron-core, LoRA) before the common ones, which they make moot."""
-            if sharing_config(engine_config).enabled:
-                found = [problem for problem in (vision_model_problem(model_config),
-                                                 hybrid_release_problem(model_config),
-                                                 megatron_lora_problem(model_config)) if problem]
-                if found:
-                    return found
-            return super().setup_problems(model_config, engine_config)
+            @classmethod
+            def setup_problems(cls, model_config: Any, engine_config: Any) -> list:
+                """The model's refusals on this engine (a vision tower, a GDN hybrid on this
+                megatron-core, LoRA) before the common ones, which they make moot; then the
+                critic's (:func:`.critic.value_head_problems`)."""
+                if sharing_config(engine_config).enabled:
+                    found = [problem for problem in (vision_model_problem(model_config),
+                                                     hybrid_release_problem(model_config),
+                                                     megatron_lora_problem(model_config)) if problem]
+                    if found:
+                        return found
+                found = super().setup_problems(model_config, engine_config)
+                if cls.value_head and sharing_config(engine_config).enabled:
+                    found += value_head_problems(engine_config)
+                return found
 
-        def _build_tf_config(self) -> None:
-            super()._build_tf_config()
-            if self.prefix_sharing.enabled:
-                install_layer_spec(self)
+            def _build_tf_config(self) -> None:
+                super()._build_tf_config()
+                if self.prefix_sharing.enabled:
+                    install_layer_spec(self)
 
-        def order_sensitive_statistics(self) -> str | None:
-            """A MoE router's auxiliary or z-loss: megatron takes it per micro-batch, so fixed
-            micro-batches keep verl's sample order (:func:`.microbatch.fixed_order`)."""
-            config = getattr(self, "tf_config", None)
-            aux = getattr(config, "moe_aux_loss_coeff", 0) or 0
-            aux = any(aux) if isinstance(aux, list) else bool(aux)
-            if getattr(config, "num_moe_experts", None) and (
-                    aux or getattr(config, "moe_z_loss_coeff", None)):
-                return "the MoE router's auxiliary / z-loss is taken per micro-batch"
-            return None
+            def order_sensitive_statistics(self) -> str | None:
+                """A MoE router's auxiliary or z-loss: megatron takes it per micro-batch, so fixed
+                micro-batches keep verl's sample order (:func:`.microbatch.fixed_order`)."""
+                config = getattr(self, "tf_config", None)
+                aux = getattr(config, "moe_aux_loss_coeff", 0) or 0
+                aux = any(aux) if isinstance(aux, list) else bool(aux)
+                if getattr(config, "num_moe_experts", None) and (
+                        aux or getattr(config, "moe_z_loss_coeff", None)):
+                    return "the MoE router's auxiliary / z-loss is taken per micro-batch"
+                return None
 
-        def cross_nested(self) -> bool:
-            from .cross_nested import nested_supported
+            def cross_nested(self) -> bool:
+                from .cross_nested import nested_supported
 
-            return nested_supported(self.tf_config)
+                return nested_supported(self.tf_config)
 
-        def forward_step(self, batch_iter, model, logits_processor_func,
-                         postprocess_micro_batch_func):
-            if not self.prefix_sharing.enabled:
-                return super().forward_step(batch_iter, model, logits_processor_func,
-                                            postprocess_micro_batch_func)
-            batch = next(batch_iter)
-            self.refuse_unsupported_switches(batch)
-            groups = None
-            if self.prefix_sharing.mode == "prompt_only":
-                groups = micro_batch_groups(batch, batch["input_ids"].size(0))
-            record = active_split()
-            mode = replay_mode(self.engine_config)
-            forward_kwargs = dict(
-                sharing=self.prefix_sharing, groups=groups,
-                calculate_entropy=tu.get_non_tensor_data(batch, key="calculate_entropy",
-                                                         default=False),
-                metrics=self._sharing_metrics,
-                replay_routes=micro_batch_routes(batch, mode),
-                route_recorder=RouteRecorder() if mode == "R2" else None,
-                part=None if record is None else record.part(batch),
-            )
-            if forward_kwargs["part"] is None and self._self_check.pending:
-                forward_kwargs["self_check"] = self._self_check  # shared_forward runs it
-            with current_micro_batch(forward_kwargs):
-                return super().forward_step(iter([batch]), model, logits_processor_func,
-                                            postprocess_micro_batch_func)
+            def forward_step(self, batch_iter, model, logits_processor_func,
+                             postprocess_micro_batch_func):
+                if not self.prefix_sharing.enabled:
+                    return super().forward_step(batch_iter, model, logits_processor_func,
+                                                postprocess_micro_batch_func)
+                batch = next(batch_iter)
+                self.refuse_unsupported_switches(batch)
+                groups = None
+                if self.prefix_sharing.mode == "prompt_only":
+                    groups = micro_batch_groups(batch, batch["input_ids"].size(0))
+                record = active_split()
+                mode = replay_mode(self.engine_config)
+                forward_kwargs = dict(
+                    sharing=self.prefix_sharing, groups=groups,
+                    calculate_entropy=tu.get_non_tensor_data(batch, key="calculate_entropy",
+                                                             default=False),
+                    metrics=self._sharing_metrics,
+                    replay_routes=micro_batch_routes(batch, mode),
+                    route_recorder=RouteRecorder() if mode == "R2" else None,
+                    part=None if record is None else record.part(batch),
+                )
+                if forward_kwargs["part"] is None and self._self_check.pending:
+                    forward_kwargs["self_check"] = self._self_check  # shared_forward runs it
+                with current_micro_batch(forward_kwargs):
+                    return super().forward_step(iter([batch]), model, logits_processor_func,
+                                                postprocess_micro_batch_func)
 
-    install_engine(module, stock, PrefixSharingMegatronEngine)
+        PrefixSharingMegatronEngine.value_head = value_head
+        # a group across micro-batches is scored as log-probs (.cross_forward)
+        PrefixSharingMegatronEngine.supports_cross_micro_batch = not value_head
+        return PrefixSharingMegatronEngine
+
+    for stock, name, value_head in (
+            (module.MegatronEngineWithLMHead, "PrefixSharingMegatronEngine", False),
+            (module.MegatronEngineWithValueHead, "PrefixSharingMegatronValueEngine", True)):
+        engine = sharing_engine(stock, value_head)
+        engine.__name__ = name
+        install_engine(module, stock, engine)
     patch_route_merge(module)
 
 
@@ -252,6 +269,7 @@ PATCHSETS = register_releases(
     "mcore",
     hooks={
         "verl.workers.config.actor": lambda m: accept_prefix_grouper(m, "McoreActorConfig"),
+        "verl.workers.config.critic": lambda m: accept_prefix_grouper(m, "McoreCriticConfig"),
         "verl.models.mcore": patch_forward_fn_lookup,
         "verl.workers.engine.megatron.transformer_impl": patch_engine,
         "verl.workers.engine.utils": patch_prepare_micro_batches,
@@ -259,5 +277,5 @@ PATCHSETS = register_releases(
     },
     summary="verl {release} Megatron engine: actor config, layer spec, forward, "
             "group-keeping micro-batches, metrics",
-    off_hooks=off_hooks("McoreActorConfig"),
+    off_hooks=off_hooks(("McoreActorConfig",), ("McoreCriticConfig",)),
 )

@@ -5,7 +5,7 @@ config, with ``use_prefix_grouper`` / ``prefix_grouper`` in it, must run verl's 
 when it is 0 - the results and code path of a run without those keys. Nothing of the engines is
 patched then; each patch set's ``off_hooks`` (:func:`off_hooks`) apply only:
 
-- ``verl.workers.config.actor``: the actor-config class accepts and validates
+- ``verl.workers.config.actor`` / ``.critic``: the actor- and critic-config classes accept and validate
   ``prefix_grouper`` but hands nothing to the engine (:func:`.config.accept_prefix_grouper`
   with ``enabled=False``); verl's engine then never sees it. The first such config in a
   process logs one line (:func:`.config.announce`);
@@ -49,10 +49,13 @@ def stock_balancing(module: ModuleType) -> None:
     trainer._balance_batch = _balance_batch
 
 
-def off_hooks(actor_config_class: str) -> dict[str, Hook]:
-    """The ``off_hooks`` of a patch set whose engine reads ``actor_config_class``."""
+def off_hooks(actor_config_classes: tuple[str, ...],
+              critic_config_classes: tuple[str, ...] = ()) -> dict[str, Hook]:
+    """The ``off_hooks`` of a patch set whose engines read these actor / critic config classes."""
     return {
         "verl.workers.config.actor":
-            lambda m: accept_prefix_grouper(m, actor_config_class, enabled=False),
+            lambda m: accept_prefix_grouper(m, *actor_config_classes, enabled=False),
+        "verl.workers.config.critic":
+            lambda m: accept_prefix_grouper(m, *critic_config_classes, enabled=False),
         TRAINER_MODULE: stock_balancing,
     }
