@@ -63,18 +63,24 @@ def cpu_value_head() -> Iterator[None]:
 
 
 def critic_config(prefix_grouper: dict | None, strategy: str = "fsdp2"):
-    """verl's ``FSDPCriticConfig`` built the way the trainer builds it (OmegaConf ->
-    dataclass), with the critic's sharing keys when ``prefix_grouper`` is given."""
+    """verl's ``FSDPCriticConfig`` (or ``McoreCriticConfig`` for ``strategy="megatron"``)
+    built the way the trainer builds it (OmegaConf -> dataclass), with the critic's sharing
+    keys when ``prefix_grouper`` is given."""
     from omegaconf import OmegaConf
     from verl.utils.config import omega_conf_to_dataclass
 
-    section = dict(
-        _target_="verl.workers.config.FSDPCriticConfig", strategy=strategy, rollout_n=3,
-        ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2, cliprange_value=0.2,
-        fsdp=dict(_target_="verl.workers.config.FSDPEngineConfig", mixed_precision=FP32,
-                  use_torch_compile=False),
-        optim=dict(_target_="verl.workers.config.FSDPOptimizerConfig"),
-    )
+    section = dict(strategy=strategy, rollout_n=3, ppo_mini_batch_size=4,
+                   ppo_micro_batch_size_per_gpu=2, cliprange_value=0.2)
+    if strategy == "megatron":
+        section.update(_target_="verl.workers.config.McoreCriticConfig", megatron=dict(
+            _target_="verl.workers.config.McoreEngineConfig", use_mbridge=True,
+            vanilla_mbridge=True))
+    else:
+        section.update(
+            _target_="verl.workers.config.FSDPCriticConfig",
+            fsdp=dict(_target_="verl.workers.config.FSDPEngineConfig", mixed_precision=FP32,
+                      use_torch_compile=False),
+            optim=dict(_target_="verl.workers.config.FSDPOptimizerConfig"))
     if prefix_grouper is not None:
         section.update(use_prefix_grouper=True, prefix_grouper=prefix_grouper)
     config = omega_conf_to_dataclass(OmegaConf.create(section))
@@ -130,6 +136,50 @@ def run_fsdp(rank: int, path: str, modes: dict[str, dict | None], *,
                                            "engine": type(engine).__name__}
     finally:
         sharing_fsdp.restore_values = stock_restore
+    return results
+
+
+class ValueHead(torch.nn.Linear):
+    """A one-output linear head over the last hidden states, called as megatron's GPTModel
+    calls its output layer (what verl's ``make_value_model`` puts there: values in fp32, no
+    tensor-parallel split)."""
+
+    def forward(self, hidden, weight=None, runtime_gather_output=None):
+        return super().forward(hidden).float(), None
+
+
+def run_megatron(rank: int, modes: dict[str, dict | None], *, control: bool = False) -> dict:
+    """:func:`run_fsdp` on verl's Megatron value-model engine: the actor tests' tiny GPTModel
+    (``_engine.build_engine``) with a seeded :class:`ValueHead` as its output layer."""
+    from verl.workers.utils.losses import value_loss
+
+    from prefix_sharing.verl_ext import mcore as sharing_mcore
+
+    from ._engine import build_engine
+
+    use_cpu_platform()
+    results = {}
+    stock_restore = sharing_mcore.restore_values
+    if control:
+        sharing_mcore.restore_values = lambda flat, plan: stock_restore(flat.roll(1), plan)
+    try:
+        for workload in WORKLOADS:
+            for name, prefix_grouper in modes.items():
+                config = critic_config(prefix_grouper, "megatron")
+                engine = build_engine(config, model_type="value_model")
+                model = engine.module[0]
+                torch.manual_seed(1)
+                model.output_layer = ValueHead(model.config.hidden_size, 1, bias=False)
+                model.share_embeddings_and_output_weights = False
+                infer = engine.infer_batch(critic_batch(workload, rank))
+                train = engine.forward_backward_batch(critic_batch(workload, rank),
+                                                      partial(value_loss, config=config))
+                grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+                results[workload, name] = {"infer": plain_output(infer),
+                                           "train": plain_output(train), "grads": grads,
+                                           "engine": type(engine).__name__}
+    finally:
+        sharing_mcore.restore_values = stock_restore
     return results
 
 

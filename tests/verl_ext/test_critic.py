@@ -68,3 +68,31 @@ def test_values_read_one_row_early_fail_the_comparison(runs, workload):
 def test_the_critic_refuses_a_sequence_split_and_the_self_check(runs):
     assert runs["refusals"] == {"ulysses": ["verl.critic.sequence_split"],
                                 "self_check": ["verl.self_check.value_model"]}
+
+
+@pytest.fixture(scope="module")
+def megatron():
+    """verl's Megatron value-model engine, TP=1, one rank (megatron on gloo)."""
+    from prefix_sharing.engines.launch import run_distributed
+
+    return run_distributed(megatron_rank, 1, timeout=400)[0]
+
+
+def megatron_rank(rank: int) -> dict:
+    """The Megatron critic's runs and its control, in one spawned rank."""
+    from tests.verl_ext._critic import run_megatron
+
+    return {"runs": run_megatron(rank, {"off": None, **SHARING}),
+            "control": run_megatron(rank, {"arbitrary_prefix": SHARING["arbitrary_prefix"]},
+                                    control=True)}
+
+
+@pytest.mark.parametrize("workload", WORKLOADS)
+@pytest.mark.parametrize("mode", list(SHARING))
+def test_the_megatron_critic_gives_verls_values_loss_and_gradients(megatron, workload, mode):
+    shared, plain = megatron["runs"][workload, mode], megatron["runs"][workload, "off"]
+    assert shared["engine"] == plain["engine"] == "PrefixSharingMegatronValueEngine"
+    assert shared["train"]["metrics"]["prefix_sharing/token_ratio"][0] > 1.0
+    assert compare(shared, plain) == []
+    found = compare(megatron["control"][workload, "arbitrary_prefix"], plain)
+    assert "loss" in found and any(f.startswith("values") for f in found)  # the control fails
