@@ -10,8 +10,14 @@ Hooks (each runs when verl imports the module):
 
 - ``verl.workers.config.actor``: ``FSDPActorConfig`` accepts ``prefix_grouper`` and hands the
   validated config to its engine config, ``fsdp_config`` (:mod:`.config`);
+  ``verl.workers.config.critic``: ``FSDPCriticConfig`` accepts ``use_prefix_grouper`` and
+  ``prefix_grouper`` the same way (the critic, :mod:`.critic`); the VeOmni config classes too;
 - ``verl.workers.engine.fsdp.transformer_impl``: the registered language-model engine becomes
-  ``PrefixSharingFSDPEngine`` (backends ``fsdp`` / ``fsdp2``, every device verl registered);
+  ``PrefixSharingFSDPEngine`` and the value-model engine ``PrefixSharingFSDPValueEngine`` (the
+  same subclass over ``FSDPEngineWithValueHead``: values per token instead of log-probs;
+  backends ``fsdp`` / ``fsdp2``, every device verl registered);
+- ``verl.workers.engine.veomni.transformer_impl`` (when the ``veomni`` package lets verl
+  import it): its engines refuse sharing by name (:mod:`.veomni`);
 - ``verl.workers.engine.utils``: the dynamic-batch-size split keeps sharing groups together
   (:mod:`.microbatch`; the same hook as the Megatron sets, applied once).
 - ``verl.trainer.ppo.ray_trainer`` / ``verl.trainer.ppo.v1.trainer_base``: the trainer's
@@ -92,7 +98,7 @@ runs on transformers 4.57, 0.9.1 on 5.x (the sharing attention is registered wit
 verl's own PrefixGrouper patch (``apply_monkey_patch(use_prefix_grouper=...)``) is called by
 neither engine (its caller was the legacy ``dp_actor``), so ``use_prefix_grouper: true``
 selects this sharing (``prompt_only`` unless ``prefix_grouper.mode`` says otherwise). verl
-0.9.1's separate ``fsdp_turbo`` backend and the VeOmni / TorchTitan / AutoModel engines are
+0.9.1's separate ``fsdp_turbo`` backend and the TorchTitan / AutoModel engines are
 left alone.
 """
 
@@ -107,6 +113,7 @@ from typing import Any
 from ..refusals import Refused, refuse, refuse_all
 from .balancing import balancing_hooks
 from .config import accept_prefix_grouper, sharing_config
+from . import veomni
 from .critic import restore_values, value_head_problems
 from .engine import SharingEngineMixin, install_engine
 from .microbatch import patch_prepare_micro_batches
@@ -119,6 +126,9 @@ from .vlm import (ENGINE_FAMILIES, blank_image_kwargs, micro_batch_images,
 __all__ = ["PATCHSETS", "patch_engine", "stock_attention"]
 
 ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
+# the config classes whose engines this set patches (VeOmni's: to refuse, .veomni)
+ACTOR_CONFIGS = ("FSDPActorConfig", "VeOmniActorConfig")
+CRITIC_CONFIGS = ("FSDPCriticConfig", "VeOmniCriticConfig")
 
 
 @contextlib.contextmanager
@@ -309,13 +319,14 @@ def patch_engine(module: ModuleType) -> None:
 PATCHSETS = register_releases(
     "fsdp",
     hooks={
-        "verl.workers.config.actor": lambda m: accept_prefix_grouper(m, "FSDPActorConfig"),
-        "verl.workers.config.critic": lambda m: accept_prefix_grouper(m, "FSDPCriticConfig"),
+        "verl.workers.config.actor": lambda m: accept_prefix_grouper(m, *ACTOR_CONFIGS),
+        "verl.workers.config.critic": lambda m: accept_prefix_grouper(m, *CRITIC_CONFIGS),
         ENGINE_MODULE: patch_engine,
+        veomni.ENGINE_MODULE: veomni.patch_engine,
         "verl.workers.engine.utils": patch_prepare_micro_batches,
         **balancing_hooks(),
     },
     summary="verl {release} FSDP engine: actor config, sharing attention, forward, "
             "group-keeping micro-batches, metrics",
-    off_hooks=off_hooks(("FSDPActorConfig",), ("FSDPCriticConfig",)),
+    off_hooks=off_hooks(ACTOR_CONFIGS, CRITIC_CONFIGS),
 )
