@@ -6,8 +6,8 @@ verl's registry selects, ``infer_batch`` (the values ``compute_values`` reads) a
 
 The checkpoint is a seeded Qwen2 token classifier with one label, the layout verl loads a
 critic into (``load_valuehead_model``); verl asks for flash-attention there, which does not
-run on CPU: :func:`cpu_value_head` loads it with the ``sdpa`` attention instead (test support
-only). The batches are the actor tests' (``_batch.make_batch``), plus each response's old
+run on CPU: :func:`cpu_value_head` loads it with the ``sdpa`` attention instead, as the CPU
+trainer shim does (test support only). The batches are the actor tests' (``_batch.make_batch``), plus each response's old
 values and returns.
 """
 
@@ -45,17 +45,12 @@ def save_value_model(directory: str, seed: int = 0) -> str:
 def cpu_value_head() -> Iterator[None]:
     """Within the block verl's ``load_valuehead_model`` loads the token classifier with the
     ``sdpa`` attention (verl's own asks for flash-attention 2, which has no CPU kernel)."""
-    from transformers import AutoModelForTokenClassification
     from verl.utils import model as verl_model
 
+    from prefix_sharing.testing.verl_cpu.patches import load_value_head_on_cpu
+
     stock = verl_model.load_valuehead_model
-
-    def load(local_path, torch_dtype, model_config, trust_remote_code):
-        return AutoModelForTokenClassification.from_pretrained(
-            local_path, torch_dtype=torch_dtype, config=model_config, attn_implementation="sdpa",
-            trust_remote_code=trust_remote_code)
-
-    verl_model.load_valuehead_model = load
+    verl_model.load_valuehead_model = load_value_head_on_cpu
     try:
         yield
     finally:
