@@ -115,7 +115,7 @@ from .balancing import balancing_hooks
 from .config import accept_prefix_grouper, sharing_config
 from . import veomni
 from .critic import restore_values, value_head_problems
-from .engine import SharingEngineMixin, install_engine
+from .engine import SharingEngineMixin, install_engines
 from .microbatch import patch_prepare_micro_batches
 from .patchsets import register_releases
 from .switched_off import off_hooks
@@ -308,12 +308,9 @@ def patch_engine(module: ModuleType) -> None:
             return None
         return [n - 1 for n in prompt_lengths(micro_batch)]
 
-    for stock, name, value_head in (
-            (module.FSDPEngineWithLMHead, "PrefixSharingFSDPEngine", False),
-            (module.FSDPEngineWithValueHead, "PrefixSharingFSDPValueEngine", True)):
-        engine = sharing_engine(stock, value_head)
-        engine.__name__ = name
-        install_engine(module, stock, engine)
+    install_engines(module, sharing_engine, (
+        ("FSDPEngineWithLMHead", "PrefixSharingFSDPEngine", False),
+        ("FSDPEngineWithValueHead", "PrefixSharingFSDPValueEngine", True)))
 
 
 PATCHSETS = register_releases(

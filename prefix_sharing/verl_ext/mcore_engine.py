@@ -55,7 +55,7 @@ from typing import Any
 
 from .balancing import balancing_hooks
 from .config import accept_prefix_grouper
-from .engine import SharingEngineMixin, install_engine
+from .engine import SharingEngineMixin, install_engines
 from .microbatch import active_split, patch_prepare_micro_batches
 from .patchsets import register_releases
 from .switched_off import off_hooks
@@ -234,12 +234,9 @@ def patch_engine(module: ModuleType) -> None:
         PrefixSharingMegatronEngine.supports_cross_micro_batch = not value_head
         return PrefixSharingMegatronEngine
 
-    for stock, name, value_head in (
-            (module.MegatronEngineWithLMHead, "PrefixSharingMegatronEngine", False),
-            (module.MegatronEngineWithValueHead, "PrefixSharingMegatronValueEngine", True)):
-        engine = sharing_engine(stock, value_head)
-        engine.__name__ = name
-        install_engine(module, stock, engine)
+    install_engines(module, sharing_engine, (
+        ("MegatronEngineWithLMHead", "PrefixSharingMegatronEngine", False),
+        ("MegatronEngineWithValueHead", "PrefixSharingMegatronValueEngine", True)))
     patch_route_merge(module)
 
 

@@ -108,10 +108,7 @@ def run_fsdp(rank: int, path: str, modes: dict[str, dict | None], *,
 
     use_cpu_platform()
     results = {}
-    stock_restore = sharing_fsdp.restore_values
-    if control:
-        sharing_fsdp.restore_values = lambda flat, plan: stock_restore(flat.roll(1), plan)
-    try:
+    with values_shifted(sharing_fsdp, control):
         for workload in WORKLOADS:
             for name, prefix_grouper in modes.items():
                 config = critic_config(prefix_grouper, strategy)
@@ -129,9 +126,21 @@ def run_fsdp(rank: int, path: str, modes: dict[str, dict | None], *,
                 results[workload, name] = {"infer": plain_output(infer),
                                            "train": plain_output(train), "grads": grads,
                                            "engine": type(engine).__name__}
-    finally:
-        sharing_fsdp.restore_values = stock_restore
     return results
+
+
+@contextlib.contextmanager
+def values_shifted(engine_module: Any, control: bool) -> Iterator[None]:
+    """With ``control``, within the block the sharing engine of ``engine_module`` (:mod:`.fsdp`
+    or :mod:`.mcore`, where ``restore_values`` is looked up) reads each value one flat row too
+    early: the injected bug the tests' comparison must catch."""
+    stock = engine_module.restore_values
+    if control:
+        engine_module.restore_values = lambda flat, plan: stock(flat.roll(1), plan)
+    try:
+        yield
+    finally:
+        engine_module.restore_values = stock
 
 
 class ValueHead(torch.nn.Linear):
@@ -154,10 +163,7 @@ def run_megatron(rank: int, modes: dict[str, dict | None], *, control: bool = Fa
 
     use_cpu_platform()
     results = {}
-    stock_restore = sharing_mcore.restore_values
-    if control:
-        sharing_mcore.restore_values = lambda flat, plan: stock_restore(flat.roll(1), plan)
-    try:
+    with values_shifted(sharing_mcore, control):
         for workload in WORKLOADS:
             for name, prefix_grouper in modes.items():
                 config = critic_config(prefix_grouper, "megatron")
@@ -173,8 +179,6 @@ def run_megatron(rank: int, modes: dict[str, dict | None], *, control: bool = Fa
                 results[workload, name] = {"infer": plain_output(infer),
                                            "train": plain_output(train), "grads": grads,
                                            "engine": type(engine).__name__}
-    finally:
-        sharing_mcore.restore_values = stock_restore
     return results
 
 
