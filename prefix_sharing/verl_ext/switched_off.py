@@ -6,7 +6,7 @@ when it is 0 - the results and code path of a run without those keys. Nothing of
 patched then; each patch set's ``off_hooks`` (:func:`off_hooks`) apply only:
 
 - ``verl.workers.config.actor`` / ``.critic``: the actor- and critic-config classes accept and validate
-  ``prefix_grouper`` but hands nothing to the engine (:func:`.config.accept_prefix_grouper`
+  ``prefix_grouper`` but hand nothing to the engine (:func:`.config.accept_prefix_grouper`
   with ``enabled=False``); verl's engine then never sees it. The first such config in a
   process logs one line (:func:`.config.announce`);
 - ``verl.trainer.ppo.ray_trainer`` (:func:`stock_balancing`): verl's legacy trainer reads
