@@ -311,8 +311,23 @@ TABLE: tuple[Refusal, ...] = (
             "off", _VERL),
     Refusal("verl.mtp", "MTP training", "its labels are laid out per sample; set "
             "model.mtp.enable_train=False", _VERL),
-    Refusal("verl.model_type", "a model other than a language model",
-            "sharing covers text-only language models (model_type='language_model')", _VERL),
+    Refusal("verl.model_type", "a model other than a language or value model",
+            "sharing covers verl's language models (the actor, the reference) and value models "
+            "(the critic): model_type 'language_model' or 'value_model'", _VERL),
+    Refusal("verl.critic.sequence_split", "a sharing critic with its sequences split over ranks",
+            "a value is read from the flat row that computed its token, which under Ulysses or "
+            "context parallelism may lie on another rank (the actor's split gathers log-probs, "
+            "not values): set critic.ulysses_sequence_parallel_size=1 / "
+            "critic.megatron.context_parallel_size=1, or critic.use_prefix_grouper=false", _VERL),
+    Refusal("verl.self_check.value_model", "the first-step self-check on the critic",
+            "it compares log-probs, which a value model does not return; set "
+            "critic.prefix_grouper.self_check=false (tests compare the critic with verl's "
+            "stock value engine)", _VERL),
+    Refusal("verl.veomni", "sharing on verl's VeOmni engine (model_engine=veomni)",
+            "VeOmni builds and parallelizes the model itself (its own attention dispatch, "
+            "sequence parallelism and kernels), which prefix sharing does not hook: the run "
+            "would compute every shared prefix. Use model_engine=fsdp (strategy fsdp2) for "
+            "sharing, or use_prefix_grouper=false", ("verl-fsdp",)),
     Refusal("verl.multimodal", "a multimodal model or inputs",
             "verl's Megatron engine is text-only here; verl's FSDP engine serves Qwen2.5-VL, "
             "Qwen3-VL, Qwen3-VL-MoE and Qwen3.5 dense and MoE (images and text-only "
@@ -372,10 +387,10 @@ TABLE: tuple[Refusal, ...] = (
     Refusal("verl.routing_replay.r3_without_routes", "R3 routing replay without the rollout's "
             "routes", "the micro-batch has no routed_experts; record them in the rollout",
             ("verl-megatron",)),
-    Refusal("verl.cross_micro_batch.engine", "groups across micro-batches on the FSDP engine",
-            "only verl's Megatron engine runs a group across micro-batches; the FSDP engine "
-            "splits a group too large for a micro-batch instead (set cross_micro_batch: false)",
-            ("verl-fsdp",)),
+    Refusal("verl.cross_micro_batch.engine", "groups across micro-batches on the FSDP engine "
+            "or the critic", "only verl's Megatron language-model engine runs a group across "
+            "micro-batches; the FSDP engine and the critic split a group too large for a "
+            "micro-batch instead (set cross_micro_batch: false)", _VERL),
     Refusal("verl.cross_micro_batch.layout", "groups across micro-batches with this parallel "
             "layout", "a group runs without virtual stages, under context parallelism at TP=1 "
             "(CP x TP is tested in the group driver only), and under pipeline parallelism at "

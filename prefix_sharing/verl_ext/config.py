@@ -1,4 +1,4 @@
-"""The ``prefix_grouper`` block in verl's actor config, and its way to the engine.
+"""The ``prefix_grouper`` block in verl's actor and critic configs, and its way to the engine.
 
 verl converts the actor section into a strict dataclass (``McoreActorConfig`` in 0.9.1) that
 rejects unknown keys, so :func:`accept_prefix_grouper` replaces that class, in its module, by a
@@ -9,7 +9,10 @@ the worker that reads it), and attaches the result to the engine config
 only object the engine's forward can read it from (:func:`sharing_config`).
 
 The reference model reads the ``ref`` section, which has no ``prefix_grouper`` of its own: the
-overlays in ``configs/verl/`` point it at the actor's.
+overlays in ``configs/verl/`` point it at the actor's. The critic's config classes
+(``FSDPCriticConfig``, ``McoreCriticConfig``) have no ``use_prefix_grouper`` either: the same
+replacement adds both keys (``critic.use_prefix_grouper``, ``critic.prefix_grouper``, given with
+hydra's ``+`` as they are not in verl's defaults) and hands them to the critic's engine config.
 
 verl's SFT trainer has no role section: it converts its ``engine`` section straight into the
 engine config (``FSDPEngineConfig`` / ``McoreEngineConfig``) and builds the engine from it, so
@@ -52,14 +55,22 @@ def announce(class_name: str) -> None:
                        class_name)
 
 
-def accept_prefix_grouper(module: ModuleType, class_name: str, *, enabled: bool = True,
+def accept_prefix_grouper(module: ModuleType, *class_names: str, enabled: bool = True,
                           section: str | None = "engine") -> None:
-    """Replaces ``module.<class_name>`` (a verl config dataclass) by a subclass that accepts
-    ``prefix_grouper`` (and ``use_prefix_grouper`` where verl's class lacks it) and carries the
-    sharing config to its engine config: the attribute ``section`` of it (an actor config's
-    ``engine``), or the config itself with ``section=None`` (an engine config: the SFT
-    trainer's ``engine`` section). With ``enabled=False`` it only accepts and validates it
-    (and says once that the environment switched sharing off, when the config asks for it)."""
+    """Replaces each ``module.<class_name>`` (a verl config dataclass) by a subclass that
+    accepts ``prefix_grouper`` (and ``use_prefix_grouper`` where verl's class lacks it: the
+    critic's) and carries the sharing config to its engine config: the attribute ``section``
+    of it (an actor or critic config's ``engine``), or the config itself with ``section=None``
+    (an engine config: the SFT trainer's ``engine`` section). With ``enabled=False`` it only
+    accepts and validates it (and says once that the environment switched sharing off, when
+    the config asks for it). Names ``module`` lacks (a release without that class) are
+    skipped."""
+    for class_name in class_names:
+        if hasattr(module, class_name):
+            _accept(module, class_name, enabled, section)
+
+
+def _accept(module: ModuleType, class_name: str, enabled: bool, section: str | None) -> None:
     base = getattr(module, class_name)
     if getattr(base, "_prefix_sharing_base", None) is not None:
         return  # already replaced
@@ -113,13 +124,16 @@ def _carry(engine_config: Any, requested: PrefixSharingConfig, class_name: str) 
                          f"and in its engine section ({own}); set it in one of them")
 
 
-def config_hooks(actor_class: str, engine_class: str, *, enabled: bool = True) -> dict:
-    """A patch set's hooks on verl's config modules: its actor-config class and its
-    engine-config class (the SFT trainer's ``engine`` section) accept the keys
+def config_hooks(actor_classes: tuple[str, ...], critic_classes: tuple[str, ...],
+                 engine_class: str, *, enabled: bool = True) -> dict:
+    """A patch set's hooks on verl's config modules: its actor- and critic-config classes and
+    its engine-config class (the SFT trainer's ``engine`` section) accept the keys
     (:func:`accept_prefix_grouper`; ``enabled=False``: accepted and validated only)."""
     return {
         "verl.workers.config.actor":
-            lambda m: accept_prefix_grouper(m, actor_class, enabled=enabled),
+            lambda m: accept_prefix_grouper(m, *actor_classes, enabled=enabled),
+        "verl.workers.config.critic":
+            lambda m: accept_prefix_grouper(m, *critic_classes, enabled=enabled),
         "verl.workers.config.engine":
             lambda m: accept_prefix_grouper(m, engine_class, enabled=enabled, section=None),
     }

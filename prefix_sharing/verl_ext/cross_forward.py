@@ -84,7 +84,7 @@ def cross_forward(
                                                        slice_micro_batch)
     from ..megatron_ext.packed_seq import PlanPackedSeqParams
 
-    check_text_only(value_model, vision_model, multi_modal_inputs)
+    check_text_only(vision_model, multi_modal_inputs)
     check_sharing_model(model)
     check_cross_model(model)
     suffix = part.group.schedule.suffixes[part.index]

@@ -13,6 +13,7 @@ its engine; :func:`registered_engine` is the class verl's registry selects. Noth
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -25,7 +26,8 @@ from .microbatch import (add_split_metrics, dynamic_split_problem, fixed_order,
 from .routing_replay import replay_mode
 from .self_check import FirstStepSelfCheck, self_check_problems
 
-__all__ = ["SharingEngineMixin", "install_engine", "register_engine", "registered_engine",
+__all__ = ["SharingEngineMixin", "install_engine", "install_engines", "register_engine",
+           "registered_engine",
            "UNSUPPORTED_SWITCHES"]
 
 # Micro-batch switches both verl engines read (a micro-batch may override the engine config's
@@ -154,6 +156,18 @@ def _problems(check: Any, *args: Any, **kwargs: Any) -> list[Refused]:
     except PrefixSharingSetupError as error:
         return list(error.found)
     return []
+
+
+def install_engines(module: ModuleType, build: Callable[[type, bool], type],
+                    engines: tuple[tuple[str, str, bool], ...]) -> None:
+    """For each ``(stock, name, value_head)``: the class ``build(module.<stock>, value_head)``
+    (an engine's sharing subclass of verl's language-model or, with ``value_head``,
+    value-model engine), named ``name``, installed in its place (:func:`install_engine`)."""
+    for stock_name, name, value_head in engines:
+        stock = getattr(module, stock_name)
+        engine = build(stock, value_head)
+        engine.__name__ = name
+        install_engine(module, stock, engine)
 
 
 def install_engine(module: ModuleType, stock: type, engine: type) -> None:

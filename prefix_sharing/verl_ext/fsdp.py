@@ -10,8 +10,14 @@ Hooks (each runs when verl imports the module):
 
 - ``verl.workers.config.actor``: ``FSDPActorConfig`` accepts ``prefix_grouper`` and hands the
   validated config to its engine config, ``fsdp_config`` (:mod:`.config`);
+  ``verl.workers.config.critic``: ``FSDPCriticConfig`` accepts ``use_prefix_grouper`` and
+  ``prefix_grouper`` the same way (the critic, :mod:`.critic`); the VeOmni config classes too;
 - ``verl.workers.engine.fsdp.transformer_impl``: the registered language-model engine becomes
-  ``PrefixSharingFSDPEngine`` (backends ``fsdp`` / ``fsdp2``, every device verl registered);
+  ``PrefixSharingFSDPEngine`` and the value-model engine ``PrefixSharingFSDPValueEngine`` (the
+  same subclass over ``FSDPEngineWithValueHead``: values per token instead of log-probs;
+  backends ``fsdp`` / ``fsdp2``, every device verl registered);
+- ``verl.workers.engine.veomni.transformer_impl`` (when the ``veomni`` package lets verl
+  import it): its engines refuse sharing by name (:mod:`.veomni`);
 - ``verl.workers.engine.utils``: the dynamic-batch-size split keeps sharing groups together
   (:mod:`.microbatch`; the same hook as the Megatron sets, applied once).
 - ``verl.trainer.ppo.ray_trainer`` / ``verl.trainer.ppo.v1.trainer_base``: the trainer's
@@ -93,7 +99,7 @@ runs on transformers 4.57, 0.9.1 on 5.x (the sharing attention is registered wit
 verl's own PrefixGrouper patch (``apply_monkey_patch(use_prefix_grouper=...)``) is called by
 neither engine (its caller was the legacy ``dp_actor``), so ``use_prefix_grouper: true``
 selects this sharing (``prompt_only`` unless ``prefix_grouper.mode`` says otherwise). verl
-0.9.1's separate ``fsdp_turbo`` backend and the VeOmni / TorchTitan / AutoModel engines are
+0.9.1's separate ``fsdp_turbo`` backend and the TorchTitan / AutoModel engines are
 left alone.
 """
 
@@ -107,8 +113,10 @@ from typing import Any
 
 from ..refusals import Refused, refuse
 from .balancing import balancing_hooks
+from . import veomni
 from .config import config_hooks, sharing_config
-from .engine import SharingEngineMixin, install_engine
+from .critic import restore_values, value_head_problems
+from .engine import SharingEngineMixin, install_engines
 from .microbatch import patch_prepare_micro_batches
 from .patchsets import register_releases
 from .switched_off import off_hooks
@@ -119,6 +127,9 @@ from .vlm import (ENGINE_FAMILIES, blank_image_kwargs, micro_batch_images,
 __all__ = ["PATCHSETS", "patch_engine", "stock_attention"]
 
 ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
+# the config classes whose engines this set patches (VeOmni's: to refuse, .veomni)
+ACTOR_CONFIGS = ("FSDPActorConfig", "VeOmniActorConfig")
+CRITIC_CONFIGS = ("FSDPCriticConfig", "VeOmniCriticConfig")
 
 
 @contextlib.contextmanager
@@ -152,128 +163,146 @@ def patch_engine(module: ModuleType) -> None:
     from .mcore import (PrefixSharingSetupError, micro_batch_groups, micro_batch_temperature,
                         prompt_lengths)
 
-    stock = module.FSDPEngineWithLMHead
     record_stock_forwards()  # before any engine's apply_monkey_patch replaces them
 
-    class PrefixSharingFSDPEngine(SharingEngineMixin, stock):
-        """verl's ``FSDPEngineWithLMHead``, computing each micro-batch's shared prefixes once."""
+    def sharing_engine(stock: type, value_head: bool) -> type:
+        """The sharing subclass of ``stock`` (verl's language-model engine, or its value-model
+        engine with ``value_head``: the critic)."""
 
-        vision_families = ENGINE_FAMILIES
-        serves_fused_kernels = True  # the sharing head is chunked from the hidden states
+        class PrefixSharingFSDPEngine(SharingEngineMixin, stock):
+            """verl's ``FSDPEngineWithLMHead`` (or ``FSDPEngineWithValueHead``), computing each
+            micro-batch's shared prefixes once."""
 
-        def _build_module(self):
-            hf_module = super()._build_module()
-            if self.prefix_sharing.enabled:
-                self._stock_attention = (hf_module, hf_module.config._attn_implementation)
-                if is_vlm(hf_module):
-                    if self.prefix_sharing.self_check:
-                        raise refuse("verl.self_check.vlm", "prefix_grouper.self_check=true",
+            vision_families = ENGINE_FAMILIES
+            serves_fused_kernels = True  # the sharing head is chunked from the hidden states
+            value_head = False  # the critic's engine: values per token instead of log-probs
+
+            @classmethod
+            def setup_problems(cls, model_config, engine_config) -> list:
+                """The common refusals; the critic's (:func:`.critic.value_head_problems`); and
+                under Ulysses the models it cannot split (:func:`.ulysses.ulysses_problems`,
+                from the HF config)."""
+                found = super().setup_problems(model_config, engine_config)
+                if sharing_config(engine_config).enabled:
+                    if cls.value_head:
+                        found += value_head_problems(engine_config)
+                    found += ulysses_problems(
+                        getattr(model_config, "hf_config", None),
+                        getattr(engine_config, "ulysses_sequence_parallel_size", 1))
+                return found
+
+            def _build_module(self):
+                hf_module = super()._build_module()
+                if self.prefix_sharing.enabled:
+                    self._stock_attention = (hf_module, hf_module.config._attn_implementation)
+                    if is_vlm(hf_module):
+                        if self.prefix_sharing.self_check:
+                            raise refuse("verl.self_check.vlm", "prefix_grouper.self_check=true",
+                                         error=PrefixSharingSetupError)
+                        restore_stock_forwards(hf_module)  # transformers' own, for the plan
+                    enable_prefix_sharing(hf_module)  # before _build_fsdp_module wraps it
+                    # log-probs from the hidden states in chunks of rows, unless the head is not a
+                    # plain linear layer (then from the model's logits, token_log_probs); verl's
+                    # fused kernels skip a final logit transform, so the head does too under them
+                    fused = bool(getattr(self.model_config, "use_fused_kernels", False))
+                    self._hidden_head = not self.value_head and head_problem(
+                        hf_module, ignore_logit_transform=fused) is None
+                    if self._hidden_head:
+                        install_hidden_state_head(hf_module, ignore_logit_transform=fused)
+                    if self.prefix_sharing.self_check and has_recurrent_layers(hf_module):
+                        raise refuse("verl.self_check.recurrent", "prefix_grouper.self_check=true",
                                      error=PrefixSharingSetupError)
-                    restore_stock_forwards(hf_module)  # transformers' own, for the plan
-                enable_prefix_sharing(hf_module)  # before _build_fsdp_module wraps it
-                # log-probs from the hidden states in chunks of rows, unless the head is not a
-                # plain linear layer (then from the model's logits, token_log_probs); verl's
-                # fused kernels skip a final logit transform, so the head does too under them
-                fused = bool(getattr(self.model_config, "use_fused_kernels", False))
-                self._hidden_head = head_problem(hf_module, ignore_logit_transform=fused) is None
-                if self._hidden_head:
-                    install_hidden_state_head(hf_module, ignore_logit_transform=fused)
-                if self.prefix_sharing.self_check and has_recurrent_layers(hf_module):
-                    raise refuse("verl.self_check.recurrent", "prefix_grouper.self_check=true",
-                                 error=PrefixSharingSetupError)
-            return hf_module
+                return hf_module
 
-        @classmethod
-        def setup_problems(cls, model_config, engine_config):
-            """The mixin's, and under Ulysses the models it cannot split
-            (:func:`.ulysses.ulysses_problems`, from the HF config)."""
-            found = super().setup_problems(model_config, engine_config)
-            if sharing_config(engine_config).enabled:
-                found += ulysses_problems(
-                    getattr(model_config, "hf_config", None),
-                    getattr(engine_config, "ulysses_sequence_parallel_size", 1))
-            return found
+            def _stock_outputs(self, micro_batch, logits_processor_func):
+                """verl's own forward of ``micro_batch`` (the self-check's reference)."""
+                with stock_attention(*self._stock_attention):
+                    model_inputs, output_args = stock.prepare_model_inputs(self, micro_batch)
+                    output = self.module(**model_inputs, use_cache=False)
+                    return stock.prepare_model_outputs(self, output, output_args, micro_batch,
+                                                       logits_processor_func)
 
-        def _stock_outputs(self, micro_batch, logits_processor_func):
-            """verl's own forward of ``micro_batch`` (the self-check's reference)."""
-            with stock_attention(*self._stock_attention):
-                model_inputs, output_args = stock.prepare_model_inputs(self, micro_batch)
-                output = self.module(**model_inputs, use_cache=False)
-                return stock.prepare_model_outputs(self, output, output_args, micro_batch,
-                                                   logits_processor_func)
+            def prepare_model_inputs(self, micro_batch):
+                if not self.prefix_sharing.enabled:
+                    return super().prepare_model_inputs(micro_batch)
+                unsupported = []
+                vlm = is_vlm(self.module)
+                if not vlm and module.extract_multi_modal_inputs(
+                        micro_batch.get("multi_modal_inputs", [])):  # as verl reads them
+                    unsupported.append(Refused("verl.multimodal", "multi_modal_inputs"))
 
-        def prepare_model_inputs(self, micro_batch):
-            if not self.prefix_sharing.enabled:
-                return super().prepare_model_inputs(micro_batch)
-            unsupported = []
-            vlm = is_vlm(self.module)
-            if not vlm and module.extract_multi_modal_inputs(
-                    micro_batch.get("multi_modal_inputs", [])):  # as verl reads them
-                unsupported.append(Refused("verl.multimodal", "multi_modal_inputs"))
+                self.refuse_unsupported_switches(micro_batch, *unsupported)
+                input_ids = micro_batch["input_ids"]  # jagged nested (bsz, j1)
+                sequences = list(input_ids.unbind())
+                groups = None
+                if self.prefix_sharing.mode == "prompt_only":
+                    groups = micro_batch_groups(micro_batch, len(sequences))
+                images = None
+                if vlm:  # None for a text-only micro-batch
+                    images = vision_batch(self.module.config, sequences,
+                                          micro_batch_images(micro_batch, len(sequences)))
+                plan = build_plan(sequences, self.prefix_sharing, groups=groups,
+                                  images=None if images is None else images.tags,
+                                  pad_to_multiple_of=plan_padding(self))  # as verl pads for Ulysses
+                plan = plan.to(input_ids.device)
+                self._sharing_metrics.add(plan)
+                model_inputs = model_kwargs(plan, self.prefix_sharing.backend)
+                del model_inputs["use_cache"]  # verl's forward_step passes use_cache=False itself
+                if images is not None:  # mrope rows, distinct images, feature rows
+                    model_inputs.update(vision_model_kwargs(self.module, sequences, plan, images))
+                    self._sharing_metrics.add_vision(images.metrics(plan))
+                elif vlm:  # a text-only micro-batch: the tower runs on a blank image, as in verl's
+                    model_inputs.update(blank_image_kwargs(self.module, input_ids.device))
+                output_args = {"plan": plan,
+                               "temperature": micro_batch_temperature(micro_batch["temperature"])}
+                group = sequence_parallel_group(self)
+                if group is not None:  # this rank's rows; the split for the attention and log-probs
+                    output_args["ulysses"] = ulysses_split(plan, group)
+                    model_inputs.update(ulysses_model_kwargs(plan, output_args["ulysses"]))
+                elif self._hidden_head:  # the model returns log-probs / entropy, no logits
+                    model_inputs[HEAD_KWARG] = HeadRequest(
+                        plan, output_args["temperature"],
+                        with_entropy=tu.get_non_tensor_data(micro_batch, key="calculate_entropy",
+                                                            default=False),
+                        read_from=read_from(micro_batch))
+                return model_inputs, output_args
 
-            self.refuse_unsupported_switches(micro_batch, *unsupported)
-            input_ids = micro_batch["input_ids"]  # jagged nested (bsz, j1)
-            sequences = list(input_ids.unbind())
-            groups = None
-            if self.prefix_sharing.mode == "prompt_only":
-                groups = micro_batch_groups(micro_batch, len(sequences))
-            images = None
-            if vlm:  # None for a text-only micro-batch
-                images = vision_batch(self.module.config, sequences,
-                                      micro_batch_images(micro_batch, len(sequences)))
-            plan = build_plan(sequences, self.prefix_sharing, groups=groups,
-                              images=None if images is None else images.tags,
-                              pad_to_multiple_of=plan_padding(self))  # as verl pads for Ulysses
-            plan = plan.to(input_ids.device)
-            self._sharing_metrics.add(plan)
-            model_inputs = model_kwargs(plan, self.prefix_sharing.backend)
-            del model_inputs["use_cache"]  # verl's forward_step passes use_cache=False itself
-            if images is not None:  # mrope rows, distinct images, feature rows
-                model_inputs.update(vision_model_kwargs(self.module, sequences, plan, images))
-                self._sharing_metrics.add_vision(images.metrics(plan))
-            elif vlm:  # a text-only micro-batch: the tower runs on a blank image, as in verl's
-                model_inputs.update(blank_image_kwargs(self.module, input_ids.device))
-            output_args = {"plan": plan,
-                           "temperature": micro_batch_temperature(micro_batch["temperature"])}
-            group = sequence_parallel_group(self)
-            if group is not None:  # this rank's rows; the split for the attention and log-probs
-                output_args["ulysses"] = ulysses_split(plan, group)
-                model_inputs.update(ulysses_model_kwargs(plan, output_args["ulysses"]))
-            elif self._hidden_head:  # the model returns log-probs / entropy, no logits
-                model_inputs[HEAD_KWARG] = HeadRequest(
-                    plan, output_args["temperature"],
-                    with_entropy=tu.get_non_tensor_data(micro_batch, key="calculate_entropy",
-                                                        default=False),
-                    read_from=read_from(micro_batch))
-            return model_inputs, output_args
+            def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
+                if not self.prefix_sharing.enabled:
+                    return super().prepare_model_outputs(output, output_args, micro_batch,
+                                                          logits_processor_func)
+                if self.value_head:  # a value per token: the flat row that computed it
+                    # as verl reads them: trl's value head, or a num_labels=1 token classifier
+                    flat = (output[2][0] if hasattr(self.module, "v_head")
+                            else output.logits[0, :, 0])
+                    return {"values": restore_values(flat, output_args["plan"])}
+                calculate_entropy = tu.get_non_tensor_data(micro_batch, key="calculate_entropy",
+                                                           default=False)
+                split = output_args.get("ulysses")
+                if isinstance(output, HeadOutput):
+                    stats = output.stats
+                else:  # [T_flat (/ Ulysses), vocab] logits
+                    score = token_log_probs if split is None else partial(ulysses_token_stats,
+                                                                           split=split)
+                    stats = score(output.logits[0], output_args["plan"],
+                                  temperature=output_args["temperature"],
+                                  with_entropy=calculate_entropy)
+                offsets = micro_batch["input_ids"].offsets()  # the plan packs samples in this order
+                model_output = {"log_probs": torch.nested.nested_tensor_from_jagged(stats.log_probs,
+                                                                                     offsets)}
+                if calculate_entropy:
+                    model_output["entropy"] = torch.nested.nested_tensor_from_jagged(stats.entropy,
+                                                                                     offsets)
+                self._self_check.check(
+                    output_args["plan"], model_output,
+                    lambda: self._stock_outputs(micro_batch, logits_processor_func),
+                    getattr(self, "_autocast_dtype", torch.bfloat16),  # verl's compute dtype
+                    read_from(micro_batch) if isinstance(output, HeadOutput) else None)
+                return model_output
 
-        def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
-            if not self.prefix_sharing.enabled:
-                return super().prepare_model_outputs(output, output_args, micro_batch,
-                                                      logits_processor_func)
-            calculate_entropy = tu.get_non_tensor_data(micro_batch, key="calculate_entropy",
-                                                       default=False)
-            split = output_args.get("ulysses")
-            if isinstance(output, HeadOutput):
-                stats = output.stats
-            else:  # [T_flat (/ Ulysses), vocab] logits
-                score = token_log_probs if split is None else partial(ulysses_token_stats,
-                                                                       split=split)
-                stats = score(output.logits[0], output_args["plan"],
-                              temperature=output_args["temperature"],
-                              with_entropy=calculate_entropy)
-            offsets = micro_batch["input_ids"].offsets()  # the plan packs samples in this order
-            model_output = {"log_probs": torch.nested.nested_tensor_from_jagged(stats.log_probs,
-                                                                                 offsets)}
-            if calculate_entropy:
-                model_output["entropy"] = torch.nested.nested_tensor_from_jagged(stats.entropy,
-                                                                                 offsets)
-            self._self_check.check(
-                output_args["plan"], model_output,
-                lambda: self._stock_outputs(micro_batch, logits_processor_func),
-                getattr(self, "_autocast_dtype", torch.bfloat16),  # verl's compute dtype
-                read_from(micro_batch) if isinstance(output, HeadOutput) else None)
-            return model_output
+        PrefixSharingFSDPEngine.value_head = value_head
+        return PrefixSharingFSDPEngine
+
 
     def read_from(micro_batch) -> list[int] | None:
         """Per sample, the first position verl reads: its prompt's last one (``[len - response
@@ -283,18 +312,21 @@ def patch_engine(module: ModuleType) -> None:
             return None
         return [n - 1 for n in prompt_lengths(micro_batch)]
 
-    install_engine(module, stock, PrefixSharingFSDPEngine)
+    install_engines(module, sharing_engine, (
+        ("FSDPEngineWithLMHead", "PrefixSharingFSDPEngine", False),
+        ("FSDPEngineWithValueHead", "PrefixSharingFSDPValueEngine", True)))
 
 
 PATCHSETS = register_releases(
     "fsdp",
     hooks={
-        **config_hooks("FSDPActorConfig", "FSDPEngineConfig"),
+        **config_hooks(ACTOR_CONFIGS, CRITIC_CONFIGS, "FSDPEngineConfig"),
         ENGINE_MODULE: patch_engine,
+        veomni.ENGINE_MODULE: veomni.patch_engine,
         "verl.workers.engine.utils": patch_prepare_micro_batches,
         **balancing_hooks(),
     },
     summary="verl {release} FSDP engine: actor config, sharing attention, forward, "
             "group-keeping micro-batches, metrics",
-    off_hooks=off_hooks("FSDPActorConfig", "FSDPEngineConfig"),
+    off_hooks=off_hooks(ACTOR_CONFIGS, CRITIC_CONFIGS, "FSDPEngineConfig"),
 )

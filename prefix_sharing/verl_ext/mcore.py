@@ -29,6 +29,7 @@ from ..config import PrefixSharingConfig
 from ..errors import PrefixSharingSetupError
 from ..planner import PromptGroup, prompt_groups
 from ..refusals import Refused, refuse, refuse_all
+from .critic import restore_values
 from .routing_replay import (RouteRecorder, check_padded_statistics, replay_mode_problems,
                              router_action)
 from .self_check import FirstStepSelfCheck
@@ -69,7 +70,7 @@ def check_engine_setup(engine_config: Any, model_config: Any | None = None, *,
       states instead, :mod:`prefix_sharing.head_logprobs`; the Megatron engine's limits:
       :func:`fused_kernel_problems`);
     - MTP training: its labels are laid out per sample as well;
-    - a value model; a multimodal model outside ``vision_families`` (``verl.multimodal``), or
+    - a model type other than verl's language and value models; a multimodal model outside ``vision_families`` (``verl.multimodal``), or
       one of them on a transformers older than the shim needs (``hf.vlm_release``: verl
       0.8.0's 4.57);
     - ``router_replay`` with ``context_parallel_size > 1`` (Megatron; :mod:`.routing_replay`):
@@ -85,7 +86,7 @@ def check_engine_setup(engine_config: Any, model_config: Any | None = None, *,
     if mtp is not None and getattr(mtp, "enable", False) and getattr(mtp, "enable_train", False):
         found.append(Refused("verl.mtp", "model.mtp.enable_train=True"))
     model_type = getattr(model_config, "model_type", "language_model")
-    if model_type != "language_model":
+    if model_type not in ("language_model", "value_model"):  # the actor's and the critic's
         found.append(Refused("verl.model_type", f"model_type={model_type!r}"))
     hf_config = getattr(model_config, "hf_config", None)
     if getattr(hf_config, "vision_config", None) is not None:
@@ -271,7 +272,7 @@ def shared_forward(
     from ..megatron_ext import (check_sharing_model, head_token_stats, lm_head_inputs,
                                 prepare_micro_batch, token_stats)
 
-    check_text_only(value_model, vision_model, multi_modal_inputs)
+    check_text_only(vision_model, multi_modal_inputs)
     check_sharing_model(model)
     sequences = list(input_ids.unbind())
     action = router_action(unwrap_model(model))
@@ -299,8 +300,10 @@ def shared_forward(
                        packed_seq_params=mb.packed_seq_params)
     if route_recorder is not None:
         route_recorder.ran(unwrap_model(model), mb.plan)
-    if not last_stage or (logits_processor is None and lm_head == "logits"):
+    if not last_stage:
         return output  # an inner pipeline stage: activations for the next one
+    if value_model:  # the critic: (1, T_flat, 1) values, one per flat row
+        return restore_values(output[0, :, 0], mb.plan)
     temperature = micro_batch_temperature((logits_processor_args or {}).get("temperature"))
     if lm_head == "hidden":
         stats = head_token_stats(output, head, mb, temperature=temperature,
@@ -365,11 +368,10 @@ def fused_forward_patched(model) -> Iterator[None]:
         unpatch_fused_forward(model)
 
 
-def check_text_only(value_model: Any, vision_model: Any, multi_modal_inputs: Any) -> None:
-    """Refuses a value head or vision inputs: sharing covers text-only language models here
-    (a vision model: :mod:`.mcore_vlm`, which the engine's construction already raised)."""
-    found = [Refused("verl.multimodal", name) for name, on in (
-        ("value_model", value_model), ("multi_modal_inputs", multi_modal_inputs)) if on]
+def check_text_only(vision_model: Any, multi_modal_inputs: Any) -> None:
+    """Refuses vision inputs: sharing covers text-only models here (a vision model:
+    :mod:`.mcore_vlm`, which the engine's construction already raised)."""
+    found = [Refused("verl.multimodal", "multi_modal_inputs")] if multi_modal_inputs else []
     if vision_model:
         found.append(Refused("verl.megatron_vlm", "vision_model"))
     if found:

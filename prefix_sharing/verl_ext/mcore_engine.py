@@ -55,7 +55,7 @@ from typing import Any
 
 from .balancing import balancing_hooks
 from .config import config_hooks
-from .engine import SharingEngineMixin, install_engine
+from .engine import SharingEngineMixin, install_engines
 from .microbatch import active_split, patch_prepare_micro_batches
 from .patchsets import register_releases
 from .switched_off import off_hooks
@@ -162,97 +162,111 @@ def patch_engine(module: ModuleType) -> None:
     from verl.utils import tensordict_utils as tu
 
     from .config import sharing_config
+    from .critic import value_head_problems
     from .hybrid import hybrid_release_problem
     from .mcore import fused_kernel_problems, micro_batch_groups
     from .mcore_vlm import vision_model_problem
     from .megatron_lora import megatron_lora_problem
     from .routing_replay import RouteRecorder, micro_batch_routes, replay_mode
 
-    stock = module.MegatronEngineWithLMHead
+    def sharing_engine(stock: type, value_head: bool) -> type:
+        """The sharing subclass of ``stock`` (verl's language-model engine, or its value-model
+        engine with ``value_head``: the critic, :mod:`.critic`)."""
 
-    class PrefixSharingMegatronEngine(SharingEngineMixin, stock):
-        """verl's ``MegatronEngineWithLMHead``, computing each micro-batch's shared prefixes
-        once."""
+        class PrefixSharingMegatronEngine(SharingEngineMixin, stock):
+            """verl's ``MegatronEngineWithLMHead``, computing each micro-batch's shared prefixes
+            once."""
 
-        supports_cross_micro_batch = True
-        serves_fused_kernels = True  # the head in chunks from hidden states: shared_fused_forward
+            supports_cross_micro_batch = True
+            # use_fused_kernels: the head in chunks from hidden states (shared_fused_forward)
+            serves_fused_kernels = True
 
-        @classmethod
-        def setup_problems(cls, model_config: Any, engine_config: Any) -> list:
-            """The model's refusals on this engine (a vision tower, a GDN hybrid on this
-            megatron-core, LoRA) before the common ones, which they make moot; then where
-            ``use_fused_kernels`` is not served (:func:`.mcore.fused_kernel_problems`)."""
-            sharing = sharing_config(engine_config)
-            if sharing.enabled:
-                found = [problem for problem in (vision_model_problem(model_config),
-                                                 hybrid_release_problem(model_config),
-                                                 megatron_lora_problem(model_config)) if problem]
-                if found:
-                    return found
-            found = super().setup_problems(model_config, engine_config)
-            if sharing.enabled:
-                found += fused_kernel_problems(engine_config, model_config, sharing)
-            return found
+            @classmethod
+            def setup_problems(cls, model_config: Any, engine_config: Any) -> list:
+                """The model's refusals on this engine (a vision tower, a GDN hybrid on this
+                megatron-core, LoRA) before the common ones, which they make moot; then the
+                critic's (:func:`.critic.value_head_problems`) and where ``use_fused_kernels``
+                is not served (:func:`.mcore.fused_kernel_problems`)."""
+                sharing = sharing_config(engine_config)
+                if sharing.enabled:
+                    found = [problem for problem in (vision_model_problem(model_config),
+                                                     hybrid_release_problem(model_config),
+                                                     megatron_lora_problem(model_config)) if problem]
+                    if found:
+                        return found
+                found = super().setup_problems(model_config, engine_config)
+                if sharing.enabled:
+                    if cls.value_head:
+                        found += value_head_problems(engine_config)
+                    found += fused_kernel_problems(engine_config, model_config, sharing)
+                return found
 
-        def _maybe_enable_fused_kernels(self) -> None:
-            """verl's fused forward patch comes off again with sharing on: the shared forward
-            calls the model unpatched and scores from its hidden states itself."""
-            super()._maybe_enable_fused_kernels()
-            if self.prefix_sharing.enabled and self.engine_config.use_fused_kernels:
-                from verl.models.mcore.model_forward_fused import unpatch_fused_forward
+            def _maybe_enable_fused_kernels(self) -> None:
+                """verl's fused forward patch comes off again with sharing on: the shared
+                forward calls the model unpatched and scores from its hidden states itself."""
+                super()._maybe_enable_fused_kernels()
+                if self.prefix_sharing.enabled and self.engine_config.use_fused_kernels:
+                    from verl.models.mcore.model_forward_fused import unpatch_fused_forward
 
-                for chunk in self.module:
-                    unpatch_fused_forward(chunk)
+                    for chunk in self.module:
+                        unpatch_fused_forward(chunk)
 
-        def _build_tf_config(self) -> None:
-            super()._build_tf_config()
-            if self.prefix_sharing.enabled:
-                install_layer_spec(self)
+            def _build_tf_config(self) -> None:
+                super()._build_tf_config()
+                if self.prefix_sharing.enabled:
+                    install_layer_spec(self)
 
-        def order_sensitive_statistics(self) -> str | None:
-            """A MoE router's auxiliary or z-loss: megatron takes it per micro-batch, so fixed
-            micro-batches keep verl's sample order (:func:`.microbatch.fixed_order`)."""
-            config = getattr(self, "tf_config", None)
-            aux = getattr(config, "moe_aux_loss_coeff", 0) or 0
-            aux = any(aux) if isinstance(aux, list) else bool(aux)
-            if getattr(config, "num_moe_experts", None) and (
-                    aux or getattr(config, "moe_z_loss_coeff", None)):
-                return "the MoE router's auxiliary / z-loss is taken per micro-batch"
-            return None
+            def order_sensitive_statistics(self) -> str | None:
+                """A MoE router's auxiliary or z-loss: megatron takes it per micro-batch, so fixed
+                micro-batches keep verl's sample order (:func:`.microbatch.fixed_order`)."""
+                config = getattr(self, "tf_config", None)
+                aux = getattr(config, "moe_aux_loss_coeff", 0) or 0
+                aux = any(aux) if isinstance(aux, list) else bool(aux)
+                if getattr(config, "num_moe_experts", None) and (
+                        aux or getattr(config, "moe_z_loss_coeff", None)):
+                    return "the MoE router's auxiliary / z-loss is taken per micro-batch"
+                return None
 
-        def cross_nested(self) -> bool:
-            from .cross_nested import nested_supported
+            def cross_nested(self) -> bool:
+                from .cross_nested import nested_supported
 
-            return nested_supported(self.tf_config)
+                return nested_supported(self.tf_config)
 
-        def forward_step(self, batch_iter, model, logits_processor_func,
-                         postprocess_micro_batch_func):
-            if not self.prefix_sharing.enabled:
-                return super().forward_step(batch_iter, model, logits_processor_func,
-                                            postprocess_micro_batch_func)
-            batch = next(batch_iter)
-            self.refuse_unsupported_switches(batch)
-            groups = None
-            if self.prefix_sharing.mode == "prompt_only":
-                groups = micro_batch_groups(batch, batch["input_ids"].size(0))
-            record = active_split()
-            mode = replay_mode(self.engine_config)
-            forward_kwargs = dict(
-                sharing=self.prefix_sharing, groups=groups,
-                calculate_entropy=tu.get_non_tensor_data(batch, key="calculate_entropy",
-                                                         default=False),
-                metrics=self._sharing_metrics,
-                replay_routes=micro_batch_routes(batch, mode),
-                route_recorder=RouteRecorder() if mode == "R2" else None,
-                part=None if record is None else record.part(batch),
-            )
-            if forward_kwargs["part"] is None and self._self_check.pending:
-                forward_kwargs["self_check"] = self._self_check  # shared_forward runs it
-            with current_micro_batch(forward_kwargs):
-                return super().forward_step(iter([batch]), model, logits_processor_func,
-                                            postprocess_micro_batch_func)
+            def forward_step(self, batch_iter, model, logits_processor_func,
+                             postprocess_micro_batch_func):
+                if not self.prefix_sharing.enabled:
+                    return super().forward_step(batch_iter, model, logits_processor_func,
+                                                postprocess_micro_batch_func)
+                batch = next(batch_iter)
+                self.refuse_unsupported_switches(batch)
+                groups = None
+                if self.prefix_sharing.mode == "prompt_only":
+                    groups = micro_batch_groups(batch, batch["input_ids"].size(0))
+                record = active_split()
+                mode = replay_mode(self.engine_config)
+                forward_kwargs = dict(
+                    sharing=self.prefix_sharing, groups=groups,
+                    calculate_entropy=tu.get_non_tensor_data(batch, key="calculate_entropy",
+                                                             default=False),
+                    metrics=self._sharing_metrics,
+                    replay_routes=micro_batch_routes(batch, mode),
+                    route_recorder=RouteRecorder() if mode == "R2" else None,
+                    part=None if record is None else record.part(batch),
+                )
+                if forward_kwargs["part"] is None and self._self_check.pending:
+                    forward_kwargs["self_check"] = self._self_check  # shared_forward runs it
+                with current_micro_batch(forward_kwargs):
+                    return super().forward_step(iter([batch]), model, logits_processor_func,
+                                                postprocess_micro_batch_func)
 
-    install_engine(module, stock, PrefixSharingMegatronEngine)
+        PrefixSharingMegatronEngine.value_head = value_head
+        # a group across micro-batches is scored as log-probs (.cross_forward)
+        PrefixSharingMegatronEngine.supports_cross_micro_batch = not value_head
+        return PrefixSharingMegatronEngine
+
+    install_engines(module, sharing_engine, (
+        ("MegatronEngineWithLMHead", "PrefixSharingMegatronEngine", False),
+        ("MegatronEngineWithValueHead", "PrefixSharingMegatronValueEngine", True)))
     patch_route_merge(module)
 
 
@@ -281,7 +295,7 @@ def patch_route_merge(module: ModuleType) -> None:
 PATCHSETS = register_releases(
     "mcore",
     hooks={
-        **config_hooks("McoreActorConfig", "McoreEngineConfig"),
+        **config_hooks(("McoreActorConfig",), ("McoreCriticConfig",), "McoreEngineConfig"),
         "verl.models.mcore": patch_forward_fn_lookup,
         "verl.workers.engine.megatron.transformer_impl": patch_engine,
         "verl.workers.engine.utils": patch_prepare_micro_batches,
@@ -289,5 +303,5 @@ PATCHSETS = register_releases(
     },
     summary="verl {release} Megatron engine: actor config, layer spec, forward, "
             "group-keeping micro-batches, metrics",
-    off_hooks=off_hooks("McoreActorConfig", "McoreEngineConfig"),
+    off_hooks=off_hooks(("McoreActorConfig",), ("McoreCriticConfig",), "McoreEngineConfig"),
 )

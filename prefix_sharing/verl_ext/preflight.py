@@ -11,10 +11,10 @@ engine config. The verdict of each role is the sharing engine's own
 so the two cannot disagree. No model is built and no device is touched.
 
 Roles: the actor; the reference model when verl's ``need_reference_policy`` says so; the critic
-when ``need_critic`` does (a value model; verl's critic section takes no ``prefix_grouper``);
-the model of the SFT trainer (the keys in its ``engine`` section). A role that does not ask for
-sharing is checked with the actor's sharing options (the SFT model: ``arbitrary_prefix``), to
-say what it would get.
+when ``need_critic`` does (a value model, checked by the sharing value-model engine with the
+critic section's own ``use_prefix_grouper`` / ``prefix_grouper``); the model of the SFT trainer
+(the keys in its ``engine`` section). A role that does not ask for sharing is checked with the
+actor's sharing options (the SFT model: ``arbitrary_prefix``), to say what it would get.
 
 The model's HF config comes from ``model.path`` when it is a local directory, else from
 ``model_config_dir`` (the command's ``--model-config``), else from the model family guessed
@@ -211,11 +211,15 @@ def _ppo(config: Any, model_config_dir: str | None) -> Preflight:
                               ref_sharing, actor_sharing, note_ref, optim=ref.optim,
                               checkpoint=ref.checkpoint))
     if need_critic(config):
+        critic_section = copy.deepcopy(config.critic)
+        with open_dict(critic_section):  # its model would be loaded: the actor's is read instead
+            critic_section.model = None
+        critic = omega_conf_to_dataclass(critic_section)  # as verl's trainer converts it
         critic_model = copy.deepcopy(model)
         critic_model.model_type = "value_model"
-        roles.append(_verdict("critic", config.critic.strategy, critic_model,
-                              copy.deepcopy(actor.engine), PrefixSharingConfig(mode="off"),
-                              actor_sharing, "verl's critic section takes no prefix_grouper"))
+        roles.append(_verdict("critic", config.critic.strategy, critic_model, critic.engine,
+                              PrefixSharingConfig.from_verl(config.critic), actor_sharing,
+                              optim=critic.optim, checkpoint=critic.checkpoint))
     return Preflight(roles, note)
 
 
@@ -275,7 +279,11 @@ def _verdict(role: str, strategy: str, model: Any, engine_config: Any,
     engine_cls = None
     if strategy in ENGINE_MODULES:
         importlib.import_module(ENGINE_MODULES[strategy])
-        engine_cls = sharing_engine(strategy)
+        engine_cls = sharing_engine(strategy, model.model_type)
+    elif strategy == "veomni":  # refused by name (verl's module needs the veomni package)
+        from .veomni import VeOmniRefusal
+
+        engine_cls = VeOmniRefusal
     if engine_cls is None:
         problems = [Refused("cli.unpatched_engine", f"strategy={strategy}")]
     else:
@@ -284,14 +292,14 @@ def _verdict(role: str, strategy: str, model: Any, engine_config: Any,
                        dict(model=model, engine=engine_config, **configs))
 
 
-def sharing_engine(strategy: str) -> type | None:
-    """The language-model engine verl selects for ``strategy`` on a GPU
+def sharing_engine(strategy: str, model_type: str = "language_model") -> type | None:
+    """The ``model_type`` engine verl selects for ``strategy`` on a GPU
     (:func:`.engine.registered_engine`) when it is a sharing one (this project's patch set
     registered it), else None."""
     from .engine import registered_engine
 
     try:
-        engine_cls = registered_engine("language_model", strategy)
+        engine_cls = registered_engine(model_type, strategy)
     except KeyError:  # verl registered no engine for this backend on a GPU
         return None
     return engine_cls if hasattr(engine_cls, "setup_problems") else None

@@ -34,7 +34,7 @@ import pathlib
 from collections.abc import Iterable
 
 __all__ = ["CSV", "Combination", "Row", "combinations", "fsdp_rows", "read_rows",
-           "render_section", "NEXT_ISSUE"]
+           "render_section"]
 
 CSV = pathlib.Path(__file__).resolve().parents[2] / "docs" / "results" / "verl-0.9-recipes.csv"
 FSDP_ENGINES = {"fsdp1": "fsdp", "fsdp": "fsdp", "fsdp2": "fsdp2", "fsdp(fsdp2)": "fsdp2"}
@@ -50,8 +50,8 @@ MODEL_TYPES = {
 RECURRENT = {"qwen3_next", "qwen3_5", "qwen3_5_moe"}
 # vision-language model types the FSDP engine refuses (prefix_sharing.verl_ext.vlm)
 UNSERVED_VLM = {"glm4v", "minicpmo"}
-NEXT_ISSUE = "next issue"
 TEST = "tests/verl_ext/test_verl_recipes.py"
+SFT_TESTS = "tests/verl_ext/test_sft_engine.py, tests/verl_ext/trainer/test_sft_trainer.py"
 VLM_TESTS = ("test_fsdp_vlm.py (FSDP2), test_fsdp_engine.py (FSDP1), test_fsdp_fused.py, "
              "test_fsdp_lora.py")
 
@@ -134,10 +134,8 @@ class Combination:
         return ("sft-" if self.trainer == "sft" else "") + "-".join(parts)
 
     def verdict(self) -> tuple[str, tuple[str, ...], str]:
-        """``(status, refusal keys, reason)``: status ``served``, ``refused`` or
-        :data:`NEXT_ISSUE` (roles beyond the actor and reference: verl's SFT trainer)."""
-        if self.trainer == "sft":
-            return NEXT_ISSUE, (), "verl's SFT trainer: its config takes no prefix_grouper"
+        """``(status, refusal keys, reason)`` of the trained model (the RL actor and reference,
+        or the SFT trainer's model): status ``served`` or ``refused``."""
         keys = []
         if self.model_type in UNSERVED_VLM:
             keys.append("verl.multimodal")
@@ -156,8 +154,16 @@ class Combination:
         :data:`TEST` for a served text combination; a served vision-language one runs per
         switch in the FSDP engine's VLM, fused-kernel, LoRA and FSDP1 tests (its verdict in
         :data:`TEST`)."""
+        if self.trainer == "sft":
+            switches = [name for name, on in (("FSDP1", self.strategy == "fsdp"),
+                                              ("LoRA", self.lora), ("Ulysses", self.ulysses > 1),
+                                              ("a vision tower", self.vision)) if on]
+            if self.verdict()[0] != "served":
+                return ""
+            return f"SFT step: {SFT_TESTS}" + (
+                f" ({', '.join(switches)}: tested on the RL step only)" if switches else "")
         if self.verdict()[0] != "served":
-            return f"verdict: {TEST}" if self.trainer == "rl" else ""
+            return f"verdict: {TEST}"
         if self.vision:
             return f"verdict: {TEST}; steps per switch: {VLM_TESTS}"
         return f"engine step: {TEST}"
@@ -195,7 +201,8 @@ def render_section() -> list[str]:
         "one row per script under `examples/` of verl's `release/v0.9.0`), reduced to the "
         "settings the sharing engine's step depends on (`prefix_sharing/verl_ext/recipes.py`; "
         "Ulysses sizes above 1 run at 2, an unresolved `fsdp` is verl's default FSDP1). "
-        "Status of the actor and reference, verl 0.9.1: for every RL row preflight and the "
+        "Status of the trained model (the RL actor and reference; the SFT trainer's model), "
+        "verl 0.9.1: for every RL row preflight and the "
         "engine's construction give the keys shown; a served text combination runs an engine "
         "step against verl's stock step with its switches (Ulysses at 2 ranks); a served "
         "vision-language one runs each switch in the tests named (the test module's docstring "
@@ -208,7 +215,9 @@ def render_section() -> list[str]:
         status, keys, reason = combination.verdict()
         detail = "; ".join(f"`{k}`: " + _reason(k, combination) for k in keys) or reason
         if combination.critic:
-            detail += ("; " if detail else "") + "the critic: `verl.model_type` (next issue)"
+            detail += ("; " if detail else "") + (
+                "the critic: refused, `verl.critic.sequence_split` (Ulysses)"
+                if combination.ulysses > 1 else "the critic: served (tests/verl_ext/test_critic.py)")
         lines.append(f"| {combination.name} | {len(rows)} | {status} | {detail} "
                      f"| {combination.evidence()} |")
     return lines

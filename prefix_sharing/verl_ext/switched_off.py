@@ -5,10 +5,10 @@ config, with ``use_prefix_grouper`` / ``prefix_grouper`` in it, must run verl's 
 when it is 0 - the results and code path of a run without those keys. Nothing of the engines is
 patched then; each patch set's ``off_hooks`` (:func:`off_hooks`) apply only:
 
-- ``verl.workers.config.actor`` / ``.engine``: the actor-config class and the engine-config
-  class (the SFT trainer's ``engine`` section) accept and validate ``prefix_grouper`` but hand
-  nothing to the engine (:func:`.config.config_hooks` with ``enabled=False``); verl's engine
-  then never sees it. The first such config in a
+- ``verl.workers.config.actor`` / ``.critic`` / ``.engine``: the actor- and critic-config
+  classes and the engine-config class (the SFT trainer's ``engine`` section) accept and
+  validate ``prefix_grouper`` but hand nothing to the engine (:func:`.config.config_hooks` with
+  ``enabled=False``); verl's engine then never sees it. The first such config in a
   process logs one line (:func:`.config.announce`);
 - ``verl.trainer.ppo.ray_trainer`` (:func:`stock_balancing`): verl's legacy trainer reads
   ``use_prefix_grouper`` itself, to balance data-parallel ranks by uid group and keep each
@@ -50,8 +50,9 @@ def stock_balancing(module: ModuleType) -> None:
     trainer._balance_batch = _balance_batch
 
 
-def off_hooks(actor_config_class: str, engine_config_class: str) -> dict[str, Hook]:
-    """The ``off_hooks`` of a patch set whose engine reads ``actor_config_class`` and
-    ``engine_config_class``."""
-    return {**config_hooks(actor_config_class, engine_config_class, enabled=False),
+def off_hooks(actor_classes: tuple[str, ...], critic_classes: tuple[str, ...],
+              engine_class: str) -> dict[str, Hook]:
+    """The ``off_hooks`` of a patch set whose engines read these actor, critic and engine
+    config classes."""
+    return {**config_hooks(actor_classes, critic_classes, engine_class, enabled=False),
             TRAINER_MODULE: stock_balancing}

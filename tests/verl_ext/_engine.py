@@ -44,21 +44,22 @@ def actor_config(prefix_grouper: dict | None, *, megatron: dict | None = None, *
 
 
 def build_engine(config, *, seed: int = 0, preset=PRESET, spec: dict | None = None,
-                 **model_overrides: Any):
-    """The registered megatron language-model engine for ``config``, tiny model injected
+                 model_type: str = "language_model", **model_overrides: Any):
+    """The registered megatron engine of ``model_type`` for ``config``, tiny model injected
     (``spec``: the layer spec's arguments, e.g. ``num_experts``; ``model_overrides``: its
-    TransformerConfig fields, e.g. ``recompute_granularity``)."""
+    TransformerConfig fields, e.g. ``recompute_granularity``; a value model's head is the
+    caller's to put in)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from prefix_sharing.engines.megatron import gpt_model
     from prefix_sharing.megatron_ext import get_gpt_layer_local_spec as shared_spec
     from prefix_sharing.verl_ext.engine import registered_engine
 
-    engine_cls = registered_engine("language_model", "megatron")
+    engine_cls = registered_engine(model_type, "megatron")
     model_config = SimpleNamespace(
         hf_config=SimpleNamespace(architectures=["Qwen2ForCausalLM"]),
         tokenizer=SimpleNamespace(pad_token_id=0),
-        mtp=SimpleNamespace(enable=False, enable_train=False), model_type="language_model",
+        mtp=SimpleNamespace(enable=False, enable_train=False), model_type=model_type,
     )
     engine = engine_cls(model_config, config.engine, config.optim, config.checkpoint)
     # The vanilla-mbridge hook, as _build_tf_config leaves it: the bridge builds its layer spec
@@ -75,7 +76,8 @@ def build_engine(config, *, seed: int = 0, preset=PRESET, spec: dict | None = No
     else:
         layer_spec = shared_spec(**spec_args)
     model = gpt_model(preset, seed=seed, layer_spec=layer_spec, **model_overrides)
-    engine.module, engine.tf_config, engine.is_value_model = [model], model.config, False
+    engine.module, engine.tf_config = [model], model.config
+    engine.is_value_model = model_type == "value_model"
     return engine
 
 

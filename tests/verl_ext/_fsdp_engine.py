@@ -253,13 +253,6 @@ def refusals(rank: int, path: str) -> dict[str, str]:
         except PrefixSharingSetupError as error:
             found[name] = str(error)
 
-    cls = engine_class()
-    for name, engine, model in (
-        ("value_model", {}, dict(model_type="value_model")),
-    ):
-        config = actor_config(on, **engine)
-        refused(name, lambda: cls(model_config(path, **model), config.engine, config.optim,
-                                  config.checkpoint))
     config = actor_config(on)
     engine = build_engine(config, path)
     mixed = make_batch("grpo", temperature=[0.9, 0.7] * 3)  # two in every micro-batch

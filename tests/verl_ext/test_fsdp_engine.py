@@ -220,7 +220,6 @@ def test_the_padded_layout_is_served_and_matches_verls_padded_step(single):
 
 
 @pytest.mark.parametrize("setting, message", [
-    ("value_model", "model_type='value_model'"),
     ("temperatures", "several sampling temperatures in one micro-batch (temperatures"),
     ("sum_pi_squared", "per-sample logits (calculate_sum_pi_squared)"),
 

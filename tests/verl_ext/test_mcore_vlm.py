@@ -79,11 +79,11 @@ def test_the_forward_names_a_vision_model_and_images_for_a_text_model_apart():
     """The forward's own check (the constructor has refused a vision model before it)."""
     with pytest.raises(PrefixSharingSetupError,
                        match=r"\(vision_model\): .*\[verl\.megatron_vlm\]$"):
-        check_text_only(False, True, {})
+        check_text_only(True, {})
     with pytest.raises(PrefixSharingSetupError,
                        match=r"\(multi_modal_inputs\): .*\[verl\.multimodal\]$"):
-        check_text_only(False, False, {"pixel_values": object()})
-    check_text_only(False, False, {})
+        check_text_only(False, {"pixel_values": object()})
+    check_text_only(False, {})
 
 
 def mbridge_blockers(rank: int) -> dict:

@@ -1,8 +1,8 @@
 """``prefix-sharing preflight`` says what the engines say: for each setting, the actor's
 verdict (the refusal keys, or none) equals what constructing verl's registered sharing engine
 from the same configs raises - on the FSDP and Megatron engines, whichever way a check goes.
-The settings that stay refused (MTP training, LoRA or a vision model on the Megatron engine, a
-value model) pin the verdicts' content; the command's exit status is 0 / 1 / 2 for served /
+The settings that stay refused (MTP training, LoRA or a vision model on the Megatron engine,
+the VeOmni engine) pin the verdicts' content, and the critic (a value model) is served; the command's exit status is 0 / 1 / 2 for served /
 refused / bad input, from overrides and from a launch script."""
 
 import importlib.util
@@ -64,9 +64,21 @@ def verdicts_and_constructions(rank: int, path: str) -> dict:
                 built = error.refusals
         found[name] = {"preflight": tuple(p.key for p in actor.problems), "built": built,
                        "engine": actor.engine_cls.__name__ if actor.engine_cls else None}
-    gae = preflight(compose_config(BASE + FSDP + [MODEL + f"path={path}",
-                                                 "algorithm.adv_estimator=gae"]))
-    found["critic"] = [(r.role, r.asked, tuple(p.key for p in r.problems)) for r in gae.roles]
+    gae = [MODEL + f"path={path}", "algorithm.adv_estimator=gae",
+           "critic.ppo_micro_batch_size_per_gpu=2"]
+    for name, critic in (("critic", []),
+                         ("critic_sharing", ["+critic.use_prefix_grouper=true",
+                                             "+critic.prefix_grouper={mode: arbitrary_prefix}",
+                                             "critic.strategy=fsdp2"])):
+        roles = preflight(compose_config(BASE + FSDP + gae + critic)).roles
+        found[name] = [(r.role, r.asked, tuple(p.key for p in r.problems)) for r in roles]
+    critic = roles[-1]  # the sharing critic: built from the configs preflight read
+    c = critic.configs
+    found["critic_built"] = (type(critic.engine_cls(c["model"], c["engine"], c["optim"],
+                                                    c["checkpoint"])).__name__)
+    veomni = preflight(compose_config(BASE + gae + ["model_engine=veomni",
+                                                   "+critic.use_prefix_grouper=true"]))
+    found["veomni"] = [(r.role, r.asked, tuple(p.key for p in r.problems)) for r in veomni.roles]
     return found
 
 
@@ -110,10 +122,19 @@ def test_the_settings_that_stay_refused_are_named_and_the_plain_ones_served(rows
     assert rows["fsdp_vlm"]["preflight"] == release
 
 
-def test_the_critic_is_a_value_model_that_asks_for_nothing(rows):
+def test_the_critic_is_served_and_says_whether_it_asked(rows):
+    """The critic's own keys (``critic.use_prefix_grouper``); without them it is checked with
+    the actor's options, to say what it would get: served either way."""
     roles = dict((role, (asked, keys)) for role, asked, keys in rows["critic"])
-    assert roles["actor"] == (True, ())
-    assert roles["critic"] == (False, ("verl.model_type",))
+    assert roles["actor"] == (True, ()) and roles["critic"] == (False, ())
+    roles = dict((role, (asked, keys)) for role, asked, keys in rows["critic_sharing"])
+    assert roles["critic"] == (True, ())
+    assert rows["critic_built"] == "PrefixSharingFSDPValueEngine"  # constructing it raised nothing
+
+
+def test_the_veomni_engine_is_refused_by_name_for_every_role_that_asks(rows):
+    assert rows["veomni"] == [("actor", True, ("verl.veomni",)),
+                              ("critic", True, ("verl.veomni",))]
 
 
 def test_the_command_exits_0_served_1_refused_2_bad_input(checkpoint, tmp_path, capsys):

@@ -8,8 +8,8 @@ verl 0.9.1 only (the CSV is verl 0.9's launches). For every RL combination:
   GAE for a critic) gives the combination's verdict keys for the actor and the reference, and
   constructing the registered engine from the same configs raises the same keys (the refused
   VLM families, GLM-4.1V, and the Ulysses refusals of a recurrent or vision-language model,
-  which the engine now says at construction); a critic is refused ``verl.model_type`` (the next
-  issue's). The HF config of each family is transformers' default for its model type; MiniCPM-o
+  which the engine now says at construction); a critic's role is served, but under Ulysses
+  (``verl.critic.sequence_split``). The HF config of each family is transformers' default for its model type; MiniCPM-o
   has none in transformers (remote code only), so its refusal is checked on a config that says
   ``minicpmo`` with a vision tower.
 - the served text-family combinations, one engine step each - those at one rank in one
@@ -31,7 +31,7 @@ Merged, and why (module budget: CI's verl runs; each merge is covered where name
   ``test_fsdp_fused`` shows the sharing engine never calls verl's compiled function and gives
   bitwise the same outputs with it on;
 - a critic (GAE) or k1 distillation changes no actor step: the step is the combination without
-  them (the critic role is refused above; the distillation loss is verl's over the log-probs
+  them (the critic's own step: ``test_critic``; the distillation loss is verl's over the log-probs
   checked here, ``distillation_use_topk`` off);
 - the vision-language combinations (Qwen2.5-VL, Qwen3-VL, Qwen3.5 dense and MoE) run per
   family in ``test_fsdp_vlm`` (FSDP2, images and text-only), FSDP1 in ``test_fsdp_engine``,
@@ -77,7 +77,7 @@ NO_HF_CONFIG = {"minicpmo"}
 
 def stepped(combination: Combination) -> bool:
     """Whether the one-rank process runs the combination's engine step (module doc)."""
-    return (combination.verdict()[0] != "next issue" and not combination.vision
+    return (combination.trainer == "rl" and not combination.vision
             and not combination.verdict()[1])
 
 
@@ -107,7 +107,7 @@ def overrides(c: Combination, path: str) -> list[str]:
     if c.lora:
         found.append(MODEL + "lora_rank=8")
     if c.critic:
-        found.append("algorithm.adv_estimator=gae")
+        found += ["algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=2"]
     return found
 
 
@@ -331,8 +331,9 @@ def test_preflight_and_the_engine_give_the_combinations_verdict(checked, c):
     if found["built"] is not None:
         assert found["built"] == keys
     assert ("critic" in found["roles"]) == c.critic
-    if c.critic:
-        assert found["roles"]["critic"] == ("verl.model_type",)
+    if c.critic:  # served (tests/verl_ext/test_critic.py), but not under a sequence split
+        assert found["roles"]["critic"] == (
+            ("verl.critic.sequence_split",) if c.ulysses > 1 else ())
 
 
 def test_a_vision_family_transformers_cannot_load_is_refused_by_name():

@@ -32,6 +32,7 @@ def install() -> None:
     _rewrite_process_group_backend()
     _register_fsdp_engines_for_cpu()
     _unpin_cpu_offload()
+    _load_value_heads_with_sdpa()
 
 
 def _register_cpu_platform() -> None:
@@ -206,6 +207,29 @@ def _unpin_cpu_offload() -> None:
 
     cpu_offload_policy._cpu_shim = True
     transformer_impl.CPUOffloadPolicy = cpu_offload_policy
+
+
+def load_value_head_on_cpu(local_path, torch_dtype, model_config, trust_remote_code):
+    """verl's ``load_valuehead_model`` (``utils/model.py``: the critic's token classifier with
+    one label) with transformers' ``sdpa`` attention: verl asks for flash-attention 2, which has
+    no CPU kernel, and falls back to trl's value head only where trl is installed. A checkpoint
+    without a value head (a language model's) gets one initialised from a fixed seed, so that
+    two runs compared start from the same critic (verl leaves it to the process's RNG)."""
+    from transformers import AutoModelForTokenClassification
+
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return AutoModelForTokenClassification.from_pretrained(
+            local_path, torch_dtype=torch_dtype, config=model_config, attn_implementation="sdpa",
+            trust_remote_code=trust_remote_code)
+
+
+def _load_value_heads_with_sdpa() -> None:
+    """The critic loads through :func:`load_value_head_on_cpu` (verl imports
+    ``load_valuehead_model`` from its module at call time)."""
+    from verl.utils import model
+
+    model.load_valuehead_model = load_value_head_on_cpu
 
 
 # What each release in VERL_RELEASES lacks on a CPU host, before the patches all need.

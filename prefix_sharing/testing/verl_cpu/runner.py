@@ -18,14 +18,24 @@ FP32 = "{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}"
 
 
 def tiny_grpo_overrides(assets_root: str | Path, *, n_ranks: int = 2, steps: int = 3,
-                        mode: str = "arbitrary_prefix", rollout_n: int = 4) -> list[str]:
+                        mode: str = "arbitrary_prefix", rollout_n: int = 4,
+                        critic: bool = False) -> list[str]:
     """The tiny GRPO: FSDP2 actor and reference (KL loss), greedy branch rollouts, the toy
     reward, every setting as short as verl allows; sharing configured (on unless
-    ``ENABLE_PREFIX_SHARING=0``)."""
+    ``ENABLE_PREFIX_SHARING=0``). ``critic``: PPO with GAE instead, an FSDP2 critic (a value
+    head on the same tiny model) sharing too."""
     assets = make_tiny_assets(assets_root)
     prompts_per_step = 2 * n_ranks
+    critic_section = [
+        "critic.strategy=fsdp2", f"critic.model.path={assets.model}",
+        "critic.model.use_remove_padding=true",
+        "+critic.model.override_config.attn_implementation=sdpa",
+        "critic.ppo_micro_batch_size_per_gpu=4", "critic.optim.lr=1e-4",
+        f"++critic.fsdp.mixed_precision={FP32}",
+        "++critic.use_prefix_grouper=true", f"++critic.prefix_grouper.mode={mode}",
+    ] if critic else []
     return [
-        "algorithm.adv_estimator=grpo",
+        f"algorithm.adv_estimator={'gae' if critic else 'grpo'}", *critic_section,
         f"data.train_files={assets.train_files}", f"data.val_files={assets.val_files}",
         f"data.train_batch_size={prompts_per_step}", "data.max_prompt_length=96",
         "data.max_response_length=8", "data.dataloader_num_workers=0", "data.shuffle=false",

@@ -138,3 +138,30 @@ def test_checkpoint_saved_with_sharing_resumes_without(workdir, arbitrary_run):
                            enable_sharing=False)
     assert [m["training/global_step"] for m in resumed.steps] == [STEPS + 1]
     assert math.isfinite(resumed.steps[0]["actor/pg_loss"])
+
+
+GAE_STEPS = 2
+# the critic's figures beside the actor's; under GAE the advantages come from the critic's
+# values, so pg_loss is no longer ~0 by construction: relative, with the same absolute floor
+GAE_TOLERANCES = {**TOLERANCES, "actor/pg_loss": (1e-5, 1e-6),
+                  "critic/vf_loss": (1e-5, 0.0), "critic/grad_norm": (1e-5, 0.0)}
+
+
+def test_ppo_with_gae_matches_stock_with_actor_reference_and_critic_sharing(workdir):
+    """PPO with GAE (one on / off pair, 2 steps): the actor, the reference and the critic all
+    share; every step's actor and critic figures equal the stock run's, and each role's engine
+    reports that it shared."""
+    gae = [*tiny_grpo_overrides(workdir / "assets", n_ranks=N_RANKS, steps=GAE_STEPS,
+                                critic=True)]
+    on = run_main_ppo(workdir / "gae_on", gae, enable_sharing=True)
+    off = run_main_ppo(workdir / "gae_off", gae, enable_sharing=False)
+    assert len(on.steps) == len(off.steps) == GAE_STEPS
+    for step in range(GAE_STEPS):
+        for name, (rtol, atol) in GAE_TOLERANCES.items():
+            a, b = on.steps[step][name], off.steps[step][name]
+            assert math.isfinite(a) and abs(a - b) <= atol + rtol * max(abs(a), abs(b)), (
+                f"step {step + 1} {name}: on {a!r} off {b!r} (rel {relative_diff(a, b):.2e})")
+        shared = {k: v for k, v in on.steps[step].items() if k.endswith("token_ratio")}
+        assert shared[RATIO] > 1.0 and shared["critic/prefix_sharing/token_ratio"] > 1.0, shared
+        assert not any(k.endswith("prefix_sharing/token_ratio") for k in off.steps[step])
+    assert any(abs(s["critic/grad_norm"]) > 0 for s in off.steps)  # the critic trains

@@ -1,0 +1,98 @@
+"""verl's critic (its value-model engines) with ``critic.use_prefix_grouper`` on gives what it
+gives with it off (whichever supported verl is installed: 0.9.1 or 0.8.0).
+
+The critic config comes through verl's own conversion with the critic's sharing keys; the
+engine is the one verl's registry selects for ``value_model``; see ``_critic``. Compared, fp32
+within 1e-5: each sample's values (``infer_batch``), verl's ``value_loss`` summed over the
+step's micro-batches and every gradient (``forward_backward_batch``), on GRPO and tree batches
+(duplicates, strict prefixes), FSDP2 and FSDP1, one rank. The control reads each value one flat
+row too early and must fail the same comparison.
+"""
+
+import importlib.util
+
+import pytest
+
+if importlib.util.find_spec("verl") is None:
+    pytest.skip("verl is not installed (build an environment with .ci/verl_env.sh <version>)",
+                allow_module_level=True)
+
+from tests.fsdp_compat._launch import run_gloo  # noqa: E402
+from tests.verl_ext._compare import MODES  # noqa: E402
+from tests.verl_ext._critic import WORKLOADS, compare, refusals, run_fsdp, save_value_model  # noqa: E402,E501
+
+SHARING = {"arbitrary_prefix": MODES["arbitrary_prefix"], "prompt_only": MODES["prompt_only"]}
+
+
+def one_rank(rank: int, path: str) -> dict:
+    """Every run of this file in one spawned rank (verl's import and start-up once)."""
+    return {
+        "fsdp2": run_fsdp(rank, path, {"off": None, **SHARING}),
+        "fsdp1": run_fsdp(rank, path, {"off": None, "arbitrary_prefix": SHARING[
+            "arbitrary_prefix"]}, strategy="fsdp"),
+        "control": run_fsdp(rank, path, {"arbitrary_prefix": SHARING["arbitrary_prefix"]},
+                            control=True),
+        "refusals": refusals(rank, path),
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    path = save_value_model(str(tmp_path_factory.mktemp("qwen2_critic")))
+    return run_gloo(one_rank, 1, path, timeout=500)[0]
+
+
+@pytest.mark.parametrize("workload", WORKLOADS)
+@pytest.mark.parametrize("mode", list(SHARING))
+def test_the_fsdp2_critic_gives_verls_values_loss_and_gradients(runs, workload, mode):
+    shared, plain = runs["fsdp2"][workload, mode], runs["fsdp2"][workload, "off"]
+    assert shared["engine"] == plain["engine"] == "PrefixSharingFSDPValueEngine"
+    assert shared["train"]["metrics"]["prefix_sharing/token_ratio"][0] > 1.0  # it shared
+    assert "prefix_sharing/token_ratio" not in plain["train"]["metrics"]
+    assert compare(shared, plain) == []
+
+
+@pytest.mark.parametrize("workload", WORKLOADS)
+def test_the_fsdp1_critic_gives_verls_values_loss_and_gradients(runs, workload):
+    run = runs["fsdp1"]
+    assert compare(run[workload, "arbitrary_prefix"], run[workload, "off"]) == []
+
+
+@pytest.mark.parametrize("workload", WORKLOADS)
+def test_values_read_one_row_early_fail_the_comparison(runs, workload):
+    """The control: the same comparison catches values shifted by one flat row."""
+    found = compare(runs["control"][workload, "arbitrary_prefix"], runs["fsdp2"][workload, "off"])
+    assert "loss" in found and any(f.startswith("values") for f in found)
+
+
+def test_the_critic_refuses_a_sequence_split_and_the_self_check(runs):
+    assert runs["refusals"] == {"ulysses": ["verl.critic.sequence_split"],
+                                "self_check": ["verl.self_check.value_model"]}
+
+
+@pytest.fixture(scope="module")
+def megatron():
+    """verl's Megatron value-model engine, TP=1, one rank (megatron on gloo)."""
+    from prefix_sharing.engines.launch import run_distributed
+
+    return run_distributed(megatron_rank, 1, timeout=400)[0]
+
+
+def megatron_rank(rank: int) -> dict:
+    """The Megatron critic's runs and its control, in one spawned rank."""
+    from tests.verl_ext._critic import run_megatron
+
+    return {"runs": run_megatron(rank, {"off": None, **SHARING}),
+            "control": run_megatron(rank, {"arbitrary_prefix": SHARING["arbitrary_prefix"]},
+                                    control=True)}
+
+
+@pytest.mark.parametrize("workload", WORKLOADS)
+@pytest.mark.parametrize("mode", list(SHARING))
+def test_the_megatron_critic_gives_verls_values_loss_and_gradients(megatron, workload, mode):
+    shared, plain = megatron["runs"][workload, mode], megatron["runs"][workload, "off"]
+    assert shared["engine"] == plain["engine"] == "PrefixSharingMegatronValueEngine"
+    assert shared["train"]["metrics"]["prefix_sharing/token_ratio"][0] > 1.0
+    assert compare(shared, plain) == []
+    found = compare(megatron["control"][workload, "arbitrary_prefix"], plain)
+    assert "loss" in found and any(f.startswith("values") for f in found)  # the control fails
