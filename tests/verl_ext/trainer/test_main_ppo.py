@@ -23,6 +23,7 @@ Each run takes ~100 s on 2 cores (mostly Ray start-up); the off-run is shared (s
 from __future__ import annotations
 
 import math
+from importlib.metadata import version
 
 import pytest
 
@@ -147,6 +148,9 @@ GAE_TOLERANCES = {**TOLERANCES, "actor/pg_loss": (1e-5, 1e-6),
                   "critic/vf_loss": (1e-5, 0.0), "critic/grad_norm": (1e-5, 0.0)}
 
 
+@pytest.mark.skipif(version("verl") != "0.9.1", reason=(
+    "CI time: the GAE trainer run is verl 0.9.1's (~2.5 min); on 0.8.0 the critic's engine step "
+    "against verl's stock critic is tests/verl_ext/test_critic.py"))
 def test_ppo_with_gae_matches_stock_with_actor_reference_and_critic_sharing(workdir):
     """PPO with GAE (one on / off pair, 2 steps): the actor, the reference and the critic all
     share; every step's actor and critic figures equal the stock run's, and each role's engine
