@@ -162,10 +162,11 @@ def _check_forced(execution: str, plan: SharingPlan, k: torch.Tensor, window: in
         raise ValueError(f"execution must be 'auto' or one of {EXECUTIONS}; got {execution!r}")
     if execution == "in_place" and (plan.has_kv_gather or k.size(0) != plan.num_tokens_flat):
         raise ValueError("execution='in_place': some segment reads keys beyond its own rows")
+    if execution == "sources" and get_lse_kernel(backend) is None:
+        raise refuse("kernels.lse", f"backend {backend!r}, execution='sources'")
     if execution == "sources" and (
-        k.size(0) != plan.num_tokens_flat or window is not None
-        or get_lse_kernel(backend) is None or source_layout(plan) is None
+        k.size(0) != plan.num_tokens_flat or window is not None or source_layout(plan) is None
     ):
         raise ValueError(
-            "execution='sources' needs K/V of the plan's flat rows, no window, a backend with "
-            f"a with-lse kernel (backend {backend!r}) and a planner-built plan")
+            "execution='sources' needs K/V of the plan's flat rows, no window and a "
+            "planner-built plan")

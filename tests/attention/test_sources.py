@@ -11,6 +11,7 @@ from prefix_sharing import PrefixSharingConfig, build_plan
 from prefix_sharing.attention import merge, prefix_attention, varlen_attention
 from prefix_sharing.attention.backends import get_lse_kernel
 from prefix_sharing.attention.sources import key_rows, source_layout
+from prefix_sharing.errors import UnsupportedSetup
 from prefix_sharing.workloads import make_workload
 from tests.attention.test_prefix_attention import DIM, HEADS, KV_HEADS, projections, qkv
 from tests.strategies import forests
@@ -275,16 +276,21 @@ def _reference_of_rows(plan, q, k, v, window):
     return torch.cat(outs), torch.cat(lses)
 
 
-@pytest.mark.parametrize("window", [None, 2])
-@pytest.mark.parametrize("seqs", FORESTS, ids=["tree", "duplicates", "mixed"])
-def test_out_and_lse_of_flash_attn_equal_the_einsum_reference(flash, seqs, window):
+@settings(max_examples=20, deadline=None)
+@given(forests(max_new_tokens=6), st.sampled_from([None, 1, 2, 40]))
+def test_out_and_lse_of_flash_attn_equal_the_einsum_reference(seqs, window):
+    """Random forests (empty tails, strict prefixes, duplicates), windows drawn."""
+    from tests.attention import fake_kernels
+
     plan = build_plan(seqs, EVERY_PREFIX)
     q, k, v = _half_inputs(plan)
     index = plan.kv_gather_index
-    out, lse = varlen_attention(
-        q, k.index_select(0, index), v.index_select(0, index), plan.cu_seqlens_q,
-        plan.cu_seqlens_kv, plan.max_seqlen_q, plan.max_seqlen_kv, window=window,
-        backend="flash_attn", return_lse=True)
+    with pytest.MonkeyPatch.context() as monkeypatch:  # a fresh fake per example
+        flash = fake_kernels.install_flash_attn(monkeypatch)
+        out, lse = varlen_attention(
+            q, k.index_select(0, index), v.index_select(0, index), plan.cu_seqlens_q,
+            plan.cu_seqlens_kv, plan.max_seqlen_q, plan.max_seqlen_kv, window=window,
+            backend="flash_attn", return_lse=True)
     want_out, want_lse = _reference_of_rows(plan, q, k, v, window)
     assert lse.dtype == torch.float32 and flash.calls[0]["return_attn_probs"]
     torch.testing.assert_close(plan.restore(out).double(), want_out, rtol=2e-3, atol=2e-3)
@@ -317,3 +323,48 @@ def test_sources_on_flash_attn_equal_the_einsum_reference(flash, seqs):
     causal = {call["causal"] for call in flash.backward_calls}
     assert causal == ({True, False} if plan.has_kv_gather else {True})  # the nodes' rectangles
     assert all(call["deterministic"] for call in flash.backward_calls)
+
+
+# ------------------------------------------------- backends without a with-lse pair
+# Transformer Engine's public attention module returns no log-sum-exp, and torch_npu's
+# softmax_max / softmax_sum are not wired to the contract yet: the rule serves both by the
+# gather (still exact), and asking them for the log-sum-exp is refused by name.
+
+
+@pytest.fixture
+def te(monkeypatch):
+    from prefix_sharing.attention import te_backend
+    from tests.attention import fake_kernels
+
+    monkeypatch.setattr(te_backend, "_MODULES", {})
+    return fake_kernels.install_transformer_engine(monkeypatch)
+
+
+@pytest.fixture
+def npu(monkeypatch):
+    from prefix_sharing.attention import npu_backend
+    from tests.attention import fake_kernels
+
+    monkeypatch.setattr(npu_backend, "_COMPRESSED_MASKS", {})
+    return fake_kernels.install_torch_npu(monkeypatch)
+
+
+@pytest.mark.parametrize("backend, dtype, tol", [("te", torch.bfloat16, 2e-2),
+                                                 ("npu", torch.float32, 1e-5)])
+def test_a_backend_without_a_with_lse_pair_is_served_by_the_gather(request, backend, dtype, tol):
+    request.getfixturevalue(backend)
+    plan = build_plan(TREE, EVERY_PREFIX)
+    assert key_rows(plan, backend=backend).execution == "gather"
+    assert key_rows(plan, backend="torch").execution == "sources"
+    token, position, w = projections()
+    with torch.no_grad():
+        q, k, v = (x.to(dtype) for x in qkv(token, position, w, plan.input_ids,
+                                             plan.position_ids))
+        out = prefix_attention(q, k, v, plan, backend=backend)
+        want = prefix_attention(q.double(), k.double(), v.double(), plan, backend="torch")
+    torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
+    with pytest.raises(UnsupportedSetup, match=r"\[kernels\.lse\]"):
+        prefix_attention(q, k, v, plan, backend=backend, execution="sources")
+    with pytest.raises(UnsupportedSetup, match=r"\[kernels\.lse\]"):
+        varlen_attention(q, k, v, plan.cu_seqlens_q, plan.cu_seqlens_q, plan.max_seqlen_q,
+                         plan.max_seqlen_q, backend=backend, return_lse=True)
