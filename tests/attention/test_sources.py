@@ -13,6 +13,7 @@ from prefix_sharing.attention.backends import get_lse_kernel
 from prefix_sharing.attention.sources import key_rows, source_layout
 from prefix_sharing.errors import UnsupportedSetup
 from prefix_sharing.workloads import make_workload
+from tests.attention.test_kernel_backends import npu, te  # noqa: F401 (fixtures)
 from tests.attention.test_prefix_attention import DIM, HEADS, KV_HEADS, projections, qkv
 from tests.strategies import forests
 
@@ -328,25 +329,8 @@ def test_sources_on_flash_attn_equal_the_einsum_reference(flash, seqs):
 # ------------------------------------------------- backends without a with-lse pair
 # Transformer Engine's public attention module returns no log-sum-exp, and torch_npu's
 # softmax_max / softmax_sum are not wired to the contract yet: the rule serves both by the
-# gather (still exact), and asking them for the log-sum-exp is refused by name.
-
-
-@pytest.fixture
-def te(monkeypatch):
-    from prefix_sharing.attention import te_backend
-    from tests.attention import fake_kernels
-
-    monkeypatch.setattr(te_backend, "_MODULES", {})
-    return fake_kernels.install_transformer_engine(monkeypatch)
-
-
-@pytest.fixture
-def npu(monkeypatch):
-    from prefix_sharing.attention import npu_backend
-    from tests.attention import fake_kernels
-
-    monkeypatch.setattr(npu_backend, "_COMPRESSED_MASKS", {})
-    return fake_kernels.install_torch_npu(monkeypatch)
+# gather (still exact), and asking them for the log-sum-exp is refused by name. Their fakes
+# are test_kernel_backends' fixtures.
 
 
 @pytest.mark.parametrize("backend, dtype, tol", [("te", torch.bfloat16, 2e-2),
