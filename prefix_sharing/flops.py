@@ -21,7 +21,9 @@ up and down projections (not gated); an MoE layer its router, top-k experts and 
 rotary embedding, softmax and the K/V gather are not counted: they are memory-bound and small
 beside the products. ``tests/test_flops.py`` checks this against the matrix products torch's
 ``FlopCounterMode`` counts on the Megatron engine's real steps: equal, once the masked half of
-each segment that a dense kernel computes (and flash-attn skips) is taken out.
+each segment that a dense kernel computes (and flash-attn skips) is taken out, and on the
+shared step the fused CPU kernel's extra work (its backward recomputes the scores; under MLA
+it multiplies V's zero padding).
 """
 
 from __future__ import annotations

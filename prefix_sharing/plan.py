@@ -35,6 +35,7 @@ class SharingPlan:
         kv_gather_index = [0 1 2 3 | 0 1 2 4 5]  rows to gather K/V from, segment by segment
         kv_index      = [0 1 2 3 | 0 1 2 4 5 | 0 1]  every token of a, b, c (given order)
         prefix_lens   = (0, 3, 2)
+        prefix_runs_host = (((), ((0, 3),))   b's prefix keys are flat rows 0..2, in place
 
     A query segment's queries are the *tail* of its keys, so attention is causal aligned
     bottom-right: query ``i`` of a tail of length ``s`` over ``L`` keys sees keys ``0..L-s+i``.
@@ -55,6 +56,10 @@ class SharingPlan:
             the flat row that computed it. ``restore`` and the log-probs read through it.
         seq_lens: token count of each sequence, in the given order.
         prefix_lens: how many leading tokens each sequence takes from another one.
+        prefix_runs_host: per query segment, the runs of flat rows ``(start, stop)`` its
+            prefix keys are, in logical order (the segment's own rows follow them): its key
+            sources read in place (:mod:`prefix_sharing.attention.sources`). ``None`` where
+            unknown (a plan not built by the planner): attention then gathers.
         num_padding: pad rows at the end of the flat layout (their own causal segment, so they
             never touch a real token; see ``build_plan(pad_to_multiple_of=...)``).
         route_divergent_prefix_tokens: planned with recorded routes (``build_plan(routes=...)``,
@@ -75,6 +80,7 @@ class SharingPlan:
     kv_index: torch.Tensor
     seq_lens: tuple[int, ...]
     prefix_lens: tuple[int, ...]
+    prefix_runs_host: tuple[tuple[tuple[int, int], ...], ...] | None = None
     num_padding: int = 0
     route_divergent_prefix_tokens: int = 0
 

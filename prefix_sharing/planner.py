@@ -400,6 +400,7 @@ def _layout(
             kv_gather = np.concatenate([kv_index[offsets[r] : offsets[r + 1]] for r in owners])
 
     q_lens, kv_lens = own[owners], lengths[owners]
+    runs = [_runs(kv_index[offsets[r] : offsets[r] + prefix_lens[r]]) for r in owners]
     num_padding = -n_unique % pad_to_multiple_of
     if num_padding:
         pad_rows = np.arange(n_unique, n_unique + num_padding, dtype=np.int64)
@@ -408,6 +409,7 @@ def _layout(
         kv_gather = np.concatenate([kv_gather, pad_rows])
         q_lens = np.append(q_lens, num_padding)
         kv_lens = np.append(kv_lens, num_padding)
+        runs.append(())
 
     cu_q, cu_kv = _cumsum_int32(q_lens), _cumsum_int32(kv_lens)
     return SharingPlan(
@@ -423,9 +425,21 @@ def _layout(
         kv_index=torch.from_numpy(kv_index),
         seq_lens=tuple(lengths.tolist()),
         prefix_lens=tuple(prefix_lens.tolist()),
+        prefix_runs_host=tuple(runs),
         num_padding=num_padding,
         route_divergent_prefix_tokens=route_divergent,
     )
+
+
+def _runs(rows: np.ndarray) -> tuple[tuple[int, int], ...]:
+    """``rows`` (a prefix's flat rows, in logical order) as maximal runs ``(start, stop)`` of
+    consecutive rows."""
+    if rows.size == 0:
+        return ()
+    breaks = np.flatnonzero(np.diff(rows) != 1) + 1
+    starts = rows[np.concatenate([[0], breaks])]
+    stops = rows[np.concatenate([breaks - 1, [rows.size - 1]])] + 1
+    return tuple(zip(starts.tolist(), stops.tolist()))
 
 
 def _cumsum_int32(lens: np.ndarray) -> np.ndarray:

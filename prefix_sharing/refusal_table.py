@@ -455,6 +455,10 @@ TABLE: tuple[Refusal, ...] = (
     Refusal("kernels.sinks", "attention sinks with a fused kernel",
             "the kernel has no sink term in its softmax (gpt-oss sinks, megatron softmax_type "
             "'learnable' / 'off-by-one'); choose backend='torch'", ("kernels",)),
+    Refusal("kernels.lse", "the log-sum-exp from a kernel that does not return it here",
+            "varlen_attention(return_lse=True) runs on the backends with a with-lse pair "
+            "(LSE_KERNELS in prefix_sharing/attention/backends.py); choose backend='torch'",
+            ("kernels",)),
     Refusal("kernels.dtype", "a dtype the kernel does not compute in",
             "flash-attn and Transformer Engine's THD attention compute in float16 and bfloat16 "
             "only; choose backend='torch' for float32", ("kernels",)),

@@ -4,14 +4,16 @@
 of megatron's stock THD step (plain) and of the shared step, on the tiny preset and on
 tiny-mla and small-mla (multi-latent attention, dense and MoE layers with a shared expert;
 megatron-core 0.19's stock THD step also multiplies the zeros it pads MLA's V with, counted
-apart). The model
-counts exactly those products: the linear layers and LM head (``aten.mm``, forward and the two
-backward products) and attention (``aten.bmm``: SDPA's math path, pinned here because the fused
-CPU kernel is invisible to the counter). One systematic difference, which the test accounts
-for: a dense kernel also computes the causal mask's hidden half of every segment - ``s(s-1)/2``
-(query, key) pairs of a segment with ``s`` queries - which ``count_flops`` leaves out, as
-flash-attn skips those blocks. The embedding lookup, norms, rotary, softmax and the K/V gather
-are not matrix products: neither side counts them.
+apart). The model counts exactly those products: the linear layers and LM head (``aten.mm``,
+forward and the two backward products) and attention - the stock step's ``aten.bmm``, and on
+the shared step aten's fused CPU kernel, which attention over key sources calls directly and
+which the counter is given torch's own dense SDPA formulas for (it has none). Systematic
+differences, which the test accounts for: a dense kernel also computes the causal mask's
+hidden half of every segment - ``s(s-1)/2`` (query, key) pairs of a segment with ``s``
+queries - which ``count_flops`` leaves out, as flash-attn skips those blocks; the fused
+kernel's backward recomputes the scores, and under MLA multiplies V zero-padded to the query
+head dim. The embedding lookup, norms, rotary, softmax, the merge and the K/V gather are not
+matrix products: neither side counts them.
 """
 
 from __future__ import annotations
@@ -38,8 +40,28 @@ SMALL_MLA = get_preset("small-mla")
 MLA_WORKLOAD = "tree"
 
 
+def _cpu_flash_formulas() -> dict:
+    """FLOP formulas for aten's fused CPU attention kernel, which the shared step calls
+    directly (attention over key sources: its forward returns the log-sum-exp, its backward
+    takes it) and SDPA picks on CPU, but which ``FlopCounterMode`` has none for: torch's own
+    dense SDPA formulas (its CUDA flash and efficient kernels' entries), so the kernel is
+    counted as it runs - every (query, key) pair of a block, masked or not."""
+    import torch
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    aten = torch.ops.aten
+
+    def forward(query, key, value, *args, out_shape=None, **kwargs):
+        return sdpa_flop_count(query, key, value)
+
+    def backward(grad_out, query, key, value, *args, out_shape=None, **kwargs):
+        return sdpa_backward_flop_count(grad_out, query, key, value)
+
+    return {aten._scaled_dot_product_flash_attention_for_cpu: forward,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward: backward}
+
+
 def _counted_job(rank: int, batches: dict) -> dict:
-    from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
     from megatron.core.transformer import multi_latent_attention
@@ -56,7 +78,8 @@ def _counted_job(rank: int, batches: dict) -> dict:
         model = gpt_model(preset, layout="shared")
         for name in names:
             for layout in ("packed", "shared"):
-                with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+                with FlopCounterMode(display=False,
+                                     custom_mapping=_cpu_flash_formulas()) as counter:
                     forward_backward(model, [batches[name]], layout, CONFIG)
                 totals = counter.get_flop_counts()["Global"]
                 counted[preset.name, name, layout] = {str(op): n for op, n in totals.items()}
@@ -78,6 +101,20 @@ def _masked_pair_flops(query_lens: list[int], preset=PRESET) -> int:
     return 3 * per_pair * sum(s * (s - 1) // 2 for s in query_lens)
 
 
+def _fused_kernel_extra_flops(plan, preset=PRESET) -> int:
+    """Forward+backward FLOPs the fused CPU kernel spends beyond the products ``count_flops``
+    models, over the (query, key) pairs its blocks visit - every segment's tail over its whole
+    key range, split into its own rows and the shared nodes it reads: its backward recomputes
+    the scores (one more query . key product per pair), and under MLA the torch backend pads
+    V to the query head dim (three more products per pair with the zero channels)."""
+    q, kv = plan.cu_seqlens_q_host, plan.cu_seqlens_kv_host
+    pairs = sum((q[i + 1] - q[i]) * (kv[i + 1] - kv[i]) for i in range(len(q) - 1))
+    q_dim, v_dim = ((preset.head_dim, preset.head_dim) if preset.mla is None
+                    else (preset.mla.q_head_dim, preset.mla.v_head_dim))
+    per_pair = 2 * preset.num_attention_heads * preset.num_layers
+    return per_pair * (q_dim + 3 * (q_dim - v_dim)) * pairs
+
+
 @pytest.mark.parametrize("preset, workload",
                          [(PRESET, w) for w in WORKLOADS]
                          + [(m, MLA_WORKLOAD) for m in (MLA, SMALL_MLA)],
@@ -88,7 +125,8 @@ def test_the_model_counts_what_torch_counts_plain_and_shared(counted, preset, wo
     model = count_flops(plan, preset)
     assert plan.num_padding == 0 and plan.has_sharing
     plain, shared = flops[preset.name, workload, "packed"], flops[preset.name, workload, "shared"]
-    assert set(plain) == set(shared) == {"aten.mm", "aten.bmm"}  # nothing else multiplies
+    assert set(plain) == {"aten.mm", "aten.bmm"}  # nothing else multiplies
+    assert set(shared) == {"aten.mm", *map(str, _cpu_flash_formulas())}
     tails = (plan.cu_seqlens_q[1:] - plan.cu_seqlens_q[:-1]).tolist()
     padded_v = 0  # the stock THD step's products with V's zero channels (0.19+, MLA)
     if preset.mla is not None and flops["stock_thd_pads_v"]:
@@ -97,7 +135,8 @@ def test_the_model_counts_what_torch_counts_plain_and_shared(counted, preset, wo
             n * n for n in plan.seq_lens)
     assert (sum(plain.values()) - _masked_pair_flops(list(plan.seq_lens), preset) - padded_v
             == model.plain)
-    assert sum(shared.values()) - _masked_pair_flops(tails, preset) == model.shared
+    assert (sum(shared.values()) - _masked_pair_flops(tails, preset)
+            - _fused_kernel_extra_flops(plan, preset) == model.shared)
 
 
 def test_the_flop_ratio_users_read_is_the_measured_one(counted):

@@ -4,7 +4,9 @@ Every backend implements one signature, that of ``flash_attn_varlen_func(causal=
 ``fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale)``, plus
 the keywords ``window`` (a sliding window, bottom-right band) and ``sinks`` (a learned logit per
 head in the softmax denominator), and optional keywords (host boundaries, a per-layer kernel
-cache) that only some kernels read.
+cache) that only some kernels read. Where a backend has a with-lse pair (``LSE_KERNELS``),
+``varlen_attention(return_lse=True)`` also returns the log-sum-exp, and ``prefix_attention``
+attends over key sources in place, merged by it (:mod:`.sources`, :mod:`.merge`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,10 @@ from typing import Any
 import torch
 
 from ..plan import SharingPlan
-from .backends import get_backend, resolve_backend
+from ..refusals import refuse
+from .backends import get_backend, get_lse_kernel, resolve_backend
+from .merge import KeyPart, SourceLayout, attention_over_sources
+from .sources import EXECUTIONS, choose_execution, source_layout
 from .torch_backend import varlen_attention_torch
 from .window import windowed_keys
 
@@ -38,7 +43,8 @@ def varlen_attention(
     cu_seqlens_q_host: Sequence[int] | None = None,
     cu_seqlens_k_host: Sequence[int] | None = None,
     kernel_cache: dict[Any, Any] | None = None,
-) -> torch.Tensor:
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal (bottom-right) varlen attention on the chosen kernel.
 
     Args:
@@ -55,8 +61,26 @@ def varlen_attention(
         kernel_cache: where a stateful kernel keeps its state between calls (Transformer
             Engine's attention module): pass one dict per layer. A process-wide cache when
             omitted.
+        return_lse: also return the log-sum-exp: ``(nheads, total_q)`` float32 (float64 for
+            float64 inputs), the natural log of each query row's softmax denominator
+            ``log(sum_j exp(scale * q . k_j) [+ exp(sink)])``, as flash-attn's
+            ``softmax_lse``; it carries no gradient. Backends with a with-lse pair only.
+
+    Returns:
+        ``(total_q, nheads, headdim_v)``, or ``(out, lse)`` with ``return_lse``.
     """
-    fn = get_backend(resolve_backend(backend, q.device, q.dtype))
+    name = resolve_backend(backend, q.device, q.dtype)
+    if return_lse:
+        kernel = get_lse_kernel(name)
+        if kernel is None:
+            raise refuse("kernels.lse", f"backend {name!r}")
+        host_q = cu_seqlens_q.tolist() if cu_seqlens_q_host is None else tuple(cu_seqlens_q_host)
+        host_k = cu_seqlens_k.tolist() if cu_seqlens_k_host is None else tuple(cu_seqlens_k_host)
+        part = KeyPart(None, cu_seqlens_q, cu_seqlens_k, tuple(host_q), tuple(host_k),
+                       max_seqlen_q, max_seqlen_k, causal=True)
+        return attention_over_sources(q, k, v, SourceLayout((part,)), kernel, softmax_scale,
+                                      window=window, sinks=sinks)
+    fn = get_backend(name)
     return fn(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
         window=window, sinks=sinks, cu_seqlens_q_host=cu_seqlens_q_host,
@@ -76,6 +100,7 @@ def prefix_attention(
     sinks: torch.Tensor | None = None,
     backend: str = "auto",
     kernel_cache: dict[Any, Any] | None = None,
+    execution: str = "auto",
 ) -> torch.Tensor:
     """Causal self-attention of a plan's flat layout, reusers reading their provider's K/V.
 
@@ -90,6 +115,9 @@ def prefix_attention(
         sinks: ``(nheads,)`` per-head sink logits (``None``: vanilla softmax).
         backend: the kernel, as in :func:`varlen_attention`.
         kernel_cache: as in :func:`varlen_attention` (one dict per layer).
+        execution: ``"auto"`` (the rule of :mod:`.sources`, chosen once per plan on the
+            host), or ``"sources"`` / ``"gather"`` / ``"in_place"`` to force one (a forced
+            one the plan or backend cannot run raises).
 
     Returns:
         ``(T_flat, nheads, headdim)``: for every computed token, attention over all earlier
@@ -101,18 +129,44 @@ def prefix_attention(
             f"q has {q.size(0)} tokens but the plan lays out {plan.num_tokens_flat}: "
             "was the plan built from this micro-batch?"
         )
-    # Keys in place: every segment's keys are its own rows of k/v (no segment reads a prefix,
-    # and k/v hold exactly the flat rows - not a cross-micro-batch prefix placed before them).
-    in_place = not plan.has_kv_gather and k.size(0) == plan.num_tokens_flat
-    keys = windowed_keys(plan, window) if window is not None and not in_place else plan
-    if not in_place:
+    name = resolve_backend(backend, q.device, q.dtype)
+    chosen = choose_execution(plan, k.size(0), window, name)
+    if execution != "auto" and execution != chosen:
+        _check_forced(execution, plan, k, window, name)
+        chosen = execution
+    if chosen == "sources":
+        # Own segments causally and shared nodes as dense rectangles, K/V in place, merged by
+        # the log-sum-exp: no per-reader copy of K/V, no scatter in the backward.
+        out, _ = attention_over_sources(q, k, v, source_layout(plan), get_lse_kernel(name),
+                                        softmax_scale, sinks=sinks)
+        return out
+    keys = plan
+    if chosen == "gather":
         # K/V injection: each segment's keys are its provider's prefix rows plus its own tail.
         # index_select's backward scatter-adds, so every reuser's gradient reaches the prefix.
+        keys = plan if window is None else windowed_keys(plan, window)
         k = k.index_select(0, keys.kv_gather_index)
         v = v.index_select(0, keys.kv_gather_index)
     return varlen_attention(
         q, k, v, plan.cu_seqlens_q, keys.cu_seqlens_kv, plan.max_seqlen_q, keys.max_seqlen_kv,
-        softmax_scale, window=window, sinks=sinks, backend=backend,
+        softmax_scale, window=window, sinks=sinks, backend=name,
         cu_seqlens_q_host=plan.cu_seqlens_q_host, cu_seqlens_k_host=keys.cu_seqlens_kv_host,
         kernel_cache=kernel_cache,
     )
+
+
+def _check_forced(execution: str, plan: SharingPlan, k: torch.Tensor, window: int | None,
+                  backend: str) -> None:
+    """Raises where a forced execution cannot compute this plan's attention."""
+    if execution not in EXECUTIONS:
+        raise ValueError(f"execution must be 'auto' or one of {EXECUTIONS}; got {execution!r}")
+    if execution == "in_place" and (plan.has_kv_gather or k.size(0) != plan.num_tokens_flat):
+        raise ValueError("execution='in_place': some segment reads keys beyond its own rows")
+    if execution == "sources" and get_lse_kernel(backend) is None:
+        raise refuse("kernels.lse", f"backend {backend!r}, execution='sources'")
+    if execution == "sources" and (
+        k.size(0) != plan.num_tokens_flat or window is not None or source_layout(plan) is None
+    ):
+        raise ValueError(
+            "execution='sources' needs K/V of the plan's flat rows, no window and a "
+            "planner-built plan")

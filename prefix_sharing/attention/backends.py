@@ -23,7 +23,9 @@ __all__ = [
     "BACKEND_FUNCTIONS",
     "KERNEL_DTYPES",
     "READS_HOST_BOUNDARIES",
+    "LSE_KERNELS",
     "get_backend",
+    "get_lse_kernel",
     "resolve_backend",
 ]
 
@@ -35,6 +37,15 @@ BACKEND_FUNCTIONS: dict[str, tuple[str, str, str | None, str | None]] = {
     "flash_attn": ("flash_attn_backend", "varlen_attention_flash", "flash_attn", "cuda"),
     "te": ("te_backend", "varlen_attention_te", "transformer_engine", "cuda"),
     "npu": ("npu_backend", "varlen_attention_npu", "torch_npu", "npu"),
+}
+# backend name -> (module, forward, backward) of its with-lse pair: the forward returns
+# ``(out, lse)`` (lse ``(nheads, total_q)`` float32, natural log, flash-attn's ``softmax_lse``),
+# the backward takes the output and log-sum-exp to differentiate at (see
+# :mod:`.merge`). Attention over key sources runs on these; a backend without one is served
+# by the gather (:mod:`.sources`).
+LSE_KERNELS: dict[str, tuple[str, str, str]] = {
+    "torch": ("torch_backend", "attention_lse_torch", "attention_lse_backward_torch"),
+    "flash_attn": ("flash_attn_backend", "attention_lse_flash", "attention_lse_backward_flash"),
 }
 # Kernels that take the segment boundaries as host ints (``cu_seqlens_*_host``): without them
 # they copy ``cu_seqlens`` to the host themselves, a device sync in every call.
@@ -88,3 +99,15 @@ def get_backend(name: str) -> BackendFn:
     _BACKENDS.require(name)
     module, function, _, _ = BACKEND_FUNCTIONS[name]
     return getattr(importlib.import_module(f"{__package__}.{module}"), function)
+
+
+def get_lse_kernel(name: str) -> tuple[Callable[..., tuple[torch.Tensor, torch.Tensor]],
+                                       Callable[..., tuple[torch.Tensor, ...]]] | None:
+    """The ``(forward, backward)`` with-lse pair of a concrete backend (:data:`LSE_KERNELS`),
+    or ``None`` where the backend has none."""
+    if name not in LSE_KERNELS:
+        return None
+    _BACKENDS.require(name)
+    module, forward, backward = LSE_KERNELS[name]
+    loaded = importlib.import_module(f"{__package__}.{module}")
+    return getattr(loaded, forward), getattr(loaded, backward)

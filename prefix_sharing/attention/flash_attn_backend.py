@@ -10,7 +10,7 @@ import torch
 from ..refusals import refuse
 from .kernel_limits import check_flash_attn
 
-__all__ = ["varlen_attention_flash"]
+__all__ = ["attention_lse_backward_flash", "attention_lse_flash", "varlen_attention_flash"]
 
 
 def varlen_attention_flash(
@@ -66,25 +66,106 @@ def varlen_attention_flash(
     check_flash_attn(q)
     from flash_attn import flash_attn_varlen_func
 
-    head_dim_v = v.size(-1)
-    if head_dim_v > q.size(-1):
-        raise refuse("kernels.value_head_dim", f"value head dim {head_dim_v} is larger than the "
-                     f"query/key head dim {q.size(-1)}")
-
-
-    if head_dim_v != q.size(-1):  # [t, h, dv] -> [t, h, d]: zeros add nothing to the output
-        v = torch.nn.functional.pad(v, (0, q.size(-1) - head_dim_v))
+    head_dim_v = _check_value_head_dim(q, v)
+    # [t, h, dv] -> [t, h, d]: zeros add nothing to the output
     out = flash_attn_varlen_func(
-        q,
-        k,
-        v,
-        cu_seqlens_q.to(device=q.device, dtype=torch.int32),
-        cu_seqlens_k.to(device=q.device, dtype=torch.int32),
-        max_seqlen_q,
-        max_seqlen_k,
-        dropout_p=0.0,
-        softmax_scale=softmax_scale,
-        causal=True,
-        window_size=(-1, -1) if window is None else (window - 1, 0),
+        q, k, _pad(v, q.size(-1)), *_boundaries(q, cu_seqlens_q, cu_seqlens_k),
+        max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=softmax_scale, causal=True,
+        window_size=_window_size(window),
     )
     return out if head_dim_v == out.size(-1) else out[..., :head_dim_v]
+
+
+# ------------------------------------------------------------------ with the log-sum-exp
+# The forward is the public ``flash_attn_varlen_func(..., return_attn_probs=True)``, which
+# also returns ``softmax_lse`` ``(nheads, total_q)`` float32 (natural log); the backward is
+# flash-attn's ``_flash_attn_varlen_backward`` (flash-attn >= 2.6: ``window_size_left`` /
+# ``window_size_right`` / ``softcap`` keywords), which takes the output and log-sum-exp to
+# differentiate at - what ring attention calls with the merged ones. ``deterministic=True``:
+# its dq is then accumulated without atomics, so a rerun gives the same bits.
+
+
+def attention_lse_flash(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float | None = None,
+    *,
+    causal: bool = True,
+    window: int | None = None,
+    cu_seqlens_q_host: Sequence[int] | None = None,
+    cu_seqlens_k_host: Sequence[int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` on flash-attn, as :func:`~.torch_backend.attention_lse_torch` (no
+    autograd; a segment may hold no query)."""
+    del cu_seqlens_q_host, cu_seqlens_k_host
+    check_flash_attn(q)
+    from flash_attn import flash_attn_varlen_func
+
+    head_dim_v = _check_value_head_dim(q, v)
+    out, lse, _ = flash_attn_varlen_func(
+        q, k, _pad(v, q.size(-1)), *_boundaries(q, cu_seqlens_q, cu_seqlens_k),
+        max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=softmax_scale, causal=causal,
+        window_size=_window_size(window), return_attn_probs=True)
+    return out[..., :head_dim_v], lse
+
+
+def attention_lse_backward_flash(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float | None = None,
+    *,
+    causal: bool = True,
+    window: int | None = None,
+    cu_seqlens_q_host: Sequence[int] | None = None,
+    cu_seqlens_k_host: Sequence[int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of :func:`attention_lse_flash` at the given ``out`` and ``lse``."""
+    del cu_seqlens_q_host, cu_seqlens_k_host
+    from flash_attn.flash_attn_interface import _flash_attn_varlen_backward
+
+    head_dim_v = _check_value_head_dim(q, v)
+    v_full = _pad(v, q.size(-1))
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v_full)
+    left, right = _window_size(window)
+    _flash_attn_varlen_backward(
+        _pad(dout, q.size(-1)).contiguous(), q, k, v_full, _pad(out, q.size(-1)).contiguous(),
+        lse.float().contiguous(), dq, dk, dv, *_boundaries(q, cu_seqlens_q, cu_seqlens_k),
+        max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+        softmax_scale=q.size(-1) ** -0.5 if softmax_scale is None else softmax_scale,
+        causal=causal, window_size_left=left, window_size_right=right, softcap=0.0,
+        alibi_slopes=None, deterministic=True)
+    return dq, dk, dv[..., :head_dim_v]
+
+
+def _check_value_head_dim(q: torch.Tensor, v: torch.Tensor) -> int:
+    if v.size(-1) > q.size(-1):
+        raise refuse("kernels.value_head_dim", f"value head dim {v.size(-1)} is larger than "
+                     f"the query/key head dim {q.size(-1)}")
+    return v.size(-1)
+
+
+def _pad(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """``[t, h, dv] -> [t, h, head_dim]`` with zeros: flash-attn 2 takes one head dim."""
+    return x if x.size(-1) == head_dim else torch.nn.functional.pad(x, (0, head_dim - x.size(-1)))
+
+
+def _boundaries(q, cu_seqlens_q, cu_seqlens_k):
+    return (cu_seqlens_q.to(device=q.device, dtype=torch.int32),
+            cu_seqlens_k.to(device=q.device, dtype=torch.int32))
+
+
+def _window_size(window: int | None) -> tuple[int, int]:
+    return (-1, -1) if window is None else (window - 1, 0)

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["varlen_attention_torch"]
+__all__ = ["attention_lse_backward_torch", "attention_lse_torch", "varlen_attention_torch"]
 
 
 def varlen_attention_torch(
@@ -128,3 +128,144 @@ def _attend_with_sinks(
     sink = sinks.to(compute).view(-1, 1, 1).expand(-1, scores.size(1), 1)  # [h, s, 1]
     probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
     return torch.einsum("hqk,hkd->hqd", probs, v.to(compute)).to(q.dtype)
+
+
+# ------------------------------------------------------------------ with the log-sum-exp
+# aten's CPU flash kernel returns the log-sum-exp and its backward takes the output and the
+# log-sum-exp it is given: the contract the merge over key sources needs (each part's backward
+# is run with the *merged* output and log-sum-exp, as ring attention does). Its mask is
+# additive in q's dtype, and it takes one head count and one head dim for q, k and v: GQA is
+# expanded here, and a smaller value head dim (multi-latent attention) zero-padded to the
+# query's, the output trimmed back (the padded channels are sums of zeros; in the backward
+# their output gradient is zero, so they change nothing).
+
+
+def attention_lse_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float | None = None,
+    *,
+    causal: bool = True,
+    window: int | None = None,
+    cu_seqlens_q_host: Sequence[int] | None = None,
+    cu_seqlens_k_host: Sequence[int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Varlen attention returning ``(out, lse)``, without autograd (the caller's Function
+    runs :func:`attention_lse_backward_torch`).
+
+    Segments as in :func:`varlen_attention_torch`, with two differences: ``causal=False``
+    lets every query of a segment read every key of it (the dense rectangle of a shared
+    node's readers over its keys), and a segment may hold no query (its keys are read by
+    nobody: the rows between shared nodes, which the kernel is told about so that K/V stay
+    in place).
+
+    Returns:
+        out: ``(total_q, nheads, headdim_v)`` in q's dtype.
+        lse: ``(nheads, total_q)``, the natural log of each query row's softmax denominator
+            ``log sum_j exp(scale * q . k_j)`` over the keys it reads, float32 (float64 for
+            float64 inputs) - flash-attn's ``softmax_lse`` layout and meaning.
+    """
+    del max_seqlen_q, max_seqlen_k
+    bounds_q, bounds_k = _host(cu_seqlens_q, cu_seqlens_q_host), _host(cu_seqlens_k, cu_seqlens_k_host)
+    lse_dtype = torch.promote_types(q.dtype, torch.float32)
+    out = q.new_empty(q.size(0), q.size(1), v.size(-1))
+    lse = torch.empty(q.size(1), q.size(0), dtype=lse_dtype, device=q.device)
+    for qs, qe, ks, ke in _segments(bounds_q, bounds_k):
+        qi, ki, vi, mask, is_causal = _segment_inputs(q, k, v, qs, qe, ks, ke, causal, window)
+        # [1, h, s, d] each; the kernel's lse is [1, h, s]
+        oi, li = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            qi, ki, vi, 0.0, is_causal, attn_mask=mask, scale=softmax_scale)
+        out[qs:qe] = oi[0, ..., : v.size(-1)].transpose(0, 1)
+        lse[:, qs:qe] = li[0]
+    return out, lse
+
+
+def attention_lse_backward_torch(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float | None = None,
+    *,
+    causal: bool = True,
+    window: int | None = None,
+    cu_seqlens_q_host: Sequence[int] | None = None,
+    cu_seqlens_k_host: Sequence[int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of :func:`attention_lse_torch`, given the output and log-sum-exp to
+    differentiate at. With a merged ``out`` and ``lse`` (attention over several key sources),
+    ``exp(scale * q . k - lse)`` is each key's weight in the *merged* softmax and
+    ``rowsum(dout * out)`` the merged one, so each part's gradients are exactly its share of
+    the whole attention's. Keys of segments without queries get zero gradients; dk and dv are
+    summed over the query heads of a group in float32 and written once."""
+    del max_seqlen_q, max_seqlen_k
+    bounds_q, bounds_k = _host(cu_seqlens_q, cu_seqlens_q_host), _host(cu_seqlens_k, cu_seqlens_k_host)
+    group = q.size(1) // k.size(1)
+    dq = torch.zeros_like(q)
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    kernel_lse = torch.float64 if q.dtype == torch.float64 else torch.float32
+    for qs, qe, ks, ke in _segments(bounds_q, bounds_k):
+        qi, ki, vi, mask, is_causal = _segment_inputs(q, k, v, qs, qe, ks, ke, causal, window)
+        gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            _pad_value(dout[qs:qe], q.size(-1)).transpose(0, 1).unsqueeze(0), qi, ki, vi,
+            _pad_value(out[qs:qe], q.size(-1)).transpose(0, 1).unsqueeze(0),
+            lse[:, qs:qe].to(kernel_lse).unsqueeze(0), 0.0, is_causal, attn_mask=mask,
+            scale=softmax_scale)
+        dq[qs:qe] = gq[0].transpose(0, 1)
+        # [1, h, L, d] -> [L, hk, group, d]: the query heads of one key head summed in fp32
+        dk[ks:ke] = _sum_groups(gk[0], group).to(k.dtype)
+        dv[ks:ke] = _sum_groups(gv[0, ..., : v.size(-1)], group).to(v.dtype)
+    return dq, dk, dv
+
+
+def _host(cu: torch.Tensor, host: Sequence[int] | None) -> Sequence[int]:
+    return cu.tolist() if host is None else host
+
+
+def _segments(bounds_q: Sequence[int], bounds_k: Sequence[int]):
+    """``(qs, qe, ks, ke)`` of every segment with at least one query (aten's CPU kernel
+    takes no empty query block)."""
+    for qs, qe, ks, ke in zip(bounds_q[:-1], bounds_q[1:], bounds_k[:-1], bounds_k[1:]):
+        if qe > qs:
+            yield qs, qe, ks, ke
+
+
+def _segment_inputs(q, k, v, qs, qe, ks, ke, causal, window):
+    """One segment as the CPU kernel takes it: ``[1, h, s, d]`` views, keys expanded to the
+    query heads, and the mask (None where ``is_causal`` or no mask says it all)."""
+    s, L = qe - qs, ke - ks
+    group = q.size(1) // k.size(1)
+    qi = q[qs:qe].transpose(0, 1).unsqueeze(0)  # [s, h, d] -> [1, h, s, d]
+    ki = k[ks:ke].repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
+    vi = _pad_value(v[ks:ke], q.size(-1)).repeat_interleave(group, dim=1).transpose(0, 1)
+    vi = vi.unsqueeze(0)
+    if not causal:
+        return qi, ki, vi, None, False
+    if s == L and window is None:
+        return qi, ki, vi, None, True
+    allowed = _band(s, L, window, q.device)
+    mask = torch.zeros(s, L, dtype=q.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
+    return qi, ki, vi, mask, False
+
+
+def _pad_value(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """``[n, h, dv] -> [n, h, head_dim]`` with zeros (``dv <= head_dim``)."""
+    return x if x.size(-1) == head_dim else F.pad(x, (0, head_dim - x.size(-1)))
+
+
+def _sum_groups(grad: torch.Tensor, group: int) -> torch.Tensor:
+    """``[h, L, d]`` per query head -> ``[L, hk, d]`` per key head (fp32 sum over a group)."""
+    h, L, d = grad.shape
+    summed = grad.float() if grad.dtype != torch.float64 else grad
+    return summed.reshape(h // group, group, L, d).sum(1).transpose(0, 1)

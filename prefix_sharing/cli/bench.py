@@ -217,6 +217,12 @@ def table(results: list[dict]) -> str:
                          "tokens computed (plain: every image of every sequence)")
     lines += ["", "flop x: plain/shared FLOPs (the limit); speedup: plain/shared step time "
               "(median); of flop: speedup/flop x; memory x: plain/shared peak memory"]
+    kv = [f"{r['workload']} {r['kv_rows_per_layer']} ({r['kv_execution']}) / "
+          f"{r['kv_rows_gather']}" for r in results if "kv_rows_per_layer" in r]
+    if kv:  # results recorded before issue 39 have no such count
+        lines.append("K/V rows one attention layer holds, shared step (its execution) / with "
+                     "every segment's keys gathered; the plain step holds its tokens: "
+                     + ", ".join(kv))
     if noisy:
         lines.append("noise: the spread of the timed steps, (slowest - fastest) / median, of the "
                      "noisier mode; ~: the speedup is within that noise of 1 (no difference "

@@ -27,6 +27,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from ..attention.backends import resolve_backend
+from ..attention.sources import key_rows
 from ..config import PrefixSharingConfig
 from ..flops import count_flops
 from ..planner import PromptGroup, build_plan
@@ -252,6 +254,7 @@ def _report(workload: BenchWorkload, request: BenchRequest, configs: dict,
             "shared_peak_mb": peaks[name] / 2**20,
             "memory_ratio": peaks["plain"] / peaks[name],
             "planner_ms": planner_ms,
+            **_kv_rows(plan, request),
         }
         entry["speedup_vs_flop_ratio"] = entry["speedup"] / entry["flop_ratio"]
         entry["within_noise"] = abs(entry["speedup"] - 1) <= entry["noise"]
@@ -260,6 +263,17 @@ def _report(workload: BenchWorkload, request: BenchRequest, configs: dict,
         else:
             result[name] = entry
     return result
+
+
+def _kv_rows(plan, request: BenchRequest) -> dict:
+    """K/V rows one full-attention layer holds for ``plan`` (:func:`~prefix_sharing.attention.
+    sources.key_rows`): the shared step's, under the execution its backend gets, and what
+    the gather of every segment's keys would hold (the execution before attention over key
+    sources); the plain step holds ``tokens_total``."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    held = key_rows(plan, backend=resolve_backend(request.config.backend, device, request.dtype))
+    return {"kv_execution": held.execution, "kv_rows_per_layer": held.kv_rows,
+            "kv_rows_gather": plan.num_tokens_flat + plan.cu_seqlens_kv_host[-1]}
 
 
 class Progress:

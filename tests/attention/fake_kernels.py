@@ -52,28 +52,73 @@ def _module(name: str, *, package: bool = False) -> types.ModuleType:
     return module
 
 
-def _segment_attention(q, k, v, bounds_q, bounds_k, scale, left=None):
+def _segment_attention(q, k, v, bounds_q, bounds_k, scale, left=None, causal=True,
+                       with_lse=False):
     """Bottom-right causal attention per segment in float64: the documented semantics of all
     three kernels. q [Tq, h, d], k/v [Tk, hk, d]; query head j reads key head j // (h // hk).
     ``left``: a sliding window's keys before the diagonal (query i of s over L keys reads keys
     ``L - s + i - left .. L - s + i``: flash-attn's ``window_size[0]``, TE's too, torch_npu's
-    ``pre_tockens`` in band mode); None for none."""
-    group = q.size(1) // k.size(1)
-    out = []
+    ``pre_tockens`` in band mode); None for none. ``causal=False``: every key (a segment may
+    then hold no query). ``with_lse``: also the log-sum-exp ``[h, Tq]`` float32."""
+    out, lses = [], []
+    for qs, qe, ks, ke, allowed in _segment_masks(bounds_q, bounds_k, left, causal):
+        qi, ki, vi = _segment_tensors(q, k, v, qs, qe, ks, ke)
+        scores = torch.einsum("qhd,khd->hqk", qi, ki) * scale
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        lses.append(scores.logsumexp(-1))
+        out.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), vi))
+    out = torch.cat(out).to(q.dtype) if out else q.new_zeros(0, q.size(1), v.size(-1))
+    if not with_lse:
+        return out
+    return out, (torch.cat(lses, 1) if lses else q.new_zeros(q.size(1), 0)).float()
+
+
+def _segment_masks(bounds_q, bounds_k, left, causal):
+    """``(qs, qe, ks, ke, allowed [s, L])`` per segment with queries."""
     for qs, qe, ks, ke in zip(bounds_q[:-1], bounds_q[1:], bounds_k[:-1], bounds_k[1:]):
         s, L = qe - qs, ke - ks
+        if not causal:
+            assert left is None, "this fake models windows with causal masks only"
+            if s:
+                yield qs, qe, ks, ke, torch.ones(s, L, dtype=torch.bool)
+            continue
         assert 0 < s <= L, f"segment with {s} queries over {L} keys: outside what this fake models"
-        qi = q[qs:qe].double()
-        ki = k[ks:ke].double().repeat_interleave(group, dim=1)
-        vi = v[ks:ke].double().repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", qi, ki) * scale
         diagonal = torch.arange(s)[:, None] + (L - s)
         allowed = torch.arange(L)[None, :] <= diagonal
         if left is not None:
             allowed &= torch.arange(L)[None, :] >= diagonal - left
-        probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
-        out.append(torch.einsum("hqk,khd->qhd", probs, vi))
-    return torch.cat(out).to(q.dtype)
+        yield qs, qe, ks, ke, allowed
+
+
+def _segment_tensors(q, k, v, qs, qe, ks, ke):
+    group = q.size(1) // k.size(1)
+    return (q[qs:qe].double(), k[ks:ke].double().repeat_interleave(group, dim=1),
+            v[ks:ke].double().repeat_interleave(group, dim=1))
+
+
+def _segment_attention_backward(dout, q, k, v, out, lse, bounds_q, bounds_k, scale, left,
+                                causal):
+    """``(dq, dk, dv)`` at the given ``out`` and ``lse`` ``[h, Tq]``, written out (float64):
+    ``P = exp(scale q.k - lse)``, ``dv = P^T dout``, ``dS = P (dout v^T - rowsum(dout out))``,
+    ``dq = scale dS k``, ``dk = scale dS^T q``; GQA summed over a key head's query heads."""
+    group = q.size(1) // k.size(1)
+    dq = torch.zeros(q.shape, dtype=torch.float64)
+    dk = torch.zeros(k.shape, dtype=torch.float64)
+    dv = torch.zeros(v.shape, dtype=torch.float64)
+    for qs, qe, ks, ke, allowed in _segment_masks(bounds_q, bounds_k, left, causal):
+        qi, ki, vi = _segment_tensors(q, k, v, qs, qe, ks, ke)
+        do, oi = dout[qs:qe].double(), out[qs:qe].double()
+        scores = torch.einsum("qhd,khd->hqk", qi, ki) * scale
+        probs = (scores - lse[:, qs:qe, None].double()).exp().masked_fill(~allowed, 0.0)
+        d_probs = torch.einsum("qhd,khd->hqk", do, vi)
+        rowsum = (do * oi).sum(-1).t()[..., None]  # [h, s, 1]
+        d_scores = probs * (d_probs - rowsum)
+        dq[qs:qe] = torch.einsum("hqk,khd->qhd", d_scores, ki) * scale
+        for name, grad in (("k", torch.einsum("hqk,qhd->khd", d_scores, qi) * scale),
+                           ("v", torch.einsum("hqk,qhd->khd", probs, do))):
+            summed = grad.view(grad.size(0), -1, group, grad.size(-1)).sum(2)
+            (dk if name == "k" else dv)[ks:ke] = summed
+    return dq, dk, dv
 
 
 def _check_qkv(q, k, v, v_head_dim=None):
@@ -106,6 +151,7 @@ def _check_cu_seqlens(cu_q, cu_k, q, k):
 class _FlashAttn:
     def __init__(self):
         self.calls: list[dict] = []
+        self.backward_calls: list[dict] = []
 
     def flash_attn_varlen_func(
         self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -113,7 +159,7 @@ class _FlashAttn:
         alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None,
     ):
         self.calls.append(dict(causal=causal, dropout_p=dropout_p, softmax_scale=softmax_scale,
-                               window_size=window_size))
+                               window_size=window_size, return_attn_probs=return_attn_probs))
         _check_qkv(q, k, v)
         assert q.dtype in (torch.float16, torch.bfloat16), f"flash-attn has no {q.dtype} kernel"
         assert q.size(-1) <= 256, "FlashAttention forward only supports head dimension at most 256"
@@ -122,17 +168,47 @@ class _FlashAttn:
                                 ("max_seqlen_k", max_seqlen_k, cu_seqlens_k)):
             assert isinstance(bound, int), f"{name} must be a Python int"
             assert bound >= int((cu[1:] - cu[:-1]).max()), f"{name} is below the longest segment"
-        assert causal is True, "expected causal=True (bottom-right since flash-attn 2.1)"
-        assert dropout_p == 0.0, "expected dropout_p=0.0"
         left, right = window_size
+        assert causal is True or (left, right) == (-1, -1), (
+            "causal=True (bottom-right since flash-attn 2.1), or causal=False without a window")
+        assert dropout_p == 0.0, "expected dropout_p=0.0"
         assert (left, right) == (-1, -1) or (left >= 0 and right == 0), (
             f"window_size={window_size}: a causal band is (left >= 0, 0), no window (-1, -1)"
         )
         assert softcap == 0.0 and alibi_slopes is None
-        assert block_table is None and not return_attn_probs
+        assert block_table is None
         scale = q.size(-1) ** -0.5 if softmax_scale is None else softmax_scale
-        return _segment_attention(q, k, v, cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), scale,
-                                  None if left < 0 else left)
+        result = _segment_attention(q, k, v, cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), scale,
+                                    None if left < 0 else left, causal, return_attn_probs)
+        if not return_attn_probs:
+            return result
+        # documented: out, softmax_lse (nheads, total_q) float32, S_dmask (dropout only)
+        return result[0], result[1], None
+
+    def _flash_attn_varlen_backward(
+        self, dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+        max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size_left,
+        window_size_right, softcap, alibi_slopes, deterministic, rng_state=None,
+        zero_tensors=False,
+    ):
+        """flash_attn_interface._flash_attn_varlen_backward (flash-attn >= 2.6): writes dq,
+        dk, dv in place, returns them and softmax_d."""
+        self.backward_calls.append(dict(causal=causal, deterministic=deterministic,
+                                        window=(window_size_left, window_size_right)))
+        _check_qkv(q, k, v)
+        _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k)
+        for x, like in ((dout, q), (out, q), (dq, q), (dk, k), (dv, v)):
+            assert x.shape == like.shape and x.dtype == like.dtype, "dout/out/dq/dk/dv shapes"
+        assert softmax_lse.shape == (q.size(1), q.size(0)) and softmax_lse.dtype == torch.float32
+        assert dropout_p == 0.0 and softcap == 0.0 and alibi_slopes is None
+        assert isinstance(softmax_scale, float), "softmax_scale must be given as a float"
+        left = None if window_size_left < 0 else window_size_left
+        grads = _segment_attention_backward(
+            dout, q, k, v, out, softmax_lse, cu_seqlens_q.tolist(), cu_seqlens_k.tolist(),
+            softmax_scale, left, causal)
+        for target, grad in zip((dq, dk, dv), grads):
+            target.copy_(grad)
+        return dq, dk, dv, None
 
 
 def install_flash_attn(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
@@ -140,8 +216,12 @@ def install_flash_attn(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
     kernel = _FlashAttn()
     module = _module("flash_attn", package=True)
     module.flash_attn_varlen_func = kernel.flash_attn_varlen_func
-    module.calls = kernel.calls
+    module.calls, module.backward_calls = kernel.calls, kernel.backward_calls
+    module.flash_attn_interface = _module("flash_attn.flash_attn_interface")
+    module.flash_attn_interface._flash_attn_varlen_backward = kernel._flash_attn_varlen_backward
     monkeypatch.setitem(sys.modules, "flash_attn", module)
+    monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface",
+                        module.flash_attn_interface)
     return module
 
 

@@ -97,7 +97,7 @@ def test_flash_attn_matches_reference(flash, heads, kv_heads, scale):
     q, k, v = inputs(heads, kv_heads, torch.float16)
     check_against_reference("flash_attn", q, k, v, scale, tol=2e-3)
     assert flash.calls[0] == dict(causal=True, dropout_p=0.0, softmax_scale=scale,
-                                  window_size=(-1, -1))
+                                  window_size=(-1, -1), return_attn_probs=False)
 
 
 def test_flash_attn_takes_int64_cu_seqlens(flash):

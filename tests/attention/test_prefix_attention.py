@@ -28,9 +28,10 @@ def qkv(token_table, position_table, w, ids, positions):
     return q.view(-1, HEADS, DIM), k.view(-1, KV_HEADS, DIM), v.view(-1, KV_HEADS, DIM)
 
 
+@pytest.mark.parametrize("execution", ["auto", "gather"])  # auto: over sources in place
 @settings(max_examples=60)
 @given(forests())
-def test_outputs_and_gradients_equal_per_sequence_attention(seqs):
+def test_outputs_and_gradients_equal_per_sequence_attention(execution, seqs):
     token, position, w = projections()
     plain = []
     for s in seqs:
@@ -39,7 +40,8 @@ def test_outputs_and_gradients_equal_per_sequence_attention(seqs):
     plain = torch.cat(plain)
 
     plan = build_plan(seqs, PrefixSharingConfig(min_prefix_len=1), pad_to_multiple_of=4)
-    shared = plan.restore(prefix_attention(*qkv(token, position, w, plan.input_ids, plan.position_ids), plan))
+    shared = plan.restore(prefix_attention(*qkv(token, position, w, plan.input_ids, plan.position_ids), plan,
+                                             execution=execution))
     torch.testing.assert_close(shared, plain, rtol=1e-10, atol=1e-10)
 
     grad = torch.randn_like(plain)
@@ -55,26 +57,30 @@ def test_refuses_tensors_from_another_layout():
         prefix_attention(q, q, q, plan)
 
 
-class _CountIndexSelect(TorchDispatchMode):
+class _CountKeyGathers(TorchDispatchMode):
+    """Counts index_select calls on K/V-shaped tensors (KV_HEADS heads; q has HEADS)."""
+
     def __init__(self):
         super().__init__()
         self.calls = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls += func is torch.ops.aten.index_select.default
+        self.calls += func is torch.ops.aten.index_select.default and (
+            args[0].dim() == 3 and args[0].size(1) == KV_HEADS)
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("seqs, gathers", [
-    ([[1, 2, 3, 4], [1, 2, 5]], 2),  # a reuser's tail reads a's prefix: K and V gathered
-    ([[1, 2, 3, 4, 5], [1, 2, 3], [1, 2]], 0),  # a chain of strict prefixes: keys in place
+@pytest.mark.parametrize("seqs, execution, gathers", [
+    ([[1, 2, 3, 4], [1, 2, 5]], "auto", 0),  # a reuser's tail reads a's prefix in place
+    ([[1, 2, 3, 4], [1, 2, 5]], "gather", 2),  # the same, forced to copy K and V
+    ([[1, 2, 3, 4, 5], [1, 2, 3], [1, 2]], "auto", 0),  # a chain of strict prefixes
 ])
-def test_gathers_k_and_v_only_when_a_segment_reads_a_prefix(seqs, gathers):
+def test_gathers_k_and_v_only_when_the_gather_is_chosen(seqs, execution, gathers):
     token, position, w = projections()
     plan = build_plan(seqs, PrefixSharingConfig(min_prefix_len=1))
     q, k, v = qkv(token, position, w, plan.input_ids, plan.position_ids)
-    with _CountIndexSelect() as counter:
-        out = prefix_attention(q, k, v, plan)
+    with _CountKeyGathers() as counter:
+        out = prefix_attention(q, k, v, plan, execution=execution)
     assert counter.calls == gathers
     plain = torch.cat([causal_attend(*qkv(token, position, w, torch.tensor(s),
                                           torch.arange(len(s)))) for s in seqs])

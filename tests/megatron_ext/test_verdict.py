@@ -61,7 +61,9 @@ def _rope_off_by_one() -> None:
 
 def _wrong_provider_row() -> None:
     """The first reuser's last prefix key is read from the provider row one position earlier
-    (an off-by-one in the gather index of one segment)."""
+    (an off-by-one in where one segment's prefix keys live), in both places attention reads
+    them from: the gather index and the runs the key sources are laid out from - so the bug
+    reaches whichever execution ``prefix_attention`` chooses."""
     from prefix_sharing.megatron_ext import packed_seq
 
     build_plan = packed_seq.build_plan
@@ -73,7 +75,10 @@ def _wrong_provider_row() -> None:
         last_prefix_key = kv[reuser + 1] - (q[reuser + 1] - q[reuser]) - 1
         index = plan.kv_gather_index.clone()
         index[last_prefix_key] = index[last_prefix_key - 1]
-        return dataclasses.replace(plan, kv_gather_index=index)
+        runs = list(plan.prefix_runs_host)  # one run per prefix row read, the wrong one too
+        prefix_rows = index[kv[reuser] : last_prefix_key + 1].tolist()
+        runs[reuser] = tuple((row, row + 1) for row in prefix_rows)
+        return dataclasses.replace(plan, kv_gather_index=index, prefix_runs_host=tuple(runs))
 
     packed_seq.build_plan = misread
 

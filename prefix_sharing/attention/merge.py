@@ -1,0 +1,209 @@
+"""Attention over disjoint key sources, merged exactly by the log-sum-exp.
+
+A query row's softmax over keys split into disjoint sources ``i`` is recovered from each
+source's partial attention ``(o_i, lse_i)`` (``lse_i`` the natural log of the row's softmax
+denominator over source ``i``'s keys)::
+
+    lse = log sum_i exp(lse_i)          o = sum_i exp(lse_i - lse) o_i
+
+flashinfer's ``merge_state`` (base 2 there; natural log here, as flash-attn's ``softmax_lse``).
+An attention sink is one more source: ``lse_sink = sink``, ``o_sink = 0``.
+
+The backward needs no gradient of any ``lse_i``: given the *merged* ``o`` and ``lse``, each
+part's kernel backward computes its keys' weights ``exp(scale * q . k - lse)`` in the whole
+softmax and the whole row's ``rowsum(do * o)``, so its ``dq``, ``dk``, ``dv`` are exactly its
+share of the whole attention's (ring attention's identity). Every part reads K/V *in place*
+(the flat rows), so ``dk`` and ``dv`` are the sum of the parts' full-size gradients, added in
+float32 in a fixed order and written once: no scatter, no atomics, the same bits every run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["KeyPart", "SourceLayout", "attention_over_sources", "merge_states"]
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyPart:
+    """One kernel call: some query rows over segments of the in-place K/V.
+
+    Attributes:
+        q_index: ``(rows,)`` int64 rows of q this call's queries are, segment by segment;
+            ``None``: every row of q in order.
+        cu_seqlens_q, cu_seqlens_k: int32 boundaries (queries of this call, rows of K/V).
+        cu_seqlens_q_host, cu_seqlens_k_host: the same as host ints.
+        max_seqlen_q, max_seqlen_k: longest segments.
+        causal: bottom-right causal (a segment's own keys) or every key (a shared node's
+            keys, all of them earlier than every reader's queries).
+    """
+
+    q_index: torch.Tensor | None
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    cu_seqlens_q_host: tuple[int, ...]
+    cu_seqlens_k_host: tuple[int, ...]
+    max_seqlen_q: int
+    max_seqlen_k: int
+    causal: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceLayout:
+    """The kernel calls of one attention over sources and how their rows merge.
+
+    Attributes:
+        parts: ``parts[0]`` covers every query row in order (their own segments); each later
+            part covers some rows again (their reads of shared nodes).
+        slots: ``(T, D)`` int64: for each query row, the rows of ``cat(outputs of parts[1:])``
+            it merges, padded with that concatenation's length (an empty source: lse -inf);
+            ``None`` with a single part.
+    """
+
+    parts: tuple[KeyPart, ...]
+    slots: torch.Tensor | None = None
+
+
+# (forward, backward) of a backend's with-lse kernel: see torch_backend.attention_lse_torch
+LseKernel = tuple[Callable[..., tuple[torch.Tensor, torch.Tensor]],
+                  Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]
+
+
+def merge_states(
+    outs: list[torch.Tensor],
+    lses: list[torch.Tensor],
+    slots: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact merge of partial attentions (module docstring), in float32 at least.
+
+    Args:
+        outs, lses: per part, ``(rows, h, dv)`` and ``(h, rows)``; ``outs[0]`` covers every
+            query row in order, the others the rows ``slots`` names.
+        slots: as :attr:`SourceLayout.slots`.
+        sinks: ``(h,)`` sink logits, or ``None``.
+
+    Returns:
+        ``(out, lse)``: ``(T, h, dv)`` in ``outs[0]``'s dtype, ``(h, T)`` float32 (float64
+        for float64 inputs). Computed in float32 for half inputs, float64 otherwise.
+    """
+    # one rounding of the merged output that a single kernel call does not have: computed in
+    # twice the inputs' precision (float32 for half inputs, float64 for float32) it stays
+    # below the kernels' own (the fp32 MLA/YaRN exactness check saw 1.1e-5 merged in fp32)
+    compute = torch.float32 if outs[0].dtype in (torch.float16, torch.bfloat16) else torch.float64
+    rows, heads, dim = outs[0].shape
+    lse_columns = [lses[0].t().to(compute)[:, None]]  # [T, 1, h]
+    out_columns = [outs[0].to(compute)[:, None]]  # [T, 1, h, dv]
+    if len(outs) > 1:
+        # one empty row at the end: the padding of ``slots``
+        extra_lse = torch.cat([lse.t() for lse in lses[1:]]
+                              + [lses[0].new_full((1, heads), float("-inf"))]).to(compute)
+        extra_out = torch.cat(outs[1:] + [outs[0].new_zeros(1, heads, dim)]).to(compute)
+        lse_columns.append(extra_lse[slots])  # [T, D, h]
+        out_columns.append(extra_out[slots])  # [T, D, h, dv]
+    if sinks is not None:
+        lse_columns.append(sinks.to(compute).expand(rows, 1, heads))
+    lse_all = torch.cat(lse_columns, 1)  # [T, P, h]
+    lse = lse_all.logsumexp(1)  # [T, h]
+    weights = (lse_all - lse[:, None]).exp()
+    values = torch.cat(out_columns, 1)  # [T, P', h, dv] (a sink has no value)
+    out = (weights[:, : values.size(1), :, None] * values).sum(1)
+    lse_dtype = torch.promote_types(outs[0].dtype, torch.float32)
+    return out.to(outs[0].dtype), lse.t().to(lse_dtype).contiguous()
+
+
+class _AttentionOverSources(torch.autograd.Function):
+    """Runs a :class:`SourceLayout`'s parts, merges them; the backward runs each part's
+    kernel backward at the merged output and log-sum-exp (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, layout, kernel, softmax_scale, window):
+        forward_kernel, _ = kernel
+        outs, lses = [], []
+        for part in layout.parts:
+            rows = q if part.q_index is None else q.index_select(0, part.q_index)
+            out, lse = forward_kernel(
+                rows, k, v, part.cu_seqlens_q, part.cu_seqlens_k, part.max_seqlen_q,
+                part.max_seqlen_k, softmax_scale, causal=part.causal, window=window,
+                cu_seqlens_q_host=part.cu_seqlens_q_host,
+                cu_seqlens_k_host=part.cu_seqlens_k_host)
+            outs.append(out)
+            lses.append(lse)
+        out, lse = merge_states(outs, lses, layout.slots, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.layout, ctx.kernel, ctx.scale, ctx.window = layout, kernel, softmax_scale, window
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        _, backward_kernel = ctx.kernel
+        accumulate = torch.promote_types(q.dtype, torch.float32)
+        dk = torch.zeros(k.shape, dtype=accumulate, device=k.device)
+        dv = torch.zeros(v.shape, dtype=accumulate, device=v.device)
+        dq_parts = []
+        for part in ctx.layout.parts:
+            if part.q_index is None:
+                rows = (dout, q, out, lse)
+            else:
+                rows = (dout.index_select(0, part.q_index), q.index_select(0, part.q_index),
+                        out.index_select(0, part.q_index), lse.index_select(1, part.q_index))
+            gq, gk, gv = backward_kernel(
+                rows[0], rows[1], k, v, rows[2], rows[3], part.cu_seqlens_q, part.cu_seqlens_k,
+                part.max_seqlen_q, part.max_seqlen_k, ctx.scale, causal=part.causal,
+                window=ctx.window, cu_seqlens_q_host=part.cu_seqlens_q_host,
+                cu_seqlens_k_host=part.cu_seqlens_k_host)
+            dq_parts.append(gq.to(accumulate))
+            dk += gk
+            dv += gv
+        dq = dq_parts[0]
+        if len(dq_parts) > 1:  # each row's reads of shared nodes, summed in slot order
+            extra = torch.cat(dq_parts[1:] + [dq.new_zeros(1, *dq.shape[1:])])
+            dq = dq + extra[ctx.layout.slots].sum(1)
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[3]:
+            # d out / d sink = -exp(sink - lse) * out, per row and head
+            lse_rows = lse.t().to(accumulate)  # [T, h]
+            share = (sinks.to(accumulate)[None] - lse_rows).exp()
+            dot = (dout.to(accumulate) * out.to(accumulate)).sum(-1)  # [T, h]
+            dsinks = -(share * dot).sum(0).to(sinks.dtype)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None,
+                None)
+
+
+def attention_over_sources(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: SourceLayout,
+    kernel: LseKernel,
+    softmax_scale: float | None = None,
+    *,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q's rows over the key sources ``layout`` names, merged exactly.
+
+    Args:
+        q: ``(T, nheads, headdim)``.
+        k, v: ``(T_k, nheads_k, headdim[_v])``, read in place by every part.
+        layout: the kernel calls and their merge (:class:`SourceLayout`).
+        kernel: the backend's ``(forward, backward)`` with-lse pair
+            (:func:`~.backends.get_lse_kernel`).
+        softmax_scale: defaults to ``headdim ** -0.5``.
+        window: passed to the causal parts (a band aligned bottom-right).
+        sinks: ``(nheads,)`` sink logits, merged as one more source; differentiable.
+
+    Returns:
+        ``(out, lse)``: ``(T, nheads, headdim_v)`` differentiable in q, k, v and sinks;
+        ``(nheads, T)`` float32, the merged log-sum-exp (sink included), carrying no gradient
+        (like flash-attn's).
+    """
+    if sinks is not None and sinks.shape != (q.size(1),):
+        raise ValueError(f"sinks must hold one logit per query head, shape ({q.size(1)},); "
+                         f"got {tuple(sinks.shape)}")
+    return _AttentionOverSources.apply(q, k, v, sinks, layout, kernel, softmax_scale, window)

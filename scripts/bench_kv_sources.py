@@ -1,0 +1,90 @@
+#!/usr/bin/env python
+"""One attention layer's forward + backward on the bench's micro-batches: key sources in place
+against the gather they replace (issue 39).
+
+For each built-in workload at the bench's sizes (``prefix-sharing bench``'s ``BENCH_SIZES``,
+times ``--length-scale``), planned with the default config: random q/k/v of the ``small``
+preset's attention (8 query heads, 2 K/V heads of 64, fp32) on the plan's flat rows, then
+``prefix_attention(..., execution=E)`` forward and backward for ``E`` = ``gather`` (the
+execution before) and the one chosen (``sources`` where a segment reads a prefix). Reported:
+the K/V rows one layer holds (``attention.sources.key_rows``), the peak bytes above the inputs
+(the bench's :func:`~prefix_sharing.engines.bench.peak_memory_bytes`: allocator events replayed
+on CPU) and the median wall time of ``--repeats`` steps, interleaved.
+
+    python scripts/bench_kv_sources.py [--length-scale 2] [--repeats 5] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from prefix_sharing import PrefixSharingConfig, build_plan
+from prefix_sharing.attention import prefix_attention
+from prefix_sharing.attention.sources import key_rows
+from prefix_sharing.cli.bench import BENCH_SIZES
+from prefix_sharing.engines.bench import keep_freed_memory_in_heap, peak_memory_bytes, timed
+from prefix_sharing.workloads import make_workload, scale_lengths
+
+HEADS, KV_HEADS, HEAD_DIM = 8, 2, 64  # the "small" preset's attention
+WORKLOADS = ("grpo", "agent", "tree", "none")
+
+
+def measure(name: str, scale: int, repeats: int) -> dict:
+    workload = make_workload(name, **scale_lengths(BENCH_SIZES[name], scale))
+    plan = build_plan(workload.sequences, PrefixSharingConfig())
+    g = torch.Generator().manual_seed(0)
+    rows = plan.num_tokens_flat
+    q = torch.randn(rows, HEADS, HEAD_DIM, generator=g, requires_grad=True)
+    k, v = (torch.randn(rows, KV_HEADS, HEAD_DIM, generator=g, requires_grad=True)
+            for _ in range(2))
+    grad = torch.randn(rows, HEADS, HEAD_DIM, generator=g)
+    chosen = key_rows(plan).execution
+    executions = {"gather": "gather", "after": chosen}
+
+    def step(execution: str) -> None:
+        out = prefix_attention(q, k, v, plan, execution=execution)
+        torch.autograd.grad(out, (q, k, v), grad)
+
+    for execution in executions.values():
+        step(execution)  # warm-up
+    times = {label: [] for label in executions}
+    for _ in range(repeats):
+        for label, execution in executions.items():
+            times[label].append(timed(lambda e=execution: step(e)))
+    result = {"workload": name, "tokens": plan.num_tokens_total, "computed": rows,
+              "execution": chosen,
+              "kv_rows_gather": rows + plan.cu_seqlens_kv_host[-1],
+              "kv_rows_after": key_rows(plan).kv_rows}
+    for label, execution in executions.items():
+        result[f"peak_mb_{label}"] = peak_memory_bytes(lambda e=execution: step(e)) / 2**20
+        result[f"ms_{label}"] = statistics.median(times[label]) * 1e3
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--length-scale", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    keep_freed_memory_in_heap()
+    results = [measure(name, args.length_scale, args.repeats) for name in WORKLOADS]
+    if args.json:
+        print(json.dumps(results))
+        return
+    print(f"{'workload':<8} {'tokens':>7} {'computed':>8} {'execution':>9} {'kv gather':>9} "
+          f"{'kv after':>8} {'peak MB gather':>14} {'peak MB after':>13} {'ms gather':>9} "
+          f"{'ms after':>8}")
+    for r in results:
+        print(f"{r['workload']:<8} {r['tokens']:>7} {r['computed']:>8} {r['execution']:>9} "
+              f"{r['kv_rows_gather']:>9} {r['kv_rows_after']:>8} {r['peak_mb_gather']:>14.1f} "
+              f"{r['peak_mb_after']:>13.1f} {r['ms_gather']:>9.1f} {r['ms_after']:>8.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,354 @@
+"""Attention over key sources: the (out, lse) contract against an einsum reference, the exact
+LSE merge and its backward, K/V held at the computed size, no scatter, bitwise reruns."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from prefix_sharing import PrefixSharingConfig, build_plan
+from prefix_sharing.attention import merge, prefix_attention, varlen_attention
+from prefix_sharing.attention.backends import get_lse_kernel
+from prefix_sharing.attention.sources import key_rows, source_layout
+from prefix_sharing.errors import UnsupportedSetup
+from prefix_sharing.workloads import make_workload
+from tests.attention.test_kernel_backends import npu, te  # noqa: F401 (fixtures)
+from tests.attention.test_prefix_attention import DIM, HEADS, KV_HEADS, projections, qkv
+from tests.strategies import forests
+
+EVERY_PREFIX = PrefixSharingConfig(min_prefix_len=1)
+
+
+def einsum_reference(q, k, v, window, sinks):
+    """One whole sequence written out: ``(out, lse)``, query p reading keys
+    ``max(0, p - window + 1) .. p``, the sink in the denominator. q [n, h, d], k/v [n, hk, d];
+    lse [n, h], natural log."""
+    n, group = q.size(0), q.size(1) // k.size(1)
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * q.size(-1) ** -0.5
+    p, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    allowed = (j <= p) & ((j > p - window) if window else True)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks[:, None, None].expand(-1, n, 1)], -1)
+    lse = scores.logsumexp(-1)  # [h, n]
+    probs = (scores - lse[..., None]).exp()[..., :n]
+    return torch.einsum("hqk,khd->qhd", probs, v), lse.t()
+
+
+def plain(seqs, window=None, sinks=None, seed=0):
+    token, position, w = projections(seed)
+    outs, lses = zip(*(einsum_reference(*qkv(token, position, w, torch.tensor(s),
+                                              torch.arange(len(s))), window, sinks)
+                       for s in seqs))
+    return torch.cat(outs), torch.cat(lses)
+
+
+@settings(max_examples=40, deadline=None)
+@given(forests(max_new_tokens=6), st.sampled_from([None, 1, 3, 40]), st.booleans())
+def test_out_and_lse_of_the_torch_kernel_equal_the_einsum_reference(seqs, window, with_sinks):
+    """varlen_attention(return_lse=True) over each segment's gathered keys: every computed
+    token's output and log-sum-exp are its whole sequence's (empty tails, strict prefixes,
+    duplicates come from the forests; windows and sinks drawn)."""
+    sinks = torch.randn(HEADS, dtype=torch.float64) if with_sinks else None
+    want_out, want_lse = plain(seqs, window, sinks)
+    plan = build_plan(seqs, EVERY_PREFIX, pad_to_multiple_of=4)
+    token, position, w = projections()
+    q, k, v = qkv(token, position, w, plan.input_ids, plan.position_ids)
+    k, v = k.index_select(0, plan.kv_gather_index), v.index_select(0, plan.kv_gather_index)
+    out, lse = varlen_attention(
+        q, k, v, plan.cu_seqlens_q, plan.cu_seqlens_kv, plan.max_seqlen_q, plan.max_seqlen_kv,
+        window=window, sinks=sinks, backend="torch", return_lse=True)
+    assert lse.shape == (HEADS, plan.num_tokens_flat) and lse.dtype == torch.float64
+    torch.testing.assert_close(plan.restore(out), want_out, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(plan.restore(lse.t()), want_lse, rtol=1e-10, atol=1e-10)
+
+
+@settings(max_examples=40, deadline=None)
+@given(forests(max_new_tokens=6), st.booleans())
+def test_attention_over_sources_equals_the_plain_forward_with_its_lse(seqs, with_sinks):
+    """The merged (out, lse) of own segments and shared nodes is the whole sequence's; the
+    gradients too (q, k, v through the projections, and the sinks)."""
+    sinks = torch.randn(HEADS, dtype=torch.float64, requires_grad=True) if with_sinks else None
+    want_out, want_lse = plain(seqs, None, sinks)
+    plan = build_plan(seqs, EVERY_PREFIX, pad_to_multiple_of=4)
+    token, position, w = projections()
+    q, k, v = qkv(token, position, w, plan.input_ids, plan.position_ids)
+    layout = source_layout(plan)
+    out, lse = merge.attention_over_sources(q, k, v, layout, get_lse_kernel("torch"),
+                                            sinks=sinks)
+    torch.testing.assert_close(plan.restore(out), want_out, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(plan.restore(lse.t()), want_lse, rtol=1e-10, atol=1e-10)
+
+    ref_token, ref_position, _ = projections()
+    want_out, _ = plain_with(ref_token, ref_position, w, seqs, sinks)
+    grad = torch.randn_like(want_out)
+    leaves = (token, position) + ((sinks,) if with_sinks else ())
+    ref_leaves = (ref_token, ref_position) + ((sinks,) if with_sinks else ())
+    for a, b in zip(torch.autograd.grad(plan.restore(out), leaves, grad),
+                    torch.autograd.grad(want_out, ref_leaves, grad)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def plain_with(token, position, w, seqs, sinks):
+    outs, lses = zip(*(einsum_reference(*qkv(token, position, w, torch.tensor(s),
+                                              torch.arange(len(s))), None, sinks)
+                       for s in seqs))
+    return torch.cat(outs), torch.cat(lses)
+
+
+def test_the_layout_of_the_documented_example():
+    plan = build_plan([[5, 6, 7, 8], [5, 6, 7, 9, 9], [5, 6]], EVERY_PREFIX)
+    assert plan.prefix_runs_host == ((), ((0, 3),))
+    own, nodes = source_layout(plan).parts
+    assert own.causal and own.q_index is None and own.cu_seqlens_k_host == (0, 4, 6)
+    assert not nodes.causal and nodes.q_index.tolist() == [4, 5]
+    assert nodes.cu_seqlens_q_host == (0, 2, 2) and nodes.cu_seqlens_k_host == (0, 3, 6)
+    assert source_layout(plan).slots.tolist() == [[2], [2], [2], [2], [0], [1]]
+
+
+def test_a_tree_is_cut_into_its_edges():
+    """Readers of different prefix lengths over one provider: each node is read whole."""
+    plan = build_plan([[1, 2, 3, 4, 5], [1, 2, 6], [1, 2, 3, 4, 7], [1, 2, 3, 8]], EVERY_PREFIX)
+    nodes = source_layout(plan).parts[1]
+    # nodes (0, 2) read by three one-token tails, (2, 3) by two, (3, 4) by one; rows 4..7
+    # (the first path's last token and the three tails) by none
+    assert nodes.cu_seqlens_k_host == (0, 2, 3, 4, 8)
+    assert nodes.cu_seqlens_q_host == (0, 3, 5, 6, 6)
+
+
+def _backward_at_own_states(kernel):
+    """An injected bug: each part's backward at its *own* (out, lse), not the merged ones."""
+    forward, backward = kernel
+
+    def wrong(dout, q, k, v, out, lse, *args, **kwargs):
+        own_out, own_lse = forward(q, k, v, *args, **kwargs)
+        return backward(dout, q, k, v, own_out, own_lse, *args, **kwargs)
+
+    return forward, wrong
+
+
+@pytest.mark.parametrize("kernel_of", [get_lse_kernel, lambda n: _backward_at_own_states(
+    get_lse_kernel(n))], ids=["merged", "control_own_states"])
+def test_each_part_is_differentiated_at_the_merged_state(kernel_of):
+    seqs = [[1, 2, 3, 4, 5], [1, 2, 3, 0, 5], [1, 2, 0]]
+    plan = build_plan(seqs, EVERY_PREFIX)
+    token, position, w = projections()
+    q, k, v = qkv(token, position, w, plan.input_ids, plan.position_ids)
+    out, _ = merge.attention_over_sources(q, k, v, source_layout(plan), kernel_of("torch"))
+    ref_token, ref_position, _ = projections()
+    want, _ = plain_with(ref_token, ref_position, w, seqs, None)
+    grad = torch.randn_like(want)
+    got = torch.autograd.grad(plan.restore(out), (token, position), grad)
+    ref = torch.autograd.grad(want, (ref_token, ref_position), grad)
+    worst = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(got, ref))
+    if kernel_of is get_lse_kernel:
+        assert worst < 1e-10
+    else:
+        assert worst > 1e-3  # the test has power: the merged state matters
+
+
+class _CountScatters(TorchDispatchMode):
+    """aten ops that add into rows by index (a gather's backward)."""
+
+    OPS = {torch.ops.aten.index_add.default, torch.ops.aten.index_add_.default,
+           torch.ops.aten.scatter_add.default, torch.ops.aten.scatter_add_.default,
+           torch.ops.aten.index_put_.default, torch.ops.aten._index_put_impl_.default}
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func in self.OPS
+        return func(*args, **(kwargs or {}))
+
+
+def _step(seqs, execution, seed=0):
+    """One forward + backward of prefix_attention; the leaves' gradients."""
+    plan = build_plan(seqs, EVERY_PREFIX)
+    token, position, w = projections(seed)
+    with torch.no_grad():
+        q, k, v = qkv(token, position, w, plan.input_ids, plan.position_ids)
+    leaves = [x.float().requires_grad_() for x in (q, k, v)]
+    out = prefix_attention(*leaves, plan, execution=execution)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed))
+    with _CountScatters() as counter:
+        grads = torch.autograd.grad(out, leaves, grad)
+    return grads, counter.calls
+
+
+TREE = [[1, 2, 3, 4, 5, 0], [1, 2, 3, 4, 0], [1, 2, 3, 5, 5], [1, 2, 3, 5, 5], [1, 2]]
+
+
+@pytest.mark.parametrize("execution, scatters", [("sources", 0), ("gather", 2)])
+def test_the_backward_adds_into_no_rows_by_index(execution, scatters):
+    """Sources: dK/dV are the parts' full-size gradients added in a fixed order; the gather
+    (the control) scatter-adds K's and V's gradients into the flat rows."""
+    assert _step(TREE, execution)[1] == scatters
+
+
+def test_gradients_of_two_identical_runs_are_bitwise_equal():
+    first, second = _step(TREE, "sources")[0], _step(TREE, "sources")[0]
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+# small enough for the projections' 64 positions
+WORKLOADS = {"grpo": dict(num_prompts=2, group_size=3, prompt_len=(6, 10), response_len=(3, 6)),
+             "agent": dict(num_tasks=1, num_turns=2, system_len=8, task_len=(2, 4),
+                           turn_len=(2, 4)),
+             "tree": dict(depth=2, prompt_len=(6, 8), node_len=(2, 4))}
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_kv_held_per_layer_is_the_computed_rows(name):
+    """From the plan (key_rows) and measured: the K/V rows the attention holds (its inputs
+    and the copies it makes), sources against the gather."""
+    workload = make_workload(name, **WORKLOADS[name])
+    plan = build_plan(workload.sequences, EVERY_PREFIX)
+    rows = key_rows(plan)
+    assert rows.execution == "sources" and rows.kv_rows == plan.num_tokens_flat
+    gathered = key_rows(plan, window=4)  # a window is served by the (trimmed) gather
+    assert gathered.execution == "gather" and gathered.kv_rows > plan.num_tokens_flat
+
+    token, position, w = projections()
+    ids = plan.input_ids % 6  # the tiny projection's vocabulary
+    held = {}
+    for execution in ("sources", "gather"):
+        q, k, v = qkv(token, position, w, ids, plan.position_ids)
+        held[execution] = _kv_rows_held(k, v, lambda: prefix_attention(q, k, v, plan,
+                                                                         execution=execution))
+    assert held["sources"] == 2 * plan.num_tokens_flat  # K and V, each once, in place
+    assert held["gather"] == 2 * (plan.num_tokens_flat + plan.cu_seqlens_kv_host[-1])
+
+
+class _KeyCopies(TorchDispatchMode):
+    """Rows of the K/V-shaped tensors (``[n, KV_HEADS, DIM]``) ops produce: the copies of K
+    and V a forward makes."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and out.dim() == 3 and out.shape[1:] == (KV_HEADS, DIM):
+            inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+            self.rows += out.size(0) * (out.untyped_storage().data_ptr() not in inputs)  # views
+        return out
+
+
+def _kv_rows_held(k, v, run) -> int:
+    """K/V rows a forward holds: its inputs' plus every copy it makes."""
+    with _KeyCopies() as copies:
+        run()
+    return k.size(0) + v.size(0) + copies.rows
+
+
+# ---------------------------------------------------------------- flash-attn (CPU fake)
+# Its with-lse pair is checked against the fake written from flash-attn's documentation
+# (tests/attention/fake_kernels.py), in float16, against the einsum reference on the same
+# rounded values.
+
+FORESTS = [TREE, [[1, 2, 3, 4], [1, 2, 3, 4], [1, 2]],  # duplicates and a strict prefix
+           [[0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5, 1], [0, 1, 5], [3, 3]]]
+
+
+@pytest.fixture
+def flash(monkeypatch):
+    from tests.attention import fake_kernels
+
+    return fake_kernels.install_flash_attn(monkeypatch)
+
+
+def _half_inputs(plan):
+    token, position, w = projections()
+    with torch.no_grad():
+        q, k, v = qkv(token, position, w, plan.input_ids, plan.position_ids)
+    return [x.half().requires_grad_() for x in (q, k, v)]
+
+
+def _reference_of_rows(plan, q, k, v, window):
+    """The einsum reference per sequence on the flat rows' values (float64)."""
+    per_seq = [plan.split(plan.restore(x.detach().double().requires_grad_(False)))
+               for x in (q, k, v)]
+    outs, lses = zip(*(einsum_reference(a, b, c, window, None) for a, b, c in zip(*per_seq)))
+    return torch.cat(outs), torch.cat(lses)
+
+
+@settings(max_examples=20, deadline=None)
+@given(forests(max_new_tokens=6), st.sampled_from([None, 1, 2, 40]))
+def test_out_and_lse_of_flash_attn_equal_the_einsum_reference(seqs, window):
+    """Random forests (empty tails, strict prefixes, duplicates), windows drawn."""
+    from tests.attention import fake_kernels
+
+    plan = build_plan(seqs, EVERY_PREFIX)
+    q, k, v = _half_inputs(plan)
+    index = plan.kv_gather_index
+    with pytest.MonkeyPatch.context() as monkeypatch:  # a fresh fake per example
+        flash = fake_kernels.install_flash_attn(monkeypatch)
+        out, lse = varlen_attention(
+            q, k.index_select(0, index), v.index_select(0, index), plan.cu_seqlens_q,
+            plan.cu_seqlens_kv, plan.max_seqlen_q, plan.max_seqlen_kv, window=window,
+            backend="flash_attn", return_lse=True)
+    want_out, want_lse = _reference_of_rows(plan, q, k, v, window)
+    assert lse.dtype == torch.float32 and flash.calls[0]["return_attn_probs"]
+    torch.testing.assert_close(plan.restore(out).double(), want_out, rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(plan.restore(lse.t()).double(), want_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("seqs", FORESTS, ids=["tree", "duplicates", "mixed"])
+def test_sources_on_flash_attn_equal_the_einsum_reference(flash, seqs):
+    """prefix_attention on flash-attn runs over sources (its backward at the merged state,
+    deterministic). flash-attn's rule: output and q/k/v gradients no further from the float64
+    reference on the same values than 2x (gradients 3x) the gather on the same kernel, plus
+    float16's rounding floor."""
+    plan = build_plan(seqs, EVERY_PREFIX)
+    ref_leaves = [x.detach().double().requires_grad_() for x in _half_inputs(plan)]
+    per_seq = [plan.split(plan.restore(x)) for x in ref_leaves]
+    want = torch.cat([einsum_reference(a, b, c, None, None)[0] for a, b, c in zip(*per_seq)])
+    grad = torch.randn(want.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    ref = (want.detach(), *torch.autograd.grad(want, ref_leaves, grad))
+    errors = {}
+    for execution in ("sources", "gather"):
+        q, k, v = _half_inputs(plan)
+        out = plan.restore(prefix_attention(q, k, v, plan, backend="flash_attn",
+                                            execution=execution))
+        got = (out, *torch.autograd.grad(out, (q, k, v), grad.half()))
+        errors[execution] = [float((a.detach().double() - b).abs().max() / b.abs().max())
+                             for a, b in zip(got, ref)]
+    floor = 2 * torch.finfo(torch.float16).eps
+    for i, (mine, gather) in enumerate(zip(errors["sources"], errors["gather"])):
+        assert mine <= (2 if i == 0 else 3) * gather + floor, (i, errors)
+    causal = {call["causal"] for call in flash.backward_calls}
+    assert causal == ({True, False} if plan.has_kv_gather else {True})  # the nodes' rectangles
+    assert all(call["deterministic"] for call in flash.backward_calls)
+
+
+# ------------------------------------------------- backends without a with-lse pair
+# Transformer Engine's public attention module returns no log-sum-exp, and torch_npu's
+# softmax_max / softmax_sum are not wired to the contract yet: the rule serves both by the
+# gather (still exact), and asking them for the log-sum-exp is refused by name. Their fakes
+# are test_kernel_backends' fixtures.
+
+
+@pytest.mark.parametrize("backend, dtype, tol", [("te", torch.bfloat16, 2e-2),
+                                                 ("npu", torch.float32, 1e-5)])
+def test_a_backend_without_a_with_lse_pair_is_served_by_the_gather(request, backend, dtype, tol):
+    request.getfixturevalue(backend)
+    plan = build_plan(TREE, EVERY_PREFIX)
+    assert key_rows(plan, backend=backend).execution == "gather"
+    assert key_rows(plan, backend="torch").execution == "sources"
+    token, position, w = projections()
+    with torch.no_grad():
+        q, k, v = (x.to(dtype) for x in qkv(token, position, w, plan.input_ids,
+                                             plan.position_ids))
+        out = prefix_attention(q, k, v, plan, backend=backend)
+        want = prefix_attention(q.double(), k.double(), v.double(), plan, backend="torch")
+    torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
+    with pytest.raises(UnsupportedSetup, match=r"\[kernels\.lse\]"):
+        prefix_attention(q, k, v, plan, backend=backend, execution="sources")
+    with pytest.raises(UnsupportedSetup, match=r"\[kernels\.lse\]"):
+        varlen_attention(q, k, v, plan.cu_seqlens_q, plan.cu_seqlens_q, plan.max_seqlen_q,
+                         plan.max_seqlen_q, backend=backend, return_lse=True)
