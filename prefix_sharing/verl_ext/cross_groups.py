@@ -142,6 +142,31 @@ def plan_cross_groups(
     return cross, sorted(rest)
 
 
+def groups_left_unnested(
+    sequences: Sequence[TokenSequence],
+    token_budget: int,
+    config: PrefixSharingConfig,
+    uids: Sequence[Hashable] | None = None,
+    pad_to_multiple_of: int = 1,
+    routes: Sequence[TokenSequence] | None = None,
+) -> list[tuple[int, ...]]:
+    """The groups that would run across micro-batches only as a nested schedule (arguments as
+    :func:`plan_cross_groups`). On an engine whose model may not nest, :func:`plan_cross_groups`
+    leaves them to the ordinary split, which computes their prefix once per micro-batch; the
+    engine reports them (a metric and a warning) instead of falling back silently."""
+    if not config.cross_micro_batch:
+        return []
+    found = []
+    for members in sharing_groups(sequences, config, uids):
+        group = [sequences[i] for i in members]
+        group_routes = None if routes is None else [routes[i] for i in members]
+        if (_schedule(group, token_budget, config, pad_to_multiple_of, group_routes) is None
+                and _schedule(group, token_budget, config, pad_to_multiple_of, group_routes,
+                              nested=True) is not None):
+            found.append(tuple(members))
+    return found
+
+
 def _schedule(sequences: list[TokenSequence], token_budget: int,
               config: PrefixSharingConfig, pad_to_multiple_of: int = 1,
               routes: list[TokenSequence] | None = None,

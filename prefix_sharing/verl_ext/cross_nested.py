@@ -37,7 +37,7 @@ verl's loss reads every sample's full row), forward then backward, in turn. So:
 
 Runs dense models at TP=1 without activation recompute or sliding windows (what the tests
 compare with verl's stock step); with other settings the engine plans such groups as before
-(the ordinary split: :func:`nested_supported`). A group that fits one level keeps
+(the ordinary split: :func:`nested_problem`). A group that fits one level keeps
 :mod:`.cross_forward`'s schedule (its prefix kept, computed once).
 """
 
@@ -55,7 +55,7 @@ if TYPE_CHECKING:
     from ..megatron_ext.prefix_kv import PrefixKVStack
     from .cross_groups import CrossPart
 
-__all__ = ["NestedState", "closing_suffixes", "nested_supported",
+__all__ = ["NestedState", "closing_suffixes", "nested_problem",
            "open_micro_batch", "close_micro_batch"]
 
 
@@ -68,19 +68,26 @@ def closing_suffixes(schedule: GroupSchedule) -> dict[int, int]:
     return close
 
 
-def nested_supported(tf_config: Any) -> bool:
-    """Whether groups may nest on a model with this megatron ``TransformerConfig``: dense, at
-    TP=1, CP=1 and PP=1, without activation recompute or sliding windows (the settings the
-    tests compare with verl's stock step; under pipeline parallelism a group runs one level,
-    :mod:`.cross_pipeline`)."""
+def nested_problem(tf_config: Any) -> str | None:
+    """Why groups may not nest on a model with this megatron ``TransformerConfig``, or ``None``
+    when they may: dense, at TP=1, CP=1 and PP=1, without activation recompute or sliding
+    windows (the settings the tests compare with verl's stock step; under pipeline parallelism a
+    group runs one level, :mod:`.cross_pipeline`)."""
     from megatron.core import parallel_state
 
-    return (getattr(tf_config, "recompute_granularity", None) is None
-            and not getattr(tf_config, "num_moe_experts", None)
-            and getattr(tf_config, "window_size", None) is None
-            and parallel_state.get_tensor_model_parallel_world_size() == 1
-            and parallel_state.get_context_parallel_world_size() == 1
-            and (getattr(tf_config, "pipeline_model_parallel_size", 1) or 1) == 1)
+    untested = [f"{name}={value}" for name, value, plain in (
+        ("recompute_granularity", getattr(tf_config, "recompute_granularity", None), None),
+        ("num_moe_experts", getattr(tf_config, "num_moe_experts", None) or None, None),
+        ("window_size", getattr(tf_config, "window_size", None), None),
+        ("tensor_model_parallel_size", parallel_state.get_tensor_model_parallel_world_size(), 1),
+        ("context_parallel_size", parallel_state.get_context_parallel_world_size(), 1),
+        ("pipeline_model_parallel_size",
+         getattr(tf_config, "pipeline_model_parallel_size", 1) or 1, 1),
+    ) if value != plain]
+    if not untested:
+        return None
+    return ("nested schedules are tested on dense models at TP=CP=PP=1 without recompute or "
+            "windows; this model has " + ", ".join(untested))
 
 
 @dataclasses.dataclass

@@ -105,7 +105,8 @@ class SharingEngineMixin:
         # the order of the samples
         with sharing_split(self.prefix_sharing,
                            replay_mode(getattr(self, "engine_config", None)),
-                           nested=self.prefix_sharing.cross_micro_batch and self.cross_nested()
+                           not_nested=(self.cross_nested_problem()
+                                       if self.prefix_sharing.cross_micro_batch else None)
                            ) as split:
             dynamic_split_problem(data, split, loss_function, forward_only)
             order = fixed_order(data, split, loss_function, forward_only,
@@ -127,10 +128,10 @@ class SharingEngineMixin:
         or ``None``; the Megatron engine answers (:func:`.microbatch.fixed_order`)."""
         return None
 
-    def cross_nested(self) -> bool:
-        """Whether a group too large for one level may nest on this engine's model
-        (:mod:`.cross_nested`); the Megatron engine answers."""
-        return False
+    def cross_nested_problem(self) -> str | None:
+        """Why a group too large for one level may not nest on this engine's model
+        (:mod:`.cross_nested`), or ``None`` when it may; the Megatron engine answers."""
+        return f"{type(self).__name__} runs no nested schedule"
 
     @classmethod
     def refuse_unsupported_switches(cls, micro_batch: Any, *extra: Refused) -> None:

@@ -227,10 +227,10 @@ def patch_engine(module: ModuleType) -> None:
                     return "the MoE router's auxiliary / z-loss is taken per micro-batch"
                 return None
 
-            def cross_nested(self) -> bool:
-                from .cross_nested import nested_supported
+            def cross_nested_problem(self) -> str | None:
+                from .cross_nested import nested_problem
 
-                return nested_supported(self.tf_config)
+                return nested_problem(self.tf_config)
 
             def forward_step(self, batch_iter, model, logits_processor_func,
                              postprocess_micro_batch_func):

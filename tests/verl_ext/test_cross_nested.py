@@ -167,7 +167,7 @@ def test_groups_nest_only_on_the_settings_tested_here(setting):
 
     from megatron.core import parallel_state
 
-    from prefix_sharing.verl_ext.cross_nested import nested_supported
+    from prefix_sharing.verl_ext.cross_nested import nested_problem
 
     setting = dict(setting)
     tp = setting.pop("tensor_model_parallel_size", 1)
@@ -177,4 +177,10 @@ def test_groups_nest_only_on_the_settings_tested_here(setting):
     with mock.patch.object(parallel_state, "get_tensor_model_parallel_world_size",
                            return_value=tp), \
             mock.patch.object(parallel_state, "get_context_parallel_world_size", return_value=cp):
-        assert nested_supported(config) == (not setting and tp == 1 and cp == 1)
+        problem = nested_problem(config)
+    if not setting and tp == 1 and cp == 1:
+        assert problem is None
+    else:  # the reason names the setting (the engine's warning says it)
+        name = next(iter(setting), "tensor_model_parallel_size" if tp > 1 else
+                    "context_parallel_size")
+        assert name in problem, problem
