@@ -33,7 +33,8 @@ def test_a_typo_in_the_block_fails_at_config_time():
 
 @pytest.mark.parametrize("setting, message", [
     (dict(dynamic_context_parallel=True), "dynamic_context_parallel=True"),
-    (dict(use_fused_kernels=True), "use_fused_kernels=True"),
+    (dict(use_fused_kernels=True, context_parallel_size=2),
+     "use_fused_kernels=True with context_parallel_size=2"),
     (dict(context_parallel_size=2, router_replay=SimpleNamespace(mode="R2")),
      "router_replay.mode='R2' with context_parallel_size=2"),
 ])
