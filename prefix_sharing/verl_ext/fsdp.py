@@ -113,7 +113,7 @@ from typing import Any
 
 from ..refusals import Refused, refuse
 from .balancing import balancing_hooks
-from . import veomni
+from . import unhooked
 from .config import config_hooks, sharing_config
 from .critic import restore_values, value_head_problems
 from .engine import SharingEngineMixin, install_engines
@@ -127,9 +127,10 @@ from .vlm import (ENGINE_FAMILIES, blank_image_kwargs, micro_batch_images,
 __all__ = ["PATCHSETS", "patch_engine", "stock_attention"]
 
 ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
-# the config classes whose engines this set patches (VeOmni's: to refuse, .veomni)
-ACTOR_CONFIGS = ("FSDPActorConfig", "VeOmniActorConfig")
-CRITIC_CONFIGS = ("FSDPCriticConfig", "VeOmniCriticConfig")
+# the config classes whose engines this set patches (the unhooked engines': to refuse, .unhooked)
+ACTOR_CONFIGS = ("FSDPActorConfig", *unhooked.ACTOR_CONFIGS)
+CRITIC_CONFIGS = ("FSDPCriticConfig", *unhooked.CRITIC_CONFIGS)
+ENGINE_CONFIGS = ("FSDPEngineConfig", *unhooked.ENGINE_CONFIGS)
 
 
 @contextlib.contextmanager
@@ -320,13 +321,13 @@ def patch_engine(module: ModuleType) -> None:
 PATCHSETS = register_releases(
     "fsdp",
     hooks={
-        **config_hooks(ACTOR_CONFIGS, CRITIC_CONFIGS, "FSDPEngineConfig"),
+        **config_hooks(ACTOR_CONFIGS, CRITIC_CONFIGS, ENGINE_CONFIGS),
         ENGINE_MODULE: patch_engine,
-        veomni.ENGINE_MODULE: veomni.patch_engine,
+        **unhooked.engine_hooks(),
         "verl.workers.engine.utils": patch_prepare_micro_batches,
         **balancing_hooks(),
     },
     summary="verl {release} FSDP engine: actor config, sharing attention, forward, "
             "group-keeping micro-batches, metrics",
-    off_hooks=off_hooks(ACTOR_CONFIGS, CRITIC_CONFIGS, "FSDPEngineConfig"),
+    off_hooks=off_hooks(ACTOR_CONFIGS, CRITIC_CONFIGS, ENGINE_CONFIGS),
 )

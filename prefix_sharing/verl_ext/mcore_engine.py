@@ -295,7 +295,7 @@ def patch_route_merge(module: ModuleType) -> None:
 PATCHSETS = register_releases(
     "mcore",
     hooks={
-        **config_hooks(("McoreActorConfig",), ("McoreCriticConfig",), "McoreEngineConfig"),
+        **config_hooks(("McoreActorConfig",), ("McoreCriticConfig",), ("McoreEngineConfig",)),
         "verl.models.mcore": patch_forward_fn_lookup,
         "verl.workers.engine.megatron.transformer_impl": patch_engine,
         "verl.workers.engine.utils": patch_prepare_micro_batches,
@@ -303,5 +303,5 @@ PATCHSETS = register_releases(
     },
     summary="verl {release} Megatron engine: actor config, layer spec, forward, "
             "group-keeping micro-batches, metrics",
-    off_hooks=off_hooks(("McoreActorConfig",), ("McoreCriticConfig",), "McoreEngineConfig"),
+    off_hooks=off_hooks(("McoreActorConfig",), ("McoreCriticConfig",), ("McoreEngineConfig",)),
 )

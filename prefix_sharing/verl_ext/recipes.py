@@ -38,14 +38,30 @@ __all__ = ["CSV", "Combination", "Row", "combinations", "fsdp_rows", "read_rows"
 
 CSV = pathlib.Path(__file__).resolve().parents[2] / "docs" / "results" / "verl-0.9-recipes.csv"
 FSDP_ENGINES = {"fsdp1": "fsdp", "fsdp": "fsdp", "fsdp2": "fsdp2", "fsdp(fsdp2)": "fsdp2"}
+# the CSV's engine -> verl's strategy (backend); MindSpeed is verl's Megatron engine on Ascend
+# (registered under the backend megatron for npu); megatron-lite / mlite is no engine verl
+# 0.9.1 registers (its launches come from the release branch's tip)
+ENGINES = {**FSDP_ENGINES, "megatron": "megatron", "mindspeed": "megatron", "veomni": "veomni",
+           "automodel": "automodel", "megatron-lite": "megatron_lite", "mlite": "megatron_lite"}
+MEGATRON = {"megatron"}
+# backends whose launches name no family the reduction can read: any config stands in (the
+# engine is refused whatever the model)
 # recipe family -> the HF model type of its checkpoints
 MODEL_TYPES = {
     "qwen2.5": "qwen2", "qwen3": "qwen3", "qwen3-moe": "qwen3_moe", "qwen3-next": "qwen3_next",
     "gpt-oss": "gpt_oss", "mistral": "mistral", "gemma": "gemma", "seed-oss": "seed_oss",
     "deepseek-coder(llama)": "llama", "qwen2.5-vl": "qwen2_5_vl", "qwen3-vl": "qwen3_vl",
     "qwen3-vl-moe": "qwen3_vl_moe", "qwen3.5": "qwen3_5", "qwen3.5-moe": "qwen3_5_moe",
-    "glm4.1v": "glm4v", "minicpm-o": "minicpmo",
+    "glm4.1v": "glm4v", "minicpm-o": "minicpmo", "deepseek-v3": "deepseek_v3",
+    "moonlight(deepseek-v3 arch)": "deepseek_v3", "deepseek-v4": "deepseek_v4",
+    "hunyuan": "hy_v3", "nemotron-h": "nemotron_h", "mimo": "mimo", "?": "unknown",
 }
+# model types transformers has no config of: checked on a stand-in config (MiMo is Qwen2's
+# architecture with MTP layers; an unread family only meets a refused engine)
+STAND_IN_TYPES = {"mimo": "qwen2", "unknown": "qwen2"}
+# model types whose vision tower verl's Megatron engine refuses (verl.megatron_vlm), and whose
+# Gated DeltaNet layers need a newer megatron-core than verl 0.9.1's (verl.gdn_release)
+GDN = {"qwen3_5", "qwen3_5_moe", "qwen3_next"}
 # model types whose layers the sharing engine switches to a sharing recurrence (Gated DeltaNet)
 RECURRENT = {"qwen3_next", "qwen3_5", "qwen3_5_moe"}
 # vision-language model types the FSDP engine refuses (prefix_sharing.verl_ext.vlm)
@@ -67,6 +83,10 @@ class Row:
 def read_rows(path: pathlib.Path = CSV) -> list[Row]:
     with open(path, newline="") as handle:
         return [Row(r["script"], r) for r in csv.DictReader(handle)]
+
+
+def all_rows(rows: Iterable[Row] | None = None) -> list[Row]:
+    return read_rows() if rows is None else list(rows)
 
 
 def fsdp_rows(rows: Iterable[Row] | None = None) -> list[Row]:
@@ -96,13 +116,32 @@ class Combination:
     distillation: str  # the distillation loss mode, "" without
     sum_pi_squared: bool
     critic: bool
+    # the Megatron engine's settings (sizes above 1 read as 2; 1 on the other engines)
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    virtual_pipeline: bool = False
+    context_parallel: int = 1
+    expert_parallel: int = 1
+    rope_fusion: bool = False
+    mtp_train: bool = False
+    router_replay: str = ""  # "", "R2" or "R3"
 
     @classmethod
     def of(cls, row: Row) -> Combination:
         f = row.fields
         knobs = f["entropy_knobs"].split()
+        strategy = ENGINES[f["engine"]]
+        megatron = strategy in MEGATRON
+
+        def size(column: str) -> int:
+            return 2 if megatron and int(f[column]) > 1 else 1
+
         return cls(
-            trainer=f["kind"], strategy=FSDP_ENGINES[f["engine"]], family=f["family"],
+            tensor_parallel=size("tp"), pipeline_parallel=size("pp"),
+            virtual_pipeline=megatron and int(f["vpp"]) > 1, context_parallel=size("cp"),
+            expert_parallel=size("ep"), rope_fusion=megatron and f["rope_fusion"] == "1",
+            mtp_train=f["mtp_train"] == "1", router_replay=f["router_replay"],
+            trainer=f["kind"], strategy=strategy, family=f["family"],
             vision=f["vl"] == "1", ulysses=2 if int(f["ulysses"]) > 1 else 1,
             remove_padding=f["rmpad"] == "1", dynamic_bsz=f["dyn_bsz"] == "1",
             fused_kernels=f["fused"] == "1", chunked_entropy="chunked_entropy" in knobs,
@@ -121,21 +160,36 @@ class Combination:
     def name(self) -> str:
         """A short id: the family, strategy and each switch that differs from the plain RL
         step (FSDP2 ... remove padding on, the rest off, vanilla loss)."""
-        parts = [self.family, "fsdp1" if self.strategy == "fsdp" else "fsdp2"]
+        parts = [self.family.split("(")[0].replace("?", "any"),
+                 "fsdp1" if self.strategy == "fsdp" else self.strategy]
         parts += [f"sp{self.ulysses}"] if self.ulysses > 1 else []
         flags = (("padded", not self.remove_padding), ("dyn", self.dynamic_bsz),
                  ("fused", self.fused_kernels), ("chunked", self.chunked_entropy),
                  ("entckpt", self.entropy_checkpointing), ("compile", self.torch_compile),
                  ("gc", self.gradient_checkpointing), ("lora", self.lora),
-                 ("sumpi2", self.sum_pi_squared), ("critic", self.critic))
+                 ("sumpi2", self.sum_pi_squared), ("critic", self.critic),
+                 ("tp", self.tensor_parallel > 1), ("pp", self.pipeline_parallel > 1),
+                 ("vpp", self.virtual_pipeline), ("cp", self.context_parallel > 1),
+                 ("ep", self.expert_parallel > 1), ("ropefusion", self.rope_fusion),
+                 ("mtp", self.mtp_train))
         parts += [flag for flag, on in flags if on]
         parts += [self.loss_mode] if self.loss_mode != "vanilla" else []
         parts += [f"distill-{self.distillation}"] if self.distillation else []
+        parts += [f"replay-{self.router_replay}"] if self.router_replay else []
         return ("sft-" if self.trainer == "sft" else "") + "-".join(parts)
 
     def verdict(self) -> tuple[str, tuple[str, ...], str]:
         """``(status, refusal keys, reason)`` of the trained model (the RL actor and reference,
         or the SFT trainer's model): status ``served`` or ``refused``."""
+        from .unhooked import UNHOOKED
+
+        if self.strategy in UNHOOKED:
+            return "refused", (UNHOOKED[self.strategy].key,), ""
+        if self.strategy not in {*FSDP_ENGINES.values(), *MEGATRON}:
+            return "refused", ("cli.unpatched_engine",), (
+                f"verl 0.9.1 registers no {self.strategy} engine")
+        if self.strategy in MEGATRON:
+            return self._megatron_verdict()
         keys = []
         if self.model_type in UNSERVED_VLM:
             keys.append("verl.multimodal")
@@ -148,6 +202,21 @@ class Combination:
         if keys:
             return "refused", tuple(keys), ""
         return "served", (), ""
+
+    def _megatron_verdict(self) -> tuple[str, tuple[str, ...], str]:
+        """The sharing Megatron engine's refusals (``setup_problems`` of
+        :mod:`.mcore_engine`): a vision tower, a Gated DeltaNet model on verl 0.9.1's
+        megatron-core or LoRA (which make the rest moot), else MTP training and fused kernels
+        under context parallelism; tensor, pipeline, context and expert parallelism, rope
+        fusion, recomputation and router replay are served."""
+        keys = [k for k, on in (("verl.megatron_vlm", self.vision),
+                                ("verl.gdn_release", self.model_type in GDN),
+                                ("verl.megatron_lora", self.lora)) if on]
+        if not keys:
+            keys = [k for k, on in (("verl.mtp", self.mtp_train),
+                                    ("verl.fused_kernels",
+                                     self.fused_kernels and self.context_parallel > 1)) if on]
+        return ("refused", tuple(keys), "") if keys else ("served", (), "")
 
     def evidence(self) -> str:
         """The tests that show the verdict: an engine step against verl's stock step in
@@ -175,9 +244,9 @@ class Combination:
 
 
 def combinations(rows: Iterable[Row] | None = None) -> dict[Combination, list[Row]]:
-    """Each distinct combination of the FSDP-engine rows and the rows that map to it."""
+    """Each distinct combination of the rows (every engine's) and the rows that map to it."""
     found: dict[Combination, list[Row]] = {}
-    for row in fsdp_rows(rows):
+    for row in all_rows(rows):
         found.setdefault(Combination.of(row), []).append(row)
     return dict(sorted(found.items()))
 

@@ -59,7 +59,7 @@ import dataclasses  # noqa: E402
 from functools import partial  # noqa: E402
 
 from prefix_sharing.engines.launch import run_distributed  # noqa: E402
-from prefix_sharing.verl_ext.recipes import Combination, combinations  # noqa: E402
+from prefix_sharing.verl_ext.recipes import STAND_IN_TYPES, Combination, combinations  # noqa: E402
 from tests.fsdp_compat._launch import run_gloo  # noqa: E402
 from tests.verl_ext._compare import MODES, same_outputs  # noqa: E402
 from tests.verl_ext._fsdp_engine import PRESET, save_model  # noqa: E402
@@ -70,7 +70,14 @@ SHARED = MODES["arbitrary_prefix"]
 BUDGET = 110  # dynamic bsz: verl splits the GRPO batch (138 tokens) in two
 CONTROL_LOSS = "geo_mean"  # its loss is a mean over the micro-batch's sequences
 TINY = dataclasses.replace(PRESET, full_attention_every=2)
-RL = {c: rows for c, rows in combinations().items() if c.trainer == "rl"}
+RL = {c: rows for c, rows in combinations().items()
+      if c.trainer == "rl" and c.strategy in ("fsdp", "fsdp2")}
+# every other engine's RL launches: their verdicts (no engine step here)
+OTHER_RL = {c: rows for c, rows in combinations().items()
+            if c.trainer == "rl" and c.strategy not in ("fsdp", "fsdp2", "megatron_lite")}
+# the engine class preflight and verl's registry select, per strategy
+ENGINE_CLASSES = {"fsdp": "PrefixSharingFSDPEngine", "fsdp2": "PrefixSharingFSDPEngine",
+                  "megatron": "PrefixSharingMegatronEngine", "veomni": "veomniRefusal"}
 # transformers has no MiniCPM-o config class: its verdict is checked on a stand-in config
 NO_HF_CONFIG = {"minicpmo"}
 
@@ -106,13 +113,52 @@ def overrides(c: Combination, path: str) -> list[str]:
              MODEL + f"enable_gradient_checkpointing={c.gradient_checkpointing}"]
     if c.lora:
         found.append(MODEL + "lora_rank=8")
+    if c.critic:  # the recipe's critic runs at the actor's Ulysses size
+        found += ["algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=2",
+                  f"critic.fsdp.ulysses_sequence_parallel_size={c.ulysses}"]
+    return found
+
+
+def megatron_overrides(c: Combination, path: str) -> list[str]:
+    """A Megatron recipe's hydra overrides (beyond BASE, on ``ppo_megatron_trainer``):
+    parallel sizes above 1 at 2 - the engine's construction reads them without megatron's
+    parallel state, so one rank builds it."""
+    mcore = ACTOR + "megatron."
+    found = [MODEL + f"path={path}", mcore + f"tensor_model_parallel_size={c.tensor_parallel}",
+             mcore + f"pipeline_model_parallel_size={c.pipeline_parallel}",
+             mcore + f"context_parallel_size={c.context_parallel}",
+             mcore + f"expert_model_parallel_size={c.expert_parallel}",
+             ACTOR + f"use_dynamic_bsz={c.dynamic_bsz}",
+             ACTOR + f"policy_loss.loss_mode={c.loss_mode}",
+             MODEL + f"use_remove_padding={c.remove_padding}",
+             MODEL + f"use_fused_kernels={c.fused_kernels}"]
+    if c.virtual_pipeline:
+        found.append(mcore + "virtual_pipeline_model_parallel_size=2")
+    if c.rope_fusion:
+        found.append("+" + mcore + "override_transformer_config.apply_rope_fusion=true")
+    if c.router_replay:
+        found.append(mcore + f"router_replay.mode={c.router_replay}")
+    if c.mtp_train:
+        found += [MODEL + "mtp.enable=true", MODEL + "mtp.enable_train=true"]
+    if c.lora:
+        found.append(MODEL + "lora.rank=8")
     if c.critic:
         found += ["algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=2"]
     return found
 
 
+def other_overrides(c: Combination, path: str) -> tuple[str, list[str]]:
+    """verl's config and the overrides of an RL recipe on the Megatron or an unhooked engine
+    (with a KL loss: the reference is checked too)."""
+    kl = [ACTOR + "use_kl_loss=true"]
+    if c.strategy == "megatron":
+        return "ppo_megatron_trainer", megatron_overrides(c, path) + kl
+    return "ppo_trainer", [MODEL + f"path={path}", f"model_engine={c.strategy}"] + kl
+
+
 def config_dirs(root: str) -> dict[str, str]:
-    """Per model type of the table (but MiniCPM-o), transformers' default config of it."""
+    """Per model type of the table (but MiniCPM-o), transformers' default config of it (a
+    stand-in's for a type transformers lacks, ``STAND_IN_TYPES``)."""
     import os
 
     from transformers import AutoConfig
@@ -120,9 +166,9 @@ def config_dirs(root: str) -> dict[str, str]:
     from prefix_sharing.verl_ext.preflight import _architecture
 
     dirs = {}
-    for model_type in {c.model_type for c in RL} - NO_HF_CONFIG:
-        config = AutoConfig.for_model(model_type)
-        config.architectures = [_architecture(model_type)]
+    for model_type in {c.model_type for c in [*RL, *OTHER_RL]} - NO_HF_CONFIG:
+        config = AutoConfig.for_model(STAND_IN_TYPES.get(model_type, model_type))
+        config.architectures = [_architecture(config.model_type)]
         dirs[model_type] = os.path.join(root, model_type)
         config.save_pretrained(dirs[model_type])
     return dirs
@@ -153,6 +199,18 @@ def verdicts(rank: int, dirs: dict[str, str]) -> dict:
             except PrefixSharingSetupError as error:
                 built = tuple(sorted(error.refusals))
         found[c] = {"roles": roles, "built": built, "engine": actor.engine_cls.__name__}
+    for c in OTHER_RL:
+        config_name, extra = other_overrides(c, dirs[c.model_type])
+        checked = preflight(compose_config(BASE + extra, config_name))
+        actor, cfg = checked.roles[0], checked.roles[0].configs
+        built = ()
+        try:
+            actor.engine_cls(cfg["model"], cfg["engine"], cfg["optim"], cfg["checkpoint"])
+        except PrefixSharingSetupError as error:
+            built = tuple(sorted(error.refusals))
+        found[c] = {"roles": {r.role: tuple(sorted(p.key for p in r.problems))
+                              for r in checked.roles},
+                    "built": built, "engine": actor.engine_cls.__name__}
     return found
 
 
@@ -321,13 +379,15 @@ def checked(tmp_path_factory):
     return run_distributed(verdicts, 1, dirs, timeout=500)[0]
 
 
-@pytest.mark.parametrize("c", [c for c in RL if c.model_type not in NO_HF_CONFIG],
+@pytest.mark.parametrize("c", [c for c in [*RL, *OTHER_RL] if c.model_type not in NO_HF_CONFIG],
                          ids=lambda c: c.name)
 def test_preflight_and_the_engine_give_the_combinations_verdict(checked, c):
     found = checked[c]
     keys = tuple(sorted(c.construction_keys()))
-    assert found["engine"] == "PrefixSharingFSDPEngine"
-    assert found["roles"]["actor"] == found["roles"]["reference"] == keys
+    assert found["engine"] == ENGINE_CLASSES[c.strategy]
+    assert found["roles"]["actor"] == keys
+    # verl's worker builds the reference without MTP
+    assert found["roles"]["reference"] == tuple(k for k in keys if k != "verl.mtp")
     if found["built"] is not None:
         assert found["built"] == keys
     assert ("critic" in found["roles"]) == c.critic
