@@ -75,9 +75,14 @@ RL = {c: rows for c, rows in combinations().items()
 # every other engine's RL launches: their verdicts (no engine step here)
 OTHER_RL = {c: rows for c, rows in combinations().items()
             if c.trainer == "rl" and c.strategy not in ("fsdp", "fsdp2", "megatron_lite")}
+# the SFT trainer's launches on every engine verl 0.9.1 has (megatron-lite: none, test_recipes)
+SFT = {c: rows for c, rows in combinations().items()
+       if c.trainer == "sft" and c.strategy != "megatron_lite"}
+SFT_SHARING = ["+engine.use_prefix_grouper=true", "+engine.prefix_grouper.mode=arbitrary_prefix"]
 # the engine class preflight and verl's registry select, per strategy
 ENGINE_CLASSES = {"fsdp": "PrefixSharingFSDPEngine", "fsdp2": "PrefixSharingFSDPEngine",
-                  "megatron": "PrefixSharingMegatronEngine", "veomni": "veomniRefusal"}
+                  "megatron": "PrefixSharingMegatronEngine", "veomni": "veomniRefusal",
+                  "automodel": "automodelRefusal"}
 # transformers has no MiniCPM-o config class: its verdict is checked on a stand-in config
 NO_HF_CONFIG = {"minicpmo"}
 
@@ -156,6 +161,27 @@ def other_overrides(c: Combination, path: str) -> tuple[str, list[str]]:
     return "ppo_trainer", [MODEL + f"path={path}", f"model_engine={c.strategy}"] + kl
 
 
+def sft_overrides(c: Combination, path: str) -> list[str]:
+    """An SFT recipe's overrides on ``sft_trainer_engine``, asking for sharing in its engine
+    section (parallel sizes above 1 at 2, as :func:`megatron_overrides`)."""
+    engine = "fsdp" if c.strategy in ("fsdp", "fsdp2") else c.strategy
+    found = [f"model.path={path}", f"engine={engine}", *SFT_SHARING,
+             f"model.use_remove_padding={c.remove_padding}"]
+    if engine == "fsdp":
+        found += [f"engine.strategy={c.strategy}",
+                  f"engine.ulysses_sequence_parallel_size={c.ulysses}",
+                  f"model.enable_gradient_checkpointing={c.gradient_checkpointing}"]
+        found += ["model.lora_rank=8"] if c.lora else []
+    if engine == "megatron":
+        found += [f"engine.tensor_model_parallel_size={c.tensor_parallel}",
+                  f"engine.pipeline_model_parallel_size={c.pipeline_parallel}",
+                  f"engine.context_parallel_size={c.context_parallel}",
+                  f"engine.expert_model_parallel_size={c.expert_parallel}"]
+    if c.mtp_train:
+        found += ["model.mtp.enable=true", "model.mtp.enable_train=true"]
+    return found
+
+
 def config_dirs(root: str) -> dict[str, str]:
     """Per model type of the table (but MiniCPM-o), transformers' default config of it (a
     stand-in's for a type transformers lacks, ``STAND_IN_TYPES``)."""
@@ -166,7 +192,7 @@ def config_dirs(root: str) -> dict[str, str]:
     from prefix_sharing.verl_ext.preflight import _architecture
 
     dirs = {}
-    for model_type in {c.model_type for c in [*RL, *OTHER_RL]} - NO_HF_CONFIG:
+    for model_type in {c.model_type for c in [*RL, *OTHER_RL, *SFT]} - NO_HF_CONFIG:
         config = AutoConfig.for_model(STAND_IN_TYPES.get(model_type, model_type))
         config.architectures = [_architecture(config.model_type)]
         dirs[model_type] = os.path.join(root, model_type)
@@ -199,18 +225,25 @@ def verdicts(rank: int, dirs: dict[str, str]) -> dict:
             except PrefixSharingSetupError as error:
                 built = tuple(sorted(error.refusals))
         found[c] = {"roles": roles, "built": built, "engine": actor.engine_cls.__name__}
-    for c in OTHER_RL:
-        config_name, extra = other_overrides(c, dirs[c.model_type])
-        checked = preflight(compose_config(BASE + extra, config_name))
-        actor, cfg = checked.roles[0], checked.roles[0].configs
-        built = ()
-        try:
-            actor.engine_cls(cfg["model"], cfg["engine"], cfg["optim"], cfg["checkpoint"])
-        except PrefixSharingSetupError as error:
-            built = tuple(sorted(error.refusals))
+    for c in [*OTHER_RL, *SFT]:
+        if c.trainer == "sft":
+            checked = preflight(compose_config(sft_overrides(c, dirs[c.model_type]),
+                                               "sft_trainer_engine"))
+        else:
+            config_name, extra = other_overrides(c, dirs[c.model_type])
+            checked = preflight(compose_config(BASE + extra, config_name))
+        role, cfg = checked.roles[0], checked.roles[0].configs
+        built = None  # a served Ulysses engine needs its ranks (test_fsdp_ulysses)
+        if role.problems or c.ulysses == 1:
+            built = ()
+            try:  # the SFT trainer's configs carry no optimizer or checkpoint config here
+                role.engine_cls(cfg["model"], cfg["engine"], cfg.get("optim"),
+                                cfg.get("checkpoint"))
+            except PrefixSharingSetupError as error:
+                built = tuple(sorted(error.refusals))
         found[c] = {"roles": {r.role: tuple(sorted(p.key for p in r.problems))
                               for r in checked.roles},
-                    "built": built, "engine": actor.engine_cls.__name__}
+                    "built": built, "engine": role.engine_cls.__name__}
     return found
 
 
@@ -394,6 +427,16 @@ def test_preflight_and_the_engine_give_the_combinations_verdict(checked, c):
     if c.critic:  # served (tests/verl_ext/test_critic.py), but not under a sequence split
         assert found["roles"]["critic"] == (
             ("verl.critic.sequence_split",) if c.ulysses > 1 else ())
+
+
+@pytest.mark.parametrize("c", list(SFT), ids=lambda c: c.name)
+def test_preflight_and_the_engine_give_the_sft_combinations_verdict(checked, c):
+    found = checked[c]
+    keys = tuple(sorted(c.construction_keys()))
+    assert found["engine"] == ENGINE_CLASSES[c.strategy]
+    assert found["roles"] == {"sft": keys}
+    if found["built"] is not None:
+        assert found["built"] == keys
 
 
 def test_a_vision_family_transformers_cannot_load_is_refused_by_name():
