@@ -11,13 +11,14 @@ Hooks (each runs when verl imports the module):
 - ``verl.workers.config.actor``: ``FSDPActorConfig`` accepts ``prefix_grouper`` and hands the
   validated config to its engine config, ``fsdp_config`` (:mod:`.config`);
   ``verl.workers.config.critic``: ``FSDPCriticConfig`` accepts ``use_prefix_grouper`` and
-  ``prefix_grouper`` the same way (the critic, :mod:`.critic`); the VeOmni config classes too;
+  ``prefix_grouper`` the same way (the critic, :mod:`.critic`); the unhooked engines' config classes too (and their engine
+  configs, the SFT trainer's ``engine`` section, in ``verl.workers.config.engine``);
 - ``verl.workers.engine.fsdp.transformer_impl``: the registered language-model engine becomes
   ``PrefixSharingFSDPEngine`` and the value-model engine ``PrefixSharingFSDPValueEngine`` (the
   same subclass over ``FSDPEngineWithValueHead``: values per token instead of log-probs;
   backends ``fsdp`` / ``fsdp2``, every device verl registered);
-- ``verl.workers.engine.veomni.transformer_impl`` (when the ``veomni`` package lets verl
-  import it): its engines refuse sharing by name (:mod:`.veomni`);
+- the modules of verl's VeOmni, AutoModel and TorchTitan engines (when their packages let verl
+  import them): their engines refuse sharing by name (:mod:`.unhooked`);
 - ``verl.workers.engine.utils``: the dynamic-batch-size split keeps sharing groups together
   (:mod:`.microbatch`; the same hook as the Megatron sets, applied once).
 - ``verl.trainer.ppo.ray_trainer`` / ``verl.trainer.ppo.v1.trainer_base``: the trainer's

@@ -19,8 +19,7 @@ every shared prefix - one mechanism, one row of :data:`UNHOOKED` per engine:
   ones (:data:`ACTOR_CONFIGS`, :data:`CRITIC_CONFIGS`, :data:`ENGINE_CONFIGS`, :mod:`.config`),
   so that the request reaches the engine config this refusal reads.
 
-VeOmni keeps its own key (``verl.veomni``); the others are ``verl.unhooked_engine`` with the
-engine named in the setting.
+One refusal key, ``verl.unhooked_engine``, the engine named in the setting it reports.
 """
 
 from __future__ import annotations
@@ -42,24 +41,23 @@ __all__ = ["UNHOOKED", "Unhooked", "UnhookedRefusal", "patch_engine", "refusal_f
 @dataclasses.dataclass(frozen=True)
 class Unhooked:
     """One engine verl registers that prefix sharing does not hook: its verl module, the
-    engine classes it registers, the refusal key and the setting the refusal names."""
+    engine classes it registers and the setting the refusal names."""
 
     module: str
     engines: tuple[str, ...]
-    key: str
     setting: str
 
 
 # verl's backend name -> the engine (verl 0.9.1's registrations, verl/workers/engine/)
 UNHOOKED = {
     "veomni": Unhooked("verl.workers.engine.veomni.transformer_impl",
-                       ("VeOmniEngineWithLMHead", "VeOmniEngineWithValueHead"), "verl.veomni",
+                       ("VeOmniEngineWithLMHead", "VeOmniEngineWithValueHead"),
                        "model_engine=veomni (strategy veomni)"),
     "automodel": Unhooked("verl.workers.engine.automodel.transformer_impl",
-                          ("AutomodelEngineWithLMHead",), "verl.unhooked_engine",
+                          ("AutomodelEngineWithLMHead",),
                           "engine=automodel (strategy automodel: NeMo AutoModel)"),
     "torchtitan": Unhooked("verl.workers.engine.torchtitan.transformer_impl",
-                           ("TorchTitanEngineWithLMHead",), "verl.unhooked_engine",
+                           ("TorchTitanEngineWithLMHead",),
                            "model_engine=torchtitan (strategy torchtitan)"),
 }
 # their config classes, which accept the sharing keys so that the request reaches the refusal
@@ -82,10 +80,11 @@ class UnhookedRefusal:
 
     @classmethod
     def setup_problems(cls, model_config: Any, engine_config: Any) -> list[Refused]:
-        """The engine's key when the engine config carries a sharing request, else nothing."""
+        """The refusal, naming the engine, when the engine config carries a sharing request,
+        else nothing."""
         if not sharing_config(engine_config).enabled:
             return []
-        return [Refused(cls.unhooked.key, cls.unhooked.setting)]
+        return [Refused("verl.unhooked_engine", cls.unhooked.setting)]
 
 
 def refusal_for(backend: str) -> type[UnhookedRefusal] | None:

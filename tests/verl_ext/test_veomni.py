@@ -56,19 +56,18 @@ def test_an_unhooked_engine_asked_to_share_refuses_by_name_and_builds_without(st
     backend, module = stand_in
     patch_engine(module, backend)
     patch_engine(module, backend)  # a second import's hook changes nothing
-    key = UNHOOKED[backend].key.replace(".", r"\.")
     for name in UNHOOKED[backend].engines:
         model_type = "value_model" if name.endswith("ValueHead") else "language_model"
         engine_cls = registered_engine(model_type, backend)
         assert engine_cls.__name__ == f"PrefixSharingRefused{name}"
         asks = types.SimpleNamespace(**{ATTRIBUTE: PrefixSharingConfig(mode="prompt_only")})
-        with pytest.raises(PrefixSharingSetupError, match=rf"{backend}.*\[{key}\]"):
+        with pytest.raises(PrefixSharingSetupError, match=rf"{backend}.*\[verl\.unhooked_engine\]"):
             engine_cls(types.SimpleNamespace(), asks)
         plain = types.SimpleNamespace()  # no sharing request: verl's own engine, built
         assert engine_cls(types.SimpleNamespace(), plain).built_from[1] is plain
         # what preflight asks is the same check
         assert [p.key for p in refusal_for(backend).setup_problems(None, asks)] == [
-            UNHOOKED[backend].key]
+            "verl.unhooked_engine"]
 
 
 def test_the_unhooked_engines_are_the_ones_verl_registers_beside_fsdp_and_megatron():
