@@ -240,8 +240,14 @@ class Combination:
         switch in the FSDP engine's VLM, fused-kernel, LoRA and FSDP1 tests (its verdict in
         :data:`TEST`)."""
         if self.strategy not in FSDP_ENGINES.values():  # verdicts only (no engine step here)
-            return (f"verdict: {TEST}" if self.strategy in ENGINES_IN_VERL
-                    else "verdict: tests/verl_ext/test_recipes.py (no such engine in verl 0.9.1)")
+            if self.strategy not in ENGINES_IN_VERL:
+                return "verdict: tests/verl_ext/test_recipes.py (no such engine in verl 0.9.1)"
+            built = [k for k in self.verdict()[1] if k in BUILD_KEYS]
+            sft_step = self.trainer == "sft" and self.verdict()[0] == "served"
+            return f"verdict: {TEST}" + (
+                f" ({', '.join(built)} when the model is built: "
+                "tests/megatron_ext/test_hybrid.py)" if built else "") + (
+                f"; SFT step: {SFT_TESTS}" if sft_step else "")
         if self.trainer == "sft":
             switches = [name for name, on in (("FSDP1", self.strategy == "fsdp"),
                                               ("LoRA", self.lora), ("Ulysses", self.ulysses > 1),

@@ -1,7 +1,17 @@
-"""verl 0.9's own recipes on its FSDP engine (``prefix_sharing.verl_ext.recipes``: the CSV's
-FSDP rows reduced to their setting combinations), each as the sharing engine takes it.
+"""verl 0.9's own recipes (``prefix_sharing.verl_ext.recipes``: the CSV's rows reduced to their
+setting combinations), each as the sharing engines take it.
 
-verl 0.9.1 only (the CSV is verl 0.9's launches). For every RL combination:
+verl 0.9.1 only (the CSV is verl 0.9's launches). Every combination but megatron-lite's (no
+engine in verl 0.9.1) gets its verdict checked in one one-rank process: ``preflight`` of its
+overrides on a tiny config of its family gives per role the verdict's keys, and constructing the
+engine verl selects from the same configs raises them - the Megatron engine's RL and SFT
+combinations (tensor, pipeline, context and expert sizes above 1 at 2: construction reads them
+without megatron's parallel state; interleaved stages, rope fusion, router replay, MTP, LoRA,
+the critic), the VeOmni ones (refused by name, ``model_engine=veomni``), and the SFT trainer's
+on every engine (FSDP, Megatron, AutoModel). MiMo (no config in transformers) stands in as
+Qwen2's config. Keys raised only when the model is built (a Mamba-2 hybrid's layers) or per
+micro-batch are the verdict's, not construction's. No engine step runs for these. For the
+FSDP engine's RL combinations:
 
 - ``preflight`` of the recipe's overrides (strategy, Ulysses, padding, fused kernels, gradient
   checkpointing, dynamic bsz, entropy switches, loss mode, LoRA, ``calculate_sum_pi_squared``,
@@ -103,40 +113,45 @@ def step_settings(c: Combination) -> tuple:
     return (c.loss_mode, c.dynamic_bsz)
 
 
-def overrides(c: Combination, path: str) -> list[str]:
-    """The recipe's hydra overrides for ``c`` (beyond test_preflight's BASE)."""
-    found = [MODEL + f"path={path}", ACTOR + f"strategy={c.strategy}", ACTOR + "use_kl_loss=true",
-             ACTOR + f"ulysses_sequence_parallel_size={c.ulysses}",
-             ACTOR + f"use_dynamic_bsz={c.dynamic_bsz}",
-             ACTOR + f"entropy_from_logits_with_chunking={c.chunked_entropy}",
-             ACTOR + f"entropy_checkpointing={c.entropy_checkpointing}",
-             ACTOR + f"use_torch_compile={c.torch_compile}",
-             ACTOR + f"policy_loss.loss_mode={c.loss_mode}",
-             ACTOR + f"calculate_sum_pi_squared={c.sum_pi_squared}",
-             MODEL + f"use_remove_padding={c.remove_padding}",
-             MODEL + f"use_fused_kernels={c.fused_kernels}",
-             MODEL + f"enable_gradient_checkpointing={c.gradient_checkpointing}"]
-    if c.lora:
-        found.append(MODEL + "lora_rank=8")
-    if c.critic:  # the recipe's critic runs at the actor's Ulysses size
-        found += ["algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=2",
-                  f"critic.fsdp.ulysses_sequence_parallel_size={c.ulysses}"]
-    return found
-
-
-def megatron_overrides(c: Combination, path: str) -> list[str]:
-    """A Megatron recipe's hydra overrides (beyond BASE, on ``ppo_megatron_trainer``):
-    parallel sizes above 1 at 2 - the engine's construction reads them without megatron's
-    parallel state, so one rank builds it."""
-    mcore = ACTOR + "megatron."
-    found = [MODEL + f"path={path}", mcore + f"tensor_model_parallel_size={c.tensor_parallel}",
-             mcore + f"pipeline_model_parallel_size={c.pipeline_parallel}",
-             mcore + f"context_parallel_size={c.context_parallel}",
-             mcore + f"expert_model_parallel_size={c.expert_parallel}",
+def common_overrides(c: Combination, path: str) -> list[str]:
+    """What a recipe sets the same way on either engine (beyond test_preflight's BASE), with a
+    KL loss (the reference is checked too) and GAE for a critic."""
+    found = [MODEL + f"path={path}", ACTOR + "use_kl_loss=true",
              ACTOR + f"use_dynamic_bsz={c.dynamic_bsz}",
              ACTOR + f"policy_loss.loss_mode={c.loss_mode}",
              MODEL + f"use_remove_padding={c.remove_padding}",
              MODEL + f"use_fused_kernels={c.fused_kernels}"]
+    if c.critic:
+        found += ["algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=2"]
+    return found
+
+
+def overrides(c: Combination, path: str) -> list[str]:
+    """The recipe's hydra overrides for ``c`` on the FSDP engine."""
+    found = common_overrides(c, path) + [
+        ACTOR + f"strategy={c.strategy}", ACTOR + f"ulysses_sequence_parallel_size={c.ulysses}",
+        ACTOR + f"entropy_from_logits_with_chunking={c.chunked_entropy}",
+        ACTOR + f"entropy_checkpointing={c.entropy_checkpointing}",
+        ACTOR + f"use_torch_compile={c.torch_compile}",
+        ACTOR + f"calculate_sum_pi_squared={c.sum_pi_squared}",
+        MODEL + f"enable_gradient_checkpointing={c.gradient_checkpointing}"]
+    if c.lora:
+        found.append(MODEL + "lora_rank=8")
+    if c.critic:  # the recipe's critic runs at the actor's Ulysses size
+        found.append(f"critic.fsdp.ulysses_sequence_parallel_size={c.ulysses}")
+    return found
+
+
+def megatron_overrides(c: Combination, path: str) -> list[str]:
+    """A Megatron recipe's hydra overrides (on ``ppo_megatron_trainer``): parallel sizes above
+    1 at 2 - the engine's construction reads them without megatron's parallel state, so one
+    rank builds it."""
+    mcore = ACTOR + "megatron."
+    found = common_overrides(c, path) + [
+        mcore + f"tensor_model_parallel_size={c.tensor_parallel}",
+        mcore + f"pipeline_model_parallel_size={c.pipeline_parallel}",
+        mcore + f"context_parallel_size={c.context_parallel}",
+        mcore + f"expert_model_parallel_size={c.expert_parallel}"]
     if c.virtual_pipeline:
         found.append(mcore + "virtual_pipeline_model_parallel_size=2")
     if c.rope_fusion:
@@ -147,18 +162,15 @@ def megatron_overrides(c: Combination, path: str) -> list[str]:
         found += [MODEL + "mtp.enable=true", MODEL + "mtp.enable_train=true"]
     if c.lora:
         found.append(MODEL + "lora.rank=8")
-    if c.critic:
-        found += ["algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=2"]
     return found
 
 
 def other_overrides(c: Combination, path: str) -> tuple[str, list[str]]:
-    """verl's config and the overrides of an RL recipe on the Megatron or an unhooked engine
-    (with a KL loss: the reference is checked too)."""
-    kl = [ACTOR + "use_kl_loss=true"]
+    """verl's config and the overrides of an RL recipe on the Megatron or an unhooked engine."""
     if c.strategy == "megatron":
-        return "ppo_megatron_trainer", megatron_overrides(c, path) + kl
-    return "ppo_trainer", [MODEL + f"path={path}", f"model_engine={c.strategy}"] + kl
+        return "ppo_megatron_trainer", megatron_overrides(c, path)
+    return "ppo_trainer", [MODEL + f"path={path}", f"model_engine={c.strategy}",
+                           ACTOR + "use_kl_loss=true"]
 
 
 def sft_overrides(c: Combination, path: str) -> list[str]:
