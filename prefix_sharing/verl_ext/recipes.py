@@ -11,7 +11,8 @@ fsdp``, ``use_remove_padding: true``, ``use_dynamic_bsz: false``, ``use_fused_ke
 ``family``, ``vl``, ``ulysses``, ``rmpad``, ``dyn_bsz``, ``critic``, ``lora``, ``fused``,
 ``distill``, ``sum_pi2``, ``recompute`` (``gc:True``: gradient checkpointing),
 ``entropy_knobs`` and, on the Megatron engine, ``tp``, ``pp``, ``vpp``, ``cp``, ``ep``,
-``rope_fusion``, ``mtp_train`` and ``router_replay``. The reader is approximate: open the script before relying on one row.
+``rope_fusion``, ``mtp_train`` and ``router_replay``. The reader is approximate: open the
+script before relying on one row.
 
 :func:`combinations` reduces every row (FSDP: ``engine`` ``fsdp1`` / ``fsdp2`` / ``fsdp`` /
 ``fsdp(fsdp2)``, an unresolved ``fsdp`` being verl's default, FSDP1; Megatron and MindSpeed,
@@ -241,7 +242,9 @@ class Combination:
         :data:`TEST`)."""
         if self.strategy not in FSDP_ENGINES.values():  # verdicts only (no engine step here)
             if self.strategy not in ENGINES_IN_VERL:
-                return "verdict: tests/verl_ext/test_recipes.py (no such engine in verl 0.9.1)"
+                return (f"verdict: {TEST}, preflight only (no such engine in verl 0.9.1)"
+                        if self.trainer == "rl" else
+                        "verdict: tests/verl_ext/test_recipes.py (no such engine in verl 0.9.1)")
             built = [k for k in self.verdict()[1] if k in BUILD_KEYS]
             sft_step = self.trainer == "sft" and self.verdict()[0] == "served"
             return f"verdict: {TEST}" + (
@@ -298,8 +301,9 @@ def render_section() -> list[str]:
         "Ulysses sizes above 1 run at 2, Megatron's tensor, pipeline, context and expert "
         "sizes above 1 are read as 2, an unresolved `fsdp` is verl's default FSDP1, MindSpeed "
         "is verl's Megatron engine on Ascend). Status of the trained model (the RL actor and "
-        "reference; the SFT trainer's model), verl 0.9.1: for every row but megatron-lite "
-        "(no such engine in verl 0.9.1) preflight of the recipe's overrides, on a tiny config "
+        "reference; the SFT trainer's model), verl 0.9.1: for every row (megatron-lite, which "
+        "verl 0.9.1 has no engine for: its RL launch by preflight only, its SFT launch by the "
+        "reduction) preflight of the recipe's overrides, on a tiny config "
         "of its family, and the construction of the engine verl selects give the keys shown "
         "(one process, one rank: the Megatron engine's construction reads the parallel sizes "
         "without megatron's parallel state; a served FSDP Ulysses engine is built at 2 ranks "

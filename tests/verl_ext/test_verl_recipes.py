@@ -1,8 +1,9 @@
 """verl 0.9's own recipes (``prefix_sharing.verl_ext.recipes``: the CSV's rows reduced to their
 setting combinations), each as the sharing engines take it.
 
-verl 0.9.1 only (the CSV is verl 0.9's launches). Every combination but megatron-lite's (no
-engine in verl 0.9.1) gets its verdict checked in one one-rank process: ``preflight`` of its
+verl 0.9.1 only (the CSV is verl 0.9's launches). Every combination gets its verdict checked in
+one one-rank process (megatron-lite, which verl 0.9.1 has no engine or config for: its RL
+launch by preflight alone, the strategy named; its SFT launch by test_recipes): ``preflight`` of its
 overrides on a tiny config of its family gives per role the verdict's keys, and constructing the
 engine verl selects from the same configs raises them - the Megatron engine's RL and SFT
 combinations (tensor, pipeline, context and expert sizes above 1 at 2: construction reads them
@@ -84,15 +85,15 @@ RL = {c: rows for c, rows in combinations().items()
       if c.trainer == "rl" and c.strategy in ("fsdp", "fsdp2")}
 # every other engine's RL launches: their verdicts (no engine step here)
 OTHER_RL = {c: rows for c, rows in combinations().items()
-            if c.trainer == "rl" and c.strategy not in ("fsdp", "fsdp2", "megatron_lite")}
-# the SFT trainer's launches on every engine verl 0.9.1 has (megatron-lite: none, test_recipes)
+            if c.trainer == "rl" and c.strategy not in ("fsdp", "fsdp2")}
+# the SFT trainer's launches on every engine verl 0.9.1 has (megatron-lite's: test_recipes)
 SFT = {c: rows for c, rows in combinations().items()
        if c.trainer == "sft" and c.strategy != "megatron_lite"}
 SFT_SHARING = ["+engine.use_prefix_grouper=true", "+engine.prefix_grouper.mode=arbitrary_prefix"]
 # the engine class preflight and verl's registry select, per strategy
 ENGINE_CLASSES = {"fsdp": "PrefixSharingFSDPEngine", "fsdp2": "PrefixSharingFSDPEngine",
                   "megatron": "PrefixSharingMegatronEngine", "veomni": "veomniRefusal",
-                  "automodel": "automodelRefusal"}
+                  "automodel": "automodelRefusal", "megatron_lite": None}
 # transformers has no MiniCPM-o config class: its verdict is checked on a stand-in config
 NO_HF_CONFIG = {"minicpmo"}
 
@@ -169,6 +170,9 @@ def other_overrides(c: Combination, path: str) -> tuple[str, list[str]]:
     """verl's config and the overrides of an RL recipe on the Megatron or an unhooked engine."""
     if c.strategy == "megatron":
         return "ppo_megatron_trainer", megatron_overrides(c, path)
+    if c.strategy == "megatron_lite":  # no config in verl 0.9.1: the strategy named
+        return "ppo_trainer", [MODEL + f"path={path}", ACTOR + "strategy=megatron_lite",
+                               ACTOR + "use_kl_loss=true"]
     return "ppo_trainer", [MODEL + f"path={path}", f"model_engine={c.strategy}",
                            ACTOR + "use_kl_loss=true"]
 
@@ -245,8 +249,10 @@ def verdicts(rank: int, dirs: dict[str, str]) -> dict:
             config_name, extra = other_overrides(c, dirs[c.model_type])
             checked = preflight(compose_config(BASE + extra, config_name))
         role, cfg = checked.roles[0], checked.roles[0].configs
-        built = None  # a served Ulysses engine needs its ranks (test_fsdp_ulysses)
-        if role.problems or c.ulysses == 1:
+        # None: a served Ulysses engine needs its ranks (test_fsdp_ulysses); verl 0.9.1 has
+        # no megatron-lite engine to build
+        built = None
+        if role.engine_cls is not None and (role.problems or c.ulysses == 1):
             built = ()
             try:  # the SFT trainer's configs carry no optimizer or checkpoint config here
                 role.engine_cls(cfg["model"], cfg["engine"], cfg.get("optim"),
@@ -255,7 +261,7 @@ def verdicts(rank: int, dirs: dict[str, str]) -> dict:
                 built = tuple(sorted(error.refusals))
         found[c] = {"roles": {r.role: tuple(sorted(p.key for p in r.problems))
                               for r in checked.roles},
-                    "built": built, "engine": role.engine_cls.__name__}
+                    "built": built, "engine": getattr(role.engine_cls, "__name__", None)}
     return found
 
 
