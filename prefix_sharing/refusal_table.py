@@ -323,11 +323,12 @@ TABLE: tuple[Refusal, ...] = (
             "it compares log-probs, which a value model does not return; set "
             "critic.prefix_grouper.self_check=false (tests compare the critic with verl's "
             "stock value engine)", _VERL),
-    Refusal("verl.veomni", "sharing on verl's VeOmni engine (model_engine=veomni)",
-            "VeOmni builds and parallelizes the model itself (its own attention dispatch, "
+    Refusal("verl.unhooked_engine", "sharing on a verl engine prefix sharing does not hook "
+            "(VeOmni, AutoModel, TorchTitan)",
+            "the engine builds and parallelizes the model itself (its own attention dispatch, "
             "sequence parallelism and kernels), which prefix sharing does not hook: the run "
-            "would compute every shared prefix. Use model_engine=fsdp (strategy fsdp2) for "
-            "sharing, or use_prefix_grouper=false", ("verl-fsdp",)),
+            "would compute every shared prefix. Use model_engine=fsdp / engine=fsdp (strategy "
+            "fsdp2) or megatron for sharing, or use_prefix_grouper=false", ("verl-fsdp",)),
     Refusal("verl.multimodal", "a multimodal model or inputs",
             "verl's Megatron engine is text-only here; verl's FSDP engine serves Qwen2.5-VL, "
             "Qwen3-VL, Qwen3-VL-MoE and Qwen3.5 dense and MoE (images and text-only "

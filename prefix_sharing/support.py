@@ -238,10 +238,11 @@ MATRIX: dict[str, dict[str, Cell]] = {
         "hf-fsdp": UNTESTED,
         "megatron-lm": NOT_OFFERED,
     },
-    "verl's VeOmni engine (model_engine=veomni)": {
+    "verl's VeOmni, AutoModel and TorchTitan engines": {
         "megatron-core": NOT_OFFERED,
         "verl-megatron": NOT_OFFERED,
-        "verl-fsdp": refused("verl.veomni", note="refused: use model_engine=fsdp"),
+        "verl-fsdp": refused("verl.unhooked_engine",
+                             note="refused: use model_engine=fsdp or megatron"),
         "hf-fsdp": NOT_OFFERED,
         "megatron-lm": NOT_OFFERED,
     },

@@ -125,9 +125,9 @@ def _carry(engine_config: Any, requested: PrefixSharingConfig, class_name: str) 
 
 
 def config_hooks(actor_classes: tuple[str, ...], critic_classes: tuple[str, ...],
-                 engine_class: str, *, enabled: bool = True) -> dict:
+                 engine_classes: tuple[str, ...], *, enabled: bool = True) -> dict:
     """A patch set's hooks on verl's config modules: its actor- and critic-config classes and
-    its engine-config class (the SFT trainer's ``engine`` section) accept the keys
+    its engine-config classes (the SFT trainer's ``engine`` section) accept the keys
     (:func:`accept_prefix_grouper`; ``enabled=False``: accepted and validated only)."""
     return {
         "verl.workers.config.actor":
@@ -135,7 +135,7 @@ def config_hooks(actor_classes: tuple[str, ...], critic_classes: tuple[str, ...]
         "verl.workers.config.critic":
             lambda m: accept_prefix_grouper(m, *critic_classes, enabled=enabled),
         "verl.workers.config.engine":
-            lambda m: accept_prefix_grouper(m, engine_class, enabled=enabled, section=None),
+            lambda m: accept_prefix_grouper(m, *engine_classes, enabled=enabled, section=None),
     }
 
 

@@ -11,13 +11,14 @@ Hooks (each runs when verl imports the module):
 - ``verl.workers.config.actor``: ``FSDPActorConfig`` accepts ``prefix_grouper`` and hands the
   validated config to its engine config, ``fsdp_config`` (:mod:`.config`);
   ``verl.workers.config.critic``: ``FSDPCriticConfig`` accepts ``use_prefix_grouper`` and
-  ``prefix_grouper`` the same way (the critic, :mod:`.critic`); the VeOmni config classes too;
+  ``prefix_grouper`` the same way (the critic, :mod:`.critic`); the unhooked engines' config classes too (and their engine
+  configs, the SFT trainer's ``engine`` section, in ``verl.workers.config.engine``);
 - ``verl.workers.engine.fsdp.transformer_impl``: the registered language-model engine becomes
   ``PrefixSharingFSDPEngine`` and the value-model engine ``PrefixSharingFSDPValueEngine`` (the
   same subclass over ``FSDPEngineWithValueHead``: values per token instead of log-probs;
   backends ``fsdp`` / ``fsdp2``, every device verl registered);
-- ``verl.workers.engine.veomni.transformer_impl`` (when the ``veomni`` package lets verl
-  import it): its engines refuse sharing by name (:mod:`.veomni`);
+- the modules of verl's VeOmni, AutoModel and TorchTitan engines (when their packages let verl
+  import them): their engines refuse sharing by name (:mod:`.unhooked`);
 - ``verl.workers.engine.utils``: the dynamic-batch-size split keeps sharing groups together
   (:mod:`.microbatch`; the same hook as the Megatron sets, applied once).
 - ``verl.trainer.ppo.ray_trainer`` / ``verl.trainer.ppo.v1.trainer_base``: the trainer's
@@ -113,7 +114,7 @@ from typing import Any
 
 from ..refusals import Refused, refuse
 from .balancing import balancing_hooks
-from . import veomni
+from . import unhooked
 from .config import config_hooks, sharing_config
 from .critic import restore_values, value_head_problems
 from .engine import SharingEngineMixin, install_engines
@@ -127,9 +128,10 @@ from .vlm import (ENGINE_FAMILIES, blank_image_kwargs, micro_batch_images,
 __all__ = ["PATCHSETS", "patch_engine", "stock_attention"]
 
 ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
-# the config classes whose engines this set patches (VeOmni's: to refuse, .veomni)
-ACTOR_CONFIGS = ("FSDPActorConfig", "VeOmniActorConfig")
-CRITIC_CONFIGS = ("FSDPCriticConfig", "VeOmniCriticConfig")
+# the config classes whose engines this set patches (the unhooked engines': to refuse, .unhooked)
+ACTOR_CONFIGS = ("FSDPActorConfig", *unhooked.ACTOR_CONFIGS)
+CRITIC_CONFIGS = ("FSDPCriticConfig", *unhooked.CRITIC_CONFIGS)
+ENGINE_CONFIGS = ("FSDPEngineConfig", *unhooked.ENGINE_CONFIGS)
 
 
 @contextlib.contextmanager
@@ -320,13 +322,13 @@ def patch_engine(module: ModuleType) -> None:
 PATCHSETS = register_releases(
     "fsdp",
     hooks={
-        **config_hooks(ACTOR_CONFIGS, CRITIC_CONFIGS, "FSDPEngineConfig"),
+        **config_hooks(ACTOR_CONFIGS, CRITIC_CONFIGS, ENGINE_CONFIGS),
         ENGINE_MODULE: patch_engine,
-        veomni.ENGINE_MODULE: veomni.patch_engine,
+        **unhooked.engine_hooks(),
         "verl.workers.engine.utils": patch_prepare_micro_batches,
         **balancing_hooks(),
     },
     summary="verl {release} FSDP engine: actor config, sharing attention, forward, "
             "group-keeping micro-batches, metrics",
-    off_hooks=off_hooks(ACTOR_CONFIGS, CRITIC_CONFIGS, "FSDPEngineConfig"),
+    off_hooks=off_hooks(ACTOR_CONFIGS, CRITIC_CONFIGS, ENGINE_CONFIGS),
 )

@@ -99,6 +99,17 @@ def check_engine_setup(engine_config: Any, model_config: Any | None = None, *,
 
 
 
+def virtual_pipeline_problems(engine_config: Any) -> list[Refused]:
+    """Interleaved pipeline stages, which the sharing layers refuse when the model is built
+    (``megatron.virtual_pipeline``, :mod:`..megatron_ext.checks`): said from the engine config
+    already, so that construction and ``preflight`` say it before a model is built."""
+    stages = getattr(engine_config, "virtual_pipeline_model_parallel_size", None)
+    if stages is not None and stages > 1:
+        return [Refused("megatron.virtual_pipeline",
+                        f"virtual_pipeline_model_parallel_size={stages}")]
+    return []
+
+
 def fused_kernel_problems(engine_config: Any, model_config: Any,
                           sharing: PrefixSharingConfig) -> list[Refused]:
     """Where the Megatron engine does not serve ``use_fused_kernels`` with sharing on: its head

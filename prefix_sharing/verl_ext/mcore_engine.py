@@ -164,7 +164,7 @@ def patch_engine(module: ModuleType) -> None:
     from .config import sharing_config
     from .critic import value_head_problems
     from .hybrid import hybrid_release_problem
-    from .mcore import fused_kernel_problems, micro_batch_groups
+    from .mcore import fused_kernel_problems, micro_batch_groups, virtual_pipeline_problems
     from .mcore_vlm import vision_model_problem
     from .megatron_lora import megatron_lora_problem
     from .routing_replay import RouteRecorder, micro_batch_routes, replay_mode
@@ -186,7 +186,8 @@ def patch_engine(module: ModuleType) -> None:
                 """The model's refusals on this engine (a vision tower, a GDN hybrid on this
                 megatron-core, LoRA) before the common ones, which they make moot; then the
                 critic's (:func:`.critic.value_head_problems`) and where ``use_fused_kernels``
-                is not served (:func:`.mcore.fused_kernel_problems`)."""
+                is not served (:func:`.mcore.fused_kernel_problems`), and interleaved
+                pipeline stages (:func:`.mcore.virtual_pipeline_problems`)."""
                 sharing = sharing_config(engine_config)
                 if sharing.enabled:
                     found = [problem for problem in (vision_model_problem(model_config),
@@ -199,6 +200,7 @@ def patch_engine(module: ModuleType) -> None:
                     if cls.value_head:
                         found += value_head_problems(engine_config)
                     found += fused_kernel_problems(engine_config, model_config, sharing)
+                    found += virtual_pipeline_problems(engine_config)
                 return found
 
             def _maybe_enable_fused_kernels(self) -> None:
@@ -295,7 +297,7 @@ def patch_route_merge(module: ModuleType) -> None:
 PATCHSETS = register_releases(
     "mcore",
     hooks={
-        **config_hooks(("McoreActorConfig",), ("McoreCriticConfig",), "McoreEngineConfig"),
+        **config_hooks(("McoreActorConfig",), ("McoreCriticConfig",), ("McoreEngineConfig",)),
         "verl.models.mcore": patch_forward_fn_lookup,
         "verl.workers.engine.megatron.transformer_impl": patch_engine,
         "verl.workers.engine.utils": patch_prepare_micro_batches,
@@ -303,5 +305,5 @@ PATCHSETS = register_releases(
     },
     summary="verl {release} Megatron engine: actor config, layer spec, forward, "
             "group-keeping micro-batches, metrics",
-    off_hooks=off_hooks(("McoreActorConfig",), ("McoreCriticConfig",), "McoreEngineConfig"),
+    off_hooks=off_hooks(("McoreActorConfig",), ("McoreCriticConfig",), ("McoreEngineConfig",)),
 )

@@ -280,10 +280,10 @@ def _verdict(role: str, strategy: str, model: Any, engine_config: Any,
     if strategy in ENGINE_MODULES:
         importlib.import_module(ENGINE_MODULES[strategy])
         engine_cls = sharing_engine(strategy, model.model_type)
-    elif strategy == "veomni":  # refused by name (verl's module needs the veomni package)
-        from .veomni import VeOmniRefusal
+    else:  # an engine refused by name (its verl module may need a package not installed here)
+        from .unhooked import refusal_for
 
-        engine_cls = VeOmniRefusal
+        engine_cls = refusal_for(strategy)
     if engine_cls is None:
         problems = [Refused("cli.unpatched_engine", f"strategy={strategy}")]
     else:

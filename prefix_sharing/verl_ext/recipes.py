@@ -1,5 +1,5 @@
-"""verl 0.9's own example launches on its FSDP engine, reduced to the setting combinations that
-matter to the sharing engine, each with its verdict.
+"""verl 0.9's own example launches on every engine, reduced to the setting combinations that
+matter to the sharing engines, each with its verdict.
 
 The data: ``docs/results/verl-0.9-recipes.csv``, this project's own, one row per training
 launch script under ``examples/`` of verl's ``release/v0.9.0`` branch (tip 885121936,
@@ -9,15 +9,21 @@ GPU branch taken) with verl 0.9.1's defaults where the script says nothing (``ac
 fsdp``, ``use_remove_padding: true``, ``use_dynamic_bsz: false``, ``use_fused_kernels: false``,
 ``use_torch_compile: true``). Columns read here: ``kind`` (rl / sft), ``loss_mode``, ``engine``,
 ``family``, ``vl``, ``ulysses``, ``rmpad``, ``dyn_bsz``, ``critic``, ``lora``, ``fused``,
-``distill``, ``sum_pi2``, ``recompute`` (``gc:True``: gradient checkpointing) and
-``entropy_knobs``. The reader is approximate: open the script before relying on one row.
+``distill``, ``sum_pi2``, ``recompute`` (``gc:True``: gradient checkpointing),
+``entropy_knobs`` and, on the Megatron engine, ``tp``, ``pp``, ``vpp``, ``cp``, ``ep``,
+``rope_fusion``, ``mtp_train`` and ``router_replay``. The reader is approximate: open the
+script before relying on one row.
 
-:func:`combinations` reduces the FSDP-engine rows (``engine`` ``fsdp1`` / ``fsdp2`` / ``fsdp``
-/ ``fsdp(fsdp2)``; an unresolved ``fsdp`` is verl's default, FSDP1) to their distinct
-:class:`Combination` of what changes the sharing engine's step: strategy, model family (and its
+:func:`combinations` reduces every row (FSDP: ``engine`` ``fsdp1`` / ``fsdp2`` / ``fsdp`` /
+``fsdp(fsdp2)``, an unresolved ``fsdp`` being verl's default, FSDP1; Megatron and MindSpeed,
+verl's Megatron engine on Ascend; VeOmni; AutoModel; megatron-lite, which verl 0.9.1 does not
+have) to their distinct :class:`Combination` of what changes the sharing engine's step or its
+verdict: strategy, model family (and its
 vision tower), Ulysses (any size > 1 is run at 2), ``use_remove_padding``, ``use_dynamic_bsz``,
 ``use_fused_kernels``, the entropy switches, gradient checkpointing, the policy loss mode, LoRA,
-distillation, ``calculate_sum_pi_squared``, the critic and the trainer (RL or SFT). The
+distillation, ``calculate_sum_pi_squared``, the critic, the trainer (RL or SFT) and the
+Megatron engine's parallel sizes (any size > 1 read as 2), rope fusion, MTP training and router
+replay. The
 advantage estimator is left out: advantages are the loss's inputs, the engine never sees how they
 were made. Every row maps to exactly one combination (``tests/verl_ext/test_recipes.py``).
 
@@ -38,14 +44,37 @@ __all__ = ["CSV", "Combination", "Row", "combinations", "fsdp_rows", "read_rows"
 
 CSV = pathlib.Path(__file__).resolve().parents[2] / "docs" / "results" / "verl-0.9-recipes.csv"
 FSDP_ENGINES = {"fsdp1": "fsdp", "fsdp": "fsdp", "fsdp2": "fsdp2", "fsdp(fsdp2)": "fsdp2"}
+# the CSV's engine -> verl's strategy (backend); MindSpeed is verl's Megatron engine on Ascend
+# (registered under the backend megatron for npu); megatron-lite / mlite is no engine verl
+# 0.9.1 registers (its launches come from the release branch's tip)
+ENGINES = {**FSDP_ENGINES, "megatron": "megatron", "mindspeed": "megatron", "veomni": "veomni",
+           "automodel": "automodel", "megatron-lite": "megatron_lite", "mlite": "megatron_lite"}
+MEGATRON = {"megatron"}
+# the strategies verl 0.9.1 has an engine (or a config) for
+ENGINES_IN_VERL = {"fsdp", "fsdp2", "megatron", "veomni", "automodel"}
+# backends whose launches name no family the reduction can read: any config stands in (the
+# engine is refused whatever the model)
 # recipe family -> the HF model type of its checkpoints
 MODEL_TYPES = {
     "qwen2.5": "qwen2", "qwen3": "qwen3", "qwen3-moe": "qwen3_moe", "qwen3-next": "qwen3_next",
     "gpt-oss": "gpt_oss", "mistral": "mistral", "gemma": "gemma", "seed-oss": "seed_oss",
     "deepseek-coder(llama)": "llama", "qwen2.5-vl": "qwen2_5_vl", "qwen3-vl": "qwen3_vl",
     "qwen3-vl-moe": "qwen3_vl_moe", "qwen3.5": "qwen3_5", "qwen3.5-moe": "qwen3_5_moe",
-    "glm4.1v": "glm4v", "minicpm-o": "minicpmo",
+    "glm4.1v": "glm4v", "minicpm-o": "minicpmo", "deepseek-v3": "deepseek_v3",
+    "moonlight(deepseek-v3 arch)": "deepseek_v3", "deepseek-v4": "deepseek_v4",
+    "hunyuan": "hy_v3", "nemotron-h": "nemotron_h", "mimo": "mimo", "?": "unknown",
 }
+# model types transformers has no config of: checked on a stand-in config (MiMo is Qwen2's
+# architecture with MTP layers; an unread family only meets a refused engine)
+STAND_IN_TYPES = {"mimo": "qwen2", "unknown": "qwen2"}
+# model types whose vision tower verl's Megatron engine refuses (verl.megatron_vlm), and whose
+# Gated DeltaNet layers need a newer megatron-core than verl 0.9.1's (verl.gdn_release)
+GDN = {"qwen3_5", "qwen3_5_moe", "qwen3_next"}
+# model types with Mamba-2 layers, which the Megatron engine's sharing layer spec refuses when
+# it builds the model (megatron.hybrid_layer), after construction
+MAMBA_HYBRIDS = {"nemotron_h"}
+# the verdict's keys raised after construction: per micro-batch, or when the model is built
+BUILD_KEYS = {"verl.micro_batch_switch", "megatron.hybrid_layer"}
 # model types whose layers the sharing engine switches to a sharing recurrence (Gated DeltaNet)
 RECURRENT = {"qwen3_next", "qwen3_5", "qwen3_5_moe"}
 # vision-language model types the FSDP engine refuses (prefix_sharing.verl_ext.vlm)
@@ -67,6 +96,10 @@ class Row:
 def read_rows(path: pathlib.Path = CSV) -> list[Row]:
     with open(path, newline="") as handle:
         return [Row(r["script"], r) for r in csv.DictReader(handle)]
+
+
+def all_rows(rows: Iterable[Row] | None = None) -> list[Row]:
+    return read_rows() if rows is None else list(rows)
 
 
 def fsdp_rows(rows: Iterable[Row] | None = None) -> list[Row]:
@@ -96,13 +129,32 @@ class Combination:
     distillation: str  # the distillation loss mode, "" without
     sum_pi_squared: bool
     critic: bool
+    # the Megatron engine's settings (sizes above 1 read as 2; 1 on the other engines)
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    virtual_pipeline: bool = False
+    context_parallel: int = 1
+    expert_parallel: int = 1
+    rope_fusion: bool = False
+    mtp_train: bool = False
+    router_replay: str = ""  # "", "R2" or "R3"
 
     @classmethod
     def of(cls, row: Row) -> Combination:
         f = row.fields
         knobs = f["entropy_knobs"].split()
+        strategy = ENGINES[f["engine"]]
+        megatron = strategy in MEGATRON
+
+        def size(column: str) -> int:
+            return 2 if megatron and int(f[column]) > 1 else 1
+
         return cls(
-            trainer=f["kind"], strategy=FSDP_ENGINES[f["engine"]], family=f["family"],
+            tensor_parallel=size("tp"), pipeline_parallel=size("pp"),
+            virtual_pipeline=megatron and int(f["vpp"]) > 1, context_parallel=size("cp"),
+            expert_parallel=size("ep"), rope_fusion=megatron and f["rope_fusion"] == "1",
+            mtp_train=f["mtp_train"] == "1", router_replay=f["router_replay"],
+            trainer=f["kind"], strategy=strategy, family=f["family"],
             vision=f["vl"] == "1", ulysses=2 if int(f["ulysses"]) > 1 else 1,
             remove_padding=f["rmpad"] == "1", dynamic_bsz=f["dyn_bsz"] == "1",
             fused_kernels=f["fused"] == "1", chunked_entropy="chunked_entropy" in knobs,
@@ -121,21 +173,36 @@ class Combination:
     def name(self) -> str:
         """A short id: the family, strategy and each switch that differs from the plain RL
         step (FSDP2 ... remove padding on, the rest off, vanilla loss)."""
-        parts = [self.family, "fsdp1" if self.strategy == "fsdp" else "fsdp2"]
+        parts = [self.family.split("(")[0].replace("?", "any"),
+                 "fsdp1" if self.strategy == "fsdp" else self.strategy]
         parts += [f"sp{self.ulysses}"] if self.ulysses > 1 else []
         flags = (("padded", not self.remove_padding), ("dyn", self.dynamic_bsz),
                  ("fused", self.fused_kernels), ("chunked", self.chunked_entropy),
                  ("entckpt", self.entropy_checkpointing), ("compile", self.torch_compile),
                  ("gc", self.gradient_checkpointing), ("lora", self.lora),
-                 ("sumpi2", self.sum_pi_squared), ("critic", self.critic))
+                 ("sumpi2", self.sum_pi_squared), ("critic", self.critic),
+                 ("tp", self.tensor_parallel > 1), ("pp", self.pipeline_parallel > 1),
+                 ("vpp", self.virtual_pipeline), ("cp", self.context_parallel > 1),
+                 ("ep", self.expert_parallel > 1), ("ropefusion", self.rope_fusion),
+                 ("mtp", self.mtp_train))
         parts += [flag for flag, on in flags if on]
         parts += [self.loss_mode] if self.loss_mode != "vanilla" else []
         parts += [f"distill-{self.distillation}"] if self.distillation else []
+        parts += [f"replay-{self.router_replay}"] if self.router_replay else []
         return ("sft-" if self.trainer == "sft" else "") + "-".join(parts)
 
     def verdict(self) -> tuple[str, tuple[str, ...], str]:
         """``(status, refusal keys, reason)`` of the trained model (the RL actor and reference,
         or the SFT trainer's model): status ``served`` or ``refused``."""
+        from .unhooked import UNHOOKED
+
+        if self.strategy in UNHOOKED:
+            return "refused", ("verl.unhooked_engine",), UNHOOKED[self.strategy].setting
+        if self.strategy not in {*FSDP_ENGINES.values(), *MEGATRON}:
+            return "refused", ("cli.unpatched_engine",), (
+                f"verl 0.9.1 registers no {self.strategy} engine")
+        if self.strategy in MEGATRON:
+            return self._megatron_verdict()
         keys = []
         if self.model_type in UNSERVED_VLM:
             keys.append("verl.multimodal")
@@ -149,11 +216,41 @@ class Combination:
             return "refused", tuple(keys), ""
         return "served", (), ""
 
+    def _megatron_verdict(self) -> tuple[str, tuple[str, ...], str]:
+        """The sharing Megatron engine's refusals (``setup_problems`` of
+        :mod:`.mcore_engine`): a vision tower, a Gated DeltaNet model on verl 0.9.1's
+        megatron-core or LoRA (which make the rest moot), else MTP training, fused kernels
+        under context parallelism and interleaved pipeline stages; then what the sharing
+        layers refuse when the model is built (:data:`BUILD_KEYS`): a Mamba-2 hybrid's
+        layers. Tensor, pipeline, context and expert parallelism, rope fusion, recomputation
+        and router replay are served."""
+        keys = [k for k, on in (("verl.megatron_vlm", self.vision),
+                                ("verl.gdn_release", self.model_type in GDN),
+                                ("verl.megatron_lora", self.lora)) if on]
+        if not keys:
+            keys = [k for k, on in (("verl.mtp", self.mtp_train),
+                                    ("verl.fused_kernels",
+                                     self.fused_kernels and self.context_parallel > 1),
+                                    ("megatron.virtual_pipeline", self.virtual_pipeline)) if on]
+            keys += ["megatron.hybrid_layer"] if self.model_type in MAMBA_HYBRIDS else []
+        return ("refused", tuple(keys), "") if keys else ("served", (), "")
+
     def evidence(self) -> str:
         """The tests that show the verdict: an engine step against verl's stock step in
         :data:`TEST` for a served text combination; a served vision-language one runs per
         switch in the FSDP engine's VLM, fused-kernel, LoRA and FSDP1 tests (its verdict in
         :data:`TEST`)."""
+        if self.strategy not in FSDP_ENGINES.values():  # verdicts only (no engine step here)
+            if self.strategy not in ENGINES_IN_VERL:
+                return (f"verdict: {TEST}, preflight only (no such engine in verl 0.9.1)"
+                        if self.trainer == "rl" else
+                        "verdict: tests/verl_ext/test_recipes.py (no such engine in verl 0.9.1)")
+            built = [k for k in self.verdict()[1] if k in BUILD_KEYS]
+            sft_step = self.trainer == "sft" and self.verdict()[0] == "served"
+            return f"verdict: {TEST}" + (
+                f" ({', '.join(built)} when the model is built: "
+                "tests/megatron_ext/test_hybrid.py)" if built else "") + (
+                f"; SFT step: {SFT_TESTS}" if sft_step else "")
         if self.trainer == "sft":
             switches = [name for name, on in (("FSDP1", self.strategy == "fsdp"),
                                               ("LoRA", self.lora), ("Ulysses", self.ulysses > 1),
@@ -169,15 +266,16 @@ class Combination:
         return f"engine step: {TEST}"
 
     def construction_keys(self) -> tuple[str, ...]:
-        """The verdict's keys the engine raises when it is built (the others per micro-batch:
-        ``calculate_sum_pi_squared`` rides on the batch)."""
-        return tuple(k for k in self.verdict()[1] if k != "verl.micro_batch_switch")
+        """The verdict's keys the engine raises when it is constructed (the others per
+        micro-batch - ``calculate_sum_pi_squared`` rides on the batch - or when the model is
+        built, :data:`BUILD_KEYS`)."""
+        return tuple(k for k in self.verdict()[1] if k not in BUILD_KEYS)
 
 
 def combinations(rows: Iterable[Row] | None = None) -> dict[Combination, list[Row]]:
-    """Each distinct combination of the FSDP-engine rows and the rows that map to it."""
+    """Each distinct combination of the rows (every engine's) and the rows that map to it."""
     found: dict[Combination, list[Row]] = {}
-    for row in fsdp_rows(rows):
+    for row in all_rows(rows):
         found.setdefault(Combination.of(row), []).append(row)
     return dict(sorted(found.items()))
 
@@ -195,18 +293,26 @@ def _reason(key: str, combination: Combination) -> str:
 def render_section() -> list[str]:
     """docs/support.md's section: every combination, its launches, its verdict, its test."""
     lines = [
-        "## verl 0.9 recipes (FSDP engine)",
+        "## verl 0.9 recipes",
         "",
-        "verl 0.9's example launches on its FSDP engine (`docs/results/verl-0.9-recipes.csv`, "
-        "one row per script under `examples/` of verl's `release/v0.9.0`), reduced to the "
-        "settings the sharing engine's step depends on (`prefix_sharing/verl_ext/recipes.py`; "
-        "Ulysses sizes above 1 run at 2, an unresolved `fsdp` is verl's default FSDP1). "
-        "Status of the trained model (the RL actor and reference; the SFT trainer's model), "
-        "verl 0.9.1: for every RL row preflight and the "
-        "engine's construction give the keys shown; a served text combination runs an engine "
-        "step against verl's stock step with its switches (Ulysses at 2 ranks); a served "
-        "vision-language one runs each switch in the tests named (the test module's docstring "
-        "says what is merged and why).",
+        "verl 0.9's example launches (`docs/results/verl-0.9-recipes.csv`, one row per script "
+        "under `examples/` of verl's `release/v0.9.0`: 107, every engine), reduced to the "
+        "settings the sharing engines depend on (`prefix_sharing/verl_ext/recipes.py`; "
+        "Ulysses sizes above 1 run at 2, Megatron's tensor, pipeline, context and expert "
+        "sizes above 1 are read as 2, an unresolved `fsdp` is verl's default FSDP1, MindSpeed "
+        "is verl's Megatron engine on Ascend). Status of the trained model (the RL actor and "
+        "reference; the SFT trainer's model), verl 0.9.1: for every row (megatron-lite, which "
+        "verl 0.9.1 has no engine for: its RL launch by preflight only, its SFT launch by the "
+        "reduction) preflight of the recipe's overrides, on a tiny config "
+        "of its family, and the construction of the engine verl selects give the keys shown "
+        "(one process, one rank: the Megatron engine's construction reads the parallel sizes "
+        "without megatron's parallel state; a served FSDP Ulysses engine is built at 2 ranks "
+        "by the step test). A served FSDP text combination runs an engine step against verl's "
+        "stock step with its switches (Ulysses at 2 ranks); a served vision-language one runs "
+        "each switch in the tests named (the test module's docstring says what is merged and "
+        "why); the Megatron rows are verdicts only (their settings' steps: docs/verl.md). "
+        "Engines prefix sharing does not hook (VeOmni, AutoModel, TorchTitan) are refused by "
+        "name (`prefix_sharing/verl_ext/unhooked.py`).",
         "",
         "| combination | launches | status | keys, reason | tests |",
         "|---|---|---|---|---|",

@@ -51,8 +51,8 @@ def stock_balancing(module: ModuleType) -> None:
 
 
 def off_hooks(actor_classes: tuple[str, ...], critic_classes: tuple[str, ...],
-              engine_class: str) -> dict[str, Hook]:
+              engine_classes: tuple[str, ...]) -> dict[str, Hook]:
     """The ``off_hooks`` of a patch set whose engines read these actor, critic and engine
     config classes."""
-    return {**config_hooks(actor_classes, critic_classes, engine_class, enabled=False),
+    return {**config_hooks(actor_classes, critic_classes, engine_classes, enabled=False),
             TRAINER_MODULE: stock_balancing}

@@ -133,8 +133,8 @@ def test_the_critic_is_served_and_says_whether_it_asked(rows):
 
 
 def test_the_veomni_engine_is_refused_by_name_for_every_role_that_asks(rows):
-    assert rows["veomni"] == [("actor", True, ("verl.veomni",)),
-                              ("critic", True, ("verl.veomni",))]
+    assert rows["veomni"] == [("actor", True, ("verl.unhooked_engine",)),
+                              ("critic", True, ("verl.unhooked_engine",))]
 
 
 def test_the_command_exits_0_served_1_refused_2_bad_input(checkpoint, tmp_path, capsys):

@@ -1,7 +1,18 @@
-"""verl 0.9's own recipes on its FSDP engine (``prefix_sharing.verl_ext.recipes``: the CSV's
-FSDP rows reduced to their setting combinations), each as the sharing engine takes it.
+"""verl 0.9's own recipes (``prefix_sharing.verl_ext.recipes``: the CSV's rows reduced to their
+setting combinations), each as the sharing engines take it.
 
-verl 0.9.1 only (the CSV is verl 0.9's launches). For every RL combination:
+verl 0.9.1 only (the CSV is verl 0.9's launches). Every combination gets its verdict checked in
+one one-rank process (megatron-lite, which verl 0.9.1 has no engine or config for: its RL
+launch by preflight alone, the strategy named; its SFT launch by test_recipes): ``preflight`` of its
+overrides on a tiny config of its family gives per role the verdict's keys, and constructing the
+engine verl selects from the same configs raises them - the Megatron engine's RL and SFT
+combinations (tensor, pipeline, context and expert sizes above 1 at 2: construction reads them
+without megatron's parallel state; interleaved stages, rope fusion, router replay, MTP, LoRA,
+the critic), the VeOmni ones (refused by name, ``model_engine=veomni``), and the SFT trainer's
+on every engine (FSDP, Megatron, AutoModel). MiMo (no config in transformers) stands in as
+Qwen2's config. Keys raised only when the model is built (a Mamba-2 hybrid's layers) or per
+micro-batch are the verdict's, not construction's. No engine step runs for these. For the
+FSDP engine's RL combinations:
 
 - ``preflight`` of the recipe's overrides (strategy, Ulysses, padding, fused kernels, gradient
   checkpointing, dynamic bsz, entropy switches, loss mode, LoRA, ``calculate_sum_pi_squared``,
@@ -59,7 +70,7 @@ import dataclasses  # noqa: E402
 from functools import partial  # noqa: E402
 
 from prefix_sharing.engines.launch import run_distributed  # noqa: E402
-from prefix_sharing.verl_ext.recipes import Combination, combinations  # noqa: E402
+from prefix_sharing.verl_ext.recipes import STAND_IN_TYPES, Combination, combinations  # noqa: E402
 from tests.fsdp_compat._launch import run_gloo  # noqa: E402
 from tests.verl_ext._compare import MODES, same_outputs  # noqa: E402
 from tests.verl_ext._fsdp_engine import PRESET, save_model  # noqa: E402
@@ -70,7 +81,19 @@ SHARED = MODES["arbitrary_prefix"]
 BUDGET = 110  # dynamic bsz: verl splits the GRPO batch (138 tokens) in two
 CONTROL_LOSS = "geo_mean"  # its loss is a mean over the micro-batch's sequences
 TINY = dataclasses.replace(PRESET, full_attention_every=2)
-RL = {c: rows for c, rows in combinations().items() if c.trainer == "rl"}
+RL = {c: rows for c, rows in combinations().items()
+      if c.trainer == "rl" and c.strategy in ("fsdp", "fsdp2")}
+# every other engine's RL launches: their verdicts (no engine step here)
+OTHER_RL = {c: rows for c, rows in combinations().items()
+            if c.trainer == "rl" and c.strategy not in ("fsdp", "fsdp2")}
+# the SFT trainer's launches on every engine verl 0.9.1 has (megatron-lite's: test_recipes)
+SFT = {c: rows for c, rows in combinations().items()
+       if c.trainer == "sft" and c.strategy != "megatron_lite"}
+SFT_SHARING = ["+engine.use_prefix_grouper=true", "+engine.prefix_grouper.mode=arbitrary_prefix"]
+# the engine class preflight and verl's registry select, per strategy
+ENGINE_CLASSES = {"fsdp": "PrefixSharingFSDPEngine", "fsdp2": "PrefixSharingFSDPEngine",
+                  "megatron": "PrefixSharingMegatronEngine", "veomni": "veomniRefusal",
+                  "automodel": "automodelRefusal", "megatron_lite": None}
 # transformers has no MiniCPM-o config class: its verdict is checked on a stand-in config
 NO_HF_CONFIG = {"minicpmo"}
 
@@ -91,28 +114,93 @@ def step_settings(c: Combination) -> tuple:
     return (c.loss_mode, c.dynamic_bsz)
 
 
-def overrides(c: Combination, path: str) -> list[str]:
-    """The recipe's hydra overrides for ``c`` (beyond test_preflight's BASE)."""
-    found = [MODEL + f"path={path}", ACTOR + f"strategy={c.strategy}", ACTOR + "use_kl_loss=true",
-             ACTOR + f"ulysses_sequence_parallel_size={c.ulysses}",
+def common_overrides(c: Combination, path: str) -> list[str]:
+    """What a recipe sets the same way on either engine (beyond test_preflight's BASE), with a
+    KL loss (the reference is checked too) and GAE for a critic."""
+    found = [MODEL + f"path={path}", ACTOR + "use_kl_loss=true",
              ACTOR + f"use_dynamic_bsz={c.dynamic_bsz}",
-             ACTOR + f"entropy_from_logits_with_chunking={c.chunked_entropy}",
-             ACTOR + f"entropy_checkpointing={c.entropy_checkpointing}",
-             ACTOR + f"use_torch_compile={c.torch_compile}",
              ACTOR + f"policy_loss.loss_mode={c.loss_mode}",
-             ACTOR + f"calculate_sum_pi_squared={c.sum_pi_squared}",
              MODEL + f"use_remove_padding={c.remove_padding}",
-             MODEL + f"use_fused_kernels={c.fused_kernels}",
-             MODEL + f"enable_gradient_checkpointing={c.gradient_checkpointing}"]
-    if c.lora:
-        found.append(MODEL + "lora_rank=8")
+             MODEL + f"use_fused_kernels={c.fused_kernels}"]
     if c.critic:
         found += ["algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=2"]
     return found
 
 
+def overrides(c: Combination, path: str) -> list[str]:
+    """The recipe's hydra overrides for ``c`` on the FSDP engine."""
+    found = common_overrides(c, path) + [
+        ACTOR + f"strategy={c.strategy}", ACTOR + f"ulysses_sequence_parallel_size={c.ulysses}",
+        ACTOR + f"entropy_from_logits_with_chunking={c.chunked_entropy}",
+        ACTOR + f"entropy_checkpointing={c.entropy_checkpointing}",
+        ACTOR + f"use_torch_compile={c.torch_compile}",
+        ACTOR + f"calculate_sum_pi_squared={c.sum_pi_squared}",
+        MODEL + f"enable_gradient_checkpointing={c.gradient_checkpointing}"]
+    if c.lora:
+        found.append(MODEL + "lora_rank=8")
+    if c.critic:  # the recipe's critic runs at the actor's Ulysses size
+        found.append(f"critic.fsdp.ulysses_sequence_parallel_size={c.ulysses}")
+    return found
+
+
+def megatron_overrides(c: Combination, path: str) -> list[str]:
+    """A Megatron recipe's hydra overrides (on ``ppo_megatron_trainer``): parallel sizes above
+    1 at 2 - the engine's construction reads them without megatron's parallel state, so one
+    rank builds it."""
+    mcore = ACTOR + "megatron."
+    found = common_overrides(c, path) + [
+        mcore + f"tensor_model_parallel_size={c.tensor_parallel}",
+        mcore + f"pipeline_model_parallel_size={c.pipeline_parallel}",
+        mcore + f"context_parallel_size={c.context_parallel}",
+        mcore + f"expert_model_parallel_size={c.expert_parallel}"]
+    if c.virtual_pipeline:
+        found.append(mcore + "virtual_pipeline_model_parallel_size=2")
+    if c.rope_fusion:
+        found.append("+" + mcore + "override_transformer_config.apply_rope_fusion=true")
+    if c.router_replay:
+        found.append(mcore + f"router_replay.mode={c.router_replay}")
+    if c.mtp_train:
+        found += [MODEL + "mtp.enable=true", MODEL + "mtp.enable_train=true"]
+    if c.lora:
+        found.append(MODEL + "lora.rank=8")
+    return found
+
+
+def other_overrides(c: Combination, path: str) -> tuple[str, list[str]]:
+    """verl's config and the overrides of an RL recipe on the Megatron or an unhooked engine."""
+    if c.strategy == "megatron":
+        return "ppo_megatron_trainer", megatron_overrides(c, path)
+    if c.strategy == "megatron_lite":  # no config in verl 0.9.1: the strategy named
+        return "ppo_trainer", [MODEL + f"path={path}", ACTOR + "strategy=megatron_lite",
+                               ACTOR + "use_kl_loss=true"]
+    return "ppo_trainer", [MODEL + f"path={path}", f"model_engine={c.strategy}",
+                           ACTOR + "use_kl_loss=true"]
+
+
+def sft_overrides(c: Combination, path: str) -> list[str]:
+    """An SFT recipe's overrides on ``sft_trainer_engine``, asking for sharing in its engine
+    section (parallel sizes above 1 at 2, as :func:`megatron_overrides`)."""
+    engine = "fsdp" if c.strategy in ("fsdp", "fsdp2") else c.strategy
+    found = [f"model.path={path}", f"engine={engine}", *SFT_SHARING,
+             f"model.use_remove_padding={c.remove_padding}"]
+    if engine == "fsdp":
+        found += [f"engine.strategy={c.strategy}",
+                  f"engine.ulysses_sequence_parallel_size={c.ulysses}",
+                  f"model.enable_gradient_checkpointing={c.gradient_checkpointing}"]
+        found += ["model.lora_rank=8"] if c.lora else []
+    if engine == "megatron":
+        found += [f"engine.tensor_model_parallel_size={c.tensor_parallel}",
+                  f"engine.pipeline_model_parallel_size={c.pipeline_parallel}",
+                  f"engine.context_parallel_size={c.context_parallel}",
+                  f"engine.expert_model_parallel_size={c.expert_parallel}"]
+    if c.mtp_train:
+        found += ["model.mtp.enable=true", "model.mtp.enable_train=true"]
+    return found
+
+
 def config_dirs(root: str) -> dict[str, str]:
-    """Per model type of the table (but MiniCPM-o), transformers' default config of it."""
+    """Per model type of the table (but MiniCPM-o), transformers' default config of it (a
+    stand-in's for a type transformers lacks, ``STAND_IN_TYPES``)."""
     import os
 
     from transformers import AutoConfig
@@ -120,9 +208,9 @@ def config_dirs(root: str) -> dict[str, str]:
     from prefix_sharing.verl_ext.preflight import _architecture
 
     dirs = {}
-    for model_type in {c.model_type for c in RL} - NO_HF_CONFIG:
-        config = AutoConfig.for_model(model_type)
-        config.architectures = [_architecture(model_type)]
+    for model_type in {c.model_type for c in [*RL, *OTHER_RL, *SFT]} - NO_HF_CONFIG:
+        config = AutoConfig.for_model(STAND_IN_TYPES.get(model_type, model_type))
+        config.architectures = [_architecture(config.model_type)]
         dirs[model_type] = os.path.join(root, model_type)
         config.save_pretrained(dirs[model_type])
     return dirs
@@ -153,6 +241,27 @@ def verdicts(rank: int, dirs: dict[str, str]) -> dict:
             except PrefixSharingSetupError as error:
                 built = tuple(sorted(error.refusals))
         found[c] = {"roles": roles, "built": built, "engine": actor.engine_cls.__name__}
+    for c in [*OTHER_RL, *SFT]:
+        if c.trainer == "sft":
+            checked = preflight(compose_config(sft_overrides(c, dirs[c.model_type]),
+                                               "sft_trainer_engine"))
+        else:
+            config_name, extra = other_overrides(c, dirs[c.model_type])
+            checked = preflight(compose_config(BASE + extra, config_name))
+        role, cfg = checked.roles[0], checked.roles[0].configs
+        # None: a served Ulysses engine needs its ranks (test_fsdp_ulysses); verl 0.9.1 has
+        # no megatron-lite engine to build
+        built = None
+        if role.engine_cls is not None and (role.problems or c.ulysses == 1):
+            built = ()
+            try:  # the SFT trainer's configs carry no optimizer or checkpoint config here
+                role.engine_cls(cfg["model"], cfg["engine"], cfg.get("optim"),
+                                cfg.get("checkpoint"))
+            except PrefixSharingSetupError as error:
+                built = tuple(sorted(error.refusals))
+        found[c] = {"roles": {r.role: tuple(sorted(p.key for p in r.problems))
+                              for r in checked.roles},
+                    "built": built, "engine": getattr(role.engine_cls, "__name__", None)}
     return found
 
 
@@ -321,19 +430,31 @@ def checked(tmp_path_factory):
     return run_distributed(verdicts, 1, dirs, timeout=500)[0]
 
 
-@pytest.mark.parametrize("c", [c for c in RL if c.model_type not in NO_HF_CONFIG],
+@pytest.mark.parametrize("c", [c for c in [*RL, *OTHER_RL] if c.model_type not in NO_HF_CONFIG],
                          ids=lambda c: c.name)
 def test_preflight_and_the_engine_give_the_combinations_verdict(checked, c):
     found = checked[c]
     keys = tuple(sorted(c.construction_keys()))
-    assert found["engine"] == "PrefixSharingFSDPEngine"
-    assert found["roles"]["actor"] == found["roles"]["reference"] == keys
+    assert found["engine"] == ENGINE_CLASSES[c.strategy]
+    assert found["roles"]["actor"] == keys
+    # verl's worker builds the reference without MTP
+    assert found["roles"]["reference"] == tuple(k for k in keys if k != "verl.mtp")
     if found["built"] is not None:
         assert found["built"] == keys
     assert ("critic" in found["roles"]) == c.critic
     if c.critic:  # served (tests/verl_ext/test_critic.py), but not under a sequence split
         assert found["roles"]["critic"] == (
             ("verl.critic.sequence_split",) if c.ulysses > 1 else ())
+
+
+@pytest.mark.parametrize("c", list(SFT), ids=lambda c: c.name)
+def test_preflight_and_the_engine_give_the_sft_combinations_verdict(checked, c):
+    found = checked[c]
+    keys = tuple(sorted(c.construction_keys()))
+    assert found["engine"] == ENGINE_CLASSES[c.strategy]
+    assert found["roles"] == {"sft": keys}
+    if found["built"] is not None:
+        assert found["built"] == keys
 
 
 def test_a_vision_family_transformers_cannot_load_is_refused_by_name():
