@@ -74,9 +74,10 @@ def varlen_attention(
         kernel = get_lse_kernel(name)
         if kernel is None:
             raise refuse("kernels.lse", f"backend {name!r}")
-        host_q = cu_seqlens_q.tolist() if cu_seqlens_q_host is None else tuple(cu_seqlens_q_host)
-        host_k = cu_seqlens_k.tolist() if cu_seqlens_k_host is None else tuple(cu_seqlens_k_host)
-        part = KeyPart(None, cu_seqlens_q, cu_seqlens_k, tuple(host_q), tuple(host_k),
+        # a standalone call: its boundaries read once here (a planned layer passes the plan's)
+        host_q = tuple(cu_seqlens_q.tolist() if cu_seqlens_q_host is None else cu_seqlens_q_host)
+        host_k = tuple(cu_seqlens_k.tolist() if cu_seqlens_k_host is None else cu_seqlens_k_host)
+        part = KeyPart(None, cu_seqlens_q, cu_seqlens_k, host_q, host_k,
                        max_seqlen_q, max_seqlen_k, causal=True)
         return attention_over_sources(q, k, v, SourceLayout((part,)), kernel, softmax_scale,
                                       window=window, sinks=sinks)

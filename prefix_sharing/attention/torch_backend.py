@@ -69,8 +69,7 @@ def varlen_attention_torch(
         ``(total_q, nheads, headdim)``, differentiable with respect to ``q``, ``k`` and ``v``.
     """
     del max_seqlen_q, max_seqlen_k, kernel_cache
-    bounds_q = cu_seqlens_q.tolist() if cu_seqlens_q_host is None else cu_seqlens_q_host
-    bounds_k = cu_seqlens_k.tolist() if cu_seqlens_k_host is None else cu_seqlens_k_host
+    bounds_q, bounds_k = _host(cu_seqlens_q, cu_seqlens_q_host), _host(cu_seqlens_k, cu_seqlens_k_host)
     if window is not None and window < 1:
         raise ValueError(f"a sliding window holds at least one key (itself); got {window}")
     if sinks is not None and sinks.shape != (q.size(1),):
@@ -230,6 +229,8 @@ def attention_lse_backward_torch(
 
 
 def _host(cu: torch.Tensor, host: Sequence[int] | None) -> Sequence[int]:
+    """Segment boundaries as host ints: ``host`` when the caller has them (every layer of a
+    planned micro-batch: the plan's), else read from ``cu`` (a standalone call)."""
     return cu.tolist() if host is None else host
 
 
