@@ -366,7 +366,7 @@ def _with_external_prefix(tail: SharingPlan, prefix_len: int) -> SharingPlan:
         kv_index=torch.cat([torch.cat([prefix_rows, x]) for x in index]),
         seq_lens=tuple(n + prefix_len for n in tail.seq_lens),
         prefix_lens=tuple(n + prefix_len for n in tail.prefix_lens),
-        prefix_runs_host=None,  # keys read the stored prefix in front: attention gathers
+        external_rows=prefix_len,  # the stored prefix, a key source of its own
     )
 
 

@@ -60,6 +60,11 @@ class SharingPlan:
             prefix keys are, in logical order (the segment's own rows follow them): its key
             sources read in place (:mod:`prefix_sharing.attention.sources`). ``None`` where
             unknown (a plan not built by the planner): attention then gathers.
+        external_rows: K/V rows in front of the flat rows that this plan does not compute:
+            a cross-micro-batch stack of stored blocks (:mod:`prefix_sharing.cross_micro_batch`),
+            read whole by every query segment before its own keys. ``kv_gather_index`` then
+            addresses ``cat(external rows, flat rows)``; ``prefix_runs_host`` the flat rows
+            only (the attention reads the stored K/V as key sources of their own).
         num_padding: pad rows at the end of the flat layout (their own causal segment, so they
             never touch a real token; see ``build_plan(pad_to_multiple_of=...)``).
         route_divergent_prefix_tokens: planned with recorded routes (``build_plan(routes=...)``,
@@ -81,6 +86,7 @@ class SharingPlan:
     seq_lens: tuple[int, ...]
     prefix_lens: tuple[int, ...]
     prefix_runs_host: tuple[tuple[tuple[int, int], ...], ...] | None = None
+    external_rows: int = 0
     num_padding: int = 0
     route_divergent_prefix_tokens: int = 0
 

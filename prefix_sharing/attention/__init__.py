@@ -102,6 +102,7 @@ def prefix_attention(
     backend: str = "auto",
     kernel_cache: dict[Any, Any] | None = None,
     execution: str = "auto",
+    stored: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
 ) -> torch.Tensor:
     """Causal self-attention of a plan's flat layout, reusers reading their provider's K/V.
 
@@ -119,6 +120,13 @@ def prefix_attention(
         execution: ``"auto"`` (the rule of :mod:`.sources`, chosen once per plan on the
             host), or ``"sources"`` / ``"gather"`` / ``"in_place"`` to force one (a forced
             one the plan or backend cannot run raises).
+        stored: the K/V of the plan's ``external_rows`` (a cross-micro-batch store's blocks,
+            ``(k_i, v_i)`` in row order, adding up to ``external_rows``): key sources read in
+            place under ``"sources"``; concatenated in front of ``k``, ``v`` under
+            ``"gather"``, the execution chosen on purpose where the sources cannot run (a
+            backend without a with-lse pair: TE; a sliding window; stored rows
+            the plan does not lay out, read through ``kv_gather_index`` as before). Gradients
+            reach them either way.
 
     Returns:
         ``(T_flat, nheads, headdim)``: for every computed token, attention over all earlier
@@ -130,17 +138,23 @@ def prefix_attention(
             f"q has {q.size(0)} tokens but the plan lays out {plan.num_tokens_flat}: "
             "was the plan built from this micro-batch?"
         )
+    stored_rows = tuple(key.size(0) for key, _ in stored)
     name = resolve_backend(backend, q.device, q.dtype)
-    chosen = choose_execution(plan, k.size(0), window, name)
+    chosen = choose_execution(plan, k.size(0), window, name, stored_rows)
     if execution != "auto" and execution != chosen:
-        _check_forced(execution, plan, k, window, name)
+        _check_forced(execution, plan, k, window, name, stored_rows)
         chosen = execution
     if chosen == "sources":
-        # Own segments causally and shared nodes as dense rectangles, K/V in place, merged by
-        # the log-sum-exp: no per-reader copy of K/V, no scatter in the backward.
-        out, _ = attention_over_sources(q, k, v, source_layout(plan), get_lse_kernel(name),
-                                        softmax_scale, sinks=sinks)
+        # Own segments causally, shared nodes and stored blocks as dense rectangles, K/V in
+        # place, merged by the log-sum-exp: no per-reader copy of K/V, no scatter in the
+        # backward, no concatenation of a stored prefix.
+        out, _ = attention_over_sources(q, k, v, source_layout(plan, stored_rows),
+                                        get_lse_kernel(name), softmax_scale, sinks=sinks,
+                                        stored=stored)
         return out
+    if stored:  # the gather addresses cat(stored rows, flat rows)
+        k = torch.cat([*(key for key, _ in stored), k])
+        v = torch.cat([*(value for _, value in stored), v])
     keys = plan
     if chosen == "gather":
         # K/V injection: each segment's keys are its provider's prefix rows plus its own tail.
@@ -157,7 +171,7 @@ def prefix_attention(
 
 
 def _check_forced(execution: str, plan: SharingPlan, k: torch.Tensor, window: int | None,
-                  backend: str) -> None:
+                  backend: str, stored_rows: tuple[int, ...]) -> None:
     """Raises where a forced execution cannot compute this plan's attention."""
     if execution not in EXECUTIONS:
         raise ValueError(f"execution must be 'auto' or one of {EXECUTIONS}; got {execution!r}")
@@ -166,7 +180,8 @@ def _check_forced(execution: str, plan: SharingPlan, k: torch.Tensor, window: in
     if execution == "sources" and get_lse_kernel(backend) is None:
         raise refuse("kernels.lse", f"backend {backend!r}, execution='sources'")
     if execution == "sources" and (
-        k.size(0) != plan.num_tokens_flat or window is not None or source_layout(plan) is None
+        k.size(0) != plan.num_tokens_flat or window is not None
+        or source_layout(plan, stored_rows) is None
     ):
         raise ValueError(
             "execution='sources' needs K/V of the plan's flat rows, no window and a "

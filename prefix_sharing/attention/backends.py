@@ -46,6 +46,7 @@ BACKEND_FUNCTIONS: dict[str, tuple[str, str, str | None, str | None]] = {
 LSE_KERNELS: dict[str, tuple[str, str, str]] = {
     "torch": ("torch_backend", "attention_lse_torch", "attention_lse_backward_torch"),
     "flash_attn": ("flash_attn_backend", "attention_lse_flash", "attention_lse_backward_flash"),
+    "npu": ("npu_backend", "attention_lse_npu", "attention_lse_backward_npu"),
 }
 # Kernels that take the segment boundaries as host ints (``cu_seqlens_*_host``): without them
 # they copy ``cu_seqlens`` to the host themselves, a device sync in every call.

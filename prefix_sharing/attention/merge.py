@@ -13,14 +13,15 @@ The backward needs no gradient of any ``lse_i``: given the *merged* ``o`` and ``
 part's kernel backward computes its keys' weights ``exp(scale * q . k - lse)`` in the whole
 softmax and the whole row's ``rowsum(do * o)``, so its ``dq``, ``dk``, ``dv`` are exactly its
 share of the whole attention's (ring attention's identity). Every part reads K/V *in place*
-(the flat rows), so ``dk`` and ``dv`` are the sum of the parts' full-size gradients, added in
+(the flat rows, or a stored source: a cross-micro-batch prefix's K/V, :attr:`KeyPart.source`),
+so ``dk`` and ``dv`` of each source are the sum of its parts' full-size gradients, added in
 float32 in a fixed order and written once: no scatter, no atomics, the same bits every run.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -39,6 +40,8 @@ class KeyPart:
         max_seqlen_q, max_seqlen_k: longest segments.
         causal: bottom-right causal (a segment's own keys) or every key (a shared node's
             keys, all of them earlier than every reader's queries).
+        source: the K/V this call reads: 0 the in-place K/V (the flat rows), ``i > 0`` the
+            ``i``-th stored source (:func:`attention_over_sources`' ``stored``).
     """
 
     q_index: torch.Tensor | None
@@ -49,6 +52,7 @@ class KeyPart:
     max_seqlen_q: int
     max_seqlen_k: int
     causal: bool
+    source: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,15 +60,24 @@ class SourceLayout:
     """The kernel calls of one attention over sources and how their rows merge.
 
     Attributes:
-        parts: ``parts[0]`` covers every query row in order (their own segments); each later
-            part covers some rows again (their reads of shared nodes).
-        slots: ``(T, D)`` int64: for each query row, the rows of ``cat(outputs of parts[1:])``
-            it merges, padded with that concatenation's length (an empty source: lse -inf);
-            ``None`` with a single part.
+        parts: ``parts[0]`` covers every query row in order (their own segments), and so does
+            each following part without ``q_index`` (a stored source read by every row); each
+            later part covers some rows again (their reads of shared nodes).
+        slots: ``(T, D)`` int64: for each query row, the rows of ``cat(outputs of the parts
+            after the whole ones)`` it merges, padded with that concatenation's length (an
+            empty source: lse -inf); ``None`` without such parts.
     """
 
     parts: tuple[KeyPart, ...]
     slots: torch.Tensor | None = None
+
+    @property
+    def whole(self) -> int:
+        """How many leading parts cover every query row in order (``q_index`` None)."""
+        count = 0
+        while count < len(self.parts) and self.parts[count].q_index is None:
+            count += 1
+        return count
 
 
 # (forward, backward) of a backend's with-lse kernel: see torch_backend.attention_lse_torch
@@ -77,14 +90,16 @@ def merge_states(
     lses: list[torch.Tensor],
     slots: torch.Tensor | None,
     sinks: torch.Tensor | None,
+    whole: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The exact merge of partial attentions (module docstring), in float32 at least.
 
     Args:
-        outs, lses: per part, ``(rows, h, dv)`` and ``(h, rows)``; ``outs[0]`` covers every
-            query row in order, the others the rows ``slots`` names.
+        outs, lses: per part, ``(rows, h, dv)`` and ``(h, rows)``; ``outs[:whole]`` cover
+            every query row in order, the others the rows ``slots`` names.
         slots: as :attr:`SourceLayout.slots`.
         sinks: ``(h,)`` sink logits, or ``None``.
+        whole: as :attr:`SourceLayout.whole`.
 
     Returns:
         ``(out, lse)``: ``(T, h, dv)`` in ``outs[0]``'s dtype, ``(h, T)`` float32 (float64
@@ -95,13 +110,13 @@ def merge_states(
     # below the kernels' own (the fp32 MLA/YaRN exactness check saw 1.1e-5 merged in fp32)
     compute = torch.float32 if outs[0].dtype in (torch.float16, torch.bfloat16) else torch.float64
     rows, heads, dim = outs[0].shape
-    lse_columns = [lses[0].t().to(compute)[:, None]]  # [T, 1, h]
-    out_columns = [outs[0].to(compute)[:, None]]  # [T, 1, h, dv]
-    if len(outs) > 1:
+    lse_columns = [lse.t().to(compute)[:, None] for lse in lses[:whole]]  # [T, 1, h] each
+    out_columns = [out.to(compute)[:, None] for out in outs[:whole]]  # [T, 1, h, dv] each
+    if len(outs) > whole:
         # one empty row at the end: the padding of ``slots``
-        extra_lse = torch.cat([lse.t() for lse in lses[1:]]
+        extra_lse = torch.cat([lse.t() for lse in lses[whole:]]
                               + [lses[0].new_full((1, heads), float("-inf"))]).to(compute)
-        extra_out = torch.cat(outs[1:] + [outs[0].new_zeros(1, heads, dim)]).to(compute)
+        extra_out = torch.cat(outs[whole:] + [outs[0].new_zeros(1, heads, dim)]).to(compute)
         lse_columns.append(extra_lse[slots])  # [T, D, h]
         out_columns.append(extra_out[slots])  # [T, D, h, dv]
     if sinks is not None:
@@ -120,31 +135,34 @@ class _AttentionOverSources(torch.autograd.Function):
     kernel backward at the merged output and log-sum-exp (module docstring)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, layout, kernel, softmax_scale, window):
+    def forward(ctx, q, k, v, sinks, layout, kernel, softmax_scale, window, *stored):
         forward_kernel, _ = kernel
+        keys, values = (k, *stored[0::2]), (v, *stored[1::2])
         outs, lses = [], []
         for part in layout.parts:
             rows = q if part.q_index is None else q.index_select(0, part.q_index)
             out, lse = forward_kernel(
-                rows, k, v, part.cu_seqlens_q, part.cu_seqlens_k, part.max_seqlen_q,
+                rows, keys[part.source], values[part.source], part.cu_seqlens_q,
+                part.cu_seqlens_k, part.max_seqlen_q,
                 part.max_seqlen_k, softmax_scale, causal=part.causal, window=window,
                 cu_seqlens_q_host=part.cu_seqlens_q_host,
                 cu_seqlens_k_host=part.cu_seqlens_k_host)
             outs.append(out)
             lses.append(lse)
-        out, lse = merge_states(outs, lses, layout.slots, sinks)
-        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        out, lse = merge_states(outs, lses, layout.slots, sinks, layout.whole)
+        ctx.save_for_backward(q, out, lse, sinks, k, v, *stored)
         ctx.layout, ctx.kernel, ctx.scale, ctx.window = layout, kernel, softmax_scale, window
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, sinks = ctx.saved_tensors
+        q, out, lse, sinks, *kv = ctx.saved_tensors
+        keys, values = kv[0::2], kv[1::2]
         _, backward_kernel = ctx.kernel
         accumulate = torch.promote_types(q.dtype, torch.float32)
-        dk = torch.zeros(k.shape, dtype=accumulate, device=k.device)
-        dv = torch.zeros(v.shape, dtype=accumulate, device=v.device)
+        dk = [torch.zeros(k.shape, dtype=accumulate, device=k.device) for k in keys]
+        dv = [torch.zeros(v.shape, dtype=accumulate, device=v.device) for v in values]
         dq_parts = []
         for part in ctx.layout.parts:
             if part.q_index is None:
@@ -153,16 +171,20 @@ class _AttentionOverSources(torch.autograd.Function):
                 rows = (dout.index_select(0, part.q_index), q.index_select(0, part.q_index),
                         out.index_select(0, part.q_index), lse.index_select(1, part.q_index))
             gq, gk, gv = backward_kernel(
-                rows[0], rows[1], k, v, rows[2], rows[3], part.cu_seqlens_q, part.cu_seqlens_k,
-                part.max_seqlen_q, part.max_seqlen_k, ctx.scale, causal=part.causal,
-                window=ctx.window, cu_seqlens_q_host=part.cu_seqlens_q_host,
+                rows[0], rows[1], keys[part.source], values[part.source], rows[2], rows[3],
+                part.cu_seqlens_q, part.cu_seqlens_k, part.max_seqlen_q, part.max_seqlen_k,
+                ctx.scale, causal=part.causal, window=ctx.window,
+                cu_seqlens_q_host=part.cu_seqlens_q_host,
                 cu_seqlens_k_host=part.cu_seqlens_k_host)
             dq_parts.append(gq.to(accumulate))
-            dk += gk
-            dv += gv
+            dk[part.source] += gk
+            dv[part.source] += gv
+        whole = ctx.layout.whole
         dq = dq_parts[0]
-        if len(dq_parts) > 1:  # each row's reads of shared nodes, summed in slot order
-            extra = torch.cat(dq_parts[1:] + [dq.new_zeros(1, *dq.shape[1:])])
+        for gq in dq_parts[1:whole]:  # every row's reads of the stored sources
+            dq = dq + gq
+        if len(dq_parts) > whole:  # each row's reads of shared nodes, summed in slot order
+            extra = torch.cat(dq_parts[whole:] + [dq.new_zeros(1, *dq.shape[1:])])
             dq = dq + extra[ctx.layout.slots].sum(1)
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[3]:
@@ -171,8 +193,11 @@ class _AttentionOverSources(torch.autograd.Function):
             share = (sinks.to(accumulate)[None] - lse_rows).exp()
             dot = (dout.to(accumulate) * out.to(accumulate)).sum(-1)  # [T, h]
             dsinks = -(share * dot).sum(0).to(sinks.dtype)
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None,
-                None)
+        stored = []  # (dk_i, dv_i) of each stored source, as it was handed in
+        for gk, gv, k, v in zip(dk[1:], dv[1:], keys[1:], values[1:]):
+            stored += [gk.to(k.dtype), gv.to(v.dtype)]
+        return (dq.to(q.dtype), dk[0].to(keys[0].dtype), dv[0].to(values[0].dtype), dsinks,
+                None, None, None, None, *stored)
 
 
 def attention_over_sources(
@@ -185,25 +210,30 @@ def attention_over_sources(
     *,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
+    stored: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q's rows over the key sources ``layout`` names, merged exactly.
 
     Args:
         q: ``(T, nheads, headdim)``.
-        k, v: ``(T_k, nheads_k, headdim[_v])``, read in place by every part.
+        k, v: ``(T_k, nheads_k, headdim[_v])``, read in place by the parts of source 0.
         layout: the kernel calls and their merge (:class:`SourceLayout`).
         kernel: the backend's ``(forward, backward)`` with-lse pair
             (:func:`~.backends.get_lse_kernel`).
         softmax_scale: defaults to ``headdim ** -0.5``.
         window: passed to the causal parts (a band aligned bottom-right).
         sinks: ``(nheads,)`` sink logits, merged as one more source; differentiable.
+        stored: ``(k_i, v_i)`` of the stored sources ``i = 1, 2, ...`` (a cross-micro-batch
+            store's K/V), read in place by the parts of source ``i``; differentiable.
 
     Returns:
-        ``(out, lse)``: ``(T, nheads, headdim_v)`` differentiable in q, k, v and sinks;
+        ``(out, lse)``: ``(T, nheads, headdim_v)`` differentiable in q, k, v, sinks and the
+        stored K/V;
         ``(nheads, T)`` float32, the merged log-sum-exp (sink included), carrying no gradient
         (like flash-attn's).
     """
     if sinks is not None and sinks.shape != (q.size(1),):
         raise ValueError(f"sinks must hold one logit per query head, shape ({q.size(1)},); "
                          f"got {tuple(sinks.shape)}")
-    return _AttentionOverSources.apply(q, k, v, sinks, layout, kernel, softmax_scale, window)
+    return _AttentionOverSources.apply(q, k, v, sinks, layout, kernel, softmax_scale, window,
+                                       *(t for pair in stored for t in pair))

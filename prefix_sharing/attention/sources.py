@@ -15,14 +15,32 @@ its own sequence):
   ``kv_gather_index``): K/V held per layer is every sequence's full key range that owns a
   tail, the total token count when every sequence owns one.
 
+A plan with ``external_rows`` (a suffix micro-batch across micro-batches, its stack of stored
+blocks in front of its own rows) adds one more key source per stored block under
+``"sources"``: the dense rectangle of *all* its query rows over the block's stored K/V, no mask
+(every stored row precedes every query), read in place from the store
+(:class:`~prefix_sharing.megatron_ext.prefix_kv.PrefixKV`) and merged with the rest by the
+log-sum-exp: no ``cat(stored, own)``, no gather. Under ``"gather"`` the caller's stored K/V
+are concatenated in front of the flat rows, as ``kv_gather_index`` addresses them.
+
 The rule (:func:`choose_execution`), in order:
 
-1. K/V hold other rows than the plan's flat rows (a cross-micro-batch prefix stored in
-   front): ``"gather"`` - the stored prefix is not a key source yet.
-2. No segment reads a prefix: ``"in_place"``.
-3. A sliding window: ``"gather"`` (trimmed to the window, :mod:`.window`) - a window cuts a
-   shared node at a band that depends on each reader's own position, and the rectangle's
-   kernels take no per-row band.
+1. K/V handed as one tensor of other rows than the plan's flat rows (a caller that
+   concatenated a stored prefix itself), or stored sources that do not add up to the plan's
+   ``external_rows``: ``"gather"``.
+2. No segment reads a prefix (nor a stored one): ``"in_place"``.
+3. A sliding window of ``w`` keys: ``"gather"`` (trimmed to the window, :mod:`.window`).
+   Over sources, a reader's query at position ``p`` reads a node's key at position ``j``
+   only if ``j >= p - w + 1``: in the node part that is a band whose offset depends on the
+   gap between the node's end and each reader's tail, and a node's readers (tails at
+   different gaps) are stacked in one segment. flash-attn's and torch_npu's bands are one
+   ``(left, right)`` per call, aligned bottom-right per segment, so each distinct gap would
+   need its own call; aten's CPU flash kernel takes any additive mask, but the layout
+   carries no per-row key bound for it yet (:class:`~.merge.KeyPart`), and a query past
+   ``node end + w - 1`` reads none of the node's keys, so it must leave the node part
+   (for a row with every key masked, aten's kernel returns out 0 and lse 0, not -inf,
+   which the merge would count as a softmax term of weight 1; torch 2.13). Not built: the
+   trimmed gather serves windows exactly.
 4. The backend has no with-lse kernel (:data:`~.backends.LSE_KERNELS`), or the plan no
    ``prefix_runs_host``: ``"gather"``.
 5. Otherwise ``"sources"`` (GRPO groups, agent branches, trees, chains with reads), even
@@ -65,14 +83,16 @@ EXECUTIONS = ("in_place", "sources", "gather")
 
 
 def choose_execution(plan: SharingPlan, key_rows_given: int, window: int | None,
-                     backend: str) -> str:
-    """The execution of the rule above for ``plan`` with K/V of ``key_rows_given`` rows, a
-    ``window`` (or ``None``) and a concrete ``backend``. Host ints only."""
-    if key_rows_given != plan.num_tokens_flat:
+                     backend: str, stored_rows: tuple[int, ...] = ()) -> str:
+    """The execution of the rule above for ``plan`` with K/V of ``key_rows_given`` rows (and
+    stored sources of ``stored_rows`` rows each), a ``window`` (or ``None``) and a concrete
+    ``backend``. Host ints only."""
+    if key_rows_given != plan.num_tokens_flat or sum(stored_rows) != plan.external_rows:
         return "gather"
     if not plan.has_kv_gather:
         return "in_place"
-    if window is not None or backend not in LSE_KERNELS or source_layout(plan) is None:
+    if (window is not None or backend not in LSE_KERNELS
+            or source_layout(plan, stored_rows) is None):
         return "gather"
     return "sources"
 
@@ -84,45 +104,60 @@ class KeyRows:
     Attributes:
         execution: as :func:`choose_execution` chose it.
         kv_rows: K (and as many V) rows the layer holds: the flat rows in place, plus the
-            gathered copies under ``"gather"``.
+            copies under ``"gather"``: the gathered keys and, with a stored prefix, its
+            concatenation with the flat rows.
         computed_rows: rows the plan computes (``T_flat``).
         query_rows_copied: query rows copied for the node part (``"sources"``): a reader's
             tail once per node it reads.
+        stored_rows: K/V rows of a cross-micro-batch store the layer reads (the plan's
+            ``external_rows``; held across micro-batches by the store, not by this layer).
     """
 
     execution: str
     kv_rows: int
     computed_rows: int
     query_rows_copied: int
+    stored_rows: int = 0
 
 
-def key_rows(plan: SharingPlan, *, window: int | None = None, backend: str = "torch") -> KeyRows:
-    """K/V rows one layer holds for ``plan`` (flat K/V of the plan's rows given)."""
-    execution = choose_execution(plan, plan.num_tokens_flat, window, backend)
+def key_rows(plan: SharingPlan, *, window: int | None = None, backend: str = "torch",
+             execution: str = "auto") -> KeyRows:
+    """K/V rows one layer holds for ``plan`` (flat K/V of the plan's rows given, and its
+    external rows, if any, as one stored source), under ``execution`` (``"auto"``: the one
+    :func:`choose_execution` chooses; ``"gather"``: what the gather would hold)."""
+    stored = plan.external_rows
+    stored_rows = (stored,) if stored else ()
+    if execution == "auto":
+        execution = choose_execution(plan, plan.num_tokens_flat, window, backend, stored_rows)
     computed = plan.num_tokens_flat
     if execution == "gather":
         keys = plan if window is None else windowed_keys(plan, window)
-        return KeyRows(execution, computed + keys.cu_seqlens_kv_host[-1], computed, 0)
+        concatenated = stored + computed if stored else 0
+        return KeyRows(execution, computed + concatenated + keys.cu_seqlens_kv_host[-1],
+                       computed, 0, stored)
     copied = 0
     if execution == "sources":
-        copied = source_layout(plan).parts[1].cu_seqlens_q_host[-1]
-    return KeyRows(execution, computed, computed, copied)
+        copied = sum(part.cu_seqlens_q_host[-1]
+                     for part in source_layout(plan, stored_rows).parts if part.q_index is not None)
+    return KeyRows(execution, computed, computed, copied, stored)
 
 
-def source_layout(plan: SharingPlan) -> SourceLayout | None:
-    """The plan's two kernel calls and their merge (module docstring), built on the host once
-    per plan and kept with it (:func:`~prefix_sharing.memo.derived`); ``None`` where the plan
-    does not say where its prefix keys live (``prefix_runs_host``), or when it disagrees with
-    the key segments (a plan rewritten around rows it does not lay out)."""
-    return derived(plan, _build_layout)
+def source_layout(plan: SharingPlan, stored_rows: tuple[int, ...] = ()) -> SourceLayout | None:
+    """The plan's kernel calls and their merge (module docstring), with one dense part per
+    stored source of ``stored_rows`` rows (they add up to ``plan.external_rows``), built on
+    the host once per plan and stored rows and kept with it
+    (:func:`~prefix_sharing.memo.derived`); ``None`` where the plan does not say where its
+    prefix keys live (``prefix_runs_host``), or when it disagrees with the key segments (a
+    plan rewritten around rows it does not lay out)."""
+    return derived(plan, _build_layout, tuple(stored_rows))
 
 
-def _build_layout(plan: SharingPlan) -> SourceLayout | None:
+def _build_layout(plan: SharingPlan, stored_rows: tuple[int, ...]) -> SourceLayout | None:
     runs, bounds_q, bounds_kv = plan.prefix_runs_host, plan.cu_seqlens_q_host, plan.cu_seqlens_kv_host
-    if runs is None or len(runs) != len(bounds_q) - 1:
+    if runs is None or len(runs) != len(bounds_q) - 1 or sum(stored_rows) != plan.external_rows:
         return None
     for i, segment in enumerate(runs):
-        prefix = sum(stop - start for start, stop in segment)
+        prefix = plan.external_rows + sum(stop - start for start, stop in segment)
         if prefix + bounds_q[i + 1] - bounds_q[i] != bounds_kv[i + 1] - bounds_kv[i]:
             return None
     readers = _node_readers(runs)
@@ -130,8 +165,15 @@ def _build_layout(plan: SharingPlan) -> SourceLayout | None:
     device = plan.cu_seqlens_q.device
     own = KeyPart(None, plan.cu_seqlens_q, plan.cu_seqlens_q, bounds_q, bounds_q,
                   plan.max_seqlen_q, plan.max_seqlen_q, causal=True)
-    if not readers:  # no segment reads a prefix: its own segments are everything
-        return SourceLayout((own,))
+    # every query row (pad rows too: their outputs are read by nobody) over each stored block
+    cu_all = (0, rows_total)
+    stored = tuple(
+        KeyPart(None, torch.tensor(cu_all, dtype=torch.int32, device=device),
+                torch.tensor((0, rows), dtype=torch.int32, device=device), cu_all, (0, rows),
+                rows_total, rows, causal=False, source=i + 1)
+        for i, rows in enumerate(stored_rows))
+    if not readers:  # no segment reads a flat prefix: its own segments and the stored blocks
+        return SourceLayout((own, *stored))
 
     # the node part: per node, its readers' tails (segment order) over its rows; the rows
     # between nodes are segments without queries, so K/V stay in place
@@ -157,7 +199,7 @@ def _build_layout(plan: SharingPlan) -> SourceLayout | None:
         max_seqlen_k=int(np.diff(cu_k).max()),
         causal=False,
     )
-    return SourceLayout((own, nodes), _slots(rows, rows_total).to(device))
+    return SourceLayout((own, *stored, nodes), _slots(rows, rows_total).to(device))
 
 
 def _node_readers(runs: tuple[tuple[tuple[int, int], ...], ...]) -> dict[tuple[int, int], list[int]]:

@@ -273,7 +273,7 @@ def _kv_rows(plan, request: BenchRequest) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     held = key_rows(plan, backend=resolve_backend(request.config.backend, device, request.dtype))
     return {"kv_execution": held.execution, "kv_rows_per_layer": held.kv_rows,
-            "kv_rows_gather": plan.num_tokens_flat + plan.cu_seqlens_kv_host[-1]}
+            "kv_rows_gather": key_rows(plan, execution="gather").kv_rows}
 
 
 class Progress:

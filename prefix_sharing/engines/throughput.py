@@ -17,8 +17,11 @@ the budget and recomputes its prefix in every piece; and a reference mode, ``who
 workload as one shared micro-batch, the budget ignored. The cross view also reports per mode
 the tokens and FLOPs computed (:func:`~prefix_sharing.flops.count_flops` over the plans each
 micro-batch runs), the peak memory of the whole batch's step
-(:func:`~prefix_sharing.engines.bench.peak_memory_bytes`, a separate untimed run) and, for
-``cross``, the K/V bytes held across micro-batches; each against ``whole``. Its sequences may
+(:func:`~prefix_sharing.engines.bench.peak_memory_bytes`, a separate untimed run), the most
+K/V rows one attention layer holds in any of its micro-batches
+(:func:`~prefix_sharing.attention.sources.key_rows`; ``cross``'s stored blocks, read in place,
+counted apart: they are the K/V bytes held across micro-batches) and what the gather would
+hold; each against ``whole``. Its sequences may
 exceed the budget: the ordinary split then runs each alone (``oversized``), its history
 recomputed in every piece.
 """
@@ -31,6 +34,8 @@ from collections.abc import Callable
 
 import torch
 
+from ..attention.backends import resolve_backend
+from ..attention.sources import key_rows
 from ..batching import MicroBatchSplit, split_micro_batches
 from ..config import PrefixSharingConfig
 from ..cross_micro_batch import plan_group
@@ -197,11 +202,18 @@ def _against_whole(model: torch.nn.Module, workload: BenchWorkload, request: Thr
                        "groups_split": 0, "batch_ms": whole_s * 1e3,
                        "batch_steps_ms": [t * 1e3 for t in times["whole"]],
                        "sequences_per_s": len(workload.sequences) / whole_s}
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    backend = resolve_backend(request.config.backend, device, request.dtype)
     for mode, mode_plans in plans.items():
         flops = [count_flops(p, request.preset) for p in mode_plans]
         model.zero_grad(set_to_none=True)  # every measured step starts without gradients
         entry = result[mode]
         entry["tokens_computed"] = sum(p.num_tokens_unique for p in mode_plans)
+        held = [key_rows(p, backend=backend) for p in mode_plans]
+        entry["kv_execution"] = sorted({h.execution for h in held})
+        entry["kv_rows_per_layer"] = max(h.kv_rows for h in held)
+        entry["kv_rows_gather"] = max(key_rows(p, execution="gather").kv_rows
+                                      for p in mode_plans)
         entry["flops"] = sum(f.plain if mode == "plain" else f.shared for f in flops)
         entry["peak_mb"] = peak_memory_bytes(lambda: [step() for step in steps[mode]]) / 2**20
     whole = result["whole"]
@@ -275,19 +287,25 @@ def table(results: list[dict]) -> str:
 def _against_whole_table(results: list[dict]) -> str:
     """The cross view's second table: what each mode computes and holds, against ``whole``."""
     lines = [f"{'workload':<10} {'mode':<7} {'tokens':>7} {'GFLOP':>8} {'peak MB':>8} "
-             f"{'held MB':>8} {'time x':>7} {'tok x':>6} {'flop x':>7} {'peak x':>7}"]
+             f"{'held MB':>8} {'K/V rows':>13} {'time x':>7} {'tok x':>6} {'flop x':>7} "
+             f"{'peak x':>7}"]
     for r in results:
         for mode in ("whole", "plain", "shared", "cross"):
             e = r[mode]
             held = f"{e['held_bytes'] / 2**20:>8.1f}" if "held_bytes" in e else f"{'-':>8}"
+            rows = (f"{e['kv_rows_per_layer']}/{e['kv_rows_gather']}"
+                    if "kv_rows_per_layer" in e else "-")  # result files before the column
             x = e["vs_whole"]
             lines.append(
                 f"{r['workload']:<10} {mode:<7} {e['tokens_computed']:>7} "
-                f"{e['flops'] / 1e9:>8.1f} {e['peak_mb']:>8.0f} {held} {x['time']:>7.2f} "
-                f"{x['tokens']:>6.2f} {x['flops']:>7.2f} {x['peak']:>7.2f}")
+                f"{e['flops'] / 1e9:>8.1f} {e['peak_mb']:>8.0f} {held} {rows:>13} "
+                f"{x['time']:>7.2f} {x['tokens']:>6.2f} {x['flops']:>7.2f} {x['peak']:>7.2f}")
     lines += ["", "tokens, GFLOP: computed by the batch's micro-batches (forward + backward); "
               "peak MB: the batch's step (a separate run); held MB: K/V leaves and gradients "
-              "kept across micro-batches; x: against whole (time: median batch time)"]
+              "kept across micro-batches; K/V rows: the most one attention layer holds in a "
+              "micro-batch (its execution's / with every key segment gathered; cross: beside "
+              "the stored blocks it reads in place, which held MB counts); x: against whole "
+              "(time: median batch time)"]
     return "\n".join(lines)
 
 

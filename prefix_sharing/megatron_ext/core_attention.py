@@ -156,12 +156,14 @@ class PrefixSharingCoreAttention(DotProductAttention):
             if packed_seq_params.cp is not None:
                 out = self._context_parallel(query, key, value, packed_seq_params, backend)
                 return out.reshape(out.size(0), -1)  # [T_local, np, hn] -> [T_local, np * hn]
+            stored = []
             if packed_seq_params.prefix_kv is not None:  # a group's prefix across micro-batches
-                key, value = packed_seq_params.prefix_kv.exchange(self.layer_number, key, value)
+                stored, key, value = packed_seq_params.prefix_kv.key_sources(
+                    self.layer_number, key, value)
             out = prefix_attention(
                 query, key, value, plan, softmax_scale=self.net_softmax_scale,
                 window=self.window, sinks=self.softmax_offset, backend=backend,
-                kernel_cache=self.kernel_cache,
+                kernel_cache=self.kernel_cache, stored=stored,
             )
         else:
             out = self._plain_thd(query, key, value, packed_seq_params, backend)

@@ -190,7 +190,8 @@ def check_group_model(model: torch.nn.Module) -> None:
     config = get_attr_wrapped_model(model, "config")
     found = []
     if config.virtual_pipeline_model_parallel_size is not None:
-        found.append(Refused("megatron.virtual_pipeline", "virtual_pipeline_model_parallel_size="
+        found.append(Refused("megatron.cross_micro_batch.virtual_pipeline",
+                             "virtual_pipeline_model_parallel_size="
                              f"{config.virtual_pipeline_model_parallel_size}"))
     if config.context_parallel_size > 1:  # built and tested on dense models without recompute
         found += [Refused("megatron.cross_micro_batch.context_parallel",

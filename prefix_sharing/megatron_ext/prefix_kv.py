@@ -2,8 +2,17 @@
 
 The prefix micro-batch's core attention *records* each layer's keys and values; every suffix
 micro-batch's core attention *reads* them as leaves (detached tensors that require grad),
-placed before its own rows, so its backward accumulates dK/dV into the leaves' ``.grad``. After
+before its own rows, so its backward accumulates dK/dV into the leaves' ``.grad``. After
 the group's last suffix, :meth:`PrefixKV.backward` sends those sums into the prefix's graph.
+
+A reader gets the stored K/V as key sources of their own (:meth:`PrefixKVPass.key_sources`):
+its attention reads them in place, all its query rows over the stored rows, merged by the
+log-sum-exp with its own rows' part (:func:`~prefix_sharing.attention.prefix_attention`'s
+``stored``), so no ``cat(prefix, own)`` is built. Where the attention cannot run over sources
+(a backend without a with-lse pair: TE; a sliding window) it concatenates them in
+front of its own rows itself, as does the context-parallel path (:meth:`PrefixKVPass.exchange`,
+its gathered K/V then cut per local query piece). The gradient protocol is the same either
+way: the leaves (or the recorded K/V read through) are the attention's inputs.
 
 An MoE router that keeps batch statistics (aux / z-losses, expert-bias counts) does the same
 with the prefix's router logits (:meth:`PrefixKV.exchange_router_logits`): every suffix
@@ -39,9 +48,10 @@ from typing import Literal
 
 import torch
 
-__all__ = ["PrefixKV", "PrefixKVPass", "PrefixKVStack", "read_through"]
+__all__ = ["PrefixKV", "PrefixKVPass", "PrefixKVStack", "in_front", "read_through"]
 
 Mode = Literal["record", "read", "read_last", "read_recorded"]
+KV = tuple[torch.Tensor, torch.Tensor]
 
 
 class PrefixKV:
@@ -83,6 +93,12 @@ class PrefixKV:
         """The view one forward reads the store through, its mode fixed now (``self.mode``
         when None): every call of that forward, a recomputed layer's included, uses it."""
         return PrefixKVPass(self, self.mode if mode is None else mode)
+
+    def key_sources(self, layer_number: int, key: torch.Tensor,
+                    value: torch.Tensor) -> tuple[list[KV], torch.Tensor, torch.Tensor]:
+        """:meth:`PrefixKVPass.key_sources` of a pass of its own in ``self.mode`` (one call of
+        a forward that is not recomputed)."""
+        return self.forward_pass().key_sources(layer_number, key, value)
 
     def exchange(self, layer_number: int, key: torch.Tensor,
                  value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,16 +167,26 @@ class PrefixKVPass:
         """The store's rows' replayed routes (:attr:`PrefixKV.routes`)."""
         return self.store.routes
 
-    def exchange(self, layer_number: int, key: torch.Tensor,
-                 value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The keys and values this layer's attention uses: its own while recording (kept),
-        ``cat(prefix leaves, own)`` (``[Lp + T, ng, hn]``) while reading, ``cat(recorded
-        prefix, own)`` while reading last (:func:`read_through`)."""
+    def key_sources(self, layer_number: int, key: torch.Tensor,
+                    value: torch.Tensor) -> tuple[list[KV], torch.Tensor, torch.Tensor]:
+        """The stored K/V this layer's attention reads before its own rows, one ``(k, v)``
+        (``[Lp, ng, hn]`` each) per store, and its own keys and values: none and its own
+        (kept) while recording; the prefix leaves while reading, the recorded prefix
+        (:func:`read_through`) while reading last. The attention reads the stored ones in
+        place (module doc)."""
         store = self.store
         if self.mode == "record":
-            return self._record((layer_number, "kv"), (key, value), store.leaves, store.outputs)
+            return [], *self._record((layer_number, "kv"), (key, value), store.leaves,
+                                     store.outputs)
         prefix = self._read((layer_number, "kv"), store.leaves[layer_number], store.outputs)
-        return torch.cat([prefix[0], key]), torch.cat([prefix[1], value])
+        return [prefix], key, value
+
+    def exchange(self, layer_number: int, key: torch.Tensor,
+                 value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`key_sources` concatenated, for an attention that gathers (the context-
+        parallel path): its own while recording, ``cat(prefix, own)`` (``[Lp + T, ng, hn]``)
+        while reading."""
+        return in_front(*self.key_sources(layer_number, key, value))
 
     def exchange_router_logits(self, layer_number: int, logits: torch.Tensor) -> torch.Tensor:
         """The router logits this layer's batch statistics read, ``[rows, experts]``: its own
@@ -256,14 +282,20 @@ class PrefixKVStack:
         routes = [r.routes for r in self.reads]
         return None if not routes or any(r is None for r in routes) else torch.cat(routes)
 
+    def key_sources(self, layer_number: int, key: torch.Tensor,
+                    value: torch.Tensor) -> tuple[list[KV], torch.Tensor, torch.Tensor]:
+        """The stack's K/V, one source per store in row order, and own, recording own first
+        when a block runs (:meth:`PrefixKVPass.key_sources`)."""
+        sources: list[KV] = []
+        for part in ([] if self.own is None else [self.own]) + self.reads:
+            read, key, value = part.key_sources(layer_number, key, value)
+            sources += read
+        return sources, key, value
+
     def exchange(self, layer_number: int, key: torch.Tensor,
                  value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``cat(stack's K/V..., own)``, recording own first when a block runs."""
-        if self.own is not None:
-            key, value = self.own.exchange(layer_number, key, value)
-        for prefix in reversed(self.reads):
-            key, value = prefix.exchange(layer_number, key, value)
-        return key, value
+        return in_front(*self.key_sources(layer_number, key, value))
 
     def exchange_router_logits(self, layer_number: int, logits: torch.Tensor) -> torch.Tensor:
         """A block records its own logits (it routes without statistics); a reader gets
@@ -273,6 +305,16 @@ class PrefixKVStack:
         for prefix in reversed(self.reads):
             logits = prefix.exchange_router_logits(layer_number, logits)
         return logits
+
+
+def in_front(sources: list[KV], key: torch.Tensor,
+             value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cat(sources' K..., key)``, ``cat(sources' V..., value)``: the rows a plan's
+    ``kv_gather_index`` addresses (``key``, ``value`` themselves without sources)."""
+    if not sources:
+        return key, value
+    return (torch.cat([*(k for k, _ in sources), key]),
+            torch.cat([*(v for _, v in sources), value]))
 
 
 def read_through(recorded: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:

@@ -178,7 +178,7 @@ def check_cross_engine_setup(engine_config: Any) -> None:
                                      ("context_parallel_size", cp)) if size > 1]
     vpp = getattr(engine_config, "virtual_pipeline_model_parallel_size", None)
     if vpp is not None and vpp > 1:
-        found.append(Refused("verl.cross_micro_batch.layout",
+        found.append(Refused("megatron.cross_micro_batch.virtual_pipeline",
                              f"virtual_pipeline_model_parallel_size={vpp}"))
     if cp > 1 and tp > 1 and pp == 1:  # CP x TP runs in the group driver; not tested through verl
         found.append(Refused("verl.cross_micro_batch.layout",

@@ -14,8 +14,14 @@ Sources:
 - torch_npu: Ascend/op-plugin ``docs/context/torch_npu-npu_fusion_attention.md`` (TND layout,
   cumulative ``actual_seq_qlen``/``actual_seq_kvlen`` without a leading 0, sparse_mode 3 =
   rightDownCausal with the compressed 2048x2048 mask, sparse_mode 4 = band of pre_tockens /
-  next_tockens around the same diagonal, Nq a multiple of Nkv; at most 1K segments per varlen
-  call, head dim 1~768, Nq 1~256). Windows: flash-attn ``window_size=(left, right)`` and TE's
+  next_tockens around the same diagonal, sparse_mode 0 without a mask = every key, a query
+  length of 0 allowed, Nq a multiple of Nkv; at most 1K segments per varlen call, head dim
+  1~768, Nq 1~256); its softmax_max / softmax_sum outputs as op-plugin's
+  FlashAttentionKernelNpuOpApi.cpp allocates them in TND (``[T, N, 8]`` float32) in the row
+  layout MindSpeed's TND ring attention reads (``flatten_softmax`` in
+  ``mindspeed/core/context_parallel/utils.py``: segment by segment, ``[N, s_b, 8]``), and
+  ``npu_fusion_attention_grad``'s keywords as op-plugin declares them (``softmax_max``,
+  ``softmax_sum``, ``attention_in``, ``scale_value``). Windows: flash-attn ``window_size=(left, right)`` and TE's
   forward ``window_size`` bound the keys to ``[i + L - s - left, i + L - s + right]``
   (bottom-right, as their causal masks).
 
@@ -327,6 +333,7 @@ def install_transformer_engine(monkeypatch: pytest.MonkeyPatch,
 class _TorchNpu:
     def __init__(self):
         self.calls: list[dict] = []
+        self.backward_calls: list[dict] = []
 
     def npu_fusion_attention(
         self, query, key, value, head_num, input_layout, pse=None, padding_mask=None,
@@ -338,21 +345,84 @@ class _TorchNpu:
                                actual_seq_kvlen=actual_seq_kvlen, scale=scale,
                                sparse_mode=sparse_mode, pre_tockens=pre_tockens,
                                next_tockens=next_tockens))
+        left, causal = self._check(query, key, value, head_num, input_layout, atten_mask,
+                                   keep_prob, pse, padding_mask, prefix, actual_seq_qlen,
+                                   actual_seq_kvlen, sparse_mode, pre_tockens, next_tockens)
+        self.calls[-1]["segments"] = len(actual_seq_qlen)
+        bounds = [0, *actual_seq_qlen], [0, *actual_seq_kvlen]
+        out, maxes, sums = [], [], []
+        for qs, qe, ks, ke, allowed in _segment_masks(*bounds, left, causal):
+            qi, ki, vi = _segment_tensors(query, key, value, qs, qe, ks, ke)
+            scores = (torch.einsum("qhd,khd->hqk", qi, ki) * scale).masked_fill(~allowed,
+                                                                               float("-inf"))
+            row_max = scores.amax(-1)  # [h, s]
+            probs = (scores - row_max[..., None]).exp()
+            maxes.append(row_max)
+            sums.append(probs.sum(-1))
+            out.append(torch.einsum("hqk,khd->qhd", probs / probs.sum(-1, keepdim=True), vi))
+        # documented outputs: attention_out, softmax_max, softmax_sum, reserved, seed, offset,
+        # numel; the softmax statistics float32 [T, N, 8], 8 equal lanes, laid out segment by
+        # segment as [N, s_b, 8] (the layout MindSpeed's TND ring attention reads)
+        return (torch.cat(out).to(query.dtype), _softmax_layout(maxes, query),
+                _softmax_layout(sums, query), torch.empty(0), 0, 0, 0)
+
+    def npu_fusion_attention_grad(
+        self, query, key, value, dy, head_num, input_layout, *, pse=None, padding_mask=None,
+        atten_mask=None, softmax_max=None, softmax_sum=None, softmax_in=None,
+        attention_in=None, scale_value=1.0, keep_prob=1.0, pre_tockens=2147483647,
+        next_tockens=2147483647, inner_precise=0, seed=0, offset=0, numels=0, prefix=None,
+        actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0, gen_mask_parallel=True,
+        sync=False,
+    ):
+        """The documented backward: ``P = exp(scale * q.k - softmax_max) / softmax_sum``
+        (statistics in the forward's layout), ``D = rowsum(dy * attention_in)``; returns
+        ``(dq, dk, dv, dpse)``."""
+        self.backward_calls.append(dict(sparse_mode=sparse_mode, segments=len(actual_seq_qlen),
+                                        pre_tockens=pre_tockens))
+        left, causal = self._check(query, key, value, head_num, input_layout, atten_mask,
+                                   keep_prob, pse, padding_mask, prefix, actual_seq_qlen,
+                                   actual_seq_kvlen, sparse_mode, pre_tockens, next_tockens)
+        for name, x, like in (("dy", dy, query), ("attention_in", attention_in, query)):
+            assert x is not None and x.shape == like.shape and x.dtype == like.dtype, (
+                f"{name} must be shaped and typed like query")
+        stats_shape = (query.size(0), head_num, 8)
+        for name, x in (("softmax_max", softmax_max), ("softmax_sum", softmax_sum)):
+            assert x is not None and x.shape == stats_shape and x.dtype == torch.float32, (
+                f"{name} must be float32 {stats_shape} (TND), as the forward returns it")
+            assert bool((x == x[..., :1]).all()), f"{name}'s 8 lanes must repeat one value"
+        assert softmax_in is None and isinstance(scale_value, float)
+        bounds_q = [0, *actual_seq_qlen]
+        lse = (_softmax_rows_of(softmax_max, bounds_q).double()
+               + _softmax_rows_of(softmax_sum, bounds_q).double().log())
+        dq, dk, dv = _segment_attention_backward(
+            dy, query, key, value, attention_in, lse, bounds_q, [0, *actual_seq_kvlen],
+            scale_value, left, causal)
+        return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), torch.empty(0)
+
+    @staticmethod
+    def _check(query, key, value, head_num, input_layout, atten_mask, keep_prob, pse,
+               padding_mask, prefix, actual_seq_qlen, actual_seq_kvlen, sparse_mode,
+               pre_tockens, next_tockens):
+        """The documented arguments of both directions; ``(left, causal)`` of the mask."""
         _check_qkv(query, key, value)
         assert input_layout == "TND", f"expected input_layout='TND', got {input_layout!r}"
         assert head_num == query.size(1), "head_num must be the number of query heads"
-        assert sparse_mode in (3, 4), (
-            f"expected sparse_mode=3 (rightDownCausal) or 4 (band), got {sparse_mode}"
+        assert sparse_mode in (0, 3, 4), (
+            f"expected sparse_mode=3 (rightDownCausal), 4 (band) or 0 without a mask (every "
+            f"key), got {sparse_mode}"
         )
-        # band (4): pre_tockens keys before the diagonal, next_tockens after it; aligned
-        # bottom-right per segment in TND, like mode 3
-        assert sparse_mode == 3 or (0 <= pre_tockens and next_tockens == 0), (
-            "a causal band is pre_tockens >= 0, next_tockens == 0"
-        )
-        assert isinstance(atten_mask, torch.Tensor) and atten_mask.dtype == torch.bool
-        assert atten_mask.device == query.device, "atten_mask must be on the device"
-        assert torch.equal(atten_mask, torch.ones(2048, 2048, dtype=torch.bool).triu(1).to(
-            atten_mask.device)), "sparse_mode 3 / 4 take the compressed 2048x2048 causal mask"
+        if sparse_mode == 0:  # atten_mask None: computed in full, tockens ignored
+            assert atten_mask is None, "this fake models sparse_mode 0 without a mask only"
+        else:
+            # band (4): pre_tockens keys before the diagonal, next_tockens after it; aligned
+            # bottom-right per segment in TND, like mode 3
+            assert sparse_mode == 3 or (0 <= pre_tockens and next_tockens == 0), (
+                "a causal band is pre_tockens >= 0, next_tockens == 0"
+            )
+            assert isinstance(atten_mask, torch.Tensor) and atten_mask.dtype == torch.bool
+            assert atten_mask.device == query.device, "atten_mask must be on the device"
+            assert torch.equal(atten_mask, torch.ones(2048, 2048, dtype=torch.bool).triu(1).to(
+                atten_mask.device)), "sparse_mode 3 / 4 take the compressed 2048x2048 causal mask"
         assert keep_prob == 1.0, "expected keep_prob=1.0"
         assert pse is None and padding_mask is None and prefix is None
         for name, lens, x in (("actual_seq_qlen", actual_seq_qlen, query),
@@ -360,7 +430,10 @@ class _TorchNpu:
             assert isinstance(lens, list) and all(type(n) is int for n in lens), (
                 f"{name} must be a host list of Python ints, got {type(lens).__name__}"
             )
-            assert lens and lens[0] != 0, f"{name} holds cumulative ends without a leading 0"
+            # a segment may hold no query (documented), never one without keys
+            assert lens and (lens[0] != 0 or name == "actual_seq_qlen" and sparse_mode == 0), (
+                f"{name} holds cumulative ends without a leading 0"
+            )
             assert lens == sorted(lens) and lens[-1] == x.size(0), (
                 f"{name} must be cumulative and end at the token count"
             )
@@ -368,20 +441,33 @@ class _TorchNpu:
         assert len(actual_seq_qlen) <= 1024, "varlen: actual_seq_qlen holds at most 1K segments"
         assert 1 <= query.size(-1) <= 768, "head dim D must be 1~768"
         assert 1 <= head_num <= 256, "Nq must be 1~256"
-        self.calls[-1]["segments"] = len(actual_seq_qlen)
-        out = _segment_attention(
-            query, key, value, [0, *actual_seq_qlen], [0, *actual_seq_kvlen], scale,
-            pre_tockens if sparse_mode == 4 else None,
-        )
-        # documented outputs: attention_out, softmax_max, softmax_sum, reserved, seed, offset, numel
-        return out, torch.empty(0), torch.empty(0), torch.empty(0), 0, 0, 0
+        return (pre_tockens if sparse_mode == 4 else None), sparse_mode != 0
+
+
+def _softmax_layout(per_segment, query):
+    """Per-segment statistics ``[h, s_b]`` -> the kernel's ``[T, N, 8]`` float32: segment by
+    segment, each as ``[N, s_b, 8]`` in memory."""
+    flat = [x[..., None].expand(-1, -1, 8).reshape(-1, 8) for x in per_segment]
+    return torch.cat(flat).float().view(query.size(0), query.size(1), 8)
+
+
+def _softmax_rows_of(stats, bounds_q):
+    """The kernel's ``[T, N, 8]`` statistics -> ``[h, T]`` in token order (lane 0)."""
+    heads, rows, at = stats.size(1), [], 0
+    flat = stats.reshape(-1, 8)[:, 0]
+    for qs, qe in zip(bounds_q[:-1], bounds_q[1:]):
+        rows.append(flat[at: at + (qe - qs) * heads].view(heads, qe - qs))
+        at += (qe - qs) * heads
+    return torch.cat(rows, 1)
 
 
 def install_torch_npu(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
-    """A fake ``torch_npu``; its ``calls`` list records each call's mask, lengths and scale."""
+    """A fake ``torch_npu``; its ``calls`` list records each forward call's mask, lengths and
+    scale, ``backward_calls`` each ``npu_fusion_attention_grad``'s mask mode and segments."""
     kernel = _TorchNpu()
     module = _module("torch_npu", package=True)
     module.npu_fusion_attention = kernel.npu_fusion_attention
-    module.calls = kernel.calls
+    module.npu_fusion_attention_grad = kernel.npu_fusion_attention_grad
+    module.calls, module.backward_calls = kernel.calls, kernel.backward_calls
     monkeypatch.setitem(sys.modules, "torch_npu", module)
     return module

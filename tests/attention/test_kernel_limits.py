@@ -20,6 +20,10 @@ from prefix_sharing.attention.kernel_limits import (
 )
 from prefix_sharing.attention.npu_backend import varlen_attention_npu
 from prefix_sharing.attention.te_backend import varlen_attention_te
+from prefix_sharing.attention.torch_backend import (
+    attention_lse_backward_torch,
+    attention_lse_torch,
+)
 from prefix_sharing.errors import UnsupportedSetup
 from tests.attention import fake_kernels
 
@@ -117,6 +121,34 @@ def test_npu_runs_more_segments_than_one_call_takes_in_several_calls(monkeypatch
     ref_grads = torch.autograd.grad((ref * weights).sum(), (q, k, v))
     for g, r in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
+
+
+def test_npus_with_lse_pair_runs_more_segments_than_one_call_takes_in_several_calls(
+        monkeypatch):
+    """The dense rectangles of shared nodes (no mask) over more segments than one call takes,
+    some without queries - the second call's last ones - forward and backward, against the
+    torch pair in float64: the softmax statistics are read back call by call."""
+    monkeypatch.setattr(npu_backend, "_COMPRESSED_MASKS", {})
+    kernel = fake_kernels.install_torch_npu(monkeypatch)
+    count = NPU_MAX_SEGMENTS + 6
+    q_lens = [(1 + i % 3) * (i % 5 != 1) * (i < count - 2) for i in range(count)]
+    k_lens = [1 + i % 4 for i in range(count)]
+    q, k, v, cu_q, cu_k, max_q, max_k = _segments(q_lens, k_lens, dtype=torch.float32)
+    args = (cu_q, cu_k, max_q, max_k, None)
+    hosts = dict(causal=False, cu_seqlens_q_host=cu_q.tolist(), cu_seqlens_k_host=cu_k.tolist())
+    out, lse = npu_backend.attention_lse_npu(q, k, v, *args, **hosts)
+    want_out, want_lse = attention_lse_torch(q.double(), k.double(), v.double(), *args, **hosts)
+    assert [c["segments"] for c in kernel.calls] == [NPU_MAX_SEGMENTS, 6]
+    torch.testing.assert_close(out.double(), want_out, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-6)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    grads = npu_backend.attention_lse_backward_npu(dout, q, k, v, out, lse, *args, **hosts)
+    want = attention_lse_backward_torch(dout.double(), q.double(), k.double(), v.double(),
+                                        want_out, want_lse, *args, **hosts)
+    assert [c["segments"] for c in kernel.backward_calls] == [NPU_MAX_SEGMENTS, 6]
+    assert float(grads[1][cu_k[-3]:].abs().max()) == float(grads[2][cu_k[-3]:].abs().max()) == 0
+    for g, r in zip(grads, want, strict=True):
+        torch.testing.assert_close(g.double(), r, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("shape, message", [

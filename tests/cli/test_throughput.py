@@ -129,6 +129,11 @@ def test_cross_view_reports_a_long_history_against_the_whole_group(capfd):
     head_dim = preset.hidden_size // preset.num_attention_heads
     assert cross["held_bytes"] == 2 * 2 * preset.num_layers * 512 * preset.num_query_groups \
         * head_dim * 4
+    # K/V rows one attention layer holds: cross's micro-batches their own rows, the stored
+    # history read in place (held_bytes); gathered, a suffix would hold it twice more
+    assert whole["kv_rows_per_layer"] == 512 + 8 * 32 and plain["kv_rows_per_layer"] == 544
+    assert "sources" in cross["kv_execution"] and "gather" not in cross["kv_execution"]
+    assert cross["kv_rows_per_layer"] <= 200 < 2 * 512 < cross["kv_rows_gather"]
     for mode in (whole, plain, shared, cross):
         assert mode["peak_mb"] > 0 and mode["vs_whole"]["peak"] == mode["peak_mb"] / whole["peak_mb"]
         assert mode["vs_whole"]["time"] == mode["batch_ms"] / whole["batch_ms"]

@@ -139,3 +139,23 @@ def test_a_pass_keeps_its_mode_whatever_the_store_says_later():
     assert reader.mode == "record"
     store.mode = "read"
     assert store.forward_pass().mode == "read" and reader.mode == "record"
+
+
+def test_a_reader_gets_the_stored_kv_as_sources_and_exchange_concatenates_them():
+    """key_sources hands a reader the stack's leaves themselves, in row order, beside its own
+    K/V (the attention reads them in place: tests/attention/test_sources.py); exchange, the
+    gathering paths' view, is their concatenation in front."""
+    from prefix_sharing.megatron_ext.prefix_kv import PrefixKVStack
+
+    blocks = [PrefixKV(), PrefixKV()]
+    for rows, store in zip((2, 3), blocks):
+        store.exchange(1, torch.full((rows, 1), float(rows)), torch.zeros(rows, 1))
+        store.mode = "read"
+    own = torch.ones(1, 1)
+    sources, key, value = PrefixKVStack(blocks).forward_pass().key_sources(1, own, own)
+    assert key is own and value is own
+    handed = [t for pair in sources for t in pair]
+    stored = [t for block in blocks for t in block.leaves[1]]
+    assert len(handed) == 4 and all(a is b for a, b in zip(handed, stored))
+    key, _ = PrefixKVStack(blocks).exchange(1, own, own)
+    assert key.flatten().tolist() == [2, 2, 3, 3, 3, 1]

@@ -88,7 +88,8 @@ def _kv_gradient_dropped() -> None:
     from prefix_sharing.attention import varlen_attention
     from prefix_sharing.megatron_ext import core_attention
 
-    def attention(q, k, v, plan, *, softmax_scale=None, **kernel_options):
+    def attention(q, k, v, plan, *, softmax_scale=None, stored=(), **kernel_options):
+        assert not stored, "the verdict's batches run in one micro-batch: nothing is stored"
         cu_q, cu_kv = plan.cu_seqlens_q.cpu().numpy(), plan.cu_seqlens_kv.cpu().numpy()
         tails, keys = cu_q[1:] - cu_q[:-1], cu_kv[1:] - cu_kv[:-1]
         own = np.concatenate([np.arange(n) >= n - s for n, s in zip(keys, tails)])

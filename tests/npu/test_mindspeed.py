@@ -94,8 +94,10 @@ def _run(batches, npu) -> dict:
     attention = ours.decoder.layers[0].self_attention
     fake_mindspeed.CALLS.clear()
     npu.calls.clear()
+    npu.backward_calls.clear()
     shared = forward_backward(ours, batches, "shared", ON_NPU)
-    calls_shared = dict(fake_mindspeed.CALLS, npu_fusion_attention=len(npu.calls))
+    calls_shared = dict(fake_mindspeed.CALLS, npu_fusion_attention=len(npu.calls),
+                        npu_fusion_attention_grad=len(npu.backward_calls))
     fake_mindspeed.CALLS.clear()
     reference = forward_backward(plain, batches, "padded")
     return {
@@ -156,14 +158,18 @@ def test_shared_model_equals_plain_model_under_mindspeed(reports, order, stage):
 def test_mindspeed_patches_were_in_force(reports, order, stage):
     """The emulation bites: the plain model ran MindSpeed's attention and rotary; the shared
     model rotated through MindSpeed's fused rotary (bshd) and attended with
-    ``npu_fusion_attention`` (sparse_mode 3), never MindSpeed's attention or THD RoPE."""
+    ``npu_fusion_attention`` over key sources (per layer one call over the own segments,
+    sparse_mode 3, and one over the shared nodes, sparse_mode 0: every micro-batch shares;
+    each differentiated by ``npu_fusion_attention_grad``), never MindSpeed's attention or THD
+    RoPE."""
     run = reports[order][stage]
     assert all(run["patches"].values()), run["patches"]
     layer_calls = len(run["plain"].outputs) * 2  # tiny preset: 2 layers
     assert run["calls_plain"]["attention"] == layer_calls
     assert run["calls_plain"]["rope_bshd"] == 2 * layer_calls  # query and key
     assert run["calls_shared"]["rope_bshd"] == 2 * layer_calls
-    assert run["calls_shared"]["npu_fusion_attention"] == layer_calls  # backend="npu"
+    assert run["calls_shared"]["npu_fusion_attention"] == 2 * layer_calls  # backend="npu"
+    assert run["calls_shared"]["npu_fusion_attention_grad"] == 2 * layer_calls
     assert run["calls_shared"].get("attention", 0) == 0
     assert run["calls_shared"].get("rope_thd", 0) == 0
 
@@ -259,9 +265,11 @@ def _context_parallel_job(rank: int) -> dict:
     report["stock_core_attention"] = type(stock.decoder.layers[0].self_attention.core_attention).__name__
     fake_mindspeed.CALLS.clear()
     npu.calls.clear()
+    npu.backward_calls.clear()
     report["shared"] = forward_backward(tiny_gpt("shared"), micro_batches(WORKLOADS), "shared",
                                         ON_NPU)
-    report["calls"] = dict(fake_mindspeed.CALLS, npu_fusion_attention=len(npu.calls))
+    report["calls"] = dict(fake_mindspeed.CALLS, npu_fusion_attention=len(npu.calls),
+                           npu_fusion_attention_grad=len(npu.backward_calls))
     report["refused"] = {}
     for algorithm in CP_ALGORITHMS_REFUSED:
         try:

@@ -29,6 +29,7 @@ TORCH = dataclasses.replace(SHARE_EVERY_PREFIX, backend="torch")
 
 
 def _npu_job(rank: int) -> dict:
+    from prefix_sharing.attention.sources import source_layout
     from prefix_sharing.megatron_ext import prepare_micro_batch
 
     batches = micro_batches(WORKLOADS)
@@ -49,8 +50,10 @@ def _npu_job(rank: int) -> dict:
         .max_rel_diff,
         "calls": [(c["actual_seq_qlen"], c["actual_seq_kvlen"]) for c in npu.calls],
         "heads": model.decoder.layers[0].self_attention.num_attention_heads_per_partition,
-        "segments": [(list(p.cu_seqlens_q_host[1:]), list(p.cu_seqlens_kv_host[1:]))
-                     for p in plans],
+        # per micro-batch, the calls of one layer: the parts of its attention over sources
+        "segments": [[(list(part.cu_seqlens_q_host[1:]), list(part.cu_seqlens_k_host[1:]))
+                      for part in source_layout(p).parts] for p in plans],
+        "own_segments": [list(p.cu_seqlens_q_host[1:]) for p in plans],
         # sequences that compute nothing (duplicates, strict prefixes) have no segment
         "sequences_without_segment": sum(
             len(seqs) - (len(p.cu_seqlens_q_host) - 1 - (p.num_padding > 0))
@@ -74,14 +77,19 @@ def test_npu_backend_equals_torch_backend_and_the_plain_model(ranks):
 
 
 def test_every_layer_calls_the_kernel_with_the_plans_host_segments(ranks):
-    """Host lists of cumulative ends (the fake rejects tensors, a leading 0 or an empty
-    segment), one call per layer and micro-batch; sequences with nothing to compute are left
-    out of the lists."""
+    """Host lists of cumulative ends (the fake rejects tensors, a leading 0 or a causal
+    segment without queries), per layer and micro-batch the calls of the attention over
+    sources: the plan's own segments (queries over their own keys), then the shared nodes'
+    rectangles; sequences with nothing to compute are left out of the lists."""
     tp, reports = ranks
     for report in reports:
         assert report["heads"] == PRESET.num_attention_heads // tp
-        per_batch = [seg for seg in report["segments"] for _ in range(PRESET.num_layers)]
+        per_batch = [call for parts in report["segments"] for _ in range(PRESET.num_layers)
+                     for call in parts]
         assert report["calls"] == per_batch
+        assert [parts[0] for parts in report["segments"]] == [
+            (own, own) for own in report["own_segments"]]
+        assert all(len(parts) == 2 for parts in report["segments"])  # every micro-batch shares
         assert report["sequences_without_segment"] > 0  # the tree workload's duplicate
 
 
