@@ -51,9 +51,14 @@ TABLE: tuple[Refusal, ...] = (
     Refusal("megatron.window_reads_later_keys", "a sliding window that reads later keys",
             "a causal sliding window reads no later keys; keep the left size and set the right "
             "one to 0", _MEGATRON),
-    Refusal("megatron.virtual_pipeline", "interleaved (virtual) pipeline stages",
-            "interleaved pipeline schedules are not tested with sharing (a first run mislaid a "
-            "stage's plan); use virtual_pipeline_model_parallel_size=None", _MEGATRON),
+    Refusal("megatron.virtual_pipeline.two_stage_p2p",
+            "interleaved pipeline stages at PP=2 without overlapped p2p",
+            "at pipeline_model_parallel_size=2 megatron's interleaved schedule exchanges the next "
+            "activation and the next gradient with a stage's one neighbour in one call, their "
+            "shapes matched in the order posted; with a planned micro-batch's own flat length "
+            "a stage received another micro-batch's gradient as its activation (over gloo); set "
+            "overlap_p2p_comm=True and batch_p2p_comm=False, as verl and Megatron-LM do under "
+            "virtual pipeline stages", ("megatron-core", "verl-megatron", "ascend")),
     Refusal("megatron.rope_fusion", "MLA's fused RoPE",
             "MLA's fused RoPE kernels (fused_apply_mla_rope_for_q / _kv) take positions from "
             "cu_seqlens, restarting in every segment, and no per-token table, but a reuser's "
@@ -202,6 +207,14 @@ TABLE: tuple[Refusal, ...] = (
             "carrying the prefix rows) does not replay routes (not built); replay at "
             "pipeline_model_parallel_size=1, or within one micro-batch per group",
             ("megatron-core",)),
+    Refusal("megatron.cross_micro_batch.virtual_pipeline", "groups across micro-batches under "
+            "interleaved (virtual) pipeline stages", "the pipelined group run carries the "
+            "prefix rows in the first and last suffix micro-batch of one model chunk per stage, "
+            "relying on 1F1B to backward the last suffix after the others on every stage; a "
+            "prefix kept per model chunk through megatron's interleaved schedule is not built: "
+            "use virtual_pipeline_model_parallel_size=None for such groups, or one micro-batch "
+            "per group (cross_micro_batch off; interleaved stages serve that)",
+            ("megatron-core", "verl-megatron")),
     Refusal("megatron.cross_micro_batch.router_padding_mask", "router statistics across "
             "micro-batches with a padding_mask", "the plan already says which rows are padding",
             ("megatron-core", "verl-megatron")),
@@ -284,8 +297,11 @@ TABLE: tuple[Refusal, ...] = (
             ("ascend",)),
     # --- verl -----------------------------------------------------------------------------
     Refusal("verl.dynamic_context_parallel", "dynamic context parallelism",
-            "its scheduler gives each micro-batch its own CP group and splits samples across "
-            "it; use a static context_parallel_size", ("verl-megatron",)),
+            "verl builds it on megatron's dynamic DPxCP groups "
+            "(initialize_model_parallel(dynamic_context_parallel=...)), which no megatron-core "
+            "release up to 0.19.2 has (verl 0.8.0 and 0.9.1 assert it; 0.19.2 has only "
+            "hybrid_context_parallel), so sharing under it cannot run or be tested; use a static "
+            "context_parallel_size", ("verl-megatron",)),
     Refusal("verl.ulysses.recurrent", "Ulysses sequence parallelism on a model with "
             "recurrent layers",
             "a Gated DeltaNet or Mamba-2 layer's recurrence over the plan's segments would need "
@@ -393,7 +409,7 @@ TABLE: tuple[Refusal, ...] = (
             "micro-batches; the FSDP engine and the critic split a group too large for a "
             "micro-batch instead (set cross_micro_batch: false)", _VERL),
     Refusal("verl.cross_micro_batch.layout", "groups across micro-batches with this parallel "
-            "layout", "a group runs without virtual stages, under context parallelism at TP=1 "
+            "layout", "a group runs under context parallelism at TP=1 "
             "(CP x TP is tested in the group driver only), and under pipeline parallelism at "
             "TP=1, CP=1 on a dense model without recompute or sliding windows (the settings "
             "tested there)",

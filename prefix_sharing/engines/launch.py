@@ -52,12 +52,14 @@ def run_distributed(
     tp: int = 1,
     pp: int = 1,
     cp: int = 1,
+    vpp: int | None = None,
     seed: int = 1234,
     timeout: float = 600.0,
 ) -> list[Any]:
     """Run ``fn(rank, *args)`` on ``world_size`` spawned gloo ranks; return each rank's result.
 
-    Each rank calls ``enable_cpu_megatron()``, ``initialize_model_parallel(tp, pp, cp)`` and
+    Each rank calls ``enable_cpu_megatron()``, ``initialize_model_parallel(tp, pp, cp)`` (with
+    ``vpp`` model chunks per pipeline rank: megatron's interleaved schedule) and
     ``model_parallel_cuda_manual_seed(seed)`` before ``fn``. Arguments and results travel
     pickled by value, so they must be picklable (CPU tensors are).
 
@@ -78,7 +80,7 @@ def run_distributed(
     while True:
         attempts_left -= 1
         try:
-            return _launch(payload, world_size, free_port(), tp, pp, cp, seed, timeout)
+            return _launch(payload, world_size, free_port(), (tp, pp, cp, vpp), seed, timeout)
         except RankError as error:
             # free_port's port was free when asked, but another process (a second test run, a
             # CI lane beside this one) bound it before rank 0's TCPStore did: ask again.
@@ -86,15 +88,15 @@ def run_distributed(
                 raise
 
 
-def _launch(payload: bytes, world_size: int, port: int, tp: int, pp: int, cp: int, seed: int,
-            timeout: float) -> list[Any]:
+def _launch(payload: bytes, world_size: int, port: int, sizes: tuple[int, int, int, int | None],
+            seed: int, timeout: float) -> list[Any]:
     """One launch of the ranks on ``port`` (see :func:`run_distributed`)."""
     ctx = mp.get_context("spawn")
     results_queue = ctx.Queue()
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(rank, world_size, port, tp, pp, cp, seed, payload, results_queue),
+            args=(rank, world_size, port, sizes, seed, payload, results_queue),
             name=f"megatron-rank-{rank}",
         )
         for rank in range(world_size)
@@ -164,9 +166,7 @@ def _rank_main(
     rank: int,
     world_size: int,
     port: int,
-    tp: int,
-    pp: int,
-    cp: int,
+    sizes: tuple[int, int, int, int | None],
     seed: int,
     payload: bytes,
     results_queue: Any,
@@ -177,7 +177,8 @@ def _rank_main(
     warnings.filterwarnings("ignore", message="full scope is deprecated")
     try:
         torch.set_num_threads(rank_threads(world_size))
-        init_megatron(rank, world_size, port, tp=tp, pp=pp, cp=cp, seed=seed)
+        tp, pp, cp, vpp = sizes
+        init_megatron(rank, world_size, port, tp=tp, pp=pp, cp=cp, vpp=vpp, seed=seed)
         fn, args = pickle.loads(payload)
         message = (rank, True, pickle.dumps(fn(rank, *args)))
         # No rank exits (closing its sockets, and rank 0 the TCPStore) while others still
@@ -192,7 +193,7 @@ def _rank_main(
 
 
 def init_megatron(rank: int, world_size: int, port: int, *, tp: int = 1, pp: int = 1,
-                  cp: int = 1, seed: int = 1234) -> None:
+                  cp: int = 1, vpp: int | None = None, seed: int = 1234) -> None:
     """Process group (NCCL on CUDA, else gloo + :func:`enable_cpu_megatron`) and megatron's
     model-parallel state and RNG tracker, for this rank."""
     from megatron.core import parallel_state, tensor_parallel
@@ -210,7 +211,7 @@ def init_megatron(rank: int, world_size: int, port: int, *, tp: int = 1, pp: int
         enable_cpu_megatron()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        context_parallel_size=cp,
+        context_parallel_size=cp, virtual_pipeline_model_parallel_size=vpp,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 

@@ -23,7 +23,8 @@ pass in :mod:`.megatron_layouts`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -42,7 +43,8 @@ from ..planner import PromptGroup
 from ..refusals import refuse
 from .megatron_layouts import LAYOUTS as _STRATEGIES
 from .megatron_layouts import layout_for
-from .megatron_models import gpt_model, hybrid_model, preset_model, transformer_config
+from .megatron_models import (gpt_model, hybrid_model, model_chunks, preset_model,
+                              transformer_config)
 from .megatron_references import padded_batch, stock_thd_batch, stock_thd_token_stats
 from .megatron_weights import full_grads, seed_weights
 
@@ -53,11 +55,13 @@ __all__ = [
     "stock_thd_token_stats",
     "gpt_model",
     "hybrid_model",
+    "model_chunks",
     "preset_model",
     "transformer_config",
     "seed_weights",
     "full_grads",
     "MicroBatchRun",
+    "chunk_iterators",
     "forward_backward",
     "compare",
     "finalize_sequence_parallel_grads",
@@ -79,7 +83,7 @@ class MicroBatchRun:
 
 
 def forward_backward(
-    model: torch.nn.Module,
+    model: torch.nn.Module | Sequence[torch.nn.Module],
     batches: Sequence[Sequence[torch.Tensor]],
     layout: str,
     config: PrefixSharingConfig = PrefixSharingConfig(),
@@ -87,6 +91,13 @@ def forward_backward(
     routes: Sequence[Sequence[torch.Tensor]] | None = None,
 ) -> MicroBatchRun:
     """Forward+backward of every micro-batch through megatron's schedule (see the module doc).
+
+    ``model``: this rank's stage, or its model chunks (:func:`.megatron_models.model_chunks`)
+    for megatron's interleaved schedule. That schedule runs each chunk's forward of micro-batch
+    ``i`` at its own time (chunk 0 of micro-batches 0..PP-1, then chunk 1 of the same, ...), so
+    every chunk reads its own iterator of ``(i, inputs)`` pairs: what a forward uses of
+    micro-batch ``i`` (its plan, sequences, routes, loss weights) is looked up by ``i``, never
+    taken as "the next one".
 
     The loss of a micro-batch is :func:`pg_loss` of its log-probs and entropy with seeded
     per-token :func:`advantages`, so every quantity the comparison reads gets a gradient.
@@ -102,39 +113,52 @@ def forward_backward(
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}; got {layout!r}")
     _check_context_parallel_layout(layout)
+    chunks = list(model) if isinstance(model, Sequence) else [model]
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
     groups = list(groups) if groups is not None else [None] * len(batches)
     strategy = layout_for(layout, config, groups, routes)
-    inputs = strategy.prepare(model, batches, device)
-    model.zero_grad(set_to_none=True)
-    outputs: list[RunOutputs] = []
-    order = iter(range(len(batches)))
+    inputs = strategy.prepare(chunks, batches, device)
+    for chunk in chunks:
+        chunk.zero_grad(set_to_none=True)
+    outputs: dict[int, RunOutputs] = {}
 
     def forward_step(data_iterator, model):
-        i = next(order)
-        seqs, mb = batches[i], next(data_iterator)
+        i, mb = next(data_iterator)
+        seqs = batches[i]
         output = strategy.forward(model, mb, i)
 
         def loss_func(logits):
             packed, log_probs, entropy = strategy.read(logits, seqs, mb)
             weights = advantages(log_probs.numel(), seed=i).to(log_probs.device)
             loss = pg_loss(log_probs, entropy, weights)
-            outputs.append(RunOutputs(at_least_fp32(packed.detach()).cpu(),
-                                      log_probs.detach().cpu(),
-                                      entropy.detach().cpu(), loss.detach().clone().cpu(), {}))
+            outputs[i] = RunOutputs(at_least_fp32(packed.detach()).cpu(), log_probs.detach().cpu(),
+                                    entropy.detach().cpu(), loss.detach().clone().cpu(), {})
             return loss, {}
 
         return output, loss_func
 
+    iterators = chunk_iterators(inputs, len(chunks))
     get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(inputs), model=[model],
-        num_microbatches=len(inputs), seq_length=max(len(s) for b in batches for s in b),
-        micro_batch_size=1,
+        forward_step_func=forward_step,
+        data_iterator=iterators if len(chunks) > 1 else iterators[0],
+        model=chunks, num_microbatches=len(inputs),
+        seq_length=max(len(s) for b in batches for s in b), micro_batch_size=1,
     )
-    digests = strategy.finish(model, inputs)
-    finalize_sequence_parallel_grads(model)  # the parameters' .grad are then the optimizer's
-    finalize_context_parallel_grads(model)
-    return MicroBatchRun(outputs, full_grads(model), digests)
+    digests = strategy.finish(chunks, inputs)
+    grads: dict[str, torch.Tensor] = {}
+    for chunk in chunks:
+        finalize_sequence_parallel_grads(chunk)  # the parameters' .grad are then the optimizer's
+        finalize_context_parallel_grads(chunk)
+        grads.update(full_grads(chunk))
+    return MicroBatchRun([outputs[i] for i in sorted(outputs)], grads, digests)
+
+
+def chunk_iterators(inputs: Sequence[Any], chunks: int) -> list[Iterator[tuple[int, Any]]]:
+    """One iterator of ``(micro-batch index, inputs)`` per model chunk: megatron's interleaved
+    schedule draws each chunk's micro-batches from that chunk's own iterator, in micro-batch
+    order but at the chunk's own times (one iterator shared by the chunks would hand chunk 1 a
+    later micro-batch's plan than the activations it receives)."""
+    return [iter(list(enumerate(inputs))) for _ in range(chunks)]
 
 
 def compare(candidate: MicroBatchRun, reference: MicroBatchRun) -> Comparison:

@@ -42,9 +42,9 @@ class Layout(abc.ABC):
     routes: Routes | None
 
     @abc.abstractmethod
-    def prepare(self, model: torch.nn.Module, batches: Sequence[Sequence[torch.Tensor]],
-                device: Any) -> list[Any]:
-        """Every micro-batch's model inputs."""
+    def prepare(self, chunks: Sequence[torch.nn.Module],
+                batches: Sequence[Sequence[torch.Tensor]], device: Any) -> list[Any]:
+        """Every micro-batch's model inputs (for every model chunk of this rank)."""
 
     @abc.abstractmethod
     def forward(self, model: torch.nn.Module, mb: Any, i: int) -> torch.Tensor:
@@ -55,7 +55,7 @@ class Layout(abc.ABC):
              mb: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(packed full-vocabulary logits, log-probs, entropy)`` of the sequences ``seqs``."""
 
-    def finish(self, model: torch.nn.Module, inputs: list[Any]) -> list[str]:
+    def finish(self, chunks: Sequence[torch.nn.Module], inputs: list[Any]) -> list[str]:
         """After the schedule: the plans' fingerprints (``shared`` only)."""
         return []
 
@@ -63,10 +63,10 @@ class Layout(abc.ABC):
 class SharedLayout(Layout):
     """The prefix-sharing layer spec on each plan's flat layout."""
 
-    def prepare(self, model, batches, device):
+    def prepare(self, chunks, batches, device):
         from ..megatron_ext import check_sharing_model, prepare_micro_batch
 
-        check_sharing_model(model)
+        check_sharing_model(chunks)
         return [prepare_micro_batch(seqs, self.config, groups=g, device=device,
                                     routes=None if self.routes is None else self.routes[i])
                 for i, (seqs, g) in enumerate(zip(batches, self.groups))]
@@ -81,7 +81,7 @@ class SharedLayout(Layout):
         packed = mb.plan.restore(_gather_context_rows(_gather_vocab(logits)[0], mb))
         return packed, stats.log_probs, stats.entropy
 
-    def finish(self, model, inputs):
+    def finish(self, chunks, inputs):
         return [mb.plan.digest() for mb in inputs]
 
 
@@ -92,7 +92,7 @@ class PackedLayout(Layout):
         if self.routes is not None:
             raise ValueError("routes are replayed in the 'shared' and 'padded' layouts")
 
-    def prepare(self, model, batches, device):
+    def prepare(self, chunks, batches, device):
         return [stock_thd_batch(seqs, device, self.config.backend) for seqs in batches]
 
     def forward(self, model, mb, i):
@@ -110,7 +110,7 @@ class PaddedLayout(Layout):
     """Megatron's stock spec on right-padded ``[b, s]`` input; with routes, each stock router
     replays them as its top-k sees the padded batch."""
 
-    def prepare(self, model, batches, device):
+    def prepare(self, chunks, batches, device):
         return [padded_batch(seqs, device) for seqs in batches]
 
     def forward(self, model, mb, i):
@@ -125,9 +125,10 @@ class PaddedLayout(Layout):
         log_probs, entropy = plain_token_log_probs(packed, [s.to(packed.device) for s in seqs])
         return packed, log_probs, entropy
 
-    def finish(self, model, inputs):
+    def finish(self, chunks, inputs):
         if self.routes is not None:
-            clear_replay(model)
+            for chunk in chunks:
+                clear_replay(chunk)
         return []
 
 

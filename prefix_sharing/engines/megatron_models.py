@@ -19,7 +19,7 @@ from ..presets import ModelPreset
 from .megatron_references import gdn_on_cpu, padded_reference_spec
 from .megatron_weights import seed_weights
 
-__all__ = ["QWEN35_ROTARY_PERCENT", "gpt_model", "hybrid_model", "preset_model",
+__all__ = ["QWEN35_ROTARY_PERCENT", "gpt_model", "hybrid_model", "model_chunks", "preset_model",
            "transformer_config"]
 
 
@@ -30,9 +30,11 @@ def gpt_model(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     layer_spec: Any = None,
+    vp_stage: int | None = None,
     **config_overrides: Any,
 ) -> torch.nn.Module:
-    """This rank's stage of a ``preset``-shaped GPTModel with seeded weights.
+    """This rank's stage of a ``preset``-shaped GPTModel with seeded weights (under
+    interleaved pipeline parallelism: its model chunk ``vp_stage``, see :func:`model_chunks`).
 
     Args:
         preset: the model's shape (Llama/Qwen style: RMSNorm, SwiGLU, RoPE, GQA).
@@ -60,13 +62,29 @@ def gpt_model(
         transformer_layer_spec=layer_spec,
         vocab_size=preset.vocab_size,
         max_sequence_length=preset.max_sequence_length,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False,
+                                                            vp_stage=vp_stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False,
+                                                           vp_stage=vp_stage),
         share_embeddings_and_output_weights=preset.tie_embeddings,
         rotary_base=preset.rotary_base,
+        vp_stage=vp_stage,
         **rope,
     )
     return _placed_and_seeded(model, preset, dtype, seed)
+
+
+def model_chunks(preset: ModelPreset, **kwargs: Any) -> list[torch.nn.Module]:
+    """This rank's model chunks of a ``preset``-shaped GPTModel (:func:`gpt_model`'s
+    keywords): one per virtual pipeline stage under megatron's interleaved schedule
+    (``virtual_pipeline_model_parallel_size`` set when the ranks were launched), else the one
+    stage. Megatron's interleaved schedule takes the list as its ``model``."""
+    from megatron.core import parallel_state
+
+    chunks = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    if chunks is None:
+        return [gpt_model(preset, **kwargs)]
+    return [gpt_model(preset, vp_stage=stage, **kwargs) for stage in range(chunks)]
 
 
 def preset_model(preset: ModelPreset, **kwargs: Any) -> torch.nn.Module:
@@ -103,6 +121,8 @@ def transformer_config(preset: ModelPreset, dtype: torch.dtype = torch.float32,
         bf16=dtype == torch.bfloat16,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        virtual_pipeline_model_parallel_size=(
+            parallel_state.get_virtual_pipeline_model_parallel_world_size()),
         # an uneven split (tiny-mla's 3 layers at PP=2): the first stage holds fewer
         num_layers_in_first_pipeline_stage=preset.first_stage_layers(
             parallel_state.get_pipeline_model_parallel_world_size()),

@@ -3,9 +3,18 @@
 Two kinds: *structural* settings the prefix-sharing attention cannot serve at all (checked when
 the layer is built), and settings that are harmless on the plain layout but not once a prefix is
 shared (checked per micro-batch, only when the plan shares something).
+
+The structural checks a model's configuration answers alone are one function each (the
+``*_problems`` functions, :func:`layer_config_problems` for all of them on a layer, and
+:func:`hybrid_layer_problem` / :func:`hybrid_pattern_problems` for a hybrid stack's layers),
+reading any object with ``TransformerConfig``'s field names: the build path raises from them,
+and verl's Megatron engine calls them at construction on the fields its bridge would set
+(:mod:`prefix_sharing.verl_ext.mcore_model`), which is what ``prefix-sharing preflight`` reports.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -13,8 +22,12 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from ..errors import UnsupportedSetup
 from ..plan import SharingPlan
 from ..refusals import Refused, refuse, refuse_all
+from .stock_gdn import GDN_NOT_SERVED, serves_gated_delta_net
 
-__all__ = ["UnsupportedSetupError", "check_layer_config", "check_sharing_allowed", "assert_same_plan"]
+__all__ = ["UnsupportedSetupError", "check_layer_config", "check_sharing_allowed", "assert_same_plan",
+           "layer_config_problems", "context_parallel_problems", "attention_variant_problems",
+           "mtp_problems", "mrope_problems", "window_problems", "rope_fusion_problems",
+           "gdn_context_parallel_problems", "hybrid_layer_problem", "hybrid_pattern_problems"]
 
 
 class UnsupportedSetupError(UnsupportedSetup, RuntimeError):
@@ -28,44 +41,147 @@ class UnsupportedSetupError(UnsupportedSetup, RuntimeError):
 
 def check_layer_config(config: TransformerConfig) -> None:
     """Refuses settings the prefix-sharing core attention cannot serve."""
-    found = []
-    if config.context_parallel_size > 1:
-        found += _context_parallel_problems(config)
-    if getattr(config, "experimental_attention_variant", None) == "dsa":  # megatron-core 0.16+
-        found.append(Refused("megatron.dsa", "experimental_attention_variant='dsa'"))
-    mtp_layers = getattr(config, "mtp_num_layers", None)
-    if mtp_layers:
-        found.append(Refused("megatron.mtp", f"mtp_num_layers={mtp_layers}"))
-    if getattr(config, "mrope_section", None) is not None:
-        found.append(Refused("megatron.mrope", "mrope_section is set"))
-    if config.window_size is not None and config.window_size[1] != 0:
-        found.append(Refused("megatron.window_reads_later_keys",
-                             f"window_size={config.window_size}; use window_size="
-                             f"({config.window_size[0]}, 0)"))
-    virtual_stages = getattr(config, "virtual_pipeline_model_parallel_size", None)
-    if virtual_stages is not None and virtual_stages > 1:
-        found.append(Refused("megatron.virtual_pipeline",
-                             f"virtual_pipeline_model_parallel_size={virtual_stages}"))
-    if config.apply_rope_fusion and config.multi_latent_attention:
-        # GPT attention keeps the fused kernel: PrefixSharingSelfAttention hands it one
-        # rotary row per flat token (TE's BSHD format); MLA's fused kernels take cu_seqlens.
-        found.append(Refused("megatron.rope_fusion",
-                             "apply_rope_fusion=True with multi_latent_attention=True"))
+    found = [*layer_config_problems(config), *_virtual_pipeline_problems(config)]
     if found:
         raise refuse_all(found, error=UnsupportedSetupError)
 
 
-def _context_parallel_problems(config: TransformerConfig) -> list[Refused]:
+def _virtual_pipeline_problems(config: TransformerConfig) -> list[Refused]:
+    """Interleaved stages are served (each chunk's forward gets its micro-batch's plan in its
+    own ``PackedSeqParams``), except where megatron's schedule mixes up what the one neighbour
+    of a stage sends: at PP=2 without ``overlap_p2p_comm`` it exchanges the next activation and
+    the next gradient with that neighbour in one call, their shapes (variable per planned
+    micro-batch) matched in posting order, so a stage can take a gradient for an activation."""
+    virtual_stages = config.virtual_pipeline_model_parallel_size
+    if (virtual_stages is None or virtual_stages < 2 or config.pipeline_model_parallel_size != 2
+            or config.overlap_p2p_comm):
+        return []
+    return [Refused("megatron.virtual_pipeline.two_stage_p2p",
+                    f"virtual_pipeline_model_parallel_size={virtual_stages} at "
+                    "pipeline_model_parallel_size=2 with overlap_p2p_comm=False")]
+
+
+def layer_config_problems(config: Any) -> list[Refused]:
+    """What the sharing layers refuse when they are built that the model's configuration says
+    alone, one function per condition.
+
+    ``config`` is a ``TransformerConfig`` or any object with its field names: the layers' own
+    build calls this (:func:`check_layer_config`), and so does verl's sharing Megatron engine
+    at construction, on the fields verl's bridge would give the model
+    (:mod:`prefix_sharing.verl_ext.mcore_model`), so ``prefix-sharing preflight`` and the
+    model's build cannot disagree.
+    """
+    return [*context_parallel_problems(config), *attention_variant_problems(config),
+            *mtp_problems(config), *mrope_problems(config), *window_problems(config),
+            *rope_fusion_problems(config)]
+
+
+def context_parallel_problems(config: Any) -> list[Refused]:
     """What the context-parallel attention (:mod:`.context_parallel`) and the MoE router's
     context-parallel statistics (:mod:`.moe`) have not been validated with; each is named with
     the setting that turns it off."""
-    found = []
-    if config.num_moe_experts and config.calculate_per_token_loss:
-        found.append(Refused(
-            "megatron.context_parallel.moe_per_token_loss",
-            f"context_parallel_size={config.context_parallel_size} with num_moe_experts and "
-            "calculate_per_token_loss=True"))
-    return found
+    cp = getattr(config, "context_parallel_size", 1) or 1
+    if cp > 1 and getattr(config, "num_moe_experts", None) and getattr(
+            config, "calculate_per_token_loss", False):
+        return [Refused("megatron.context_parallel.moe_per_token_loss",
+                        f"context_parallel_size={cp} with num_moe_experts and "
+                        "calculate_per_token_loss=True")]
+    return []
+
+
+# experimental attention variants whose keys are picked per query by an indexer: megatron-core's
+# DeepSeek sparse attention, and DeepSeek-V4's compressed sparse attention (the variant name
+# verl's engine reads for deepseek_v4 models)
+SPARSE_ATTENTION_VARIANTS = ("dsa", "dsv4_hybrid")
+
+
+def attention_variant_problems(config: Any) -> list[Refused]:
+    """DeepSeek sparse attention (megatron-core 0.16+'s ``experimental_attention_variant``)."""
+    variant = getattr(config, "experimental_attention_variant", None)
+    if variant in SPARSE_ATTENTION_VARIANTS:
+        return [Refused("megatron.dsa", f"experimental_attention_variant={variant!r}")]
+    return []
+
+
+def mtp_problems(config: Any) -> list[Refused]:
+    """Multi-token prediction layers (``mtp_num_layers``)."""
+    layers = getattr(config, "mtp_num_layers", None)
+    return [Refused("megatron.mtp", f"mtp_num_layers={layers}")] if layers else []
+
+
+def mrope_problems(config: Any) -> list[Refused]:
+    """Multimodal RoPE (``mrope_section``)."""
+    if getattr(config, "mrope_section", None) is not None:
+        return [Refused("megatron.mrope", "mrope_section is set")]
+    return []
+
+
+def window_problems(config: Any) -> list[Refused]:
+    """A sliding window whose right size reads later keys."""
+    window = getattr(config, "window_size", None)
+    if window is not None and window[1] != 0:
+        return [Refused("megatron.window_reads_later_keys",
+                        f"window_size={tuple(window)}; use window_size=({window[0]}, 0)")]
+    return []
+
+
+def rope_fusion_problems(config: Any) -> list[Refused]:
+    """Fused RoPE with multi-latent attention. GPT attention keeps the fused kernel:
+    PrefixSharingSelfAttention hands it one rotary row per flat token (TE's BSHD format);
+    MLA's fused kernels take cu_seqlens."""
+    if getattr(config, "apply_rope_fusion", False) and getattr(
+            config, "multi_latent_attention", False):
+        return [Refused("megatron.rope_fusion",
+                        "apply_rope_fusion=True with multi_latent_attention=True")]
+    return []
+
+
+def gdn_context_parallel_problems(config: Any) -> list[Refused]:
+    """Gated DeltaNet layers under context parallelism (asked where the model has them: the
+    sharing GDN mixer's build, verl's engine for a GDN hybrid)."""
+    cp = getattr(config, "context_parallel_size", 1) or 1
+    if cp > 1:
+        return [Refused("megatron.gdn.context_parallel", f"context_parallel_size={cp}")]
+    return []
+
+
+# HybridStack pattern symbols (megatron-core's hybrid_layer_allocation.Symbols) whose layers
+# sharing serves; "G" (Gated DeltaNet) on megatron-core 0.19.2 only, "|" separates pipeline
+# stages, "/" starts multi-token-prediction depths (refused by mtp_num_layers: mtp_problems)
+SERVED_HYBRID_SYMBOLS = frozenset("*-E|")
+# ... and why the others are not served
+UNSERVED_HYBRID_LAYERS = {
+    "M": "Mamba: a reuser's tail must start from its provider's conv and SSM state, but "
+         "megatron's Mamba mixer trains through mamba_ssm's fused "
+         "mamba_split_conv1d_scan_combined, which starts every packed sequence from zero and "
+         "takes no initial state (and mamba_ssm does not run on a CPU)",
+    "G": GDN_NOT_SERVED,  # on a release without the 0.19.2 module
+    "D": "DeepSeek sparse attention: its indexer and MLA attention get no K/V injection",
+    "+": "multi-latent attention: its core attention gets no K/V injection",
+    "/": "multi-token prediction: a shared row has one next token per reuser",
+}
+
+
+def hybrid_layer_problem(symbol: str) -> Refused | None:
+    """Why a hybrid stack's layer of pattern ``symbol`` (or of a slot a later megatron-core
+    added, named by its field) is not served; None when it is. The sharing stack spec's
+    stand-in raises it when such a layer is built (:mod:`.hybrid`)."""
+    if symbol in SERVED_HYBRID_SYMBOLS or (symbol == "G" and serves_gated_delta_net()):
+        return None
+    reason = UNSERVED_HYBRID_LAYERS.get(symbol, f"a HybridStackSubmodules.{symbol} layer")
+    return Refused("megatron.hybrid_layer", f"hybrid layer {symbol!r}: {reason}")
+
+
+def hybrid_pattern_problems(pattern: str) -> list[Refused]:
+    """The layers of a hybrid ``pattern`` (e.g. ``"M-M*-E"``) that building the sharing stack
+    refuses, as one refusal naming each symbol; the multi-token-prediction depths after ``/``
+    are the config's ``mtp_num_layers`` (:func:`mtp_problems`)."""
+    layers = pattern.split("/", 1)[0]
+    found = [problem for symbol in dict.fromkeys(layers)
+             if (problem := hybrid_layer_problem(symbol)) is not None]
+    if not found:
+        return []
+    return [Refused("megatron.hybrid_layer", "; ".join(problem.detail for problem in found))]
 
 
 def check_sharing_allowed(config: TransformerConfig, plan: SharingPlan, training: bool) -> None:

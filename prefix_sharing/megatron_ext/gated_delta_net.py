@@ -30,7 +30,7 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
-from ..refusals import refuse
+from ..refusals import refuse, refuse_all
 from .stock_gdn import prepare_gated_delta_net, serves_gated_delta_net
 
 if not serves_gated_delta_net():
@@ -48,7 +48,8 @@ from ..recurrent import (  # noqa: E402
     gated_delta_rule_over_schedule,
     recurrence_schedule,
 )
-from .checks import UnsupportedSetupError, check_sharing_allowed  # noqa: E402
+from .checks import (UnsupportedSetupError, check_sharing_allowed,  # noqa: E402
+                     gdn_context_parallel_problems)
 from .packed_seq import PlanPackedSeqParams  # noqa: E402
 
 prepare_gated_delta_net()  # in a CPU process only: fla's Triton l2norm has no CPU driver
@@ -79,10 +80,9 @@ class PrefixSharingGatedDeltaNet(GatedDeltaNet):
     """
 
     def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
-        if config.context_parallel_size > 1:
-            raise refuse("megatron.gdn.context_parallel",
-                         f"context_parallel_size={config.context_parallel_size}",
-                         error=UnsupportedSetupError)
+        found = gdn_context_parallel_problems(config)
+        if found:
+            raise refuse_all(found, error=UnsupportedSetupError)
         super().__init__(config, *args, **kwargs)
 
     def forward(

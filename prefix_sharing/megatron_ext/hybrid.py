@@ -16,7 +16,9 @@ layers need no new plumbing; only the stack spec changes:
   sharing layers cannot serve (Mamba carries a state that megatron's Mamba kernels cannot start
   from a provider's; MLA and DSA have their own attention; GDN before 0.19.2) are replaced by a
   spec that raises when a pattern actually builds one: a stock spec fills every slot, and a
-  model without those symbols must still build.
+  model without those symbols must still build. Why, per symbol, is
+  :func:`~.checks.hybrid_layer_problem`, which ``preflight`` reads a pattern with
+  (:func:`~.checks.hybrid_pattern_problems`).
 - :func:`get_hybrid_stack_local_spec` is the stack spec without Transformer Engine (the stock
   ``hybrid_stack_spec`` is built from TE classes, and ``HybridStack`` hard-codes a TE final
   norm): megatron's own local GPT layer parts, split into the attention, MLP and MoE slots,
@@ -59,15 +61,15 @@ from megatron.core.transformer.transformer_layer import (  # noqa: E402
     TransformerLayerSubmodules,
 )
 
-from ..refusals import refuse  # noqa: E402
-from .checks import UnsupportedSetupError  # noqa: E402
+from ..refusals import refuse_all  # noqa: E402
+from .checks import UnsupportedSetupError, hybrid_layer_problem  # noqa: E402
 from .spec_surgery import (  # noqa: E402
     replaced,
     sharing_attention_layer,
     sharing_gdn_layer,
     sharing_router_mlp,
 )
-from .stock_gdn import GDN_NOT_SERVED, gdn_layer_spec, serves_gated_delta_net  # noqa: E402
+from .stock_gdn import gdn_layer_spec, serves_gated_delta_net  # noqa: E402
 from .moe import PrefixSharingTransformerLayer  # noqa: E402
 
 __all__ = [
@@ -87,18 +89,6 @@ SLOT_SYMBOLS = {
     "dsa_layer": "D",
     "mla_layer": "+",
 }
-# Slots sharing cannot serve yet, and why (the error says it when a pattern builds one).
-_NOT_YET = {
-    "mamba_layer": "Mamba: a reuser's tail must start from its provider's conv and SSM state, "
-                   "but megatron's Mamba mixer trains through mamba_ssm's fused "
-                   "mamba_split_conv1d_scan_combined, which starts every packed sequence from "
-                   "zero and takes no initial state (and mamba_ssm does not run on a CPU)",
-    "gdn_layer": GDN_NOT_SERVED,  # on a release without the 0.19.2 module
-    "dsa_layer": "DeepSeek sparse attention: its indexer and MLA attention get no K/V injection",
-    "mla_layer": "multi-latent attention: its core attention gets no K/V injection",
-}
-
-
 class PrefixSharingMoETransformerLayer(PrefixSharingTransformerLayer, MoETransformerLayer):
     """The hybrid stack's MoE layer (``MoETransformerLayer``) that hands the plan to its router.
 
@@ -110,11 +100,11 @@ class PrefixSharingMoETransformerLayer(PrefixSharingTransformerLayer, MoETransfo
 
 
 class UnsupportedHybridLayer(torch.nn.Module):
-    """Stands in a slot sharing cannot serve: building it raises, naming the pattern symbol."""
+    """Stands in a slot sharing cannot serve: building it raises, naming the pattern symbol and
+    why (:func:`~.checks.hybrid_layer_problem`, which ``preflight`` reads a pattern with)."""
 
-    def __init__(self, *args: Any, symbol: str, reason: str, **kwargs: Any) -> None:
-        raise refuse("megatron.hybrid_layer", f"hybrid layer {symbol!r}: {reason}",
-                     error=UnsupportedSetupError)
+    def __init__(self, *args: Any, symbol: str, **kwargs: Any) -> None:
+        raise refuse_all([hybrid_layer_problem(symbol)], error=UnsupportedSetupError)
 
 
 
@@ -165,10 +155,9 @@ def with_prefix_sharing(stack_spec: ModuleSpec) -> ModuleSpec:
         elif field.name == "gdn_layer" and serves_gated_delta_net():
             setattr(slots, field.name, sharing_gdn_layer(value, "hybrid layer 'G'"))
         else:  # known not-yet slots, and slots of a later megatron-core this does not know
-            symbol = SLOT_SYMBOLS.get(field.name, field.name)
-            reason = _NOT_YET.get(field.name, f"a HybridStackSubmodules.{field.name} layer")
             setattr(slots, field.name, ModuleSpec(
-                module=UnsupportedHybridLayer, params={"symbol": symbol, "reason": reason}))
+                module=UnsupportedHybridLayer,
+                params={"symbol": SLOT_SYMBOLS.get(field.name, field.name)}))
     return spec
 
 
@@ -209,9 +198,7 @@ def _refuse_mtp(block: Any) -> Any:
             and issubclass(block.module, MultiTokenPredictionBlock)):
         raise ValueError(f"mtp_block_spec must be a ModuleSpec of a MultiTokenPredictionBlock; "
                          f"got {_form(block)}")
-    refusal = ModuleSpec(module=UnsupportedHybridLayer, params={
-        "symbol": "/", "reason": "multi-token prediction: a shared row has one next token per "
-                                 "reuser"})
+    refusal = ModuleSpec(module=UnsupportedHybridLayer, params={"symbol": "/"})
     return replaced(block, layer_specs=[refusal] * len(block.submodules.layer_specs))
 
 

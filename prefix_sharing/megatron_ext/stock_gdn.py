@@ -39,8 +39,9 @@ def prepare_gated_delta_net() -> None:
         prepare()
 
 
-# Why a Gated DeltaNet layer is refused on a release other than 0.19.2 (hybrid.py's slot reason;
-# the refusal megatron.gdn_release says it where a site raises it).
+# Why a Gated DeltaNet layer is refused on a release other than 0.19.2 (a hybrid 'G' layer's
+# reason, checks.UNSERVED_HYBRID_LAYERS; the refusal megatron.gdn_release says it where a site
+# raises it).
 GDN_NOT_SERVED = "Gated DeltaNet: " + REFUSALS["megatron.gdn_release"].reason
 
 

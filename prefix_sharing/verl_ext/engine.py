@@ -101,14 +101,16 @@ class SharingEngineMixin:
             return super().forward_backward_batch(data, loss_function, forward_only)
         self._sharing_metrics = SharingMetrics()
         # dynamic bsz keeps groups together (across micro-batches cut on tokens and routes)
-        # unless the loss depends on its micro-batches; fixed micro-batches keep them whole by
-        # the order of the samples
+        # unless the loss or the model's statistics depend on its micro-batches (groups run
+        # across micro-batches on purpose take their own statistics' rule,
+        # docs/cross-micro-batch.md); fixed micro-batches keep them whole by the order of the
+        # samples
+        cross = self.prefix_sharing.cross_micro_batch
         with sharing_split(self.prefix_sharing,
                            replay_mode(getattr(self, "engine_config", None)),
-                           not_nested=(self.cross_nested_problem()
-                                       if self.prefix_sharing.cross_micro_batch else None)
-                           ) as split:
-            dynamic_split_problem(data, split, loss_function, forward_only)
+                           not_nested=self.cross_nested_problem() if cross else None) as split:
+            dynamic_split_problem(data, split, loss_function, forward_only,
+                                  None if cross else self.order_sensitive_statistics())
             order = fixed_order(data, split, loss_function, forward_only,
                                 self.order_sensitive_statistics())
             if order is not None:

@@ -57,10 +57,9 @@ def check_engine_setup(engine_config: Any, model_config: Any | None = None, *,
     the vision-language model types the engine serves, :mod:`.vlm`; ``serves_fused_kernels``:
     the engine computes ``use_fused_kernels``' log-probs itself, as the FSDP engine does).
 
-    - dynamic CP (Megatron: ``dynamic_context_parallel``, whose scheduler gives each
-      micro-batch its own CP group and splits samples across it): a sequence-parallel rank
-      would hold part of a provider's prefix that its reusers on other ranks attend to. Static
-      ``context_parallel_size > 1`` runs: the plan splits the flat layout over the CP ranks and
+    - dynamic CP (Megatron: ``dynamic_context_parallel``, a per-micro-batch CP group built on
+      megatron's dynamic DPxCP groups, which no megatron-core release has: it cannot run, so
+      it cannot be tested with sharing). Static ``context_parallel_size > 1`` runs: the plan splits the flat layout over the CP ranks and
       the core attention gathers K/V (:mod:`prefix_sharing.megatron_ext.context_parallel`); so
       does the FSDP engine's Ulysses (``ulysses_sequence_parallel_size > 1``, :mod:`.ulysses`,
       whose ``setup_problems`` refuses the models it cannot split, from their HF config);
@@ -99,14 +98,31 @@ def check_engine_setup(engine_config: Any, model_config: Any | None = None, *,
 
 
 
+def _last_chunk_of_rank(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is this rank's last model chunk: under interleaved pipeline stages
+    each of a rank's chunks runs every micro-batch, and a micro-batch is counted once."""
+    from megatron.core import parallel_state
+
+    chunks = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    stage = getattr(model, "vp_stage", None)
+    return chunks is None or stage is None or stage == chunks - 1
+
+
 def virtual_pipeline_problems(engine_config: Any) -> list[Refused]:
-    """Interleaved pipeline stages, which the sharing layers refuse when the model is built
-    (``megatron.virtual_pipeline``, :mod:`..megatron_ext.checks`): said from the engine config
-    already, so that construction and ``preflight`` say it before a model is built."""
+    """Interleaved pipeline stages are served; verl builds them with ``overlap_p2p_comm=True``
+    and ``batch_p2p_comm=False``, and only an ``override_transformer_config`` that turns the
+    overlap off at PP=2 meets the refusal of :mod:`..megatron_ext.checks`
+    (``megatron.virtual_pipeline.two_stage_p2p``): said from the engine config already, so
+    that construction and ``preflight`` say it before a model is built."""
     stages = getattr(engine_config, "virtual_pipeline_model_parallel_size", None)
-    if stages is not None and stages > 1:
-        return [Refused("megatron.virtual_pipeline",
-                        f"virtual_pipeline_model_parallel_size={stages}")]
+    pipeline = getattr(engine_config, "pipeline_model_parallel_size", 1)
+    overrides = getattr(engine_config, "override_transformer_config", None) or {}
+    if stages is not None and stages > 1 and pipeline == 2 and not overrides.get(
+            "overlap_p2p_comm", True):
+        return [Refused("megatron.virtual_pipeline.two_stage_p2p",
+                        f"virtual_pipeline_model_parallel_size={stages} at "
+                        "pipeline_model_parallel_size=2 with override_transformer_config."
+                        "overlap_p2p_comm=False")]
     return []
 
 
@@ -302,7 +318,7 @@ def shared_forward(
         device=input_ids.device, routes=replay_routes, replay_routes=replays,
         record_routes=records,
     )
-    if metrics is not None:
+    if metrics is not None and _last_chunk_of_rank(unwrap_model(model)):
         metrics.add(mb.plan, replayed=replay_routes is not None)
     last_stage = unwrap_model(model).post_process
     capture = lm_head_inputs(model) if last_stage and lm_head == "hidden" else nullcontext()

@@ -166,6 +166,7 @@ def patch_engine(module: ModuleType) -> None:
     from .hybrid import hybrid_release_problem
     from .mcore import fused_kernel_problems, micro_batch_groups, virtual_pipeline_problems
     from .mcore_vlm import vision_model_problem
+    from .mcore_model import model_build_problems
     from .megatron_lora import megatron_lora_problem
     from .routing_replay import RouteRecorder, micro_batch_routes, replay_mode
 
@@ -186,8 +187,10 @@ def patch_engine(module: ModuleType) -> None:
                 """The model's refusals on this engine (a vision tower, a GDN hybrid on this
                 megatron-core, LoRA) before the common ones, which they make moot; then the
                 critic's (:func:`.critic.value_head_problems`) and where ``use_fused_kernels``
-                is not served (:func:`.mcore.fused_kernel_problems`), and interleaved
-                pipeline stages (:func:`.mcore.virtual_pipeline_problems`)."""
+                is not served (:func:`.mcore.fused_kernel_problems`), interleaved
+                pipeline stages (:func:`.mcore.virtual_pipeline_problems`), and what the
+                sharing layers will refuse when the model is built
+                (:func:`.mcore_model.model_build_problems`)."""
                 sharing = sharing_config(engine_config)
                 if sharing.enabled:
                     found = [problem for problem in (vision_model_problem(model_config),
@@ -201,6 +204,7 @@ def patch_engine(module: ModuleType) -> None:
                         found += value_head_problems(engine_config)
                     found += fused_kernel_problems(engine_config, model_config, sharing)
                     found += virtual_pipeline_problems(engine_config)
+                    found += model_build_problems(model_config, engine_config)
                 return found
 
             def _maybe_enable_fused_kernels(self) -> None:
@@ -220,7 +224,8 @@ def patch_engine(module: ModuleType) -> None:
 
             def order_sensitive_statistics(self) -> str | None:
                 """A MoE router's auxiliary or z-loss: megatron takes it per micro-batch, so fixed
-                micro-batches keep verl's sample order (:func:`.microbatch.fixed_order`)."""
+                micro-batches keep verl's sample order (:func:`.microbatch.fixed_order`) and
+                dynamic bsz verl's split (:func:`.microbatch.dynamic_split_problem`)."""
                 config = getattr(self, "tf_config", None)
                 aux = getattr(config, "moe_aux_loss_coeff", 0) or 0
                 aux = any(aux) if isinstance(aux, list) else bool(aux)

@@ -26,9 +26,9 @@ many samples each, groups whole where an order allows); the engine reorders the 
 :func:`select_samples` before verl's step and puts the outputs back with
 :func:`restore_sample_order`. That changes nothing only where verl's loss is a sum of
 per-sample terms over global figures (:func:`loss_order_problem`); elsewhere verl's order is
-kept and its cuts are counted. The same holds with dynamic batch size: where the loss depends
-on its micro-batches, verl's own split runs (:func:`dynamic_split_problem`), each micro-batch
-shared within.
+kept and its cuts are counted. The same holds with dynamic batch size: where the loss or the
+model's statistics (a MoE router's auxiliary loss) depend on its micro-batches, verl's own split
+runs (:func:`dynamic_split_problem`), each micro-batch shared within.
 
 With ``cross_micro_batch`` on, a group too large for the budget is not cut: it runs as
 consecutive micro-batches over one prefix computation (:mod:`.cross_groups`), placed after the
@@ -357,24 +357,27 @@ def fixed_order(data: Any, record: SplitRecord | None, loss_function: Any, forwa
                                              reorder=problem is None)
     if problem is not None:
         _warn_once(f"prefix-sharing: fixed micro-batches keep verl's sample order ({problem}); "
-                   "set use_dynamic_bsz: true, or a loss listed in docs/verl.md, to keep "
-                   "sharing groups whole")
+                   "sharing groups cut by them share less"
+                   + ("" if model_problem else
+                      " (a loss listed in docs/verl.md keeps them whole)"))
     order = record.split.order
     return None if order == sorted(order) else order
 
 
 def dynamic_split_problem(data: Any, record: SplitRecord, loss_function: Any,
-                          forward_only: bool) -> str | None:
+                          forward_only: bool, model_problem: str | None = None) -> str | None:
     """Why verl's own dynamic-bsz split must run for this step, or ``None``: a training step
     whose loss depends on which samples share a micro-batch (:func:`loss_order_problem`, e.g.
-    ``geo_mean``'s mean over the micro-batch's sequences) gets verl's micro-batches, shared
-    within each, so its gradients stay verl's. Sets ``record.verl_split_reason`` (warned once)."""
+    ``geo_mean``'s mean over the micro-batch's sequences; or ``model_problem``, the engine's
+    reason, e.g. a MoE router's auxiliary loss, taken per micro-batch) gets verl's
+    micro-batches, shared within each, so its gradients stay verl's. Sets
+    ``record.verl_split_reason`` (warned once)."""
     from verl.utils import tensordict_utils as tu
 
     if (forward_only or not record.config.enabled
             or not tu.get_non_tensor_data(data, key="use_dynamic_bsz", default=False)):
         return None
-    record.verl_split_reason = loss_order_problem(loss_function, data)
+    record.verl_split_reason = model_problem or loss_order_problem(loss_function, data)
     if record.verl_split_reason is not None:
         _warn_once(f"prefix-sharing: dynamic bsz keeps verl's micro-batches "
                    f"({record.verl_split_reason}); sharing groups cut by them share less")

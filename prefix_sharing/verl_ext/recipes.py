@@ -65,21 +65,36 @@ MODEL_TYPES = {
     "hunyuan": "hy_v3", "nemotron-h": "nemotron_h", "mimo": "mimo", "?": "unknown",
 }
 # model types transformers has no config of: checked on a stand-in config (MiMo is Qwen2's
-# architecture with MTP layers; an unread family only meets a refused engine)
+# architecture with MTP layers; an unread family only meets a refused engine), with these
+# fields of the model's own config
 STAND_IN_TYPES = {"mimo": "qwen2", "unknown": "qwen2"}
+STAND_IN_FIELDS = {"mimo": {"num_nextn_predict_layers": 1}}
 # model types whose vision tower verl's Megatron engine refuses (verl.megatron_vlm), and whose
 # Gated DeltaNet layers need a newer megatron-core than verl 0.9.1's (verl.gdn_release)
 GDN = {"qwen3_5", "qwen3_5_moe", "qwen3_next"}
-# model types with Mamba-2 layers, which the Megatron engine's sharing layer spec refuses when
-# it builds the model (megatron.hybrid_layer), after construction
+# what the Megatron engine's sharing layers refuse when they are built, said at construction
+# from the model's configs (prefix_sharing.verl_ext.mcore_model): model types with Mamba-2
+# layers (megatron.hybrid_layer), with DeepSeek sparse attention (megatron.dsa: V3.2's DSA,
+# V4's compressed sparse attention), with multi-latent attention (megatron.rope_fusion with
+# apply_rope_fusion), and MTP layers, built whenever model.mtp.enable (megatron.mtp)
 MAMBA_HYBRIDS = {"nemotron_h"}
-# the verdict's keys raised after construction: per micro-batch, or when the model is built
-BUILD_KEYS = {"verl.micro_batch_switch", "megatron.hybrid_layer"}
+SPARSE_ATTENTION = {"deepseek_v32", "deepseek_v4"}
+MLA = {"deepseek_v3"}
+# verl's distillation losses that read the teacher's top-k log-probs: verl's trainer sets
+# ``distillation_use_topk`` on every actor batch, a micro-batch switch the engines refuse
+TOPK_DISTILLATION = {"forward_kl_topk"}
+# the verdict's keys raised after construction: per micro-batch
+BUILD_KEYS = {"verl.micro_batch_switch"}
 # model types whose layers the sharing engine switches to a sharing recurrence (Gated DeltaNet)
 RECURRENT = {"qwen3_next", "qwen3_5", "qwen3_5_moe"}
 # vision-language model types the FSDP engine refuses (prefix_sharing.verl_ext.vlm)
 UNSERVED_VLM = {"glm4v", "minicpmo"}
 TEST = "tests/verl_ext/test_verl_recipes.py"
+# the keys the sharing layers also raise when the model is built (the recipe test builds it,
+# but for a hybrid stack, which needs megatron-core 0.18+: tests/megatron_ext/test_hybrid.py)
+MODEL_BUILD_KEYS = {"megatron.dsa", "megatron.mtp", "megatron.rope_fusion",
+                    "megatron.hybrid_layer"}
+MEGATRON_TEST = "tests/verl_ext/test_verl_recipes_megatron.py"
 SFT_TESTS = "tests/verl_ext/test_sft_engine.py, tests/verl_ext/trainer/test_sft_trainer.py"
 VLM_TESTS = ("test_fsdp_vlm.py (FSDP2), test_fsdp_engine.py (FSDP1), test_fsdp_fused.py, "
              "test_fsdp_lora.py")
@@ -210,46 +225,62 @@ class Combination:
             keys.append("verl.ulysses.recurrent")
         if self.ulysses > 1 and self.vision:
             keys.append("verl.ulysses.vlm")
-        if self.sum_pi_squared:
-            keys.append("verl.micro_batch_switch")
+        keys += self._micro_batch_keys()
         if keys:
             return "refused", tuple(keys), ""
         return "served", (), ""
 
+    def _micro_batch_keys(self) -> list[str]:
+        """The switches verl's trainer sets on the batch that the engines refuse
+        (``calculate_sum_pi_squared``, a top-k distillation loss)."""
+        return (["verl.micro_batch_switch"]
+                if self.sum_pi_squared or self.distillation in TOPK_DISTILLATION else [])
+
     def _megatron_verdict(self) -> tuple[str, tuple[str, ...], str]:
         """The sharing Megatron engine's refusals (``setup_problems`` of
         :mod:`.mcore_engine`): a vision tower, a Gated DeltaNet model on verl 0.9.1's
-        megatron-core or LoRA (which make the rest moot), else MTP training, fused kernels
-        under context parallelism and interleaved pipeline stages; then what the sharing
-        layers refuse when the model is built (:data:`BUILD_KEYS`): a Mamba-2 hybrid's
-        layers. Tensor, pipeline, context and expert parallelism, rope fusion, recomputation
-        and router replay are served."""
+        megatron-core or LoRA (which make the rest moot), else MTP training and fused kernels
+        under context parallelism; then what the sharing layers refuse when the model is
+        built, said at construction from the configs: a Mamba-2 hybrid's layers, DeepSeek
+        sparse attention, MTP layers, MLA with rope fusion; and per micro-batch a top-k
+        distillation loss (:data:`TOPK_DISTILLATION`). Tensor, pipeline (interleaved too: verl
+        overlaps its p2p), context and expert parallelism, rope fusion on GPT attention,
+        recomputation and router replay are served."""
         keys = [k for k, on in (("verl.megatron_vlm", self.vision),
                                 ("verl.gdn_release", self.model_type in GDN),
                                 ("verl.megatron_lora", self.lora)) if on]
         if not keys:
-            keys = [k for k, on in (("verl.mtp", self.mtp_train),
-                                    ("verl.fused_kernels",
-                                     self.fused_kernels and self.context_parallel > 1),
-                                    ("megatron.virtual_pipeline", self.virtual_pipeline)) if on]
-            keys += ["megatron.hybrid_layer"] if self.model_type in MAMBA_HYBRIDS else []
+            keys = [k for k, on in (
+                ("verl.mtp", self.mtp_train),
+                ("verl.fused_kernels", self.fused_kernels and self.context_parallel > 1),
+                ("megatron.dsa", self.model_type in SPARSE_ATTENTION),
+                ("megatron.mtp", self.mtp_train),  # its model is built with its MTP layers
+                ("megatron.rope_fusion", self.rope_fusion and self.model_type in MLA),
+                ("megatron.hybrid_layer", self.model_type in MAMBA_HYBRIDS)) if on]
+            keys += self._micro_batch_keys()
         return ("refused", tuple(keys), "") if keys else ("served", (), "")
 
     def evidence(self) -> str:
         """The tests that show the verdict: an engine step against verl's stock step in
-        :data:`TEST` for a served text combination; a served vision-language one runs per
-        switch in the FSDP engine's VLM, fused-kernel, LoRA and FSDP1 tests (its verdict in
-        :data:`TEST`)."""
+        :data:`TEST` for a served FSDP text combination (:data:`MEGATRON_TEST` for a served
+        Megatron RL one, at TP=2); a served vision-language one runs per switch in the FSDP
+        engine's VLM, fused-kernel, LoRA and FSDP1 tests (its verdict in :data:`TEST`)."""
+        if (self.strategy in MEGATRON and self.trainer == "rl" and not self.vision
+                and self.verdict()[0] == "served"):
+            return f"engine step at TP=2: {MEGATRON_TEST}; verdict: {TEST}"
+        if self.strategy in MEGATRON and self.distillation in TOPK_DISTILLATION:
+            return f"verdict: {TEST}; refused per micro-batch: {MEGATRON_TEST}"
         if self.strategy not in FSDP_ENGINES.values():  # verdicts only (no engine step here)
             if self.strategy not in ENGINES_IN_VERL:
                 return (f"verdict: {TEST}, preflight only (no such engine in verl 0.9.1)"
                         if self.trainer == "rl" else
                         "verdict: tests/verl_ext/test_recipes.py (no such engine in verl 0.9.1)")
-            built = [k for k in self.verdict()[1] if k in BUILD_KEYS]
+            built = [k for k in self.verdict()[1] if k in MODEL_BUILD_KEYS]
             sft_step = self.trainer == "sft" and self.verdict()[0] == "served"
             return f"verdict: {TEST}" + (
-                f" ({', '.join(built)} when the model is built: "
-                "tests/megatron_ext/test_hybrid.py)" if built else "") + (
+                f" ({', '.join(built)} also raised building the model"
+                + (": tests/megatron_ext/test_hybrid.py" if self.model_type in MAMBA_HYBRIDS
+                   else " there") + ")" if built else "") + (
                 f"; SFT step: {SFT_TESTS}" if sft_step else "")
         if self.trainer == "sft":
             switches = [name for name, on in (("FSDP1", self.strategy == "fsdp"),
@@ -267,8 +298,7 @@ class Combination:
 
     def construction_keys(self) -> tuple[str, ...]:
         """The verdict's keys the engine raises when it is constructed (the others per
-        micro-batch - ``calculate_sum_pi_squared`` rides on the batch - or when the model is
-        built, :data:`BUILD_KEYS`)."""
+        micro-batch - ``calculate_sum_pi_squared`` rides on the batch -, :data:`BUILD_KEYS`)."""
         return tuple(k for k in self.verdict()[1] if k not in BUILD_KEYS)
 
 
@@ -307,10 +337,16 @@ def render_section() -> list[str]:
         "of its family, and the construction of the engine verl selects give the keys shown "
         "(one process, one rank: the Megatron engine's construction reads the parallel sizes "
         "without megatron's parallel state; a served FSDP Ulysses engine is built at 2 ranks "
-        "by the step test). A served FSDP text combination runs an engine step against verl's "
+        "by the step test); what the Megatron engine's sharing layers refuse only when the model "
+        "is built the engine says at construction, from the configs as verl's bridge maps "
+        "them, and each Megatron row's tiny model is built from those fields and raises the "
+        "same keys (a hybrid stack's in tests/megatron_ext/test_hybrid.py). A served FSDP "
+        "text combination runs an engine step against verl's "
         "stock step with its switches (Ulysses at 2 ranks); a served vision-language one runs "
         "each switch in the tests named (the test module's docstring says what is merged and "
-        "why); the Megatron rows are verdicts only (their settings' steps: docs/verl.md). "
+        "why); a served Megatron RL combination runs an engine step against verl's stock "
+        "step at TP=2 with sequence parallelism, its other parallel sizes run per setting in "
+        "the tests its module names (a Megatron SFT row: the tests shown). "
         "Engines prefix sharing does not hook (VeOmni, AutoModel, TorchTitan) are refused by "
         "name (`prefix_sharing/verl_ext/unhooked.py`).",
         "",

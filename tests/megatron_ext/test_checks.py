@@ -19,6 +19,8 @@ from ._equivalence import micro_batches
 BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, hidden_dropout=0.0,
             attention_dropout=0.0)
 SHARED = build_plan([[1, 2, 3, 4], [1, 2, 3, 5]], PrefixSharingConfig(min_prefix_len=1))
+INTERLEAVED = dict(num_layers=4, pipeline_model_parallel_size=2,
+                   virtual_pipeline_model_parallel_size=2, pipeline_dtype=torch.float32)
 PLAIN = build_plan([[1, 2, 3, 4], [1, 2, 3, 5]], PrefixSharingConfig(mode="off"))
 
 
@@ -41,12 +43,23 @@ def core_attention(config: TransformerConfig) -> PrefixSharingCoreAttention:
     (dict(window_size=(8, 2)), r"window_size=\(8, 2\); use window_size=\(8, 0\)\): a causal "
                                "sliding window"),
     (dict(mrope_section=[2, 2, 2]), "mrope_section is set"),
-    (dict(num_layers=4, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
-          pipeline_dtype=torch.float32), r"virtual_pipeline_model_parallel_size=2\): interleaved"),
+    (dict(INTERLEAVED, overlap_p2p_comm=False),
+     r"virtual_pipeline_model_parallel_size=2 at pipeline_model_parallel_size=2 with "
+     r"overlap_p2p_comm=False\): at pipeline_model_parallel_size=2 megatron's interleaved"),
 ])
 def test_layer_refuses_settings_it_cannot_serve(setting, message):
     with pytest.raises(UnsupportedSetupError, match=message):
         core_attention(TransformerConfig(**{**BASE, **setting}))
+
+
+@pytest.mark.parametrize("setting", [
+    dict(INTERLEAVED, overlap_p2p_comm=True, batch_p2p_comm=False),  # verl's, Megatron-LM's
+    dict(INTERLEAVED, pipeline_model_parallel_size=4, num_layers=8),  # neighbours differ
+])
+def test_interleaved_stages_are_served(setting):
+    """Run in tests/megatron_ext/test_virtual_pipeline.py; refused only where megatron's
+    schedule would hand a stage a gradient for an activation (above)."""
+    core_attention(TransformerConfig(**{**BASE, **setting}))
 
 
 @pytest.mark.parametrize("setting, message", [
@@ -72,6 +85,43 @@ def test_multi_latent_attention_is_served(context_parallel_size):
     config.multi_latent_attention = True
     config.context_parallel_size = context_parallel_size
     check_layer_config(config)
+
+
+# each condition the layer's build checks, as the configuration alone says it (what verl's
+# engine and preflight call, tests/verl_ext/test_preflight.py): its function, a setting, its key
+BUILD_CONDITIONS = {
+    "context_parallel_problems": (dict(context_parallel_size=2, num_moe_experts=4,
+                                       calculate_per_token_loss=True),
+                                  "megatron.context_parallel.moe_per_token_loss"),
+    "attention_variant_problems": (dict(experimental_attention_variant="dsa"), "megatron.dsa"),
+    "mtp_problems": (dict(mtp_num_layers=1), "megatron.mtp"),
+    "mrope_problems": (dict(mrope_section=[2, 2, 2]), "megatron.mrope"),
+    "window_problems": (dict(window_size=(8, 2)), "megatron.window_reads_later_keys"),
+    "rope_fusion_problems": (dict(apply_rope_fusion=True, multi_latent_attention=True),
+                             "megatron.rope_fusion"),
+}
+
+
+@pytest.mark.parametrize("function", list(BUILD_CONDITIONS))
+def test_each_build_condition_is_one_function_the_layers_build_raises_from(function):
+    """The function gives its key from the config alone (any object with the fields), and
+    building the layer on that config raises the same key, and only it."""
+    import types as namespace
+
+    from prefix_sharing.megatron_ext import checks
+
+    setting, key = BUILD_CONDITIONS[function]
+    config = TransformerConfig(**BASE)
+    for name, value in setting.items():  # set on a built config (see the DeepSeek test)
+        setattr(config, name, value)
+    assert [p.key for p in getattr(checks, function)(config)] == [key]
+    assert [p.key for p in checks.layer_config_problems(namespace.SimpleNamespace(**{
+        name: getattr(config, name) for name in dir(config) if not name.startswith("_")}))] == [key]
+    with pytest.raises(UnsupportedSetupError) as raised:
+        core_attention(config)
+    assert raised.value.refusals == (key,)
+    assert all(not getattr(checks, other)(TransformerConfig(**BASE))
+               for other in BUILD_CONDITIONS)  # the plain config: none
 
 
 def test_context_parallel_layer_is_built_but_plain_inputs_are_refused():

@@ -229,6 +229,7 @@ def _statistics_run(model, batches, layout, config=None):
 def _hybrid_job(rank: int) -> dict:
     from prefix_sharing.engines.megatron import compare, forward_backward, hybrid_model
     from prefix_sharing.megatron_ext import UnsupportedSetupError, hybrid, layer_specs
+    from prefix_sharing.megatron_ext.checks import hybrid_pattern_problems
     from prefix_sharing.presets import PRESETS
 
     report = {}
@@ -285,8 +286,10 @@ def _hybrid_job(rank: int) -> dict:
                for symbol in _release_symbols() - {"/"}}
     refused["/"] = ("*-/*-", dict(stack_spec=hybrid.with_prefix_sharing(with_mtp),
                                   mtp_num_layers=1))
-    report["refusals"] = {}
+    report["refusals"], report["pattern_refusals"] = {}, {}
     for symbol, (pattern, kwargs) in refused.items():
+        # what preflight reads from the pattern alone (checks.hybrid_pattern_problems)
+        report["pattern_refusals"][symbol] = [p.key for p in hybrid_pattern_problems(pattern)]
         try:
             hybrid_model(PRESETS["tiny"], pattern, **kwargs)
             report["refusals"][symbol] = None
@@ -418,6 +421,9 @@ def test_a_pattern_with_a_slot_sharing_cannot_serve_raises_naming_the_symbol(rep
     if symbol == "/" and "mtp_num_layers" in message:
         # the layers' config check (mtp_num_layers) refuses multi-token prediction first
         assert REFUSED[symbol] in message
+        assert report["pattern_refusals"][symbol] == []  # the config's, not the pattern's
     else:
         assert f"(hybrid layer {symbol!r}: {REFUSED[symbol]}" in message
+        # preflight reads the same refusal from the pattern alone
+        assert report["pattern_refusals"][symbol] == ["megatron.hybrid_layer"]
 

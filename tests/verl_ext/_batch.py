@@ -91,15 +91,19 @@ class _HostDevice:
 
 def make_batch(workload: str, *, seed: int = 0, micro_batch_size: int = 2,
                vocab_size: int | None = None, temperature: float | list[float] = 0.9,
-               layout: str = "legacy", **sizes: Any):
+               layout: str = "legacy", even_lengths: bool = False, **sizes: Any):
     """A verl no-padding batch of the workload (sizes: :data:`WORKLOADS`, or ``sizes``);
     a sample's prompt is its group's prompt; ``temperature`` per sample or one for all.
 
     ``layout``: ``"legacy"``, as verl's legacy trainer (0.8.0's, 0.9's ``use_v1: false``)
     hands it to the engines (a padded batch through ``left_right_2_no_padding``); ``"v1"``, as
-    0.9's v1 trainer does (:func:`v1_batch`: every field per sample, from TransferQueue)."""
+    0.9's v1 trainer does (:func:`v1_batch`: every field per sample, from TransferQueue).
+    ``even_lengths``: each sample one token shorter where its length is odd (verl's stock
+    step pads samples to a multiple of TP, and megatron's router counts those pad rows)."""
     wl = make_workload(workload, vocab_size=vocab_size or PRESET.vocab_size, seed=seed,
                        **(sizes or WORKLOADS[workload]))
+    if even_lengths:
+        wl.sequences[:] = [s[: len(s) - len(s) % 2] for s in wl.sequences]
     prompt_len = {m: g.prompt_len for g in wl.groups for m in g.members}
     uid = {m: f"u{i}" for i, g in enumerate(wl.groups) for m in g.members}
     n = len(wl.sequences)

@@ -57,10 +57,11 @@ def cpu_value_head() -> Iterator[None]:
         verl_model.load_valuehead_model = stock
 
 
-def critic_config(prefix_grouper: dict | None, strategy: str = "fsdp2"):
-    """verl's ``FSDPCriticConfig`` (or ``McoreCriticConfig`` for ``strategy="megatron"``)
-    built the way the trainer builds it (OmegaConf -> dataclass), with the critic's sharing
-    keys when ``prefix_grouper`` is given."""
+def critic_config(prefix_grouper: dict | None, strategy: str = "fsdp2", **megatron: Any):
+    """verl's ``FSDPCriticConfig`` (or ``McoreCriticConfig`` for ``strategy="megatron"``,
+    ``megatron``: its engine settings, e.g. ``tensor_model_parallel_size``) built the way the
+    trainer builds it (OmegaConf -> dataclass), with the critic's sharing keys when
+    ``prefix_grouper`` is given."""
     from omegaconf import OmegaConf
     from verl.utils.config import omega_conf_to_dataclass
 
@@ -69,7 +70,7 @@ def critic_config(prefix_grouper: dict | None, strategy: str = "fsdp2"):
     if strategy == "megatron":
         section.update(_target_="verl.workers.config.McoreCriticConfig", megatron=dict(
             _target_="verl.workers.config.McoreEngineConfig", use_mbridge=True,
-            vanilla_mbridge=True))
+            vanilla_mbridge=True, **megatron))
     else:
         section.update(
             _target_="verl.workers.config.FSDPCriticConfig",
@@ -146,35 +147,58 @@ def values_shifted(engine_module: Any, control: bool) -> Iterator[None]:
 class ValueHead(torch.nn.Linear):
     """A one-output linear head over the last hidden states, called as megatron's GPTModel
     calls its output layer (what verl's ``make_value_model`` puts there: values in fp32, no
-    tensor-parallel split)."""
+    tensor-parallel split; under sequence parallelism each rank scores its slice of the rows,
+    the values are gathered over the tensor-parallel group and the weight's gradient is summed
+    over it as a sequence-parallel parameter's)."""
+
+    def __init__(self, hidden_size: int, sequence_parallel: bool):
+        super().__init__(hidden_size, 1, bias=False)
+        self.sequence_parallel = sequence_parallel
+        self.weight.sequence_parallel = sequence_parallel
 
     def forward(self, hidden, weight=None, runtime_gather_output=None):
-        return super().forward(hidden).float(), None
+        from megatron.core import tensor_parallel
+
+        values = super().forward(hidden).float()
+        if self.sequence_parallel:
+            values = tensor_parallel.gather_from_sequence_parallel_region(
+                values, tensor_parallel_output_grad=False)
+        return values, None
 
 
-def run_megatron(rank: int, modes: dict[str, dict | None], *, control: bool = False) -> dict:
+def run_megatron(rank: int, modes: dict[str, dict | None], *, control: bool = False,
+                 workloads: tuple[str, ...] = WORKLOADS) -> dict:
     """:func:`run_fsdp` on verl's Megatron value-model engine: the actor tests' tiny GPTModel
-    (``_engine.build_engine``) with a seeded :class:`ValueHead` as its output layer."""
+    (``_engine.build_engine``) with a seeded :class:`ValueHead` as its output layer. The
+    engine's ``tensor_model_parallel_size`` is megatron's (``run_distributed(..., tp=)``), with
+    sequence parallelism above 1; the sequence-parallel gradients are then summed over the
+    tensor-parallel group, as megatron's ``finalize_model_grads`` does. Every rank draws the
+    same batch (one data-parallel rank)."""
+    from megatron.core import parallel_state
     from verl.workers.utils.losses import value_loss
 
+    from prefix_sharing.engines.megatron import finalize_sequence_parallel_grads
     from prefix_sharing.verl_ext import mcore as sharing_mcore
 
     from ._engine import build_engine
 
     use_cpu_platform()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    parallel = dict(tensor_model_parallel_size=tp, sequence_parallel=True) if tp > 1 else {}
     results = {}
     with values_shifted(sharing_mcore, control):
-        for workload in WORKLOADS:
+        for workload in workloads:
             for name, prefix_grouper in modes.items():
-                config = critic_config(prefix_grouper, "megatron")
-                engine = build_engine(config, model_type="value_model")
+                config = critic_config(prefix_grouper, "megatron", **parallel)
+                engine = build_engine(config, model_type="value_model", sequence_parallel=tp > 1)
                 model = engine.module[0]
                 torch.manual_seed(1)
-                model.output_layer = ValueHead(model.config.hidden_size, 1, bias=False)
+                model.output_layer = ValueHead(model.config.hidden_size, tp > 1)
                 model.share_embeddings_and_output_weights = False
-                infer = engine.infer_batch(critic_batch(workload, rank))
-                train = engine.forward_backward_batch(critic_batch(workload, rank),
+                infer = engine.infer_batch(critic_batch(workload, 0))
+                train = engine.forward_backward_batch(critic_batch(workload, 0),
                                                       partial(value_loss, config=config))
+                finalize_sequence_parallel_grads(model)
                 grads = {n: p.grad.clone() for n, p in model.named_parameters()}
                 results[workload, name] = {"infer": plain_output(infer),
                                            "train": plain_output(train), "grads": grads,

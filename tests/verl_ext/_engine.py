@@ -1,4 +1,5 @@
-"""Drives verl 0.9.1's real Megatron engine in-process on CPU (no Ray), as a verl worker would.
+"""Drives verl's real Megatron engine (0.9.1 or 0.8.0) in-process on CPU (no Ray), as a verl
+worker would.
 
 Per rank (spawned by ``run_distributed``, which sets up megatron on gloo): select a CPU platform
 in ``verl.plugin.platform``, build the actor config through verl's own config conversion
@@ -12,6 +13,7 @@ right-padded responses, then ``left_right_2_no_padding``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from functools import partial
 from types import SimpleNamespace
@@ -51,7 +53,7 @@ def build_engine(config, *, seed: int = 0, preset=PRESET, spec: dict | None = No
     caller's to put in)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from prefix_sharing.engines.megatron import gpt_model
+    from prefix_sharing.engines.megatron import model_chunks
     from prefix_sharing.megatron_ext import get_gpt_layer_local_spec as shared_spec
     from prefix_sharing.verl_ext.engine import registered_engine
 
@@ -75,10 +77,21 @@ def build_engine(config, *, seed: int = 0, preset=PRESET, spec: dict | None = No
         layer_spec = engine.bridge._get_transformer_layer_spec()
     else:
         layer_spec = shared_spec(**spec_args)
-    model = gpt_model(preset, seed=seed, layer_spec=layer_spec, **model_overrides)
-    engine.module, engine.tf_config = [model], model.config
+    chunks = model_chunks(preset, seed=seed, layer_spec=layer_spec, **_verl_pipeline_settings(),
+                          **model_overrides)
+    engine.module, engine.tf_config = chunks, chunks[0].config
     engine.is_value_model = model_type == "value_model"
     return engine
+
+
+def _verl_pipeline_settings() -> dict:
+    """What verl's engine sets on the TransformerConfig under virtual pipeline stages (its
+    provider overrides in ``transformer_impl``), which megatron's schedule needs at PP=2."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_virtual_pipeline_model_parallel_world_size() is None:
+        return {}
+    return dict(overlap_p2p_comm=True, batch_p2p_comm=False)
 
 
 def step(engine, config, data: Callable[[], Any], during: Any = None,
@@ -99,7 +112,7 @@ def step(engine, config, data: Callable[[], Any], during: Any = None,
 
 
 def run(rank: int, workloads: list[str], modes: dict[str, dict | None], *,
-        layout: str = "legacy") -> dict:
+        layout: str = "legacy", batches: dict[str, dict] | None = None) -> dict:
     """For each workload and each sharing setting (name -> ``prefix_grouper`` block or ``None``
     for the feature off): old log-probs + entropy (``infer_batch``), then ``ppo_loss`` and every
     gradient (``forward_backward_batch``), each on a fresh copy of the same seeded model.
@@ -107,7 +120,11 @@ def run(rank: int, workloads: list[str], modes: dict[str, dict | None], *,
     The engine's ``context_parallel_size`` is megatron's (``run_distributed(..., cp=)``); the
     gradients are then averaged over the CP group, as megatron's DDP does before the optimizer
     step (a no-op at CP=1). ``layout``: the trainer whose batch layout the engine gets
-    (``_batch.make_batch``: ``"legacy"`` or verl 0.9's ``"v1"``)."""
+    (``_batch.make_batch``: ``"legacy"`` or verl 0.9's ``"v1"``); ``batches``: per workload,
+    ``make_batch``'s keywords (its sizes, its micro-batch size).
+
+    Under virtual pipeline stages (``run_distributed(..., vpp=)``) the model has a layer per
+    model chunk and the engine config names the stages, as verl's worker would build them."""
     from megatron.core import parallel_state
     from verl.workers.utils.losses import ppo_loss
 
@@ -115,18 +132,27 @@ def run(rank: int, workloads: list[str], modes: dict[str, dict | None], *,
 
     use_cpu_platform()
     cp = parallel_state.get_context_parallel_world_size()
-    megatron = {"context_parallel_size": cp} if cp > 1 else None
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    megatron = {"context_parallel_size": cp} if cp > 1 else {}
+    preset = PRESET
+    if vpp is not None:  # a layer per model chunk
+        megatron.update(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=vpp)
+        preset = dataclasses.replace(PRESET, num_layers=2 * vpp)
     results = {}
     for workload in workloads:
         for name, prefix_grouper in modes.items():
-            config = actor_config(prefix_grouper, megatron=megatron)
-            engine = build_engine(config)
-            infer = engine.infer_batch(make_batch(workload, layout=layout))
+            config = actor_config(prefix_grouper, megatron=megatron or None)
+            engine = build_engine(config, preset=preset)
+            sizes = (batches or {}).get(workload, {})
+            infer = engine.infer_batch(make_batch(workload, layout=layout, **sizes))
             rows = _count_rows(engine.module[0])
-            train = engine.forward_backward_batch(make_batch(workload, layout=layout),
+            train = engine.forward_backward_batch(make_batch(workload, layout=layout, **sizes),
                                                   partial(ppo_loss, config=config))
-            finalize_context_parallel_grads(engine.module[0])
-            grads = {n: p.grad.clone() for n, p in engine.module[0].named_parameters()}
+            grads = {}
+            for c, chunk in enumerate(engine.module):  # a model chunk per virtual stage
+                finalize_context_parallel_grads(chunk)
+                prefix = f"chunk{c}." if len(engine.module) > 1 else ""
+                grads.update({prefix + n: p.grad.clone() for n, p in chunk.named_parameters()})
             results[workload, name] = {"infer": plain_output(infer), "train": plain_output(train),
                                       "grads": grads, "rows": rows}
     return results

@@ -5,8 +5,10 @@ The critic config comes through verl's own conversion with the critic's sharing 
 engine is the one verl's registry selects for ``value_model``; see ``_critic``. Compared, fp32
 within 1e-5: each sample's values (``infer_batch``), verl's ``value_loss`` summed over the
 step's micro-batches and every gradient (``forward_backward_batch``), on GRPO and tree batches
-(duplicates, strict prefixes), FSDP2 and FSDP1, one rank. The control reads each value one flat
-row too early and must fail the same comparison.
+(duplicates, strict prefixes): FSDP2 and FSDP1, one rank; Megatron at TP=1, one rank, and at
+TP=2 with sequence parallelism, two gloo ranks (the value head scores each rank's slice of the
+rows and gathers them, as verl's ``make_value_model`` head does). The control reads each value
+one flat row too early and must fail the same comparison (FSDP2, Megatron TP=1 and TP=2).
 """
 
 import importlib.util
@@ -75,24 +77,47 @@ def megatron():
     """verl's Megatron value-model engine, TP=1, one rank (megatron on gloo)."""
     from prefix_sharing.engines.launch import run_distributed
 
-    return run_distributed(megatron_rank, 1, timeout=400)[0]
+    return run_distributed(megatron_rank, 1, SHARING, WORKLOADS, timeout=400)[0]
 
 
-def megatron_rank(rank: int) -> dict:
-    """The Megatron critic's runs and its control, in one spawned rank."""
+@pytest.fixture(scope="module")
+def megatron_tp2():
+    """The same at TP=2 with sequence parallelism: two gloo ranks, one process for all cases
+    (the control on the GRPO batch only)."""
+    from prefix_sharing.engines.launch import run_distributed
+
+    return run_distributed(megatron_rank, 2, {"arbitrary_prefix": SHARING["arbitrary_prefix"]},
+                           ("grpo",), tp=2, timeout=400)
+
+
+def megatron_rank(rank: int, sharing: dict, control_workloads: tuple[str, ...]) -> dict:
+    """The Megatron critic's runs (off and each ``sharing`` mode) and its control, in one
+    spawned rank."""
     from tests.verl_ext._critic import run_megatron
 
-    return {"runs": run_megatron(rank, {"off": None, **SHARING}),
+    return {"runs": run_megatron(rank, {"off": None, **sharing}),
             "control": run_megatron(rank, {"arbitrary_prefix": SHARING["arbitrary_prefix"]},
-                                    control=True)}
+                                    control=True, workloads=control_workloads)}
+
+
+def assert_megatron_critic_exact(found: dict, workload: str, mode: str) -> None:
+    shared, plain = found["runs"][workload, mode], found["runs"][workload, "off"]
+    assert shared["engine"] == plain["engine"] == "PrefixSharingMegatronValueEngine"
+    assert shared["train"]["metrics"]["prefix_sharing/token_ratio"][0] > 1.0
+    assert compare(shared, plain) == []
+    if (workload, "arbitrary_prefix") in found["control"]:
+        control = compare(found["control"][workload, "arbitrary_prefix"], plain)
+        assert "loss" in control and any(f.startswith("values") for f in control)  # it fails
 
 
 @pytest.mark.parametrize("workload", WORKLOADS)
 @pytest.mark.parametrize("mode", list(SHARING))
 def test_the_megatron_critic_gives_verls_values_loss_and_gradients(megatron, workload, mode):
-    shared, plain = megatron["runs"][workload, mode], megatron["runs"][workload, "off"]
-    assert shared["engine"] == plain["engine"] == "PrefixSharingMegatronValueEngine"
-    assert shared["train"]["metrics"]["prefix_sharing/token_ratio"][0] > 1.0
-    assert compare(shared, plain) == []
-    found = compare(megatron["control"][workload, "arbitrary_prefix"], plain)
-    assert "loss" in found and any(f.startswith("values") for f in found)  # the control fails
+    assert_megatron_critic_exact(megatron, workload, mode)
+
+
+@pytest.mark.parametrize("workload", WORKLOADS)
+def test_the_megatron_critic_at_tp2_with_sequence_parallelism_gives_verls_values_loss_and_gradients(
+        megatron_tp2, workload):
+    for found in megatron_tp2:
+        assert_megatron_critic_exact(found, workload, "arbitrary_prefix")

@@ -5,7 +5,9 @@ Two gloo ranks form one Ulysses group (``ulysses_sequence_parallel_size=2``, one
 rank; both ranks get the same batch, as verl's worker dispatches it), four ranks a group of 4
 on one GRPO batch (the tiny preset's 2 K/V heads are then repeated). Compared, fp32 within
 1e-5: old log-probs and entropy, verl's ``ppo_loss`` and every gradient after FSDP2's
-reduction, on GRPO and tree batches.
+reduction, on GRPO and tree batches; and, in the 2-rank process, verl's SFT step (the SFT
+engine section, ``sft_loss``, conversations sharing a system prompt plus a turn chain:
+``_sft``): the log-probs of every position, the loss and every gradient.
 
 verl's stock Ulysses step cannot run on CPU as shipped: its all-to-all lives in a replacement
 of transformers' ``_flash_attention_forward`` that calls the flash-attention kernel. The
@@ -17,9 +19,10 @@ flash-attention's packed semantics (causal per segment, segments starting where
 
 The control: the log-probs' gather without verl's gradient scaling (each rank's loss counted
 once instead of the group size times) keeps log-probs and loss exact and gets the gradients
-wrong, as the comparison shows.
+wrong, as the comparison shows (GRPO and SFT: the sharing step ran through the Ulysses split).
 """
 
+import contextlib
 import functools
 import importlib.util
 from functools import partial
@@ -33,6 +36,7 @@ if importlib.util.find_spec("verl") is None:
 from tests.fsdp_compat._launch import run_gloo  # noqa: E402
 from tests.verl_ext._compare import MODES, same_outputs  # noqa: E402
 from tests.verl_ext._fsdp_engine import save_model  # noqa: E402
+from tests.verl_ext._sft import SYSTEM  # noqa: E402
 
 REFERENCE_ATTENTION = "cpu_varlen_reference"  # transformers' flash integration, CPU kernel (a name
 # with "flash" in it makes transformers look for the flash-attention package)
@@ -77,7 +81,6 @@ def rank_run(rank: int, path: str, size: int, workloads: list[str], control: boo
     gradients on exit). ``_fsdp_engine.run``'s outputs and gradients."""
     from verl.workers.utils.losses import ppo_loss
 
-    from prefix_sharing.fsdp_compat import ulysses
     from prefix_sharing.fsdp_compat.fsdp import full_gradients
     from tests.verl_ext._batch import make_batch, plain_output, use_cpu_platform
     from tests.verl_ext._fsdp_engine import actor_config, build_engine
@@ -104,12 +107,46 @@ def rank_run(rank: int, path: str, size: int, workloads: list[str], control: boo
         for workload in workloads:
             results[workload, mode] = step(engine, config, workload)
     if control:
-        backward = ulysses._SumOverGroup.backward
-        ulysses._SumOverGroup.backward = staticmethod(lambda ctx, grad: (grad, None))
-        try:
+        with gather_without_gradient_scale():
             results[workloads[0], "control"] = step(engine, config, workloads[0])
-        finally:
-            ulysses._SumOverGroup.backward = backward
+        results.update(sft_runs(path, size))
+    return results
+
+
+@contextlib.contextmanager
+def gather_without_gradient_scale():
+    """The control: within the block the sharing step's log-prob gather counts each rank's
+    loss once instead of the group size times (verl's gradient scaling dropped)."""
+    from prefix_sharing.fsdp_compat import ulysses
+
+    backward = ulysses._SumOverGroup.backward
+    ulysses._SumOverGroup.backward = staticmethod(lambda ctx, grad: (grad, None))
+    try:
+        yield
+    finally:
+        ulysses._SumOverGroup.backward = backward
+
+
+def sft_runs(path: str, size: int) -> dict:
+    """verl's SFT step (``_sft``: the SFT engine section, ``sft_loss``, conversations sharing
+    a system prompt plus a turn chain) under Ulysses: stock, sharing, and sharing under the
+    control's gather."""
+    from tests.verl_ext._fsdp_engine import build_engine
+    from tests.verl_ext._sft import fsdp_sft_config, fsdp_sft_step
+
+    def step(engine):
+        KERNEL_CALLS["n"] = 0
+        return {**fsdp_sft_step(engine), "engine": type(engine).__name__,
+                "kernel_calls": KERNEL_CALLS["n"]}
+
+    results = {}
+    for mode, prefix_grouper in (("stock", None), ("sharing", SHARING)):
+        config = fsdp_sft_config(prefix_grouper, ulysses_sequence_parallel_size=size)
+        override = {} if prefix_grouper else {"attn_implementation": REFERENCE_ATTENTION}
+        engine = build_engine(config, path, **({"override_config": override} if override else {}))
+        results["sft", mode] = step(engine)
+    with gather_without_gradient_scale():
+        results["sft", "control"] = step(engine)
     return results
 
 
@@ -144,6 +181,23 @@ def test_control_the_gather_without_verls_gradient_scale_gets_the_gradients_wron
     with pytest.raises(AssertionError, match="grad"):
         same_outputs(control, stock, "control")
     same_outputs({**control, "grads": stock["grads"]}, stock, "control outputs")  # those exact
+
+
+def test_the_sft_step_under_ulysses_matches_verls_own_ulysses_sft_step(checkpoint):
+    for rank, runs in enumerate(launched(checkpoint, 2)):
+        stock, sharing = runs["sft", "stock"], runs["sft", "sharing"]
+        assert sharing["engine"] == "PrefixSharingFSDPEngine"
+        assert stock["kernel_calls"] > 0 and sharing["kernel_calls"] == 0
+        same_outputs(sharing, stock, f"sp=2 rank {rank} sft")
+        assert all(loss != 0 for loss in stock["train"]["loss"])  # the loss mask selects tokens
+        metrics = sharing["train"]["metrics"]
+        # the system prompt once per micro-batch of 2 conversations, the chain's first turn once
+        assert (metrics["prefix_sharing/tokens_total"][0]
+                - metrics["prefix_sharing/tokens_computed"][0]) >= SYSTEM * 3
+        control = runs["sft", "control"]  # the sharing step went through the Ulysses gather
+        with pytest.raises(AssertionError, match="grad"):
+            same_outputs(control, stock, "sft control")
+        same_outputs({**control, "grads": stock["grads"]}, stock, "sft control outputs")
 
 
 @pytest.mark.parametrize("family, preset, keys", [

@@ -6,6 +6,7 @@ the VeOmni engine) pin the verdicts' content, and the critic (a value model) is 
 refused / bad input, from overrides and from a launch script."""
 
 import importlib.util
+import re
 
 import pytest
 
@@ -38,22 +39,87 @@ ROWS = {
     "megatron_vlm": (MEGATRON, [MODEL + "path=Qwen/Qwen2.5-VL-7B-Instruct"]),
     "megatron_mtp": (MEGATRON, [MODEL + "mtp.enable=true", MODEL + "mtp.enable_train=true"]),
 }
+OVERRIDE = "+actor_rollout_ref.actor.megatron.override_transformer_config."
+# Megatron rows refused when the sharing layers are built, each said at construction (name ->
+# (overrides, the model's HF config: a transformers model type and fields set on it, the key))
+BUILD_ROWS = {
+    "megatron_mla_rope_fusion": ([OVERRIDE + "apply_rope_fusion=true"],
+                                 ("deepseek_v3", {}), "megatron.rope_fusion"),
+    "megatron_mtp_layers": ([MODEL + "mtp.enable=true"],  # MTP layers built, not trained
+                            ("qwen2", {"num_nextn_predict_layers": 1}), "megatron.mtp"),
+    "megatron_window": ([OVERRIDE + "window_size=[8,2]"], ("qwen2", {}),
+                        "megatron.window_reads_later_keys"),
+    "megatron_moe_cp_per_token_loss": (
+        ["actor_rollout_ref.actor.megatron.context_parallel_size=2",
+         OVERRIDE + "calculate_per_token_loss=true"], ("qwen3_moe", {}),
+        "megatron.context_parallel.moe_per_token_loss"),
+}
+# the keys with which verl's engine refuses a model before any other (setup_problems)
+MOOT_MAKERS = {"verl.megatron_vlm", "verl.gdn_release", "verl.megatron_lora"}
+
+
+def model_build_keys(model_config, engine_config) -> tuple[str, ...] | None:
+    """The keys building a tiny GPT model with the sharing layer spec raises, its
+    ``TransformerConfig`` holding the fields verl's bridge would give this model
+    (``transformer_config_view``), set on a built config: megatron's own validation of DSA,
+    MLA and MTP asks for sizes that do not change what is refused. None for a hybrid stack
+    (megatron-core 0.18+: tests/megatron_ext/test_hybrid.py builds those)."""
+    from megatron.core.models.gpt import GPTModel
+
+    from prefix_sharing.engines.megatron_models import transformer_config
+    from prefix_sharing.megatron_ext import UnsupportedSetupError, get_gpt_layer_local_spec
+    from prefix_sharing.presets import PRESETS
+    from prefix_sharing.verl_ext.mcore_model import hybrid_pattern, transformer_config_view
+
+    if hybrid_pattern(model_config.hf_config) is not None:
+        return None
+    preset = PRESETS["tiny"]
+    config = transformer_config(preset)
+    for name, value in vars(transformer_config_view(model_config, engine_config)).items():
+        setattr(config, name, value)
+    try:
+        GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
+                 vocab_size=preset.vocab_size, max_sequence_length=preset.max_sequence_length)
+    except UnsupportedSetupError as error:  # megatron's build_module re-raises it by message
+        return tuple(sorted(set(re.findall(r"\[([\w.]+)\]", str(error)))))
+    return ()
+
+
+def config_dir(root: str, model_type: str, fields: dict) -> str:
+    """transformers' default config of ``model_type`` with ``fields``, saved under ``root``."""
+    import os
+
+    from transformers import AutoConfig
+
+    from prefix_sharing.verl_ext.preflight import _architecture
+
+    config = AutoConfig.for_model(model_type, **fields)
+    config.architectures = [_architecture(model_type)]
+    path = os.path.join(root, "-".join([model_type, *fields]))
+    config.save_pretrained(path)
+    return path
 # rows whose engine needs more ranks than this test has: Ulysses at 2 (served; built at 2 and 4
 # ranks by tests/verl_ext/test_fsdp_ulysses.py)
 BUILT_ELSEWHERE = ("ulysses",)
 
 
-def verdicts_and_constructions(rank: int, path: str) -> dict:
+def verdicts_and_constructions(rank: int, path: str, config_root: str) -> dict:
     """Per row: the actor's preflight keys, and the keys the engine's construction raises
-    (``()`` when it builds) from the configs preflight read; the critic's keys under GAE."""
+    (``()`` when it builds) from the configs preflight read, and (Megatron) building the model;
+    the critic's keys under GAE."""
     from prefix_sharing.errors import PrefixSharingSetupError
     from prefix_sharing.verl_ext.preflight import compose_config, preflight
     from tests.verl_ext._batch import use_cpu_platform
 
     use_cpu_platform()
     found = {}
-    for name, (config_name, overrides) in ROWS.items():
-        config = compose_config(BASE + [MODEL + f"path={path}"] + overrides, config_name)
+    rows = {name: (config_name, [MODEL + f"path={path}"] + overrides)
+            for name, (config_name, overrides) in ROWS.items()}
+    rows.update({name: (MEGATRON, overrides + [
+        MODEL + f"path={config_dir(config_root, model_type, fields)}"])
+        for name, (overrides, (model_type, fields), _) in BUILD_ROWS.items()})
+    for name, (config_name, overrides) in rows.items():
+        config = compose_config(BASE + overrides, config_name)
         actor = preflight(config).roles[0]
         built = ()
         if actor.engine_cls is not None and name not in BUILT_ELSEWHERE:
@@ -64,6 +130,9 @@ def verdicts_and_constructions(rank: int, path: str) -> dict:
                 built = error.refusals
         found[name] = {"preflight": tuple(p.key for p in actor.problems), "built": built,
                        "engine": actor.engine_cls.__name__ if actor.engine_cls else None}
+        if config_name == MEGATRON:
+            found[name]["model_built"] = model_build_keys(actor.configs["model"],
+                                                          actor.configs["engine"])
     gae = [MODEL + f"path={path}", "algorithm.adv_estimator=gae",
            "critic.ppo_micro_batch_size_per_gpu=2"]
     for name, critic in (("critic", []),
@@ -90,15 +159,34 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def rows(checkpoint):
-    return run_distributed(verdicts_and_constructions, 1, checkpoint, timeout=500)[0]
+def rows(checkpoint, tmp_path_factory):
+    return run_distributed(verdicts_and_constructions, 1, checkpoint,
+                           str(tmp_path_factory.mktemp("configs")), timeout=500)[0]
 
 
-@pytest.mark.parametrize("row", [name for name in ROWS
+@pytest.mark.parametrize("row", [name for name in [*ROWS, *BUILD_ROWS]
                                  if name != "fsdp1" and name not in BUILT_ELSEWHERE])
 def test_preflight_says_what_constructing_the_engine_raises(rows, row):
     assert rows[row]["engine"] in ("PrefixSharingFSDPEngine", "PrefixSharingMegatronEngine")
     assert rows[row]["preflight"] == rows[row]["built"], rows[row]
+
+
+@pytest.mark.parametrize("row", list(BUILD_ROWS))
+def test_a_refusal_of_the_models_build_is_said_before_it_and_raised_by_it(rows, row):
+    """Each condition the sharing layers check when they are built: preflight gives its key,
+    and building the model from the same configs raises that key."""
+    key = BUILD_ROWS[row][2]
+    assert rows[row]["preflight"] == (key,)
+    assert rows[row]["model_built"] == (key,)
+
+
+@pytest.mark.parametrize("row", ["megatron", "megatron_mtp"])
+def test_a_megatron_model_preflight_serves_builds(rows, row):
+    """What preflight passes, the model's build passes (MTP training asked of a model without
+    MTP layers: verl's refusal only). The LoRA and VLM rows are refused before the model is
+    built (``MOOT_MAKERS``)."""
+    assert rows[row]["model_built"] == tuple(
+        k for k in rows[row]["preflight"] if k.startswith("megatron.")) == ()
 
 
 def test_fsdp1_is_checked_by_the_same_engine_class_as_fsdp2(rows):

@@ -2,7 +2,9 @@
 
 Old log-probs and entropy (``infer_batch``), verl's ``ppo_loss`` (with entropy and KL terms) and
 every gradient (``forward_backward_batch``), on GRPO, step-wise, tree and agent batches, one
-process, tensor-parallel 2 and pipeline-parallel 2 (gloo; every rank plans the micro-batch). The last position of each sample predicts nothing (verl
+process, tensor-parallel 2, pipeline-parallel 2, and pipeline-parallel 2 with two virtual stages
+per rank (verl's interleaved schedule; gloo; every rank plans the micro-batch, every model chunk
+runs it with its own plan). The last position of each sample predicts nothing (verl
 fills it from a wrapped-around label; downstream reads stop before it) and is not compared for
 log-probs.
 """
@@ -18,16 +20,26 @@ require_verl("0.9.1")
 
 from prefix_sharing.engines.launch import run_distributed  # noqa: E402
 from tests.verl_ext._compare import MODES, same_outputs  # noqa: E402
-from tests.verl_ext._batch import WORKLOADS  # noqa: E402
+from tests.verl_ext._batch import WORKLOADS, make_batch  # noqa: E402
 from tests.verl_ext._engine import run  # noqa: E402
 
-@pytest.fixture(scope="module", params=[(1, 1), (2, 1), (1, 2)], ids=["tp1", "tp2", "pp2"])
+# pp2vpp2: verl's interleaved schedule, two model chunks per rank (a layer each), one
+# micro-batch iterator per chunk (verl's make_batch_generator); micro-batches of 3 samples, a
+# multiple of PP of them (verl asserts it): 4 of GRPO groups, 2 of the tree's 6 samples
+INTERLEAVED_BATCHES = {"grpo": dict(micro_batch_size=3, num_prompts=4, group_size=3),
+                       "tree": dict(micro_batch_size=3)}
+LAYOUTS = {"tp1": (1, 1, None, {}), "tp2": (2, 1, None, {}), "pp2": (1, 2, None, {}),
+           "pp2vpp2": (1, 2, 2, INTERLEAVED_BATCHES)}  # name: (tp, pp, vpp, batches)
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
 def results(request):
-    tp, pp = request.param
+    tp, pp, vpp, batches = LAYOUTS[request.param]
     workloads = list(WORKLOADS) if tp * pp == 1 else ["grpo", "tree"]
     modes = MODES if tp * pp == 1 else {k: MODES[k] for k in ("off", "arbitrary_prefix")}
-    per_rank = run_distributed(run, tp * pp, workloads, modes, tp=tp, pp=pp, timeout=400)
-    return f"tp{tp}pp{pp}", workloads, modes, per_rank
+    per_rank = run_distributed(partial(run, batches=batches), tp * pp, workloads, modes, tp=tp,
+                               pp=pp, vpp=vpp, timeout=400)
+    return request.param, workloads, modes, per_rank
 
 
 def test_log_probs_entropy_loss_and_gradients_match_the_feature_off(results):
@@ -50,6 +62,10 @@ def test_sharing_metrics_reach_verls_metrics_dict(results):
         total = shared["prefix_sharing/tokens_total"][0]
         computed = shared["prefix_sharing/tokens_computed"][0]
         assert computed < total, f"{workload}: nothing shared"
+        # each sample's tokens once (under virtual stages a rank runs every micro-batch once
+        # per model chunk)
+        sizes = LAYOUTS[layout][3].get(workload, {})
+        assert total == make_batch(workload, **sizes)["input_ids"].offsets()[-1], (layout, workload)
         assert shared["prefix_sharing/token_ratio"][0] == pytest.approx(total / computed)
         # verl's worker all-gathers each metric over DP ranks, then flattens a list (or
         # aggregates its own Metric objects): a bare number fails there
