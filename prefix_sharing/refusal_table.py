@@ -409,10 +409,9 @@ TABLE: tuple[Refusal, ...] = (
             "micro-batches; the FSDP engine and the critic split a group too large for a "
             "micro-batch instead (set cross_micro_batch: false)", _VERL),
     Refusal("verl.cross_micro_batch.layout", "groups across micro-batches with this parallel "
-            "layout", "a group runs under context parallelism at TP=1 "
-            "(CP x TP is tested in the group driver only), and under pipeline parallelism at "
-            "TP=1, CP=1 on a dense model without recompute or sliding windows (the settings "
-            "tested there)",
+            "layout", "a group runs under tensor, sequence and context parallelism (CP x TP "
+            "included), and under pipeline parallelism at TP=1, CP=1 on a dense model without "
+            "recompute or sliding windows (the settings tested there)",
             ("verl-megatron",)),
     Refusal("verl.cpu_shim_release", "a verl release the CPU test shim does not know",
             "prefix_sharing.testing.verl_cpu patches the releases that have patch sets "

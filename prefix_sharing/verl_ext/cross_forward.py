@@ -180,9 +180,6 @@ def check_cross_engine_setup(engine_config: Any) -> None:
     if vpp is not None and vpp > 1:
         found.append(Refused("megatron.cross_micro_batch.virtual_pipeline",
                              f"virtual_pipeline_model_parallel_size={vpp}"))
-    if cp > 1 and tp > 1 and pp == 1:  # CP x TP runs in the group driver; not tested through verl
-        found.append(Refused("verl.cross_micro_batch.layout",
-                             f"context_parallel_size={cp} with tensor_model_parallel_size={tp}"))
     if found:
         raise refuse_all(found, error=PrefixSharingSetupError)
 

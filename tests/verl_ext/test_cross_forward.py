@@ -10,7 +10,8 @@ at every turn). At a budget of 80 both groups cross micro-batches (3 each); at 7
 one's prefix is over half the budget, so, with nesting off (as on a model that does not allow
 it: ``test_cross_nested.py`` runs it nested), it is cut by the ordinary split (and recomputes
 its prefix) beside the first one's cross run. At ``context_parallel_size=2`` (two gloo ranks)
-every micro-batch is split over the CP ranks and the step equals the stock one at CP=1.
+every micro-batch is split over the CP ranks and the step equals the stock one at CP=1; at
+CP=2 x TP=2 with sequence parallelism (four ranks), the stock one at TP=2.
 """
 
 import contextlib
@@ -283,15 +284,75 @@ def test_tensor_and_sequence_parallel_equal_verls_stock_step(sequence_parallel_r
         same_outputs(cross, rank[setting, "off"], f"tp2 {setting}", per_micro_batch=False)
 
 
+def context_tensor_parallel_steps(rank: int) -> dict:
+    """At ``context_parallel_size=2`` x ``tensor_model_parallel_size=2`` with sequence
+    parallelism (four gloo ranks): the cross-micro-batch step at a budget of 80 over CP (40 per
+    GPU), the control, and sharing within micro-batches (``shared``: a budget of 160 over CP,
+    each group in one micro-batch), each rank's gradients completed as megatron's finalize
+    does (summed over TP for the sequence-parallel parameters, averaged over CP)."""
+    from megatron.core import parallel_state
+    from verl.workers.utils.losses import ppo_loss
+
+    from prefix_sharing.engines.megatron import (finalize_context_parallel_grads,
+                                                 finalize_sequence_parallel_grads)
+    from prefix_sharing.megatron_ext import prefix_kv
+
+    use_cpu_platform()
+    results = {"tp_rank": parallel_state.get_tensor_model_parallel_rank()}
+    for name, sharing, budget in (("cross", CROSS, 40), ("control", CROSS, 40),
+                                  ("shared", {**CROSS, "cross_micro_batch": False}, 80)):
+        config = actor_config(sharing, megatron=dict(context_parallel_size=2,
+                                                     tensor_model_parallel_size=2,
+                                                     sequence_parallel=True))
+        engine = build_engine(config, sequence_parallel=True)
+        infer = engine.infer_batch(batch(budget))
+        read_through = prefix_kv.read_through
+        if name == "control":  # the last micro-batch drops what the earlier ones accumulated
+            prefix_kv.read_through = lambda recorded, leaf: recorded
+        try:
+            train = engine.forward_backward_batch(batch(budget),
+                                                  partial(ppo_loss, config=config))
+        finally:
+            prefix_kv.read_through = read_through
+        finalize_sequence_parallel_grads(engine.module[0])
+        finalize_context_parallel_grads(engine.module[0])
+        grads = {n: p.grad.clone() for n, p in engine.module[0].named_parameters()}
+        results[name] = {"infer": plain_output(infer), "train": plain_output(train),
+                         "grads": grads}
+    return results
+
+
+@pytest.fixture(scope="module")
+def context_tensor_parallel_results():
+    return run_distributed(context_tensor_parallel_steps, 4, tp=2, cp=2, timeout=900)
+
+
+def test_context_x_tensor_parallel_equals_verls_stock_step_at_tp2(
+        context_tensor_parallel_results, sequence_parallel_results):
+    """Every rank returns every sample whole and, its gradients completed, equals the stock
+    step at TP=2 (CP=1) on its tensor-parallel shard of the weights, across micro-batches and
+    within them; the control fails."""
+    for rank, result in enumerate(context_tensor_parallel_results):
+        stock = sequence_parallel_results[result["tp_rank"]]["sp", "off"]
+        cross = result["cross"]
+        metrics = cross["train"]["metrics"]
+        assert metrics["prefix_sharing/prefix_recomputes_avoided"] == [4.0]
+        assert metrics["prefix_sharing/groups_split"] == [0.0]
+        same_outputs(cross, stock, f"cp2 x tp2 rank {rank}", per_micro_batch=False)
+        shared = result["shared"]
+        assert shared["train"]["metrics"]["prefix_sharing/num_micro_batches"] == [2.0]
+        same_outputs(shared, stock, f"cp2 x tp2 shared, rank {rank}", per_micro_batch=False)
+        with pytest.raises(AssertionError, match="grad"):
+            same_outputs(result["control"], stock, "control", per_micro_batch=False)
+
+
 @pytest.mark.parametrize("settings, named", [
     # PP at TP=1 runs (test_cross_pipeline.py); PP x TP and PP x CP are not tested
     (dict(pipeline_model_parallel_size=2),
      "pipeline_model_parallel_size=2 with tensor_model_parallel_size=2"),
     (dict(pipeline_model_parallel_size=2, tensor_model_parallel_size=1, context_parallel_size=2),
      "pipeline_model_parallel_size=2 with context_parallel_size=2"),
-    (dict(virtual_pipeline_model_parallel_size=2), "virtual_pipeline_model_parallel_size=2"),
-    # CP at TP=1 runs (tested above); CP x TP is tested in the group driver only
-    (dict(context_parallel_size=2), "context_parallel_size=2 with tensor_model_parallel_size=2")])
+    (dict(virtual_pipeline_model_parallel_size=2), "virtual_pipeline_model_parallel_size=2")])
 def test_engine_settings_are_refused_by_name_at_construction(settings, named):
     from types import SimpleNamespace
 
@@ -302,6 +363,7 @@ def test_engine_settings_are_refused_by_name_at_construction(settings, named):
                 tensor_model_parallel_size=2, sequence_parallel=False)
     check_cross_engine_setup(SimpleNamespace(**base))  # TP runs, sequence parallel or not
     check_cross_engine_setup(SimpleNamespace(**{**base, "sequence_parallel": True}))
+    check_cross_engine_setup(SimpleNamespace(**{**base, "context_parallel_size": 2}))  # CP x TP
     with pytest.raises(PrefixSharingSetupError, match=named):
         check_cross_engine_setup(SimpleNamespace(**{**base, **settings}))
 
