@@ -408,10 +408,12 @@ TABLE: tuple[Refusal, ...] = (
             "or the critic", "only verl's Megatron language-model engine runs a group across "
             "micro-batches; the FSDP engine and the critic split a group too large for a "
             "micro-batch instead (set cross_micro_batch: false)", _VERL),
-    Refusal("verl.cross_micro_batch.layout", "groups across micro-batches with this parallel "
-            "layout", "a group runs under tensor, sequence and context parallelism (CP x TP "
-            "included), and under pipeline parallelism at TP=1, CP=1 on a dense model without "
-            "recompute or sliding windows (the settings tested there)",
+    Refusal("verl.cross_micro_batch.layout", "groups across micro-batches in verl's engine "
+            "under pipeline parallelism on a MoE model", "verl's pipelined group run (the "
+            "first and last micro-batch carrying the prefix rows) does not carry the MoE "
+            "router statistics (not built; the group driver's does); use "
+            "pipeline_model_parallel_size=1 for such groups (TP, SP and CP run), or "
+            "cross_micro_batch: false",
             ("verl-megatron",)),
     Refusal("verl.cpu_shim_release", "a verl release the CPU test shim does not know",
             "prefix_sharing.testing.verl_cpu patches the releases that have patch sets "

@@ -29,8 +29,8 @@ own ``record`` mode (:class:`~prefix_sharing.megatron_ext.prefix_kv.PrefixKVPass
 every micro-batch's dK/dV, the last one's included, which then reads the leaves too. Under
 tensor parallelism each micro-batch's rows, the prefix's included, are padded to the
 tensor-parallel size (sequence parallelism splits them over its ranks; the prefix's pad rows are
-not kept). Under context parallelism (at TP=1 here; dense, without recompute, as in the group
-driver) each micro-batch, the prefix's included, is split over the CP ranks and padded to
+not kept). Under context parallelism (with or without TP; dense, without recompute, as in the
+group driver) each micro-batch, the prefix's included, is split over the CP ranks and padded to
 their count, the prefix's K/V recorded gathered (:mod:`~prefix_sharing.megatron_ext.
 cross_context_parallel`); every rank returns every sample whole, as the shared forward does
 under CP. Sliding windows run as in the group driver. MoE router statistics are each cross
@@ -170,12 +170,9 @@ def check_cross_engine_setup(engine_config: Any) -> None:
     found = []
     pp = getattr(engine_config, "pipeline_model_parallel_size", 1) or 1
     cp = getattr(engine_config, "context_parallel_size", 1) or 1
-    tp = getattr(engine_config, "tensor_model_parallel_size", 1) or 1
-    if pp > 1:  # tested at TP=1, CP=1 (.cross_pipeline)
-        found += [Refused("verl.cross_micro_batch.layout",
-                          f"pipeline_model_parallel_size={pp} with {name}={size}")
-                  for name, size in (("tensor_model_parallel_size", tp),
-                                     ("context_parallel_size", cp)) if size > 1]
+    if pp > 1 and cp > 1:  # the group driver's refusal, said before the model is built
+        found.append(Refused("megatron.cross_micro_batch.context_parallel",
+                             f"pipeline_model_parallel_size={pp} with context_parallel_size={cp}"))
     vpp = getattr(engine_config, "virtual_pipeline_model_parallel_size", None)
     if vpp is not None and vpp > 1:
         found.append(Refused("megatron.cross_micro_batch.virtual_pipeline",
@@ -190,8 +187,9 @@ def check_cross_model(model) -> None:
     too: sharing keeps them over the samples' tokens, verl's stock step over its packed rows,
     its pad rows (each sample padded to a multiple of TP) included - equal where no sample is
     padded (``tests/verl_ext/test_cross_moe_sequence_parallel.py``), as in one micro-batch.
-    Under pipeline parallelism (:mod:`.cross_pipeline`) the model must be dense, without
-    activation recompute or sliding windows: the settings tested there."""
+    Under pipeline parallelism (:mod:`.cross_pipeline`) the model must be dense: the
+    pipelined run does not carry the router statistics (activation recompute and sliding
+    windows run there, tested)."""
     from megatron.core.utils import get_attr_wrapped_model
 
     from ..megatron_ext.cross_micro_batch import check_group_model
@@ -199,16 +197,11 @@ def check_cross_model(model) -> None:
     check_group_model(model)
     config = get_attr_wrapped_model(model, "config")
     pp = config.pipeline_model_parallel_size
-    if pp > 1:
-        found = [Refused("verl.cross_micro_batch.layout",
-                         f"pipeline_model_parallel_size={pp} with {setting}")
-                 for setting, on in (
-                     (f"recompute_granularity={config.recompute_granularity!r}",
-                      config.recompute_granularity is not None),
-                     (f"num_moe_experts={config.num_moe_experts}", bool(config.num_moe_experts)),
-                     (f"window_size={config.window_size}", config.window_size is not None)) if on]
-        if found:
-            raise refuse_all(found, error=PrefixSharingSetupError)
+    if pp > 1 and config.num_moe_experts:
+        raise refuse_all([Refused("verl.cross_micro_batch.layout",
+                                  f"pipeline_model_parallel_size={pp} with "
+                                  f"num_moe_experts={config.num_moe_experts}")],
+                         error=PrefixSharingSetupError)
 
 
 def _run_prefix(model, part: CrossPart, sharing: PrefixSharingConfig, temperature: float,

@@ -27,9 +27,12 @@ received from the previous stage is split at the prefix's rows (``set_input_tens
 part), and an inner stage sends both outputs on as one tensor (megatron's
 ``variable_seq_lengths`` carries its shape). The prefix is computed twice
 (``cross_recomputed_tokens``); held across the group, per stage, its layers' K/V leaves and
-their gradients, and no prefix activations. Built and tested for one-level groups at TP=1,
-CP=1 on dense models without activation recompute or sliding windows
-(:func:`.cross_forward.check_cross_model`, :func:`.cross_forward.check_cross_engine_setup`).
+their gradients, and no prefix activations. Under sequence parallelism each rank holds its
+slice of each part's rows (every part padded to the tensor-parallel size), so the received
+activation splits at the prefix's rows over TP. Built and tested for one-level groups on dense
+models, at TP=1 and at TP=2 with sequence parallelism, with activation recompute and sliding
+windows; not under context parallelism (:func:`.cross_forward.check_cross_model`,
+:func:`.cross_forward.check_cross_engine_setup`).
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ def pipelined_cross_forward(model, part: CrossPart, sharing: PrefixSharingConfig
     from megatron.core.utils import get_attr_wrapped_model
 
     from ..megatron_ext.cross_context_parallel import micro_batch_stats, model_inputs
-    from ..megatron_ext.cross_run import PrefixPass
+    from ..megatron_ext.cross_run import PrefixPass, sequence_parallel_size
     from ..megatron_ext.packed_seq import PlanPackedSeqParams
     from ..megatron_ext.prefix_kv import PrefixKV
 
@@ -66,6 +69,7 @@ def pipelined_cross_forward(model, part: CrossPart, sharing: PrefixSharingConfig
     last_stage = get_attr_wrapped_model(model, "post_process")
     received = get_attr_wrapped_model(model, "decoder").input_tensor  # None on the first stage
     set_input_tensor = get_attr_wrapped_model(model, "set_input_tensor")
+    slices = sequence_parallel_size(model)  # under sequence parallelism: this rank's rows
 
     def run(params: PlanPackedSeqParams, rows: slice) -> torch.Tensor:
         if received is not None:  # a later stage: its rows of the activation received
@@ -81,7 +85,7 @@ def pipelined_cross_forward(model, part: CrossPart, sharing: PrefixSharingConfig
         prefix_rows = prefix.params.plan.input_ids.numel()
         training = torch.is_grad_enabled()
         with torch.set_grad_enabled(training and part.last):
-            outputs.append(run(prefix.params, slice(0, prefix_rows)))
+            outputs.append(run(prefix.params, slice(0, prefix_rows // slices)))
             if last_stage:
                 recorded = prefix_statistics(prefix, outputs[-1][0], calculate_entropy)
                 state.log_probs, state.entropy = recorded
@@ -92,7 +96,7 @@ def pipelined_cross_forward(model, part: CrossPart, sharing: PrefixSharingConfig
     suffix = schedule.suffixes[part.index]
     plan, tail_plan = suffix.plan.to(device), suffix.tail_plan.to(device)
     params = PlanPackedSeqParams.from_plan(plan, sharing.backend, prefix_kv=state.prefix_kv)
-    outputs.append(run(params, slice(prefix_rows, None)))
+    outputs.append(run(params, slice(prefix_rows // slices, None)))
     if metrics is not None:  # the last micro-batch computes the prefix again
         metrics.add_tokens(part.tokens_total, part.tokens_computed + (
             schedule.prefix_len if part.last and not part.first else 0))

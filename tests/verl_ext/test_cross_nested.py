@@ -3,7 +3,8 @@ a common prefix longer than half the budget - longer than the budget itself - co
 chunks, and a two-level tree whose branches do not fit beside their shared part, each shared
 part computed once (:mod:`prefix_sharing.verl_ext.cross_nested`). ``infer_batch`` (log-probs,
 entropy) and ``forward_backward_batch`` (verl's ``ppo_loss``, every gradient) equal verl's
-stock step with the feature off on the same weights (fp32, one process).
+stock step with the feature off on the same weights (fp32, one process; with a sliding window
+too, and at TP=2 with sequence parallelism on two processes).
 
 Batches: ``chunks``, 2 agent tasks of 3 episodes (59-65 tokens, common prefixes of 34 and 36)
 under a budget of 30: each prefix in 2 chunks, the first task's longest episode a one-member
@@ -156,9 +157,52 @@ def test_every_shared_part_is_computed_once_and_verls_metrics_say_so(results, na
         float(2 * 2 * PRESET.num_layers * rows * PRESET.num_query_groups * PRESET.head_dim * 4)]
 
 
+# a 7-key sliding window on every other layer (test_cross_forward.py's)
+WINDOW = dict(window_size=(6, 0), window_attn_skip_freq=2)
+
+
+def setting_steps(rank: int, tp: int) -> dict:
+    """Per batch, verl's stock step and the nested one on the same setting: the window at
+    TP=1, or TP=2 with sequence parallelism (two ranks; the sequence-parallel parameters'
+    gradients summed over TP as megatron's finalize does)."""
+    from prefix_sharing.engines.megatron import finalize_sequence_parallel_grads
+
+    use_cpu_platform()
+    layout = dict(tensor_model_parallel_size=tp, sequence_parallel=True) if tp > 1 else None
+    settings = {"sequence_parallel": True} if tp > 1 else WINDOW
+    results = {}
+    for name, mode in [(name, mode) for name in BATCHES for mode in ("off", "cross")]:
+        config = actor_config(None if mode == "off" else CROSS, megatron=layout)
+        engine = build_engine(config, **settings)
+        budget = STOCK_BUDGET if mode == "off" else None
+        results[name, mode] = step(engine, config, partial(batch, name, budget),
+                                   finalize=finalize_sequence_parallel_grads if tp > 1 else None)
+    return results
+
+
+@pytest.fixture(scope="module")
+def setting_results():
+    return {"window": [run_distributed(setting_steps, 1, 1, timeout=600)[0]],
+            "tp2": run_distributed(setting_steps, 2, 2, tp=2, timeout=900)}
+
+
+@pytest.mark.parametrize("setting", ["window", "tp2"])
+@pytest.mark.parametrize("name", BATCHES)
+def test_groups_nest_under_windows_and_tensor_parallelism(setting_results, setting, name):
+    """Every rank equals verl's stock step with the same setting, and the groups nested (none
+    cut, each block computed again in its last reader's backward)."""
+    for rank, results in enumerate(setting_results[setting]):
+        same_outputs(results[name, "cross"], results[name, "off"], f"{setting} rank {rank}",
+                     per_micro_batch=False)
+        metrics = results[name, "cross"]["train"]["metrics"]
+        assert metrics["prefix_sharing/groups_split"] == [0.0]
+        assert metrics["prefix_sharing/cross_recomputed_tokens"] == [
+            float(sum(b.length for s in schedules(name) for b in s.blocks))]
+
+
 @pytest.mark.parametrize("setting", [
-    {}, {"recompute_granularity": "full"}, {"num_moe_experts": 4}, {"window_size": (6, 0)},
-    {"tensor_model_parallel_size": 2}, {"context_parallel_size": 2},
+    {}, {"window_size": (6, 0)}, {"tensor_model_parallel_size": 2},
+    {"recompute_granularity": "full"}, {"num_moe_experts": 4}, {"context_parallel_size": 2},
     {"pipeline_model_parallel_size": 2}])  # one level under PP: test_cross_pipeline.py
 def test_groups_nest_only_on_the_settings_tested_here(setting):
     """Elsewhere a group that does not fit one level is cut by the ordinary split, as before."""
@@ -178,9 +222,8 @@ def test_groups_nest_only_on_the_settings_tested_here(setting):
                            return_value=tp), \
             mock.patch.object(parallel_state, "get_context_parallel_world_size", return_value=cp):
         problem = nested_problem(config)
-    if not setting and tp == 1 and cp == 1:
+    if set(setting) <= {"window_size"} and cp == 1:  # windows and TP nest
         assert problem is None
     else:  # the reason names the setting (the engine's warning says it)
-        name = next(iter(setting), "tensor_model_parallel_size" if tp > 1 else
-                    "context_parallel_size")
+        name = next(iter(setting), "context_parallel_size")
         assert name in problem, problem

@@ -30,7 +30,7 @@ from prefix_sharing.engines.launch import run_distributed  # noqa: E402
 from tests.verl_ext._batch import use_cpu_platform  # noqa: E402
 from tests.verl_ext._compare import same_outputs  # noqa: E402
 from tests.verl_ext._engine import actor_config, build_engine, step  # noqa: E402
-from tests.verl_ext.test_cross_forward import CROSS, batch  # noqa: E402
+from tests.verl_ext.test_cross_forward import CROSS, SETTINGS, batch  # noqa: E402
 
 PIPELINE = {"pipeline_model_parallel_size": 2}
 
@@ -100,27 +100,96 @@ def test_a_control_whose_last_micro_batch_does_not_read_through_fails(stages):
                          per_micro_batch=False)
 
 
-@pytest.mark.parametrize("setting, named", [
-    (dict(recompute_granularity="full"), "recompute_granularity='full'"),
-    (dict(num_moe_experts=4), "num_moe_experts=4"),
-    (dict(window_size=(6, 0)), r"window_size=\(6, 0\)")])
-def test_untested_model_settings_are_refused_by_name_under_pipeline_parallelism(setting, named):
-    """The engine's layout at PP=2, TP=1 passes; a model setting not tested under pipeline
-    parallelism is refused at its first cross micro-batch (at PP=1 each of them runs:
-    test_cross_forward.py)."""
+def setting_steps(rank: int) -> dict:
+    """Per model setting of ``test_cross_forward.SETTINGS`` (activation recompute, full and
+    selective; a sliding window on every other layer): verl's stock step and the
+    cross-micro-batch one at a budget of 80, at PP=2 with the same setting; this rank's stage."""
+    use_cpu_platform()
+    results = {}
+    for setting, settings in SETTINGS.items():
+        for name, prefix_grouper in (("off", None), ("cross", CROSS)):
+            config = actor_config(prefix_grouper, megatron=PIPELINE)
+            engine = build_engine(config, **settings)
+            results[setting, name] = step(engine, config, partial(batch, 80))
+    return results
+
+
+@pytest.fixture(scope="module")
+def setting_stages():
+    return run_distributed(setting_steps, 2, pp=2, timeout=900)
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_recompute_and_windows_under_pipeline_parallelism_equal_verls_stock_step(
+        setting_stages, setting):
+    """A prefix layer recomputed in the last micro-batch replays inside its backward (after
+    its own rows', created later) and injects the leaves' gradients then; a windowed layer's
+    suffix rows read only the prefix rows their window sees."""
+    for rank, results in enumerate(setting_stages):
+        same_outputs(results[setting, "cross"], results[setting, "off"],
+                     f"pp2 stage {rank} {setting}", per_micro_batch=False)
+    metrics = setting_stages[-1][setting, "cross"]["train"]["metrics"]
+    assert metrics["prefix_sharing/prefix_recomputes_avoided"] == [4.0]
+
+
+def tensor_parallel_steps(rank: int) -> dict:
+    """At PP=2 x TP=2 with sequence parallelism (four gloo ranks): verl's stock step and the
+    cross-micro-batch one at a budget of 80 and the control (its last micro-batch drops what
+    the earlier ones accumulated), the gradients of the sequence-parallel parameters summed
+    over TP as megatron's finalize does; this rank's stage and shard."""
+    from unittest import mock
+
+    from prefix_sharing.engines.megatron import finalize_sequence_parallel_grads
+    from prefix_sharing.megatron_ext import prefix_kv
+
+    use_cpu_platform()
+    dropped = mock.patch.object(prefix_kv, "read_through", lambda recorded, leaf: recorded)
+    layout = {**PIPELINE, "tensor_model_parallel_size": 2, "sequence_parallel": True}
+    results = {}
+    for name, prefix_grouper in (("off", None), ("cross", CROSS), ("control", CROSS)):
+        config = actor_config(prefix_grouper, megatron=layout)
+        engine = build_engine(config, sequence_parallel=True)
+        results[name] = step(engine, config, partial(batch, 80),
+                             during=dropped if name == "control" else None,
+                             finalize=finalize_sequence_parallel_grads)
+    return results
+
+
+def test_pipeline_x_tensor_parallel_equals_verls_stock_step():
+    """Every rank's gradients (its stage, its shard) and the last stage's outputs; each
+    rank's received activation splits at its slice of the prefix rows. The control fails."""
+    ranks = run_distributed(tensor_parallel_steps, 4, tp=2, pp=2, timeout=900)
+    for rank, results in enumerate(ranks):
+        same_outputs(results["cross"], results["off"], f"pp2 x tp2 rank {rank}",
+                     per_micro_batch=False)
+        with pytest.raises(AssertionError, match="grad"):
+            same_outputs(results["control"], results["off"], f"pp2 x tp2 rank {rank} control",
+                         per_micro_batch=False)
+    metrics = ranks[-1]["cross"]["train"]["metrics"]  # rank 3: the last stage
+    assert metrics["prefix_sharing/prefix_recomputes_avoided"] == [4.0]
+    assert metrics["prefix_sharing/groups_split"] == [0.0]
+
+
+def test_a_moe_model_is_refused_by_name_under_pipeline_parallelism():
+    """The engine's layout at PP=2 passes, and so do recompute and windows (run above); a MoE
+    model is refused at its first cross micro-batch under pipeline parallelism (the pipelined
+    run does not carry the router statistics), and runs at PP=1 (test_cross_forward.py)."""
     from types import SimpleNamespace
 
     from prefix_sharing.verl_ext.cross_forward import check_cross_engine_setup, check_cross_model
     from prefix_sharing.verl_ext.mcore import PrefixSharingSetupError
 
+    def model(**settings):
+        return SimpleNamespace(config=SimpleNamespace(**{
+            **dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=None,
+                   context_parallel_size=1, recompute_granularity="full", num_moe_experts=None,
+                   window_size=(6, 0)), **settings}))
+
     check_cross_engine_setup(SimpleNamespace(pipeline_model_parallel_size=2,
-                                             tensor_model_parallel_size=1))
-    config = dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=None,
-                  context_parallel_size=1, recompute_granularity=None, num_moe_experts=None,
-                  window_size=None)
-    check_cross_model(SimpleNamespace(config=SimpleNamespace(**config)))
+                                             tensor_model_parallel_size=2))
+    check_cross_model(model())
     with pytest.raises(PrefixSharingSetupError,
-                       match=f"pipeline_model_parallel_size=2 with {named}"):
-        check_cross_model(SimpleNamespace(config=SimpleNamespace(**{**config, **setting})))
-    check_cross_model(SimpleNamespace(config=SimpleNamespace(
-        **{**config, **setting, "pipeline_model_parallel_size": 1})))
+                       match=r"pipeline_model_parallel_size=2 with num_moe_experts=4.*"
+                             r"verl\.cross_micro_batch\.layout"):
+        check_cross_model(model(num_moe_experts=4))
+    check_cross_model(model(num_moe_experts=4, pipeline_model_parallel_size=1))
