@@ -8,7 +8,10 @@ layer spec serves the stack as verl's bridge gives it; and the same without q Lo
 ``linear_q_proj`` path; its kv norm kept: with no q / kv norms at all, the sources execution's
 kernel (aten's CPU flash attention) and the stock run's math kernel round apart by 1.1e-5 and
 1.9e-5 on one expert's gradient on the tree and GRPO batches, over the fp32 rule - open in
-issue 39). Every sample's length is even: verl's stock step pads
+issue 39). The preset keeps its own weights: with ``sharp`` ones the tree batch rounds one
+expert's ``linear_fc1`` gradient 1.16e-5 (q LoRA) and 1.14e-5 (without) apart on one CPU (an
+Intel Xeon, 2026-12-06; within 1e-5 on another the day before), the same kernel gap as
+``test_cross_replay``'s. Every sample's length is even: verl's stock step pads
 each sample to a multiple of TP and megatron's router counts those pad rows in its load-balancing
 statistics, which sharing does not (tests/verl_ext/test_cross_moe_sequence_parallel.py shows
 that difference). Router losses: ``aux_loss`` and ``global_aux_loss``;
@@ -25,10 +28,10 @@ import dataclasses  # noqa: E402
 import pytest  # noqa: E402
 
 from prefix_sharing.engines.launch import run_distributed  # noqa: E402
-from prefix_sharing.presets import PRESETS, sharp  # noqa: E402
+from prefix_sharing.presets import PRESETS  # noqa: E402
 from tests.verl_ext._compare import MODES, same_outputs  # noqa: E402
 
-PRESET = dataclasses.replace(sharp(PRESETS["tiny-mla"]), first_dense_layers=0)
+PRESET = dataclasses.replace(PRESETS["tiny-mla"], first_dense_layers=0)
 WORKLOADS = ("tree", "grpo")
 # docs/moe.md: megatron's THD path (verl's stock step) makes the packed micro-batch one sequence
 # in seq_aux_loss (sharing: one per sample), and under sequence parallelism takes the z-loss as a
