@@ -40,9 +40,12 @@ class PrefixSharingConfig:
             (verl's ``max_token_len_per_gpu``), compute its common prefix once and run its tails
             as consecutive micro-batches that read the prefix's K/V
             (:mod:`prefix_sharing.cross_micro_batch`), instead of cutting the group and
-            recomputing the prefix in every piece. Off by default: it needs a Megatron engine
-            with PP=1 and CP=1 and no MoE router statistics (tensor and sequence parallelism,
-            windows and activation recompute run).
+            recomputing the prefix in every piece. Off by default; megatron-core only (the
+            project's group run and verl's Megatron engine; verl's FSDP engine and the critic
+            split such a group instead). Which parallel layouts and model features run with it
+            is docs/cross-micro-batch.md's; a combination not served raises a
+            ``megatron.cross_micro_batch.*`` or ``verl.cross_micro_batch.*`` refusal naming it;
+            ``prefix-sharing preflight`` reports those of the parallel layout before a run.
         self_check: the first micro-batch that shares anything also runs verl's stock path
             on the same weights (without gradient) and the log-probs and entropy are compared:
             the figures are logged and reported, and beyond the dtype's bound the run stops
