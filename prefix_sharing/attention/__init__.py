@@ -18,7 +18,7 @@ import torch
 
 from ..plan import SharingPlan
 from ..refusals import refuse
-from .backends import get_backend, get_lse_kernel, resolve_backend
+from .backends import get_backend, get_lse_kernel, host_boundaries, resolve_backend
 from .merge import KeyPart, SourceLayout, attention_over_sources
 from .sources import EXECUTIONS, choose_execution, source_layout
 from .torch_backend import varlen_attention_torch
@@ -75,8 +75,8 @@ def varlen_attention(
         if kernel is None:
             raise refuse("kernels.lse", f"backend {name!r}")
         # a standalone call: its boundaries read once here (a planned layer passes the plan's)
-        host_q = tuple(cu_seqlens_q.tolist() if cu_seqlens_q_host is None else cu_seqlens_q_host)
-        host_k = tuple(cu_seqlens_k.tolist() if cu_seqlens_k_host is None else cu_seqlens_k_host)
+        host_q = tuple(host_boundaries(cu_seqlens_q, cu_seqlens_q_host))
+        host_k = tuple(host_boundaries(cu_seqlens_k, cu_seqlens_k_host))
         part = KeyPart(None, cu_seqlens_q, cu_seqlens_k, host_q, host_k,
                        max_seqlen_q, max_seqlen_k, causal=True)
         return attention_over_sources(q, k, v, SourceLayout((part,)), kernel, softmax_scale,

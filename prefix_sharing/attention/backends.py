@@ -12,7 +12,7 @@ and lives in its own module, which imports its kernel package only when called f
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -23,6 +23,7 @@ __all__ = [
     "BACKEND_FUNCTIONS",
     "KERNEL_DTYPES",
     "READS_HOST_BOUNDARIES",
+    "host_boundaries",
     "LSE_KERNELS",
     "get_backend",
     "get_lse_kernel",
@@ -51,6 +52,13 @@ LSE_KERNELS: dict[str, tuple[str, str, str]] = {
 # Kernels that take the segment boundaries as host ints (``cu_seqlens_*_host``): without them
 # they copy ``cu_seqlens`` to the host themselves, a device sync in every call.
 READS_HOST_BOUNDARIES = frozenset({"torch", "npu"})
+
+
+def host_boundaries(cu_seqlens: torch.Tensor, host: Sequence[int] | None) -> Sequence[int]:
+    """Segment boundaries as host ints, for those kernels: ``host`` when the caller has them
+    (every layer of a planned micro-batch: the plan's), else read from ``cu_seqlens`` (a
+    standalone call; a device sync)."""
+    return cu_seqlens.tolist() if host is None else host
 
 _HALF = (torch.float16, torch.bfloat16)
 # The q/k/v dtypes each kernel computes in (None: any floating dtype). flash-attn has no float32

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from ..refusals import refuse
+from .backends import host_boundaries
 from .kernel_limits import check_npu, segment_chunks
 
 __all__ = ["attention_lse_backward_npu", "attention_lse_npu", "varlen_attention_npu"]
@@ -76,8 +77,8 @@ def varlen_attention_npu(
         raise refuse("kernels.sinks", "npu_fusion_attention")
 
     check_npu(q, k)
-    bounds_q = _host(cu_seqlens_q, cu_seqlens_q_host)
-    bounds_k = _host(cu_seqlens_k, cu_seqlens_k_host)
+    bounds_q = host_boundaries(cu_seqlens_q, cu_seqlens_q_host)
+    bounds_k = host_boundaries(cu_seqlens_k, cu_seqlens_k_host)
     outputs = [_fusion_attention(q, k, v, call, softmax_scale, True, window)[0]
                for call in _calls(bounds_q, bounds_k)]
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
@@ -141,8 +142,8 @@ def attention_lse_npu(
     """
     del max_seqlen_q, max_seqlen_k
     check_npu(q, k)
-    bounds_q = _host(cu_seqlens_q, cu_seqlens_q_host)
-    bounds_k = _host(cu_seqlens_k, cu_seqlens_k_host)
+    bounds_q = host_boundaries(cu_seqlens_q, cu_seqlens_q_host)
+    bounds_k = host_boundaries(cu_seqlens_k, cu_seqlens_k_host)
     out = q.new_empty(q.size(0), q.size(1), v.size(-1))
     lse = torch.empty(q.size(1), q.size(0), dtype=torch.float32, device=q.device)
     for call in _calls(bounds_q, bounds_k):
@@ -184,8 +185,8 @@ def attention_lse_backward_npu(
     del max_seqlen_q, max_seqlen_k
     import torch_npu
 
-    bounds_q = _host(cu_seqlens_q, cu_seqlens_q_host)
-    bounds_k = _host(cu_seqlens_k, cu_seqlens_k_host)
+    bounds_q = host_boundaries(cu_seqlens_q, cu_seqlens_q_host)
+    bounds_k = host_boundaries(cu_seqlens_k, cu_seqlens_k_host)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for q0, q1, k0, k1, ends_q, ends_k in _calls(bounds_q, bounds_k):
         if q1 == q0:
@@ -250,10 +251,6 @@ def _calls(bounds_q: Sequence[int], bounds_k: Sequence[int]):
         q0, q1, k0, k1 = bounds_q[first], bounds_q[stop], bounds_k[first], bounds_k[stop]
         yield (q0, q1, k0, k1, [e - q0 for e in bounds_q[first + 1: stop + 1]],
                [e - k0 for e in bounds_k[first + 1: stop + 1]])
-
-
-def _host(cu: torch.Tensor, host: Sequence[int] | None) -> list[int]:
-    return cu.tolist() if host is None else list(host)
 
 
 def _scale(q: torch.Tensor, softmax_scale: float | None) -> float:

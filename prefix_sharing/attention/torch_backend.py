@@ -8,6 +8,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .backends import host_boundaries
+
 __all__ = ["attention_lse_backward_torch", "attention_lse_torch", "varlen_attention_torch"]
 
 
@@ -69,7 +71,8 @@ def varlen_attention_torch(
         ``(total_q, nheads, headdim)``, differentiable with respect to ``q``, ``k`` and ``v``.
     """
     del max_seqlen_q, max_seqlen_k, kernel_cache
-    bounds_q, bounds_k = _host(cu_seqlens_q, cu_seqlens_q_host), _host(cu_seqlens_k, cu_seqlens_k_host)
+    bounds_q = host_boundaries(cu_seqlens_q, cu_seqlens_q_host)
+    bounds_k = host_boundaries(cu_seqlens_k, cu_seqlens_k_host)
     if window is not None and window < 1:
         raise ValueError(f"a sliding window holds at least one key (itself); got {window}")
     if sinks is not None and sinks.shape != (q.size(1),):
@@ -170,7 +173,8 @@ def attention_lse_torch(
             float64 inputs) - flash-attn's ``softmax_lse`` layout and meaning.
     """
     del max_seqlen_q, max_seqlen_k
-    bounds_q, bounds_k = _host(cu_seqlens_q, cu_seqlens_q_host), _host(cu_seqlens_k, cu_seqlens_k_host)
+    bounds_q = host_boundaries(cu_seqlens_q, cu_seqlens_q_host)
+    bounds_k = host_boundaries(cu_seqlens_k, cu_seqlens_k_host)
     lse_dtype = torch.promote_types(q.dtype, torch.float32)
     out = q.new_empty(q.size(0), q.size(1), v.size(-1))
     lse = torch.empty(q.size(1), q.size(0), dtype=lse_dtype, device=q.device)
@@ -209,7 +213,8 @@ def attention_lse_backward_torch(
     the whole attention's. Keys of segments without queries get zero gradients; dk and dv are
     summed over the query heads of a group in float32 and written once."""
     del max_seqlen_q, max_seqlen_k
-    bounds_q, bounds_k = _host(cu_seqlens_q, cu_seqlens_q_host), _host(cu_seqlens_k, cu_seqlens_k_host)
+    bounds_q = host_boundaries(cu_seqlens_q, cu_seqlens_q_host)
+    bounds_k = host_boundaries(cu_seqlens_k, cu_seqlens_k_host)
     group = q.size(1) // k.size(1)
     dq = torch.zeros_like(q)
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
@@ -226,12 +231,6 @@ def attention_lse_backward_torch(
         dk[ks:ke] = _sum_groups(gk[0], group).to(k.dtype)
         dv[ks:ke] = _sum_groups(gv[0, ..., : v.size(-1)], group).to(v.dtype)
     return dq, dk, dv
-
-
-def _host(cu: torch.Tensor, host: Sequence[int] | None) -> Sequence[int]:
-    """Segment boundaries as host ints: ``host`` when the caller has them (every layer of a
-    planned micro-batch: the plan's), else read from ``cu`` (a standalone call)."""
-    return cu.tolist() if host is None else host
 
 
 def _segments(bounds_q: Sequence[int], bounds_k: Sequence[int]):
