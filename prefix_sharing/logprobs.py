@@ -86,6 +86,7 @@ def token_log_probs(
     vocab_shard: VocabShard | None = None,
     positions: torch.Tensor | None = None,
     row_start: int = 0,
+    targets: torch.Tensor | None = None,
 ) -> TokenStats:
     """Log-probs (and entropy) of every sequence's tokens from ``(T_flat, vocab)`` logits.
 
@@ -106,6 +107,10 @@ def token_log_probs(
             ``row_start ..`` only (a context-parallel rank's slice), and the result has one
             entry per position.
         row_start: the plan row of ``flat_logits``' first row (with ``positions``).
+        targets: ``(T_total,)`` the token each position's log-prob is of, instead of the next
+            one (``plan.next_token_ids``): a multi-token-prediction depth's labels
+            (:mod:`prefix_sharing.megatron_ext.mtp`). Each sequence's last position still
+            scores 0.
     """
     rows_expected = plan.num_tokens_flat if positions is None else flat_logits.size(0)
     if flat_logits.dim() != 2 or flat_logits.size(0) != rows_expected:
@@ -117,7 +122,8 @@ def token_log_probs(
         raise ValueError(f"temperature must be positive; got {temperature}")
     shard = _WholeVocab() if vocab_shard is None else vocab_shard
     vocab_local = flat_logits.size(-1)
-    rows, next_ids, is_last = plan.kv_index, plan.next_token_ids, plan.is_last_token
+    rows, is_last = plan.kv_index, plan.is_last_token
+    next_ids = plan.next_token_ids if targets is None else targets
     if positions is not None:  # [P]: a slice's positions, rows counted from the slice
         rows = rows.index_select(0, positions) - row_start
         next_ids, is_last = next_ids.index_select(0, positions), is_last.index_select(0, positions)

@@ -38,11 +38,13 @@ TABLE: tuple[Refusal, ...] = (
             "DSA picks each query's top-k keys with an indexer over the whole packed sequence, "
             "which a shared prefix's keys would have to be restricted for; use the dense "
             "attention", _MEGATRON),
-    Refusal("megatron.mtp", "multi-token prediction",
-            "an MTP layer reads each sequence's next tokens (labels and hidden states shifted "
-            "along each plain sequence, not along the plan's flat rows), and a shared prefix row "
-            "has one per reuser; RL trains without it: build the model with mtp_num_layers=None",
-            _MEGATRON),
+    Refusal("megatron.mtp", "multi-token prediction not planned per depth",
+            "each MTP depth is planned on its own (a depth-k row is shared only where the next "
+            "k tokens agree too) on one pipeline stage and one context-parallel rank, each depth "
+            "its own layer; routing replay would need every depth's routes, and megatron-core releases normalise the per-token MTP loss differently; "
+            "build the MTP block spec with with_prefix_sharing, "
+            "call share_multi_token_prediction(model) and plan with prepare_micro_batch(..., "
+            "mtp_num_layers=...), or leave those settings at their defaults", _MEGATRON),
     Refusal("megatron.mrope", "multimodal RoPE",
             "the plan carries one position per computed token, and multimodal RoPE takes three "
             "rows per token (temporal, height, width), which the Megatron path does not carry "

@@ -256,13 +256,21 @@ MATRIX: dict[str, dict[str, Cell]] = {
         "hf-fsdp": NOT_OFFERED,
         "megatron-lm": NOT_OFFERED,
     },
-    "attention dropout, mrope / multimodal, MTP": {
-        "megatron-core": refused("megatron.attention_dropout", "megatron.mrope", "megatron.mtp"),
+    "attention dropout, mrope / multimodal": {
+        "megatron-core": refused("megatron.attention_dropout", "megatron.mrope"),
         "verl-megatron": refused("megatron.attention_dropout", "verl.multimodal",
-                                 "verl.megatron_vlm", "verl.mtp"),
-        "verl-fsdp": refused("hf.attention_dropout", "verl.multimodal", "verl.mtp"),
-        "hf-fsdp": refused("hf.attention_dropout", "hf.multimodal", "hf.mtp"),
+                                 "verl.megatron_vlm"),
+        "verl-fsdp": refused("hf.attention_dropout", "verl.multimodal"),
+        "hf-fsdp": refused("hf.attention_dropout", "hf.multimodal"),
         "megatron-lm": refused("megatron.attention_dropout", "megatron_lm.model_argument"),
+    },
+    "multi-token prediction (MTP)": {
+        "megatron-core": works("tests/megatron_ext/test_mtp.py", refusals=("megatron.mtp",),
+                               note="dense and MoE MTP layers, TP / SP"),
+        "verl-megatron": refused("verl.mtp", "megatron.mtp"),
+        "verl-fsdp": refused("verl.mtp"),
+        "hf-fsdp": refused("hf.mtp"),
+        "megatron-lm": refused("megatron_lm.model_argument"),
     },
 }
 

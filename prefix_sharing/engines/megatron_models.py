@@ -56,10 +56,12 @@ def gpt_model(
     config = transformer_config(preset, dtype, **config_overrides)
     if layer_spec is None:
         layer_spec = _local_spec(preset, config, layout)
+    mtp_block_spec = _mtp_block_spec(preset, config, layout)
     _quiet_gpt_model_deprecation()
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,
+        mtp_block_spec=mtp_block_spec,
         vocab_size=preset.vocab_size,
         max_sequence_length=preset.max_sequence_length,
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False,
@@ -71,6 +73,10 @@ def gpt_model(
         vp_stage=vp_stage,
         **rope,
     )
+    if mtp_block_spec is not None and layout != "padded":
+        from ..megatron_ext import share_multi_token_prediction
+
+        share_multi_token_prediction(model)
     return _placed_and_seeded(model, preset, dtype, seed)
 
 
@@ -257,6 +263,20 @@ def _local_spec(preset: ModelPreset, config: Any, layout: str) -> Any:
     if config.multi_latent_attention or config.moe_router_enable_expert_bias:
         return padded_reference_spec(spec, config)
     return spec
+
+
+def _mtp_block_spec(preset: ModelPreset, config: Any, layout: str) -> Any:
+    """megatron's MTP block spec over the model's last layer (``config.mtp_num_layers``; the
+    prefix-sharing one but for ``layout="padded"``), or None without MTP."""
+    if not config.mtp_num_layers:
+        return None
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    from ..megatron_ext import with_prefix_sharing
+
+    spec = get_gpt_mtp_block_spec(config, _local_spec(preset, config, "padded"),
+                                  use_transformer_engine=False)
+    return spec if layout == "padded" else with_prefix_sharing(spec)
 
 
 def _rope_arguments(config_overrides: dict[str, Any],

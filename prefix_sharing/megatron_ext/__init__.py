@@ -39,6 +39,7 @@ from .logprobs import (forward_token_stats, head_token_stats, lm_head_inputs,  #
 from .mla import PrefixSharingMLASelfAttention  # noqa: E402
 from .model_check import check_sharing_model  # noqa: E402
 from .moe import PrefixSharingRouter, PrefixSharingTransformerLayer  # noqa: E402
+from .mtp import PrefixSharingMTPLayer, share_multi_token_prediction  # noqa: E402
 from .packed_seq import MicroBatch, PlanPackedSeqParams, prepare_micro_batch  # noqa: E402
 from .self_attention import PrefixSharingSelfAttention  # noqa: E402
 
@@ -47,6 +48,7 @@ __all__ = [
     "PlanPackedSeqParams",
     "PrefixSharingCoreAttention",
     "PrefixSharingMLASelfAttention",
+    "PrefixSharingMTPLayer",
     "PrefixSharingRouter",
     "PrefixSharingSelfAttention",
     "PrefixSharingTransformerLayer",
@@ -61,6 +63,7 @@ __all__ = [
     "get_gpt_layer_with_transformer_engine_spec",
     "prepare_micro_batch",
     "register_spec_form",
+    "share_multi_token_prediction",
     "token_stats",
     "with_prefix_sharing",
 ]

@@ -27,12 +27,15 @@ from typing import Any, Callable
 
 from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.transformer.moe.moe_layer import BaseMoELayer
+from megatron.core.transformer.multi_token_prediction import (MultiTokenPredictionBlockSubmodules,
+                                                              MultiTokenPredictionLayer)
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from ..refusals import refuse
 from .moe import PrefixSharingTransformerLayer
+from .mtp import PrefixSharingMTPLayer
 from .spec_surgery import (
     UnsupportedSpecError,
     built_class,
@@ -73,7 +76,11 @@ def with_prefix_sharing(spec: Any) -> Any:
             Transformer Engine, dense or MoE), a ``TransformerBlockSubmodules`` as
             ``get_gpt_decoder_block_spec`` returns, a list of layer specs as
             ``get_gpt_decoder_layer_specs`` returns, a ``HybridStack`` spec (see
-            :mod:`.hybrid`), or a form added with :func:`register_spec_form`.
+            :mod:`.hybrid`), a ``MultiTokenPredictionBlockSubmodules`` as
+            ``get_gpt_mtp_block_spec`` returns (each MTP layer the sharing one, :mod:`.mtp`, its
+            transformer layer shared as above; the model then needs
+            :func:`.mtp.share_multi_token_prediction`), or a form added with
+            :func:`register_spec_form`.
 
     Raises:
         UnsupportedSpecError: a form not recognised, naming the layer and the form.
@@ -94,6 +101,10 @@ def with_prefix_sharing(spec: Any) -> Any:
         return dataclasses.replace(spec, layer_specs=_sharing_layers(spec.layer_specs))
     if isinstance(spec, list):
         return _sharing_layers(spec)
+    if isinstance(spec, MultiTokenPredictionBlockSubmodules):
+        return dataclasses.replace(spec, layer_specs=[
+            _sharing_mtp_layer(layer, f"MTP layer {i + 1}")
+            for i, layer in enumerate(spec.layer_specs)])
     raise refuse("megatron.spec.form", f"a spec of type {type(spec).__qualname__}",
                  error=UnsupportedSpecError)
 
@@ -124,6 +135,24 @@ def _sharing_layer(layer_spec: Any, where: str) -> ModuleSpec:
 
         spec = replaced(spec, mlp=sharing_router_mlp(mlp, where))
         spec.module = PrefixSharingTransformerLayer
+    return spec
+
+
+def _sharing_mtp_layer(layer_spec: Any, where: str) -> ModuleSpec:
+    """The sharing copy of one ``MultiTokenPredictionLayer`` spec: the layer class and its
+    transformer layer swapped (an MoE one with the sharing router, which keeps the statistics
+    of the depth's plain batch), its norms and projection kept."""
+    if not (isinstance(layer_spec, ModuleSpec)
+            and is_subclass(layer_spec.module, MultiTokenPredictionLayer)):
+        raise refuse("megatron.spec.layer", f"{where} is {describe(layer_spec)}",
+                     error=UnsupportedSpecError)
+    # the transformer layer's field: transformer_layer up to megatron-core 0.18, then
+    # mtp_model_layer (which may also be a hybrid stack: refused by _sharing_layer)
+    field = ("transformer_layer" if hasattr(layer_spec.submodules, "transformer_layer")
+             else "mtp_model_layer")
+    layer = _sharing_layer(getattr(layer_spec.submodules, field), f"{where}'s {field}")
+    spec = replaced(layer_spec, **{field: layer})
+    spec.module = PrefixSharingMTPLayer
     return spec
 
 

@@ -72,20 +72,40 @@ def _is_stock_recurrent_mixer(module: torch.nn.Module) -> bool:
                for mod, cls in classes for prefix, name in _RECURRENT_MIXERS)
 
 
+def _unshared_mtp(chunk: torch.nn.Module) -> str | None:
+    """What of ``chunk``'s multi-token prediction is not the sharing one (:mod:`.mtp`): a
+    stock MTP layer, or the model's stock ``_postprocess``; None when it has no MTP block or
+    all of it shares."""
+    from .mtp import PrefixSharingMTPLayer, serves_multi_token_prediction
+
+    blocks = [(name, block) for name, block in chunk.named_modules()
+              if isinstance(block, MultiTokenPredictionBlock)]
+    for name, block in blocks:
+        stock = [f"{name}.layers.{i}" for i, layer in enumerate(getattr(block, "layers", ()))
+                 if not isinstance(layer, PrefixSharingMTPLayer)]
+        if stock:
+            return (f"stock MTP layers {', '.join(stock)} (build the MTP block spec with "
+                    "with_prefix_sharing)")
+    owners = [module for module in chunk.modules() if isinstance(
+        getattr(module, "mtp", None), MultiTokenPredictionBlock)]
+    if any(not serves_multi_token_prediction(owner) for owner in owners):
+        return "the model's stock _postprocess (call share_multi_token_prediction(model))"
+    return None
+
+
 def check_sharing_model(model: torch.nn.Module | Sequence[torch.nn.Module]) -> None:
     """Raises unless every attention, MoE router and recurrent mixer of ``model`` (or of each
-    model chunk) is the prefix-sharing one, and it has no multi-token prediction block.
+    model chunk) is the prefix-sharing one, and so is its multi-token prediction, if any.
 
     Raises:
-        UnsupportedSetupError: naming the MTP block, or each stock module found.
+        UnsupportedSetupError: naming what of the MTP is stock, or each stock module found.
     """
     for chunk in model if isinstance(model, Sequence) else [model]:
         if chunk in _CHECKED:
             continue
-        mtp = [name for name, module in chunk.named_modules()
-               if isinstance(module, MultiTokenPredictionBlock)]
-        if mtp:
-            raise refuse("megatron.mtp", ", ".join(mtp), error=UnsupportedSetupError)
+        unshared = _unshared_mtp(chunk)
+        if unshared:
+            raise refuse("megatron.mtp", unshared, error=UnsupportedSetupError)
         found = stock_modules(chunk)
         if found:
             raise refuse("megatron.stock_modules", ", ".join(found), error=UnsupportedSetupError)

@@ -25,8 +25,10 @@ import numpy as np
 from ..config import PrefixSharingConfig
 from ..plan import SharingPlan
 from ..planner import PromptGroup, TokenSequence, build_plan
-from .checks import assert_same_plan
+from ..refusals import refuse
+from .checks import UnsupportedSetupError, assert_same_plan
 from .context_parallel import ContextParallelSlice, slice_plan
+from .mtp import plan_mtp_depths
 from .prefix_kv import PrefixKV, PrefixKVPass, PrefixKVStack
 from .routing_replay import flat_routes
 
@@ -66,6 +68,7 @@ class PlanPackedSeqParams(PackedSeqParams):
     prefix_kv: PrefixKVPass | PrefixKVStack | None = None
     routes: torch.Tensor | None = None
     record_routes: bool = False
+    mtp: tuple = ()
     _rotary_cache: tuple[torch.Tensor, torch.Tensor] | None = dataclasses.field(
         default=None, init=False, repr=False, compare=False
     )
@@ -75,7 +78,8 @@ class PlanPackedSeqParams(PackedSeqParams):
                   cp: ContextParallelSlice | None = None,
                   prefix_kv: PrefixKV | PrefixKVPass | PrefixKVStack | None = None,
                   routes: torch.Tensor | None = None,
-                  record_routes: bool = False) -> PlanPackedSeqParams:
+                  record_routes: bool = False,
+                  mtp: tuple = ()) -> PlanPackedSeqParams:
         """The params of one forward of ``plan``; a :class:`~.prefix_kv.PrefixKV` (or a
         stack of them) is bound here, in its current mode, for this forward and its
         recomputed layers."""
@@ -95,6 +99,7 @@ class PlanPackedSeqParams(PackedSeqParams):
             prefix_kv=prefix_kv,
             routes=routes,
             record_routes=record_routes,
+            mtp=mtp,
         )
 
     def per_token_rotary(self, table: torch.Tensor) -> torch.Tensor:
@@ -142,6 +147,8 @@ def prepare_micro_batch(
     routes: Sequence[TokenSequence] | None = None,
     replay_routes: bool = True,
     record_routes: bool = False,
+    mtp_num_layers: int | None = None,
+    loss_mask: Sequence[TokenSequence] | None = None,
 ) -> MicroBatch:
     """Plans a micro-batch and builds the ``GPTModel`` inputs for it.
 
@@ -166,6 +173,11 @@ def prepare_micro_batch(
         record_routes: the MoE routers record their routes in this forward (their
             ``RouterReplay`` set to ``RECORD``); read them per plain token with
             :func:`~prefix_sharing.megatron_ext.routing_replay.recorded_routes`.
+        mtp_num_layers: the model's ``mtp_num_layers``: each multi-token-prediction depth is
+            planned too (:mod:`.mtp`), its loss scored by the model in the same forward.
+        loss_mask: with ``mtp_num_layers``: megatron's ``loss_mask`` of the MTP loss, one array
+            per sequence (position ``t`` weighs the prediction of token ``t + 1``; default 1
+            but at each sequence's last position).
 
     Returns:
         A :class:`MicroBatch`; call ``model(mb.input_ids, mb.position_ids, None,
@@ -188,6 +200,16 @@ def prepare_micro_batch(
         cp = slice_plan(plan, torch.distributed.get_rank(cp_group), cp_size, cp_group,
                         device)  # host work, once per micro-batch
     replayed = None if routes is None or not replay_routes else flat_routes(plan, routes, device)
+    mtp = ()
+    if mtp_num_layers:
+        if routes is not None or cp is not None:
+            raise refuse("megatron.mtp", "routes replayed" if routes is not None
+                         else "context parallelism", error=UnsupportedSetupError)
+        mtp = plan_mtp_depths(sequences, plan, mtp_num_layers, config, groups=groups,
+                              pad_to_multiple_of=pad_to_multiple_of, loss_mask=loss_mask,
+                              device=device)
+    elif loss_mask is not None:
+        raise ValueError("loss_mask weighs the MTP loss: pass mtp_num_layers too")
     plan = plan.to(device, non_blocking=True)
     rows = slice(None) if cp is None else slice(cp.row_start, cp.row_stop)
     return MicroBatch(
@@ -196,7 +218,8 @@ def prepare_micro_batch(
         position_ids=plan.position_ids[rows].unsqueeze(0),
         packed_seq_params=PlanPackedSeqParams.from_plan(plan, config.backend, cp=cp,
                                                         routes=replayed,
-                                                        record_routes=record_routes),
+                                                        record_routes=record_routes,
+                                                        mtp=mtp),
         cp=cp,
     )
 

@@ -102,6 +102,11 @@ def model_build_problems(model_config: Any, engine_config: Any) -> list[Refused]
 
     view = transformer_config_view(model_config, engine_config)
     found = layer_config_problems(view)
+    if view.mtp_num_layers and not any(r.key == "megatron.mtp" for r in found):
+        # verl builds the MTP block stock and its engine plans no MTP depths: the sharing
+        # model check refuses the block (prefix_sharing.megatron_ext.model_check)
+        found.append(Refused("megatron.mtp", f"mtp_num_layers={view.mtp_num_layers} in verl's "
+                             "engine, which builds the MTP block stock"))
     hf = getattr(model_config, "hf_config", None)
     pattern = hybrid_pattern(hf)
     if pattern is not None:

@@ -65,10 +65,13 @@ def test_interleaved_stages_are_served(setting):
 @pytest.mark.parametrize("setting, message", [
     (dict(experimental_attention_variant="dsa"),
      r"DeepSeek sparse attention \(experimental_attention_variant='dsa'\)"),
-    (dict(mtp_num_layers=1), r"multi-token prediction \(mtp_num_layers=1\)"),
+    (dict(mtp_num_layers=1, context_parallel_size=2),
+     r"multi-token prediction not planned per depth \(mtp_num_layers=1 with "
+     r"context_parallel_size=2\)"),
 ])
 def test_deepseek_settings_sharing_cannot_serve_are_refused(setting, message):
-    """DSA's top-k indexer and MTP. Set on a built config:
+    """DSA's top-k indexer, and MTP where its depths are not planned (tests/megatron_ext/
+    test_mtp.py runs it at TP=1 and TP=2). Set on a built config:
     megatron's own validation of these settings asks for unrelated fields (DSA's indexer
     sizes, MLA's head dims) that do not change what is refused."""
     config = TransformerConfig(**BASE)
@@ -94,7 +97,7 @@ BUILD_CONDITIONS = {
                                        calculate_per_token_loss=True),
                                   "megatron.context_parallel.moe_per_token_loss"),
     "attention_variant_problems": (dict(experimental_attention_variant="dsa"), "megatron.dsa"),
-    "mtp_problems": (dict(mtp_num_layers=1), "megatron.mtp"),
+    "mtp_problems": (dict(mtp_num_layers=1, calculate_per_token_loss=True), "megatron.mtp"),
     "mrope_problems": (dict(mrope_section=[2, 2, 2]), "megatron.mrope"),
     "window_problems": (dict(window_size=(8, 2)), "megatron.window_reads_later_keys"),
     "rope_fusion_problems": (dict(apply_rope_fusion=True, multi_latent_attention=True),

@@ -1,4 +1,4 @@
-"""The model check refuses stock recurrent mixers and multi-token prediction while sharing.
+"""The model check refuses stock recurrent mixers and stock multi-token prediction while sharing.
 
 The modules are megatron's own classes, made without running their constructors (which need
 process groups, and flash-linear-attention or mamba_ssm): the check reads only what they are.
@@ -47,14 +47,22 @@ def test_the_sharing_gated_delta_net_passes():
 
 
 @pytest.mark.mcore_release_check
-def test_multi_token_prediction_is_refused_naming_the_block():
-    from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock
+def test_stock_multi_token_prediction_is_refused_naming_what_is_stock():
+    from megatron.core.transformer.multi_token_prediction import (MultiTokenPredictionBlock,
+                                                                  MultiTokenPredictionLayer)
 
-    from prefix_sharing.megatron_ext import UnsupportedSetupError, check_sharing_model
+    from prefix_sharing.megatron_ext import (PrefixSharingMTPLayer, UnsupportedSetupError,
+                                             check_sharing_model, share_multi_token_prediction)
 
-    model = _model(mtp=_bare(MultiTokenPredictionBlock))
-    with pytest.raises(UnsupportedSetupError,
-                       match=r"refuses multi-token prediction \(mtp\).*"
+    stock_block = _bare(MultiTokenPredictionBlock)
+    stock_block.layers = torch.nn.ModuleList([_bare(MultiTokenPredictionLayer)])
+    with pytest.raises(UnsupportedSetupError, match=r"stock MTP layers mtp\.layers\.0"):
+        check_sharing_model(_model(mtp=stock_block))
 
-                             r"mtp_num_layers=None"):
+    block = _bare(MultiTokenPredictionBlock)
+    block.layers = torch.nn.ModuleList([_bare(PrefixSharingMTPLayer)])
+    model = _model(mtp=block)
+    model._postprocess = lambda **_: None  # GPTModel's, stock
+    with pytest.raises(UnsupportedSetupError, match=r"share_multi_token_prediction\(model\)"):
         check_sharing_model(model)
+    check_sharing_model(share_multi_token_prediction(model))  # passes

@@ -67,7 +67,8 @@ def model_build_keys(model_config, engine_config) -> tuple[str, ...] | None:
     from megatron.core.models.gpt import GPTModel
 
     from prefix_sharing.engines.megatron_models import transformer_config
-    from prefix_sharing.megatron_ext import UnsupportedSetupError, get_gpt_layer_local_spec
+    from prefix_sharing.megatron_ext import (UnsupportedSetupError, check_sharing_model,
+                                             get_gpt_layer_local_spec)
     from prefix_sharing.presets import PRESETS
     from prefix_sharing.verl_ext.mcore_model import hybrid_pattern, transformer_config_view
 
@@ -78,8 +79,16 @@ def model_build_keys(model_config, engine_config) -> tuple[str, ...] | None:
     for name, value in vars(transformer_config_view(model_config, engine_config)).items():
         setattr(config, name, value)
     try:
-        GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
-                 vocab_size=preset.vocab_size, max_sequence_length=preset.max_sequence_length)
+        layer_spec = get_gpt_layer_local_spec()
+        mtp = None
+        if config.mtp_num_layers:  # built stock, as verl's bridge builds it
+            from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec as stock,
+                                                                  get_gpt_mtp_block_spec)
+            mtp = get_gpt_mtp_block_spec(config, stock(), use_transformer_engine=False)
+        model = GPTModel(config=config, transformer_layer_spec=layer_spec, mtp_block_spec=mtp,
+                         vocab_size=preset.vocab_size,
+                         max_sequence_length=preset.max_sequence_length)
+        check_sharing_model(model)
     except UnsupportedSetupError as error:  # megatron's build_module re-raises it by message
         return tuple(sorted(set(re.findall(r"\[([\w.]+)\]", str(error)))))
     return ()

@@ -1,0 +1,284 @@
+"""Multi-token prediction (MTP) on the flat layout: each depth planned on its own.
+
+Specification:
+
+- a depth-``k`` row is shared exactly where the next ``k`` tokens agree too: each reuser
+  computes its own last ``k`` prefix rows at depth ``k``;
+- shared equals megatron's stock model with megatron's own MTP block on the plain packed
+  micro-batch (``roll_tensor`` along each sequence, the labels and loss mask given): the main
+  log-probs, each depth's logged MTP loss, and every gradient (the MTP layers', the shared
+  embedding's and output layer's), fp32 within 1e-5 relative; GRPO, step-wise chain, tree with
+  a duplicate and a strict prefix, no sharing; one and two depths, TP=1 and TP=2 with and
+  without sequence parallelism; MoE MTP layers (router statistics included) against the padded
+  run on micro-batches of equal lengths (megatron gives its MTP routers no padding mask, so pad
+  tokens would count there), judged by flash-attn's rule against the float64 padded run (no
+  further from it than 3x the fp32 padded run, or 1e-5): a rarely routed expert's small
+  gradient rounds past 1e-5 relative in either fp32 run;
+- the MTP loss is not vacuous (it changes the gradients), and what is not planned per depth
+  is refused by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from prefix_sharing import PrefixSharingConfig
+from prefix_sharing.equivalence import (DEFAULT_LOW_PRECISION_FACTOR, FP32_RTOL,
+                                        LOW_PRECISION_FACTOR, TENSOR_FLOOR_ULPS)
+from prefix_sharing.presets import PRESETS
+
+from ._distributed import PRESET, run_distributed
+from ._equivalence import SHARE_EVERY_PREFIX, micro_batches
+
+# the preset's own weights: sharp ones round an expert's gradient ~1.03e-5 apart at depth 2 on
+# this machine's CPU (the fp32 rounding gap of summed attention sources, issue 39)
+MOE = PRESETS["tiny-moe"]
+
+
+def _loss_masks(seqs: list[torch.Tensor], seed: int) -> list[torch.Tensor]:
+    """A response-style 0/1 mask per sequence: a prompt of 0s, then mostly 1s."""
+    gen = torch.Generator().manual_seed(seed)
+    masks = []
+    for s in seqs:
+        m = (torch.rand(len(s), generator=gen) < 0.8).float()
+        m[: max(1, len(s) // 4)] = 0
+        masks.append(m)
+    return masks
+
+
+def _weights(seqs: list[torch.Tensor], seed: int) -> torch.Tensor:
+    """Seeded per-token weights of the main loss, 0 at each sequence's last token."""
+    gen = torch.Generator().manual_seed(1000 + seed)
+    parts = []
+    for s in seqs:
+        w = torch.randn(len(s), generator=gen)
+        w[-1] = 0
+        parts.append(w)
+    return torch.cat(parts)
+
+
+def _tracked_mtp_losses() -> torch.Tensor:
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    tracker = MTPLossLoggingHelper.tracker
+    values = tracker.get("values", tracker.get("loss_values"))
+    out = values.detach().clone().cpu()
+    values.zero_()
+    return out
+
+
+def _labels(seqs: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [torch.cat([s[1:], s.new_zeros(1)]) for s in seqs]
+
+
+def _predicting(seqs: list[torch.Tensor], log_probs: torch.Tensor) -> torch.Tensor:
+    """0 at each sequence's last position, which predicts nothing (the sharing log-probs are 0
+    there; megatron scores label 0)."""
+    last = torch.cumsum(torch.tensor([len(s) for s in seqs]), 0) - 1
+    return log_probs.index_fill(0, last, 0.0)
+
+
+def _padded_step(stock, seqs, masks, weights) -> tuple[torch.Tensor, torch.Tensor]:
+    """megatron's stock model and MTP block on the right-padded ``[b, s]`` batch (labels and
+    loss mask given): the main log-probs and the logged MTP losses."""
+    from prefix_sharing.engines.megatron import padded_batch
+
+    tokens, positions, _ = padded_batch(seqs, "cpu")
+    labels = torch.zeros_like(tokens)
+    loss_mask = torch.zeros(tokens.shape)
+    for row, (lab, m) in enumerate(zip(_labels(seqs), masks)):
+        labels[row, : len(lab)] = lab
+        loss_mask[row, : len(m)] = m
+    ce = stock(tokens, positions, None, labels=labels, loss_mask=loss_mask)
+    log_probs = _predicting(seqs, -torch.cat([ce[row, : len(s)] for row, s in enumerate(seqs)]))
+    (-(log_probs * weights).sum()).backward()
+    return log_probs.detach(), _tracked_mtp_losses()
+
+
+def _packed_step(model, seqs, masks, weights) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same, the model on megatron's plain THD packing (nothing shared): its MTP layers
+    roll along each packed sequence, megatron's way."""
+    from prefix_sharing.megatron_ext.packed_seq import plain_micro_batch
+
+    mb = plain_micro_batch(seqs)
+    rows = mb.token_rows
+    labels = torch.zeros_like(mb.input_ids[0])
+    loss_mask = torch.zeros(labels.numel())
+    labels[rows] = torch.cat(_labels(seqs))
+    loss_mask[rows] = torch.cat(masks)
+    ce = model(mb.input_ids, mb.position_ids, None, labels=labels.unsqueeze(0),
+               loss_mask=loss_mask.unsqueeze(0), packed_seq_params=mb.packed_seq_params)
+    log_probs = _predicting(seqs, -ce[0].index_select(0, rows))
+    (-(log_probs * weights).sum()).backward()
+    return log_probs.detach(), _tracked_mtp_losses()
+
+
+def _shared_step(ours, seqs, masks, weights, config) -> tuple[torch.Tensor, torch.Tensor]:
+    from prefix_sharing.megatron_ext import forward_token_stats, prepare_micro_batch
+
+    mb = prepare_micro_batch(seqs, config, mtp_num_layers=ours.config.mtp_num_layers,
+                             loss_mask=masks)
+    log_probs = forward_token_stats(ours, mb, with_entropy=False).log_probs
+    (-(log_probs * weights).sum()).backward()
+    return log_probs.detach(), _tracked_mtp_losses()
+
+
+def _allowed(plain: dict[str, float]) -> dict[str, float]:
+    """flash-attn's rule per compared tensor: a multiple of the fp32 plain run's distance from
+    the float64 one (gradients 3x, the rest 2x), plus the tensor floor."""
+    floor = torch.finfo(torch.float32).eps * TENSOR_FLOOR_ULPS
+    return {q: (LOW_PRECISION_FACTOR["grads"] if q not in ("log_probs", "mtp_losses")
+                else DEFAULT_LOW_PRECISION_FACTOR) * d + floor for q, d in plain.items()}
+
+
+def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
+
+
+def _equal_lengths(batches: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+    """Each micro-batch's sequences cut to its shortest (rounded down to even): the padded batch then holds no pad
+    token, which megatron's MTP routers would count (no padding mask reaches them), while the
+    sharing router keeps the statistics of the real tokens (:mod:`prefix_sharing.megatron_ext.moe`)."""
+    cuts = [min(len(t) for t in seqs) // 2 * 2 for seqs in batches]  # even: TP=2 adds no pad
+    return [[s[:cut] for s in seqs] for cut, seqs in zip(cuts, batches)]
+
+
+def _mtp_job(rank: int, preset_name: str, depth: int, overrides: dict) -> dict:
+    from prefix_sharing.engines.megatron import (finalize_sequence_parallel_grads, full_grads,
+                                                 gpt_model)
+
+    preset = {"tiny": PRESET, "tiny-moe": MOE}[preset_name]
+    # one model per run: MoE routers keep global statistics across forwards
+    models = {
+        "padded": gpt_model(preset, layout="padded", mtp_num_layers=depth, **overrides),
+        "padded64": gpt_model(preset, layout="padded", mtp_num_layers=depth,
+                              dtype=torch.float64, **overrides),
+        "packed": gpt_model(preset, layout="shared", mtp_num_layers=depth, **overrides),
+        "shared": gpt_model(preset, layout="shared", mtp_num_layers=depth, **overrides),
+        "unscored": gpt_model(preset, layout="shared", mtp_num_layers=depth,
+                              mtp_loss_scaling_factor=0.0, **overrides),
+    }
+    steps = {"padded": _padded_step, "padded64": _padded_step, "packed": _packed_step,
+             "shared": _shared_step,
+             "unscored": _shared_step}
+    report: dict = {"pairs": {}, "mtp_grads_nonzero": True, "vs_unscored": 0.0}
+    batches = micro_batches() if preset_name == "tiny" else _equal_lengths(micro_batches())
+    for i, seqs in enumerate(batches):
+        masks, weights = _loss_masks(seqs, i), _weights(seqs, i)
+        runs, grads = {}, {}
+        for name, step in steps.items():
+            model = models[name]
+            model.zero_grad(set_to_none=True)
+            extra = (SHARE_EVERY_PREFIX,) if step is _shared_step else ()
+            runs[name] = step(model, seqs, masks, weights, *extra)
+            finalize_sequence_parallel_grads(model)
+            grads[name] = full_grads(model)
+        # megatron's THD router reads a packed micro-batch as one sequence (seq_aux_loss), the
+        # sharing one per sequence, as on the padded batch: MoE is compared with the padded run
+        pairs = [("shared", "padded64"), ("padded", "padded64"), ("shared", "padded")]
+        if preset_name == "tiny":
+            pairs.append(("shared", "packed"))
+        for run, ref in pairs:
+            pair = report["pairs"].setdefault(f"{run}_vs_{ref}", {})
+            for what, k in (("log_probs", 0), ("mtp_losses", 1)):
+                pair[what] = max(pair.get(what, 0.0), _max_rel(runs[run][k], runs[ref][k]))
+            for name, g in grads[ref].items():
+                pair[name] = max(pair.get(name, 0.0), _max_rel(grads[run][name], g))
+        # every MTP weight gets a gradient, but an expert no token was routed to
+        report["mtp_grads_nonzero"] &= all(bool(g.abs().sum() > 0)
+                                           for n, g in grads["padded"].items()
+                                           if n.startswith("mtp.") and ".local_experts." not in n)
+        report["vs_unscored"] = max(report["vs_unscored"], max(
+            _max_rel(grads["unscored"][n], grads["shared"][n])
+            for n in grads["shared"] if n.startswith("decoder.")))
+        report["mtp_params"] = sorted(n for n in grads["shared"] if n.startswith("mtp."))
+    return report
+
+
+CASES = {
+    "depth1_tp1": ("tiny", 1, 1, {}),
+    "depth2_tp1": ("tiny", 2, 1, {}),
+    "depth1_tp2": ("tiny", 1, 2, {}),
+    "depth2_tp2_sequence_parallel": ("tiny", 2, 2, {"sequence_parallel": True}),
+    "moe_depth2_tp1": ("tiny-moe", 2, 1, {}),
+    "moe_depth1_tp2_sequence_parallel": ("tiny-moe", 1, 2, {"sequence_parallel": True}),
+}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request):
+    preset, depth, tp, overrides = CASES[request.param]
+    return request.param, run_distributed(_mtp_job, tp, preset, depth, overrides, tp=tp, pp=1,
+                                          timeout=900)
+
+
+def test_shared_mtp_equals_megatrons_mtp_block_on_the_plain_batch(case):
+    name, ranks = case
+    for rank, report in enumerate(ranks):
+        pairs = report["pairs"]
+        for pair in ("shared_vs_padded", "shared_vs_packed"):  # the fixed fp32 rule
+            worst = {q: d for q, d in pairs.get(pair, {}).items() if d > FP32_RTOL}
+            assert not worst or pair == "shared_vs_padded" and name.startswith("moe"), (
+                f"{name} rank {rank} {pair}: {worst}")
+        # and flash-attn's rule against the float64 run: a rarely routed expert's small
+        # gradient can round past 1e-5 relative in either fp32 run (module doc)
+        allowed = _allowed(pairs["padded_vs_padded64"])
+        worst = {q: (d, allowed[q]) for q, d in pairs["shared_vs_padded64"].items()
+                 if d > max(allowed[q], FP32_RTOL)}
+        assert not worst, f"{name} rank {rank} vs float64: {worst}"
+        assert report["mtp_params"], "no MTP parameter was compared"
+
+
+def test_the_mtp_loss_reaches_the_decoder_and_every_mtp_weight(case):
+    name, ranks = case
+    for report in ranks:
+        assert report["mtp_grads_nonzero"], name
+        assert report["vs_unscored"] > 1e-3, (name, report["vs_unscored"])
+
+
+def test_a_depth_shares_a_row_only_where_the_next_tokens_agree():
+    from prefix_sharing.megatron_ext.mtp import plan_mtp_depths  # needs megatron-core
+    from prefix_sharing.planner import build_plan
+
+    a = torch.tensor([5, 6, 7, 8, 3, 3])
+    b = torch.tensor([5, 6, 7, 8, 9])
+    c = torch.tensor([5, 6, 7])  # a strict prefix of both
+    config = PrefixSharingConfig(min_prefix_len=1)
+    plan = build_plan([a, b, c], config)
+    assert plan.prefix_lens == (0, 4, 3)
+    depth1, depth2 = plan_mtp_depths([a, b, c], plan, 2, config)
+    # depth k: each reuser shares k rows fewer (b's row 3 reads 3 or 9, c's row 2 reads past
+    # its end), whoever provides them
+    assert [sum(p.prefix_lens) for p in (plan, depth1.plan, depth2.plan)] == [7, 5, 3]
+    assert depth2.plan.num_tokens_flat == plan.num_tokens_flat + 4
+    # the rolled tokens a row embeds and the labels each position scores, megatron's roll
+    rows_a = depth1.plan.kv_index[:6]
+    assert depth1.input_ids[0, rows_a].tolist() == [6, 7, 8, 3, 3, 0]
+    assert depth2.targets[:6].tolist() == [8, 3, 3, 0, 0, 0]
+    # default loss mask: 1 but at the last position, rolled k along each sequence
+    assert depth1.weights[:6].tolist() == [1, 1, 1, 1, 0, 0]
+    # each depth-1 row reads the decoder row of its own (sequence, position)
+    assert torch.equal(depth1.from_previous[rows_a], plan.kv_index[:6])
+
+
+def test_settings_not_planned_per_depth_are_refused():
+    from prefix_sharing.megatron_ext.checks import mtp_problems
+
+    @dataclasses.dataclass
+    class Config:
+        mtp_num_layers: int | None = 1
+        context_parallel_size: int = 1
+        pipeline_model_parallel_size: int = 1
+        moe_enable_routing_replay: bool = False
+        calculate_per_token_loss: bool = False
+
+    assert mtp_problems(Config()) == []
+    assert mtp_problems(Config(mtp_num_layers=None, context_parallel_size=2)) == []
+    for field in ("context_parallel_size", "pipeline_model_parallel_size"):
+        (found,) = mtp_problems(Config(**{field: 2}))
+        assert found.key == "megatron.mtp" and field in found.detail
+    (found,) = mtp_problems(Config(calculate_per_token_loss=True))
+    assert "calculate_per_token_loss" in found.detail
