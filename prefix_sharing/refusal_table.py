@@ -327,8 +327,10 @@ TABLE: tuple[Refusal, ...] = (
             "calculate_sum_pi_squared, distillation and (Megatron engine) fused kernels need "
             "per-sample labels or logits, which the flat layout does not have; turn the switch "
             "off", _VERL),
-    Refusal("verl.mtp", "MTP training", "its labels are laid out per sample; set "
-            "model.mtp.enable_train=False", _VERL),
+    Refusal("verl.mtp", "MTP training", "verl trains MTP through its own patched "
+            "postprocess, labels and loss mask laid out per sample, which verl's sharing engines "
+            "do not plan per MTP depth yet (megatron-core's own path does: docs/megatron-core.md, "
+            "multi-token prediction); set model.mtp.enable_train=False", _VERL),
     Refusal("verl.model_type", "a model other than a language or value model",
             "sharing covers verl's language models (the actor, the reference) and value models "
             "(the critic): model_type 'language_model' or 'value_model'", _VERL),
