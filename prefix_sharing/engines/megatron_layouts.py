@@ -67,8 +67,11 @@ class SharedLayout(Layout):
         from ..megatron_ext import check_sharing_model, prepare_micro_batch
 
         check_sharing_model(chunks)
+        # every stage plans the MTP depths, as it plans the decoder (the last one reads them)
+        mtp = chunks[0].config.mtp_num_layers
         return [prepare_micro_batch(seqs, self.config, groups=g, device=device,
-                                    routes=None if self.routes is None else self.routes[i])
+                                    routes=None if self.routes is None else self.routes[i],
+                                    mtp_num_layers=mtp)
                 for i, (seqs, g) in enumerate(zip(batches, self.groups))]
 
     def forward(self, model, mb, i):

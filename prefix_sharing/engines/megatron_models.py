@@ -276,7 +276,8 @@ def _mtp_block_spec(preset: ModelPreset, config: Any, layout: str) -> Any:
 
     spec = get_gpt_mtp_block_spec(config, _local_spec(preset, config, "padded"),
                                   use_transformer_engine=False)
-    return spec if layout == "padded" else with_prefix_sharing(spec)
+    # None on a pipeline stage that builds no MTP layer (all of them sit on the last)
+    return spec if spec is None or layout == "padded" else with_prefix_sharing(spec)
 
 
 def _rope_arguments(config_overrides: dict[str, Any],

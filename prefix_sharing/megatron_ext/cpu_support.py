@@ -288,8 +288,9 @@ def _redirect_megatron_cuda_tensors() -> None:
 
 
 class _MegatronCudaOnCpu(TorchFunctionMode):
-    """For torch calls made directly from megatron's code: device "cuda" is the CPU, and
-    ``Tensor.type()`` names CPU tensors as CUDA ones.
+    """For torch calls made directly from megatron's code: device "cuda" is the CPU,
+    ``Tensor.cuda()`` keeps a tensor where it is, and ``Tensor.type()`` names CPU tensors as
+    CUDA ones.
 
     Pushed once and never popped, so that every megatron entry point (schedules, DDP buffers,
     optimizer, clip_grads, ...) is covered without the caller scoping each one. It is limited to
@@ -310,8 +311,11 @@ class _MegatronCudaOnCpu(TorchFunctionMode):
         device_is_cuda = str(kwargs.get("device")).startswith("cuda")
         asks_type_name = func is torch.Tensor.type and len(args) == 1 and not kwargs
         asks_type_name = asks_type_name and args[0].device.type == "cpu"
-        if not (device_is_cuda or asks_type_name) or not _called_from_megatron():
+        moves_to_cuda = func is torch.Tensor.cuda  # a tied embedding copy across stages
+        if not (device_is_cuda or asks_type_name or moves_to_cuda) or not _called_from_megatron():
             return func(*args, **kwargs)
+        if moves_to_cuda:
+            return args[0]
         if device_is_cuda:
             return func(*args, **{**kwargs, "device": "cpu"})
         return func(*args).replace("torch.", "torch.cuda.", 1)

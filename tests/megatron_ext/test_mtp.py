@@ -14,6 +14,7 @@ Specification:
   tokens would count there), judged by flash-attn's rule against the float64 padded run (no
   further from it than 3x the fp32 padded run, or 1e-5): a rarely routed expert's small
   gradient rounds past 1e-5 relative in either fp32 run;
+- at PP=2 (1F1B, the MTP layers on the last stage) equal to PP=1;
 - the MTP loss is not vacuous (it changes the gradients), and what is not planned per depth
   is refused by name.
 """
@@ -272,13 +273,51 @@ def test_settings_not_planned_per_depth_are_refused():
         mtp_num_layers: int | None = 1
         context_parallel_size: int = 1
         pipeline_model_parallel_size: int = 1
+        virtual_pipeline_model_parallel_size: int | None = None
         moe_enable_routing_replay: bool = False
         calculate_per_token_loss: bool = False
 
     assert mtp_problems(Config()) == []
     assert mtp_problems(Config(mtp_num_layers=None, context_parallel_size=2)) == []
-    for field in ("context_parallel_size", "pipeline_model_parallel_size"):
-        (found,) = mtp_problems(Config(**{field: 2}))
+    assert mtp_problems(Config(pipeline_model_parallel_size=2)) == []  # served: the last stage
+    for field, value in (("context_parallel_size", 2), ("virtual_pipeline_model_parallel_size", 2)):
+        (found,) = mtp_problems(Config(**{field: value}))
         assert found.key == "megatron.mtp" and field in found.detail
     (found,) = mtp_problems(Config(calculate_per_token_loss=True))
     assert "calculate_per_token_loss" in found.detail
+
+
+def _pipeline_job(rank: int, depth: int) -> dict:
+    """The shared run through megatron's schedule (1F1B at PP=2, MTP on the last stage); the
+    MTP block's copy of the embedding there is summed into the first stage's, as megatron's
+    ``finalize_model_grads`` sums the embedding group's."""
+    from megatron.core import parallel_state
+
+    from prefix_sharing.engines.megatron import forward_backward, model_chunks
+
+    chunks = model_chunks(PRESET, mtp_num_layers=depth)
+    run = forward_backward(chunks, micro_batches(), "shared", SHARE_EVERY_PREFIX)
+    grads = dict(run.grads)
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        name = "embedding.word_embeddings.weight"
+        grad = grads.get(name, torch.zeros(PRESET.vocab_size, PRESET.hidden_size))
+        torch.distributed.all_reduce(grad)
+        grads[name] = grad
+        if not parallel_state.is_pipeline_first_stage():
+            grads.pop(name)  # the first stage's is compared
+    return {"grads": grads, "log_probs": [o.log_probs for o in run.outputs]}
+
+
+def test_mtp_on_the_last_pipeline_stage_equals_the_single_stage_run():
+    """PP=2 (1F1B) against PP=1, whose MTP is exact against megatron's (above)."""
+    (single,) = run_distributed(_pipeline_job, 1, 2)
+    stages = run_distributed(_pipeline_job, 2, 2, pp=2)
+    compared = set()
+    for stage in stages:
+        for name, grad in stage["grads"].items():
+            assert _max_rel(grad, single["grads"][name]) <= FP32_RTOL, name
+            compared.add(name)
+    assert compared == set(single["grads"]), set(single["grads"]) ^ compared
+    assert any(n.startswith("mtp.") for n in stages[1]["grads"])
+    for ours, ref in zip(stages[1]["log_probs"], single["log_probs"]):
+        assert _max_rel(ours, ref) <= FP32_RTOL
