@@ -266,7 +266,7 @@ MATRIX: dict[str, dict[str, Cell]] = {
     },
     "multi-token prediction (MTP)": {
         "megatron-core": works("tests/megatron_ext/test_mtp.py", refusals=("megatron.mtp",),
-                               note="dense and MoE MTP layers, TP / SP / PP"),
+                               note="dense and MoE MTP layers, TP / SP / PP / CP"),
         "verl-megatron": refused("verl.mtp", "megatron.mtp"),
         "verl-fsdp": refused("verl.mtp"),
         "hf-fsdp": refused("hf.mtp"),

@@ -110,14 +110,16 @@ def context_parallel_token_stats(
     temperature: float = 1.0,
     with_entropy: bool = True,
     vocab_shard: MegatronVocabShard | None = None,
+    targets: torch.Tensor | None = None,
 ) -> TokenStats:
     """Every position's log-probs and entropy (``(T_total,)``, packed in ``plan``'s order) on
     every rank of the CP ``group``, from this rank's logits ``[T_local, V_local]`` (the plan's
     rows ``row_start ..``): this rank computes ``positions`` (those that read its rows; each
-    position computed by exactly one rank) and one all-reduce completes them (module doc)."""
+    position computed by exactly one rank) and one all-reduce completes them (module doc).
+    ``targets``: as :func:`prefix_sharing.logprobs.token_log_probs` takes them."""
     local = token_log_probs(
         logits, plan, temperature=temperature, with_entropy=with_entropy,
-        vocab_shard=vocab_shard, positions=positions, row_start=row_start,
+        vocab_shard=vocab_shard, positions=positions, row_start=row_start, targets=targets,
     )
     stats = [s for s in local if s is not None]
     packed = torch.zeros(len(stats), plan.num_tokens_total, dtype=stats[0].dtype,

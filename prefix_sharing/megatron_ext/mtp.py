@@ -34,8 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 from megatron.core import parallel_state
-from megatron.core.tensor_parallel.mappings import (gather_from_sequence_parallel_region,
-                                                    scatter_to_sequence_parallel_region)
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer.multi_token_prediction import (MTPLossAutoScaler,
                                                               MTPLossLoggingHelper,
                                                               MultiTokenPredictionLayer)
@@ -45,6 +44,7 @@ from ..config import PrefixSharingConfig
 from ..logprobs import token_log_probs
 from ..plan import SharingPlan
 from ..planner import PromptGroup, TokenSequence, build_plan
+from .context_parallel import gather_rows, slice_plan
 
 __all__ = ["MTPDepth", "PrefixSharingMTPLayer", "plan_mtp_depths", "share_multi_token_prediction"]
 
@@ -60,8 +60,9 @@ class MTPDepth:
     Attributes:
         params: the depth's plan as ``PlanPackedSeqParams`` (its attention reads it).
         input_ids: ``[1, T_k]`` the token each flat row embeds, ``t + k`` of its sequence (0
-            past the end), as megatron's ``roll_tensor`` gives it ``k`` rolls along a sequence.
-        position_ids: ``[1, T_k]`` the rolled positions, likewise (learned position embeddings).
+            past the end), as megatron's ``roll_tensor`` gives it ``k`` rolls along a sequence
+            (under context parallelism this rank's rows only, ``[1, T_k / CP]``).
+        position_ids: the rolled positions, likewise (learned position embeddings).
         from_previous: ``(T_k,)`` for each flat row, the row of depth ``k - 1`` (the decoder's
             layout for ``k = 1``) that computed the same (sequence, position).
         targets: ``(T_total,)`` each position's depth-``k`` label, token ``t + k + 1`` (0 past the
@@ -91,6 +92,7 @@ def plan_mtp_depths(
     pad_to_multiple_of: int = 1,
     loss_mask: Sequence[TokenSequence] | None = None,
     device: torch.device | str = "cpu",
+    cp_group: torch.distributed.ProcessGroup | None = None,
 ) -> tuple[MTPDepth, ...]:
     """The layouts of MTP depths ``1 .. num_layers`` of a micro-batch planned as ``plan`` (host
     work, once per micro-batch; see the module doc).
@@ -103,6 +105,9 @@ def plan_mtp_depths(
         loss_mask: one 0/1 (or weight) array per sequence, megatron's ``loss_mask`` (position
             ``t`` weighs the prediction of token ``t + 1``); default: 1 everywhere but each
             sequence's last position, which has nothing to predict.
+        cp_group: the context-parallel group (more than one rank): each depth's rows are split
+            over it as the decoder's are (:func:`.context_parallel.slice_plan`), and this
+            rank's :class:`MTPDepth` holds its slice's ids and positions.
     """
     from .packed_seq import PlanPackedSeqParams
 
@@ -125,11 +130,15 @@ def plan_mtp_depths(
         rows = depth_plan.kv_index.numpy()
         owner = np.zeros(depth_plan.num_tokens_flat, dtype=np.int64)  # pad rows: position 0
         owner[rows] = np.arange(rows.size)
-        rolled = _rolled(tokens, remaining, k)
+        cp = None if cp_group is None else slice_plan(
+            depth_plan, torch.distributed.get_rank(cp_group),
+            torch.distributed.get_world_size(cp_group), cp_group, device)
+        local = slice(None) if cp is None else slice(cp.row_start, cp.row_stop)
         depths.append(MTPDepth(
-            params=PlanPackedSeqParams.from_plan(depth_plan.to(device), config.backend),
-            input_ids=_device(rolled[owner], device).unsqueeze(0),
-            position_ids=_device(_rolled(position, remaining, k)[owner], device).unsqueeze(0),
+            params=PlanPackedSeqParams.from_plan(depth_plan.to(device), config.backend, cp=cp),
+            input_ids=_device(_rolled(tokens, remaining, k)[owner][local], device).unsqueeze(0),
+            position_ids=_device(_rolled(position, remaining, k)[owner][local],
+                                 device).unsqueeze(0),
             from_previous=_device(previous_rows[owner], device),
             targets=_device(_rolled(tokens, remaining, k + 1), device),
             weights=_device(_rolled(mask, remaining, k), device),
@@ -201,15 +210,24 @@ class PrefixSharingMTPLayer(MultiTokenPredictionLayer):
         return (hidden, input_ids, position_ids, *rest)
 
     def _relaid(self, hidden_states: torch.Tensor, depth: MTPDepth) -> torch.Tensor:
-        """The previous depth's rows ``[T_{k-1}(/TP), 1, h]`` laid out as this depth's."""
+        """This rank's rows of the depth's layout from its rows of the previous depth's (split
+        over sequence- and context-parallel ranks as the decoder's are).
+
+        The whole previous layout is gathered (its sequence-parallel slices, then its context-
+        parallel ones), re-laid out, and this rank keeps its slice. Each rank's gradient then
+        covers only its own slice, and the gathers' backward sums the ranks' shares.
+        """
+        cp = depth.params.cp
         if self.config.sequence_parallel:
-            # every rank gathers the whole layout and keeps its slice of the new one, so the
-            # gradient each rank returns is already whole: split it, do not sum it
-            hidden_states = gather_from_sequence_parallel_region(
-                hidden_states, tensor_parallel_output_grad=False)
+            hidden_states = gather_from_sequence_parallel_region(hidden_states)
+        if cp is not None:
+            hidden_states = gather_rows(hidden_states, cp)
         hidden_states = hidden_states.index_select(0, depth.from_previous)
+        if cp is not None:
+            hidden_states = hidden_states[cp.row_start:cp.row_stop]
         if self.config.sequence_parallel:
-            hidden_states = scatter_to_sequence_parallel_region(hidden_states)
+            tp = parallel_state.get_tensor_model_parallel_world_size()
+            hidden_states = hidden_states.chunk(tp)[parallel_state.get_tensor_model_parallel_rank()]
         return hidden_states
 
     def _get_embeddings(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
@@ -286,13 +304,22 @@ def _sharing_postprocess(self: Any, hidden_states: torch.Tensor, **kwargs: Any) 
 def _attach_mtp_losses(gpt: Any, hidden_states: torch.Tensor, params: Any,
                        output_weight: torch.Tensor | None, runtime_gather_output: Any
                        ) -> torch.Tensor:
-    """The decoder's rows of the block's output, each depth's loss attached (module doc)."""
-    from .logprobs import vocab_shard
+    """The decoder's rows of the block's output, each depth's loss attached (module doc).
+
+    Under context parallelism each rank scores its own rows and one all-reduce completes every
+    position's log-prob (:func:`.logprobs.context_parallel_token_stats`), so every rank holds
+    the whole depth's loss and back-propagates it into its own rows. Megatron's schedule does
+    not scale the MTP loss by the CP size (it does the main loss), while the gradients are
+    averaged over the group: the loss is attached times the CP size, whose average is the
+    whole micro-batch's gradient.
+    """
+    from .logprobs import context_parallel_token_stats, vocab_shard
 
     config = gpt.config
     depths = [mtp_depth(params, k) for k in range(1, config.mtp_num_layers + 1)]
-    split = 1 if not config.sequence_parallel else (
-        parallel_state.get_tensor_model_parallel_world_size())
+    cp_size = 1 if params.cp is None else params.cp.size
+    split = cp_size * (parallel_state.get_tensor_model_parallel_world_size()
+                       if config.sequence_parallel else 1)
     sizes = [params.plan.num_tokens_flat // split] + [d.plan.num_tokens_flat // split
                                                      for d in depths]
     if hidden_states.size(0) != sum(sizes):
@@ -306,16 +333,21 @@ def _attach_mtp_losses(gpt: Any, hidden_states: torch.Tensor, params: Any,
     for k, (depth, hidden) in enumerate(zip(depths, per_depth)):
         logits, _ = gpt.output_layer(hidden, weight=output_weight,
                                      runtime_gather_output=runtime_gather_output)
-        logits = logits.squeeze(1)  # [T_k, V_local]
-        log_probs = token_log_probs(logits, depth.plan, with_entropy=False,
-                                    vocab_shard=vocab_shard(logits.size(-1)),
-                                    targets=depth.targets).log_probs
+        logits = logits.squeeze(1)  # [T_k (/ CP), V_local]
+        shard = vocab_shard(logits.size(-1))
+        cp = depth.params.cp
+        if cp is None:
+            log_probs = token_log_probs(logits, depth.plan, with_entropy=False,
+                                        vocab_shard=shard, targets=depth.targets).log_probs
+        else:
+            log_probs = context_parallel_token_stats(
+                logits, depth.plan, cp.token_positions, cp.row_start, cp.group,
+                with_entropy=False, vocab_shard=shard, targets=depth.targets).log_probs
         loss = -(log_probs.float() * depth.weights).sum()
-        num_tokens = depth.weights.sum()
+        num_tokens = depth.weights.sum().clamp(min=1)
         if gpt.training:
-            _log_mtp_metrics(loss / num_tokens.clamp(min=1), logits, depth, k,
-                             config.mtp_num_layers)
-        decoder = MTPLossAutoScaler.apply(decoder, scale * loss / num_tokens.clamp(min=1))
+            _log_mtp_metrics(loss / num_tokens, logits, depth, k, config.mtp_num_layers)
+        decoder = MTPLossAutoScaler.apply(decoder, scale * cp_size * loss / num_tokens)
     return decoder
 
 
@@ -327,10 +359,15 @@ def _log_mtp_metrics(loss: torch.Tensor, logits: torch.Tensor, depth: MTPDepth, 
     if hasattr(MTPLossLoggingHelper, "save_loss_to_tracker"):
         MTPLossLoggingHelper.save_loss_to_tracker(loss.detach(), k, depths, avg_group=group)
         return
-    with torch.no_grad():
-        best = _vocab_parallel_argmax(logits).index_select(0, depth.plan.kv_index)
-        weighed = depth.weights > 0
-        correct = ((best == depth.targets) & weighed).sum().float()
+    with torch.no_grad():  # over this rank's rows' positions (under CP: summed over ranks)
+        cp = depth.params.cp
+        positions = (torch.arange(depth.targets.numel(), device=logits.device) if cp is None
+                     else cp.token_positions)
+        rows = depth.plan.kv_index.index_select(0, positions) - (0 if cp is None
+                                                                  else cp.row_start)
+        best = _vocab_parallel_argmax(logits).index_select(0, rows)
+        weighed = depth.weights.index_select(0, positions) > 0
+        correct = ((best == depth.targets.index_select(0, positions)) & weighed).sum().float()
         total = weighed.sum().float()
     MTPLossLoggingHelper.save_metrics_to_tracker(loss.detach(), correct, total, k, depths,
                                                  avg_group=group)

@@ -202,12 +202,11 @@ def prepare_micro_batch(
     replayed = None if routes is None or not replay_routes else flat_routes(plan, routes, device)
     mtp = ()
     if mtp_num_layers:
-        if routes is not None or cp is not None:
-            raise refuse("megatron.mtp", "routes replayed" if routes is not None
-                         else "context parallelism", error=UnsupportedSetupError)
+        if routes is not None:
+            raise refuse("megatron.mtp", "routes replayed", error=UnsupportedSetupError)
         mtp = plan_mtp_depths(sequences, plan, mtp_num_layers, config, groups=groups,
                               pad_to_multiple_of=pad_to_multiple_of, loss_mask=loss_mask,
-                              device=device)
+                              device=device, cp_group=cp_group)
     elif loss_mask is not None:
         raise ValueError("loss_mask weighs the MTP loss: pass mtp_num_layers too")
     plan = plan.to(device, non_blocking=True)

@@ -65,9 +65,9 @@ def test_interleaved_stages_are_served(setting):
 @pytest.mark.parametrize("setting, message", [
     (dict(experimental_attention_variant="dsa"),
      r"DeepSeek sparse attention \(experimental_attention_variant='dsa'\)"),
-    (dict(mtp_num_layers=1, context_parallel_size=2),
+    (dict(mtp_num_layers=1, mtp_use_repeated_layer=True),
      r"multi-token prediction not planned per depth \(mtp_num_layers=1 with "
-     r"context_parallel_size=2\)"),
+     r"mtp_use_repeated_layer=True\)"),
 ])
 def test_deepseek_settings_sharing_cannot_serve_are_refused(setting, message):
     """DSA's top-k indexer, and MTP where its depths are not planned (tests/megatron_ext/

@@ -14,7 +14,8 @@ Specification:
   tokens would count there), judged by flash-attn's rule against the float64 padded run (no
   further from it than 3x the fp32 padded run, or 1e-5): a rarely routed expert's small
   gradient rounds past 1e-5 relative in either fp32 run;
-- at PP=2 (1F1B, the MTP layers on the last stage) equal to PP=1;
+- at PP=2 (1F1B, the MTP layers on the last stage), CP=2, and CP=2 x TP=2 with sequence
+  parallelism equal to one rank;
 - the MTP loss is not vacuous (it changes the gradients), and what is not planned per depth
   is refused by name.
 """
@@ -279,23 +280,23 @@ def test_settings_not_planned_per_depth_are_refused():
 
     assert mtp_problems(Config()) == []
     assert mtp_problems(Config(mtp_num_layers=None, context_parallel_size=2)) == []
-    assert mtp_problems(Config(pipeline_model_parallel_size=2)) == []  # served: the last stage
-    for field, value in (("context_parallel_size", 2), ("virtual_pipeline_model_parallel_size", 2)):
-        (found,) = mtp_problems(Config(**{field: value}))
-        assert found.key == "megatron.mtp" and field in found.detail
+    assert mtp_problems(Config(pipeline_model_parallel_size=2, context_parallel_size=2)) == []
+    (found,) = mtp_problems(Config(virtual_pipeline_model_parallel_size=2))
+    assert found.key == "megatron.mtp" and "virtual_pipeline" in found.detail
     (found,) = mtp_problems(Config(calculate_per_token_loss=True))
     assert "calculate_per_token_loss" in found.detail
 
 
-def _pipeline_job(rank: int, depth: int) -> dict:
-    """The shared run through megatron's schedule (1F1B at PP=2, MTP on the last stage); the
-    MTP block's copy of the embedding there is summed into the first stage's, as megatron's
+def _parallel_job(rank: int, depth: int, overrides: dict) -> dict:
+    """The shared run through megatron's schedule on this rank's layout (PP: 1F1B, MTP on the
+    last stage; CP: the gradients averaged over the group, as megatron does); under PP the MTP
+    block's copy of the embedding is summed into the first stage's, as megatron's
     ``finalize_model_grads`` sums the embedding group's."""
     from megatron.core import parallel_state
 
     from prefix_sharing.engines.megatron import forward_backward, model_chunks
 
-    chunks = model_chunks(PRESET, mtp_num_layers=depth)
+    chunks = model_chunks(PRESET, mtp_num_layers=depth, **overrides)
     run = forward_backward(chunks, micro_batches(), "shared", SHARE_EVERY_PREFIX)
     grads = dict(run.grads)
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
@@ -308,16 +309,25 @@ def _pipeline_job(rank: int, depth: int) -> dict:
     return {"grads": grads, "log_probs": [o.log_probs for o in run.outputs]}
 
 
-def test_mtp_on_the_last_pipeline_stage_equals_the_single_stage_run():
-    """PP=2 (1F1B) against PP=1, whose MTP is exact against megatron's (above)."""
-    (single,) = run_distributed(_pipeline_job, 1, 2)
-    stages = run_distributed(_pipeline_job, 2, 2, pp=2)
+PARALLEL = {  # world, run_distributed's layout, model overrides
+    "pp2": (2, dict(pp=2), {}),
+    "cp2": (2, dict(cp=2), {}),
+    "cp2_tp2_sequence_parallel": (4, dict(cp=2, tp=2), {"sequence_parallel": True}),
+}
+
+
+@pytest.mark.parametrize("layout", list(PARALLEL))
+def test_mtp_under_pipeline_and_context_parallelism_equals_the_single_rank_run(layout):
+    """Against one rank, whose MTP is exact against megatron's (above)."""
+    world, parallel, overrides = PARALLEL[layout]
+    (single,) = run_distributed(_parallel_job, 1, 2, {})
+    ranks = run_distributed(_parallel_job, world, 2, overrides, **parallel, timeout=900)
     compared = set()
-    for stage in stages:
-        for name, grad in stage["grads"].items():
-            assert _max_rel(grad, single["grads"][name]) <= FP32_RTOL, name
+    for rank in ranks:
+        for name, grad in rank["grads"].items():
+            assert _max_rel(grad, single["grads"][name]) <= FP32_RTOL, (layout, name)
             compared.add(name)
+        for ours, ref in zip(rank["log_probs"], single["log_probs"]):
+            assert _max_rel(ours, ref) <= FP32_RTOL, layout
     assert compared == set(single["grads"]), set(single["grads"]) ^ compared
-    assert any(n.startswith("mtp.") for n in stages[1]["grads"])
-    for ours, ref in zip(stages[1]["log_probs"], single["log_probs"]):
-        assert _max_rel(ours, ref) <= FP32_RTOL
+    assert any(n.startswith("mtp.") for n in compared)

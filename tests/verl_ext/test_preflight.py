@@ -81,10 +81,11 @@ def model_build_keys(model_config, engine_config) -> tuple[str, ...] | None:
     try:
         layer_spec = get_gpt_layer_local_spec()
         mtp = None
-        if config.mtp_num_layers:  # built stock, as verl's bridge builds it
-            from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec as stock,
-                                                                  get_gpt_mtp_block_spec)
-            mtp = get_gpt_mtp_block_spec(config, stock(), use_transformer_engine=False)
+        if config.mtp_num_layers:  # stock MTP layers around the sharing layer, as the bridge
+            from megatron.core.transformer.multi_token_prediction import (  # builds them
+                MultiTokenPredictionBlockSubmodules, get_mtp_layer_spec)
+            mtp = MultiTokenPredictionBlockSubmodules(layer_specs=[get_mtp_layer_spec(
+                layer_spec, use_transformer_engine=False)] * config.mtp_num_layers)
         model = GPTModel(config=config, transformer_layer_spec=layer_spec, mtp_block_spec=mtp,
                          vocab_size=preset.vocab_size,
                          max_sequence_length=preset.max_sequence_length)
