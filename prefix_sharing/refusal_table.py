@@ -42,7 +42,9 @@ TABLE: tuple[Refusal, ...] = (
             "each MTP depth is planned on its own (a depth-k row is shared only where the next "
             "k tokens agree too) on the last pipeline stage (1F1B, not interleaved), each depth "
             "its own layer; routing replay would need every depth's routes, and megatron-core "
-            "releases normalise the per-token MTP loss differently; build the MTP block spec "
+            "releases normalise the per-token MTP loss differently; megatron-core 0.16's MTP "
+            "checkpoint cannot take packed-sequence params (full recompute fails there "
+            "without sharing too; 0.19 serves it); build the MTP block spec "
             "with with_prefix_sharing, call share_multi_token_prediction(model) and plan with "
             "prepare_micro_batch(..., mtp_num_layers=...), or leave those settings at their "
             "defaults", _MEGATRON),

@@ -316,6 +316,9 @@ def _attach_mtp_losses(gpt: Any, hidden_states: torch.Tensor, params: Any,
     from .logprobs import context_parallel_token_stats, vocab_shard
 
     config = gpt.config
+    if "forward" in vars(gpt.output_layer):  # lm_head_inputs: the head returns its input
+        raise ValueError("the MTP depths are scored from the output layer's logits; run the "
+                         "model without lm_head_inputs (score the decoder with token_stats)")
     depths = [mtp_depth(params, k) for k in range(1, config.mtp_num_layers + 1)]
     cp_size = 1 if params.cp is None else params.cp.size
     split = cp_size * (parallel_state.get_tensor_model_parallel_world_size()

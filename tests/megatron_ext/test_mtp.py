@@ -9,7 +9,7 @@ Specification:
   log-probs, each depth's logged MTP loss, and every gradient (the MTP layers', the shared
   embedding's and output layer's), fp32 within 1e-5 relative; GRPO, step-wise chain, tree with
   a duplicate and a strict prefix, no sharing; one and two depths, TP=1 and TP=2 with and
-  without sequence parallelism; MoE MTP layers (router statistics included) against the padded
+  without sequence parallelism, megatron's full activation recompute (the MTP layers' too); MoE MTP layers (router statistics included) against the padded
   run on micro-batches of equal lengths (megatron gives its MTP routers no padding mask, so pad
   tokens would count there), judged by flash-attn's rule against the float64 padded run (no
   further from it than 3x the fp32 padded run, or 1e-5): a rarely routed expert's small
@@ -153,6 +153,12 @@ def _mtp_job(rank: int, preset_name: str, depth: int, overrides: dict) -> dict:
                                                  gpt_model)
 
     preset = {"tiny": PRESET, "tiny-moe": MOE}[preset_name]
+    from prefix_sharing.megatron_ext import UnsupportedSetupError
+
+    try:  # full recompute: refused on megatron-core 0.16 (its MTP checkpoint), served on 0.19
+        gpt_model(preset, layout="shared", mtp_num_layers=depth, **overrides)
+    except UnsupportedSetupError as error:
+        return {"refused": str(error)}
     # one model per run: MoE routers keep global statistics across forwards
     models = {
         "padded": gpt_model(preset, layout="padded", mtp_num_layers=depth, **overrides),
@@ -204,6 +210,9 @@ CASES = {
     "depth1_tp1": ("tiny", 1, 1, {}),
     "depth2_tp1": ("tiny", 2, 1, {}),
     "depth1_tp2": ("tiny", 1, 2, {}),
+    "depth2_tp1_full_recompute": ("tiny", 2, 1, dict(recompute_granularity="full",
+                                                     recompute_method="uniform",
+                                                     recompute_num_layers=1)),
     "depth2_tp2_sequence_parallel": ("tiny", 2, 2, {"sequence_parallel": True}),
     "moe_depth2_tp1": ("tiny-moe", 2, 1, {}),
     "moe_depth1_tp2_sequence_parallel": ("tiny-moe", 1, 2, {"sequence_parallel": True}),
@@ -220,6 +229,10 @@ def case(request):
 def test_shared_mtp_equals_megatrons_mtp_block_on_the_plain_batch(case):
     name, ranks = case
     for rank, report in enumerate(ranks):
+        if "refused" in report:
+            assert "recompute" in name and "[megatron.mtp]" in report["refused"], report
+            assert "recompute_granularity=full" in report["refused"], report
+            continue
         pairs = report["pairs"]
         for pair in ("shared_vs_padded", "shared_vs_packed"):  # the fixed fp32 rule
             worst = {q: d for q, d in pairs.get(pair, {}).items() if d > FP32_RTOL}
@@ -237,6 +250,8 @@ def test_shared_mtp_equals_megatrons_mtp_block_on_the_plain_batch(case):
 def test_the_mtp_loss_reaches_the_decoder_and_every_mtp_weight(case):
     name, ranks = case
     for report in ranks:
+        if "refused" in report:
+            continue  # asserted above
         assert report["mtp_grads_nonzero"], name
         assert report["vs_unscored"] > 1e-3, (name, report["vs_unscored"])
 
@@ -264,6 +279,27 @@ def test_a_depth_shares_a_row_only_where_the_next_tokens_agree():
     assert depth1.weights[:6].tolist() == [1, 1, 1, 1, 0, 0]
     # each depth-1 row reads the decoder row of its own (sequence, position)
     assert torch.equal(depth1.from_previous[rows_a], plan.kv_index[:6])
+
+
+def _head_inputs_job(rank: int) -> str:
+    from prefix_sharing.engines.megatron import gpt_model
+    from prefix_sharing.megatron_ext import lm_head_inputs, prepare_micro_batch
+
+    model = gpt_model(PRESET, layout="shared", mtp_num_layers=1)
+    mb = prepare_micro_batch(micro_batches(["grpo"])[0], SHARE_EVERY_PREFIX, mtp_num_layers=1)
+    try:
+        with lm_head_inputs(model):
+            model(mb.input_ids, mb.position_ids, None, packed_seq_params=mb.packed_seq_params)
+    except ValueError as error:
+        return str(error)
+    return "ran"
+
+
+def test_the_head_inputs_path_refuses_to_score_mtp_depths_from_hidden_states():
+    """Under ``lm_head_inputs`` the output layer returns its input: the depths' losses would be
+    read from hidden states, so the sharing postprocess raises."""
+    (message,) = run_distributed(_head_inputs_job, 1)
+    assert "lm_head_inputs" in message, message
 
 
 def test_settings_not_planned_per_depth_are_refused():
