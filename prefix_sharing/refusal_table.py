@@ -40,14 +40,12 @@ TABLE: tuple[Refusal, ...] = (
             "attention", _MEGATRON),
     Refusal("megatron.mtp", "multi-token prediction not planned per depth",
             "each MTP depth is planned on its own (a depth-k row is shared only where the next "
-            "k tokens agree too) on the last pipeline stage (1F1B, not interleaved), each depth "
-            "its own layer; routing replay would need every depth's routes, and megatron-core "
-            "releases normalise the per-token MTP loss differently; megatron-core 0.16's MTP "
-            "checkpoint cannot take packed-sequence params (full recompute fails there "
-            "without sharing too; 0.19 serves it); build the MTP block spec "
-            "with with_prefix_sharing, call share_multi_token_prediction(model) and plan with "
-            "prepare_micro_batch(..., mtp_num_layers=...), or leave those settings at their "
-            "defaults", _MEGATRON),
+            "k tokens agree too), on the last 1F1B pipeline stage, a layer per depth; replay "
+            "would need each depth's routes, releases normalise the per-token MTP loss "
+            "differently, and megatron-core 0.16's MTP checkpoint cannot take packed params "
+            "(full recompute fails there unshared too); share the MTP block spec "
+            "(with_prefix_sharing, share_multi_token_prediction(model), prepare_micro_batch("
+            "mtp_num_layers=...)), or leave those settings at their defaults", _MEGATRON),
     Refusal("megatron.mrope", "multimodal RoPE",
             "the plan carries one position per computed token, and multimodal RoPE takes three "
             "rows per token (temporal, height, width), which the Megatron path does not carry "

@@ -172,7 +172,7 @@ def gdn_context_parallel_problems(config: Any) -> list[Refused]:
 
 # HybridStack pattern symbols (megatron-core's hybrid_layer_allocation.Symbols) whose layers
 # sharing serves; "G" (Gated DeltaNet) on megatron-core 0.19.2 only, "|" separates pipeline
-# stages, "/" starts multi-token-prediction depths (refused by mtp_num_layers: mtp_problems)
+# stages, "/" starts multi-token-prediction depths (refused in a hybrid stack, below)
 SERVED_HYBRID_SYMBOLS = frozenset("*-E|")
 # ... and why the others are not served
 UNSERVED_HYBRID_LAYERS = {
@@ -183,7 +183,8 @@ UNSERVED_HYBRID_LAYERS = {
     "G": GDN_NOT_SERVED,  # on a release without the 0.19.2 module
     "D": "DeepSeek sparse attention: its indexer and MLA attention get no K/V injection",
     "+": "multi-latent attention: its core attention gets no K/V injection",
-    "/": "multi-token prediction: a shared row has one next token per reuser",
+    "/": "multi-token prediction in a hybrid stack: its MTP layers are not the sharing ones "
+         "(a GPTModel's are: prefix_sharing.megatron_ext.mtp)",
 }
 
 
@@ -199,10 +200,9 @@ def hybrid_layer_problem(symbol: str) -> Refused | None:
 
 def hybrid_pattern_problems(pattern: str) -> list[Refused]:
     """The layers of a hybrid ``pattern`` (e.g. ``"M-M*-E"``) that building the sharing stack
-    refuses, as one refusal naming each symbol; the multi-token-prediction depths after ``/``
-    are the config's ``mtp_num_layers`` (:func:`mtp_problems`)."""
-    layers = pattern.split("/", 1)[0]
-    found = [problem for symbol in dict.fromkeys(layers)
+    refuses, as one refusal naming each symbol (``/`` for multi-token-prediction depths)."""
+    layers, mtp, _ = pattern.partition("/")
+    found = [problem for symbol in dict.fromkeys(layers + mtp)
              if (problem := hybrid_layer_problem(symbol)) is not None]
     if not found:
         return []

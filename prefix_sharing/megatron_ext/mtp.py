@@ -44,7 +44,8 @@ from ..config import PrefixSharingConfig
 from ..logprobs import token_log_probs
 from ..plan import SharingPlan
 from ..planner import PromptGroup, TokenSequence, build_plan
-from .context_parallel import gather_rows, slice_plan
+from .context_parallel import ContextParallelSlice, gather_rows, slice_plan
+from .vocab_parallel import context_parallel_token_stats, vocab_shard
 
 __all__ = ["MTPDepth", "PrefixSharingMTPLayer", "plan_mtp_depths", "share_multi_token_prediction"]
 
@@ -58,7 +59,8 @@ class MTPDepth:
     """How MTP depth ``k`` lays out and reads its rows (tensors on the model's device).
 
     Attributes:
-        params: the depth's plan as ``PlanPackedSeqParams`` (its attention reads it).
+        plan: the depth's plan (on the model's device).
+        cp: this context-parallel rank's slice of it, or ``None``.
         input_ids: ``[1, T_k]`` the token each flat row embeds, ``t + k`` of its sequence (0
             past the end), as megatron's ``roll_tensor`` gives it ``k`` rolls along a sequence
             (under context parallelism this rank's rows only, ``[1, T_k / CP]``).
@@ -70,16 +72,18 @@ class MTPDepth:
         weights: ``(T_total,)`` float, each position's loss mask at ``t + k`` (0 past the end).
     """
 
-    params: Any
+    plan: SharingPlan
+    cp: ContextParallelSlice | None
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     from_previous: torch.Tensor
     targets: torch.Tensor
     weights: torch.Tensor
 
-    @property
-    def plan(self) -> SharingPlan:
-        return self.params.plan
+    def params(self, decoder: Any) -> Any:
+        """The depth's ``PlanPackedSeqParams``, made like the decoder's ``decoder`` (a few
+        host fields; every layer's forward makes its own, so nothing stays on the depth)."""
+        return type(decoder).from_plan(self.plan, decoder.backend, cp=self.cp)
 
 
 def plan_mtp_depths(
@@ -109,8 +113,6 @@ def plan_mtp_depths(
             over it as the decoder's are (:func:`.context_parallel.slice_plan`), and this
             rank's :class:`MTPDepth` holds its slice's ids and positions.
     """
-    from .packed_seq import PlanPackedSeqParams
-
     lengths = np.asarray(plan.seq_lens, dtype=np.int64)
     tokens = plan.token_ids.cpu().numpy()
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
@@ -135,7 +137,7 @@ def plan_mtp_depths(
             torch.distributed.get_world_size(cp_group), cp_group, device)
         local = slice(None) if cp is None else slice(cp.row_start, cp.row_stop)
         depths.append(MTPDepth(
-            params=PlanPackedSeqParams.from_plan(depth_plan.to(device), config.backend, cp=cp),
+            plan=depth_plan.to(device), cp=cp,
             input_ids=_device(_rolled(tokens, remaining, k)[owner][local], device).unsqueeze(0),
             position_ids=_device(_rolled(position, remaining, k)[owner][local],
                                  device).unsqueeze(0),
@@ -204,7 +206,7 @@ class PrefixSharingMTPLayer(MultiTokenPredictionLayer):
         depth = mtp_depth(packed_seq_params, self.layer_number)
         hidden, _, _, *rest = super().forward(
             depth.input_ids, depth.position_ids, self._relaid(hidden_states, depth),
-            attention_mask, *args, packed_seq_params=depth.params, **kwargs)
+            attention_mask, *args, packed_seq_params=depth.params(packed_seq_params), **kwargs)
         # the next depth re-lays its ids out itself; megatron-core 0.19 also returns the
         # padding mask (None on a planned micro-batch)
         return (hidden, input_ids, position_ids, *rest)
@@ -217,7 +219,7 @@ class PrefixSharingMTPLayer(MultiTokenPredictionLayer):
         parallel ones), re-laid out, and this rank keeps its slice. Each rank's gradient then
         covers only its own slice, and the gathers' backward sums the ranks' shares.
         """
-        cp = depth.params.cp
+        cp = depth.cp
         if self.config.sequence_parallel:
             hidden_states = gather_from_sequence_parallel_region(hidden_states)
         if cp is not None:
@@ -313,8 +315,6 @@ def _attach_mtp_losses(gpt: Any, hidden_states: torch.Tensor, params: Any,
     averaged over the group: the loss is attached times the CP size, whose average is the
     whole micro-batch's gradient.
     """
-    from .logprobs import context_parallel_token_stats, vocab_shard
-
     config = gpt.config
     if "forward" in vars(gpt.output_layer):  # lm_head_inputs: the head returns its input
         raise ValueError("the MTP depths are scored from the output layer's logits; run the "
@@ -338,7 +338,7 @@ def _attach_mtp_losses(gpt: Any, hidden_states: torch.Tensor, params: Any,
                                      runtime_gather_output=runtime_gather_output)
         logits = logits.squeeze(1)  # [T_k (/ CP), V_local]
         shard = vocab_shard(logits.size(-1))
-        cp = depth.params.cp
+        cp = depth.cp
         if cp is None:
             log_probs = token_log_probs(logits, depth.plan, with_entropy=False,
                                         vocab_shard=shard, targets=depth.targets).log_probs
@@ -363,7 +363,7 @@ def _log_mtp_metrics(loss: torch.Tensor, logits: torch.Tensor, depth: MTPDepth, 
         MTPLossLoggingHelper.save_loss_to_tracker(loss.detach(), k, depths, avg_group=group)
         return
     with torch.no_grad():  # over this rank's rows' positions (under CP: summed over ranks)
-        cp = depth.params.cp
+        cp = depth.cp
         positions = (torch.arange(depth.targets.numel(), device=logits.device) if cp is None
                      else cp.token_positions)
         rows = depth.plan.kv_index.index_select(0, positions) - (0 if cp is None
@@ -379,8 +379,6 @@ def _log_mtp_metrics(loss: torch.Tensor, logits: torch.Tensor, depth: MTPDepth, 
 def _vocab_parallel_argmax(logits: torch.Tensor) -> torch.Tensor:
     """Each row's most likely token id over the whole vocabulary (``[T, V_local]`` logits,
     split over the tensor-parallel group): the lowest id among equal maxima, as ``argmax``."""
-    from .logprobs import vocab_shard
-
     shard = vocab_shard(logits.size(-1))
     best, index = logits.max(dim=-1)
     if shard is None:
