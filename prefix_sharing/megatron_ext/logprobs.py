@@ -29,10 +29,11 @@ from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_paralle
 from megatron.core.utils import get_attr_wrapped_model, unwrap_model
 
 from ..head_logprobs import hidden_token_stats
-from ..logprobs import TokenStats, token_log_probs
+from ..logprobs import TokenStats
 from .model_check import check_sharing_model
 from .packed_seq import MicroBatch
-from .vocab_parallel import MegatronVocabShard, context_parallel_token_stats, vocab_shard
+from .vocab_parallel import (MegatronVocabShard, context_parallel_token_stats,
+                             rows_token_stats, vocab_shard)
 
 __all__ = ["MegatronVocabShard", "context_parallel_token_stats", "token_stats", "forward_token_stats",
            "vocab_shard", "lm_head_inputs", "LMHead", "head_token_stats"]
@@ -61,16 +62,8 @@ def token_stats(
             raise ValueError(f"THD logits have batch size 1; got shape {tuple(logits.shape)}")
         logits = logits[0]  # [1, T, V] -> [T, V]
     shard = vocab_shard(logits.size(-1)) if vocab_parallel else None
-    cp = batch.cp
-    if cp is None:
-        return token_log_probs(
-            logits, batch.plan, temperature=temperature, with_entropy=with_entropy,
-            vocab_shard=shard,
-        )
-    return context_parallel_token_stats(
-        logits, batch.plan, cp.token_positions, cp.row_start, cp.group,
-        temperature=temperature, with_entropy=with_entropy, vocab_shard=shard,
-    )
+    return rows_token_stats(logits, batch.plan, batch.cp, temperature=temperature,
+                            with_entropy=with_entropy, vocab_shard=shard)
 
 
 def forward_token_stats(

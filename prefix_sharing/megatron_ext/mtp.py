@@ -41,11 +41,10 @@ from megatron.core.transformer.multi_token_prediction import (MTPLossAutoScaler,
 from megatron.core.utils import make_viewless_tensor, unwrap_model
 
 from ..config import PrefixSharingConfig
-from ..logprobs import token_log_probs
 from ..plan import SharingPlan
 from ..planner import PromptGroup, TokenSequence, build_plan
 from .context_parallel import ContextParallelSlice, gather_rows, slice_plan
-from .vocab_parallel import context_parallel_token_stats, vocab_shard
+from .vocab_parallel import rows_token_stats, vocab_shard
 
 __all__ = ["MTPDepth", "PrefixSharingMTPLayer", "plan_mtp_depths", "share_multi_token_prediction"]
 
@@ -120,10 +119,11 @@ def plan_mtp_depths(
     remaining = np.repeat(lengths, lengths) - position  # tokens from t to the end, t included
     mask = _loss_mask(loss_mask, lengths)
     previous_rows = plan.kv_index.cpu().numpy()
-    depths = []
+    depths, ahead = [], []
     for k in range(1, num_layers + 1):
         # each token tagged with its next k tokens (+1; 0 past the end): shared where they agree
-        tags = np.stack([_rolled(tokens + 1, remaining, j) for j in range(1, k + 1)], axis=1)
+        ahead.append(_rolled(tokens + 1, remaining, k))
+        tags = np.stack(ahead, axis=1)
         depth_groups = None if groups is None else [
             PromptGroup(max(g.prompt_len - k, 0), g.members) for g in groups]
         depth_plan = build_plan(sequences, config, groups=depth_groups,
@@ -309,7 +309,7 @@ def _attach_mtp_losses(gpt: Any, hidden_states: torch.Tensor, params: Any,
     """The decoder's rows of the block's output, each depth's loss attached (module doc).
 
     Under context parallelism each rank scores its own rows and one all-reduce completes every
-    position's log-prob (:func:`.logprobs.context_parallel_token_stats`), so every rank holds
+    position's log-prob (:func:`.vocab_parallel.rows_token_stats`), so every rank holds
     the whole depth's loss and back-propagates it into its own rows. Megatron's schedule does
     not scale the MTP loss by the CP size (it does the main loss), while the gradients are
     averaged over the group: the loss is attached times the CP size, whose average is the
@@ -337,15 +337,9 @@ def _attach_mtp_losses(gpt: Any, hidden_states: torch.Tensor, params: Any,
         logits, _ = gpt.output_layer(hidden, weight=output_weight,
                                      runtime_gather_output=runtime_gather_output)
         logits = logits.squeeze(1)  # [T_k (/ CP), V_local]
-        shard = vocab_shard(logits.size(-1))
-        cp = depth.cp
-        if cp is None:
-            log_probs = token_log_probs(logits, depth.plan, with_entropy=False,
-                                        vocab_shard=shard, targets=depth.targets).log_probs
-        else:
-            log_probs = context_parallel_token_stats(
-                logits, depth.plan, cp.token_positions, cp.row_start, cp.group,
-                with_entropy=False, vocab_shard=shard, targets=depth.targets).log_probs
+        log_probs = rows_token_stats(logits, depth.plan, depth.cp, with_entropy=False,
+                                     vocab_shard=vocab_shard(logits.size(-1)),
+                                     targets=depth.targets).log_probs
         loss = -(log_probs.float() * depth.weights).sum()
         num_tokens = depth.weights.sum().clamp(min=1)
         if gpt.training:

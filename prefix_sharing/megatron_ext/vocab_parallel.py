@@ -21,8 +21,10 @@ from megatron.core import parallel_state
 
 from ..logprobs import TokenStats, token_log_probs
 from ..plan import SharingPlan
+from .context_parallel import ContextParallelSlice
 
-__all__ = ["MegatronVocabShard", "context_parallel_token_stats", "vocab_shard"]
+__all__ = ["MegatronVocabShard", "context_parallel_token_stats", "rows_token_stats",
+           "vocab_shard"]
 
 
 class MegatronVocabShard:
@@ -99,3 +101,26 @@ def vocab_shard(vocab_per_rank: int) -> MegatronVocabShard | None:
         if torch.distributed.get_world_size(group) > 1:
             return MegatronVocabShard(vocab_per_rank, group)
     return None
+
+
+def rows_token_stats(
+    logits: torch.Tensor,
+    plan: SharingPlan,
+    cp: ContextParallelSlice | None,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = True,
+    vocab_shard: MegatronVocabShard | None = None,
+    targets: torch.Tensor | None = None,
+) -> TokenStats:
+    """Every position's log-probs (and entropy) from this rank's logits ``[T_flat (/ CP),
+    V_local]`` of ``plan``'s rows: :func:`prefix_sharing.logprobs.token_log_probs` over all of
+    them, or under context parallelism (``cp``, this rank's slice) its rows' positions and
+    :func:`context_parallel_token_stats`'s completion. ``targets``: as ``token_log_probs``
+    takes them."""
+    if cp is None:
+        return token_log_probs(logits, plan, temperature=temperature, with_entropy=with_entropy,
+                               vocab_shard=vocab_shard, targets=targets)
+    return context_parallel_token_stats(
+        logits, plan, cp.token_positions, cp.row_start, cp.group, temperature=temperature,
+        with_entropy=with_entropy, vocab_shard=vocab_shard, targets=targets)
