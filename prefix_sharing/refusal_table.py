@@ -41,11 +41,10 @@ TABLE: tuple[Refusal, ...] = (
     Refusal("megatron.mtp", "multi-token prediction not planned per depth",
             "each MTP depth is planned on its own (a depth-k row is shared only where the next "
             "k tokens agree too), on the last 1F1B pipeline stage, a layer per depth; replay "
-            "would need each depth's routes, releases normalise the per-token MTP loss "
-            "differently, and megatron-core 0.16's MTP checkpoint cannot take packed params "
-            "(full recompute fails there unshared too); share the MTP block spec "
-            "(with_prefix_sharing, share_multi_token_prediction(model), prepare_micro_batch("
-            "mtp_num_layers=...)), or leave those settings at their defaults", _MEGATRON),
+            "would need each depth's routes, and releases normalise the per-token MTP loss "
+            "differently; share the MTP block (with_prefix_sharing or "
+            "share_multi_token_prediction(model), prepare_micro_batch(mtp_num_layers=...)), or "
+            "leave those settings at their defaults", _MEGATRON),
     Refusal("megatron.mrope", "multimodal RoPE",
             "the plan carries one position per computed token, and multimodal RoPE takes three "
             "rows per token (temporal, height, width), which the Megatron path does not carry "
@@ -328,10 +327,11 @@ TABLE: tuple[Refusal, ...] = (
             "calculate_sum_pi_squared, distillation and (Megatron engine) fused kernels need "
             "per-sample labels or logits, which the flat layout does not have; turn the switch "
             "off", _VERL),
-    Refusal("verl.mtp", "MTP training", "verl trains MTP through its own patched "
-            "postprocess, labels and loss mask laid out per sample, which verl's sharing engines "
-            "do not plan per MTP depth yet (megatron-core's own path does: docs/megatron-core.md, "
-            "multi-token prediction); set model.mtp.enable_train=False", _VERL),
+    Refusal("verl.mtp", "MTP training outside one micro-batch of the Megatron engine",
+            "the Megatron engine plans each MTP depth of a micro-batch with verl's loss mask; "
+            "the FSDP engines train no MTP layers, and a group run across micro-batches plans "
+            "the decoder's rows only; set model.mtp.enable_train=False or "
+            "prefix_grouper.cross_micro_batch=false", _VERL),
     Refusal("verl.model_type", "a model other than a language or value model",
             "sharing covers verl's language models (the actor, the reference) and value models "
             "(the critic): model_type 'language_model' or 'value_model'", _VERL),

@@ -267,7 +267,9 @@ MATRIX: dict[str, dict[str, Cell]] = {
     "multi-token prediction (MTP)": {
         "megatron-core": works("tests/megatron_ext/test_mtp.py", refusals=("megatron.mtp",),
                                note="dense and MoE MTP layers, TP / SP / PP / CP"),
-        "verl-megatron": refused("verl.mtp", "megatron.mtp"),
+        "verl-megatron": works("tests/verl_ext/test_mcore_mtp.py",
+                               refusals=("verl.mtp", "megatron.mtp"),
+                               note="verl's mtp.enable_train: TP / SP / PP / CP"),
         "verl-fsdp": refused("verl.mtp"),
         "hf-fsdp": refused("hf.mtp"),
         "megatron-lm": refused("megatron_lm.model_argument"),

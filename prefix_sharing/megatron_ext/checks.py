@@ -107,8 +107,7 @@ def mtp_problems(config: Any) -> list[Refused]:
     """Multi-token prediction layers (``mtp_num_layers``, :mod:`.mtp`) where their depths'
     layouts are not planned: under interleaved pipeline stages, with routing replay, one
     layer repeated for every depth, or with a loss normalisation that differs between
-    megatron-core releases; and full recompute where megatron's MTP checkpoint cannot take a
-    packed micro-batch (0.16)."""
+    megatron-core releases."""
     if not getattr(config, "mtp_num_layers", None):
         return []
     settings = [f"{name}={getattr(config, name)}" for name, unplanned in (
@@ -117,21 +116,9 @@ def mtp_problems(config: Any) -> list[Refused]:
         ("calculate_per_token_loss", bool),
         ("use_mup", bool),
         ("mtp_use_repeated_layer", bool),  # one layer for every depth: planned per layer
-        # megatron-core 0.16's MTP checkpoint hands its keywords to tensor_parallel.checkpoint,
-        # which saves only tensors: the packed-sequence params of a THD forward break it
-        ("recompute_granularity", lambda v: v == "full" and _mtp_checkpoint_saves_keywords()),
     ) if unplanned(getattr(config, name, None))]
     return [Refused("megatron.mtp", f"mtp_num_layers={config.mtp_num_layers} with "
                     + ", ".join(settings))] if settings else []
-
-
-def _mtp_checkpoint_saves_keywords() -> bool:
-    import inspect
-
-    from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionLayer
-
-    return "forward_func" in inspect.signature(
-        MultiTokenPredictionLayer._checkpointed_forward).parameters
 
 
 def mrope_problems(config: Any) -> list[Refused]:

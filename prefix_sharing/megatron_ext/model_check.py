@@ -85,7 +85,7 @@ def _unshared_mtp(chunk: torch.nn.Module) -> str | None:
                  if not isinstance(layer, PrefixSharingMTPLayer)]
         if stock:
             return (f"stock MTP layers {', '.join(stock)} (build the MTP block spec with "
-                    "with_prefix_sharing)")
+                    "with_prefix_sharing, or call share_multi_token_prediction(model))")
     owners = [module for module in chunk.modules() if isinstance(
         getattr(module, "mtp", None), MultiTokenPredictionBlock)]
     if any(not serves_multi_token_prediction(owner) for owner in owners):

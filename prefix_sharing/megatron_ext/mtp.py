@@ -51,6 +51,10 @@ __all__ = ["MTPDepth", "PrefixSharingMTPLayer", "plan_mtp_depths", "share_multi_
 # megatron-core 0.19 threads a padding mask through the MTP layer (and returns it)
 _EMBEDDINGS_RETURN_PADDING_MASK = "padding_mask" in inspect.signature(
     MultiTokenPredictionLayer._get_embeddings).parameters
+# megatron-core 0.16's MTP checkpoint takes the function and hands every keyword to
+# tensor_parallel.checkpoint as a tensor to save
+_CHECKPOINT_SAVES_KEYWORDS = "forward_func" in inspect.signature(
+    MultiTokenPredictionLayer._checkpointed_forward).parameters
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,7 +199,14 @@ class PrefixSharingMTPLayer(MultiTokenPredictionLayer):
     gather, differentiable), embeds the depth's rolled tokens instead of rolling the flat
     rows, and runs megatron's projection and transformer layer on the depth's plan. With
     megatron's plain ``PackedSeqParams`` (nothing shared) it is megatron's layer.
+
+    ``detach_encoder`` (set by :func:`share_multi_token_prediction`): the MTP loss trains
+    neither the embedding nor the main decoder, whose rows the first depth reads; a later
+    depth reads the previous MTP layer's rows and keeps their graph (verl's
+    ``mtp.detach_encoder``).
     """
+
+    detach_encoder = False
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 hidden_states: torch.Tensor, attention_mask: Any, *args: Any,
@@ -234,24 +245,45 @@ class PrefixSharingMTPLayer(MultiTokenPredictionLayer):
 
     def _get_embeddings(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                         embedding: Any, hidden_states: torch.Tensor,
-                        packed_seq_params: Any = None, padding_mask: Any = None) -> tuple:
-        """Megatron's, without the roll when the ids are already the depth's (planned)."""
+                        packed_seq_params: Any = None, **padding_mask: Any) -> tuple:
+        """Megatron's, without the roll when the ids are already the depth's (planned).
+        ``padding_mask``: megatron-core 0.19's keyword (the signature is the release's)."""
         if getattr(packed_seq_params, "plan", None) is None:
-            extra = {"padding_mask": padding_mask} if _EMBEDDINGS_RETURN_PADDING_MASK else {}
             return super()._get_embeddings(input_ids, position_ids, embedding, hidden_states,
-                                           packed_seq_params, **extra)
+                                           packed_seq_params, **padding_mask)
+        padding_mask = padding_mask.get("padding_mask")
         decoder_input = embedding(input_ids=input_ids, position_ids=position_ids)
-        if getattr(self.config, "mtp_detach_heads", False):
+        if self.detach_encoder or getattr(self.config, "mtp_detach_heads", False):
             decoder_input = decoder_input.detach()
+        if self.detach_encoder and self.layer_number == 1:  # the main decoder's rows
+            hidden_states = hidden_states.detach().requires_grad_()
         hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
         if _EMBEDDINGS_RETURN_PADDING_MASK:
             return input_ids, position_ids, padding_mask, decoder_input, hidden_states
         return input_ids, position_ids, decoder_input, hidden_states
 
+    # callers read which keywords the layer takes (verl's detach patch), as megatron's
+    _get_embeddings.__signature__ = inspect.signature(MultiTokenPredictionLayer._get_embeddings)
 
-def share_multi_token_prediction(model: torch.nn.Module) -> torch.nn.Module:
-    """Makes ``model`` (a ``GPTModel`` built with a sharing MTP block spec, or a wrapper of
-    one) score its MTP depths on their own layouts in a sharing forward; returns ``model``.
+    if _CHECKPOINT_SAVES_KEYWORDS:
+        def _checkpointed_forward(self, forward_func: Any, *args: Any, **kwargs: Any) -> Any:
+            """Megatron's full recompute of the layer, given only the tensor arguments to
+            checkpoint: megatron-core 0.16 hands it every keyword, and a packed micro-batch's
+            params (the plan's, or megatron's own) are not a tensor it can save. The other
+            arguments are closed over, as the decoder's recompute does."""
+            names = [name for name, value in kwargs.items() if torch.is_tensor(value)]
+            others = {name: value for name, value in kwargs.items() if name not in names}
+
+            def run(*tensors: torch.Tensor) -> Any:
+                return forward_func(*args, **others, **dict(zip(names, tensors)))
+
+            return super()._checkpointed_forward(run, *(kwargs[name] for name in names))
+
+
+def share_multi_token_prediction(model: torch.nn.Module, *, detach_head: bool = False,
+                                 detach_encoder: bool = False) -> torch.nn.Module:
+    """Makes ``model`` (a ``GPTModel``, or a wrapper of one) score its MTP depths on their own
+    layouts in a sharing forward; returns ``model``.
 
     The stock ``GPTModel._postprocess`` reads per-sequence ``labels`` laid out along the flat
     rows and splits the MTP block's output into equal chunks; on a sharing forward this one
@@ -259,24 +291,45 @@ def share_multi_token_prediction(model: torch.nn.Module) -> torch.nn.Module:
     label (:class:`MTPDepth`), attaches the losses to the decoder's hidden states as megatron
     does (``MTPLossAutoScaler``: their gradient flows in the same backward) and logs them, then
     returns the logits as the stock one does without labels. Other forwards run the stock one.
+
+    MTP layers built from a stock MTP block spec whose transformer layer is the sharing one
+    (Megatron-Bridge derives the MTP block spec from the layer spec inside its provider)
+    become :class:`PrefixSharingMTPLayer`: it holds no state of its own, only its forward, so
+    this is the layer the sharing spec would have built. A subclass of megatron's layer is left
+    as it is (the model check refuses it).
+
+    Args:
+        detach_head: the MTP loss does not train the output layer (megatron-core 0.19's
+            ``mtp_detach_heads`` does the same; verl's MTP training on releases without
+            megatron's ``process_mtp_loss``).
+        detach_encoder: the MTP loss trains neither the embedding nor the main decoder
+            (verl's ``mtp.detach_encoder``).
     """
     gpt = unwrap_model(model)
     gpt = getattr(gpt, "language_model", gpt)
-    if not hasattr(gpt, "_stock_postprocess"):
-        gpt._stock_postprocess = gpt._postprocess
+    if getattr(gpt._postprocess, "__func__", None) is not _sharing_postprocess:
+        gpt._stock_postprocess = gpt._postprocess  # or a patch applied since (verl's)
         gpt._postprocess = types.MethodType(_sharing_postprocess, gpt)
+    gpt._mtp_detach_head = detach_head
+    for layer in getattr(getattr(gpt, "mtp", None), "layers", ()):
+        if type(layer) is MultiTokenPredictionLayer:
+            layer.__class__ = PrefixSharingMTPLayer
+        if isinstance(layer, PrefixSharingMTPLayer):
+            layer.detach_encoder = detach_encoder
     return model
 
 
 def serves_multi_token_prediction(gpt: torch.nn.Module) -> bool:
-    """Whether :func:`share_multi_token_prediction` was applied to ``gpt``."""
-    return hasattr(gpt, "_stock_postprocess")
+    """Whether ``gpt`` runs the postprocess of :func:`share_multi_token_prediction`."""
+    return getattr(gpt._postprocess, "__func__", None) is _sharing_postprocess
 
 
 def _sharing_postprocess(self: Any, hidden_states: torch.Tensor, **kwargs: Any) -> Any:
     params = kwargs.get("packed_seq_params")
     if getattr(params, "plan", None) is None or not self.config.mtp_num_layers:
         return self._stock_postprocess(hidden_states=hidden_states, **kwargs)
+    if params.mtp is None:  # planned without the depths: the MTP layers do not run
+        kwargs["mtp_in_postprocess"] = False
     if kwargs.get("output_processor") is not None:
         raise ValueError("a sharing forward with multi-token prediction returns the logits "
                          "itself; it takes no output_processor")
@@ -296,8 +349,9 @@ def _sharing_postprocess(self: Any, hidden_states: torch.Tensor, **kwargs: Any) 
             **(kwargs.get("extra_block_kwargs") or {}))
     if not self.post_process:
         return hidden_states
-    hidden_states = _attach_mtp_losses(self, hidden_states, params, output_weight,
-                                       kwargs.get("runtime_gather_output"))
+    if params.mtp is not None:
+        hidden_states = _attach_mtp_losses(self, hidden_states, params, output_weight,
+                                           kwargs.get("runtime_gather_output"))
     logits, _ = self.output_layer(hidden_states, weight=output_weight,
                                   runtime_gather_output=kwargs.get("runtime_gather_output"))
     return logits.transpose(0, 1).contiguous()
@@ -329,7 +383,7 @@ def _attach_mtp_losses(gpt: Any, hidden_states: torch.Tensor, params: Any,
         raise ValueError(f"the MTP block returned {hidden_states.size(0)} rows; the depths' "
                          f"layouts hold {sum(sizes)}")
     decoder, *per_depth = torch.split(hidden_states, sizes, dim=0)
-    if getattr(config, "mtp_detach_heads", False):
+    if gpt._mtp_detach_head or getattr(config, "mtp_detach_heads", False):
         output_weight = (output_weight if output_weight is not None
                          else gpt.output_layer.weight).detach()
     scale = config.mtp_loss_scaling_factor / config.mtp_num_layers

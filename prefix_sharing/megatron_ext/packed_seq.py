@@ -60,6 +60,8 @@ class PlanPackedSeqParams(PackedSeqParams):
             MoE routing replay (:mod:`.routing_replay`), or ``None``.
         record_routes: the routers record the flat rows' routes in this forward (read them
             with :func:`.routing_replay.recorded_routes`).
+        mtp: each multi-token-prediction depth's layout (:class:`.mtp.MTPDepth`), or
+            ``None``: the model's MTP layers do not run in this forward.
     """
 
     plan: SharingPlan | None = None
@@ -68,7 +70,7 @@ class PlanPackedSeqParams(PackedSeqParams):
     prefix_kv: PrefixKVPass | PrefixKVStack | None = None
     routes: torch.Tensor | None = None
     record_routes: bool = False
-    mtp: tuple = ()
+    mtp: tuple | None = ()
     _rotary_cache: tuple[torch.Tensor, torch.Tensor] | None = dataclasses.field(
         default=None, init=False, repr=False, compare=False
     )
@@ -79,7 +81,7 @@ class PlanPackedSeqParams(PackedSeqParams):
                   prefix_kv: PrefixKV | PrefixKVPass | PrefixKVStack | None = None,
                   routes: torch.Tensor | None = None,
                   record_routes: bool = False,
-                  mtp: tuple = ()) -> PlanPackedSeqParams:
+                  mtp: tuple | None = ()) -> PlanPackedSeqParams:
         """The params of one forward of ``plan``; a :class:`~.prefix_kv.PrefixKV` (or a
         stack of them) is bound here, in its current mode, for this forward and its
         recomputed layers."""
@@ -174,7 +176,9 @@ def prepare_micro_batch(
             ``RouterReplay`` set to ``RECORD``); read them per plain token with
             :func:`~prefix_sharing.megatron_ext.routing_replay.recorded_routes`.
         mtp_num_layers: the model's ``mtp_num_layers``: each multi-token-prediction depth is
-            planned too (:mod:`.mtp`), its loss scored by the model in the same forward.
+            planned too (:mod:`.mtp`), its loss scored by the model in the same forward; 0:
+            the model's MTP layers do not run in this forward (verl's forward when it does not
+            train them).
         loss_mask: with ``mtp_num_layers``: megatron's ``loss_mask`` of the MTP loss, one array
             per sequence (position ``t`` weighs the prediction of token ``t + 1``; default 1
             but at each sequence's last position).
@@ -200,7 +204,7 @@ def prepare_micro_batch(
         cp = slice_plan(plan, torch.distributed.get_rank(cp_group), cp_size, cp_group,
                         device)  # host work, once per micro-batch
     replayed = None if routes is None or not replay_routes else flat_routes(plan, routes, device)
-    mtp = ()
+    mtp = None if mtp_num_layers == 0 else ()
     if mtp_num_layers:
         if routes is not None:
             raise refuse("megatron.mtp", "routes replayed", error=UnsupportedSetupError)

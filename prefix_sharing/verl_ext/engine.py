@@ -57,6 +57,8 @@ class SharingEngineMixin:
     vision_families: tuple[str, ...] = ()
     # Whether the engine serves use_fused_kernels (the FSDP engine's chunked sharing head).
     serves_fused_kernels = False
+    # Whether the engine trains MTP layers (model.mtp.enable_train: the Megatron engine's).
+    serves_mtp = False
 
     def __init__(self, model_config: Any, engine_config: Any, *args: Any, **kwargs: Any) -> None:
         self.prefix_sharing = sharing_config(engine_config)
@@ -85,7 +87,8 @@ class SharingEngineMixin:
         if sharing.enabled:
             found += _problems(check_engine_setup, engine_config, model_config,
                                vision_families=cls.vision_families,
-                               serves_fused_kernels=cls.serves_fused_kernels)
+                               serves_fused_kernels=cls.serves_fused_kernels,
+                               serves_mtp=cls.serves_mtp)
         if sharing.cross_micro_batch:
             if not cls.supports_cross_micro_batch:
                 found.append(Refused("verl.cross_micro_batch.engine",

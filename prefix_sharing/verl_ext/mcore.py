@@ -30,6 +30,7 @@ from ..errors import PrefixSharingSetupError
 from ..planner import PromptGroup, prompt_groups
 from ..refusals import Refused, refuse, refuse_all
 from .critic import restore_values
+from .mcore_mtp import mtp_plan_arguments
 from .routing_replay import (RouteRecorder, check_padded_statistics, replay_mode_problems,
                              router_action)
 from .self_check import FirstStepSelfCheck
@@ -51,11 +52,12 @@ __all__ = [
 
 def check_engine_setup(engine_config: Any, model_config: Any | None = None, *,
                        vision_families: tuple[str, ...] = (),
-                       serves_fused_kernels: bool = False) -> None:
+                       serves_fused_kernels: bool = False, serves_mtp: bool = False) -> None:
     """Raises :class:`PrefixSharingSetupError` for settings that sharing cannot honour, in
     either verl engine (Megatron or FSDP: each reads the settings it has; ``vision_families``:
     the vision-language model types the engine serves, :mod:`.vlm`; ``serves_fused_kernels``:
-    the engine computes ``use_fused_kernels``' log-probs itself, as the FSDP engine does).
+    the engine computes ``use_fused_kernels``' log-probs itself, as the FSDP engine does;
+    ``serves_mtp``: the engine trains MTP layers, as the Megatron engine does, :mod:`.mcore_mtp`).
 
     - dynamic CP (Megatron: ``dynamic_context_parallel``, a per-micro-batch CP group built on
       megatron's dynamic DPxCP groups, which no megatron-core release has: it cannot run, so
@@ -68,7 +70,7 @@ def check_engine_setup(engine_config: Any, model_config: Any | None = None, *,
       serving several next tokens; both engines' sharing heads are chunked from the hidden
       states instead, :mod:`prefix_sharing.head_logprobs`; the Megatron engine's limits:
       :func:`fused_kernel_problems`);
-    - MTP training: its labels are laid out per sample as well;
+    - MTP training (``model.mtp.enable_train``) unless ``serves_mtp``;
     - a model type other than verl's language and value models; a multimodal model outside ``vision_families`` (``verl.multimodal``), or
       one of them on a transformers older than the shim needs (``hf.vlm_release``: verl
       0.8.0's 4.57);
@@ -82,7 +84,7 @@ def check_engine_setup(engine_config: Any, model_config: Any | None = None, *,
                                         for c in (engine_config, model_config)):
         found.append(Refused("verl.fused_kernels", "use_fused_kernels=True"))
     mtp = getattr(model_config, "mtp", None)
-    if mtp is not None and getattr(mtp, "enable", False) and getattr(mtp, "enable_train", False):
+    if not serves_mtp and getattr(mtp, "enable", False) and getattr(mtp, "enable_train", False):
         found.append(Refused("verl.mtp", "model.mtp.enable_train=True"))
     model_type = getattr(model_config, "model_type", "language_model")
     if model_type not in ("language_model", "value_model"):  # the actor's and the critic's
@@ -263,6 +265,7 @@ def shared_forward(
     self_check: FirstStepSelfCheck | None = None,
     stock_forward: Callable[..., Any] | None = None,
     lm_head: str = "logits",
+    mtp_enable_train: bool = False,
     **_verl_kwargs: Any,
 ) -> Any:
     """verl's ``gptmodel_forward_model_engine`` for one micro-batch, computing shared prefixes once.
@@ -283,7 +286,10 @@ def shared_forward(
     vocab-parallel logits. verl's ``data_format`` (``"bshd"`` under
     ``use_remove_padding=False``) and its padding keywords go unused: the micro-batch arrives
     nested either way, the plan's flat layout replaces both of verl's, and verl's ``bshd``
-    post-processing returns the same per-sample nested outputs as its ``thd`` one.
+    post-processing returns the same per-sample nested outputs as its ``thd`` one. A model
+    with MTP layers plans its depths with verl's loss mask when verl trains them
+    (``mtp_enable_train``, :mod:`.mcore_mtp`) and does not run them otherwise, as verl's
+    forward without labels.
 
     Under context parallelism verl's ``local_cp_size`` / ``cp_layout`` (its zigzag split and
     the all-gather of its post-processing) are not used: each CP rank computes the log-probs
@@ -317,6 +323,8 @@ def shared_forward(
                             * parallel_state.get_context_parallel_world_size()),
         device=input_ids.device, routes=replay_routes, replay_routes=replays,
         record_routes=records,
+        **mtp_plan_arguments(model, mtp_enable_train, logits_processor_args,
+                             [len(s) for s in sequences]),
     )
     if metrics is not None and _last_chunk_of_rank(unwrap_model(model)):
         metrics.add(mb.plan, replayed=replay_routes is not None)

@@ -165,6 +165,7 @@ def patch_engine(module: ModuleType) -> None:
     from .critic import value_head_problems
     from .hybrid import hybrid_release_problem
     from .mcore import fused_kernel_problems, micro_batch_groups, virtual_pipeline_problems
+    from .mcore_mtp import mtp_problems, share_verl_mtp
     from .mcore_vlm import vision_model_problem
     from .mcore_model import model_build_problems
     from .megatron_lora import megatron_lora_problem
@@ -181,6 +182,7 @@ def patch_engine(module: ModuleType) -> None:
             supports_cross_micro_batch = True
             # use_fused_kernels: the head in chunks from hidden states (shared_fused_forward)
             serves_fused_kernels = True
+            serves_mtp = True  # model.mtp.enable_train: each depth planned (.mcore_mtp)
 
             @classmethod
             def setup_problems(cls, model_config: Any, engine_config: Any) -> list:
@@ -204,6 +206,7 @@ def patch_engine(module: ModuleType) -> None:
                         found += value_head_problems(engine_config)
                     found += fused_kernel_problems(engine_config, model_config, sharing)
                     found += virtual_pipeline_problems(engine_config)
+                    found += mtp_problems(model_config, sharing)
                     found += model_build_problems(model_config, engine_config)
                 return found
 
@@ -217,21 +220,32 @@ def patch_engine(module: ModuleType) -> None:
                     for chunk in self.module:
                         unpatch_fused_forward(chunk)
 
+            def initialize(self) -> None:
+                """verl's, then the MTP layers (built and patched by verl) score their
+                depths on their own layouts with verl's gradient rule (:mod:`.mcore_mtp`)."""
+                super().initialize()
+                if self.prefix_sharing.enabled and self.model_config.mtp.enable:
+                    share_verl_mtp(self.module, self.model_config)
+
             def _build_tf_config(self) -> None:
                 super()._build_tf_config()
                 if self.prefix_sharing.enabled:
                     install_layer_spec(self)
 
             def order_sensitive_statistics(self) -> str | None:
-                """A MoE router's auxiliary or z-loss: megatron takes it per micro-batch, so fixed
-                micro-batches keep verl's sample order (:func:`.microbatch.fixed_order`) and
-                dynamic bsz verl's split (:func:`.microbatch.dynamic_split_problem`)."""
+                """A MoE router's auxiliary or z-loss, and the MTP loss verl trains: megatron
+                takes them per micro-batch, so fixed micro-batches keep verl's sample order
+                (:func:`.microbatch.fixed_order`) and dynamic bsz verl's split
+                (:func:`.microbatch.dynamic_split_problem`)."""
                 config = getattr(self, "tf_config", None)
                 aux = getattr(config, "moe_aux_loss_coeff", 0) or 0
                 aux = any(aux) if isinstance(aux, list) else bool(aux)
                 if getattr(config, "num_moe_experts", None) and (
                         aux or getattr(config, "moe_z_loss_coeff", None)):
                     return "the MoE router's auxiliary / z-loss is taken per micro-batch"
+                mtp = self.model_config.mtp
+                if getattr(config, "mtp_num_layers", None) and mtp.enable and mtp.enable_train:
+                    return "the MTP loss is averaged per micro-batch"
                 return None
 
             def cross_nested_problem(self) -> str | None:

@@ -3,7 +3,7 @@ engine's construction (and so by ``prefix-sharing preflight``) from the configs 
 
 The sharing layers check the model's ``TransformerConfig`` when they are built
 (:func:`prefix_sharing.megatron_ext.checks.layer_config_problems`: DeepSeek sparse attention,
-MTP layers, multimodal RoPE, a window reading later keys, MLA with fused RoPE, MoE per-token
+MTP settings the depths' plans do not serve, multimodal RoPE, a window reading later keys, MLA with fused RoPE, MoE per-token
 loss under CP), a hybrid stack's pattern (:func:`~prefix_sharing.megatron_ext.checks.hybrid_pattern_problems`:
 Mamba layers) and a Gated DeltaNet layer under context parallelism. verl builds that config
 later, in ``initialize()``, through a bridge (Megatron-Bridge, or the vanilla mbridge) from the
@@ -102,11 +102,6 @@ def model_build_problems(model_config: Any, engine_config: Any) -> list[Refused]
 
     view = transformer_config_view(model_config, engine_config)
     found = layer_config_problems(view)
-    if view.mtp_num_layers and not any(r.key == "megatron.mtp" for r in found):
-        # verl builds the MTP block stock and its engine plans no MTP depths: the sharing
-        # model check refuses the block (prefix_sharing.megatron_ext.model_check)
-        found.append(Refused("megatron.mtp", f"mtp_num_layers={view.mtp_num_layers} in verl's "
-                             "engine, which builds the MTP block stock"))
     hf = getattr(model_config, "hf_config", None)
     pattern = hybrid_pattern(hf)
     if pattern is not None:

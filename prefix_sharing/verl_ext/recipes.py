@@ -76,7 +76,7 @@ GDN = {"qwen3_5", "qwen3_5_moe", "qwen3_next"}
 # from the model's configs (prefix_sharing.verl_ext.mcore_model): model types with Mamba-2
 # layers (megatron.hybrid_layer), with DeepSeek sparse attention (megatron.dsa: V3.2's DSA,
 # V4's compressed sparse attention), with multi-latent attention (megatron.rope_fusion with
-# apply_rope_fusion), and MTP layers, built whenever model.mtp.enable (megatron.mtp)
+# apply_rope_fusion), and MTP layers under interleaved stages or routing replay (megatron.mtp)
 MAMBA_HYBRIDS = {"nemotron_h"}
 SPARSE_ATTENTION = {"deepseek_v32", "deepseek_v4"}
 MLA = {"deepseek_v3"}
@@ -239,22 +239,23 @@ class Combination:
     def _megatron_verdict(self) -> tuple[str, tuple[str, ...], str]:
         """The sharing Megatron engine's refusals (``setup_problems`` of
         :mod:`.mcore_engine`): a vision tower, a Gated DeltaNet model on verl 0.9.1's
-        megatron-core or LoRA (which make the rest moot), else MTP training and fused kernels
-        under context parallelism; then what the sharing layers refuse when the model is
-        built, said at construction from the configs: a Mamba-2 hybrid's layers, DeepSeek
-        sparse attention, MTP layers, MLA with rope fusion; and per micro-batch a top-k
-        distillation loss (:data:`TOPK_DISTILLATION`). Tensor, pipeline (interleaved too: verl
-        overlaps its p2p), context and expert parallelism, rope fusion on GPT attention,
-        recomputation and router replay are served."""
+        megatron-core or LoRA (which make the rest moot), else fused kernels under context
+        parallelism; then what the sharing layers refuse when the model is built, said at
+        construction from the configs: a Mamba-2 hybrid's layers, DeepSeek sparse attention,
+        MTP layers under interleaved stages or routing replay, MLA with rope fusion; and per
+        micro-batch a top-k distillation loss (:data:`TOPK_DISTILLATION`). Tensor, pipeline
+        (interleaved too: verl overlaps its p2p), context and expert parallelism, rope fusion
+        on GPT attention, recomputation, router replay and MTP training are served."""
         keys = [k for k, on in (("verl.megatron_vlm", self.vision),
                                 ("verl.gdn_release", self.model_type in GDN),
                                 ("verl.megatron_lora", self.lora)) if on]
         if not keys:
             keys = [k for k, on in (
-                ("verl.mtp", self.mtp_train),
                 ("verl.fused_kernels", self.fused_kernels and self.context_parallel > 1),
                 ("megatron.dsa", self.model_type in SPARSE_ATTENTION),
-                ("megatron.mtp", self.mtp_train),  # its model is built with its MTP layers
+                # MTP is planned per depth, but not per interleaved stage or replayed route
+                ("megatron.mtp", self.mtp_train and (self.virtual_pipeline
+                                                     or bool(self.router_replay))),
                 ("megatron.rope_fusion", self.rope_fusion and self.model_type in MLA),
                 ("megatron.hybrid_layer", self.model_type in MAMBA_HYBRIDS)) if on]
             keys += self._micro_batch_keys()

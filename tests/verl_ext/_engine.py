@@ -19,6 +19,8 @@ from functools import partial
 from types import SimpleNamespace
 from typing import Any
 
+import torch
+
 import verl.workers.engine.megatron.transformer_impl  # noqa: F401  (registers the engine, patched)
 
 from ._batch import PRESET, make_batch, plain_output, use_cpu_platform
@@ -46,11 +48,14 @@ def actor_config(prefix_grouper: dict | None, *, megatron: dict | None = None, *
 
 
 def build_engine(config, *, seed: int = 0, preset=PRESET, spec: dict | None = None,
-                 model_type: str = "language_model", **model_overrides: Any):
+                 model_type: str = "language_model", mtp: SimpleNamespace | None = None,
+                 **model_overrides: Any):
     """The registered megatron engine of ``model_type`` for ``config``, tiny model injected
     (``spec``: the layer spec's arguments, e.g. ``num_experts``; ``model_overrides``: its
     TransformerConfig fields, e.g. ``recompute_granularity``; a value model's head is the
-    caller's to put in)."""
+    caller's to put in). ``mtp``: verl's ``model.mtp`` section; with ``enable`` the model has
+    ``mtp_num_layers`` MTP layers (a model override) and gets what ``initialize()`` does after
+    the build: verl's ``patch_engine_mtp``, then the sharing engine's ``share_verl_mtp``."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from prefix_sharing.engines.megatron import model_chunks
@@ -61,7 +66,7 @@ def build_engine(config, *, seed: int = 0, preset=PRESET, spec: dict | None = No
     model_config = SimpleNamespace(
         hf_config=SimpleNamespace(architectures=["Qwen2ForCausalLM"]),
         tokenizer=SimpleNamespace(pad_token_id=0),
-        mtp=SimpleNamespace(enable=False, enable_train=False), model_type=model_type,
+        mtp=mtp or SimpleNamespace(enable=False, enable_train=False), model_type=model_type,
     )
     engine = engine_cls(model_config, config.engine, config.optim, config.checkpoint)
     # The vanilla-mbridge hook, as _build_tf_config leaves it: the bridge builds its layer spec
@@ -81,6 +86,14 @@ def build_engine(config, *, seed: int = 0, preset=PRESET, spec: dict | None = No
                           **model_overrides)
     engine.module, engine.tf_config = chunks, chunks[0].config
     engine.is_value_model = model_type == "value_model"
+    if model_config.mtp.enable:  # as initialize() does once the model is built
+        from verl.utils.megatron_utils import patch_engine_mtp
+
+        patch_engine_mtp(engine.module, model_config)
+        if getattr(engine, "prefix_sharing", None) is not None and engine.prefix_sharing.enabled:
+            from prefix_sharing.verl_ext.mcore_mtp import share_verl_mtp
+
+            share_verl_mtp(engine.module, model_config)
     return engine
 
 
@@ -107,7 +120,8 @@ def step(engine, config, data: Callable[[], Any], during: Any = None,
         train = engine.forward_backward_batch(data(), partial(ppo_loss, config=config))
     if finalize is not None:
         finalize(engine.module[0])
-    grads = {n: p.grad.clone() for n, p in engine.module[0].named_parameters()}
+    grads = {n: torch.zeros_like(p) if p.grad is None else p.grad.clone()  # a layer not run
+             for n, p in engine.module[0].named_parameters()}
     return {"infer": plain_output(infer), "train": plain_output(train), "grads": grads}
 
 

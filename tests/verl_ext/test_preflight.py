@@ -24,6 +24,7 @@ BASE = ["algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.use_prefix_grou
 FSDP = ["actor_rollout_ref.actor.strategy=fsdp2"]
 MEGATRON = "ppo_megatron_trainer"
 MODEL = "actor_rollout_ref.model."
+MTP_TRAIN = [MODEL + "mtp.enable=true", MODEL + "mtp.enable_train=true"]
 # name -> (verl's config, overrides beyond BASE and the model path); "vlm" rows name a hub VLM
 ROWS = {
     "fsdp2": ("ppo_trainer", FSDP),
@@ -31,22 +32,27 @@ ROWS = {
     "padded": ("ppo_trainer", FSDP + [MODEL + "use_remove_padding=false"]),
     "fused": ("ppo_trainer", FSDP + [MODEL + "use_fused_kernels=true"]),
     "ulysses": ("ppo_trainer", FSDP + ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"]),
-    "mtp": ("ppo_trainer", FSDP + [MODEL + "mtp.enable=true", MODEL + "mtp.enable_train=true"]),
+    "mtp": ("ppo_trainer", FSDP + MTP_TRAIN),
     "fsdp_lora": ("ppo_trainer", FSDP + [MODEL + "lora_rank=8"]),
     "fsdp_vlm": ("ppo_trainer", FSDP + [MODEL + "path=Qwen/Qwen2.5-VL-7B-Instruct"]),
     "megatron": (MEGATRON, []),
     "megatron_lora": (MEGATRON, [MODEL + "lora.rank=8"]),
     "megatron_vlm": (MEGATRON, [MODEL + "path=Qwen/Qwen2.5-VL-7B-Instruct"]),
-    "megatron_mtp": (MEGATRON, [MODEL + "mtp.enable=true", MODEL + "mtp.enable_train=true"]),
+    "megatron_mtp": (MEGATRON, MTP_TRAIN),
 }
 OVERRIDE = "+actor_rollout_ref.actor.megatron.override_transformer_config."
-# Megatron rows refused when the sharing layers are built, each said at construction (name ->
-# (overrides, the model's HF config: a transformers model type and fields set on it, the key))
+# Megatron rows whose model the sharing layers check when it is built, each verdict said at
+# construction (name -> (overrides, the model's HF config: a transformers model type and fields
+# set on it, the refusal key or None where it builds))
 BUILD_ROWS = {
     "megatron_mla_rope_fusion": ([OVERRIDE + "apply_rope_fusion=true"],
                                  ("deepseek_v3", {}), "megatron.rope_fusion"),
     "megatron_mtp_layers": ([MODEL + "mtp.enable=true"],  # MTP layers built, not trained
-                            ("qwen2", {"num_nextn_predict_layers": 1}), "megatron.mtp"),
+                            ("qwen2", {"num_nextn_predict_layers": 1}), None),
+    "megatron_mtp_trained": (MTP_TRAIN, ("qwen2", {"num_nextn_predict_layers": 2}), None),
+    "megatron_mtp_per_token_loss": (MTP_TRAIN + [OVERRIDE + "calculate_per_token_loss=true"],
+                                    ("qwen2", {"num_nextn_predict_layers": 1}),
+                                    "megatron.mtp"),
     "megatron_window": ([OVERRIDE + "window_size=[8,2]"], ("qwen2", {}),
                         "megatron.window_reads_later_keys"),
     "megatron_moe_cp_per_token_loss": (
@@ -68,7 +74,8 @@ def model_build_keys(model_config, engine_config) -> tuple[str, ...] | None:
 
     from prefix_sharing.engines.megatron_models import transformer_config
     from prefix_sharing.megatron_ext import (UnsupportedSetupError, check_sharing_model,
-                                             get_gpt_layer_local_spec)
+                                             get_gpt_layer_local_spec,
+                                             share_multi_token_prediction)
     from prefix_sharing.presets import PRESETS
     from prefix_sharing.verl_ext.mcore_model import hybrid_pattern, transformer_config_view
 
@@ -89,6 +96,8 @@ def model_build_keys(model_config, engine_config) -> tuple[str, ...] | None:
         model = GPTModel(config=config, transformer_layer_spec=layer_spec, mtp_block_spec=mtp,
                          vocab_size=preset.vocab_size,
                          max_sequence_length=preset.max_sequence_length)
+        if mtp is not None:  # the sharing engine's initialize() (share_verl_mtp)
+            share_multi_token_prediction(model)
         check_sharing_model(model)
     except UnsupportedSetupError as error:  # megatron's build_module re-raises it by message
         return tuple(sorted(set(re.findall(r"\[([\w.]+)\]", str(error)))))
@@ -182,19 +191,21 @@ def test_preflight_says_what_constructing_the_engine_raises(rows, row):
 
 
 @pytest.mark.parametrize("row", list(BUILD_ROWS))
-def test_a_refusal_of_the_models_build_is_said_before_it_and_raised_by_it(rows, row):
+def test_the_models_build_does_what_preflight_said(rows, row):
     """Each condition the sharing layers check when they are built: preflight gives its key,
-    and building the model from the same configs raises that key."""
+    and building the model from the same configs raises that key; where preflight serves
+    (MTP layers, trained or not), the model builds."""
     key = BUILD_ROWS[row][2]
-    assert rows[row]["preflight"] == (key,)
-    assert rows[row]["model_built"] == (key,)
+    expected = () if key is None else (key,)
+    assert rows[row]["preflight"] == expected
+    assert rows[row]["model_built"] == expected
 
 
 @pytest.mark.parametrize("row", ["megatron", "megatron_mtp"])
 def test_a_megatron_model_preflight_serves_builds(rows, row):
     """What preflight passes, the model's build passes (MTP training asked of a model without
-    MTP layers: verl's refusal only). The LoRA and VLM rows are refused before the model is
-    built (``MOOT_MAKERS``)."""
+    MTP layers: verl's own error, at its build). The LoRA and VLM rows are refused before the
+    model is built (``MOOT_MAKERS``)."""
     assert rows[row]["model_built"] == tuple(
         k for k in rows[row]["preflight"] if k.startswith("megatron.")) == ()
 
@@ -208,8 +219,8 @@ def test_fsdp1_is_checked_by_the_same_engine_class_as_fsdp2(rows):
 def test_the_settings_that_stay_refused_are_named_and_the_plain_ones_served(rows):
     assert rows["fsdp2"]["preflight"] == () and rows["megatron"]["preflight"] == ()
     assert rows["ulysses"]["preflight"] == ()  # served on the FSDP engine
-    assert "verl.mtp" in rows["mtp"]["preflight"]
-    assert "verl.mtp" in rows["megatron_mtp"]["preflight"]
+    assert "verl.mtp" in rows["mtp"]["preflight"]  # the FSDP engine trains no MTP layers
+    assert rows["megatron_mtp"]["preflight"] == ()  # tests/verl_ext/test_mcore_mtp.py
     assert rows["megatron_lora"]["preflight"] == ("verl.megatron_lora",)
     assert rows["fsdp_lora"]["preflight"] == ()  # served: tests/verl_ext/test_fsdp_lora.py
     assert rows["megatron_vlm"]["preflight"] == ("verl.megatron_vlm",)
@@ -282,9 +293,12 @@ def test_the_sft_trainers_engine_section_asks_with_the_actors_keys(checkpoint, e
     role = asked.roles[0]
     assert (role.role, role.engine, role.asked, role.problems) == ("sft", engine, True, [])
     assert role.configs["engine"].prefix_sharing == PrefixSharingConfig(mode="arbitrary_prefix")
+    # a setting each engine refuses: MTP training on FSDP (served on Megatron), dynamic CP
+    unserved = {"fsdp": ["model.mtp.enable=true", "model.mtp.enable_train=true"],
+                "megatron": ["engine.dynamic_context_parallel=true",
+                             "engine.max_seqlen_per_dp_cp_rank=64"]}[engine]
     refused = preflight(compose_config([f"model.path={checkpoint}", f"engine={engine}",
-                                        "model.mtp.enable=true", "model.mtp.enable_train=true",
-                                        *SFT_SHARING], "sft_trainer_engine"))
+                                        *unserved, *SFT_SHARING], "sft_trainer_engine"))
     assert refused.roles[0].asked and refused.roles[0].problems and refused.refused
     # use_prefix_grouper alone means prompt_only, which needs the uids SFT samples lack (the
     # engine raises it at its first micro-batch: tests/verl_ext/test_sft_engine.py)

@@ -10,7 +10,8 @@ batch is multi-turn conversations sharing a system prompt plus one conversation'
 samples (each a strict prefix of the next), and the comparison is the step's loss, every
 gradient and the log-probs of every position (``infer_batch``, as the trainer's validation
 calls it), fp32 within 1e-5: the FSDP engine (FSDP2) and the Megatron engine (TP=1,
-``tests/verl_ext/_engine.py``'s injected model), verl 0.9.1 and 0.8.0. Control: the same
+``tests/verl_ext/_engine.py``'s injected model; also with an MTP layer trained, as MiMo's SFT
+recipe does, its logged loss compared), verl 0.9.1 and 0.8.0. Control: the same
 run with the keys absent computes every token (token ratio 1, no sharing attention call).
 """
 
@@ -72,16 +73,20 @@ def megatron_steps(rank: int) -> dict:
 
     use_cpu_platform()
     results = {}
-    for name, prefix_grouper in MODES.items():
-        stock = actor_config(None)
-        engine_config = sft_engine_config("verl.workers.config.McoreEngineConfig",
-                                          prefix_grouper, use_mbridge=True, vanilla_mbridge=True)
-        engine = build_engine(SimpleNamespace(engine=engine_config, optim=stock.optim,
-                                              checkpoint=stock.checkpoint))
-        infer = engine.infer_batch(sft_batch(), loss_function=sft_loss())
-        train = engine.forward_backward_batch(sft_batch(), sft_loss())
-        results[name] = step_output(infer, train, {
-            n: p.grad.clone() for n, p in engine.module[0].named_parameters()})
+    for mtp in (False, True):  # MiMo's SFT recipe trains one MTP layer (model.mtp)
+        model = dict(mtp=SimpleNamespace(enable=True, enable_train=True, detach_encoder=False),
+                     mtp_num_layers=1) if mtp else {}
+        for name, prefix_grouper in MODES.items():
+            stock = actor_config(None)
+            engine_config = sft_engine_config("verl.workers.config.McoreEngineConfig",
+                                              prefix_grouper, use_mbridge=True,
+                                              vanilla_mbridge=True)
+            engine = build_engine(SimpleNamespace(engine=engine_config, optim=stock.optim,
+                                                  checkpoint=stock.checkpoint), **model)
+            infer = engine.infer_batch(sft_batch(), loss_function=sft_loss())
+            train = engine.forward_backward_batch(sft_batch(), sft_loss())
+            results[name, mtp] = step_output(infer, train, {
+                n: p.grad.clone() for n, p in engine.module[0].named_parameters()})
     return results
 
 
@@ -123,5 +128,13 @@ def test_prompt_only_is_refused_on_sft_samples_which_carry_no_uid(results):
     assert results["fsdp"]["prompt_only"] == ["verl.prompt_uids"]
 
 
-def test_megatron_sft_step_equals_verls_stock_step(results):
-    assert_equal_to_stock_and_shared(results["megatron"], "megatron tp1 sft")
+@pytest.mark.parametrize("mtp", [False, True], ids=["plain", "mtp"])
+def test_megatron_sft_step_equals_verls_stock_step(results, mtp):
+    runs = {name: results["megatron"][name, mtp] for name in MODES}
+    assert_equal_to_stock_and_shared(runs, "megatron tp1 sft" + " mtp" * mtp)
+    if mtp:
+        assert any(name.startswith("mtp.") for name in runs["off"]["grads"])
+        metrics = {k: v for k, v in runs["off"]["train"]["metrics"].items()
+                   if k.startswith("mtp_losses/")}
+        assert metrics and all(runs["arbitrary_prefix"]["train"]["metrics"][k] == pytest.approx(
+            v, rel=1e-5) for k, v in metrics.items())

@@ -13,8 +13,9 @@ MLA model (q LoRA, MoE with a shared expert). The recipe's switches as the engin
 ``use_fused_kernels`` (verl's fused kernel a CPU stand-in, ``test_mcore_fused``: the stock
 side must call it), ``apply_rope_fusion`` (TE's fused RoPE a CPU stand-in,
 ``test_mcore_rope_fusion``: the stock side's THD kernel, the sharing side's BSHD one),
-megatron's full recompute for gradient checkpointing, dynamic bsz (a token budget that splits
-the batch on both sides) and the policy loss mode.
+megatron's full recompute for gradient checkpointing, MTP training (``model.mtp``: one MTP
+layer, verl's patched postprocess on the stock side, ``test_mcore_mtp``), dynamic bsz (a token
+budget that splits the batch on both sides) and the policy loss mode.
 
 Merged, and why (CI budget: one process of two gloo ranks):
 
@@ -27,7 +28,8 @@ Merged, and why (CI budget: one process of two gloo ranks):
   multiple of TP and megatron's router counts the pad rows; ``seq_aux_loss`` and the z-loss
   are defined differently by verl's packed layout, docs/moe.md); under dynamic bsz a MoE
   model's sharing step keeps verl's own split (the router's statistics are each
-  micro-batch's own: ``microbatch.dynamic_split_problem``), which the control shows matters;
+  micro-batch's own: ``microbatch.dynamic_split_problem``), which the control shows matters,
+  and so does an MTP-training one's (the MTP loss is each micro-batch's average);
 - router replay (R3) runs off on both sides (its routes are the batch's: ``test_routing_replay``
   runs R2 and R3 against verl's own replay);
 - a critic (GAE) changes no actor step (its own: ``test_critic``); the Qwen3 recipe's top-k
@@ -37,6 +39,8 @@ Merged, and why (CI budget: one process of two gloo ranks):
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 from tests.verl_ext._requires import require_verl
 
@@ -56,8 +60,11 @@ BUDGET = 60  # dynamic bsz: the GRPO batch (138 tokens, 76 computed) split on bo
 TP = 2
 MOE = {"qwen3_moe", "deepseek_v3", "deepseek_v4"}
 # the control's step: a MoE's sharing step on the group-keeping split instead of verl's
-GROUP_SPLIT = (("qwen3_moe", False, False, False), ("vanilla", True))
+GROUP_SPLIT = (("qwen3_moe", False, False, False, False), ("vanilla", True))
 MEGATRON_RL = [c for c in combinations() if c.trainer == "rl" and c.strategy == "megatron"]
+# model.mtp of a recipe that trains MTP (MiMo: one MTP layer; verl's defaults)
+MTP_TRAINED = SimpleNamespace(enable=True, enable_train=True, detach_encoder=False,
+                              mtp_loss_scaling_factor=0.1)
 
 
 def stepped(c: Combination) -> bool:
@@ -65,10 +72,17 @@ def stepped(c: Combination) -> bool:
     return c.verdict()[0] == "served" and not c.vision
 
 
+def keeps_verls_split(c: Combination) -> bool:
+    """Whether the model's statistics are each micro-batch's own (a MoE router's losses, the
+    MTP loss's average), so that dynamic bsz keeps verl's split (module doc)."""
+    return c.model_type in MOE or c.mtp_train
+
+
 def engine_settings(c: Combination) -> tuple:
     """What the engine and its model are built with (the step's loss mode and dynamic bsz are
     not)."""
-    return (c.model_type, c.fused_kernels, c.rope_fusion, c.gradient_checkpointing)
+    return (c.model_type, c.fused_kernels, c.rope_fusion, c.gradient_checkpointing,
+            c.mtp_train)
 
 
 def step_settings(c: Combination) -> tuple:
@@ -119,10 +133,11 @@ def recipe_steps(rank: int, plan: dict) -> dict:
     use_cpu_platform()
     results = {}
     for settings, steps in plan.items():
-        model_type, fused, rope_fusion, recompute = settings
+        model_type, fused, rope_fusion, recompute, mtp_train = settings
         preset, spec, fields = _model(model_type)
         fields = {**fields, **(RECOMPUTE["full"] if recompute else {}),
-                  **({"apply_rope_fusion": True} if rope_fusion else {})}
+                  **({"apply_rope_fusion": True} if rope_fusion else {}),
+                  **({"mtp": MTP_TRAINED, "mtp_num_layers": 1} if mtp_train else {})}
         for loss_mode, dynamic_bsz in steps:
 
             def data(dynamic_bsz=dynamic_bsz):
@@ -201,7 +216,7 @@ def test_the_megatron_recipes_shared_step_equals_verls_stock_step(per_rank, c):
         assert on["engine"] == "PrefixSharingMegatronEngine"
         metrics = on["train"]["metrics"]
         computed, total = (metrics[f"prefix_sharing/tokens_{k}"] for k in ("computed", "total"))
-        if c.dynamic_bsz and c.model_type in MOE:  # verl's split, which may cut every group
+        if c.dynamic_bsz and keeps_verls_split(c):  # which may cut every group
             assert computed <= total
         else:
             assert computed < total
@@ -215,7 +230,7 @@ def test_the_megatron_recipes_shared_step_equals_verls_stock_step(per_rank, c):
             ({"sbhd"}, {"thd"}) if c.rope_fusion else (set(), set()))
         if c.dynamic_bsz:  # the budget split the batch, on both sides (a MoE: the same split)
             assert len(off["train"]["loss"]) > 1 and len(on["train"]["loss"]) > 1
-            if c.model_type in MOE:
+            if keeps_verls_split(c):
                 assert len(off["train"]["loss"]) == len(on["train"]["loss"])
         same_outputs(on, off, f"rank {rank} {c.name}", per_micro_batch=False)
 

@@ -1,0 +1,144 @@
+"""verl's MTP training (``model.mtp.enable_train``) in the Megatron engine with
+``prefix_grouper`` on equals verl's stock step (verl's patched ``_postprocess``: labels and the
+prompt-zeros + response loss mask rolled along each sample, the output layer detached from the
+MTP loss on megatron-core 0.16): old log-probs, entropy, ``ppo_loss``, the logged MTP losses
+and every gradient (the MTP layers', the embedding's, the output layer's), fp32 within 1e-5;
+GRPO, tree and step-wise batches; one and two depths; ``mtp.detach_encoder``; TP=2 with
+sequence parallelism, PP=2 (the MTP layers on the last stage) and CP=2 (against the stock step
+on one rank). Fixed micro-batches keep verl's sample order: the MTP loss is averaged per
+micro-batch. The MTP loss is not vacuous (it moves the decoder's gradients), and the
+layers are not run where verl does not train them (``enable_train: false``)."""
+
+from tests.verl_ext._requires import require_verl
+
+require_verl(("0.9.1", "0.8.0"))
+
+from types import SimpleNamespace  # noqa: E402
+
+import pytest  # noqa: E402
+
+from prefix_sharing.engines.launch import run_distributed  # noqa: E402
+from tests.verl_ext._compare import MODES, close, same_outputs  # noqa: E402
+
+BOTH = ("off", "arbitrary_prefix")
+CASES = {  # name -> (workloads, mtp_num_layers, detach_encoder, enable_train)
+    "depth1": (("grpo", "tree", "steprl"), 1, False, True),
+    "depth2-detach": (("grpo", "tree"), 2, True, True),
+    "not-trained": (("grpo",), 1, False, False),
+}
+
+
+def _mtp_section(detach_encoder: bool, enable_train: bool) -> SimpleNamespace:
+    return SimpleNamespace(enable=True, enable_train=enable_train,
+                           detach_encoder=detach_encoder, mtp_loss_scaling_factor=0.1)
+
+
+def _job(rank: int, cases: tuple[str, ...], modes: tuple[str, ...], parallel: dict) -> dict:
+    """Each case, workload and mode on a fresh engine of the ``parallel`` sizes (verl's engine
+    settings: ``tensor_model_parallel_size`` with sequence parallelism,
+    ``context_parallel_size``, ``pipeline_model_parallel_size``), as ``run_distributed`` laid
+    the ranks out; gradients summed as megatron's DDP does before the optimizer step."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    from prefix_sharing.engines.megatron import (finalize_context_parallel_grads,
+                                                 finalize_sequence_parallel_grads)
+    from tests.verl_ext._batch import make_batch, use_cpu_platform
+    from tests.verl_ext._engine import actor_config, build_engine, step
+
+    def finalize(model) -> None:
+        finalize_sequence_parallel_grads(model)
+        finalize_context_parallel_grads(model)
+
+    use_cpu_platform()
+    tp = parallel.get("tensor_model_parallel_size", 1) > 1
+    megatron = dict(parallel, sequence_parallel=True) if tp else parallel
+    overrides = {"sequence_parallel": True} if tp else {}
+    found = {}
+    for case in cases:
+        workloads, depths, detach, train = CASES[case]
+        MTPLossLoggingHelper.tracker.clear()  # sized by the first model's depths
+        for workload in workloads:
+            for mode in modes:
+                config = actor_config(MODES[mode], megatron=megatron or None)
+                engine = build_engine(config, mtp=_mtp_section(detach, train),
+                                      mtp_num_layers=depths, **overrides)
+                found[case, workload, mode] = step(engine, config, lambda: make_batch(workload),
+                                                   finalize=finalize)
+        if case == "depth1" and not parallel:  # no MTP loss: the decoder's gradients move
+            config = actor_config(MODES["arbitrary_prefix"])
+            engine = build_engine(config, mtp=_mtp_section(False, True), mtp_num_layers=1,
+                                  mtp_loss_scaling_factor=0.0)
+            found[case, "grpo", "unscaled"] = step(engine, config, lambda: make_batch("grpo"))
+    return found
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_distributed(_job, 1, tuple(CASES), BOTH, {}, timeout=600)[0]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_sharing_with_mtp_training_matches_verls_stock_step(results, case):
+    for workload in CASES[case][0]:
+        shared, plain = (results[case, workload, mode] for mode in ("arbitrary_prefix", "off"))
+        where = f"{case} {workload}"
+        same_outputs(shared, plain, where)
+        metrics = shared["train"]["metrics"]
+        assert metrics["prefix_sharing/tokens_computed"] < metrics["prefix_sharing/tokens_total"]
+        assert any("mtp.layers" in name for name in plain["grads"]), f"{where}: no MTP parameters"
+        mtp_metrics = {k: v for k, v in plain["train"]["metrics"].items()
+                       if k.startswith("mtp_losses/")}
+        trained = CASES[case][3]
+        assert bool(mtp_metrics) == trained, f"{where}: verl logged {mtp_metrics}"
+        for key, values in mtp_metrics.items():  # verl's lists, one value per step
+            for s, p in zip(shared["train"]["metrics"][key], values, strict=True):
+                assert abs(s - p) <= 1e-5 * abs(p), f"{where} {key}: {s} vs {p}"
+
+
+def test_the_mtp_loss_reaches_the_decoder(results):
+    trained, unscaled = results["depth1", "grpo", "arbitrary_prefix"], results[
+        "depth1", "grpo", "unscaled"]
+    name = next(n for n in trained["grads"] if "decoder.layers.0.mlp" in n)
+    with pytest.raises(AssertionError):
+        close(trained["grads"][name], unscaled["grads"][name], name)
+
+
+def test_an_untrained_mtp_layer_gets_no_gradient(results):
+    grads = results["not-trained", "grpo", "arbitrary_prefix"]["grads"]
+    mtp = [g for n, g in grads.items() if "mtp.layers" in n]
+    assert mtp and all(not g.abs().sum() for g in mtp)
+
+
+def test_under_tensor_and_sequence_parallelism():
+    found = run_distributed(_job, 2, ("depth1",), BOTH, {"tensor_model_parallel_size": 2},
+                            tp=2, timeout=600)
+    for rank, runs in enumerate(found):
+        for workload in CASES["depth1"][0]:
+            same_outputs(runs["depth1", workload, "arbitrary_prefix"],
+                         runs["depth1", workload, "off"], f"TP=2 rank {rank} {workload}")
+
+
+def test_over_two_pipeline_stages():
+    """The MTP layers sit on the last stage, which embeds each depth's tokens itself."""
+    found = run_distributed(_job, 2, ("depth1",), BOTH, {"pipeline_model_parallel_size": 2},
+                            pp=2, timeout=600)
+    for rank, runs in enumerate(found):
+        for workload in CASES["depth1"][0]:
+            same_outputs(runs["depth1", workload, "arbitrary_prefix"],
+                         runs["depth1", workload, "off"], f"PP=2 rank {rank} {workload}")
+
+
+def test_context_parallel_sharing_equals_the_stock_step_on_one_rank(results):
+    """verl's stock step cannot run CP on CPU (megatron's THD CP attention is CUDA's): CP=2
+    with sharing is held to the stock step at CP=1, the MTP loss included."""
+    found = run_distributed(_job, 2, ("depth1",), ("arbitrary_prefix",),
+                            {"context_parallel_size": 2}, cp=2, timeout=600)
+    for rank, runs in enumerate(found):
+        for workload in CASES["depth1"][0]:
+            shared, plain = runs["depth1", workload, "arbitrary_prefix"], results[
+                "depth1", workload, "off"]
+            same_outputs(shared, plain, f"CP=2 rank {rank} {workload}")
+            key = "mtp_losses/mtp_1_loss"
+            if key in shared["train"].get("metrics", {}):
+                assert shared["train"]["metrics"][key] == pytest.approx(
+                    plain["train"]["metrics"][key], rel=1e-5)
