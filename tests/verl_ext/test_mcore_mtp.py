@@ -142,3 +142,22 @@ def test_context_parallel_sharing_equals_the_stock_step_on_one_rank(results):
             if key in shared["train"].get("metrics", {}):
                 assert shared["train"]["metrics"][key] == pytest.approx(
                     plain["train"]["metrics"][key], rel=1e-5)
+
+
+def test_mtp_training_across_micro_batches_and_on_fsdp_is_refused_by_name():
+    """A group run across micro-batches plans the decoder's rows only; the FSDP engines train
+    no MTP layers."""
+    from prefix_sharing.config import PrefixSharingConfig
+    from prefix_sharing.verl_ext.mcore import check_engine_setup
+    from prefix_sharing.verl_ext.mcore_mtp import mtp_problems
+
+    model_config = SimpleNamespace(mtp=_mtp_section(False, True))
+    (found,) = mtp_problems(model_config, PrefixSharingConfig(cross_micro_batch=True))
+    assert found.key == "verl.mtp" and "cross_micro_batch" in found.detail
+    assert mtp_problems(model_config, PrefixSharingConfig()) == []
+    assert mtp_problems(SimpleNamespace(mtp=_mtp_section(False, False)),
+                        PrefixSharingConfig(cross_micro_batch=True)) == []
+    engine = SimpleNamespace(dynamic_context_parallel=False)
+    check_engine_setup(engine, model_config, serves_mtp=True)
+    with pytest.raises(Exception, match=r"\[verl\.mtp\]"):
+        check_engine_setup(engine, model_config)
