@@ -40,7 +40,7 @@ TABLE: tuple[Refusal, ...] = (
             "attention", _MEGATRON),
     Refusal("megatron.mtp", "multi-token prediction not planned per depth",
             "each MTP depth is planned on its own (a depth-k row is shared only where the next "
-            "k tokens agree too), on the last 1F1B pipeline stage, a layer per depth; replay "
+            "k tokens agree too), on the last pipeline stage, a layer per depth; replay "
             "would need each depth's routes, and releases normalise the per-token MTP loss "
             "differently; share the MTP block (with_prefix_sharing or "
             "share_multi_token_prediction(model), prepare_micro_batch(mtp_num_layers=...)), or "

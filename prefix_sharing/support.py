@@ -266,10 +266,10 @@ MATRIX: dict[str, dict[str, Cell]] = {
     },
     "multi-token prediction (MTP)": {
         "megatron-core": works("tests/megatron_ext/test_mtp.py", refusals=("megatron.mtp",),
-                               note="dense and MoE MTP layers, TP / SP / PP / CP"),
+                               note="dense and MoE MTP layers, TP / SP / PP / VPP / CP"),
         "verl-megatron": works("tests/verl_ext/test_mcore_mtp.py",
                                refusals=("verl.mtp", "megatron.mtp"),
-                               note="verl's mtp.enable_train: TP / SP / PP / CP"),
+                               note="verl's mtp.enable_train: TP / SP / PP / VPP / CP"),
         "verl-fsdp": refused("verl.mtp"),
         "hf-fsdp": refused("hf.mtp"),
         "megatron-lm": refused("megatron_lm.model_argument"),

@@ -56,7 +56,7 @@ def gpt_model(
     config = transformer_config(preset, dtype, **config_overrides)
     if layer_spec is None:
         layer_spec = _local_spec(preset, config, layout)
-    mtp_block_spec = _mtp_block_spec(preset, config, layout)
+    mtp_block_spec = _mtp_block_spec(preset, config, layout, vp_stage)
     _quiet_gpt_model_deprecation()
     model = GPTModel(
         config=config,
@@ -265,9 +265,11 @@ def _local_spec(preset: ModelPreset, config: Any, layout: str) -> Any:
     return spec
 
 
-def _mtp_block_spec(preset: ModelPreset, config: Any, layout: str) -> Any:
+def _mtp_block_spec(preset: ModelPreset, config: Any, layout: str,
+                    vp_stage: int | None = None) -> Any:
     """megatron's MTP block spec over the model's last layer (``config.mtp_num_layers``; the
-    prefix-sharing one but for ``layout="padded"``), or None without MTP."""
+    prefix-sharing one but for ``layout="padded"``) for model chunk ``vp_stage``, or None
+    without MTP."""
     if not config.mtp_num_layers:
         return None
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
@@ -275,7 +277,7 @@ def _mtp_block_spec(preset: ModelPreset, config: Any, layout: str) -> Any:
     from ..megatron_ext import with_prefix_sharing
 
     spec = get_gpt_mtp_block_spec(config, _local_spec(preset, config, "padded"),
-                                  use_transformer_engine=False)
+                                  use_transformer_engine=False, vp_stage=vp_stage)
     # None on a pipeline stage that builds no MTP layer (all of them sit on the last)
     return spec if spec is None or layout == "padded" else with_prefix_sharing(spec)
 

@@ -105,13 +105,11 @@ def attention_variant_problems(config: Any) -> list[Refused]:
 
 def mtp_problems(config: Any) -> list[Refused]:
     """Multi-token prediction layers (``mtp_num_layers``, :mod:`.mtp`) where their depths'
-    layouts are not planned: under interleaved pipeline stages, with routing replay, one
-    layer repeated for every depth, or with a loss normalisation that differs between
-    megatron-core releases."""
+    layouts are not planned: with routing replay, one layer repeated for every depth, or with
+    a loss normalisation that differs between megatron-core releases."""
     if not getattr(config, "mtp_num_layers", None):
         return []
     settings = [f"{name}={getattr(config, name)}" for name, unplanned in (
-        ("virtual_pipeline_model_parallel_size", lambda v: v is not None),
         ("moe_enable_routing_replay", bool),
         ("calculate_per_token_loss", bool),
         ("use_mup", bool),

@@ -224,7 +224,8 @@ def patch_engine(module: ModuleType) -> None:
                 """verl's, then the MTP layers (built and patched by verl) score their
                 depths on their own layouts with verl's gradient rule (:mod:`.mcore_mtp`)."""
                 super().initialize()
-                if self.prefix_sharing.enabled and self.model_config.mtp.enable:
+                if self.prefix_sharing.enabled and getattr(self.model_config.mtp, "enable",
+                                                           False):
                     share_verl_mtp(self.module, self.model_config)
 
             def _build_tf_config(self) -> None:
@@ -244,7 +245,8 @@ def patch_engine(module: ModuleType) -> None:
                         aux or getattr(config, "moe_z_loss_coeff", None)):
                     return "the MoE router's auxiliary / z-loss is taken per micro-batch"
                 mtp = self.model_config.mtp
-                if getattr(config, "mtp_num_layers", None) and mtp.enable and mtp.enable_train:
+                if getattr(config, "mtp_num_layers", None) and mtp.enable and getattr(
+                        mtp, "enable_train", False):
                     return "the MTP loss is averaged per micro-batch"
                 return None
 

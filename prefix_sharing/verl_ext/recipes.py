@@ -76,7 +76,7 @@ GDN = {"qwen3_5", "qwen3_5_moe", "qwen3_next"}
 # from the model's configs (prefix_sharing.verl_ext.mcore_model): model types with Mamba-2
 # layers (megatron.hybrid_layer), with DeepSeek sparse attention (megatron.dsa: V3.2's DSA,
 # V4's compressed sparse attention), with multi-latent attention (megatron.rope_fusion with
-# apply_rope_fusion), and MTP layers under interleaved stages or routing replay (megatron.mtp)
+# apply_rope_fusion), and MTP layers under routing replay (megatron.mtp)
 MAMBA_HYBRIDS = {"nemotron_h"}
 SPARSE_ATTENTION = {"deepseek_v32", "deepseek_v4"}
 MLA = {"deepseek_v3"}
@@ -242,7 +242,7 @@ class Combination:
         megatron-core or LoRA (which make the rest moot), else fused kernels under context
         parallelism; then what the sharing layers refuse when the model is built, said at
         construction from the configs: a Mamba-2 hybrid's layers, DeepSeek sparse attention,
-        MTP layers under interleaved stages or routing replay, MLA with rope fusion; and per
+        MTP layers under routing replay, MLA with rope fusion; and per
         micro-batch a top-k distillation loss (:data:`TOPK_DISTILLATION`). Tensor, pipeline
         (interleaved too: verl overlaps its p2p), context and expert parallelism, rope fusion
         on GPT attention, recomputation, router replay and MTP training are served."""
@@ -253,9 +253,8 @@ class Combination:
             keys = [k for k, on in (
                 ("verl.fused_kernels", self.fused_kernels and self.context_parallel > 1),
                 ("megatron.dsa", self.model_type in SPARSE_ATTENTION),
-                # MTP is planned per depth, but not per interleaved stage or replayed route
-                ("megatron.mtp", self.mtp_train and (self.virtual_pipeline
-                                                     or bool(self.router_replay))),
+                # MTP is planned per depth, but not per replayed route
+                ("megatron.mtp", self.mtp_train and bool(self.router_replay)),
                 ("megatron.rope_fusion", self.rope_fusion and self.model_type in MLA),
                 ("megatron.hybrid_layer", self.model_type in MAMBA_HYBRIDS)) if on]
             keys += self._micro_batch_keys()

@@ -14,7 +14,8 @@ Specification:
   tokens would count there), judged by flash-attn's rule against the float64 padded run (no
   further from it than 3x the fp32 padded run, or 1e-5): a rarely routed expert's small
   gradient rounds past 1e-5 relative in either fp32 run;
-- at PP=2 (1F1B, the MTP layers on the last stage), CP=2, and CP=2 x TP=2 with sequence
+- at PP=2 (1F1B, the MTP layers on the last stage), PP=2 x VPP=2 (megatron's interleaved
+  schedule, the MTP layers in the last model chunk), CP=2, and CP=2 x TP=2 with sequence
   parallelism equal to one rank;
 - the MTP loss is not vacuous (it changes the gradients), and what is not planned per depth
   is refused by name.
@@ -366,22 +367,25 @@ def test_settings_not_planned_per_depth_are_refused():
     assert mtp_problems(Config()) == []
     assert mtp_problems(Config(mtp_num_layers=None, context_parallel_size=2)) == []
     assert mtp_problems(Config(pipeline_model_parallel_size=2, context_parallel_size=2)) == []
-    (found,) = mtp_problems(Config(virtual_pipeline_model_parallel_size=2))
-    assert found.key == "megatron.mtp" and "virtual_pipeline" in found.detail
+    assert mtp_problems(Config(virtual_pipeline_model_parallel_size=2)) == []  # served
+    (found,) = mtp_problems(Config(moe_enable_routing_replay=True))
+    assert found.key == "megatron.mtp" and "routing_replay" in found.detail
     (found,) = mtp_problems(Config(calculate_per_token_loss=True))
     assert "calculate_per_token_loss" in found.detail
 
 
-def _parallel_job(rank: int, depth: int, overrides: dict) -> dict:
+def _parallel_job(rank: int, depth: int, overrides: dict, layers: int) -> dict:
     """The shared run through megatron's schedule on this rank's layout (PP: 1F1B, MTP on the
-    last stage; CP: the gradients averaged over the group, as megatron does); under PP the MTP
-    block's copy of the embedding is summed into the first stage's, as megatron's
-    ``finalize_model_grads`` sums the embedding group's."""
+    last stage; under interleaved stages its last model chunk; CP: the gradients averaged over
+    the group, as megatron does) of a ``layers``-layer model; under PP the MTP block's copy of
+    the embedding is summed into the first stage's, as megatron's ``finalize_model_grads``
+    sums the embedding group's."""
     from megatron.core import parallel_state
 
     from prefix_sharing.engines.megatron import forward_backward, model_chunks
 
-    chunks = model_chunks(PRESET, mtp_num_layers=depth, **overrides)
+    preset = dataclasses.replace(PRESET, num_layers=layers)
+    chunks = model_chunks(preset, mtp_num_layers=depth, **overrides)
     run = forward_backward(chunks, micro_batches(), "shared", SHARE_EVERY_PREFIX)
     grads = dict(run.grads)
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
@@ -389,24 +393,26 @@ def _parallel_job(rank: int, depth: int, overrides: dict) -> dict:
         grad = grads.get(name, torch.zeros(PRESET.vocab_size, PRESET.hidden_size))
         torch.distributed.all_reduce(grad)
         grads[name] = grad
-        if not parallel_state.is_pipeline_first_stage():
+        if not parallel_state.is_pipeline_first_stage(ignore_virtual=True):
             grads.pop(name)  # the first stage's is compared
     return {"grads": grads, "log_probs": [o.log_probs for o in run.outputs]}
 
 
-PARALLEL = {  # world, run_distributed's layout, model overrides
-    "pp2": (2, dict(pp=2), {}),
-    "cp2": (2, dict(cp=2), {}),
-    "cp2_tp2_sequence_parallel": (4, dict(cp=2, tp=2), {"sequence_parallel": True}),
+PARALLEL = {  # world, run_distributed's layout, model overrides, layers
+    "pp2": (2, dict(pp=2), {}, 2),
+    # megatron's interleaved schedule at PP=2 with overlapped p2p, as verl and Megatron-LM set it
+    "pp2_vpp2": (2, dict(pp=2, vpp=2), dict(overlap_p2p_comm=True, batch_p2p_comm=False), 4),
+    "cp2": (2, dict(cp=2), {}, 2),
+    "cp2_tp2_sequence_parallel": (4, dict(cp=2, tp=2), {"sequence_parallel": True}, 2),
 }
 
 
 @pytest.mark.parametrize("layout", list(PARALLEL))
 def test_mtp_under_pipeline_and_context_parallelism_equals_the_single_rank_run(layout):
     """Against one rank, whose MTP is exact against megatron's (above)."""
-    world, parallel, overrides = PARALLEL[layout]
-    (single,) = run_distributed(_parallel_job, 1, 2, {})
-    ranks = run_distributed(_parallel_job, world, 2, overrides, **parallel, timeout=900)
+    world, parallel, overrides, layers = PARALLEL[layout]
+    (single,) = run_distributed(_parallel_job, 1, 2, {}, layers)
+    ranks = run_distributed(_parallel_job, world, 2, overrides, layers, **parallel, timeout=900)
     compared = set()
     for rank in ranks:
         for name, grad in rank["grads"].items():

@@ -119,9 +119,13 @@ def step(engine, config, data: Callable[[], Any], during: Any = None,
     with during or contextlib.nullcontext():
         train = engine.forward_backward_batch(data(), partial(ppo_loss, config=config))
     if finalize is not None:
-        finalize(engine.module[0])
-    grads = {n: torch.zeros_like(p) if p.grad is None else p.grad.clone()  # a layer not run
-             for n, p in engine.module[0].named_parameters()}
+        for chunk in engine.module:
+            finalize(chunk)
+    grads = {}
+    for c, chunk in enumerate(engine.module):  # a model chunk per virtual stage
+        prefix = f"chunk{c}." if len(engine.module) > 1 else ""
+        grads.update({prefix + n: torch.zeros_like(p) if p.grad is None else p.grad.clone()
+                      for n, p in chunk.named_parameters()})  # zeros: a layer not run
     return {"infer": plain_output(infer), "train": plain_output(train), "grads": grads}
 
 

@@ -4,8 +4,8 @@ prompt-zeros + response loss mask rolled along each sample, the output layer det
 MTP loss on megatron-core 0.16): old log-probs, entropy, ``ppo_loss``, the logged MTP losses
 and every gradient (the MTP layers', the embedding's, the output layer's), fp32 within 1e-5;
 GRPO, tree and step-wise batches; one and two depths; ``mtp.detach_encoder``; TP=2 with
-sequence parallelism, PP=2 (the MTP layers on the last stage) and CP=2 (against the stock step
-on one rank). Fixed micro-batches keep verl's sample order: the MTP loss is averaged per
+sequence parallelism, PP=2 (the MTP layers on the last stage), PP=2 x VPP=2 (in the last
+model chunk) and CP=2 (against the stock step on one rank). Fixed micro-batches keep verl's sample order: the MTP loss is averaged per
 micro-batch. The MTP loss is not vacuous (it moves the decoder's gradients), and the
 layers are not run where verl does not train them (``enable_train: false``)."""
 
@@ -13,6 +13,7 @@ from tests.verl_ext._requires import require_verl
 
 require_verl(("0.9.1", "0.8.0"))
 
+import dataclasses  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 
 import pytest  # noqa: E402
@@ -21,6 +22,7 @@ from prefix_sharing.engines.launch import run_distributed  # noqa: E402
 from tests.verl_ext._compare import MODES, close, same_outputs  # noqa: E402
 
 BOTH = ("off", "arbitrary_prefix")
+VPP_BATCHES = {"grpo": dict(num_prompts=2, group_size=2), "steprl": dict(num_chains=1, num_steps=4)}
 CASES = {  # name -> (workloads, mtp_num_layers, detach_encoder, enable_train)
     "depth1": (("grpo", "tree", "steprl"), 1, False, True),
     "depth2-detach": (("grpo", "tree"), 2, True, True),
@@ -42,7 +44,7 @@ def _job(rank: int, cases: tuple[str, ...], modes: tuple[str, ...], parallel: di
 
     from prefix_sharing.engines.megatron import (finalize_context_parallel_grads,
                                                  finalize_sequence_parallel_grads)
-    from tests.verl_ext._batch import make_batch, use_cpu_platform
+    from tests.verl_ext._batch import PRESET, make_batch, use_cpu_platform
     from tests.verl_ext._engine import actor_config, build_engine, step
 
     def finalize(model) -> None:
@@ -53,17 +55,22 @@ def _job(rank: int, cases: tuple[str, ...], modes: tuple[str, ...], parallel: di
     tp = parallel.get("tensor_model_parallel_size", 1) > 1
     megatron = dict(parallel, sequence_parallel=True) if tp else parallel
     overrides = {"sequence_parallel": True} if tp else {}
+    sizes = {}
+    if parallel.get("virtual_pipeline_model_parallel_size"):  # a layer per model chunk, and
+        overrides["preset"] = dataclasses.replace(PRESET, num_layers=4)  # micro-batches in
+        sizes = VPP_BATCHES  # a multiple of the stages, as verl's schedule requires
     found = {}
     for case in cases:
         workloads, depths, detach, train = CASES[case]
         MTPLossLoggingHelper.tracker.clear()  # sized by the first model's depths
-        for workload in workloads:
+        for workload in workloads if not sizes else sizes:
             for mode in modes:
                 config = actor_config(MODES[mode], megatron=megatron or None)
                 engine = build_engine(config, mtp=_mtp_section(detach, train),
                                       mtp_num_layers=depths, **overrides)
-                found[case, workload, mode] = step(engine, config, lambda: make_batch(workload),
-                                                   finalize=finalize)
+                found[case, workload, mode] = step(
+                    engine, config, lambda: make_batch(workload, **sizes.get(workload, {})),
+                    finalize=finalize)
         if case == "depth1" and not parallel:  # no MTP loss: the decoder's gradients move
             config = actor_config(MODES["arbitrary_prefix"])
             engine = build_engine(config, mtp=_mtp_section(False, True), mtp_num_layers=1,
@@ -109,23 +116,33 @@ def test_an_untrained_mtp_layer_gets_no_gradient(results):
     assert mtp and all(not g.abs().sum() for g in mtp)
 
 
-def test_under_tensor_and_sequence_parallelism():
-    found = run_distributed(_job, 2, ("depth1",), BOTH, {"tensor_model_parallel_size": 2},
-                            tp=2, timeout=600)
+@pytest.mark.parametrize("layout", ["tp2_sequence_parallel", "pp2"])
+def test_over_two_ranks(layout):
+    """TP=2 with sequence parallelism; PP=2, the MTP layers on the last stage, which embeds
+    each depth's tokens itself."""
+    parallel, ranks = {"tp2_sequence_parallel": ({"tensor_model_parallel_size": 2}, dict(tp=2)),
+                       "pp2": ({"pipeline_model_parallel_size": 2}, dict(pp=2))}[layout]
+    found = run_distributed(_job, 2, ("depth1",), BOTH, parallel, **ranks, timeout=600)
     for rank, runs in enumerate(found):
         for workload in CASES["depth1"][0]:
             same_outputs(runs["depth1", workload, "arbitrary_prefix"],
-                         runs["depth1", workload, "off"], f"TP=2 rank {rank} {workload}")
+                         runs["depth1", workload, "off"], f"{layout} rank {rank} {workload}")
 
 
-def test_over_two_pipeline_stages():
-    """The MTP layers sit on the last stage, which embeds each depth's tokens itself."""
-    found = run_distributed(_job, 2, ("depth1",), BOTH, {"pipeline_model_parallel_size": 2},
-                            pp=2, timeout=600)
+def test_over_interleaved_pipeline_stages():
+    """PP=2 x VPP=2 (a layer per model chunk): the MTP layers sit in the last chunk of the
+    last stage."""
+    found = run_distributed(_job, 2, ("depth1",), BOTH, {"pipeline_model_parallel_size": 2,
+                                                         "virtual_pipeline_model_parallel_size": 2},
+                            pp=2, vpp=2, timeout=600)
     for rank, runs in enumerate(found):
-        for workload in CASES["depth1"][0]:
-            same_outputs(runs["depth1", workload, "arbitrary_prefix"],
-                         runs["depth1", workload, "off"], f"PP=2 rank {rank} {workload}")
+        for workload in VPP_BATCHES:
+            shared = runs["depth1", workload, "arbitrary_prefix"]
+            assert any(name.startswith("chunk1.") for name in shared["grads"])
+            if rank == 1:  # the last stage's last chunk holds the MTP layer
+                assert any(name.startswith("chunk1.mtp.layers") for name in shared["grads"])
+            same_outputs(shared, runs["depth1", workload, "off"],
+                         f"PP=2 x VPP=2 rank {rank} {workload}")
 
 
 def test_context_parallel_sharing_equals_the_stock_step_on_one_rank(results):
