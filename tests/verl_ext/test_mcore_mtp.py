@@ -3,7 +3,9 @@
 prompt-zeros + response loss mask rolled along each sample, the output layer detached from the
 MTP loss on megatron-core 0.16): old log-probs, entropy, ``ppo_loss``, the logged MTP losses
 and every gradient (the MTP layers', the embedding's, the output layer's), fp32 within 1e-5;
-GRPO, tree and step-wise batches; one and two depths; ``mtp.detach_encoder``; TP=2 with
+GRPO, tree and step-wise batches; one and two depths; ``mtp.detach_encoder``;
+``use_fused_kernels`` (which verl turns off when MTP is enabled: neither side calls the CPU
+stand-in of its kernel); TP=2 with
 sequence parallelism, PP=2 (the MTP layers on the last stage), PP=2 x VPP=2 (in the last
 model chunk) and CP=2 (against the stock step on one rank). Fixed micro-batches keep verl's sample order: the MTP loss is averaged per
 micro-batch. The MTP loss is not vacuous (it moves the decoder's gradients), and the
@@ -23,10 +25,13 @@ from tests.verl_ext._compare import MODES, close, same_outputs  # noqa: E402
 
 BOTH = ("off", "arbitrary_prefix")
 VPP_BATCHES = {"grpo": dict(num_prompts=2, group_size=2), "steprl": dict(num_chains=1, num_steps=4)}
-CASES = {  # name -> (workloads, mtp_num_layers, detach_encoder, enable_train)
-    "depth1": (("grpo", "tree", "steprl"), 1, False, True),
-    "depth2-detach": (("grpo", "tree"), 2, True, True),
-    "not-trained": (("grpo",), 1, False, False),
+CASES = {  # name -> (workloads, mtp_num_layers, detach_encoder, enable_train, fused kernels)
+    "depth1": (("grpo", "tree", "steprl"), 1, False, True, False),
+    "depth2-detach": (("grpo", "tree"), 2, True, True, False),
+    "not-trained": (("grpo",), 1, False, False, False),
+    # verl turns use_fused_kernels off when MTP is enabled (_maybe_enable_fused_kernels): the
+    # MTP layers train, and neither side calls the fused kernel
+    "fused": (("grpo",), 1, False, True, True),
 }
 
 
@@ -44,6 +49,7 @@ def _job(rank: int, cases: tuple[str, ...], modes: tuple[str, ...], parallel: di
 
     from prefix_sharing.engines.megatron import (finalize_context_parallel_grads,
                                                  finalize_sequence_parallel_grads)
+    from tests.verl_ext import fake_linear_cross_entropy
     from tests.verl_ext._batch import PRESET, make_batch, use_cpu_platform
     from tests.verl_ext._engine import actor_config, build_engine, step
 
@@ -61,16 +67,21 @@ def _job(rank: int, cases: tuple[str, ...], modes: tuple[str, ...], parallel: di
         sizes = VPP_BATCHES  # a multiple of the stages, as verl's schedule requires
     found = {}
     for case in cases:
-        workloads, depths, detach, train = CASES[case]
+        workloads, depths, detach, train, fused = CASES[case]
         MTPLossLoggingHelper.tracker.clear()  # sized by the first model's depths
         for workload in workloads if not sizes else sizes:
             for mode in modes:
                 config = actor_config(MODES[mode], megatron=megatron or None)
-                engine = build_engine(config, mtp=_mtp_section(detach, train),
-                                      mtp_num_layers=depths, **overrides)
-                found[case, workload, mode] = step(
-                    engine, config, lambda: make_batch(workload, **sizes.get(workload, {})),
-                    finalize=finalize)
+                config.engine.use_fused_kernels = fused
+                with fake_linear_cross_entropy.installed() as calls:
+                    engine = build_engine(config, mtp=_mtp_section(detach, train),
+                                          mtp_num_layers=depths, **overrides)
+                    if fused:
+                        engine._maybe_enable_fused_kernels()  # as verl's initialize() does
+                    found[case, workload, mode] = step(
+                        engine, config, lambda: make_batch(workload, **sizes.get(workload, {})),
+                        finalize=finalize)
+                found[case, workload, mode]["kernel_calls"] = len(calls)
         if case == "depth1" and not parallel:  # no MTP loss: the decoder's gradients move
             config = actor_config(MODES["arbitrary_prefix"])
             engine = build_engine(config, mtp=_mtp_section(False, True), mtp_num_layers=1,
@@ -97,6 +108,7 @@ def test_sharing_with_mtp_training_matches_verls_stock_step(results, case):
                        if k.startswith("mtp_losses/")}
         trained = CASES[case][3]
         assert bool(mtp_metrics) == trained, f"{where}: verl logged {mtp_metrics}"
+        assert plain["kernel_calls"] == shared["kernel_calls"] == 0
         for key, values in mtp_metrics.items():  # verl's lists, one value per step
             for s, p in zip(shared["train"]["metrics"][key], values, strict=True):
                 assert abs(s - p) <= 1e-5 * abs(p), f"{where} {key}: {s} vs {p}"
