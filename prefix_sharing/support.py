@@ -272,7 +272,7 @@ MATRIX: dict[str, dict[str, Cell]] = {
                                note="verl's mtp.enable_train: TP / SP / PP / VPP / CP"),
         "verl-fsdp": refused("verl.mtp"),
         "hf-fsdp": refused("hf.mtp"),
-        "megatron-lm": refused("megatron_lm.model_argument"),
+        "megatron-lm": works(_LM, refusals=("megatron.mtp",), note="--mtp-num-layers, TP=1 / PP=2"),
     },
 }
 

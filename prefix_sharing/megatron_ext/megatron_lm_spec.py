@@ -40,7 +40,6 @@ _REFUSED = {
     "heterogeneous_layers_config_path": None,  # per-layer specs from a config file
     "restore_modelopt_state": False,  # ModelOpt's own spec
     "use_kitchen_attention": False,  # Kitchen's core attention instead of the sharing one
-    "mtp_num_layers": None,  # multi-token-prediction layers: not covered by the sharing tests
 }
 
 # options of megatron-core's spec builders that Megatron-LM passes, by argument name

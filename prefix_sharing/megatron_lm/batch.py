@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ..config import PrefixSharingConfig
+from ..errors import InputError
 from ..megatron_ext.packed_seq import MicroBatch, prepare_micro_batch
 
 __all__ = ["LossTargets", "PlannedBatch", "split_packs", "plan_packed_batch"]
@@ -99,22 +100,43 @@ def plan_packed_batch(
     config: PrefixSharingConfig,
     *,
     device: torch.device | str | None = None,
+    mtp_num_layers: int | None = None,
 ) -> PlannedBatch:
     """Plans a packed micro-batch (``[b, s]`` tensors, as Megatron-LM's data loader gives them).
 
     Every tensor-parallel rank and pipeline stage calls this on its own copy of the batch and
     gets the same plan. ``config.mode="off"`` gives the identity plan: the same model, nothing
-    shared.
+    shared. ``mtp_num_layers``: the model's multi-token-prediction depths, planned with the
+    loss mask (:func:`~prefix_sharing.megatron_ext.packed_seq.prepare_micro_batch`).
     """
     tokens_host = tokens.to("cpu", torch.int64)
     spans = split_packs(tokens_host, cu_seqlens)
     sequences = [tokens_host[p, a:e] for p, a, e in spans]
-    mb = prepare_micro_batch(sequences, config, device=device)
-    labels_host = torch.cat([labels.to("cpu", torch.int64)[p, a:e] for p, a, e in spans])
-    mask_host = torch.cat([loss_mask.to("cpu", torch.float32)[p, a:e] for p, a, e in spans])
+    label_parts = [labels.to("cpu", torch.int64)[p, a:e] for p, a, e in spans]
+    mask_parts = [loss_mask.to("cpu", torch.float32)[p, a:e] for p, a, e in spans]
+    mtp = {}
+    if mtp_num_layers:
+        _check_next_token_labels(sequences, label_parts, mask_parts)
+        mtp = dict(mtp_num_layers=mtp_num_layers, loss_mask=mask_parts)
+    mb = prepare_micro_batch(sequences, config, device=device, **mtp)
+    labels_host = torch.cat(label_parts)
+    mask_host = torch.cat(mask_parts)
     targets = _loss_targets(mb.plan.kv_index.to("cpu"), labels_host, mask_host)
     device = mb.input_ids.device
     return PlannedBatch(mb, LossTargets(*(t.to(device) for t in dataclasses.astuple(targets))))
+
+
+def _check_next_token_labels(sequences: list[torch.Tensor], labels: list[torch.Tensor],
+                             masks: list[torch.Tensor]) -> None:
+    """The MTP depths score each sequence's own later tokens, as megatron rolls the labels
+    within each packed sequence: every scored label must be the sequence's next token, so no
+    sequence's last position may be scored (its label lies outside it)."""
+    for i, (tokens, label, mask) in enumerate(zip(sequences, labels, masks)):
+        scored = mask[:-1] != 0
+        if mask[-1] != 0 or not torch.equal(label[:-1][scored], tokens[1:][scored]):
+            raise InputError(f"multi-token prediction: sequence {i} scores a label that is not "
+                             "its next token (or scores its last position); the MTP depths "
+                             "read each sequence's own later tokens")
 
 
 def _loss_targets(kv_index: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> LossTargets:

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ..config import PrefixSharingConfig
+from ..megatron_ext.mtp import share_multi_token_prediction
 from ..refusals import refuse
 from .batch import PlannedBatch, plan_packed_batch
 
@@ -40,14 +41,18 @@ def make_forward_step(config: PrefixSharingConfig) -> Callable[..., tuple[torch.
         if return_schedule_plan:  # check_megatron_args refuses the option that asks for it
             raise refuse("megatron_lm.combined_1f1b", "return_schedule_plan=True")
 
-        from megatron.training import get_timers
+        from megatron.training import get_args, get_timers
 
         timers = get_timers()
         timers("batch-generator", log_level=2).start()
         batch = next(data_iterator)
+        depths = get_args().mtp_num_layers
         planned = plan_packed_batch(
-            batch["tokens"], batch["labels"], batch["loss_mask"], batch.get("cu_seqlens"), config
+            batch["tokens"], batch["labels"], batch["loss_mask"], batch.get("cu_seqlens"), config,
+            mtp_num_layers=depths,
         )
+        if depths:  # Megatron-LM built the MTP block stock around the sharing layer spec
+            share_multi_token_prediction(model)
         timers("batch-generator").stop()
         mb = planned.micro_batch
         output = model(mb.input_ids, mb.position_ids, None, packed_seq_params=mb.packed_seq_params)

@@ -42,6 +42,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         enable_cpu_megatron_lm()
     _use_shipped_dataset_helpers()
+    _share_mtp_block_spec()
 
     from megatron.core.enums import ModelType
     from megatron.training.argument_utils import (
@@ -81,6 +82,28 @@ def _use_shipped_dataset_helpers() -> None:
     except ImportError:
         return  # a source checkout: let Megatron-LM build them
     utils.compile_helpers = lambda: None
+
+
+def _share_mtp_block_spec() -> None:
+    """Megatron-LM builds the MTP block spec from megatron-core's default decoder layer spec,
+    not from ``--spec``: its MTP layers get the sharing core attention the same way
+    (:func:`~prefix_sharing.megatron_ext.with_prefix_sharing`); the forward step gives the
+    model the sharing postprocess (:func:`~prefix_sharing.megatron_ext.share_multi_token_prediction`).
+    """
+    from megatron.training.models import gpt
+
+    from ..megatron_ext import with_prefix_sharing
+
+    stock = gpt.mtp_block_spec
+    if getattr(stock, "_prefix_sharing", False):
+        return
+
+    def mtp_block_spec(*args, **kwargs):
+        spec = stock(*args, **kwargs)
+        return None if spec is None else with_prefix_sharing(spec)
+
+    mtp_block_spec._prefix_sharing = True
+    gpt.mtp_block_spec = mtp_block_spec
 
 
 def _require_megatron_training() -> None:

@@ -82,7 +82,6 @@ def test_qk_l2_norm_is_honoured():
     ("heterogeneous_layers_config_path", "/h.json", "--heterogeneous-layers-config-path"),
     ("restore_modelopt_state", True, "--restore-modelopt-state"),
     ("use_kitchen_attention", True, "--use-kitchen-attention"),
-    ("mtp_num_layers", 1, "--mtp-num-layers"),
     ("attention_backend", "AttnBackend.local", "--attention-backend local"),
     ("transformer_impl", "inference_optimized", "--transformer-impl inference_optimized"),
     # the local builder has no use_te_op_fuser option on any release
@@ -91,6 +90,14 @@ def test_qk_l2_norm_is_honoured():
 def test_arguments_the_sharing_spec_cannot_honour_are_refused_by_name(setting, value, message):
     with pytest.raises(UnsupportedSetupError, match=message):
         layer_spec_for(argparse.Namespace(**{**LOCAL, setting: value}))
+
+
+def test_mtp_layers_build_around_the_sharing_layer():
+    """Megatron-LM builds the MTP block spec around this layer spec; the sharing forward step
+    makes its layers the sharing ones (``prefix_sharing.megatron_lm``)."""
+    spec = layer_spec_for(argparse.Namespace(**{**LOCAL, "mtp_num_layers": 1}))
+    assert spec.submodules.self_attention.submodules.core_attention.module is (
+        PrefixSharingCoreAttention)
 
 
 def test_moe_on_some_layers_only_is_refused():

@@ -70,3 +70,22 @@ def test_loss_targets_give_the_plain_masked_loss_sum(config):
         assert planned.tokens_computed == 32 - 7 - 5 - 5 and len(t.rows) < int(t.num_tokens)
     else:
         assert planned.tokens_computed == 32
+
+
+def test_mtp_depths_are_planned_only_where_every_scored_label_is_the_next_token():
+    """The MTP depths read each sequence's own later tokens: a scored label across a
+    conversation's end (each pack's first conversation scores its last position, whose label
+    is the next conversation's first token) is refused; with no last position scored, the
+    depths plan."""
+    from prefix_sharing.errors import InputError
+
+    batch = _packs()
+    with pytest.raises(InputError, match="sequence 0 scores a label"):
+        plan_packed_batch(**batch, config=SHARE_ALL, device="cpu", mtp_num_layers=1)
+    for pack, last in ((0, 6), (1, 8), (1, 15)):  # every conversation's last position
+        batch["loss_mask"][pack, last] = 0
+    planned = plan_packed_batch(**batch, config=SHARE_ALL, device="cpu", mtp_num_layers=2)
+    depths = planned.micro_batch.packed_seq_params.mtp
+    assert len(depths) == 2
+    # the depth-1 weight of a position is the loss mask one further along its sequence
+    assert depths[0].weights[:7].tolist() == batch["loss_mask"][0, 1:7].tolist() + [0.0]

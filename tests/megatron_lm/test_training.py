@@ -132,6 +132,24 @@ def test_tree_trajectories_train_like_sharing_off(tmp_path, layout):
         assert report["token ratio"] > 2.0, report
 
 
+@pytest.mark.parametrize("layout", ["tp1", "pp2"])
+def test_mtp_layers_train_like_sharing_off(tmp_path, sft_data, layout):
+    """``--mtp-num-layers 1``: Megatron-LM builds the MTP block around the sharing layer spec
+    (the forward step makes its layers the sharing ones) and trains it with its loss; under
+    PP=2 the MTP layer sits on the last stage. The MTP parameters move and end equal."""
+    mtp = ["--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.1"]
+    shared = _train(tmp_path, "mtp", "sft", sft_data + mtp, layout, "arbitrary_prefix")
+    off = _train(tmp_path, "mtp", "sft", sft_data + mtp, layout, "off")
+    for report in _assert_same_training(shared, off):
+        assert report["tokens computed"] < 0.8 * report["tokens total"], report
+    assert any(name.startswith("mtp.") for rank in shared for name in rank["params"])
+    if layout == "tp1":  # the MTP loss trained the decoder: without MTP it ends elsewhere
+        plain = _train(tmp_path, "no-mtp", "sft", sft_data, layout, "off")[0]["params"]
+        name = "decoder.layers.0.mlp.linear_fc1.weight"
+        moved = (shared[0]["params"][name] - plain[name]).norm() / plain[name].norm()
+        assert moved > 1e-4, float(moved)
+
+
 def test_nothing_shared_trains_like_sharing_off(tmp_path):
     data = _trajectory_args(write_trajectories(tmp_path / "flat.jsonl", tree=False))
     shared = _train(tmp_path, "flat", "gpt", data, "tp1", "arbitrary_prefix")
