@@ -253,8 +253,8 @@ TABLE: tuple[Refusal, ...] = (
             "transformer_engine or local", "the sharing spec is built from megatron-core's "
             "transformer_engine or local layer spec; use one of them", ("megatron-lm",)),
     Refusal("megatron_lm.model_argument", "a Megatron-LM argument that builds another model",
-            "it builds another core attention, per-layer specs, ModelOpt's or Kitchen's spec, "
-            "or MTP layers, which the sharing spec is not; leave it unset", ("megatron-lm",)),
+            "it builds another core attention, per-layer specs, or ModelOpt's or Kitchen's "
+            "spec, which the sharing spec is not; leave it unset", ("megatron-lm",)),
     Refusal("megatron_lm.attention_backend_local", "--attention-backend local",
             "it replaces the sharing core attention with megatron's DotProductAttention; use "
             "--attention-backend auto", ("megatron-lm",)),
