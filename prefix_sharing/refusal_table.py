@@ -41,8 +41,8 @@ TABLE: tuple[Refusal, ...] = (
     Refusal("megatron.mtp", "multi-token prediction not planned per depth",
             "each MTP depth is planned on its own (a depth-k row is shared only where the next "
             "k tokens agree too), on the last pipeline stage, a layer per depth; replay "
-            "would need each depth's routes, and releases normalise the per-token MTP loss "
-            "differently; share the MTP block (with_prefix_sharing or "
+            "would need each depth's routes, and a per-token loss under CP each rank's roll; "
+            "share the MTP block (with_prefix_sharing or "
             "share_multi_token_prediction(model), prepare_micro_batch(mtp_num_layers=...)), or "
             "leave those settings at their defaults", _MEGATRON),
     Refusal("megatron.mrope", "multimodal RoPE",
@@ -329,9 +329,10 @@ TABLE: tuple[Refusal, ...] = (
             "off", _VERL),
     Refusal("verl.mtp", "MTP training outside one micro-batch of the Megatron engine",
             "the Megatron engine plans each MTP depth of a micro-batch with verl's loss mask; "
-            "the FSDP engines train no MTP layers, and a group run across micro-batches plans "
-            "the decoder's rows only; set model.mtp.enable_train=False or "
-            "prefix_grouper.cross_micro_batch=false", _VERL),
+            "the FSDP engines train no MTP layers, a group run across micro-batches plans "
+            "the decoder's rows only, and verl normalises a per-token MTP loss its own way; set "
+            "model.mtp.enable_train=False, prefix_grouper.cross_micro_batch=false or "
+            "calculate_per_token_loss=false", _VERL),
     Refusal("verl.model_type", "a model other than a language or value model",
             "sharing covers verl's language models (the actor, the reference) and value models "
             "(the critic): model_type 'language_model' or 'value_model'", _VERL),

@@ -105,13 +105,15 @@ def attention_variant_problems(config: Any) -> list[Refused]:
 
 def mtp_problems(config: Any) -> list[Refused]:
     """Multi-token prediction layers (``mtp_num_layers``, :mod:`.mtp`) where their depths'
-    layouts are not planned: with routing replay, one layer repeated for every depth, or with
-    a loss normalisation that differs between megatron-core releases."""
+    layouts are not planned: with routing replay, one layer repeated for every depth, MuP, or
+    megatron's per-token loss under context parallelism (each rank's share of it is rolled
+    over the rank's own rows)."""
     if not getattr(config, "mtp_num_layers", None):
         return []
     settings = [f"{name}={getattr(config, name)}" for name, unplanned in (
         ("moe_enable_routing_replay", bool),
-        ("calculate_per_token_loss", bool),
+        ("calculate_per_token_loss",
+         lambda v: v and getattr(config, "context_parallel_size", 1) > 1),
         ("use_mup", bool),
         ("mtp_use_repeated_layer", bool),  # one layer for every depth: planned per layer
     ) if unplanned(getattr(config, name, None))]

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+from megatron.core.transformer import multi_token_prediction
 from megatron.core.transformer.multi_token_prediction import (MTPLossAutoScaler,
                                                               MTPLossLoggingHelper,
                                                               MultiTokenPredictionLayer)
@@ -51,6 +52,9 @@ __all__ = ["MTPDepth", "PrefixSharingMTPLayer", "plan_mtp_depths", "share_multi_
 # megatron-core 0.19 threads a padding mask through the MTP layer (and returns it)
 _EMBEDDINGS_RETURN_PADDING_MASK = "padding_mask" in inspect.signature(
     MultiTokenPredictionLayer._get_embeddings).parameters
+# megatron-core 0.19's per-token MTP loss (process_mtp_loss) rescales each depth from its rolled
+# token count to the loss mask's; 0.16's attaches the plain sum
+_PER_TOKEN_LOSS_RESCALED = hasattr(multi_token_prediction, "process_mtp_loss")
 # megatron-core 0.16's MTP checkpoint takes the function and hands every keyword to
 # tensor_parallel.checkpoint as a tensor to save
 _CHECKPOINT_SAVES_KEYWORDS = "forward_func" in inspect.signature(
@@ -73,6 +77,8 @@ class MTPDepth:
         targets: ``(T_total,)`` each position's depth-``k`` label, token ``t + k + 1`` (0 past the
             end), packed in the plan's sequence order.
         weights: ``(T_total,)`` float, each position's loss mask at ``t + k`` (0 past the end).
+        mask_tokens: ``()`` float, the loss mask's sum before any roll (megatron's per-token
+            loss rescales each depth to it).
     """
 
     plan: SharingPlan
@@ -82,6 +88,7 @@ class MTPDepth:
     from_previous: torch.Tensor
     targets: torch.Tensor
     weights: torch.Tensor
+    mask_tokens: torch.Tensor
 
     def params(self, decoder: Any) -> Any:
         """The depth's ``PlanPackedSeqParams``, made like the decoder's ``decoder`` (a few
@@ -148,6 +155,7 @@ def plan_mtp_depths(
             from_previous=_device(previous_rows[owner], device),
             targets=_device(_rolled(tokens, remaining, k + 1), device),
             weights=_device(_rolled(mask, remaining, k), device),
+            mask_tokens=_device(mask.sum(), device),
         ))
         previous_rows = rows
     return tuple(depths)
@@ -398,7 +406,11 @@ def _attach_mtp_losses(gpt: Any, hidden_states: torch.Tensor, params: Any,
         num_tokens = depth.weights.sum().clamp(min=1)
         if gpt.training:
             _log_mtp_metrics(loss / num_tokens, logits, depth, k, config.mtp_num_layers)
-        decoder = MTPLossAutoScaler.apply(decoder, scale * cp_size * loss / num_tokens)
+        if not config.calculate_per_token_loss:
+            attached = loss / num_tokens
+        else:  # finalize_model_grads divides every gradient by the main loss's token count
+            attached = loss * (depth.mask_tokens / num_tokens if _PER_TOKEN_LOSS_RESCALED else 1)
+        decoder = MTPLossAutoScaler.apply(decoder, scale * cp_size * attached)
     return decoder
 
 

@@ -206,7 +206,7 @@ def patch_engine(module: ModuleType) -> None:
                         found += value_head_problems(engine_config)
                     found += fused_kernel_problems(engine_config, model_config, sharing)
                     found += virtual_pipeline_problems(engine_config)
-                    found += mtp_problems(model_config, sharing)
+                    found += mtp_problems(model_config, engine_config, sharing)
                     found += model_build_problems(model_config, engine_config)
                 return found
 

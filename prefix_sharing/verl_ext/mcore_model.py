@@ -25,7 +25,7 @@ How each field is read (verl 0.9.1's ``_build_tf_config`` and ``check_mtp_config
   DeepSeek-V4 (the name verl's engine reads for those models);
 - ``mtp_num_layers``: with ``model.mtp.enable``, the HF config's MTP depth
   (``num_nextn_predict_layers`` or ``mtp_num_hidden_layers``, verl's ``_get_mtp_num_layers``);
-  without, none (verl clears it);
+  without, none (verl clears it); ``mtp_use_repeated_layer`` off unless overridden;
 - ``mrope_section``: from the HF (text) config's RoPE parameters;
 - the hybrid pattern: a Nemotron-H config's ``hybrid_override_pattern`` (or its
   ``layers_block_type``).
@@ -65,6 +65,7 @@ def transformer_config_view(model_config: Any, engine_config: Any) -> SimpleName
         apply_rope_fusion=False,
         experimental_attention_variant=_ATTENTION_VARIANTS.get(getattr(hf, "model_type", None)),
         mtp_num_layers=(_mtp_depth(hf) or None) if getattr(mtp, "enable", False) else None,
+        mtp_use_repeated_layer=False,
         mrope_section=rope.get("mrope_section") if hasattr(rope, "get") else None,
         window_size=None,
     )

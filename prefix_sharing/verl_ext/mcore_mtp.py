@@ -93,14 +93,22 @@ def verl_mtp_loss_masks(response_mask: torch.Tensor, lengths: list[int],
     return masks
 
 
-def mtp_problems(model_config: Any, sharing: Any) -> list:
+def mtp_problems(model_config: Any, engine_config: Any, sharing: Any) -> list:
     """Where the Megatron engine does not train MTP layers with sharing on: a group run across
-    micro-batches (:mod:`.cross_forward` plans the decoder's rows only)."""
+    micro-batches (:mod:`.cross_forward` plans the decoder's rows only), and megatron's
+    per-token loss, which verl normalises its own way (its legacy branch rescales by the rolled
+    token count on every release, its ``process_mtp_loss`` branch by the routed tokens)."""
     from ..refusals import Refused
 
     mtp = getattr(model_config, "mtp", None)
-    if getattr(mtp, "enable", False) and getattr(mtp, "enable_train", False) and (
-            sharing.cross_micro_batch):
-        return [Refused("verl.mtp", "model.mtp.enable_train=True with "
-                                    "prefix_grouper.cross_micro_batch=true")]
-    return []
+    if not (getattr(mtp, "enable", False) and getattr(mtp, "enable_train", False)):
+        return []
+    found = []
+    if sharing.cross_micro_batch:
+        found.append(Refused("verl.mtp", "model.mtp.enable_train=True with "
+                                         "prefix_grouper.cross_micro_batch=true"))
+    overrides = getattr(engine_config, "override_transformer_config", None) or {}
+    if overrides.get("calculate_per_token_loss"):
+        found.append(Refused("verl.mtp", "model.mtp.enable_train=True with "
+                                         "override_transformer_config.calculate_per_token_loss"))
+    return found

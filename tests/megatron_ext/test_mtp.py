@@ -9,7 +9,8 @@ Specification:
   log-probs, each depth's logged MTP loss, and every gradient (the MTP layers', the shared
   embedding's and output layer's), fp32 within 1e-5 relative; GRPO, step-wise chain, tree with
   a duplicate and a strict prefix, no sharing; one and two depths, TP=1 and TP=2 with and
-  without sequence parallelism, megatron's full activation recompute (the MTP layers' too); MoE MTP layers (router statistics included) against the padded
+  without sequence parallelism, megatron's full activation recompute (the MTP layers' too),
+  megatron's per-token loss (``calculate_per_token_loss``: each release's own rule); MoE MTP layers (router statistics included) against the padded
   run on micro-batches of equal lengths (megatron gives its MTP routers no padding mask, so pad
   tokens would count there), judged by flash-attn's rule against the float64 padded run (no
   further from it than 3x the fp32 padded run, or 1e-5): a rarely routed expert's small
@@ -171,6 +172,8 @@ def _mtp_job(rank: int, preset_name: str, depth: int, overrides: dict) -> dict:
     batches = micro_batches() if preset_name == "tiny" else _equal_lengths(micro_batches())
     for i, seqs in enumerate(batches):
         masks, weights = _loss_masks(seqs, i), _weights(seqs, i)
+        if overrides.get("calculate_per_token_loss"):  # loss on the positions a roll drops,
+            masks = [torch.ones(len(s)) for s in seqs]  # where the releases' rules differ
         runs, grads = {}, {}
         for name, step in steps.items():
             model = models[name]
@@ -209,6 +212,8 @@ CASES = {
                                                      recompute_method="uniform",
                                                      recompute_num_layers=1)),
     "depth2_tp2_sequence_parallel": ("tiny", 2, 2, {"sequence_parallel": True}),
+    # megatron's per-token loss: 0.16 attaches each depth's sum, 0.19 rescales it
+    "depth2_tp1_per_token_loss": ("tiny", 2, 1, {"calculate_per_token_loss": True}),
     "moe_depth2_tp1": ("tiny-moe", 2, 1, {}),
     "moe_depth1_tp2_sequence_parallel": ("tiny-moe", 1, 2, {"sequence_parallel": True}),
 }
@@ -370,7 +375,8 @@ def test_settings_not_planned_per_depth_are_refused():
     assert mtp_problems(Config(virtual_pipeline_model_parallel_size=2)) == []  # served
     (found,) = mtp_problems(Config(moe_enable_routing_replay=True))
     assert found.key == "megatron.mtp" and "routing_replay" in found.detail
-    (found,) = mtp_problems(Config(calculate_per_token_loss=True))
+    assert mtp_problems(Config(calculate_per_token_loss=True)) == []  # served at CP=1
+    (found,) = mtp_problems(Config(calculate_per_token_loss=True, context_parallel_size=2))
     assert "calculate_per_token_loss" in found.detail
 
 

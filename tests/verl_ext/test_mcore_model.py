@@ -53,11 +53,11 @@ def test_deepseek_v4_attention_is_refused_as_sparse_attention():
 def test_mtp_layers_are_served_unless_their_depths_cannot_be_planned():
     """verl builds the checkpoint's MTP layers with model.mtp.enable, and clears them without;
     the layers are served (tests/verl_ext/test_mcore_mtp.py) but under settings the depths'
-    plans do not serve, such as megatron's per-token loss normalisation."""
+    plans do not serve, such as one layer repeated for every depth."""
     assert keys(model("qwen2", num_nextn_predict_layers=1), engine()) == []
     assert keys(model("qwen2", mtp=True, num_nextn_predict_layers=1), engine()) == []
-    assert keys(model("qwen2", mtp=True, num_nextn_predict_layers=1),
-                engine(calculate_per_token_loss=True)) == ["megatron.mtp"]
+    assert keys(model("qwen2", mtp=True, num_nextn_predict_layers=2),
+                engine(mtp_use_repeated_layer=True)) == ["megatron.mtp"]
     assert keys(model("qwen2", mtp=True), engine()) == []  # no MTP layer: verl's own error
 
 

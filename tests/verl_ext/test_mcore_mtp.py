@@ -173,19 +173,23 @@ def test_context_parallel_sharing_equals_the_stock_step_on_one_rank(results):
                     plain["train"]["metrics"][key], rel=1e-5)
 
 
-def test_mtp_training_across_micro_batches_and_on_fsdp_is_refused_by_name():
-    """A group run across micro-batches plans the decoder's rows only; the FSDP engines train
-    no MTP layers."""
+def test_mtp_training_across_micro_batches_per_token_and_on_fsdp_is_refused_by_name():
+    """A group run across micro-batches plans the decoder's rows only; verl normalises a
+    per-token MTP loss its own way; the FSDP engines train no MTP layers."""
     from prefix_sharing.config import PrefixSharingConfig
     from prefix_sharing.verl_ext.mcore import check_engine_setup
     from prefix_sharing.verl_ext.mcore_mtp import mtp_problems
 
     model_config = SimpleNamespace(mtp=_mtp_section(False, True))
-    (found,) = mtp_problems(model_config, PrefixSharingConfig(cross_micro_batch=True))
+    engine = SimpleNamespace(override_transformer_config={})
+    (found,) = mtp_problems(model_config, engine, PrefixSharingConfig(cross_micro_batch=True))
     assert found.key == "verl.mtp" and "cross_micro_batch" in found.detail
-    assert mtp_problems(model_config, PrefixSharingConfig()) == []
-    assert mtp_problems(SimpleNamespace(mtp=_mtp_section(False, False)),
+    assert mtp_problems(model_config, engine, PrefixSharingConfig()) == []
+    assert mtp_problems(SimpleNamespace(mtp=_mtp_section(False, False)), engine,
                         PrefixSharingConfig(cross_micro_batch=True)) == []
+    per_token = SimpleNamespace(override_transformer_config={"calculate_per_token_loss": True})
+    (found,) = mtp_problems(model_config, per_token, PrefixSharingConfig())
+    assert found.key == "verl.mtp" and "calculate_per_token_loss" in found.detail
     engine = SimpleNamespace(dynamic_context_parallel=False)
     check_engine_setup(engine, model_config, serves_mtp=True)
     with pytest.raises(Exception, match=r"\[verl\.mtp\]"):

@@ -50,8 +50,8 @@ BUILD_ROWS = {
     "megatron_mtp_layers": ([MODEL + "mtp.enable=true"],  # MTP layers built, not trained
                             ("qwen2", {"num_nextn_predict_layers": 1}), None),
     "megatron_mtp_trained": (MTP_TRAIN, ("qwen2", {"num_nextn_predict_layers": 2}), None),
-    "megatron_mtp_per_token_loss": (MTP_TRAIN + [OVERRIDE + "calculate_per_token_loss=true"],
-                                    ("qwen2", {"num_nextn_predict_layers": 1}),
+    "megatron_mtp_repeated_layer": (MTP_TRAIN + [OVERRIDE + "mtp_use_repeated_layer=true"],
+                                    ("qwen2", {"num_nextn_predict_layers": 2}),
                                     "megatron.mtp"),
     "megatron_window": ([OVERRIDE + "window_size=[8,2]"], ("qwen2", {}),
                         "megatron.window_reads_later_keys"),
