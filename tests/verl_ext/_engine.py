@@ -26,6 +26,14 @@ import verl.workers.engine.megatron.transformer_impl  # noqa: F401  (registers t
 from ._batch import PRESET, make_batch, plain_output, use_cpu_platform
 
 
+# MoE router losses whose statistics verl's stock step and sharing define alike (docs/moe.md:
+# megatron's THD path makes the packed micro-batch one sequence in seq_aux_loss, sharing one per
+# sample, and under sequence parallelism takes the z-loss as a sum of means over each rank's
+# slice of its packed rows, sharing of the padded batch's; the load-balancing statistics agree)
+ROUTER_LOSSES = dict(moe_router_load_balancing_type=["aux_loss", "global_aux_loss"],
+                     moe_aux_loss_coeff=[0.1, 0.1], moe_z_loss_coeff=None)
+
+
 def actor_config(prefix_grouper: dict | None, *, megatron: dict | None = None, **overrides: Any):
     """verl's ``McoreActorConfig`` built the way the worker builds it (OmegaConf -> dataclass);
     ``megatron``: engine settings (e.g. ``context_parallel_size``)."""

@@ -30,15 +30,10 @@ import pytest  # noqa: E402
 from prefix_sharing.engines.launch import run_distributed  # noqa: E402
 from prefix_sharing.presets import PRESETS  # noqa: E402
 from tests.verl_ext._compare import MODES, same_outputs  # noqa: E402
+from tests.verl_ext._engine import ROUTER_LOSSES  # noqa: E402
 
 PRESET = dataclasses.replace(PRESETS["tiny-mla"], first_dense_layers=0)
 WORKLOADS = ("tree", "grpo")
-# docs/moe.md: megatron's THD path (verl's stock step) makes the packed micro-batch one sequence
-# in seq_aux_loss (sharing: one per sample), and under sequence parallelism takes the z-loss as a
-# sum of means over each rank's slice of its packed rows (sharing: of the padded batch's); the
-# load-balancing statistics agree
-ROUTER_LOSSES = dict(moe_router_load_balancing_type=["aux_loss", "global_aux_loss"],
-                     moe_aux_loss_coeff=[0.1, 0.1], moe_z_loss_coeff=None)
 VARIANTS = {"q_lora": {}, "without_q_lora": dict(q_lora_rank=None)}
 
 

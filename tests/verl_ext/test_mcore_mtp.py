@@ -3,7 +3,9 @@
 prompt-zeros + response loss mask rolled along each sample, the output layer detached from the
 MTP loss on megatron-core 0.16): old log-probs, entropy, ``ppo_loss``, the logged MTP losses
 and every gradient (the MTP layers', the embedding's, the output layer's), fp32 within 1e-5;
-GRPO, tree and step-wise batches; one and two depths; ``mtp.detach_encoder``;
+GRPO, tree and step-wise batches; one and two depths; ``mtp.detach_encoder``; MoE (the
+tiny-moe preset, its MTP layer MoE as well, with the router losses verl's packed step and
+sharing define alike);
 ``use_fused_kernels`` (which verl turns off when MTP is enabled: neither side calls the CPU
 stand-in of its kernel); TP=2 with
 sequence parallelism, PP=2 (the MTP layers on the last stage), PP=2 x VPP=2 (in the last
@@ -17,6 +19,7 @@ require_verl(("0.9.1", "0.8.0"))
 
 import dataclasses  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
+from typing import NamedTuple  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -25,13 +28,24 @@ from tests.verl_ext._compare import MODES, close, same_outputs  # noqa: E402
 
 BOTH = ("off", "arbitrary_prefix")
 VPP_BATCHES = {"grpo": dict(num_prompts=2, group_size=2), "steprl": dict(num_chains=1, num_steps=4)}
-CASES = {  # name -> (workloads, mtp_num_layers, detach_encoder, enable_train, fused kernels)
-    "depth1": (("grpo", "tree", "steprl"), 1, False, True, False),
-    "depth2-detach": (("grpo", "tree"), 2, True, True, False),
-    "not-trained": (("grpo",), 1, False, False, False),
+class Case(NamedTuple):
+    workloads: tuple[str, ...]
+    depths: int = 1  # mtp_num_layers
+    detach_encoder: bool = False
+    enable_train: bool = True
+    fused: bool = False  # use_fused_kernels
+    moe: bool = False  # the tiny-moe preset, MTP layers MoE too
+
+
+CASES = {
+    "depth1": Case(("grpo", "tree", "steprl")),
+    "depth2-detach": Case(("grpo", "tree"), depths=2, detach_encoder=True),
+    "not-trained": Case(("grpo",), enable_train=False),
     # verl turns use_fused_kernels off when MTP is enabled (_maybe_enable_fused_kernels): the
     # MTP layers train, and neither side calls the fused kernel
-    "fused": (("grpo",), 1, False, True, True),
+    "fused": Case(("grpo",), fused=True),
+    # router losses whose statistics verl's packed step and sharing define alike (docs/moe.md)
+    "moe": Case(("grpo", "tree"), moe=True),
 }
 
 
@@ -49,9 +63,10 @@ def _job(rank: int, cases: tuple[str, ...], modes: tuple[str, ...], parallel: di
 
     from prefix_sharing.engines.megatron import (finalize_context_parallel_grads,
                                                  finalize_sequence_parallel_grads)
+    from prefix_sharing.presets import PRESETS
     from tests.verl_ext import fake_linear_cross_entropy
     from tests.verl_ext._batch import PRESET, make_batch, use_cpu_platform
-    from tests.verl_ext._engine import actor_config, build_engine, step
+    from tests.verl_ext._engine import ROUTER_LOSSES, actor_config, build_engine, step
 
     def finalize(model) -> None:
         finalize_sequence_parallel_grads(model)
@@ -66,27 +81,33 @@ def _job(rank: int, cases: tuple[str, ...], modes: tuple[str, ...], parallel: di
         overrides["preset"] = dataclasses.replace(PRESET, num_layers=4)  # micro-batches in
         sizes = VPP_BATCHES  # a multiple of the stages, as verl's schedule requires
     found = {}
-    for case in cases:
-        workloads, depths, detach, train, fused = CASES[case]
+    for name in cases:
+        case = CASES[name]
         MTPLossLoggingHelper.tracker.clear()  # sized by the first model's depths
-        for workload in workloads if not sizes else sizes:
+        model = dict(overrides)
+        if case.moe:
+            moe = PRESETS["tiny-moe"]
+            model.update(preset=moe, spec=dict(num_experts=moe.num_experts, qk_layernorm=True),
+                         **ROUTER_LOSSES)
+        for workload in case.workloads if not sizes else sizes:
             for mode in modes:
                 config = actor_config(MODES[mode], megatron=megatron or None)
-                config.engine.use_fused_kernels = fused
+                config.engine.use_fused_kernels = case.fused
                 with fake_linear_cross_entropy.installed() as calls:
-                    engine = build_engine(config, mtp=_mtp_section(detach, train),
-                                          mtp_num_layers=depths, **overrides)
-                    if fused:
+                    engine = build_engine(config, mtp=_mtp_section(case.detach_encoder,
+                                                                   case.enable_train),
+                                          mtp_num_layers=case.depths, **model)
+                    if case.fused:
                         engine._maybe_enable_fused_kernels()  # as verl's initialize() does
-                    found[case, workload, mode] = step(
+                    found[name, workload, mode] = step(
                         engine, config, lambda: make_batch(workload, **sizes.get(workload, {})),
                         finalize=finalize)
-                found[case, workload, mode]["kernel_calls"] = len(calls)
-        if case == "depth1" and not parallel:  # no MTP loss: the decoder's gradients move
+                found[name, workload, mode]["kernel_calls"] = len(calls)
+        if name == "depth1" and not parallel:  # no MTP loss: the decoder's gradients move
             config = actor_config(MODES["arbitrary_prefix"])
             engine = build_engine(config, mtp=_mtp_section(False, True), mtp_num_layers=1,
                                   mtp_loss_scaling_factor=0.0)
-            found[case, "grpo", "unscaled"] = step(engine, config, lambda: make_batch("grpo"))
+            found[name, "grpo", "unscaled"] = step(engine, config, lambda: make_batch("grpo"))
     return found
 
 
@@ -97,7 +118,7 @@ def results():
 
 @pytest.mark.parametrize("case", CASES)
 def test_sharing_with_mtp_training_matches_verls_stock_step(results, case):
-    for workload in CASES[case][0]:
+    for workload in CASES[case].workloads:
         shared, plain = (results[case, workload, mode] for mode in ("arbitrary_prefix", "off"))
         where = f"{case} {workload}"
         same_outputs(shared, plain, where)
@@ -106,7 +127,7 @@ def test_sharing_with_mtp_training_matches_verls_stock_step(results, case):
         assert any("mtp.layers" in name for name in plain["grads"]), f"{where}: no MTP parameters"
         mtp_metrics = {k: v for k, v in plain["train"]["metrics"].items()
                        if k.startswith("mtp_losses/")}
-        trained = CASES[case][3]
+        trained = CASES[case].enable_train
         assert bool(mtp_metrics) == trained, f"{where}: verl logged {mtp_metrics}"
         assert plain["kernel_calls"] == shared["kernel_calls"] == 0
         for key, values in mtp_metrics.items():  # verl's lists, one value per step
@@ -136,7 +157,7 @@ def test_over_two_ranks(layout):
                        "pp2": ({"pipeline_model_parallel_size": 2}, dict(pp=2))}[layout]
     found = run_distributed(_job, 2, ("depth1",), BOTH, parallel, **ranks, timeout=600)
     for rank, runs in enumerate(found):
-        for workload in CASES["depth1"][0]:
+        for workload in CASES["depth1"].workloads:
             same_outputs(runs["depth1", workload, "arbitrary_prefix"],
                          runs["depth1", workload, "off"], f"{layout} rank {rank} {workload}")
 
@@ -163,7 +184,7 @@ def test_context_parallel_sharing_equals_the_stock_step_on_one_rank(results):
     found = run_distributed(_job, 2, ("depth1",), ("arbitrary_prefix",),
                             {"context_parallel_size": 2}, cp=2, timeout=600)
     for rank, runs in enumerate(found):
-        for workload in CASES["depth1"][0]:
+        for workload in CASES["depth1"].workloads:
             shared, plain = runs["depth1", workload, "arbitrary_prefix"], results[
                 "depth1", workload, "off"]
             same_outputs(shared, plain, f"CP=2 rank {rank} {workload}")

@@ -103,13 +103,14 @@ def _model(model_type: str) -> tuple:
     from prefix_sharing.presets import PRESETS, sharp
     from tests.verl_ext import test_mcore_mla as mla
     from tests.verl_ext._batch import PRESET
+    from tests.verl_ext._engine import ROUTER_LOSSES
 
     if model_type in MOE - {"qwen3_moe"}:
         return mla.PRESET, dict(num_experts=mla.PRESET.num_experts, multi_latent_attention=True,
-                                qk_layernorm=True), mla.ROUTER_LOSSES
+                                qk_layernorm=True), ROUTER_LOSSES
     if model_type == "qwen3_moe":
         moe = sharp(PRESETS["tiny-moe"])
-        return moe, dict(num_experts=moe.num_experts, qk_layernorm=True), mla.ROUTER_LOSSES
+        return moe, dict(num_experts=moe.num_experts, qk_layernorm=True), ROUTER_LOSSES
     return PRESET, dict(qk_layernorm=model_type == "qwen3"), {}
 
 
