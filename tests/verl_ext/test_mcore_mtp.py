@@ -87,7 +87,7 @@ def _job(rank: int, cases: tuple[str, ...], modes: tuple[str, ...], parallel: di
         model = dict(overrides)
         if case.moe:
             moe = PRESETS["tiny-moe"]
-            model.update(preset=moe, spec=dict(num_experts=moe.num_experts, qk_layernorm=True),
+            model.update(preset=moe, spec=dict(num_experts=moe.num_experts),
                          **ROUTER_LOSSES)
         for workload in case.workloads if not sizes else sizes:
             for mode in modes:
