@@ -25,7 +25,9 @@ API, for patch-set modules and for explicit use:
   :func:`sharing_config` reads it back in the engine.
 - ``.mcore``: the version-neutral pieces (``shared_forward``, ``check_engine_setup``,
   ``micro_batch_groups``, ``SharingMetrics``); ``.engine``: what every sharing engine does alike;
-  ``.hybrid``: the Megatron engine's refusal of Gated DeltaNet hybrids before megatron-core 0.19.2.
+  ``.hybrid``: the Megatron engine's refusal of Gated DeltaNet hybrids before megatron-core 0.19.2;
+  ``.mcore_mtp``: its MTP training (each depth planned with verl's loss mask, verl's gradient
+  rule).
 - Patch-set modules, one per verl engine, each registering a set per supported release:
   ``.mcore_engine`` (``verl*_mcore``: layer spec, forward-fn lookup, engine subclass),
   ``.mindspeed`` (``verl*_mcore_mindspeed``) and ``.fsdp`` (``verl*_fsdp``; ``.vlm``: its
