@@ -97,7 +97,7 @@ BUILD_CONDITIONS = {
                                        calculate_per_token_loss=True),
                                   "megatron.context_parallel.moe_per_token_loss"),
     "attention_variant_problems": (dict(experimental_attention_variant="dsa"), "megatron.dsa"),
-    "mtp_problems": (dict(mtp_num_layers=1, calculate_per_token_loss=True), "megatron.mtp"),
+    "mtp_problems": (dict(mtp_num_layers=1, mtp_use_repeated_layer=True), "megatron.mtp"),
     "mrope_problems": (dict(mrope_section=[2, 2, 2]), "megatron.mrope"),
     "window_problems": (dict(window_size=(8, 2)), "megatron.window_reads_later_keys"),
     "rope_fusion_problems": (dict(apply_rope_fusion=True, multi_latent_attention=True),
