@@ -244,9 +244,9 @@ def patch_engine(module: ModuleType) -> None:
                 if getattr(config, "num_moe_experts", None) and (
                         aux or getattr(config, "moe_z_loss_coeff", None)):
                     return "the MoE router's auxiliary / z-loss is taken per micro-batch"
-                mtp = self.model_config.mtp
-                if getattr(config, "mtp_num_layers", None) and mtp.enable and getattr(
-                        mtp, "enable_train", False):
+                mtp = getattr(getattr(self, "model_config", None), "mtp", None)
+                if getattr(config, "mtp_num_layers", None) and getattr(
+                        mtp, "enable", False) and getattr(mtp, "enable_train", False):
                     return "the MTP loss is averaged per micro-batch"
                 return None
 
