@@ -30,7 +30,7 @@ from ..errors import PrefixSharingSetupError
 from ..planner import PromptGroup, prompt_groups
 from ..refusals import Refused, refuse, refuse_all
 from .critic import restore_values
-from .mcore_mtp import mtp_plan_arguments
+from .mcore_mtp import mtp_plan_arguments, trains_mtp
 from .routing_replay import (RouteRecorder, check_padded_statistics, replay_mode_problems,
                              router_action)
 from .self_check import FirstStepSelfCheck
@@ -83,8 +83,7 @@ def check_engine_setup(engine_config: Any, model_config: Any | None = None, *,
     if not serves_fused_kernels and any(getattr(c, "use_fused_kernels", False)
                                         for c in (engine_config, model_config)):
         found.append(Refused("verl.fused_kernels", "use_fused_kernels=True"))
-    mtp = getattr(model_config, "mtp", None)
-    if not serves_mtp and getattr(mtp, "enable", False) and getattr(mtp, "enable_train", False):
+    if not serves_mtp and trains_mtp(model_config):
         found.append(Refused("verl.mtp", "model.mtp.enable_train=True"))
     model_type = getattr(model_config, "model_type", "language_model")
     if model_type not in ("language_model", "value_model"):  # the actor's and the critic's

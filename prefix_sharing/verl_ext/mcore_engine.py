@@ -165,7 +165,7 @@ def patch_engine(module: ModuleType) -> None:
     from .critic import value_head_problems
     from .hybrid import hybrid_release_problem
     from .mcore import fused_kernel_problems, micro_batch_groups, virtual_pipeline_problems
-    from .mcore_mtp import mtp_problems, share_verl_mtp
+    from .mcore_mtp import mtp_problems, share_verl_mtp, trains_mtp
     from .mcore_vlm import vision_model_problem
     from .mcore_model import model_build_problems
     from .megatron_lora import megatron_lora_problem
@@ -244,9 +244,8 @@ def patch_engine(module: ModuleType) -> None:
                 if getattr(config, "num_moe_experts", None) and (
                         aux or getattr(config, "moe_z_loss_coeff", None)):
                     return "the MoE router's auxiliary / z-loss is taken per micro-batch"
-                mtp = getattr(getattr(self, "model_config", None), "mtp", None)
-                if getattr(config, "mtp_num_layers", None) and getattr(
-                        mtp, "enable", False) and getattr(mtp, "enable_train", False):
+                if getattr(config, "mtp_num_layers", None) and trains_mtp(
+                        getattr(self, "model_config", None)):
                     return "the MTP loss is averaged per micro-batch"
                 return None
 

@@ -23,7 +23,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["mtp_plan_arguments", "mtp_problems", "share_verl_mtp", "verl_mtp_loss_masks"]
+__all__ = ["mtp_plan_arguments", "mtp_problems", "share_verl_mtp", "trains_mtp",
+           "verl_mtp_loss_masks"]
+
+
+def trains_mtp(model_config: Any) -> bool:
+    """Whether verl trains the model's MTP layers (``model.mtp.enable`` and ``enable_train``;
+    a model config without an MTP section trains none)."""
+    mtp = getattr(model_config, "mtp", None)
+    return bool(getattr(mtp, "enable", False) and getattr(mtp, "enable_train", False))
 
 
 def share_verl_mtp(chunks: list[torch.nn.Module], model_config: Any) -> None:
@@ -100,8 +108,7 @@ def mtp_problems(model_config: Any, engine_config: Any, sharing: Any) -> list:
     token count on every release, its ``process_mtp_loss`` branch by the routed tokens)."""
     from ..refusals import Refused
 
-    mtp = getattr(model_config, "mtp", None)
-    if not (getattr(mtp, "enable", False) and getattr(mtp, "enable_train", False)):
+    if not trains_mtp(model_config):
         return []
     found = []
     if sharing.cross_micro_batch:
