@@ -17,6 +17,7 @@ import copy
 import importlib
 import logging
 import sys
+import threading
 from types import ModuleType
 from typing import Any, Callable
 
@@ -32,9 +33,11 @@ _gdn_enabled = False
 def enable_cpu_megatron() -> None:
     """Redirect megatron-core's hard-coded CUDA uses to the CPU, once per process.
 
-    Safe to call any number of times. Call it in every process that runs megatron (each spawned
-    rank), from the thread that runs megatron (torch function modes are per thread), before
-    building models or calling ``model_parallel_cuda_manual_seed``. The redirections are
+    Safe to call any number of times, from any thread. Call it in every process that runs
+    megatron (each spawned rank), before building models or calling
+    ``model_parallel_cuda_manual_seed``, and again from every further thread that runs megatron
+    (a Ray actor's methods may run on another thread than its constructor): the redirection of
+    ``device="cuda"`` is a torch function mode, and those are per thread. The redirections are
     process-wide (``torch.cuda.manual_seed`` then seeds the CPU generator, for instance) and
     cannot be undone: call it only in processes meant to run megatron on CPU.
 
@@ -50,6 +53,7 @@ def enable_cpu_megatron() -> None:
             "must run on the GPU unpatched."
         )
     if _enabled:
+        _redirect_megatron_cuda_tensors()
         return
     # Imported before anything is patched, so that without megatron nothing changes.
     from megatron.core.fusions import fused_softmax
@@ -283,8 +287,13 @@ def _redirect_megatron_cuda_tensors() -> None:
     # device="cuda" tensors: pipeline_parallel/schedules.py (every forward_backward_* starts with
     # `torch.zeros(..., device="cuda")`), transformer/utils.get_default_causal_mask (when
     # attention_mask is None), optimizer/optimizer.py buffers, optimizer/clip_grads.py buffers;
-    # and clip_grads.py asserts `param.grad.type() == 'torch.cuda.FloatTensor'`.
-    _MegatronCudaOnCpu().__enter__()
+    # and clip_grads.py asserts `param.grad.type() == 'torch.cuda.FloatTensor'`. Once per thread.
+    if not getattr(_THREAD, "redirected", False):
+        _MegatronCudaOnCpu().__enter__()
+        _THREAD.redirected = True
+
+
+_THREAD = threading.local()
 
 
 class _MegatronCudaOnCpu(TorchFunctionMode):

@@ -30,7 +30,7 @@ def install() -> None:
     for patch in RELEASE_PATCHES[verl_release()]:
         patch()
     _rewrite_process_group_backend()
-    _register_fsdp_engines_for_cpu()
+    _register_engines_for_cpu()
     _unpin_cpu_offload()
     _load_value_heads_with_sdpa()
 
@@ -173,20 +173,24 @@ def _rewrite_process_group_backend() -> None:
     torch.distributed.init_process_group = init_process_group
 
 
-def _register_fsdp_engines_for_cpu() -> None:
-    """The FSDP engines are registered for cuda and npu only
-    (``workers/engine/fsdp/transformer_impl.py:1143,1594`` in 0.9.1): register for "cpu" the
-    class verl selects on an NVIDIA GPU, through verl's own decorator. That is prefix-sharing's
-    engine where its patch set registered one (0.9.1 registers it under vendor keys beside
-    verl's, which a device key for "cpu" copied from "cuda" would miss)."""
+def _register_engines_for_cpu() -> None:
+    """verl's engines are registered for cuda and npu only
+    (``workers/engine/fsdp/transformer_impl.py:1143,1594`` in 0.9.1; the Megatron engines for
+    cuda): register for "cpu" the class verl selects on an NVIDIA GPU, through verl's own
+    decorator. That is prefix-sharing's engine where its patch set registered one (0.9.1
+    registers it under vendor keys beside verl's, which a device key for "cpu" copied from
+    "cuda" would miss). The Megatron engines where megatron-core is installed."""
     from verl.workers.engine import EngineRegistry
-    from verl.workers.engine.fsdp import transformer_impl  # noqa: F401  (registers them)
 
     from prefix_sharing.verl_ext.engine import registered_engine
 
+    # importing an engine module registers its engines
+    importlib.import_module("verl.workers.engine.fsdp.transformer_impl")
+    if importlib.util.find_spec("megatron.core") is not None:
+        importlib.import_module("verl.workers.engine.megatron.transformer_impl")
     for model_type, backends in EngineRegistry._engines.items():
         for backend, by_key in backends.items():
-            if backend in ("fsdp", "fsdp2") and "cuda" in by_key and "cpu" not in by_key:
+            if "cuda" in by_key and "cpu" not in by_key:
                 engine = registered_engine(model_type, backend)
                 EngineRegistry.register(model_type, backend, device="cpu")(engine)
 

@@ -19,11 +19,14 @@ FP32 = "{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}"
 
 def tiny_grpo_overrides(assets_root: str | Path, *, n_ranks: int = 2, steps: int = 3,
                         mode: str = "arbitrary_prefix", rollout_n: int = 4,
-                        critic: bool = False) -> list[str]:
-    """The tiny GRPO: FSDP2 actor and reference (KL loss), greedy branch rollouts, the toy
-    reward, every setting as short as verl allows; sharing configured (on unless
-    ``ENABLE_PREFIX_SHARING=0``). ``critic``: PPO with GAE instead, an FSDP2 critic (a value
-    head on the same tiny model) sharing too."""
+                        critic: bool = False, strategy: str = "fsdp2",
+                        tensor_parallel: int = 1) -> list[str]:
+    """The tiny GRPO: actor and reference (KL loss), greedy branch rollouts, the toy reward,
+    every setting as short as verl allows; sharing configured (on unless
+    ``ENABLE_PREFIX_SHARING=0``). ``strategy``: ``fsdp2``, or ``megatron`` (verl's Megatron
+    engine through the vanilla mbridge, ``tensor_parallel`` ways, the rest data-parallel; see
+    :mod:`.megatron`). ``critic``: PPO with GAE instead, an FSDP2 critic (a value head on the
+    same tiny model) sharing too."""
     assets = make_tiny_assets(assets_root)
     prompts_per_step = 2 * n_ranks
     critic_section = [
@@ -35,6 +38,7 @@ def tiny_grpo_overrides(assets_root: str | Path, *, n_ranks: int = 2, steps: int
         "++critic.use_prefix_grouper=true", f"++critic.prefix_grouper.mode={mode}",
     ] if critic else []
     return [
+        *ENGINE_SECTIONS[strategy](tensor_parallel),
         f"algorithm.adv_estimator={'gae' if critic else 'grpo'}", *critic_section,
         f"data.train_files={assets.train_files}", f"data.val_files={assets.val_files}",
         f"data.train_batch_size={prompts_per_step}", "data.max_prompt_length=96",
@@ -42,16 +46,11 @@ def tiny_grpo_overrides(assets_root: str | Path, *, n_ranks: int = 2, steps: int
         f"actor_rollout_ref.model.path={assets.model}",
         "actor_rollout_ref.model.use_remove_padding=true",
         "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
-        "actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.ref.strategy=fsdp2",
         "actor_rollout_ref.actor.optim.lr=1e-4", "actor_rollout_ref.actor.calculate_entropy=true",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={prompts_per_step}",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
         "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0.1",
         "actor_rollout_ref.actor.entropy_coeff=0.01",
-        "actor_rollout_ref.actor.fsdp_config.param_offload=false",
-        # fp32 throughout (verl's FSDP default computes in bf16): the comparisons are fp32's
-        f"++actor_rollout_ref.actor.fsdp_config.mixed_precision={FP32}",
-        f"++actor_rollout_ref.ref.fsdp_config.mixed_precision={FP32}",
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
         "actor_rollout_ref.rollout.name=hf", f"actor_rollout_ref.rollout.n={rollout_n}",
@@ -77,6 +76,33 @@ def tiny_grpo_overrides(assets_root: str | Path, *, n_ranks: int = 2, steps: int
         "+ray_kwargs.ray_init.include_dashboard=false",
         "+ray_kwargs.ray_init.resources.cpu=16",
     ]
+
+
+def _fsdp2_section(tensor_parallel: int) -> list[str]:
+    if tensor_parallel != 1:
+        raise ValueError("the FSDP2 engines are data-parallel only here: tensor_parallel=1")
+    return [
+        "actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.ref.strategy=fsdp2",
+        "actor_rollout_ref.actor.fsdp_config.param_offload=false",
+        # fp32 throughout (verl's FSDP default computes in bf16): the comparisons are fp32's
+        f"++actor_rollout_ref.actor.fsdp_config.mixed_precision={FP32}",
+        f"++actor_rollout_ref.ref.fsdp_config.mixed_precision={FP32}",
+    ]
+
+
+def _megatron_section(tensor_parallel: int) -> list[str]:
+    """verl's Megatron config (``model_engine=megatron``), the vanilla-mbridge route, fp32 (the
+    shim lets ``float32`` through verl's bf16/fp16 check: :mod:`.megatron`)."""
+    section = ["model_engine=megatron"]
+    for role in ("actor", "ref"):
+        prefix = f"actor_rollout_ref.{role}.megatron"
+        section += [f"{prefix}.dtype=float32", f"{prefix}.use_mbridge=true",
+                    f"{prefix}.vanilla_mbridge=true",
+                    f"{prefix}.tensor_model_parallel_size={tensor_parallel}"]
+    return section
+
+
+ENGINE_SECTIONS = {"fsdp2": _fsdp2_section, "megatron": _megatron_section}
 
 
 @dataclass

@@ -67,9 +67,9 @@ def arbitrary_run(workdir):
                         enable_sharing=True)
 
 
-def assert_same_steps(on, off):
-    assert len(on.steps) == len(off.steps) == STEPS
-    for step in range(STEPS):
+def assert_same_steps(on, off, steps=STEPS):
+    assert len(on.steps) == len(off.steps) == steps
+    for step in range(steps):
         assert rollouts_by_prompt(on.generations[step]) == rollouts_by_prompt(off.generations[step])
         for name in COMPARED:
             a, b = on.steps[step][name], off.steps[step][name]
@@ -93,10 +93,11 @@ def test_prompt_only_matches_stock_every_step(workdir, off_run):
     assert_ratio_is_planned(run)
 
 
-def group_plans(run):
+def group_plans(run, pad_to_multiple_of=1):
     """Per step, (tokens, computed tokens) of the step's batch with every GRPO group planned
     alone (build_plan on its members' token ids, from the rollout's token log): what the ranks
-    compute when each group is whole on one rank and in one micro-batch."""
+    compute when each group is whole on one rank and in one micro-batch (its flat rows padded
+    to ``pad_to_multiple_of``, as the Megatron engine pads them to the TP size)."""
     from collections import defaultdict
 
     from prefix_sharing.planner import build_plan
@@ -105,8 +106,8 @@ def group_plans(run):
     for record in run.token_log:
         by_step[record["global_steps"]][tuple(record["prompt"])].append(
             record["prompt"] + record["response"])
-    plans = [[build_plan(members, PrefixSharingConfig()) for members in by_step[step].values()]
-             for step in sorted(by_step)]
+    plans = [[build_plan(members, PrefixSharingConfig(), pad_to_multiple_of=pad_to_multiple_of)
+              for members in by_step[step].values()] for step in sorted(by_step)]
     return [(sum(p.num_tokens_total for p in step), sum(p.num_tokens_flat for p in step))
             for step in plans]
 
