@@ -48,8 +48,7 @@ TABLE: tuple[Refusal, ...] = (
     Refusal("megatron.mrope", "multimodal RoPE",
             "the plan carries one position per computed token, and multimodal RoPE takes three "
             "rows per token (temporal, height, width), which the Megatron path does not carry "
-            "yet; the HF / FSDP shim serves Qwen VLMs (docs/huggingface.md)",
-            _MEGATRON),
+            "yet; the HF / FSDP shim serves Qwen VLMs (docs/huggingface.md)", _MEGATRON),
     Refusal("megatron.window_reads_later_keys", "a sliding window that reads later keys",
             "a causal sliding window reads no later keys; keep the left size and set the right "
             "one to 0", _MEGATRON),
@@ -186,9 +185,10 @@ TABLE: tuple[Refusal, ...] = (
     Refusal("megatron.gdn.context_parallel", "Gated DeltaNet layers under context parallelism",
             "megatron's GDN all-to-all would split the flat layout's segments; use "
             "context_parallel_size=1", (*_MEGATRON, "cli")),
-    Refusal("megatron.hybrid_layer", "a hybrid layer sharing cannot serve yet",
-            "use a pattern of attention ('*'), Gated DeltaNet ('G', megatron-core 0.19.2), MLP "
-            "('-') and MoE ('E') layers", _MEGATRON),
+    Refusal("megatron.hybrid_layer", "a hybrid layer with no sharing version (Mamba: 'M')",
+            "megatron's Mamba mixer runs mamba_ssm's CUDA kernels, which no CPU test runs: its "
+            "sharing version (the SSD state at each branch point) is not built; patterns of "
+            "'*', 'G' (Gated DeltaNet, megatron-core 0.19.2), '-' and 'E' run", _MEGATRON),
     # --- megatron-core: groups across micro-batches ---------------------------------------
     Refusal("megatron.cross_micro_batch.context_parallel",
             "cross-micro-batch sharing under context parallelism with activation recompute, "
