@@ -12,6 +12,11 @@ the K/V rows one layer holds (``attention.sources.key_rows``), the peak bytes ab
 on CPU) and the median wall time of ``--repeats`` steps, interleaved.
 
     python scripts/bench_kv_sources.py [--length-scale 2] [--repeats 5] [--json]
+
+``--context-parallel 2 4`` instead counts, for each CP size, the K/V rows the most loaded CP
+rank holds per layer (host plans only, nothing timed): the all-gathered flat rows plus, under
+the gather, each local query piece's keys copied together; over sources (the torch and NPU
+kernels) the flat rows alone, and the query rows the node parts copy.
 """
 
 from __future__ import annotations
@@ -65,12 +70,44 @@ def measure(name: str, scale: int, repeats: int) -> dict:
     return result
 
 
+def context_parallel_rows(name: str, scale: int, cp: int) -> dict:
+    """K/V rows per layer on the CP rank that holds most, under the gather and over sources."""
+    from prefix_sharing.attention.sources import source_layout
+    from prefix_sharing.megatron_ext.context_parallel import slice_plan
+
+    workload = make_workload(name, **scale_lengths(BENCH_SIZES[name], scale))
+    plan = build_plan(workload.sequences, PrefixSharingConfig(), pad_to_multiple_of=cp)
+    rows, per_rank = plan.num_tokens_flat, plan.num_tokens_flat // cp
+    gathered = [slice_plan(plan, rank, cp).cu_seqlens_kv_host[-1] for rank in range(cp)]
+    layouts = [source_layout(plan, rows=(rank * per_rank, (rank + 1) * per_rank))
+               for rank in range(cp)]
+    copied = [sum(part.cu_seqlens_q_host[-1] for part in layout.parts
+                  if part.q_index is not None) for layout in layouts]
+    return {"workload": name, "cp": cp, "tokens": plan.num_tokens_total, "computed": rows,
+            "kv_rows_gather": rows + max(gathered), "kv_rows_sources": rows,
+            "query_rows_copied": max(copied)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--length-scale", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--context-parallel", type=int, nargs="+", metavar="CP")
     args = parser.parse_args()
+    if args.context_parallel:
+        rows = [context_parallel_rows(name, args.length_scale, cp)
+                for name in WORKLOADS for cp in args.context_parallel]
+        if args.json:
+            print(json.dumps(rows))
+            return
+        print(f"{'workload':<8} {'CP':>2} {'tokens':>7} {'computed':>8} {'kv gather':>9} "
+              f"{'kv sources':>10} {'q rows copied':>13}")
+        for r in rows:
+            print(f"{r['workload']:<8} {r['cp']:>2} {r['tokens']:>7} {r['computed']:>8} "
+                  f"{r['kv_rows_gather']:>9} {r['kv_rows_sources']:>10} "
+                  f"{r['query_rows_copied']:>13}")
+        return
     torch.set_num_threads(1)
     keep_freed_memory_in_heap()
     results = [measure(name, args.length_scale, args.repeats) for name in WORKLOADS]

@@ -21,6 +21,7 @@ from ..kernel_backends import KernelBackends, Package
 __all__ = [
     "BackendFn",
     "BACKEND_FUNCTIONS",
+    "CAUSAL_KEYS_ONLY_SEGMENTS",
     "KERNEL_DTYPES",
     "READS_HOST_BOUNDARIES",
     "host_boundaries",
@@ -49,6 +50,11 @@ LSE_KERNELS: dict[str, tuple[str, str, str]] = {
     "flash_attn": ("flash_attn_backend", "attention_lse_flash", "attention_lse_backward_flash"),
     "npu": ("npu_backend", "attention_lse_npu", "attention_lse_backward_npu"),
 }
+# With-lse kernels whose causal calls take segments with keys but no queries (rows read by
+# nobody, K/V left in place): torch's (it skips them), torch_npu's (its calls leave them out).
+# flash-attn documents no such segment for causal calls: a layout that needs them (a
+# context-parallel slice's own pieces, :func:`.sources.source_layout`) gathers there instead.
+CAUSAL_KEYS_ONLY_SEGMENTS = frozenset({"torch", "npu"})
 # Kernels that take the segment boundaries as host ints (``cu_seqlens_*_host``): without them
 # they copy ``cu_seqlens`` to the host themselves, a device sync in every call.
 READS_HOST_BOUNDARIES = frozenset({"torch", "npu"})

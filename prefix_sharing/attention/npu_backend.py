@@ -146,7 +146,7 @@ def attention_lse_npu(
     bounds_k = host_boundaries(cu_seqlens_k, cu_seqlens_k_host)
     out = q.new_empty(q.size(0), q.size(1), v.size(-1))
     lse = torch.empty(q.size(1), q.size(0), dtype=torch.float32, device=q.device)
-    for call in _calls(bounds_q, bounds_k):
+    for call in _calls(bounds_q, bounds_k, causal):
         q0, q1, _, _, ends_q, _ = call
         if q1 == q0:  # only segments without queries: nothing to compute
             continue
@@ -188,7 +188,7 @@ def attention_lse_backward_npu(
     bounds_q = host_boundaries(cu_seqlens_q, cu_seqlens_q_host)
     bounds_k = host_boundaries(cu_seqlens_k, cu_seqlens_k_host)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for q0, q1, k0, k1, ends_q, ends_k in _calls(bounds_q, bounds_k):
+    for q0, q1, k0, k1, ends_q, ends_k in _calls(bounds_q, bounds_k, causal):
         if q1 == q0:
             continue
         to_kernel, _ = _softmax_rows(tuple(ends_q), q.size(1), q.device)
@@ -243,14 +243,28 @@ def _fusion_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: t
         actual_seq_kvlen=ends_k, **_mask_mode(causal, window, q.device))
 
 
-def _calls(bounds_q: Sequence[int], bounds_k: Sequence[int]):
+def _calls(bounds_q: Sequence[int], bounds_k: Sequence[int], causal: bool = True):
     """``(q0, q1, k0, k1, ends_q, ends_k)`` per kernel call: a TND call takes at most
     NPU_MAX_SEGMENTS segments, so more are run in consecutive calls, each on its segments'
-    rows (contiguous in q and in k/v), ends counted from its first row."""
+    rows (contiguous in q and in k/v), ends counted from its first row. A causal call leaves
+    out the segments with keys but no queries at either end (their keys are read by nobody,
+    and the causal modes take no leading empty query segment): a context-parallel slice's
+    own pieces start and end with one (:mod:`.sources`)."""
     for first, stop in segment_chunks(len(bounds_q) - 1):
+        if causal:
+            while first < stop and _keys_only(bounds_q, bounds_k, first):
+                first += 1
+            while stop > first and _keys_only(bounds_q, bounds_k, stop - 1):
+                stop -= 1
+            if first == stop:
+                continue
         q0, q1, k0, k1 = bounds_q[first], bounds_q[stop], bounds_k[first], bounds_k[stop]
         yield (q0, q1, k0, k1, [e - q0 for e in bounds_q[first + 1: stop + 1]],
                [e - k0 for e in bounds_k[first + 1: stop + 1]])
+
+
+def _keys_only(bounds_q: Sequence[int], bounds_k: Sequence[int], i: int) -> bool:
+    return bounds_q[i + 1] == bounds_q[i] and bounds_k[i + 1] > bounds_k[i]
 
 
 def _scale(q: torch.Tensor, softmax_scale: float | None) -> float:

@@ -23,6 +23,11 @@ blocks in front of its own rows) adds one more key source per stored block under
 log-sum-exp: no ``cat(stored, own)``, no gather. Under ``"gather"`` the caller's stored K/V
 are concatenated in front of the flat rows, as ``kv_gather_index`` addresses them.
 
+A context-parallel rank holds the query rows of a slice of the flat layout and, all-gathered,
+K/V of every row: ``source_layout(plan, rows=(lo, hi))`` lays out the same two parts for the
+slice's rows (its own pieces over their segments' rows up to the last local query, bottom-right
+causal; the local rows of each node's readers over the node), every peer's rows read in place.
+
 The rule (:func:`choose_execution`), in order:
 
 1. K/V handed as one tensor of other rows than the plan's flat rows (a caller that
@@ -142,55 +147,72 @@ def key_rows(plan: SharingPlan, *, window: int | None = None, backend: str = "to
     return KeyRows(execution, computed, computed, copied, stored)
 
 
-def source_layout(plan: SharingPlan, stored_rows: tuple[int, ...] = ()) -> SourceLayout | None:
+def source_layout(plan: SharingPlan, stored_rows: tuple[int, ...] = (),
+                  rows: tuple[int, int] | None = None) -> SourceLayout | None:
     """The plan's kernel calls and their merge (module docstring), with one dense part per
     stored source of ``stored_rows`` rows (they add up to ``plan.external_rows``), built on
-    the host once per plan and stored rows and kept with it
+    the host once per plan, stored rows and query rows and kept with it
     (:func:`~prefix_sharing.memo.derived`); ``None`` where the plan does not say where its
     prefix keys live (``prefix_runs_host``), or when it disagrees with the key segments (a
-    plan rewritten around rows it does not lay out)."""
-    return derived(plan, _build_layout, tuple(stored_rows))
+    plan rewritten around rows it does not lay out).
+
+    ``rows``: only the query rows ``[lo, hi)`` of the flat layout (a context-parallel rank's
+    slice, :mod:`prefix_sharing.megatron_ext.context_parallel`), over K/V of all the flat rows:
+    each segment's local queries over its own rows up to its last local query (bottom-right
+    causal), and the local rows of each node's readers over the node; the layout's q is the
+    slice's rows. Not with stored sources (``None``)."""
+    return derived(plan, _build_layout, tuple(stored_rows), rows)
 
 
-def _build_layout(plan: SharingPlan, stored_rows: tuple[int, ...]) -> SourceLayout | None:
+def _build_layout(plan: SharingPlan, stored_rows: tuple[int, ...],
+                  rows: tuple[int, int] | None) -> SourceLayout | None:
     runs, bounds_q, bounds_kv = plan.prefix_runs_host, plan.cu_seqlens_q_host, plan.cu_seqlens_kv_host
     if runs is None or len(runs) != len(bounds_q) - 1 or sum(stored_rows) != plan.external_rows:
+        return None
+    if rows is not None and stored_rows:
         return None
     for i, segment in enumerate(runs):
         prefix = plan.external_rows + sum(stop - start for start, stop in segment)
         if prefix + bounds_q[i + 1] - bounds_q[i] != bounds_kv[i + 1] - bounds_kv[i]:
             return None
-    readers = _node_readers(runs)
     rows_total = plan.num_tokens_flat
+    lo, hi = (0, rows_total) if rows is None else rows
+    readers = _node_readers(runs)
     device = plan.cu_seqlens_q.device
-    own = KeyPart(None, plan.cu_seqlens_q, plan.cu_seqlens_q, bounds_q, bounds_q,
-                  plan.max_seqlen_q, plan.max_seqlen_q, causal=True)
+    own = _own_part(plan, lo, hi) if rows is not None else KeyPart(
+        None, plan.cu_seqlens_q, plan.cu_seqlens_q, bounds_q, bounds_q, plan.max_seqlen_q,
+        plan.max_seqlen_q, causal=True)
     # every query row (pad rows too: their outputs are read by nobody) over each stored block
     cu_all = (0, rows_total)
     stored = tuple(
         KeyPart(None, torch.tensor(cu_all, dtype=torch.int32, device=device),
-                torch.tensor((0, rows), dtype=torch.int32, device=device), cu_all, (0, rows),
-                rows_total, rows, causal=False, source=i + 1)
-        for i, rows in enumerate(stored_rows))
-    if not readers:  # no segment reads a flat prefix: its own segments and the stored blocks
-        return SourceLayout((own, *stored))
+                torch.tensor((0, n), dtype=torch.int32, device=device), cu_all, (0, n),
+                rows_total, n, causal=False, source=i + 1)
+        for i, n in enumerate(stored_rows))
 
-    # the node part: per node, its readers' tails (segment order) over its rows; the rows
-    # between nodes are segments without queries, so K/V stay in place
+    # the node part: per node, its readers' (local) tail rows, segment order, over its rows;
+    # the rows between nodes are segments without queries, so K/V stay in place
     q_rows, cu_q, cu_k = [], [0], [0]
     for (start, stop), segments in sorted(readers.items()):
+        local = [np.arange(max(bounds_q[i], lo), min(bounds_q[i + 1], hi)) - lo
+                 for i in segments]
+        count = sum(piece.size for piece in local)
+        if not count:
+            continue
         if start > cu_k[-1]:
             cu_q.append(cu_q[-1])
             cu_k.append(start)
-        q_rows.extend(np.arange(bounds_q[i], bounds_q[i + 1]) for i in segments)
-        cu_q.append(cu_q[-1] + sum(bounds_q[i + 1] - bounds_q[i] for i in segments))
+        q_rows.extend(local)
+        cu_q.append(cu_q[-1] + count)
         cu_k.append(stop)
+    if not q_rows:  # no (local) row reads a flat prefix: own segments and the stored blocks
+        return SourceLayout((own, *stored))
     if cu_k[-1] < rows_total:
         cu_q.append(cu_q[-1])
         cu_k.append(rows_total)
-    rows = np.concatenate(q_rows)
+    read = np.concatenate(q_rows)
     nodes = KeyPart(
-        q_index=torch.from_numpy(rows).to(device),
+        q_index=torch.from_numpy(read).to(device),
         cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device=device),
         cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32, device=device),
         cu_seqlens_q_host=tuple(cu_q),
@@ -199,7 +221,32 @@ def _build_layout(plan: SharingPlan, stored_rows: tuple[int, ...]) -> SourceLayo
         max_seqlen_k=int(np.diff(cu_k).max()),
         causal=False,
     )
-    return SourceLayout((own, *stored, nodes), _slots(rows, rows_total).to(device))
+    return SourceLayout((own, *stored, nodes), _slots(read, hi - lo).to(device))
+
+
+def _own_part(plan: SharingPlan, lo: int, hi: int) -> KeyPart:
+    """The query rows ``[lo, hi)``, each segment's piece of them over the segment's rows up to
+    its last local query (bottom-right causal), K/V in place: the flat rows outside those key
+    ranges are segments without queries."""
+    bounds_q = plan.cu_seqlens_q_host
+    cu_q, cu_k = [0], [0]
+    for qs, qe in zip(bounds_q[:-1], bounds_q[1:]):
+        a, b = max(qs, lo), min(qe, hi)
+        if b <= a:
+            continue
+        if qs > cu_k[-1]:
+            cu_q.append(cu_q[-1])
+            cu_k.append(qs)
+        cu_q.append(cu_q[-1] + b - a)
+        cu_k.append(b)
+    if cu_k[-1] < plan.num_tokens_flat:
+        cu_q.append(cu_q[-1])
+        cu_k.append(plan.num_tokens_flat)
+    device = plan.cu_seqlens_q.device
+    return KeyPart(None, torch.tensor(cu_q, dtype=torch.int32, device=device),
+                   torch.tensor(cu_k, dtype=torch.int32, device=device), tuple(cu_q),
+                   tuple(cu_k), int(np.diff(cu_q).max()), int(np.diff(cu_k).max()),
+                   causal=True)
 
 
 def _node_readers(runs: tuple[tuple[tuple[int, int], ...], ...]) -> dict[tuple[int, int], list[int]]:

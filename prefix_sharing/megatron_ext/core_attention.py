@@ -16,7 +16,10 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import is_layer_window_attention
 
 from ..attention import prefix_attention, varlen_attention
-from ..attention.backends import READS_HOST_BOUNDARIES, resolve_backend
+from ..attention.backends import (CAUSAL_KEYS_ONLY_SEGMENTS, READS_HOST_BOUNDARIES,
+                                  get_lse_kernel, resolve_backend)
+from ..attention.merge import attention_over_sources
+from ..attention.sources import source_layout
 from ..refusals import refuse
 from .checks import UnsupportedSetupError, check_layer_config, check_sharing_allowed
 from .context_parallel import gather_rows
@@ -179,7 +182,15 @@ class PrefixSharingCoreAttention(DotProductAttention):
     ) -> torch.Tensor:
         """This CP rank's query rows against their segments' keys, gathered from every rank
         (and, across micro-batches, the group's prefix K/V in front: see
-        :mod:`.cross_context_parallel`)."""
+        :mod:`.cross_context_parallel`).
+
+        The all-gathered K/V hold the plan's flat rows, once each. Where the backend's with-lse
+        kernel takes causal segments without queries (:data:`~prefix_sharing.attention.
+        backends.CAUSAL_KEYS_ONLY_SEGMENTS`: the rows before and after this rank's pieces) and
+        no window bands the keys, the local rows attend over them in place, every peer's rows a
+        key source (:func:`~prefix_sharing.attention.sources.source_layout` with ``rows``): no
+        per-reader copy. Otherwise (flash-attn, TE; a window; a group's stored prefix in front)
+        each local query piece's keys are gathered."""
         cp = params.cp
         if query.size(0) != cp.num_rows:
             raise ValueError(
@@ -190,6 +201,14 @@ class PrefixSharingCoreAttention(DotProductAttention):
         key, value = gather_rows(key, cp), gather_rows(value, cp)
         if params.prefix_kv is not None:  # a block records them whole; a suffix reads its stack
             key, value = params.prefix_kv.exchange(self.layer_number, key, value)
+        if (params.prefix_kv is None and self.window is None
+                and backend in CAUSAL_KEYS_ONLY_SEGMENTS):
+            layout = source_layout(params.plan, rows=(cp.row_start, cp.row_stop))
+            if layout is not None:
+                out, _ = attention_over_sources(query, key, value, layout,
+                                                get_lse_kernel(backend), self.net_softmax_scale,
+                                                sinks=self.softmax_offset)
+                return out
         key = key.index_select(0, cp.kv_gather_index)  # [sum of local key ranges, ng, hn]
         value = value.index_select(0, cp.kv_gather_index)
         # A local query piece's keys are its segment's first keys in logical order, ending at

@@ -137,6 +137,48 @@ def test_a_tree_is_cut_into_its_edges():
     assert nodes.cu_seqlens_q_host == (0, 3, 5, 6, 6)
 
 
+@settings(max_examples=30, deadline=None)
+@given(seqs=forests(max_new_tokens=6), ranks=st.integers(2, 4), with_sinks=st.booleans())
+def test_slices_of_the_query_rows_over_all_keys_are_the_plain_attention(seqs, ranks,
+                                                                         with_sinks):
+    """Context parallelism's layout (``rows=``): each rank's slice of the flat rows attends
+    over the K/V of every row in place (its peers' rows as sources, no gather); the slices'
+    outputs, in rank order, are the whole sequences' and so are the gradients through the
+    shared K/V (a segment and a node's readers cut anywhere by a slice come from the
+    forests)."""
+    sinks = (torch.randn(HEADS, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+             .requires_grad_() if with_sinks else None)
+    plan = build_plan(seqs, EVERY_PREFIX, pad_to_multiple_of=4 * ranks)
+    token, position, w = projections()
+    q, k, v = qkv(token, position, w, plan.input_ids, plan.position_ids)
+    per_rank = plan.num_tokens_flat // ranks
+    outs = []
+    for rank in range(ranks):
+        lo, hi = rank * per_rank, (rank + 1) * per_rank
+        layout = source_layout(plan, rows=(lo, hi))
+        assert layout.parts[0].cu_seqlens_k_host[-1] == plan.num_tokens_flat  # K/V in place
+        outs.append(merge.attention_over_sources(q[lo:hi], k, v, layout,
+                                                 get_lse_kernel("torch"), sinks=sinks)[0])
+    out = plan.restore(torch.cat(outs))
+    ref_token, ref_position, _ = projections()
+    want, _ = plain_with(ref_token, ref_position, w, seqs, sinks)
+    grad = torch.randn(want.shape, dtype=want.dtype, generator=torch.Generator().manual_seed(1))
+    leaves = (token, position) + ((sinks,) if with_sinks else ())
+    ref_leaves = (ref_token, ref_position) + ((sinks,) if with_sinks else ())
+    got = torch.autograd.grad(out, leaves, grad)
+    assert _worst([out], [want]) < 1e-10
+    assert _worst(got, torch.autograd.grad(want, ref_leaves, grad)) < 1e-10
+
+
+def test_a_slice_layout_of_the_documented_example():
+    """Rows 4..5 of the documented plan (b's tail): b's own rows causally (a's rows 0..3 a
+    queryless segment), and the node (0, 3) read by both rows."""
+    plan = build_plan([[5, 6, 7, 8], [5, 6, 7, 9, 9], [5, 6]], EVERY_PREFIX)
+    own, nodes = source_layout(plan, rows=(4, 6)).parts
+    assert own.cu_seqlens_q_host == (0, 0, 2) and own.cu_seqlens_k_host == (0, 4, 6)
+    assert nodes.q_index.tolist() == [0, 1] and nodes.cu_seqlens_k_host == (0, 3, 6)
+
+
 def _backward_at_own_states(kernel):
     """An injected bug: each part's backward at its *own* (out, lse), not the merged ones."""
     forward, backward = kernel

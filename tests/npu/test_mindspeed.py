@@ -307,7 +307,11 @@ def test_mindspeeds_cp_patch_was_in_force_and_never_reached(cp2):
     for report in cp2:
         assert report["cp_class_in_place"]
         assert report["stock_core_attention"] == "MindSpeedCPDotProductAttention"
-        assert report["calls"]["npu_fusion_attention"] == layer_calls
+        # per layer, one call for the rank's own query pieces and, where its rows read shared
+        # nodes, one over them (attention over sources); each differentiated once
+        calls = report["calls"]
+        assert layer_calls <= calls["npu_fusion_attention"] <= 2 * layer_calls
+        assert calls["npu_fusion_attention_grad"] == calls["npu_fusion_attention"]
         assert not report["calls"].get("cp_attention") and not report["calls"].get("cp_rotary_slice")
 
 
