@@ -4,6 +4,7 @@ bridge; with sharing off, and for a text model with it on, the same engine is bu
 mbridge is installed (verl 0.8.0's environment), the blockers the refusal names are pinned on
 it, so that a release that removes them fails here and the refusal is revisited."""
 
+import importlib.metadata
 import importlib.util
 
 import pytest
@@ -113,8 +114,11 @@ def mbridge_blockers(rank: int) -> dict:
             "mbridge": set(inspect.signature(Qwen2_5VLSelfAttention.forward).parameters)}
 
 
-@pytest.mark.skipif(importlib.util.find_spec("mbridge") is None,
-                    reason="mbridge is installed in verl 0.8.0's environment only")
+@pytest.mark.skipif(
+    importlib.util.find_spec("mbridge") is None
+    or int(importlib.metadata.version("transformers").split(".")[0]) >= 5,
+    reason="verl 0.8.0's environment runs it: mbridge 0.15.1's Qwen2.5-VL bridge reads "
+    "rope_scaling['mrope_section'], which transformers 5 (verl 0.9.1's) no longer fills")
 def test_mbridge_qwen2_5_vl_still_meets_what_the_refusal_names():
     found = run_distributed(mbridge_blockers, 1, timeout=500)[0]
     assert found["mrope_section"] == [2, 3, 3]  # the config reached mbridge's Qwen2.5-VL
