@@ -191,9 +191,9 @@ TABLE: tuple[Refusal, ...] = (
             "'*', 'G' (Gated DeltaNet, megatron-core 0.19.2), '-' and 'E' run", _MEGATRON),
     # --- megatron-core: groups across micro-batches ---------------------------------------
     Refusal("megatron.cross_micro_batch.context_parallel",
-            "cross-micro-batch sharing under context parallelism with activation recompute, "
-            "MoE or pipeline parallelism",
-            "a group runs under context parallelism on dense models without megatron's "
+            "cross-micro-batch sharing under context parallelism with MoE or pipeline "
+            "parallelism",
+            "a group runs under context parallelism on dense models, with or without "
             "activation recompute, at PP=1 (tested at CP=2, with and without TP=2); the MoE "
             "router's statistics across micro-batches are not split over context-parallel "
             "ranks, and the pipelined group run does not split its micro-batches over them; use "

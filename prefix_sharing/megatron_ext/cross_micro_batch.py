@@ -48,11 +48,11 @@ slice of every suffix's plain view, the prefix's logits kept whole). Activation 
 tokens and routes) has each block replay its rows' routes and each suffix its flat rows'; a
 suffix's plain view for the router statistics replays its stack's routes
 (:attr:`~.prefix_kv.PrefixKV.routes`) before its own. Sliding windows (a suffix's gather of the
-prefix rows trimmed to the window, as any plan's). Context parallelism on dense models without
-activation recompute, with or without TP: each micro-batch split over the CP ranks, a block's
+prefix rows trimmed to the window, as any plan's). Context parallelism on dense models, with
+or without activation recompute and TP: each micro-batch split over the CP ranks, a block's
 K/V recorded gathered (:mod:`.cross_context_parallel`). Under pipeline parallelism a one-level
 schedule runs through megatron's 1F1B instead (:mod:`.cross_pipeline`); virtual pipeline
-stages are refused by name, and CP with activation recompute, MoE or PP.
+stages are refused by name, and CP with MoE or PP.
 """
 
 from __future__ import annotations
@@ -193,12 +193,10 @@ def check_group_model(model: torch.nn.Module) -> None:
         found.append(Refused("megatron.cross_micro_batch.virtual_pipeline",
                              "virtual_pipeline_model_parallel_size="
                              f"{config.virtual_pipeline_model_parallel_size}"))
-    if config.context_parallel_size > 1:  # built and tested on dense models without recompute
+    if config.context_parallel_size > 1:  # built and tested on dense models
         found += [Refused("megatron.cross_micro_batch.context_parallel",
                           f"context_parallel_size={config.context_parallel_size} with {setting}")
                   for setting, on in (
-                      (f"recompute_granularity={config.recompute_granularity!r}",
-                       config.recompute_granularity is not None),
                       (f"num_moe_experts={config.num_moe_experts}",
                        bool(config.num_moe_experts)),
                       (f"pipeline_model_parallel_size={config.pipeline_model_parallel_size}",

@@ -29,7 +29,7 @@ own ``record`` mode (:class:`~prefix_sharing.megatron_ext.prefix_kv.PrefixKVPass
 every micro-batch's dK/dV, the last one's included, which then reads the leaves too. Under
 tensor parallelism each micro-batch's rows, the prefix's included, are padded to the
 tensor-parallel size (sequence parallelism splits them over its ranks; the prefix's pad rows are
-not kept). Under context parallelism (with or without TP; dense, without recompute, as in the
+not kept). Under context parallelism (with or without TP and activation recompute; dense, as in the
 group driver) each micro-batch, the prefix's included, is split over the CP ranks and padded to
 their count, the prefix's K/V recorded gathered (:mod:`~prefix_sharing.megatron_ext.
 cross_context_parallel`); every rank returns every sample whole, as the shared forward does

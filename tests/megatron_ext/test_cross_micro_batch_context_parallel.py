@@ -9,8 +9,12 @@ cannot split a sequence), judged as ``verify`` judges: the float64 verdict and w
 the plain fp32 run, on both ranks - logits, log-probs, entropy, loss, every gradient.
 
 With sliding windows and learned sinks (the tiny-window preset) too, under the 150-token
-budget; and at CP=2 x TP=2 (4 ranks), with and without sequence parallelism. The control: the blocks' backward returns to the rows' owner only the dK/dV of the readers on
-the same rank (the reduce-scatter's exchange of the other rank's readers' gradients dropped).
+budget; with megatron's activation recompute (selective, one level; full, on the nested
+schedule), a recomputed layer replaying its first run's mode on its CP slice; and at CP=2 x
+TP=2 (4 ranks), with and without sequence parallelism. The controls: the blocks' backward
+returns to the rows' owner only the dK/dV of the readers on the same rank (the
+reduce-scatter's exchange of the other rank's readers' gradients dropped); a replayed prefix
+layer records as a first run (so it takes in no reader's dK/dV).
 """
 
 from __future__ import annotations
@@ -25,13 +29,19 @@ from prefix_sharing.equivalence import FP32_RTOL, QUANTITIES, within_tolerance
 
 from ._distributed import PRESET, run_distributed
 from .test_cross_micro_batch import BUDGET, CONFIG, _group, _split_runs
-from .test_cross_micro_batch_settings import CHUNKED, WINDOWED
+from .test_cross_micro_batch_settings import (CHUNKED, RECOMPUTE, WINDOWED,
+                                              _replay_records_again)
 
-CASES = {  # name: budget, recompute_prefix, preset
-    "one_level": (BUDGET, False, PRESET), "recomputed": (BUDGET, True, PRESET),
-    "chunked": (CHUNKED, False, PRESET),
+CASES = {  # name: budget, recompute_prefix, preset, megatron's recompute settings
+    "one_level": (BUDGET, False, PRESET, {}), "recomputed": (BUDGET, True, PRESET, {}),
+    "chunked": (CHUNKED, False, PRESET, {}),
     # 16-key windows on layers 1 and 3 of 4, learned sinks, against the 113-token prefix
-    "window": (BUDGET, False, WINDOWED),
+    "window": (BUDGET, False, WINDOWED, {}),
+    "selective": (BUDGET, False, PRESET, RECOMPUTE["selective"]),
+    "full_chunked": (CHUNKED, False, PRESET, RECOMPUTE["full_block"]),
+}
+CONTROLS = {  # name: the case it runs, wrong
+    "control": "one_level", "replay_control": "selective",
 }
 
 
@@ -60,29 +70,31 @@ def _readers_on_other_ranks_dropped():
         yield
 
 
-def _build(preset):
+def _build(preset, settings):
     from prefix_sharing.engines.megatron import gpt_model
 
-    return lambda layout, **overrides: gpt_model(preset, layout=layout, **overrides)
+    return lambda layout, **overrides: gpt_model(preset, layout=layout, **settings, **overrides)
 
 
 def _run(name: str):
-    """One case's cross run on this rank (``"control"``: the one-level case, wrong)."""
+    """One case's cross run on this rank (a control: its case, wrong)."""
     from prefix_sharing.engines.cross_micro_batch import forward_backward_cross
 
-    budget, recompute, preset = CASES["one_level" if name == "control" else name]
-    with _readers_on_other_ranks_dropped() if name == "control" else contextlib.nullcontext():
-        return forward_backward_cross(_build(preset)("shared"), _group(), budget, CONFIG,
-                                      recompute_prefix=recompute)
+    budget, recompute, preset, settings = CASES[CONTROLS.get(name, name)]
+    wrong = {"control": _readers_on_other_ranks_dropped,
+             "replay_control": _replay_records_again}.get(name, contextlib.nullcontext)
+    with wrong():
+        return forward_backward_cross(_build(preset, settings)("shared"), _group(), budget,
+                                      CONFIG, recompute_prefix=recompute)
 
 
 def _reference_job(rank: int) -> dict:
     """At CP=1: each case's split (its cross run's) through megatron's stock step, fp32 and
     float64."""
     report = {}
-    for name, (_, _, preset) in CASES.items():
+    for name, (_, _, preset, settings) in CASES.items():
         cross = _run(name)
-        (plain, _), (reference, _) = _split_runs(_build(preset), _group(), cross)
+        (plain, _), (reference, _) = _split_runs(_build(preset, settings), _group(), cross)
         report[name] = {"plain": plain, "reference": reference, "figures": cross.report()}
     return report
 
@@ -100,7 +112,7 @@ def _cp_job(rank: int) -> dict:
 
     report = {}
     with mock.patch.object(core_attention, "gather_rows", counted):
-        for name in [*CASES, "control"]:
+        for name in [*CASES, *CONTROLS]:
             start = len(rows)
             cross = _run(name)
             report[name] = {"run": cross.run, "figures": cross.report(),
@@ -157,17 +169,21 @@ def test_the_same_schedule_as_at_cp1_each_prefix_once(cp2, reference, name):
                                      * PRESET.num_query_groups * head_dim * 4)
 
 
-@pytest.mark.parametrize("name", [*CASES, "control"])
+@pytest.mark.parametrize("name", [*CASES, *CONTROLS])
 def test_every_micro_batch_is_split_over_the_cp_ranks(cp2, reference, name):
     """Each rank ran half of every micro-batch's rows: one K and one V all-gather per layer
-    and forward (a block's at record time, and again when recomputed), nothing more."""
-    figures = reference["one_level" if name == "control" else name]["figures"]
-    _, recompute, preset = CASES["one_level" if name == "control" else name]
+    and forward (a block's at record time, and again when recomputed), nothing more; under
+    megatron's activation recompute a replayed layer gathers again."""
+    figures = reference[CONTROLS.get(name, name)]["figures"]
+    _, recompute, preset, settings = CASES[CONTROLS.get(name, name)]
     forwards = figures["num_micro_batches"] + (figures["num_shared_blocks"] if recompute else 0)
     for result in cp2:
         gathered = result[name]["gathered_rows"]
         assert all(2 * local == whole for local, whole in gathered)
-        assert len(gathered) == 2 * preset.num_layers * forwards
+        if settings:
+            assert len(gathered) > 2 * preset.num_layers * forwards
+        else:
+            assert len(gathered) == 2 * preset.num_layers * forwards
 
 
 def _tp2_job(rank: int) -> dict:
@@ -177,8 +193,8 @@ def _tp2_job(rank: int) -> dict:
 
     runs = {}
     for name, sequence_parallel in (("one_level", False), ("chunked", True)):
-        budget, _, preset = CASES[name]
-        model = _build(preset)("shared", sequence_parallel=sequence_parallel)
+        budget, _, preset, settings = CASES[name]
+        model = _build(preset, settings)("shared", sequence_parallel=sequence_parallel)
         cross = forward_backward_cross(model, _group(), budget, CONFIG)
         runs[name] = {"run": cross.run, "figures": cross.report()}
     return runs
@@ -202,17 +218,17 @@ def test_cp2_tp2_equals_the_stock_step_on_the_same_split(reference):
             2 * 2 * PRESET.num_layers * prefix_len * PRESET.num_query_groups // 2 * head_dim * 4)
 
 
-def test_a_control_that_drops_the_other_ranks_readers_dkv_fails(cp2, reference):
+@pytest.mark.parametrize("control", CONTROLS)
+def test_the_controls_fail_on_the_gradients(cp2, reference, control):
     for result in cp2:
-        run = _compared(result["control"]["run"], reference["one_level"])
+        run = _compared(result[control]["run"], reference[CONTROLS[control]])
         verdict = within_tolerance(run["vs_reference"], run["plain"], torch.float32)
         assert not verdict["grads"]
         assert verdict["log_probs"] and verdict["loss"]  # the forward is untouched
 
 
 def test_refuses_what_is_not_built_under_cp_by_name():
-    """CP with megatron's activation recompute, MoE or pipeline parallelism is refused before
-    anything runs."""
+    """CP with MoE or pipeline parallelism is refused before anything runs."""
     import types
 
     from prefix_sharing.megatron_ext import UnsupportedSetupError
@@ -226,7 +242,8 @@ def test_refuses_what_is_not_built_under_cp_by_name():
 
     check_group_model(model_with())
     check_group_model(model_with(tensor_model_parallel_size=2))  # tested above
-    for setting in (dict(recompute_granularity="full"), dict(num_moe_experts=4),
+    check_group_model(model_with(recompute_granularity="full"))  # tested above
+    for setting in (dict(num_moe_experts=4),
                     dict(pipeline_model_parallel_size=2)):
         with pytest.raises(UnsupportedSetupError, match="cross_micro_batch.context_parallel"):
             check_group_model(model_with(**setting))

@@ -92,8 +92,9 @@ def test_a_control_that_drops_the_earlier_micro_batches_prefix_gradients_fails(r
 
 def context_parallel_steps(rank: int) -> dict:
     """At ``context_parallel_size=2``: the cross-micro-batch step at a budget of 80 (every
-    micro-batch, the prefix's included, split over the CP ranks) and the control, the
-    gradients averaged over the CP group as megatron's DDP does."""
+    micro-batch, the prefix's included, split over the CP ranks), the same under megatron's
+    full activation recompute, and the control, the gradients averaged over the CP group as
+    megatron's DDP does."""
     from verl.workers.utils.losses import ppo_loss
 
     from prefix_sharing.engines.megatron import finalize_context_parallel_grads
@@ -101,9 +102,9 @@ def context_parallel_steps(rank: int) -> dict:
 
     use_cpu_platform()
     results = {}
-    for name in ("cross", "control"):
+    for name in ("cross", "recompute", "control"):
         config = actor_config(CROSS, megatron={"context_parallel_size": 2})
-        engine = build_engine(config)
+        engine = build_engine(config, **(RECOMPUTE["full"] if name == "recompute" else {}))
         # verl's budget is max_token_len_per_gpu x CP: 40 per GPU is the 80 of the CP=1 run
         infer = engine.infer_batch(batch(40))
         rows = []  # each forward's rows on this rank (the prefix pass calls it positionally)
@@ -131,17 +132,20 @@ def context_parallel_results():
 
 def test_context_parallel_2_equals_verls_stock_step_at_cp1(context_parallel_results, results):
     """Both CP ranks return every sample whole and, with the gradients averaged over CP, equal
-    the stock step at CP=1; each rank ran half of every micro-batch's rows (the prefix's
-    included), and the control fails."""
+    the stock step at CP=1, with and without megatron's activation recompute (the prefix's
+    recomputed layers replayed on their CP slice); each rank ran half of every micro-batch's
+    rows (the prefix's included), and the control fails."""
     for rank, result in enumerate(context_parallel_results):
-        cross = result["cross"]
-        metrics = cross["train"]["metrics"]
-        assert metrics["prefix_sharing/prefix_recomputes_avoided"] == [4.0]
-        assert metrics["prefix_sharing/groups_split"] == [0.0]
-        same_outputs(cross, results[80, "off"], f"cp2 rank {rank}", per_micro_batch=False)
-        # 2 groups x (the prefix + 3 micro-batches), each forward half its computed rows
-        assert len(cross["rows"]) == 8 and 2 * sum(cross["rows"]) >= sum(
-            metrics["prefix_sharing/tokens_computed"])
+        for name in ("cross", "recompute"):
+            cross = result[name]
+            metrics = cross["train"]["metrics"]
+            assert metrics["prefix_sharing/prefix_recomputes_avoided"] == [4.0]
+            assert metrics["prefix_sharing/groups_split"] == [0.0]
+            same_outputs(cross, results[80, "off"], f"cp2 {name} rank {rank}",
+                         per_micro_batch=False)
+            # 2 groups x (the prefix + 3 micro-batches), each forward half its computed rows
+            assert len(cross["rows"]) == 8 and 2 * sum(cross["rows"]) >= sum(
+                metrics["prefix_sharing/tokens_computed"])
         with pytest.raises(AssertionError, match="grad"):
             same_outputs(result["control"], results[80, "off"], "control",
                          per_micro_batch=False)
