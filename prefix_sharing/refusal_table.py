@@ -120,7 +120,8 @@ TABLE: tuple[Refusal, ...] = (
     Refusal("megatron.moe.replay_router_fusion", "routing replay with the fused router",
             "the fused top-k ignores the replayed routes; set moe_router_fusion=False",
             _MEGATRON),
-    Refusal("megatron.moe.padding_mask", "a padding_mask with a sharing plan",
+    Refusal("megatron.moe.padding_mask", "a padding_mask with a sharing plan (within or "
+            "across micro-batches)",
             "the plan already says which rows are padding; drop the padding_mask", _MEGATRON),
     Refusal("megatron.moe.recompute", "MoE recompute with router statistics",
             "the recomputed router would run outside the layer that knows the sharing plan; use "
@@ -216,9 +217,6 @@ TABLE: tuple[Refusal, ...] = (
             "prefix kept per model chunk through megatron's interleaved schedule is not built: "
             "use virtual_pipeline_model_parallel_size=None for such groups, or one micro-batch "
             "per group (cross_micro_batch off; interleaved stages serve that)",
-            ("megatron-core", "verl-megatron")),
-    Refusal("megatron.cross_micro_batch.router_padding_mask", "router statistics across "
-            "micro-batches with a padding_mask", "the plan already says which rows are padding",
             ("megatron-core", "verl-megatron")),
     # --- the command's megatron engine ----------------------------------------------------
     Refusal("cli.mamba_preset", "a Mamba-2 preset on the megatron engine",

@@ -221,7 +221,7 @@ class PrefixSharingRouter(TopKRouter, FlatRowsRouter):
         slice of its padded plain view, as the stock router routes its slice of the plain
         micro-batch, the slices' probabilities and choices all-gathered back."""
         found = [refused for refused, on in (
-            (Refused("megatron.cross_micro_batch.router_padding_mask"), padding_mask is not None),
+            (Refused("megatron.moe.padding_mask"), padding_mask is not None),
             (Refused("megatron.cross_micro_batch.context_parallel", "the router's statistics"),
              self.cp_group.size() > 1)) if on]
         if found:
