@@ -123,12 +123,18 @@ def _on_cpu(method):
 
 
 def _megatron_on_cpu() -> None:
-    """Process-wide once, and this thread's redirection of ``device="cuda"``."""
+    """This thread's redirection of ``device="cuda"``, and process-wide once the CPU's
+    ``Module.cuda``."""
     from prefix_sharing.megatron_ext.cpu_support import enable_cpu_megatron
 
     enable_cpu_megatron()
-    # mbridge's get_model moves every model chunk with .cuda(torch.cuda.current_device()) (as
-    # Megatron-LM's does): the chunks are built on the CPU, where they stay
+    _modules_stay_on_cpu()
+
+
+@functools.cache
+def _modules_stay_on_cpu() -> None:
+    """mbridge's get_model moves every model chunk with ``.cuda(torch.cuda.current_device())``
+    (as Megatron-LM's does): the chunks are built on the CPU, where they stay."""
     torch.nn.Module.cuda = lambda self, device=None: self
 
 

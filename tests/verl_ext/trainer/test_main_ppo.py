@@ -23,11 +23,10 @@ Each run takes ~100 s on 2 cores (mostly Ray start-up); the off-run is shared (s
 from __future__ import annotations
 
 import math
-from importlib.metadata import version
 
 import pytest
 
-from tests.verl_ext._requires import require_verl
+from tests.verl_ext._requires import on_release, require_verl
 
 require_verl(("0.9.1", "0.8.0"))
 
@@ -84,6 +83,8 @@ def test_arbitrary_prefix_matches_stock_every_step(arbitrary_run, off_run):
     assert any(abs(s["actor/grad_norm"]) > 0 for s in off_run.steps)  # a step that trains
 
 
+@on_release("0.8.0", "the arbitrary-prefix run is both releases'; prompt_only's planner is "
+            "the same on both")
 def test_prompt_only_matches_stock_every_step(workdir, off_run):
     run = run_main_ppo(workdir / "prompt_only", overrides(workdir, mode="prompt_only"),
                        enable_sharing=True)
@@ -131,6 +132,7 @@ def test_token_ratio_is_what_the_ranks_plans_give(arbitrary_run):
     assert_ratio_is_planned(arbitrary_run)
 
 
+@on_release("0.9.1", "verl's checkpoint manager holds no sharing state on either release")
 def test_checkpoint_saved_with_sharing_resumes_without(workdir, arbitrary_run):
     checkpoints = arbitrary_run.workdir / "checkpoints"
     assert (checkpoints / "latest_checkpointed_iteration.txt").exists()
@@ -149,9 +151,8 @@ GAE_TOLERANCES = {**TOLERANCES, "actor/pg_loss": (1e-5, 1e-6),
                   "critic/vf_loss": (1e-5, 0.0), "critic/grad_norm": (1e-5, 0.0)}
 
 
-@pytest.mark.skipif(version("verl") != "0.9.1", reason=(
-    "CI time: the GAE trainer run is verl 0.9.1's (~2.5 min); on 0.8.0 the critic's engine step "
-    "against verl's stock critic is tests/verl_ext/test_critic.py"))
+@on_release("0.9.1", "on 0.8.0 the critic's engine step against verl's stock critic is "
+            "tests/verl_ext/test_critic.py")
 def test_ppo_with_gae_matches_stock_with_actor_reference_and_critic_sharing(workdir):
     """PPO with GAE (one on / off pair, 2 steps): the actor, the reference and the critic all
     share; every step's actor and critic figures equal the stock run's, and each role's engine
