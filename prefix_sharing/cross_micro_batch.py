@@ -63,7 +63,6 @@ from .cross_packing import pack_at_equal_cost
 from .group_schedule import GroupSchedule, SharedBlock, SuffixMicroBatch
 from .plan import SharingPlan
 from .planner import TokenSequence, build_plan, token_identity
-from .refusals import refuse
 
 __all__ = ["SharedBlock", "SuffixMicroBatch", "GroupSchedule", "common_prefix_len", "plan_group",
            "plan_pipelined_group"]
@@ -158,24 +157,24 @@ def plan_pipelined_group(
     """The one-level schedule the pipelined group run takes
     (:mod:`prefix_sharing.megatron_ext.cross_pipeline`): its first and last suffix
     micro-batches carry the common prefix's rows too, so every suffix's tails are packed under
-    ``token_budget - prefix_len`` and no micro-batch exceeds the budget. ``routes`` (routing
-    replay) are refused: the pipelined run does not replay them.
+    ``token_budget - prefix_len`` and no micro-batch exceeds the budget. ``routes``: as
+    :func:`plan_group` takes them (the common prefix ends where they diverge).
 
     Raises:
         ValueError: the prefix takes more than half the budget (or :func:`plan_group`'s).
-        UnsupportedSetup: ``routes`` given (``megatron.cross_micro_batch.pipeline_replay``).
     """
-    if routes is not None:
-        raise refuse("megatron.cross_micro_batch.pipeline_replay", "routes to replay")
     seqs = [torch.as_tensor(s, dtype=torch.int64).reshape(-1).cpu() for s in sequences]
-    prefix_len = common_prefix_len(seqs) if len(seqs) > 1 else 0
+    if routes is not None:
+        routes = [torch.as_tensor(r).to("cpu", torch.int64) for r in routes]
+    keys = seqs if routes is None else token_identity(seqs, routes)
+    prefix_len = common_prefix_len(keys) if len(seqs) > 1 else 0
     if 2 * prefix_len > token_budget:
         raise ValueError(
             f"the group's common prefix ({prefix_len} tokens) is over half of token_budget="
             f"{token_budget}; under pipeline parallelism the first and the last suffix "
             "micro-batch carry it besides their tails")
     return plan_group(seqs, token_budget - prefix_len, config,
-                      pad_to_multiple_of=pad_to_multiple_of, one_level=True)
+                      pad_to_multiple_of=pad_to_multiple_of, one_level=True, routes=routes)
 
 
 def common_prefix_len(seqs: list[torch.Tensor]) -> int:

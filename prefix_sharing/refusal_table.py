@@ -205,11 +205,6 @@ TABLE: tuple[Refusal, ...] = (
             "stages; a stack of blocks, each backwarded after its readers, is not built there: "
             "plan the group with one_level=True (the prefix within the token budget)",
             ("megatron-core",)),
-    Refusal("megatron.cross_micro_batch.pipeline_replay", "routing replay across micro-batches "
-            "under pipeline parallelism", "the pipelined group run (the first and last suffix "
-            "carrying the prefix rows) does not replay routes (not built); replay at "
-            "pipeline_model_parallel_size=1, or within one micro-batch per group",
-            ("megatron-core",)),
     Refusal("megatron.cross_micro_batch.virtual_pipeline", "groups across micro-batches under "
             "interleaved (virtual) pipeline stages", "the pipelined group run carries the "
             "prefix rows in the first and last suffix micro-batch of one model chunk per stage, "

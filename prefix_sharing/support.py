@@ -199,7 +199,6 @@ MATRIX: dict[str, dict[str, Cell]] = {
                                _MX + "test_cross_micro_batch_context_parallel.py",
                                note="PP=2: one level; CP=2 (x TP=2), dense, recompute too",
                                refusals=("megatron.cross_micro_batch.pipeline_nested",
-                                         "megatron.cross_micro_batch.pipeline_replay",
                                          "megatron.cross_micro_batch.context_parallel")),
         "verl-megatron": works(_VX + "test_cross_forward.py", _VX + "test_cross_nested.py",
                                _VX + "test_cross_replay.py",

@@ -65,10 +65,9 @@ from ..refusals import Refused, refuse_all
 from .checks import UnsupportedSetupError
 from .cross_context_parallel import context_parallel_size, model_inputs, slice_micro_batch
 from .cross_run import (Collector, GroupRun, PrefixPass, TokenLoss, score_suffix,
-                        sequence_parallel_size)
+                        sequence_parallel_size, suffix_routes)
 from .packed_seq import PlanPackedSeqParams
 from .prefix_kv import PrefixKV, PrefixKVStack
-from .routing_replay import flat_routes
 
 __all__ = ["GroupRun", "PrefixPass", "TokenLoss", "check_group_model", "forward_backward_group"]
 
@@ -170,9 +169,8 @@ def _suffix(model: torch.nn.Module, suffix: SuffixMicroBatch, kvs: dict[int, Pre
     """One suffix micro-batch's forward and backward, reading its stack of blocks."""
     cp = slice_micro_batch(suffix.plan, suffix.tail_plan, suffix.plan.num_tokens_flat, device)
     plan = suffix.plan.to(device)
-    tail_plan = suffix.tail_plan.to(device)
-    routes = None if suffix.routes is None else flat_routes(tail_plan, suffix.routes, device)
-    params = PlanPackedSeqParams.from_plan(plan, backend, routes=routes, cp=cp and cp.attention,
+    params = PlanPackedSeqParams.from_plan(plan, backend, routes=suffix_routes(suffix, device),
+                                           cp=cp and cp.attention,
                                            prefix_kv=PrefixKVStack([kvs[r] for r in suffix.reads]))
     logits = model(*model_inputs(plan, cp), None, packed_seq_params=params)[0]  # [T, V]
     loss = score_suffix(logits, suffix, token_loss, out, temperature, cp)

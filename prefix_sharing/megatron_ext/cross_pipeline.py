@@ -35,7 +35,8 @@ statistics read ``cat(prefix logits, own)``), each group's router losses weighte
 step's micro-batch count (:func:`_router_loss_weight`). Activation recompute as at PP=1: a
 prefix layer recomputed in ``S_k`` replays inside its backward, after ``S_k``'s own rows'
 (created later, so run first by autograd), and injects the leaves' gradients then
-(:class:`~.prefix_kv.PrefixKVPass`). Built for one-level schedules
+(:class:`~.prefix_kv.PrefixKVPass`). Routing replay as at PP=1: the prefix rows replay their
+routes in both carrying micro-batches, each suffix its tails'. Built for one-level schedules
 (:func:`check_pipelined_group`); virtual stages are refused
 (:func:`~.cross_micro_batch.check_group_model`).
 """
@@ -53,7 +54,7 @@ from ..cross_micro_batch import GroupSchedule, SuffixMicroBatch
 from ..refusals import refuse
 from .checks import UnsupportedSetupError
 from .cross_run import (Collector, GroupRun, PrefixPass, TokenLoss, score_suffix,
-                        sequence_parallel_size)
+                        sequence_parallel_size, suffix_routes)
 from .packed_seq import PlanPackedSeqParams
 from .prefix_kv import PrefixKV, PrefixKVStack
 
@@ -97,7 +98,9 @@ def forward_backward_pipelined_group(
     check_pipelined_group(schedule)
     device = next(model.parameters()).device
     block = schedule.blocks[0]
-    kv = PrefixKV(rows=block.length)
+    # the prefix replays its rows' routes (PrefixPass), the readers' plain views too
+    kv = PrefixKV(rows=block.length,
+                  routes=None if block.routes is None else block.routes.to(device))
     count = len(schedule.suffixes)
     steps = [_Step(s, j in (0, count - 1), j == count - 1)
              for j, s in enumerate(schedule.suffixes)]
@@ -128,7 +131,8 @@ def forward_backward_pipelined_group(
                 parts.append(run(prefix.params, received, slice(0, prefix_rows // slices)))
         kv.mode = "read_last" if step.last else "read"
         plan = step.suffix.plan.to(device)
-        params = PlanPackedSeqParams.from_plan(plan, backend, prefix_kv=PrefixKVStack([kv]))
+        params = PlanPackedSeqParams.from_plan(plan, backend, prefix_kv=PrefixKVStack([kv]),
+                                               routes=suffix_routes(step.suffix, device))
         parts.append(run(params, received, slice(prefix_rows // slices, None)))
         # logits [b, s, V] on the last stage (whole rows), hidden states [s, b, h] before it
         # (this rank's rows of each part under sequence parallelism)

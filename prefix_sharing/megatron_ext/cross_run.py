@@ -22,9 +22,10 @@ from .cross_context_parallel import (CrossSlice, micro_batch_stats, model_inputs
 from .logprobs import vocab_shard
 from .packed_seq import PlanPackedSeqParams
 from .prefix_kv import PrefixKV, PrefixKVStack
+from .routing_replay import flat_routes
 
 __all__ = ["Collector", "GroupRun", "PrefixPass", "TokenLoss", "score_suffix",
-           "sequence_parallel_size"]
+           "sequence_parallel_size", "suffix_routes"]
 
 TokenLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -169,6 +170,14 @@ def _block_routes(block: SharedBlock, device: torch.device) -> torch.Tensor | No
         return None
     pad = block.plan.num_tokens_flat - block.length
     return torch.cat([block.routes, block.routes[:1].expand(pad, -1, -1)]).to(device)
+
+
+def suffix_routes(suffix: SuffixMicroBatch, device: torch.device) -> torch.Tensor | None:
+    """The routes a suffix micro-batch's flat rows replay (its tails', as it was planned with
+    them), or None without routing replay."""
+    if suffix.routes is None:
+        return None
+    return flat_routes(suffix.tail_plan, suffix.routes, device)
 
 
 def _whole_vocab(logits: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,11 @@ under megatron's full activation recompute (each replayed layer replays its rout
 Controls: a schedule cut on the tokens alone (the diverged member reads a block that replays
 another member's route) fails; a cross run without routes differs from the stock replay (so
 the routes were replayed).
+
+Under pipeline parallelism (PP=2, two gloo ranks; the first and the last suffix micro-batch
+carry the common prefix, so a budget of 84): routes that agree and routes that diverge, every
+stage's gradients and router statistics and the last stage's outputs against the stock
+replay on the same split; the same controls fail.
 """
 
 from __future__ import annotations
@@ -47,6 +52,10 @@ CASES = {
     "no_statistics": ("no_statistics", True, 70, False, {}),
 }
 CONTROLS = ("tokens_only", "native")  # on the "diverge" case
+PIPELINED = {  # at PP=2
+    "agree": ("losses", False, 84, False, {}),
+    "diverge": ("losses", True, 84, False, {}),
+}
 
 
 def _group() -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], int]:
@@ -59,15 +68,15 @@ def _group() -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]
     return seqs, agree, diverged, position
 
 
-def _job(rank: int) -> dict:
+def _job(rank: int, cases: dict = CASES) -> dict:
     from prefix_sharing.cross_micro_batch import common_prefix_len
     from prefix_sharing.engines.cross_micro_batch import forward_backward_cross
     from prefix_sharing.engines.megatron import compare, gpt_model
 
     seqs, agree, diverged, position = _group()
     report = {"diverged_at": position, "token_prefix_len": common_prefix_len(seqs)}
-    runs = dict(CASES)
-    runs.update({name: CASES["diverge"] for name in CONTROLS})
+    runs = dict(cases)
+    runs.update({name: cases["diverge"] for name in CONTROLS})
     for name, (variant, diverge, budget, recompute, settings) in runs.items():
         def build(layout: str, variant=variant, settings=settings,
                   **overrides) -> torch.nn.Module:
@@ -103,6 +112,11 @@ def _cut_on_tokens():
 @pytest.fixture(scope="module")
 def report() -> dict:
     return run_distributed(_job, 1, timeout=900)[0]
+
+
+@pytest.fixture(scope="module")
+def stages() -> list[dict]:
+    return run_distributed(_job, 2, PIPELINED, pp=2, timeout=900)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -146,3 +160,20 @@ def test_controls_fail(report):
         verdict = within_tolerance(run["vs_reference"], run["plain"], torch.float32)
         assert not verdict["log_probs"] and not verdict["grads"], (name, verdict)
     assert report["tokens_only"]["figures"]["prefix_lens"] == [report["token_prefix_len"]]
+
+
+@pytest.mark.parametrize("name", list(PIPELINED))
+def test_replay_under_pipeline_parallelism_equals_the_stock_replay(stages, name):
+    """Each stage's gradients and router statistics, the last stage's outputs and loss; the
+    prefix rows replay their routes in the first suffix (no grad) and the last (with grad)."""
+    for stage in stages:
+        assert_equals_the_split_statistics_included(stage[name])
+    assert stages[-1][name]["figures"]["prefix_lens"] == (
+        [stages[-1]["token_prefix_len"]] if name == "agree" else [stages[-1]["diverged_at"]])
+
+
+def test_controls_fail_under_pipeline_parallelism(stages):
+    for name in CONTROLS:
+        verdict = within_tolerance(stages[-1][name]["vs_reference"], stages[-1][name]["plain"],
+                                   torch.float32)
+        assert not verdict["log_probs"] and not verdict["grads"], (name, verdict)
