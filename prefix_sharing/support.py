@@ -197,7 +197,7 @@ MATRIX: dict[str, dict[str, Cell]] = {
                                _MX + "test_cross_micro_batch_pipeline.py",
                                _MX + "test_cross_micro_batch_replay.py",
                                _MX + "test_cross_micro_batch_context_parallel.py",
-                               note="PP=2: one level; CP=2 (x TP=2), dense, recompute too",
+                               note="PP=2: one level; CP=2 (x TP=2, x PP=2), dense",
                                refusals=("megatron.cross_micro_batch.pipeline_nested",
                                          "megatron.cross_micro_batch.context_parallel")),
         "verl-megatron": works(_VX + "test_cross_forward.py", _VX + "test_cross_nested.py",

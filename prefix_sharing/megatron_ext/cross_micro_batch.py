@@ -52,7 +52,7 @@ prefix rows trimmed to the window, as any plan's). Context parallelism on dense 
 or without activation recompute and TP: each micro-batch split over the CP ranks, a block's
 K/V recorded gathered (:mod:`.cross_context_parallel`). Under pipeline parallelism a one-level
 schedule runs through megatron's 1F1B instead (:mod:`.cross_pipeline`); virtual pipeline
-stages are refused by name, and CP with MoE or PP.
+stages are refused by name, and CP with MoE.
 """
 
 from __future__ import annotations
@@ -196,8 +196,6 @@ def check_group_model(model: torch.nn.Module) -> None:
                           f"context_parallel_size={config.context_parallel_size} with {setting}")
                   for setting, on in (
                       (f"num_moe_experts={config.num_moe_experts}",
-                       bool(config.num_moe_experts)),
-                      (f"pipeline_model_parallel_size={config.pipeline_model_parallel_size}",
-                       config.pipeline_model_parallel_size > 1)) if on]
+                       bool(config.num_moe_experts)),) if on]
     if found:
         raise refuse_all(found, error=UnsupportedSetupError)

@@ -30,6 +30,10 @@ per stage: its layers' K/V leaves and their gradients, no prefix activations.
 
 Under sequence parallelism each rank holds its slice of each part's rows (every part padded to
 the tensor-parallel size), so the received activation splits at the prefix's rows over TP.
+Under context parallelism each part (the carried prefix, the suffix) is split over the CP ranks
+as at PP=1 (:mod:`.cross_context_parallel`: the prefix's K/V recorded gathered), the received
+activation and the last stage's logits holding this rank's slice of each; megatron's schedule
+scales each micro-batch's loss by the CP size.
 MoE router statistics as at PP=1 (the prefix rows route without statistics, each suffix's
 statistics read ``cat(prefix logits, own)``), each group's router losses weighted by the whole
 step's micro-batch count (:func:`_router_loss_weight`). Activation recompute as at PP=1: a
@@ -53,6 +57,8 @@ from megatron.core.utils import get_attr_wrapped_model
 from ..cross_micro_batch import GroupSchedule, SuffixMicroBatch
 from ..refusals import refuse
 from .checks import UnsupportedSetupError
+from .cross_context_parallel import (CrossSlice, context_parallel_size, model_inputs,
+                                     slice_micro_batch)
 from .cross_run import (Collector, GroupRun, PrefixPass, TokenLoss, score_suffix,
                         sequence_parallel_size, suffix_routes)
 from .packed_seq import PlanPackedSeqParams
@@ -108,44 +114,48 @@ def forward_backward_pipelined_group(
     last_stage = get_attr_wrapped_model(model, "post_process")
     decoder = get_attr_wrapped_model(model, "decoder")
     set_input_tensor = get_attr_wrapped_model(model, "set_input_tensor")
-    # under sequence parallelism each rank holds its slice of each part's (padded) rows
-    slices = sequence_parallel_size(model)
+    # under context parallelism each rank holds its CP slice of each part's (padded) rows, its
+    # logits included; under sequence parallelism its TP slice of that between the layers
+    cp_size = context_parallel_size()
+    slices = sequence_parallel_size(model) * cp_size
 
-    def run(params: PlanPackedSeqParams, received: torch.Tensor | None,
+    def run(params: PlanPackedSeqParams, cp: CrossSlice | None, received: torch.Tensor | None,
             rows: slice) -> torch.Tensor:
         if received is not None:  # a later stage: its rows of the activation received
             set_input_tensor(received[rows])
-        plan = params.plan
-        return model(plan.input_ids[None], plan.position_ids[None], None,
-                     packed_seq_params=params)
+        return model(*model_inputs(params.plan, cp), None, packed_seq_params=params)
 
     def forward_step(data_iterator, model):
         step: _Step = next(data_iterator)
         received = decoder.input_tensor  # [rows, b, h] (None on the first stage)
-        parts, prefix, prefix_rows = [], None, 0
+        parts, prefix, prefix_rows, received_rows = [], None, 0, 0
         if step.carries_prefix:
             kv.mode = "record"  # a second record keeps the leaves and their gradients
             prefix = PrefixPass(schedule, PrefixKVStack([], kv), backend, temperature, device)
-            prefix_rows = prefix.params.plan.input_ids.numel()
+            prefix_rows = prefix.params.plan.input_ids.numel() // cp_size  # its logits rows
+            received_rows = prefix.params.plan.input_ids.numel() // slices
             with torch.set_grad_enabled(step.last):
-                parts.append(run(prefix.params, received, slice(0, prefix_rows // slices)))
+                parts.append(run(prefix.params, prefix.cp, received, slice(0, received_rows)))
         kv.mode = "read_last" if step.last else "read"
-        plan = step.suffix.plan.to(device)
-        params = PlanPackedSeqParams.from_plan(plan, backend, prefix_kv=PrefixKVStack([kv]),
-                                               routes=suffix_routes(step.suffix, device))
-        parts.append(run(params, received, slice(prefix_rows // slices, None)))
-        # logits [b, s, V] on the last stage (whole rows), hidden states [s, b, h] before it
-        # (this rank's rows of each part under sequence parallelism)
+        suffix = step.suffix
+        cp = slice_micro_batch(suffix.plan, suffix.tail_plan, suffix.plan.num_tokens_flat, device)
+        params = PlanPackedSeqParams.from_plan(suffix.plan.to(device), backend,
+                                               cp=cp and cp.attention,
+                                               prefix_kv=PrefixKVStack([kv]),
+                                               routes=suffix_routes(suffix, device))
+        parts.append(run(params, cp, received, slice(received_rows, None)))
+        # logits [b, s, V] on the last stage (this CP rank's rows, whole over TP), hidden
+        # states [s, b, h] before it (this rank's rows of each part)
         output = torch.cat(parts, dim=1 if last_stage else 0)
 
         def loss_func(output: torch.Tensor):
-            logits = output[0]  # [rows, V]
-            loss = score_suffix(logits[prefix_rows:], step.suffix, token_loss, out,
-                                temperature)
+            logits = output[0]  # [rows, V] (this CP rank's)
+            loss = score_suffix(logits[prefix_rows:], suffix, token_loss, out, temperature, cp)
             if step.last:  # every member's prefix positions, scored with grad
                 loss = loss + prefix.score(logits[:prefix_rows], token_loss, out)
-            # megatron's schedule divides each micro-batch's loss by their count, then
-            # scales it by the factor (_router_loss_weight)
+            # megatron's schedule divides each micro-batch's loss by their count (and
+            # multiplies it by the CP size), then scales it by the factor
+            # (_router_loss_weight)
             return loss * count / factor, {}
 
         return output, loss_func

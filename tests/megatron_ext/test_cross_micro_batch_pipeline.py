@@ -13,7 +13,9 @@ first and the last) computes its prompt once, with grad. TP=2 x PP=2 on four ran
 and with sequence parallelism: the same verdict on every rank. The tiny MoE preset with router
 statistics (two groups; the expert bias on one): outputs, gradients and every router
 statistic equal the stock step's; a control weighing each group's router losses by its own
-micro-batch count (megatron's schedule left alone) fails on the gradients. Megatron's
+micro-batch count (megatron's schedule left alone) fails on the gradients. CP=2 x PP=2 on four
+ranks (each micro-batch split over the CP ranks, the carried prompt's rows too) against the
+stock step at PP=2 on the same split. Megatron's
 activation recompute, full and selective; a control whose replayed prefix layers record again
 fails on the gradients.
 """
@@ -54,7 +56,7 @@ def _judged(cross, seqs, build=tiny_gpt) -> dict:
     schedule = cross.schedules[0]
     return {"vs_reference": compare(cross.run, reference), "plain": compare(plain, reference),
             "vs_plain": compare(cross.run, plain), "figures": cross.report(),
-            "outputs": len(cross.run.outputs),
+            "outputs": len(cross.run.outputs), "runs": (plain, reference),
             "suffix_rows": [s.plan.num_tokens_unique for s in schedule.suffixes],
             "padded_rows": [p.input_ids.numel()
                             for p in (schedule.blocks[0].plan, *(s.plan for s in schedule.suffixes))]}
@@ -160,6 +162,50 @@ def test_controls_fail_on_the_gradients(stages, control):
     last = within_tolerance(stages[1][control]["vs_reference"], stages[1][control]["plain"],
                             torch.float32)
     assert last["log_probs"] and last["loss"]  # the forward is untouched
+
+
+def _cp_job(rank: int) -> dict:
+    """At CP=2 x PP=2: the group and the control that never reads through, this rank's run and
+    its stage."""
+    from megatron.core import parallel_state
+
+    from prefix_sharing.engines.cross_micro_batch import forward_backward_cross
+
+    report = {"stage": parallel_state.get_pipeline_model_parallel_rank()}
+    for name in ("cross", "never_reads_through"):
+        model, rows = tiny_gpt("shared"), []  # each forward's rows on this rank
+        model.register_forward_pre_hook(lambda module, args: rows.append(args[0].size(1)))
+        with CONTROLS[name]() if name in CONTROLS else contextlib.nullcontext():
+            cross = forward_backward_cross(model, _group(), BUDGET, CONFIG)
+        report[name] = {"run": cross.run, "figures": cross.report(), "rows": rows}
+    return report
+
+
+def test_context_parallel_2_by_pipeline_parallel_2(stages):
+    """Four ranks, each stage's micro-batches split over two CP ranks (the carried prompt's
+    rows too): the same schedule as at CP=1, and every rank's stage equals megatron's stock
+    step at PP=2, CP=1 (its attention cannot split a sequence) on the same split; the control
+    fails on the gradients."""
+    from prefix_sharing.engines.megatron import compare
+
+    ranks = run_distributed(_cp_job, 4, pp=2, cp=2, timeout=900)
+    assert [rank["stage"] for rank in ranks] == [0, 0, 1, 1]
+    for rank in ranks:
+        plain, reference = stages[rank["stage"]]["cross"]["runs"]
+        judged = {name: {"vs_reference": compare(rank[name]["run"], reference),
+                         "plain": compare(plain, reference),
+                         "vs_plain": compare(rank[name]["run"], plain)}
+                  for name in ("cross", "never_reads_through")}
+        assert_exact(judged["cross"])
+        _assert_gradients_fail(judged["never_reads_through"])
+        figures = rank["cross"]["figures"]
+        assert figures == stages[rank["stage"]]["cross"]["figures"]
+        # each forward (the carried prompt's twice, each suffix's) ran this rank's half of its
+        # rows, each part padded to a multiple of 2
+        rows, at_cp1 = rank["cross"]["rows"], stages[rank["stage"]]["cross"]["padded_rows"]
+        whole = sum(at_cp1) + at_cp1[0]
+        assert len(rows) == figures["num_micro_batches"] + 1
+        assert whole <= 2 * sum(rows) <= whole + len(rows)
 
 
 TP_RUNS = {sequence_parallel: (BUDGET, dict(sequence_parallel=sequence_parallel), None)
