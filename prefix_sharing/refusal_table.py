@@ -192,13 +192,11 @@ TABLE: tuple[Refusal, ...] = (
             "'*', 'G' (Gated DeltaNet, megatron-core 0.19.2), '-' and 'E' run", _MEGATRON),
     # --- megatron-core: groups across micro-batches ---------------------------------------
     Refusal("megatron.cross_micro_batch.context_parallel",
-            "cross-micro-batch sharing under context parallelism with MoE, or with pipeline "
-            "parallelism in verl's engine",
+            "cross-micro-batch sharing under context parallelism on a MoE model",
             "a group runs under context parallelism on dense models, with or without "
             "activation recompute and pipeline parallelism (tested at CP=2, x TP=2, x PP=2); "
             "the MoE router's statistics across micro-batches are not split over "
-            "context-parallel ranks, and verl's pipelined group run does not split its "
-            "micro-batches over them; use context_parallel_size=1 with those, or one "
+            "context-parallel ranks: use context_parallel_size=1 for such groups, or one "
             "micro-batch per group", _MEGATRON),
     Refusal("megatron.cross_micro_batch.pipeline_nested", "a nested group schedule (a chunked "
             "prefix or sub-tree blocks) under pipeline parallelism",

@@ -167,18 +167,11 @@ def check_cross_engine_setup(engine_config: Any) -> None:
     """At engine construction: the parallel settings of verl's Megatron engine config under
     which a group cannot run across micro-batches (:func:`check_cross_model` checks the model
     itself at its first cross micro-batch)."""
-    found = []
-    pp = getattr(engine_config, "pipeline_model_parallel_size", 1) or 1
-    cp = getattr(engine_config, "context_parallel_size", 1) or 1
-    if pp > 1 and cp > 1:  # the group driver's refusal, said before the model is built
-        found.append(Refused("megatron.cross_micro_batch.context_parallel",
-                             f"pipeline_model_parallel_size={pp} with context_parallel_size={cp}"))
     vpp = getattr(engine_config, "virtual_pipeline_model_parallel_size", None)
     if vpp is not None and vpp > 1:
-        found.append(Refused("megatron.cross_micro_batch.virtual_pipeline",
-                             f"virtual_pipeline_model_parallel_size={vpp}"))
-    if found:
-        raise refuse_all(found, error=PrefixSharingSetupError)
+        raise refuse_all([Refused("megatron.cross_micro_batch.virtual_pipeline",
+                                  f"virtual_pipeline_model_parallel_size={vpp}")],
+                         error=PrefixSharingSetupError)
 
 
 def check_cross_model(model) -> None:

@@ -29,10 +29,12 @@ part), and an inner stage sends both outputs on as one tensor (megatron's
 (``cross_recomputed_tokens``); held across the group, per stage, its layers' K/V leaves and
 their gradients, and no prefix activations. Under sequence parallelism each rank holds its
 slice of each part's rows (every part padded to the tensor-parallel size), so the received
-activation splits at the prefix's rows over TP. Built and tested for one-level groups on dense
-models, at TP=1 and at TP=2 with sequence parallelism, with activation recompute and sliding
-windows; not under context parallelism (:func:`.cross_forward.check_cross_model`,
-:func:`.cross_forward.check_cross_engine_setup`).
+activation splits at the prefix's rows over TP. Under context parallelism each part is split
+over the CP ranks as at PP=1 (:mod:`~prefix_sharing.megatron_ext.cross_context_parallel`), the
+received activation and the last stage's logits holding this rank's slice of each, and every
+rank returns every sample whole. Built and tested for one-level groups on dense models, at
+TP=1, at TP=2 with sequence parallelism and at CP=2, with activation recompute and sliding
+windows (:func:`.cross_forward.check_cross_model`).
 """
 
 from __future__ import annotations
@@ -55,7 +57,9 @@ def pipelined_cross_forward(model, part: CrossPart, sharing: PrefixSharingConfig
     the last stage, the activation for the next stage before it."""
     from megatron.core.utils import get_attr_wrapped_model
 
-    from ..megatron_ext.cross_context_parallel import micro_batch_stats, model_inputs
+    from ..megatron_ext.cross_context_parallel import (context_parallel_size,
+                                                       micro_batch_stats, model_inputs,
+                                                       slice_micro_batch)
     from ..megatron_ext.cross_run import PrefixPass, sequence_parallel_size
     from ..megatron_ext.packed_seq import PlanPackedSeqParams
     from ..megatron_ext.prefix_kv import PrefixKV
@@ -69,12 +73,13 @@ def pipelined_cross_forward(model, part: CrossPart, sharing: PrefixSharingConfig
     last_stage = get_attr_wrapped_model(model, "post_process")
     received = get_attr_wrapped_model(model, "decoder").input_tensor  # None on the first stage
     set_input_tensor = get_attr_wrapped_model(model, "set_input_tensor")
-    slices = sequence_parallel_size(model)  # under sequence parallelism: this rank's rows
+    # this rank's rows of each part: its CP slice, and of that its TP slice between the layers
+    slices = sequence_parallel_size(model) * context_parallel_size()
 
-    def run(params: PlanPackedSeqParams, rows: slice) -> torch.Tensor:
+    def run(params: PlanPackedSeqParams, cp, rows: slice) -> torch.Tensor:
         if received is not None:  # a later stage: its rows of the activation received
             set_input_tensor(received[rows])
-        input_ids, position_ids = model_inputs(params.plan, None)
+        input_ids, position_ids = model_inputs(params.plan, cp)
         return model(input_ids=input_ids, attention_mask=None, position_ids=position_ids,
                      packed_seq_params=params)
 
@@ -82,10 +87,10 @@ def pipelined_cross_forward(model, part: CrossPart, sharing: PrefixSharingConfig
     if part.first or part.last:
         state.prefix_kv.mode = "record"  # a second record keeps the leaves and their gradients
         prefix = PrefixPass(schedule, state.prefix_kv, sharing.backend, temperature, device)
-        prefix_rows = prefix.params.plan.input_ids.numel()
+        prefix_rows = prefix.params.plan.input_ids.numel() // slices
         training = torch.is_grad_enabled()
         with torch.set_grad_enabled(training and part.last):
-            outputs.append(run(prefix.params, slice(0, prefix_rows // slices)))
+            outputs.append(run(prefix.params, prefix.cp, slice(0, prefix_rows)))
             if last_stage:
                 recorded = prefix_statistics(prefix, outputs[-1][0], calculate_entropy)
                 state.log_probs, state.entropy = recorded
@@ -94,9 +99,11 @@ def pipelined_cross_forward(model, part: CrossPart, sharing: PrefixSharingConfig
                                  for t in recorded)
     state.prefix_kv.mode = "read_last" if part.last else "read"
     suffix = schedule.suffixes[part.index]
+    cp = slice_micro_batch(suffix.plan, suffix.tail_plan, suffix.plan.num_tokens_flat, device)
     plan, tail_plan = suffix.plan.to(device), suffix.tail_plan.to(device)
-    params = PlanPackedSeqParams.from_plan(plan, sharing.backend, prefix_kv=state.prefix_kv)
-    outputs.append(run(params, slice(prefix_rows // slices, None)))
+    params = PlanPackedSeqParams.from_plan(plan, sharing.backend, cp=cp and cp.attention,
+                                           prefix_kv=state.prefix_kv)
+    outputs.append(run(params, cp, slice(prefix_rows, None)))
     if metrics is not None:  # the last micro-batch computes the prefix again
         metrics.add_tokens(part.tokens_total, part.tokens_computed + (
             schedule.prefix_len if part.last and not part.first else 0))
@@ -106,7 +113,7 @@ def pipelined_cross_forward(model, part: CrossPart, sharing: PrefixSharingConfig
         group.state = None  # the last micro-batch's graph holds what its backward needs
     if not last_stage:  # hidden states [rows, 1, h]: both parts, for the next stage
         return torch.cat(outputs, dim=0)
-    stats = micro_batch_stats(outputs[-1][0], tail_plan, None, temperature=temperature,
+    stats = micro_batch_stats(outputs[-1][0], tail_plan, cp, temperature=temperature,
                               with_entropy=calculate_entropy)
     prefix_stats = state.prefix_stats(list(suffix.members), part.last)
     return verl_output(prefix_stats, stats, tail_plan, calculate_entropy)

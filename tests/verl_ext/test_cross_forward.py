@@ -351,9 +351,6 @@ def test_context_x_tensor_parallel_equals_verls_stock_step_at_tp2(
 
 
 @pytest.mark.parametrize("settings, named", [
-    # PP at TP=1 and TP=2 runs (test_cross_pipeline.py); PP x CP does not, as in the group driver
-    (dict(pipeline_model_parallel_size=2, tensor_model_parallel_size=1, context_parallel_size=2),
-     "pipeline_model_parallel_size=2 with context_parallel_size=2"),
     (dict(virtual_pipeline_model_parallel_size=2), "virtual_pipeline_model_parallel_size=2")])
 def test_engine_settings_are_refused_by_name_at_construction(settings, named):
     from types import SimpleNamespace
@@ -367,6 +364,9 @@ def test_engine_settings_are_refused_by_name_at_construction(settings, named):
     check_cross_engine_setup(SimpleNamespace(**{**base, "sequence_parallel": True}))
     check_cross_engine_setup(SimpleNamespace(**{**base, "context_parallel_size": 2}))  # CP x TP
     check_cross_engine_setup(SimpleNamespace(**{**base, "pipeline_model_parallel_size": 2}))
+    # PP x CP runs too (test_cross_pipeline.py)
+    check_cross_engine_setup(SimpleNamespace(**{**base, "pipeline_model_parallel_size": 2,
+                                                "context_parallel_size": 2}))
     with pytest.raises(PrefixSharingSetupError, match=named):
         check_cross_engine_setup(SimpleNamespace(**{**base, **settings}))
 

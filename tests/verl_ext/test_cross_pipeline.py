@@ -9,7 +9,8 @@ backward on every stage (``prefix_sharing/verl_ext/cross_pipeline.py``). ``infer
 step with the feature off on the same weights at PP=2: every gradient on each stage, and the
 last stage's outputs and loss (verl's global token mean, summed over micro-batches: the two
 runs split the batch differently). A control whose last micro-batch does not read the
-accumulated gradients through fails on the gradients.
+accumulated gradients through fails on the gradients. At PP=2 x CP=2 (four ranks) every part
+is split over the CP ranks, and each rank's stage equals the stock step at PP=2, CP=1.
 
 Batch: as ``test_cross_forward.py`` (2 agent tasks of 3 episodes, 34- and 36-token common
 prefixes). At a budget of 80 both groups cross micro-batches (3 each, the carrying ones within
@@ -64,6 +65,37 @@ def pipeline_steps(rank: int) -> dict:
 @pytest.fixture(scope="module")
 def stages():
     return run_distributed(pipeline_steps, 2, pp=2, timeout=900)
+
+
+def pipeline_context_parallel_steps(rank: int) -> dict:
+    """At PP=2 x CP=2: the cross-micro-batch step at the CP=1 runs' budget of 80 (40 per GPU:
+    verl's budget is max_token_len_per_gpu x CP), the gradients averaged over the CP group as
+    megatron's DDP does; this rank's stage."""
+    from megatron.core import parallel_state
+
+    from prefix_sharing.engines.megatron import finalize_context_parallel_grads
+
+    use_cpu_platform()
+    config = actor_config(CROSS, megatron={**PIPELINE, "context_parallel_size": 2})
+    engine = build_engine(config)
+    rows = []
+    engine.module[0].register_forward_pre_hook(
+        lambda module, args, kwargs: rows.append(kwargs["input_ids"].size(1)), with_kwargs=True)
+    result = step(engine, config, partial(batch, 40), finalize=finalize_context_parallel_grads)
+    return {**result, "rows": rows, "stage": parallel_state.get_pipeline_model_parallel_rank()}
+
+
+def test_pipeline_x_context_parallel_equals_verls_stock_step_at_cp1(stages):
+    ranks = run_distributed(pipeline_context_parallel_steps, 4, pp=2, cp=2, timeout=900)
+    assert [rank["stage"] for rank in ranks] == [0, 0, 1, 1]
+    for rank, result in enumerate(ranks):
+        stock = stages[result["stage"]][80, "off"]
+        same_outputs(result, stock, f"pp2 x cp2 rank {rank}", per_micro_batch=False)
+        at_cp1 = stages[result["stage"]][80, "cross"]["rows"]
+        assert len(result["rows"]) == len(at_cp1)  # the same forwards, each half the rows
+        assert sum(at_cp1) <= 2 * sum(result["rows"]) <= sum(at_cp1) + len(at_cp1)
+    metrics = ranks[-1]["train"]["metrics"]
+    assert metrics["prefix_sharing/prefix_recomputes_avoided"] == [4.0]
 
 
 @pytest.mark.parametrize("budget", (80, 70))
