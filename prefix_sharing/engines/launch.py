@@ -1,8 +1,18 @@
 """Runs a function on N ranks with megatron-core's model parallelism set up, on CPU or GPU.
 
-Every rank is a freshly spawned process (``torch.multiprocessing`` spawn context), so megatron's
-global state (parallel groups, the RNG tracker, the CPU redirections) never leaks into the
-caller. Without CUDA, ranks talk over gloo and run :func:`enable_cpu_megatron` first.
+Every rank is a fresh process that shares no state with the caller, so megatron's global state
+(parallel groups, the RNG tracker, the CPU redirections) never leaks into it. The ranks are
+forked from a *fork server* (``torch.multiprocessing``'s forkserver context): a process started
+once per caller that imported torch and megatron-core (:data:`PRELOADED`) and did nothing
+else, so a rank starts in a fraction of a second instead of importing them again (~4 s each,
+which a test suite of hundreds of launches pays otherwise). As a spawned process would, a rank
+runs with the caller's environment and writes to the caller's standard output and error, as
+they are at launch (:func:`_rank_main`, :class:`_CallerStdio`). One thing a forked rank
+cannot have: importing ``prefix_sharing`` reads its switches (``ENABLE_PREFIX_SHARING``,
+``PREFIX_SHARING_*``), and a rank imports it before it sets the caller's environment; so while
+the caller sets any of them, the ranks are spawned instead, each importing everything afresh
+(:func:`_rank_context`). Without CUDA, ranks talk over gloo and run
+:func:`enable_cpu_megatron` first.
 
 The function must be importable by name (a module's top level): the child unpickles it by
 reference.
@@ -18,6 +28,7 @@ import socket
 import time
 import traceback
 import warnings
+from multiprocessing import reduction
 from typing import Any, Callable
 
 import torch
@@ -38,6 +49,10 @@ class RemoteTraceback(Exception):
     def __str__(self) -> str:
         return "\n" + self.args[0]
 
+
+# What the fork server imports before it forks any rank: imports only (no CUDA, no process
+# group, no environment read that a rank's would change); a module missing here is skipped.
+PRELOADED = ("torch", "megatron.core")
 
 # How often a launch is tried when its TCPStore port was taken meanwhile, and the error that
 # says so in rank 0's traceback.
@@ -91,12 +106,13 @@ def run_distributed(
 def _launch(payload: bytes, world_size: int, port: int, sizes: tuple[int, int, int, int | None],
             seed: int, timeout: float) -> list[Any]:
     """One launch of the ranks on ``port`` (see :func:`run_distributed`)."""
-    ctx = mp.get_context("spawn")
+    ctx = _rank_context()
     results_queue = ctx.Queue()
+    caller = (dict(os.environ), _CallerStdio())
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(rank, world_size, port, sizes, seed, payload, results_queue),
+            args=(rank, world_size, port, sizes, seed, payload, results_queue, caller),
             name=f"megatron-rank-{rank}",
         )
         for rank in range(world_size)
@@ -153,6 +169,30 @@ def _death(rank: int, exitcode: int) -> Exception:
     return RankKilled(f"rank {rank} was killed by {name}{cause}")
 
 
+class _CallerStdio:
+    """The caller's stdout and stderr file descriptors, sent to the rank with its arguments
+    (multiprocessing's ``DupFd``: a rank's own descriptors 1 and 2 are the fork server's);
+    a rank receives ``(stdout, stderr)``, descriptors of its own."""
+
+    def __reduce__(self):
+        return _received_stdio, (reduction.DupFd(1), reduction.DupFd(2))
+
+
+def _received_stdio(*fds: Any) -> tuple[int, ...]:
+    return tuple(fd.detach() for fd in fds)
+
+
+def _rank_context() -> Any:
+    """The context the ranks start from: the fork server's (see the module doc), preloading
+    :data:`PRELOADED`; spawn while the caller sets a switch that importing ``prefix_sharing``
+    reads (so the server, started by a forked launch, never has one)."""
+    if any("PREFIX_SHARING" in name for name in os.environ):
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOADED))
+    return ctx
+
+
 def rank_threads(world_size: int) -> int:
     """Intra-op threads of each rank: the cores shared between the ranks instead of
     oversubscribed, at most ``OMP_NUM_THREADS`` when the user set it (a spawned rank would
@@ -170,8 +210,17 @@ def _rank_main(
     seed: int,
     payload: bytes,
     results_queue: Any,
+    caller: tuple[dict[str, str], tuple[int, int]],
 ) -> None:
-    """Body of one spawned rank: set up gloo + megatron, run the function, report back."""
+    """Body of one rank: the caller's environment, stdout and stderr (a forked rank's own are
+    the fork server's), gloo + megatron set up, the function run, the result reported back."""
+    environment, stdio = caller
+    os.environ.clear()
+    os.environ.update(environment)
+    for target, fd in zip((1, 2), stdio):
+        if fd != target:  # a spawned rank gets the caller's descriptors under their numbers
+            os.dup2(fd, target)
+            os.close(fd)
     # megatron-core announces each optional CUDA package it falls back from, in every rank
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
     warnings.filterwarnings("ignore", message="full scope is deprecated")

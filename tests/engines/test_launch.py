@@ -1,8 +1,12 @@
-"""How many intra-op threads a spawned rank takes; a launch whose port was taken is retried."""
+"""How many intra-op threads a rank takes; a launch whose port was taken is retried; ranks fork
+from a server that imported torch and megatron-core, and see what a spawned rank would: the
+caller's stdout / stderr and environment now (spawned under a prefix-sharing switch)."""
 
 from __future__ import annotations
 
+import os
 import socket
+import sys
 
 import pytest
 
@@ -46,3 +50,27 @@ def test_a_rank_error_that_is_not_the_port_is_not_retried(monkeypatch):
         launch.run_distributed(_rank_and_world, 1)  # world_size missing: a TypeError
     assert len(asked) == 1
 
+
+
+def _parent_and_variables(rank: int) -> tuple[int, str | None, str | None]:
+    print(f"rank {rank} says hello", file=sys.stderr, flush=True)
+    return (os.getppid(), os.environ.get("LAUNCH_PROBE"),
+            os.environ.get("PREFIX_SHARING_LAUNCH_PROBE"))
+
+
+def test_ranks_fork_from_a_server_and_see_the_callers_environment_and_stderr_now(
+        capfd, monkeypatch):
+    launch.run_distributed(_rank_and_world, 1, 1)  # the server may start here, under other fds
+    monkeypatch.setenv("LAUNCH_PROBE", "set")
+    capfd.readouterr()
+    (parent, variable, switch), = launch.run_distributed(_parent_and_variables, 1)
+    assert parent != os.getpid()  # the fork server's child, not this process's
+    assert variable == "set" and switch is None
+    assert "rank 0 says hello" in capfd.readouterr().err
+
+
+def test_a_launch_under_a_prefix_sharing_switch_spawns_its_ranks(monkeypatch):
+    """Importing prefix_sharing reads its switches, before a forked rank could set them."""
+    monkeypatch.setenv("PREFIX_SHARING_LAUNCH_PROBE", "set")
+    (parent, _, switch), = launch.run_distributed(_parent_and_variables, 1)
+    assert switch == "set" and parent == os.getpid()  # spawned by this process
