@@ -204,7 +204,8 @@ MATRIX: dict[str, dict[str, Cell]] = {
                                _VX + "test_cross_replay.py",
                                _VX + "test_cross_moe_sequence_parallel.py",
                                _VX + "test_cross_pipeline.py",
-                               note="PP=2 (x TP=2, x CP=2), dense, one level; CP=2 (x TP=2), dense; "
+                               note="PP=2 (x TP=2, x CP=2), dense, one level; "
+                                    "CP=2 (x TP=2), dense; "
                                     "nested: dense, CP=1, PP=1, no recompute",
                                refusals=("verl.cross_micro_batch.layout",)),
         "verl-fsdp": refused("verl.cross_micro_batch.engine"),

@@ -191,11 +191,9 @@ def check_group_model(model: torch.nn.Module) -> None:
         found.append(Refused("megatron.cross_micro_batch.virtual_pipeline",
                              "virtual_pipeline_model_parallel_size="
                              f"{config.virtual_pipeline_model_parallel_size}"))
-    if config.context_parallel_size > 1:  # built and tested on dense models
-        found += [Refused("megatron.cross_micro_batch.context_parallel",
-                          f"context_parallel_size={config.context_parallel_size} with {setting}")
-                  for setting, on in (
-                      (f"num_moe_experts={config.num_moe_experts}",
-                       bool(config.num_moe_experts)),) if on]
+    if config.context_parallel_size > 1 and config.num_moe_experts:  # built for dense models
+        found.append(Refused("megatron.cross_micro_batch.context_parallel",
+                             f"context_parallel_size={config.context_parallel_size} with "
+                             f"num_moe_experts={config.num_moe_experts}"))
     if found:
         raise refuse_all(found, error=UnsupportedSetupError)

@@ -115,7 +115,7 @@ def cross_forward(
     plan, tail_plan = suffix.plan.to(device), suffix.tail_plan.to(device)
     params = PlanPackedSeqParams.from_plan(
         plan, sharing.backend, cp=cp and cp.attention, prefix_kv=prefix_kv,
-        routes=replayed_routes(model, part, tail_plan, replay_routes, device))
+        routes=replayed_routes(model, part, replay_routes, device))
     input_ids, position_ids = model_inputs(plan, cp)  # under CP this rank's rows
     logits = model(input_ids=input_ids, attention_mask=None, position_ids=position_ids,
                    packed_seq_params=params)[0]
@@ -140,18 +140,19 @@ def pipelined(model) -> bool:
     return get_attr_wrapped_model(model, "config").pipeline_model_parallel_size > 1
 
 
-def replayed_routes(model, part: CrossPart, tail_plan, replay_routes: list | None,
+def replayed_routes(model, part: CrossPart, replay_routes: list | None,
                     device: torch.device) -> torch.Tensor | None:
     """The routes the micro-batch ``part``'s flat rows replay (verl's ``router_replay``):
     its tails' as the group was planned with them (:func:`.routing_replay.split_routes`),
     after checking they are the micro-batch's own; None without replay."""
     from megatron.core.utils import unwrap_model
 
-    from ..megatron_ext.routing_replay import flat_routes
+    from ..megatron_ext.cross_run import suffix_routes
     from .routing_replay import check_padded_statistics
 
     schedule = part.group.schedule
-    tails = schedule.suffixes[part.index].routes
+    suffix = schedule.suffixes[part.index]
+    tails = suffix.routes
     if replay_routes is None and tails is None:
         return None
     if replay_routes is None or tails is None or not all(
@@ -160,7 +161,7 @@ def replayed_routes(model, part: CrossPart, tail_plan, replay_routes: list | Non
         raise ValueError(f"micro-batch {part.index} of a cross-micro-batch group replays routes "
                          "other than those its group was planned with")
     check_padded_statistics(unwrap_model(model))
-    return flat_routes(tail_plan, tails, device)
+    return suffix_routes(suffix, device)
 
 
 def check_cross_engine_setup(engine_config: Any) -> None:
