@@ -191,13 +191,6 @@ TABLE: tuple[Refusal, ...] = (
             "sharing version (the SSD state at each branch point) is not built; patterns of "
             "'*', 'G' (Gated DeltaNet, megatron-core 0.19.2), '-' and 'E' run", _MEGATRON),
     # --- megatron-core: groups across micro-batches ---------------------------------------
-    Refusal("megatron.cross_micro_batch.context_parallel",
-            "cross-micro-batch sharing under context parallelism on a MoE model",
-            "a group runs under context parallelism on dense models, with or without "
-            "activation recompute and pipeline parallelism (tested at CP=2, x TP=2, x PP=2); "
-            "the MoE router's statistics across micro-batches are not split over "
-            "context-parallel ranks: use context_parallel_size=1 for such groups, or one "
-            "micro-batch per group", _MEGATRON),
     Refusal("megatron.cross_micro_batch.pipeline_nested", "a nested group schedule (a chunked "
             "prefix or sub-tree blocks) under pipeline parallelism",
             "under 1F1B the last suffix recomputes the one prefix block and carries it between "
@@ -402,17 +395,10 @@ TABLE: tuple[Refusal, ...] = (
     Refusal("verl.routing_replay.r3_without_routes", "R3 routing replay without the rollout's "
             "routes", "the micro-batch has no routed_experts; record them in the rollout",
             ("verl-megatron",)),
-    Refusal("verl.cross_micro_batch.engine", "groups across micro-batches on the FSDP engine "
-            "or the critic", "only verl's Megatron language-model engine runs a group across "
-            "micro-batches; the FSDP engine and the critic split a group too large for a "
-            "micro-batch instead (set cross_micro_batch: false)", _VERL),
-    Refusal("verl.cross_micro_batch.layout", "groups across micro-batches in verl's engine "
-            "under pipeline parallelism on a MoE model", "verl's pipelined group run (the "
-            "first and last micro-batch carrying the prefix rows) does not carry the MoE "
-            "router statistics (not built; the group driver's does); use "
-            "pipeline_model_parallel_size=1 for such groups (TP, SP and CP run), or "
-            "cross_micro_batch: false",
-            ("verl-megatron",)),
+    Refusal("verl.cross_micro_batch.engine", "groups across micro-batches on the FSDP engine",
+            "only verl's Megatron engines (the actor's and the critic's) run a group across "
+            "micro-batches; the FSDP engine splits a group too large for a micro-batch instead "
+            "(set cross_micro_batch: false)", _VERL),
     Refusal("verl.cpu_shim_release", "a verl release the CPU test shim does not know",
             "prefix_sharing.testing.verl_cpu patches the releases that have patch sets "
             "(prefix_sharing.releases.VERL_RELEASES) only", _VERL),

@@ -197,17 +197,16 @@ MATRIX: dict[str, dict[str, Cell]] = {
                                _MX + "test_cross_micro_batch_pipeline.py",
                                _MX + "test_cross_micro_batch_replay.py",
                                _MX + "test_cross_micro_batch_context_parallel.py",
-                               note="PP=2: one level; CP=2 (x TP=2, x PP=2), dense",
-                               refusals=("megatron.cross_micro_batch.pipeline_nested",
-                                         "megatron.cross_micro_batch.context_parallel")),
+                               note="PP=2: one level; CP=2 (x TP=2, x PP=2); MoE statistics "
+                                    "at CP=2 and PP=2",
+                               refusals=("megatron.cross_micro_batch.pipeline_nested",)),
         "verl-megatron": works(_VX + "test_cross_forward.py", _VX + "test_cross_nested.py",
                                _VX + "test_cross_replay.py",
                                _VX + "test_cross_moe_sequence_parallel.py",
                                _VX + "test_cross_pipeline.py",
-                               note="PP=2 (x TP=2, x CP=2), dense, one level; "
-                                    "CP=2 (x TP=2), dense; "
-                                    "nested: dense, CP=1, PP=1, no recompute",
-                               refusals=("verl.cross_micro_batch.layout",)),
+                               note="PP=2 (x TP=2, x CP=2), one level; CP=2 (x TP=2); "
+                                    "MoE and routing replay at PP=2, MoE at CP=2; "
+                                    "nested: dense, CP=1, PP=1, no recompute"),
         "verl-fsdp": refused("verl.cross_micro_batch.engine"),
         "hf-fsdp": NOT_OFFERED,
         "megatron-lm": Cell("not offered", note="not wired"),
@@ -239,9 +238,10 @@ MATRIX: dict[str, dict[str, Cell]] = {
     "the critic (value model: PPO / GAE)": {
         "megatron-core": NOT_OFFERED,
         "verl-megatron": works(_VX + "test_critic.py", releases="verl 0.9.1, 0.8.0",
-                               note="TP=1; TP=2 with sequence parallelism", refusals=("verl.critic.sequence_split",
-                                                      "verl.self_check.value_model",
-                                                      "verl.cross_micro_batch.engine")),
+                               note="TP=1; TP=2 with sequence parallelism; across "
+                                    "micro-batches (verl 0.9.1)",
+                               refusals=("verl.critic.sequence_split",
+                                         "verl.self_check.value_model")),
         "verl-fsdp": works(_VX + "test_critic.py", releases="verl 0.9.1, 0.8.0",
                            note="FSDP1, FSDP2", refusals=("verl.critic.sequence_split",
                                                           "verl.self_check.value_model")),

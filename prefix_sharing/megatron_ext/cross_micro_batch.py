@@ -48,11 +48,12 @@ slice of every suffix's plain view, the prefix's logits kept whole). Activation 
 tokens and routes) has each block replay its rows' routes and each suffix its flat rows'; a
 suffix's plain view for the router statistics replays its stack's routes
 (:attr:`~.prefix_kv.PrefixKV.routes`) before its own. Sliding windows (a suffix's gather of the
-prefix rows trimmed to the window, as any plan's). Context parallelism on dense models, with
-or without activation recompute and TP: each micro-batch split over the CP ranks, a block's
-K/V recorded gathered (:mod:`.cross_context_parallel`). Under pipeline parallelism a one-level
-schedule runs through megatron's 1F1B instead (:mod:`.cross_pipeline`); virtual pipeline
-stages are refused by name, and CP with MoE.
+prefix rows trimmed to the window, as any plan's). Context parallelism, with or without
+activation recompute and TP: each micro-batch split over the CP ranks, a block's K/V and
+router logits recorded gathered (:mod:`.cross_context_parallel`); a suffix's router statistics
+split over the CP ranks as megatron splits its plain micro-batch's (:mod:`.moe`). Under
+pipeline parallelism a one-level schedule runs through megatron's 1F1B instead
+(:mod:`.cross_pipeline`); virtual pipeline stages are refused by name.
 """
 
 from __future__ import annotations
@@ -61,10 +62,10 @@ import torch
 from megatron.core.utils import get_attr_wrapped_model
 
 from ..cross_micro_batch import GroupSchedule, SuffixMicroBatch
-from ..refusals import Refused, refuse_all
+from ..refusals import refuse
 from .checks import UnsupportedSetupError
 from .cross_context_parallel import context_parallel_size, model_inputs, slice_micro_batch
-from .cross_run import (Collector, GroupRun, PrefixPass, TokenLoss, score_suffix,
+from .cross_run import (Collector, GroupRun, PrefixPass, TokenLoss, block_store, score_suffix,
                         sequence_parallel_size, suffix_routes)
 from .packed_seq import PlanPackedSeqParams
 from .prefix_kv import PrefixKV, PrefixKVStack
@@ -99,8 +100,9 @@ def forward_backward_group(
         keep_logits: also return every token's logits (for comparisons; ``T_total x V``).
         aux_loss_scale: the gradient weight of each suffix micro-batch's MoE router losses
             (megatron's schedule sets ``1 / num_microbatches`` of the step, 1 with
-            ``calculate_per_token_loss``); set on
-            megatron's ``MoEAuxLossAutoScaler`` for the group's backwards.
+            ``calculate_per_token_loss``); set on megatron's ``MoEAuxLossAutoScaler`` for
+            the group's backwards, times the CP size under context parallelism, as megatron's
+            schedule scales them and each micro-batch's loss there.
     """
     check_group_model(model)
     device = next(model.parameters()).device
@@ -126,7 +128,8 @@ def forward_backward_group(
         # [] when the autoscaler's own backward did
         held = MoEAuxLossAutoScaler.main_loss_backward_scale
         MoEAuxLossAutoScaler.set_loss_scale(torch.full(
-            (1,) if held is None else held.shape, float(aux_loss_scale), device=device))
+            (1,) if held is None else held.shape,
+            float(aux_loss_scale * context_parallel_size()), device=device))
     out = Collector(schedule.num_tokens_total, device, keep_logits)
     kvs: dict[int, PrefixKV] = {}  # the live blocks'
     passes: dict[int, PrefixPass] = {}
@@ -138,8 +141,7 @@ def forward_backward_group(
                     device)
             continue
         if kind == "forward":
-            kvs[i] = PrefixKV(rows=schedule.blocks[i].length,
-                              routes=_to(schedule.blocks[i].routes, device))
+            kvs[i] = block_store(schedule.blocks[i], device)
             stack = PrefixKVStack([kvs[r] for r in schedule.blocks[i].reads], kvs[i])
             passes[i] = PrefixPass(schedule, stack, backend, temperature, device,
                                    block=schedule.blocks[i])
@@ -177,23 +179,11 @@ def _suffix(model: torch.nn.Module, suffix: SuffixMicroBatch, kvs: dict[int, Pre
     (loss * context_parallel_size()).backward()  # as megatron's schedule scales it under CP
 
 
-def _to(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
-    return None if tensor is None else tensor.to(device)
-
-
 def check_group_model(model: torch.nn.Module) -> None:
-    """Raises :class:`UnsupportedSetupError` naming every setting a group run cannot honour:
-    virtual pipeline stages (the pipelined run, :mod:`.cross_pipeline`, drives one model
-    chunk per stage)."""
-    config = get_attr_wrapped_model(model, "config")
-    found = []
-    if config.virtual_pipeline_model_parallel_size is not None:
-        found.append(Refused("megatron.cross_micro_batch.virtual_pipeline",
-                             "virtual_pipeline_model_parallel_size="
-                             f"{config.virtual_pipeline_model_parallel_size}"))
-    if config.context_parallel_size > 1 and config.num_moe_experts:  # built for dense models
-        found.append(Refused("megatron.cross_micro_batch.context_parallel",
-                             f"context_parallel_size={config.context_parallel_size} with "
-                             f"num_moe_experts={config.num_moe_experts}"))
-    if found:
-        raise refuse_all(found, error=UnsupportedSetupError)
+    """Raises :class:`UnsupportedSetupError` for a setting a group run cannot honour: virtual
+    pipeline stages (the pipelined run, :mod:`.cross_pipeline`, drives one model chunk per
+    stage)."""
+    vpp = get_attr_wrapped_model(model, "config").virtual_pipeline_model_parallel_size
+    if vpp is not None:
+        raise refuse("megatron.cross_micro_batch.virtual_pipeline",
+                     f"virtual_pipeline_model_parallel_size={vpp}", error=UnsupportedSetupError)

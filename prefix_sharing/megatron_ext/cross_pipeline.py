@@ -54,27 +54,82 @@ from collections.abc import Iterator
 import torch
 from megatron.core.utils import get_attr_wrapped_model
 
-from ..cross_micro_batch import GroupSchedule, SuffixMicroBatch
+from ..cross_micro_batch import GroupSchedule
 from ..refusals import refuse
 from .checks import UnsupportedSetupError
 from .cross_context_parallel import (CrossSlice, context_parallel_size, model_inputs,
                                      slice_micro_batch)
-from .cross_run import (Collector, GroupRun, PrefixPass, TokenLoss, score_suffix,
+from .cross_run import (Collector, GroupRun, PrefixPass, TokenLoss, block_store, score_suffix,
                         sequence_parallel_size, suffix_routes)
 from .packed_seq import PlanPackedSeqParams
-from .prefix_kv import PrefixKV, PrefixKVStack
+from .prefix_kv import PrefixKV
 
-__all__ = ["check_pipelined_group", "forward_backward_pipelined_group"]
+__all__ = ["StageRun", "check_pipelined_group", "forward_backward_pipelined_group",
+           "stage_forward"]
 
 
-@dataclasses.dataclass(frozen=True)
-class _Step:
-    """One of the group's micro-batches in the pipeline: its suffix, and whether it carries the
-    prefix rows (the first, without grad; the last, with grad)."""
+@dataclasses.dataclass
+class StageRun:
+    """This stage's forward of one of a group's micro-batches (:func:`stage_forward`).
 
-    suffix: SuffixMicroBatch
-    carries_prefix: bool
-    last: bool
+    Attributes:
+        prefix: the carried prefix's pass (the group's first and last micro-batch), or None.
+        prefix_output: its rows' output (hidden states ``[rows, 1, h]``; on the last stage
+            logits ``[1, rows, V]``), or None.
+        output: the micro-batch's own rows' output, likewise.
+        cp: the micro-batch's context-parallel slice (None at CP=1).
+    """
+
+    prefix: PrefixPass | None
+    prefix_output: torch.Tensor | None
+    output: torch.Tensor
+    cp: CrossSlice | None
+
+    def sent(self, last_stage: bool) -> torch.Tensor:
+        """Both parts' rows as one tensor: what megatron's schedule sends to the next stage
+        (hidden states, by rows) or hands the loss function (logits)."""
+        if self.prefix_output is None:
+            return self.output
+        return torch.cat([self.prefix_output, self.output], dim=1 if last_stage else 0)
+
+
+def stage_forward(model: torch.nn.Module, kv: PrefixKV, schedule: GroupSchedule, index: int, *,
+                  routes: torch.Tensor | None, backend: str, temperature: float,
+                  device: torch.device) -> StageRun:
+    """This stage's forward of the group's suffix micro-batch ``index`` inside megatron's
+    schedule (module doc): in the group's first and last micro-batch the prefix rows first,
+    recording their K/V in ``kv`` (with grad in the last, when grad is enabled), then the
+    micro-batch's own rows reading ``kv`` (through it in the last). On a later stage the
+    activation received is split at the prefix's rows (this rank's slice of them). ``routes``:
+    the routes the micro-batch's flat rows replay (routing replay), or None."""
+    count = len(schedule.suffixes)
+    first, last = index == 0, index == count - 1
+    received = get_attr_wrapped_model(model, "decoder").input_tensor  # None on the first stage
+    set_input_tensor = get_attr_wrapped_model(model, "set_input_tensor")
+    # this rank's rows of each part: its CP slice, and of that its TP slice between the layers
+    slices = sequence_parallel_size(model) * context_parallel_size()
+
+    def run(params: PlanPackedSeqParams, cp: CrossSlice | None, rows: slice) -> torch.Tensor:
+        if received is not None:  # a later stage: its rows of the activation received
+            set_input_tensor(received[rows])
+        input_ids, position_ids = model_inputs(params.plan, cp)
+        return model(input_ids=input_ids, attention_mask=None, position_ids=position_ids,
+                     packed_seq_params=params)
+
+    prefix = prefix_output = None
+    prefix_rows = 0
+    if first or last:
+        kv.mode = "record"  # a second record keeps the leaves and their gradients
+        prefix = PrefixPass(schedule, kv, backend, temperature, device)
+        prefix_rows = prefix.params.plan.input_ids.numel() // slices
+        with torch.set_grad_enabled(torch.is_grad_enabled() and last):
+            prefix_output = run(prefix.params, prefix.cp, slice(0, prefix_rows))
+    kv.mode = "read_last" if last else "read"
+    suffix = schedule.suffixes[index]
+    cp = slice_micro_batch(suffix.plan, suffix.tail_plan, suffix.plan.num_tokens_flat, device)
+    params = PlanPackedSeqParams.from_plan(suffix.plan.to(device), backend,
+                                           cp=cp and cp.attention, prefix_kv=kv, routes=routes)
+    return StageRun(prefix, prefix_output, run(params, cp, slice(prefix_rows, None)), cp)
 
 
 def forward_backward_pipelined_group(
@@ -104,65 +159,34 @@ def forward_backward_pipelined_group(
     check_pipelined_group(schedule)
     device = next(model.parameters()).device
     block = schedule.blocks[0]
-    # the prefix replays its rows' routes (PrefixPass), the readers' plain views too
-    kv = PrefixKV(rows=block.length,
-                  routes=None if block.routes is None else block.routes.to(device))
+    kv = block_store(block, device)
     count = len(schedule.suffixes)
-    steps = [_Step(s, j in (0, count - 1), j == count - 1)
-             for j, s in enumerate(schedule.suffixes)]
     out = Collector(schedule.num_tokens_total, device, keep_logits)
     last_stage = get_attr_wrapped_model(model, "post_process")
-    decoder = get_attr_wrapped_model(model, "decoder")
-    set_input_tensor = get_attr_wrapped_model(model, "set_input_tensor")
-    # under context parallelism each rank holds its CP slice of each part's (padded) rows, its
-    # logits included; under sequence parallelism its TP slice of that between the layers
-    cp_size = context_parallel_size()
-    slices = sequence_parallel_size(model) * cp_size
-
-    def run(params: PlanPackedSeqParams, cp: CrossSlice | None, received: torch.Tensor | None,
-            rows: slice) -> torch.Tensor:
-        if received is not None:  # a later stage: its rows of the activation received
-            set_input_tensor(received[rows])
-        return model(*model_inputs(params.plan, cp), None, packed_seq_params=params)
 
     def forward_step(data_iterator, model):
-        step: _Step = next(data_iterator)
-        received = decoder.input_tensor  # [rows, b, h] (None on the first stage)
-        parts, prefix, prefix_rows, received_rows = [], None, 0, 0
-        if step.carries_prefix:
-            kv.mode = "record"  # a second record keeps the leaves and their gradients
-            prefix = PrefixPass(schedule, PrefixKVStack([], kv), backend, temperature, device)
-            prefix_rows = prefix.params.plan.input_ids.numel() // cp_size  # its logits rows
-            received_rows = prefix.params.plan.input_ids.numel() // slices
-            with torch.set_grad_enabled(step.last):
-                parts.append(run(prefix.params, prefix.cp, received, slice(0, received_rows)))
-        kv.mode = "read_last" if step.last else "read"
-        suffix = step.suffix
-        cp = slice_micro_batch(suffix.plan, suffix.tail_plan, suffix.plan.num_tokens_flat, device)
-        params = PlanPackedSeqParams.from_plan(suffix.plan.to(device), backend,
-                                               cp=cp and cp.attention,
-                                               prefix_kv=PrefixKVStack([kv]),
-                                               routes=suffix_routes(suffix, device))
-        parts.append(run(params, cp, received, slice(received_rows, None)))
-        # logits [b, s, V] on the last stage (this CP rank's rows, whole over TP), hidden
-        # states [s, b, h] before it (this rank's rows of each part)
-        output = torch.cat(parts, dim=1 if last_stage else 0)
+        index = next(data_iterator)
+        suffix = schedule.suffixes[index]
+        stage = stage_forward(model, kv, schedule, index, routes=suffix_routes(suffix, device),
+                              backend=backend, temperature=temperature, device=device)
 
         def loss_func(output: torch.Tensor):
-            logits = output[0]  # [rows, V] (this CP rank's)
-            loss = score_suffix(logits[prefix_rows:], suffix, token_loss, out, temperature, cp)
-            if step.last:  # every member's prefix positions, scored with grad
-                loss = loss + prefix.score(logits[:prefix_rows], token_loss, out)
+            logits = output[0]  # [rows, V] (this CP rank's): the prefix's, then own
+            prefix_rows = 0 if stage.prefix is None else stage.prefix_output.size(1)
+            loss = score_suffix(logits[prefix_rows:], suffix, token_loss, out, temperature,
+                                stage.cp)
+            if index == count - 1:  # every member's prefix positions, scored with grad
+                loss = loss + stage.prefix.score(logits[:prefix_rows], token_loss, out)
             # megatron's schedule divides each micro-batch's loss by their count (and
             # multiplies it by the CP size), then scales it by the factor
             # (_router_loss_weight)
             return loss * count / factor, {}
 
-        return output, loss_func
+        return stage.sent(last_stage), loss_func
 
     with _router_loss_weight(model, count * aux_loss_scale) as factor:
         get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(steps), model=[model],
+            forward_step_func=forward_step, data_iterator=iter(range(count)), model=[model],
             num_microbatches=count, seq_length=block.length + max(
                 s.plan.input_ids.numel() for s in schedule.suffixes),
             micro_batch_size=1,

@@ -24,7 +24,7 @@ from .packed_seq import PlanPackedSeqParams
 from .prefix_kv import PrefixKV, PrefixKVStack
 from .routing_replay import flat_routes
 
-__all__ = ["Collector", "GroupRun", "PrefixPass", "TokenLoss", "score_suffix",
+__all__ = ["Collector", "GroupRun", "PrefixPass", "TokenLoss", "block_store", "score_suffix",
            "sequence_parallel_size", "suffix_routes"]
 
 TokenLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -161,6 +161,13 @@ class Collector:
                metrics: dict[str, float]) -> GroupRun:
         return GroupRun(self.log_probs, self.entropy, self.logits, self.loss, held_bytes,
                         tokens_computed, metrics)
+
+
+def block_store(block: SharedBlock, device: torch.device) -> PrefixKV:
+    """An empty K/V store for ``block``: its real rows kept (its pad rows are not), and the
+    routes its rows replay (routing replay), which its readers' plain views replay too."""
+    return PrefixKV(rows=block.length,
+                    routes=None if block.routes is None else block.routes.to(device))
 
 
 def _block_routes(block: SharedBlock, device: torch.device) -> torch.Tensor | None:

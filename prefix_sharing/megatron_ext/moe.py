@@ -54,7 +54,9 @@ plain view of ``cat(prefix logits, own logits)`` - its plan's ``kv_index`` alrea
 the prefix's rows first. Every statistic is then megatron's own on that plain micro-batch (the
 global aux loss accumulates once per suffix, as once per plain micro-batch), and the gradients
 of the prefix copies' aux / z-loss terms gather in the kept logits' leaf and reach the
-prefix's router with the prefix's backward.
+prefix's router with the prefix's backward. Under sequence and context parallelism the
+prefix's logits are recorded whole (gathered over ``tp_cp``) and a suffix routes this rank's
+slice of its plain view, with the z-loss weights of the CP=1 router, as in one micro-batch.
 
 "Sequence" in ``seq_aux_loss`` is a sequence of the micro-batch, as in megatron's padded
 ``[s, b]`` input. (On a plain THD batch megatron-core 0.16.1 does not read ``cu_seqlens`` there:
@@ -97,7 +99,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from ..plan import SharingPlan
-from ..refusals import Refused, refuse, refuse_all
+from ..refusals import refuse
 from .checks import UnsupportedSetupError
 from .packed_seq import PlanPackedSeqParams
 from .plain_batch_view import PlainBatchView, plain_batch_view
@@ -180,26 +182,11 @@ class PrefixSharingRouter(TopKRouter, FlatRowsRouter):
         # flat rows, and megatron's stock spec routes a 1/shards slice (along s) of the plain
         # [s, b] batch, its statistics reduced over the same tp x cp group.
         group = self._sharding_group()
-        shards = 1 if group is None else group.size()
-        context_parallel = self.cp_group.size() > 1
-        tp_slices = self.tp_group.size() if self.config.sequence_parallel else 1
-        view = plain_batch_view(self._plan, self.routes_padded_batch(), shards,
-                                group.rank() if shards > 1 else 0,
-                                tp_slices if context_parallel else None)
+        view = self._plain_view(group)
         flat_logits = logits.reshape(-1, self.num_experts)  # [T_flat / shards, E]
-        if shards > 1:  # backward: reduce-scatter, each rank's uses of every row summed
+        if group is not None:  # backward: reduce-scatter, each rank's uses of every row summed
             flat_logits = gather_from_sequence_parallel_region(flat_logits, group=group)
-        plain_logits = view.gather(flat_logits)  # [s / shards, b, E]
-        self._z_loss_weights = view.z_loss_weights
-        try:
-            with replaying(getattr(self, "router_replay", None), self._plain_routes(view)):
-                probs, routing_map = super().routing(plain_logits, padding_mask=view.padding_mask)
-        finally:
-            self._z_loss_weights = None
-        if shards > 1:  # this rank's flat rows may be read in another rank's slice
-            probs = gather_from_sequence_parallel_region(probs, group=group)
-            routing_map = gather_from_sequence_parallel_region(routing_map, group=group)
-        return view.select(probs), view.select(routing_map)  # [T_flat / shards, E] each
+        return self._route_plain_view(view, flat_logits, self._plain_routes(view), group)
 
     def routes_padded_batch(self) -> bool:
         """Whether the statistics are kept on the padded ``[s, b]`` plain batch (per-sequence
@@ -220,12 +207,8 @@ class PrefixSharingRouter(TopKRouter, FlatRowsRouter):
         statistics' gradients back onto the rows' owners), and a suffix routes this rank's
         slice of its padded plain view, as the stock router routes its slice of the plain
         micro-batch, the slices' probabilities and choices all-gathered back."""
-        found = [refused for refused, on in (
-            (Refused("megatron.moe.padding_mask"), padding_mask is not None),
-            (Refused("megatron.cross_micro_batch.context_parallel", "the router's statistics"),
-             self.cp_group.size() > 1)) if on]
-        if found:
-            raise refuse_all(found, error=UnsupportedSetupError)
+        if padding_mask is not None:
+            raise refuse("megatron.moe.padding_mask", error=UnsupportedSetupError)
         group = self._sharding_group()
         shards = 1 if group is None else group.size()
         replay = getattr(self, "router_replay", None)
@@ -248,13 +231,37 @@ class PrefixSharingRouter(TopKRouter, FlatRowsRouter):
             with replaying(replay, self._flat_routes(group)):
                 return super().routing(logits)
         rows = self._prefix.exchange_router_logits(self.layer_number, whole)
-        view = plain_batch_view(self._plan, self.routes_padded_batch(), shards,
+        view = self._plain_view(group, external_rows=rows.size(0) - whole.size(0))
+        return self._route_plain_view(view, rows, self._plain_routes(view, self._prefix.routes),
+                                      group)
+
+    def _plain_view(self, group: torch.distributed.ProcessGroup | None,
+                    external_rows: int = 0) -> PlainBatchView:
+        """This rank's slice of the plan's plain batch (of ``external_rows`` prefix rows and
+        then the flat rows, across micro-batches), as megatron's stock spec slices it over
+        ``group`` (:meth:`_sharding_group`); under context parallelism with each position's
+        z-loss weight at CP=1 (see the module doc)."""
+        shards = 1 if group is None else group.size()
+        tp_slices = self.tp_group.size() if self.config.sequence_parallel else 1
+        return plain_batch_view(self._plan, self.routes_padded_batch(), shards,
                                 group.rank() if shards > 1 else 0,
-                                external_rows=rows.size(0) - whole.size(0))
-        with replaying(replay, self._plain_routes(view, self._prefix.routes)):
-            probs, routing_map = super().routing(view.gather(rows),
-                                                 padding_mask=view.padding_mask)
-        if shards > 1:  # this rank's flat rows may be read in another rank's slice
+                                tp_slices if self.cp_group.size() > 1 else None,
+                                external_rows=external_rows)
+
+    def _route_plain_view(self, view: PlainBatchView, rows: torch.Tensor,
+                          routes: torch.Tensor | None,
+                          group: torch.distributed.ProcessGroup | None):
+        """Megatron's routing of ``view``'s slice of ``rows`` (every rank's rows, ``[rows,
+        E]``), replaying ``routes`` (or None), then this rank's flat rows' probabilities and
+        expert choices: each row's first reader's, which may lie in another rank's slice."""
+        self._z_loss_weights = view.z_loss_weights
+        try:
+            with replaying(getattr(self, "router_replay", None), routes):
+                probs, routing_map = super().routing(view.gather(rows),
+                                                     padding_mask=view.padding_mask)
+        finally:
+            self._z_loss_weights = None
+        if group is not None:
             probs = gather_from_sequence_parallel_region(probs, group=group)
             routing_map = gather_from_sequence_parallel_region(routing_map, group=group)
         return view.select(probs), view.select(routing_map)  # [T_flat / shards, E] each

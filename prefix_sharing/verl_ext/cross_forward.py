@@ -29,13 +29,15 @@ own ``record`` mode (:class:`~prefix_sharing.megatron_ext.prefix_kv.PrefixKVPass
 every micro-batch's dK/dV, the last one's included, which then reads the leaves too. Under
 tensor parallelism each micro-batch's rows, the prefix's included, are padded to the
 tensor-parallel size (sequence parallelism splits them over its ranks; the prefix's pad rows are
-not kept). Under context parallelism (with or without TP and activation recompute; dense, as in the
-group driver) each micro-batch, the prefix's included, is split over the CP ranks and padded to
-their count, the prefix's K/V recorded gathered (:mod:`~prefix_sharing.megatron_ext.
+not kept). Under context parallelism (with or without TP and activation recompute, dense or MoE,
+as in the group driver) each micro-batch, the prefix's included, is split over the CP ranks and
+padded to their count, the prefix's K/V recorded gathered (:mod:`~prefix_sharing.megatron_ext.
 cross_context_parallel`); every rank returns every sample whole, as the shared forward does
 under CP. Sliding windows run as in the group driver. MoE router statistics are each cross
-micro-batch's plain micro-batch's, as in the group driver (under sequence parallelism too,
-where verl's own step differs by counting its pad rows: :func:`check_cross_model`). Routing
+micro-batch's plain micro-batch's, as in the group driver, under context and sequence
+parallelism too (where verl's own step differs by counting the rows it pads each sample with
+for TP and CP, as in one micro-batch: ``tests/verl_ext/test_cross_moe_sequence_parallel.py``;
+equal where no sample is padded). Routing
 replay (verl's ``router_replay``): the group was cut on tokens and routes at the split
 (:mod:`.cross_groups`), the prefix replays its rows' routes and every micro-batch its tails'
 (:func:`replayed_routes`, checked against the micro-batch's own); ``R2``'s recording forward
@@ -53,12 +55,11 @@ import torch
 from ..config import PrefixSharingConfig
 from ..refusals import Refused, refuse_all
 from .cross_groups import CrossPart
-from .cross_state import (GroupState, check_temperature, leaves_of, prefix_statistics,
-                          verl_output)
+from .cross_state import GroupState, Readout, check_temperature, leaves_of
 from .mcore import (PrefixSharingSetupError, SharingMetrics, check_text_only,
                     micro_batch_temperature)
 
-__all__ = ["check_cross_engine_setup", "check_cross_model", "cross_forward", "pipelined"]
+__all__ = ["check_cross_engine_setup", "cross_forward", "pipelined"]
 
 
 def cross_forward(
@@ -76,36 +77,36 @@ def cross_forward(
     metrics: SharingMetrics | None = None,
     replay_routes: list[torch.Tensor] | None = None,
     **_verl_kwargs: Any,
-) -> dict[str, torch.Tensor]:
+) -> dict[str, torch.Tensor] | torch.Tensor:
     """verl's ``gptmodel_forward_model_engine`` for the micro-batch ``part`` of a cross group
-    (see the module doc); arguments as :func:`.mcore.shared_forward` takes them."""
+    (see the module doc); arguments as :func:`.mcore.shared_forward` takes them: the actor's
+    log-probs (and entropy), or with ``value_model`` the critic's values."""
     from ..megatron_ext import check_sharing_model
-    from ..megatron_ext.cross_context_parallel import (micro_batch_stats, model_inputs,
-                                                       slice_micro_batch)
+    from ..megatron_ext.cross_micro_batch import check_group_model
+    from ..megatron_ext.cross_context_parallel import model_inputs, slice_micro_batch
     from ..megatron_ext.packed_seq import PlanPackedSeqParams
 
     check_text_only(vision_model, multi_modal_inputs)
     check_sharing_model(model)
-    check_cross_model(model)
+    check_group_model(model)
     suffix = part.group.schedule.suffixes[part.index]
     if input_ids.size(0) != len(suffix.members):
         raise ValueError(f"micro-batch {part.index} of a cross-micro-batch group holds "
                          f"{input_ids.size(0)} samples; its plan has {len(suffix.members)}")
     temperature = micro_batch_temperature((logits_processor_args or {}).get("temperature"))
+    readout = Readout(value_model, temperature, calculate_entropy)
     device = input_ids.device
+    routes = replayed_routes(model, part, replay_routes, device)
     if pipelined(model):  # every stage carries the prefix rows in the first and last
         from .cross_pipeline import pipelined_cross_forward
 
-        return pipelined_cross_forward(model, part, sharing, temperature, calculate_entropy,
-                                       metrics, device)
+        return pipelined_cross_forward(model, part, sharing, readout, metrics, routes, device)
     if part.group.nested:  # chunks and sub-tree blocks (.cross_nested)
         from .cross_nested import close_micro_batch, open_micro_batch
 
-        prefix_kv = open_micro_batch(model, part, sharing.backend, temperature,
-                                     calculate_entropy, device)
+        prefix_kv = open_micro_batch(model, part, sharing.backend, readout, device)
     elif part.first:
-        part.group.state = _run_prefix(model, part, sharing, temperature, calculate_entropy,
-                                       device)
+        part.group.state = _run_prefix(model, part, sharing, readout, device)
     state = part.group.state
     check_temperature(state, temperature)
     if not part.group.nested:
@@ -113,14 +114,12 @@ def cross_forward(
         prefix_kv = state.prefix_kv
     cp = slice_micro_batch(suffix.plan, suffix.tail_plan, suffix.plan.num_tokens_flat, device)
     plan, tail_plan = suffix.plan.to(device), suffix.tail_plan.to(device)
-    params = PlanPackedSeqParams.from_plan(
-        plan, sharing.backend, cp=cp and cp.attention, prefix_kv=prefix_kv,
-        routes=replayed_routes(model, part, replay_routes, device))
+    params = PlanPackedSeqParams.from_plan(plan, sharing.backend, cp=cp and cp.attention,
+                                           prefix_kv=prefix_kv, routes=routes)
     input_ids, position_ids = model_inputs(plan, cp)  # under CP this rank's rows
-    logits = model(input_ids=input_ids, attention_mask=None, position_ids=position_ids,
-                   packed_seq_params=params)[0]
-    stats = micro_batch_stats(logits, tail_plan, cp, temperature=temperature,
-                              with_entropy=calculate_entropy)
+    output = model(input_ids=input_ids, attention_mask=None, position_ids=position_ids,
+                   packed_seq_params=params)[0]  # [rows, V] logits, or [rows, 1] values
+    tails = readout.tails(output, tail_plan, cp)
     if part.group.nested:
         prefix = close_micro_batch(part)
     else:
@@ -130,7 +129,7 @@ def cross_forward(
             part.group.state = None  # the last micro-batch's graph holds what its backward needs
     if metrics is not None:
         metrics.add_tokens(part.tokens_total, part.tokens_computed)
-    return verl_output(prefix, stats, tail_plan, calculate_entropy)
+    return readout.verl_output(prefix, tails, tail_plan)
 
 
 def pipelined(model) -> bool:
@@ -166,7 +165,8 @@ def replayed_routes(model, part: CrossPart, replay_routes: list | None,
 
 def check_cross_engine_setup(engine_config: Any) -> None:
     """At engine construction: the parallel settings of verl's Megatron engine config under
-    which a group cannot run across micro-batches (:func:`check_cross_model` checks the model
+    which a group cannot run across micro-batches (the group driver's
+    :func:`~prefix_sharing.megatron_ext.cross_micro_batch.check_group_model` checks the model
     itself at its first cross micro-batch)."""
     vpp = getattr(engine_config, "virtual_pipeline_model_parallel_size", None)
     if vpp is not None and vpp > 1:
@@ -175,42 +175,14 @@ def check_cross_engine_setup(engine_config: Any) -> None:
                          error=PrefixSharingSetupError)
 
 
-def check_cross_model(model) -> None:
-    """The group driver's refusals (:func:`~prefix_sharing.megatron_ext.cross_micro_batch.
-    check_group_model`), then verl's own. MoE router statistics run under sequence parallelism
-    too: sharing keeps them over the samples' tokens, verl's stock step over its packed rows,
-    its pad rows (each sample padded to a multiple of TP) included - equal where no sample is
-    padded (``tests/verl_ext/test_cross_moe_sequence_parallel.py``), as in one micro-batch.
-    Under pipeline parallelism (:mod:`.cross_pipeline`) the model must be dense: the
-    pipelined run does not carry the router statistics (activation recompute and sliding
-    windows run there, tested)."""
-    from megatron.core.utils import get_attr_wrapped_model
-
-    from ..megatron_ext.cross_micro_batch import check_group_model
-
-    check_group_model(model)
-    config = get_attr_wrapped_model(model, "config")
-    pp = config.pipeline_model_parallel_size
-    if pp > 1 and config.num_moe_experts:
-        raise refuse_all([Refused("verl.cross_micro_batch.layout",
-                                  f"pipeline_model_parallel_size={pp} with "
-                                  f"num_moe_experts={config.num_moe_experts}")],
-                         error=PrefixSharingSetupError)
-
-
-def _run_prefix(model, part: CrossPart, sharing: PrefixSharingConfig, temperature: float,
-                with_entropy: bool, device: torch.device) -> GroupState:
-    """The group's prefix forward (recording its K/V) and its prefix-position statistics."""
-    from ..megatron_ext.cross_run import PrefixPass
-    from ..megatron_ext.prefix_kv import PrefixKV
+def _run_prefix(model, part: CrossPart, sharing: PrefixSharingConfig, readout: Readout,
+                device: torch.device) -> GroupState:
+    """The group's prefix forward (recording its K/V) and its prefix-position outputs."""
+    from ..megatron_ext.cross_run import PrefixPass, block_store
 
     schedule = part.group.schedule
-    # its block is planned padded as the group's other micro-batches are (microbatch.py):
-    # its pad rows are not kept; it replays its rows' routes (PrefixPass), as do the readers'
-    # plain views for the router statistics (PrefixKV.routes)
-    routes = schedule.blocks[0].routes
-    prefix_kv = PrefixKV(rows=schedule.prefix_len,
-                         routes=None if routes is None else routes.to(device))
-    prefix = PrefixPass(schedule, prefix_kv, sharing.backend, temperature, device)
-    recorded = prefix_statistics(prefix, prefix.forward(model), with_entropy)
-    return GroupState(prefix_kv, *recorded, leaves_of(recorded), temperature)
+    # its block is planned padded as the group's other micro-batches are (microbatch.py)
+    prefix_kv = block_store(schedule.blocks[0], device)
+    prefix = PrefixPass(schedule, prefix_kv, sharing.backend, readout.temperature, device)
+    recorded = readout.block(prefix, prefix.forward(model))
+    return GroupState(prefix_kv, recorded, leaves_of(recorded), readout.temperature)

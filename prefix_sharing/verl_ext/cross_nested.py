@@ -9,8 +9,9 @@ micro-batches. verl runs each suffix as one of its micro-batches (each holds who
 verl's loss reads every sample's full row), forward then backward, in turn. So:
 
 - **where a block runs**: its forward (recording its K/V per layer and its members'
-  log-probs / entropy at its positions) runs at the start of the first suffix micro-batch
-  after it in the schedule (``GroupSchedule.opening_blocks``), reading the blocks below it;
+  log-probs / entropy, or values, at its positions) runs at the start of the first suffix
+  micro-batch after it in the schedule (``GroupSchedule.opening_blocks``), reading the blocks
+  below it;
 - **its last reader**: the last suffix whose samples it holds (:func:`closing_suffixes`).
   Every earlier reader, suffix or block, reads the block's leaves (detached copies that
   require grad), so its backward accumulates there; the last suffix reads the recorded tensors
@@ -53,7 +54,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..group_schedule import GroupSchedule
-from .cross_state import Statistics, leaves_of, prefix_statistics, select_statistics
+from .cross_state import Readout, Statistics, leaves_of, select_statistics
 
 if TYPE_CHECKING:
     from ..megatron_ext.prefix_kv import PrefixKVStack
@@ -106,10 +107,10 @@ class _Block:
 @dataclasses.dataclass
 class NestedState:
     """A nested group while it runs (:attr:`CrossGroup.state
-    <.cross_groups.CrossGroup>`): its live blocks and sampling temperature."""
+    <.cross_groups.CrossGroup>`): its live blocks and what its micro-batches read out."""
 
     schedule: GroupSchedule
-    temperature: float
+    readout: Readout
     blocks: dict[int, _Block] = dataclasses.field(default_factory=dict)
     close: dict[int, int] = dataclasses.field(init=False)
     opens: list[tuple[int, ...]] = dataclasses.field(init=False)
@@ -118,9 +119,13 @@ class NestedState:
         self.close = closing_suffixes(self.schedule)
         self.opens = self.schedule.opening_blocks()
 
+    @property
+    def temperature(self) -> float:
+        """The group's sampling temperature (its first micro-batch's)."""
+        return self.readout.temperature
 
-def open_micro_batch(model: torch.nn.Module, part: CrossPart, backend: str,
-                     temperature: float, with_entropy: bool,
+
+def open_micro_batch(model: torch.nn.Module, part: CrossPart, backend: str, readout: Readout,
                      device: torch.device) -> PrefixKVStack:
     """Runs the blocks opening at the start of micro-batch ``part`` and returns what its
     suffix reads: the stack of its blocks' stores, each in its mode (the leaves, or read
@@ -129,10 +134,10 @@ def open_micro_batch(model: torch.nn.Module, part: CrossPart, backend: str,
 
     group = part.group
     if part.first:
-        group.state = NestedState(group.schedule, temperature)
+        group.state = NestedState(group.schedule, readout)
     state: NestedState = group.state
     for b in state.opens[part.index]:
-        state.blocks[b] = _run_block(model, state, b, backend, with_entropy, device)
+        state.blocks[b] = _run_block(model, state, b, backend, device)
         if torch.is_grad_enabled():  # its last reader's backward recomputes it
             group.recomputed_tokens += state.schedule.blocks[b].length
     reads = state.schedule.suffixes[part.index].reads
@@ -141,13 +146,13 @@ def open_micro_batch(model: torch.nn.Module, part: CrossPart, backend: str,
     return PrefixKVStack([state.blocks[r].kv for r in reads])
 
 
-def close_micro_batch(part: CrossPart) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(n, depth)`` log-probs and entropy (or None) of micro-batch ``part``'s samples at the
-    positions its blocks computed (the leaves, or the recorded tensors read through where it
-    is their last reader); then drops the blocks it closes."""
+def close_micro_batch(part: CrossPart) -> Statistics:
+    """``(n, depth)`` outputs (:meth:`.cross_state.Readout.block`) of micro-batch ``part``'s
+    samples at the positions its blocks computed (the leaves, or the recorded tensors read
+    through where it is their last reader); then drops the blocks it closes."""
     state: NestedState = part.group.state
     suffix = state.schedule.suffixes[part.index]
-    heads = []  # per block read, its (log-probs, entropy) of these samples
+    heads = []  # per block read, its outputs of these samples
     for r in suffix.reads:
         block = state.blocks[r]
         rows = torch.tensor([block.members.index(m) for m in suffix.members],
@@ -161,23 +166,22 @@ def close_micro_batch(part: CrossPart) -> tuple[torch.Tensor, torch.Tensor | Non
             del state.blocks[r]
     if part.last:
         part.group.state = None
-    log_probs, entropy = zip(*heads)
-    return (torch.cat(log_probs, dim=1),
-            None if entropy[0] is None else torch.cat(entropy, dim=1))
+    return tuple(None if parts[0] is None else torch.cat(parts, dim=1)
+                 for parts in zip(*heads))
 
 
-def _run_block(model: torch.nn.Module, state: NestedState, b: int, backend: str, with_entropy: bool,
+def _run_block(model: torch.nn.Module, state: NestedState, b: int, backend: str,
                device: torch.device) -> _Block:
     """Block ``b``'s forward, recording its K/V, under a non-reentrant checkpoint when it
     keeps a graph (see the module doc): a block closing in the same micro-batch as one it
     reads reads that one's recorded tensors, else its leaves."""
     from torch.utils.checkpoint import checkpoint
 
-    from ..megatron_ext.cross_run import PrefixPass
-    from ..megatron_ext.prefix_kv import PrefixKV, PrefixKVStack
+    from ..megatron_ext.cross_run import PrefixPass, block_store
+    from ..megatron_ext.prefix_kv import PrefixKVStack
 
     block = state.schedule.blocks[b]
-    own = PrefixKV(rows=block.length)  # its pad rows are not kept
+    own = block_store(block, device)
     for r in block.reads:
         state.blocks[r].kv.mode = "read_recorded" if state.close[r] == state.close[b] else "read"
     stack = PrefixKVStack([state.blocks[r].kv for r in block.reads], own)
@@ -190,7 +194,7 @@ def _run_block(model: torch.nn.Module, state: NestedState, b: int, backend: str,
         calls += 1
         for view in passes:  # the checkpoint's recompute: the same computation, no new state
             view.replaying = calls > 1
-        return prefix_statistics(prefix, prefix.forward(model), with_entropy)
+        return state.readout.block(prefix, prefix.forward(model))
 
     if torch.is_grad_enabled():  # no dropout runs (refused): no RNG state to replay
         recorded = checkpoint(forward, use_reentrant=False, preserve_rng_state=False)

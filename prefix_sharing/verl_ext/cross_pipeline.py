@@ -3,38 +3,23 @@
 verl runs its micro-batches through megatron's own 1F1B schedule: on every stage the forwards
 and the backwards go in micro-batch order, a stage's forwards a few ahead of its backwards. A
 prefix forward of its own in the group's first micro-batch (as :mod:`.cross_forward` runs it at
-PP=1) would be backwarded there, before any reader has accumulated its dK/dV. So the group is
-woven as the group driver weaves it (:mod:`prefix_sharing.megatron_ext.cross_pipeline`): the
-prefix rows ride in the first and the last micro-batch of the group, on every stage.
+PP=1) would be backwarded there, before any reader has accumulated its dK/dV. So every stage
+runs the group driver's stage forward
+(:func:`prefix_sharing.megatron_ext.cross_pipeline.stage_forward`): the prefix rows ride in the
+first micro-batch of the group without grad and in the last with grad, the middle ones read
+the K/V leaves, and megatron's backward of the last one is the prefix's backward, once, on
+every stage, after every other reader's. What is verl's own is the statistics it reads: on the
+last stage the first micro-batch turns the prefix rows' logits into every sample's
+prefix-position log-probs and entropy, kept as leaves (:class:`.cross_state.GroupState`); the
+middle micro-batches read those leaves, and the last reads the statistics it recorded again
+*through* them, so their gradients reach the prefix with its backward.
 
-- the **first** micro-batch carries the prefix without grad: each stage runs the prefix rows
-  under ``torch.no_grad()`` recording each layer's K/V as leaves
-  (:class:`~prefix_sharing.megatron_ext.prefix_kv.PrefixKV`), then its own rows with grad
-  reading them; the last stage turns the prefix rows' logits into every sample's prefix-position
-  statistics, kept as leaves too (:class:`.cross_state.GroupState`);
-- the **middle** micro-batches read the leaves (K/V, and on the last stage the statistics of
-  their samples' prefix positions): their backwards accumulate the prefix's gradients there,
-  stage by stage;
-- the **last** micro-batch carries the prefix again, with grad: the prefix rows record once
-  more (the leaves and their gradients kept), its own rows read the recorded K/V *through*
-  (``read_last``), and on the last stage its samples read the recorded statistics through.
-  So megatron's backward of that micro-batch is the prefix's backward, once, on every stage,
-  after every other reader's (1F1B keeps their order), with the gradient of the prefix rows'
-  output received from the next stage and its input gradient sent to the previous one.
-
-A carrying micro-batch runs the stage twice, prefix rows then own rows: the activation
-received from the previous stage is split at the prefix's rows (``set_input_tensor`` on each
-part), and an inner stage sends both outputs on as one tensor (megatron's
-``variable_seq_lengths`` carries its shape). The prefix is computed twice
-(``cross_recomputed_tokens``); held across the group, per stage, its layers' K/V leaves and
-their gradients, and no prefix activations. Under sequence parallelism each rank holds its
-slice of each part's rows (every part padded to the tensor-parallel size), so the received
-activation splits at the prefix's rows over TP. Under context parallelism each part is split
-over the CP ranks as at PP=1 (:mod:`~prefix_sharing.megatron_ext.cross_context_parallel`), the
-received activation and the last stage's logits holding this rank's slice of each, and every
-rank returns every sample whole. Built and tested for one-level groups on dense models, at
-TP=1, at TP=2 with sequence parallelism and at CP=2, with activation recompute and sliding
-windows (:func:`.cross_forward.check_cross_model`).
+The prefix is computed twice (``cross_recomputed_tokens``); held across the group, per stage,
+its layers' K/V leaves and their gradients (with MoE router statistics, its router logits too),
+and no prefix activations. What runs under it is what the group driver's pipelined run
+serves: one-level groups, TP with sequence parallelism, CP, activation recompute, sliding
+windows, MoE router statistics and routing replay (each tested against verl's stock step,
+``tests/verl_ext/test_cross_pipeline.py`` and ``test_cross_replay.py``).
 """
 
 from __future__ import annotations
@@ -42,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from ..config import PrefixSharingConfig
-from .cross_state import GroupState, check_temperature, prefix_statistics, verl_output
+from .cross_state import GroupState, Readout, check_temperature
 from .cross_groups import CrossPart
 from .mcore import SharingMetrics
 
@@ -50,60 +35,33 @@ __all__ = ["pipelined_cross_forward"]
 
 
 def pipelined_cross_forward(model, part: CrossPart, sharing: PrefixSharingConfig,
-                            temperature: float, calculate_entropy: bool,
-                            metrics: SharingMetrics | None,
+                            readout: Readout, metrics: SharingMetrics | None,
+                            routes: torch.Tensor | None,
                             device: torch.device) -> dict[str, torch.Tensor] | torch.Tensor:
     """This stage's forward of the micro-batch ``part`` (see the module doc): verl's output on
-    the last stage, the activation for the next stage before it."""
+    the last stage (``readout``'s), the activation for the next stage before it. ``routes``:
+    the routes its flat rows replay (verl's ``router_replay``), or None."""
     from megatron.core.utils import get_attr_wrapped_model
 
-    from ..megatron_ext.cross_context_parallel import (context_parallel_size,
-                                                       micro_batch_stats, model_inputs,
-                                                       slice_micro_batch)
-    from ..megatron_ext.cross_run import PrefixPass, sequence_parallel_size
-    from ..megatron_ext.packed_seq import PlanPackedSeqParams
-    from ..megatron_ext.prefix_kv import PrefixKV
+    from ..megatron_ext.cross_pipeline import stage_forward
+    from ..megatron_ext.cross_run import block_store
 
     group, schedule = part.group, part.group.schedule
     if part.first:
-        group.state = GroupState(PrefixKV(rows=schedule.prefix_len), None, None, (None, None),
-                                 temperature)
+        group.state = GroupState(block_store(schedule.blocks[0], device), None, None,
+                                 readout.temperature)
     state = group.state
-    check_temperature(state, temperature)
+    check_temperature(state, readout.temperature)
     last_stage = get_attr_wrapped_model(model, "post_process")
-    received = get_attr_wrapped_model(model, "decoder").input_tensor  # None on the first stage
-    set_input_tensor = get_attr_wrapped_model(model, "set_input_tensor")
-    # this rank's rows of each part: its CP slice, and of that its TP slice between the layers
-    slices = sequence_parallel_size(model) * context_parallel_size()
-
-    def run(params: PlanPackedSeqParams, cp, rows: slice) -> torch.Tensor:
-        if received is not None:  # a later stage: its rows of the activation received
-            set_input_tensor(received[rows])
-        input_ids, position_ids = model_inputs(params.plan, cp)
-        return model(input_ids=input_ids, attention_mask=None, position_ids=position_ids,
-                     packed_seq_params=params)
-
-    outputs, prefix_rows = [], 0
-    if part.first or part.last:
-        state.prefix_kv.mode = "record"  # a second record keeps the leaves and their gradients
-        prefix = PrefixPass(schedule, state.prefix_kv, sharing.backend, temperature, device)
-        prefix_rows = prefix.params.plan.input_ids.numel() // slices
-        training = torch.is_grad_enabled()
-        with torch.set_grad_enabled(training and part.last):
-            outputs.append(run(prefix.params, prefix.cp, slice(0, prefix_rows)))
-            if last_stage:
-                recorded = prefix_statistics(prefix, outputs[-1][0], calculate_entropy)
-                state.log_probs, state.entropy = recorded
-        if last_stage and part.first:
+    training = torch.is_grad_enabled()
+    stage = stage_forward(model, state.prefix_kv, schedule, part.index, routes=routes,
+                          backend=sharing.backend, temperature=readout.temperature,
+                          device=device)
+    if stage.prefix is not None and last_stage:  # every sample's prefix-position outputs
+        state.recorded = recorded = readout.block(stage.prefix, stage.prefix_output[0])
+        if part.first:  # recorded without grad: what the later micro-batches read
             state.leaves = tuple(None if t is None else t.detach().requires_grad_(training)
                                  for t in recorded)
-    state.prefix_kv.mode = "read_last" if part.last else "read"
-    suffix = schedule.suffixes[part.index]
-    cp = slice_micro_batch(suffix.plan, suffix.tail_plan, suffix.plan.num_tokens_flat, device)
-    plan, tail_plan = suffix.plan.to(device), suffix.tail_plan.to(device)
-    params = PlanPackedSeqParams.from_plan(plan, sharing.backend, cp=cp and cp.attention,
-                                           prefix_kv=state.prefix_kv)
-    outputs.append(run(params, cp, slice(prefix_rows, None)))
     if metrics is not None:  # the last micro-batch computes the prefix again
         metrics.add_tokens(part.tokens_total, part.tokens_computed + (
             schedule.prefix_len if part.last and not part.first else 0))
@@ -112,8 +70,9 @@ def pipelined_cross_forward(model, part: CrossPart, sharing: PrefixSharingConfig
         group.recomputed_tokens = 0 if part.first else schedule.prefix_len
         group.state = None  # the last micro-batch's graph holds what its backward needs
     if not last_stage:  # hidden states [rows, 1, h]: both parts, for the next stage
-        return torch.cat(outputs, dim=0)
-    stats = micro_batch_stats(outputs[-1][0], tail_plan, cp, temperature=temperature,
-                              with_entropy=calculate_entropy)
-    prefix_stats = state.prefix_stats(list(suffix.members), part.last)
-    return verl_output(prefix_stats, stats, tail_plan, calculate_entropy)
+        return stage.sent(last_stage=False)
+    suffix = schedule.suffixes[part.index]
+    tail_plan = suffix.tail_plan.to(device)
+    tails = readout.tails(stage.output[0], tail_plan, stage.cp)
+    heads = state.prefix_stats(list(suffix.members), part.last)
+    return readout.verl_output(heads, tails, tail_plan)

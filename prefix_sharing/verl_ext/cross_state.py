@@ -1,7 +1,9 @@
 """What the micro-batches of one cross group share in verl's Megatron engine: the state its
-first micro-batch leaves for the others (:class:`GroupState`), the prefix-position statistics
-it is built from, and the output each micro-batch hands verl. Used by the forward at PP=1
-(:mod:`.cross_forward`) and under pipeline parallelism (:mod:`.cross_pipeline`)."""
+first micro-batch leaves for the others (:class:`GroupState`), and what each micro-batch reads
+out per token for verl (:class:`Readout`: the actor's log-probs and entropy, or the critic's
+values) - at a block's positions, kept with the block, and at its own tails. Used by the
+forward at PP=1 (:mod:`.cross_forward`), under pipeline parallelism (:mod:`.cross_pipeline`)
+and in nested groups (:mod:`.cross_nested`)."""
 
 from __future__ import annotations
 
@@ -13,8 +15,8 @@ import torch
 from ..refusals import refuse
 from .mcore import PrefixSharingSetupError
 
-__all__ = ["GroupState", "Statistics", "check_temperature", "leaves_of", "prefix_statistics",
-           "select_statistics", "verl_output"]
+__all__ = ["GroupState", "Readout", "Statistics", "check_temperature", "leaves_of",
+           "select_statistics"]
 
 
 @dataclasses.dataclass
@@ -23,28 +25,27 @@ class GroupState:
 
     Attributes:
         prefix_kv: the prefix's K/V per layer, recorded and as leaves.
-        log_probs, entropy: ``(N, Lp)`` every sample's prefix-position statistics, in the
-            prefix's graph (``entropy`` ``None`` when not asked for; both ``None`` on an
-            inner pipeline stage).
+        recorded: every sample's per-token outputs at the prefix positions, ``(N, Lp)`` each
+            (:meth:`Readout.block`), in the prefix's graph (``None`` on an inner pipeline
+            stage).
         leaves: the same, detached, requiring grad (what all but the last micro-batch read).
         temperature: the group's sampling temperature (all its micro-batches must agree).
     """
 
     prefix_kv: Any
-    log_probs: torch.Tensor | None
-    entropy: torch.Tensor | None
-    leaves: tuple[torch.Tensor, torch.Tensor | None]
+    recorded: Statistics | None
+    leaves: Statistics | None
     temperature: float
 
-    def prefix_stats(self, members: list[int],
-                     last: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(len(members), Lp)`` statistics of these samples' prefix positions: the leaves, or
+    def prefix_stats(self, members: list[int], last: bool) -> Statistics:
+        """``(len(members), Lp)`` outputs of these samples' prefix positions: the leaves, or
         the recorded tensors read through for the last micro-batch."""
-        rows = torch.tensor(members, device=self.log_probs.device)
-        return select_statistics((self.log_probs, self.entropy), self.leaves, rows, last)
+        rows = torch.tensor(members, device=self.recorded[0].device)
+        return select_statistics(self.recorded, self.leaves, rows, last)
 
 
-Statistics = tuple[torch.Tensor, torch.Tensor | None]  # log-probs, entropy (or None)
+# per-token outputs: log-probs and entropy (or None), or values and None
+Statistics = tuple[torch.Tensor, torch.Tensor | None]
 
 
 def leaves_of(recorded: Statistics) -> Statistics:
@@ -73,23 +74,52 @@ def check_temperature(state: Any, temperature: float) -> None:
                      f"{state.temperature} and {temperature}", error=PrefixSharingSetupError)
 
 
-def prefix_statistics(prefix: Any, logits: torch.Tensor, with_entropy: bool) -> Statistics:
-    """``(members, length)`` log-probs (and entropy) of a block's members at its positions, from
-    its pass's (:class:`~prefix_sharing.megatron_ext.cross_run.PrefixPass`) output ``logits``."""
-    log_probs, entropy, _ = prefix.stats_of(logits, with_entropy)
-    shape = (prefix.num_sequences, prefix.prefix_len)
-    return log_probs.view(shape), None if entropy is None else entropy.view(shape)
+@dataclasses.dataclass(frozen=True)
+class Readout:
+    """What a cross micro-batch hands verl per token, read from the last stage's output rows
+    (``[rows, V]`` logits, or the critic's ``[rows, 1]`` values): the actor's log-probs (and
+    entropy, with ``with_entropy``) at ``temperature``, or with ``value_model`` the critic's
+    values. A value at position ``t`` is the output of the row that computed token ``t``, the
+    same for every sample holding it; a log-prob at ``t`` scores token ``t + 1``, so a block's
+    last position is each sample's own (its pass's stats plan)."""
 
+    value_model: bool
+    temperature: float
+    with_entropy: bool
 
-def verl_output(prefix: tuple[torch.Tensor, torch.Tensor | None], stats: Any, tail_plan: Any,
-                calculate_entropy: bool) -> dict[str, torch.Tensor]:
-    """verl's output of a cross micro-batch: each sample's prefix-position statistics
-    (``prefix``: ``(samples, Lp)`` log-probs and entropy) then its tail's (``stats`` over
-    ``tail_plan``), as jagged nested tensors."""
-    result = {"log_probs": (prefix[0], stats.log_probs)}
-    if calculate_entropy:
-        result["entropy"] = (prefix[1], stats.entropy)
-    return {key: torch.nested.as_nested_tensor(
-                [torch.cat([head, tail]) for head, tail in zip(rows, tail_plan.split(own))],
+    def block(self, prefix: Any, output: torch.Tensor) -> Statistics:
+        """``(members, length)`` outputs of a block's members at its positions, from its pass's
+        (:class:`~prefix_sharing.megatron_ext.cross_run.PrefixPass`) ``output``."""
+        shape = (prefix.num_sequences, prefix.prefix_len)
+        if self.value_model:
+            return output[: prefix.prefix_len, 0].expand(shape), None
+        log_probs, entropy, _ = prefix.stats_of(output, self.with_entropy)
+        return log_probs.view(shape), None if entropy is None else entropy.view(shape)
+
+    def tails(self, output: torch.Tensor, tail_plan: Any, cp: Any) -> Statistics:
+        """The outputs at every position of ``tail_plan`` (packed), from the micro-batch's own
+        rows' ``output`` (under context parallelism this rank's: ``cp``)."""
+        if self.value_model:
+            return tail_plan.restore(output[:, 0]), None
+        from ..megatron_ext.cross_context_parallel import micro_batch_stats
+
+        stats = micro_batch_stats(output, tail_plan, cp, temperature=self.temperature,
+                                  with_entropy=self.with_entropy)
+        return stats.log_probs, stats.entropy
+
+    def verl_output(self, heads: Statistics, tails: Statistics,
+                    tail_plan: Any) -> dict[str, torch.Tensor] | torch.Tensor:
+        """verl's output of a cross micro-batch: each sample's outputs at its blocks' positions
+        (``heads``: ``(samples, depth)`` each) then at its tail's (``tails`` over
+        ``tail_plan``), as jagged nested tensors: the critic's values, or the actor's dict."""
+        def per_sample(head: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+            return torch.nested.as_nested_tensor(
+                [torch.cat([h, t]) for h, t in zip(head, tail_plan.split(own))],
                 layout=torch.jagged)
-            for key, (rows, own) in result.items()}
+
+        if self.value_model:
+            return per_sample(heads[0], tails[0])
+        result = {"log_probs": per_sample(heads[0], tails[0])}
+        if self.with_entropy:
+            result["entropy"] = per_sample(heads[1], tails[1])
+        return result

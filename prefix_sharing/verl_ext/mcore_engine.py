@@ -282,8 +282,6 @@ def patch_engine(module: ModuleType) -> None:
                                                 postprocess_micro_batch_func)
 
         PrefixSharingMegatronEngine.value_head = value_head
-        # a group across micro-batches is scored as log-probs (.cross_forward)
-        PrefixSharingMegatronEngine.supports_cross_micro_batch = not value_head
         return PrefixSharingMegatronEngine
 
     install_engines(module, sharing_engine, (

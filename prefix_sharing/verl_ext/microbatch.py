@@ -390,29 +390,41 @@ def loss_order_problem(loss_function: Any, data: Any) -> str | None:
 
     verl's loss is summed over micro-batches; each micro-batch's term is its samples'
     terms over the step's global figures when the loss is verl's ``sft_loss`` (global token
-    count) or ``ppo_loss`` with a policy loss in :data:`SAMPLEWISE_POLICY_LOSSES` and a
-    ``loss_agg_mode`` whose normaliser is global: ``token-mean`` (the engine sets the
-    global ``batch_num_tokens``), ``token-sum``, the ``seq-mean-*`` modes with the
+    count), ``ppo_loss`` with a policy loss in :data:`SAMPLEWISE_POLICY_LOSSES`, or the
+    critic's ``value_loss`` where verl normalises it over the global batch (0.9.1: its
+    ``compute_value_loss`` takes ``batch_num_tokens``; 0.8.0's averages over the micro-batch),
+    each with a ``loss_agg_mode`` whose normaliser is global: ``token-mean`` (the engine sets
+    the global ``batch_num_tokens``), ``token-sum``, the ``seq-mean-*`` modes with the
     trainer's ``global_batch_size``, and ``seq-mean-token-sum-norm`` only with a fixed
     ``loss_scale_factor`` or a response mask of one width for the batch (else its horizon
     is the micro-batch's longest response).
     """
-    from verl.utils import tensordict_utils as tu
-
     if loss_function is None:
         return None
     func = getattr(loss_function, "func", loss_function)
     name = f"{getattr(func, '__module__', '?')}.{getattr(func, '__name__', func)}"
+    config = getattr(loss_function, "keywords", {}).get("config")
     if name == "verl.workers.utils.losses.sft_loss":
         return None
+    if name == "verl.workers.utils.losses.value_loss":
+        if not _global_value_loss():
+            return "this verl's value_loss averages over its micro-batch"
+        return _aggregation_problem(config, data)
     if name != "verl.workers.utils.losses.ppo_loss":
         return f"the loss {name} is not known to be a sum over samples"
-    config = getattr(loss_function, "keywords", {}).get("config")
     policy_loss = getattr(config, "policy_loss", None)
     loss_mode = (policy_loss.get("loss_mode", "vanilla") if hasattr(policy_loss, "get")
                  else getattr(policy_loss, "loss_mode", "vanilla"))
     if loss_mode not in SAMPLEWISE_POLICY_LOSSES:
         return f"policy_loss.loss_mode={loss_mode!r} depends on its micro-batch"
+    return _aggregation_problem(config, data)
+
+
+def _aggregation_problem(config: Any, data: Any) -> str | None:
+    """Why ``config``'s ``loss_agg_mode`` normalises a micro-batch's loss by a figure of its
+    own (``None`` when the normaliser is global; see :func:`loss_order_problem`)."""
+    from verl.utils import tensordict_utils as tu
+
     agg = config.loss_agg_mode
     if agg.startswith("seq-mean") and tu.get_non_tensor_data(
             data, key="global_batch_size", default=None) is None:
@@ -422,6 +434,16 @@ def loss_order_problem(loss_function: Any, data: Any) -> str | None:
         return ("loss_agg_mode='seq-mean-token-sum-norm' normalises by the micro-batch's "
                 "longest response unless loss_scale_factor is set")
     return None
+
+
+def _global_value_loss() -> bool:
+    """Whether verl's ``value_loss`` normalises over the global batch (its
+    ``compute_value_loss`` takes the global ``batch_num_tokens``)."""
+    import inspect
+
+    from verl.trainer.ppo.core_algos import compute_value_loss
+
+    return "batch_num_tokens" in inspect.signature(compute_value_loss).parameters
 
 
 def select_samples(data: Any, order: list[int]) -> Any:

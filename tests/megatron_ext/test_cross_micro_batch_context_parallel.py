@@ -11,21 +11,25 @@ the plain fp32 run, on both ranks - logits, log-probs, entropy, loss, every grad
 With sliding windows and learned sinks (the tiny-window preset) too, under the 150-token
 budget; with megatron's activation recompute (selective, one level; full, on the nested
 schedule), a recomputed layer replaying its first run's mode on its CP slice; and at CP=2 x
-TP=2 (4 ranks), with and without sequence parallelism. The controls: the blocks' backward
-returns to the rows' owner only the dK/dV of the readers on the same rank (the
+TP=2 (4 ranks), with and without sequence parallelism. On the tiny MoE preset (a GRPO group
+under a 70-token budget, the router's losses and the expert bias) the router statistics too,
+each rank's share summed over CP against the stock step's at CP=1. The controls: the blocks'
+backward returns to the rows' owner only the dK/dV of the readers on the same rank (the
 reduce-scatter's exchange of the other rank's readers' gradients dropped); a replayed prefix
-layer records as a first run (so it takes in no reader's dK/dV).
+layer records as a first run (so it takes in no reader's dK/dV); megatron's own z-loss (each
+rank's mean over the plain rows it routes).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from unittest import mock
 
 import pytest
 import torch
 
-from prefix_sharing.equivalence import FP32_RTOL, QUANTITIES, within_tolerance
+from prefix_sharing.equivalence import FP32_RTOL, QUANTITIES, max_rel_diff, within_tolerance
 
 from ._distributed import PRESET, run_distributed
 from .test_cross_micro_batch import BUDGET, CONFIG, _group, _split_runs
@@ -227,9 +231,103 @@ def test_the_controls_fail_on_the_gradients(cp2, reference, control):
         assert verdict["log_probs"] and verdict["loss"]  # the forward is untouched
 
 
-def test_refuses_what_is_not_built_under_cp_by_name():
-    """CP with MoE is refused before anything runs (CP x PP runs:
-    ``test_cross_micro_batch_pipeline.py``)."""
+MOE_CASES = {  # name: test_cross_micro_batch.MOE_VARIANTS' variant, recompute_prefix
+    "losses": ("losses", False), "expert_bias": ("expert_bias", False),
+    "losses_recomputed": ("losses", True),
+    # control: megatron's own z-loss, each rank's mean over the plain rows it routes
+    "per_rank_z_loss": ("losses", False),
+}
+
+
+def _moe_job(rank: int, names: list[str]) -> dict:
+    """The GRPO group of ``test_cross_micro_batch``'s MoE test (a 41-token prompt, 6
+    responses) under a 70-token budget on the tiny MoE preset, per case: the cross run and its
+    router statistics on this rank; at CP=1 also megatron's stock step on its split."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from prefix_sharing.engines.cross_micro_batch import forward_backward_cross
+    from prefix_sharing.engines.megatron import gpt_model
+    from prefix_sharing.workloads import make_workload
+
+    from ._router_statistics import reset_router_statistics, router_statistics, routers
+    from .test_cross_micro_batch import MOE, MOE_VARIANTS
+
+    seqs = make_workload("grpo", num_prompts=1, group_size=6, prompt_len=(40, 41),
+                         response_len=(12, 24), vocab_size=MOE.vocab_size, seed=5).sequences
+    report = {}
+    for name in names:
+        variant, recompute = MOE_CASES[name]
+
+        def build(layout: str, settings=MOE_VARIANTS[variant], **overrides):
+            return gpt_model(MOE, layout=layout, **settings, **overrides)
+
+        model = build("shared")
+        if name == "per_rank_z_loss":
+            for router in routers(model):
+                router.apply_z_loss = functools.partial(TopKRouter.apply_z_loss, router)
+        reset_router_statistics(model)
+        cross = forward_backward_cross(model, seqs, 70, CONFIG, recompute_prefix=recompute)
+        report[name] = {"run": cross.run, "statistics": router_statistics(model),
+                        "figures": cross.report()}
+        if torch.distributed.get_world_size() == 1:
+            (plain, stats), (reference, _) = _split_runs(build, seqs, cross)
+            report[name].update(plain=plain, plain_statistics=stats, reference=reference)
+    return report
+
+
+@pytest.fixture(scope="module")
+def moe_cp2() -> tuple[dict, list[dict]]:
+    names = [n for n in MOE_CASES if n != "per_rank_z_loss"]
+    reference = run_distributed(_moe_job, 1, names, timeout=600)[0]
+    return reference, run_distributed(_moe_job, 2, list(MOE_CASES), cp=2, timeout=900)
+
+
+def _statistics_differences(ranks: list[dict], plain: dict) -> dict[str, float]:
+    """Each router statistic of the CP ranks against the stock step's at CP=1: per-rank
+    shares (the logged losses, the expert-bias counts) summed over the CP group as megatron's
+    logging and ``finalize_model_grads`` sum them; the global counts already whole."""
+    differences = {}
+    for key, value in plain.items():
+        share = key.startswith("tracker.") or key.endswith(".tokens_per_expert")
+        ours = sum(r["statistics"][key] for r in ranks) if share else ranks[0]["statistics"][key]
+        differences[key] = max_rel_diff(ours, value)
+    return differences
+
+
+@pytest.mark.parametrize("name", [n for n in MOE_CASES if n != "per_rank_z_loss"])
+def test_moe_router_statistics_at_cp2_equal_the_stock_step_at_cp1(moe_cp2, name):
+    """Every suffix micro-batch's statistics are its plain micro-batch's, split over the CP
+    ranks as megatron's stock router splits them (each plain token's z-loss weight its CP=1
+    one): outputs, loss, every gradient (the routers' carry the prefix copies' aux and z-loss
+    terms) and every router statistic, on both ranks."""
+    reference, ranks = moe_cp2
+    case = reference[name]
+    for rank, result in enumerate(ranks):
+        run = _compared(result[name]["run"], case)
+        verdict = within_tolerance(run["vs_reference"], run["plain"], torch.float32)
+        assert all(verdict.values()), (rank, run["vs_reference"].max_rel_diff)
+        for q, d in run["vs_plain"].max_rel_diff.items():
+            assert d <= FP32_RTOL, f"CP rank {rank} {name}: {q}: {d} from the plain fp32 run"
+        assert result[name]["figures"] == case["figures"]
+    differences = _statistics_differences([r[name] for r in ranks], case["plain_statistics"])
+    assert "tracker.z_loss" in differences and "tracker.load_balancing_loss" in differences
+    assert all(d <= FP32_RTOL for d in differences.values()), differences
+
+
+def test_moe_control_with_megatrons_per_rank_z_loss_fails(moe_cp2):
+    reference, ranks = moe_cp2
+    case = reference["losses"]
+    differences = _statistics_differences([r["per_rank_z_loss"] for r in ranks],
+                                          case["plain_statistics"])
+    assert differences["tracker.z_loss"] > 1e-3
+    for result in ranks:
+        run = _compared(result["per_rank_z_loss"]["run"], case)
+        assert not within_tolerance(run["vs_reference"], run["plain"], torch.float32)["grads"]
+
+
+def test_only_virtual_stages_are_refused_by_name():
+    """CP runs with MoE (above), TP, recompute and PP (``test_cross_micro_batch_pipeline.py``);
+    virtual pipeline stages are refused before anything runs."""
     import types
 
     from prefix_sharing.megatron_ext import UnsupportedSetupError
@@ -238,12 +336,11 @@ def test_refuses_what_is_not_built_under_cp_by_name():
     def model_with(**config):
         base = dict(pipeline_model_parallel_size=1, context_parallel_size=2,
                     tensor_model_parallel_size=1, recompute_granularity=None,
-                    num_moe_experts=None, virtual_pipeline_model_parallel_size=None)
+                    num_moe_experts=4, virtual_pipeline_model_parallel_size=None)
         return types.SimpleNamespace(config=types.SimpleNamespace(**{**base, **config}))
 
     check_group_model(model_with())
-    check_group_model(model_with(tensor_model_parallel_size=2))  # tested above
-    check_group_model(model_with(recompute_granularity="full"))  # tested above
-    check_group_model(model_with(pipeline_model_parallel_size=2))
-    with pytest.raises(UnsupportedSetupError, match="cross_micro_batch.context_parallel"):
-        check_group_model(model_with(num_moe_experts=4))
+    check_group_model(model_with(pipeline_model_parallel_size=2, tensor_model_parallel_size=2))
+    with pytest.raises(UnsupportedSetupError, match="cross_micro_batch.virtual_pipeline"):
+        check_group_model(model_with(pipeline_model_parallel_size=2,
+                                     virtual_pipeline_model_parallel_size=2))

@@ -30,7 +30,7 @@ import torch
 
 from prefix_sharing import PrefixSharingConfig
 from prefix_sharing.engines.recompute import RECOMPUTE
-from prefix_sharing.equivalence import max_rel_diff, within_tolerance
+from prefix_sharing.equivalence import FP32_RTOL, max_rel_diff, within_tolerance
 from prefix_sharing.workloads import make_workload
 
 from ._distributed import PRESET, run_distributed, tiny_gpt
@@ -174,7 +174,9 @@ def _cp_job(rank: int) -> dict:
     report = {"stage": parallel_state.get_pipeline_model_parallel_rank()}
     for name in ("cross", "never_reads_through"):
         model, rows = tiny_gpt("shared"), []  # each forward's rows on this rank
-        model.register_forward_pre_hook(lambda module, args: rows.append(args[0].size(1)))
+        model.register_forward_pre_hook(
+            lambda module, args, kwargs: rows.append(kwargs["input_ids"].size(1)),
+            with_kwargs=True)
         with CONTROLS[name]() if name in CONTROLS else contextlib.nullcontext():
             cross = forward_backward_cross(model, _group(), BUDGET, CONFIG)
         report[name] = {"run": cross.run, "figures": cross.report(), "rows": rows}
@@ -263,7 +265,7 @@ def _moe_job(rank: int) -> dict:
         stats = router_statistics(ours)
         (_, plain_stats), _ = _split_runs(build, seqs, cross)
         report[name] = {**_judged(cross, seqs, build), "statistic_names": sorted(plain_stats),
-                        "groups": len(cross.schedules),
+                        "groups": len(cross.schedules), "plain_statistics": plain_stats,
                         "statistics": {k: max_rel_diff(v, plain_stats[k])
                                        for k, v in stats.items()}}
     return report
@@ -287,3 +289,46 @@ def test_moe_with_router_statistics(moe_stages, variant):
 def test_moe_control_weighing_router_losses_per_group_fails(moe_stages):
     for stage in moe_stages:
         _assert_gradients_fail(stage["group_weight"])
+
+
+def _moe_cp_job(rank: int) -> dict:
+    """At PP=2 x CP=2: ``_moe_job``'s two GRPO groups with the router losses, this rank's run,
+    router statistics and stage."""
+    from megatron.core import parallel_state
+
+    from prefix_sharing.engines.cross_micro_batch import forward_backward_cross
+    from prefix_sharing.engines.megatron import gpt_model
+
+    two = make_workload("grpo", num_prompts=2, group_size=6, prompt_len=(40, 41),
+                        response_len=(12, 24), vocab_size=MOE.vocab_size, seed=5)
+    ours = gpt_model(MOE, layout="shared", **MOE_VARIANTS["losses"])
+    reset_router_statistics(ours)
+    cross = forward_backward_cross(ours, two.sequences, BUDGET, CONFIG,
+                                   groups=[g.members for g in two.groups])
+    return {"run": cross.run, "statistics": router_statistics(ours),
+            "stage": parallel_state.get_pipeline_model_parallel_rank()}
+
+
+def test_moe_under_context_parallel_2_by_pipeline_parallel_2(moe_stages):
+    """Four ranks: each stage's router statistics split over its two CP ranks as megatron's
+    stock router splits a plain micro-batch (megatron's schedule scales the router losses by
+    the CP size); every rank's outputs and gradients equal the stock step at PP=2, CP=1 on the
+    same split, and the statistics of each stage's CP ranks, per-rank shares summed, equal
+    its statistics there."""
+    from prefix_sharing.engines.megatron import compare
+
+    ranks = run_distributed(_moe_cp_job, 4, pp=2, cp=2, timeout=900)
+    assert [rank["stage"] for rank in ranks] == [0, 0, 1, 1]
+    for rank in ranks:
+        plain, reference = moe_stages[rank["stage"]]["losses"]["runs"]
+        assert_exact({"vs_reference": compare(rank["run"], reference),
+                      "plain": compare(plain, reference), "vs_plain": compare(rank["run"], plain)})
+    for stage in (0, 1):
+        held = [rank for rank in ranks if rank["stage"] == stage]
+        plain_stats = moe_stages[stage]["losses"]["plain_statistics"]
+        assert "tracker.z_loss" in plain_stats
+        for key, value in plain_stats.items():
+            share = key.startswith("tracker.") or key.endswith(".tokens_per_expert")
+            ours = (sum(r["statistics"][key] for r in held) if share
+                    else held[0]["statistics"][key])
+            assert max_rel_diff(ours, value) <= FP32_RTOL, (stage, key)

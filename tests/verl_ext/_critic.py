@@ -86,9 +86,17 @@ def critic_config(prefix_grouper: dict | None, strategy: str = "fsdp2", **megatr
     return config
 
 
-def critic_batch(workload: str, seed: int):
-    """The actor tests' batch of ``workload`` with each response's old values and returns."""
-    data = make_batch(workload, seed=seed)
+def critic_batch(workload: str, seed: int, budget: int | None = None):
+    """The actor tests' batch of ``workload`` with each response's old values and returns;
+    with ``budget``, split by verl's dynamic batch size under that token budget per GPU (the
+    cross-micro-batch tests' agent batch: ``"agent"``)."""
+    from verl.utils import tensordict_utils as tu
+
+    from .test_cross_forward import AGENT
+
+    data = make_batch(workload, seed=seed, **(AGENT if workload == "agent" else {}))
+    if budget is not None:
+        tu.assign_non_tensor(data, use_dynamic_bsz=True, max_token_len_per_gpu=budget)
     gen = torch.Generator().manual_seed(seed + 2)
     for key in ("values", "returns"):  # padded (bsz, response) like the advantages
         data[key] = torch.rand(data["advantages"].shape, generator=gen)
@@ -167,13 +175,13 @@ class ValueHead(torch.nn.Linear):
 
 
 def run_megatron(rank: int, modes: dict[str, dict | None], *, control: bool = False,
-                 workloads: tuple[str, ...] = WORKLOADS) -> dict:
+                 workloads: tuple[str, ...] = WORKLOADS, budget: int | None = None) -> dict:
     """:func:`run_fsdp` on verl's Megatron value-model engine: the actor tests' tiny GPTModel
     (``_engine.build_engine``) with a seeded :class:`ValueHead` as its output layer. The
     engine's ``tensor_model_parallel_size`` is megatron's (``run_distributed(..., tp=)``), with
     sequence parallelism above 1; the sequence-parallel gradients are then summed over the
     tensor-parallel group, as megatron's ``finalize_model_grads`` does. Every rank draws the
-    same batch (one data-parallel rank)."""
+    same batch (one data-parallel rank), split under ``budget`` tokens when given."""
     from megatron.core import parallel_state
     from verl.workers.utils.losses import value_loss
 
@@ -195,8 +203,8 @@ def run_megatron(rank: int, modes: dict[str, dict | None], *, control: bool = Fa
                 torch.manual_seed(1)
                 model.output_layer = ValueHead(model.config.hidden_size, tp > 1)
                 model.share_embeddings_and_output_weights = False
-                infer = engine.infer_batch(critic_batch(workload, 0))
-                train = engine.forward_backward_batch(critic_batch(workload, 0),
+                infer = engine.infer_batch(critic_batch(workload, 0, budget))
+                train = engine.forward_backward_batch(critic_batch(workload, 0, budget),
                                                       partial(value_loss, config=config))
                 finalize_sequence_parallel_grads(model)
                 grads = {n: p.grad.clone() for n, p in model.named_parameters()}

@@ -121,3 +121,47 @@ def test_the_megatron_critic_at_tp2_with_sequence_parallelism_gives_verls_values
         megatron_tp2, workload):
     for found in megatron_tp2:
         assert_megatron_critic_exact(found, workload, "arbitrary_prefix")
+
+
+def megatron_cross_rank(rank: int) -> dict:
+    """The Megatron critic on the agent batch under an 80-token budget: sharing off, across
+    micro-batches, and across micro-batches with a last micro-batch that reads the prefix's
+    leaves instead of reading its recorded K/V and values through (the control: what the
+    earlier micro-batches accumulated there never reaches the prefix)."""
+    from unittest import mock
+
+    from prefix_sharing.megatron_ext import prefix_kv
+    from tests.verl_ext._critic import run_megatron
+    from tests.verl_ext.test_cross_forward import CROSS
+
+    runs = run_megatron(rank, {"off": None, "cross": CROSS}, workloads=("agent",), budget=80)
+    with mock.patch.object(prefix_kv, "read_through", lambda recorded, leaf: recorded):
+        control = run_megatron(rank, {"cross": CROSS}, workloads=("agent",), budget=80)
+    return {"runs": runs, "control": control}
+
+
+def test_the_megatron_critic_across_micro_batches_gives_verls_values_loss_and_gradients():
+    """Each group's prefix once across its micro-batches (its values kept as leaves, read
+    through by the last micro-batch, as the actor's log-probs are): each sample's values, the
+    step's value loss (summed over its micro-batches: the two runs split the batch
+    differently) and every gradient equal verl's stock critic; the control fails on the
+    gradients. verl 0.8.0's ``value_loss`` averages over each micro-batch, so there the engine
+    keeps verl's split (no group crosses micro-batches) and the values, loss and gradients
+    still equal verl's."""
+    import inspect
+
+    from verl.trainer.ppo.core_algos import compute_value_loss
+
+    from prefix_sharing.engines.launch import run_distributed
+
+    found = run_distributed(megatron_cross_rank, 1, timeout=400)[0]
+    shared, plain = found["runs"]["agent", "cross"], found["runs"]["agent", "off"]
+    assert compare(shared, plain) == []
+    metrics = shared["train"]["metrics"]
+    if "batch_num_tokens" not in inspect.signature(compute_value_loss).parameters:
+        assert "prefix_sharing/prefix_recomputes_avoided" not in metrics
+        return
+    assert metrics["prefix_sharing/prefix_recomputes_avoided"] == [4.0]
+    assert metrics["prefix_sharing/num_micro_batches"] == [6.0]
+    control = compare(found["control"]["agent", "cross"], plain)
+    assert any(f.startswith("grad") for f in control), control

@@ -380,12 +380,13 @@ def test_a_group_left_to_the_ordinary_split_is_cut_beside_a_cross_group(results)
 
 
 
-def same_split(planned):
-    """``(recorded, replayed)``: verl's split ``planned`` that records its index lists, and a
-    split that replays them in order (verl's stock step forced onto a cross run's split)."""
+def same_split(planned, splits: list | None = None):
+    """``(recorded, replayed)``: verl's split ``planned`` that records its index lists (into
+    ``splits`` when given), and a split that replays them in order (verl's stock step forced
+    onto a cross run's split; ``splits`` may come from another launch)."""
     from verl.utils import tensordict_utils as tu
 
-    splits: list[list[list[int]]] = []
+    splits = [] if splits is None else splits
 
     def recorded(*args, **kwargs):
         micro_batches, index_lists = planned(*args, **kwargs)
@@ -399,12 +400,16 @@ def same_split(planned):
     return recorded, replayed
 
 
-def moe_steps(rank: int, settings: dict) -> dict:
+def moe_steps(rank: int, settings: dict, megatron: dict | None = None,
+              runs: tuple[str, ...] = ("cross", "off", "control"), splits: list | None = None,
+              budget: int = 80) -> dict:
     """The tiny MoE preset with its router losses (aux, seq-aux, global-aux, z-loss): the
-    cross-micro-batch step at a budget of 80, then verl's stock step forced onto the split the
+    cross-micro-batch step at ``budget``, then verl's stock step forced onto the split the
     cross step used (each of its micro-batches the same samples), since the router statistics
     are each micro-batch's own; then a control whose cross micro-batches keep statistics over
-    the rows they compute (the prefix counted once, in the first)."""
+    the rows they compute (the prefix counted once, in the first). ``runs``: which of them;
+    ``splits``: the cross step's split when it ran in another launch (returned as
+    ``"splits"``)."""
     from unittest import mock
 
     import verl.workers.engine.utils as engine_utils
@@ -413,20 +418,23 @@ def moe_steps(rank: int, settings: dict) -> dict:
     from prefix_sharing.megatron_ext.moe import PrefixSharingRouter
     from verl.workers.utils.losses import ppo_loss
 
-    from prefix_sharing.engines.megatron import finalize_sequence_parallel_grads
+    from prefix_sharing.engines.megatron import (finalize_context_parallel_grads,
+                                                 finalize_sequence_parallel_grads)
     from prefix_sharing.presets import PRESETS, sharp
 
     use_cpu_platform()
     preset = sharp(PRESETS["tiny-moe"])
     planned = engine_utils.rearrange_micro_batches
-    recorded, replayed = same_split(planned)
+    splits = [] if splits is None else splits
+    recorded, replayed = same_split(planned, splits)
 
     def computed_rows(self, logits, padding_mask):
         return TopKRouter.routing(self, logits, padding_mask=padding_mask)
 
     results = {}
-    for name, split in (("cross", recorded), ("off", replayed), ("control", planned)):
-        config = actor_config(None if name == "off" else CROSS)
+    for name in runs:
+        split = {"cross": recorded, "off": replayed, "control": planned}[name]
+        config = actor_config(None if name == "off" else CROSS, megatron=megatron)
         engine = build_engine(config, preset=preset,
                               spec=dict(num_experts=preset.num_experts, normalization="RMSNorm"),
                               **settings)
@@ -436,12 +444,15 @@ def moe_steps(rank: int, settings: dict) -> dict:
                                    computed_rows)
                  if name == "control" else contextlib.nullcontext())
         with mock.patch.object(engine_utils, "rearrange_micro_batches", split), wrong:
-            infer = engine.infer_batch(batch(80))
-            train = engine.forward_backward_batch(batch(80), partial(ppo_loss, config=config))
+            infer = engine.infer_batch(batch(budget))
+            train = engine.forward_backward_batch(batch(budget),
+                                                  partial(ppo_loss, config=config))
         finalize_sequence_parallel_grads(engine.module[0])
+        finalize_context_parallel_grads(engine.module[0])
         grads = {n: p.grad.clone() for n, p in engine.module[0].named_parameters()}
         results[name] = {"infer": plain_output(infer), "train": plain_output(train),
                          "grads": grads}
+    results["splits"] = list(splits)
     return results
 
 
@@ -468,3 +479,24 @@ def test_moe_router_statistics_equal_verls_stock_step_on_the_same_split(moe_resu
         same_outputs(results["cross"], results["off"], f"moe {layout}")
         with pytest.raises(AssertionError, match="grad"):
             same_outputs(results["control"], results["off"], f"moe {layout} control")
+
+
+def test_moe_router_statistics_under_context_parallelism_equal_verls_stock_step_at_cp1():
+    """At CP=2 (verl's budget is max_token_len_per_gpu x CP: 40 per GPU) each cross
+    micro-batch's router statistics are split over the CP ranks as megatron's stock router
+    splits its plain micro-batch, each plain token's z-loss weighing what it does at CP=1. The
+    reference is verl's stock step at CP=1 forced onto the CP run's split, in a second launch
+    (the test's plain engine runs the project's attention without a plan, which does not split
+    over CP ranks): every rank's outputs, verl's loss per micro-batch and every gradient
+    (averaged over CP, as megatron's DDP does); the control fails."""
+    ranks = run_distributed(moe_steps, 2, {}, {"context_parallel_size": 2}, ("cross", "control"),
+                            None, 40, cp=2, timeout=900)
+    splits = ranks[0]["splits"]
+    assert splits and all(rank["splits"] == splits for rank in ranks)
+    (stock,) = run_distributed(moe_steps, 1, {}, None, ("off",), splits, timeout=900)
+    for rank, results in enumerate(ranks):
+        assert results["cross"]["train"]["metrics"][
+            "prefix_sharing/prefix_recomputes_avoided"] == [4.0]
+        same_outputs(results["cross"], stock["off"], f"moe cp2 rank {rank}")
+        with pytest.raises(AssertionError, match="grad"):
+            same_outputs(results["control"], stock["off"], f"moe cp2 rank {rank} control")

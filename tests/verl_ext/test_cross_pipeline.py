@@ -10,7 +10,8 @@ step with the feature off on the same weights at PP=2: every gradient on each st
 last stage's outputs and loss (verl's global token mean, summed over micro-batches: the two
 runs split the batch differently). A control whose last micro-batch does not read the
 accumulated gradients through fails on the gradients. At PP=2 x CP=2 (four ranks) every part
-is split over the CP ranks, and each rank's stage equals the stock step at PP=2, CP=1.
+is split over the CP ranks, and each rank's stage equals the stock step at PP=2, CP=1. On the
+tiny MoE preset, every stage's router statistics equal verl's stock step's on the same split.
 
 Batch: as ``test_cross_forward.py`` (2 agent tasks of 3 episodes, 34- and 36-token common
 prefixes). At a budget of 80 both groups cross micro-batches (3 each, the carrying ones within
@@ -31,7 +32,8 @@ from prefix_sharing.engines.launch import run_distributed  # noqa: E402
 from tests.verl_ext._batch import use_cpu_platform  # noqa: E402
 from tests.verl_ext._compare import same_outputs  # noqa: E402
 from tests.verl_ext._engine import actor_config, build_engine, step  # noqa: E402
-from tests.verl_ext.test_cross_forward import CROSS, SETTINGS, batch  # noqa: E402
+from tests.verl_ext.test_cross_forward import (CROSS, RECOMPUTE, SETTINGS, batch,  # noqa: E402
+                                               moe_steps)
 
 PIPELINE = {"pipeline_model_parallel_size": 2}
 
@@ -202,26 +204,52 @@ def test_pipeline_x_tensor_parallel_equals_verls_stock_step():
     assert metrics["prefix_sharing/groups_split"] == [0.0]
 
 
-def test_a_moe_model_is_refused_by_name_under_pipeline_parallelism():
-    """The engine's layout at PP=2 passes, and so do recompute and windows (run above); a MoE
-    model is refused at its first cross micro-batch under pipeline parallelism (the pipelined
-    run does not carry the router statistics), and runs at PP=1 (test_cross_forward.py)."""
+MOE_SETTINGS = {"plain": {}, "recompute": RECOMPUTE["full"]}
+
+
+@pytest.mark.parametrize("setting", MOE_SETTINGS)
+def test_moe_router_statistics_under_pipeline_parallelism_equal_verls_stock_step(setting):
+    """The tiny MoE preset with its router losses at PP=2 (``test_cross_forward.moe_steps``:
+    verl's stock step forced onto the cross step's split, since router statistics are each
+    micro-batch's own): each stage's routers read the prefix rows' router logits recorded in
+    the carrying micro-batches, so every suffix's statistics are its plain micro-batch's; equal
+    on every stage, gradients included, and the control (statistics over the computed rows
+    only) fails."""
+    stages = run_distributed(moe_steps, 2, MOE_SETTINGS[setting], PIPELINE, pp=2, timeout=900)
+    for rank, results in enumerate(stages):
+        same_outputs(results["cross"], results["off"], f"moe pp2 {setting} stage {rank}")
+        with pytest.raises(AssertionError, match="grad"):
+            same_outputs(results["control"], results["off"],
+                         f"moe pp2 {setting} stage {rank} control")
+    metrics = stages[-1]["cross"]["train"]["metrics"]
+    assert metrics["prefix_sharing/prefix_recomputes_avoided"] == [4.0]
+    assert metrics["prefix_sharing/cross_recomputed_tokens"] == [70.0]
+
+
+def test_only_virtual_stages_are_refused_by_name():
+    """The engine's layout at PP=2 passes, and so do recompute, windows, MoE (run above) and
+    MoE under context parallelism (``test_cross_forward.py``); virtual pipeline stages are
+    refused at engine construction and at the model's first cross micro-batch."""
     from types import SimpleNamespace
 
-    from prefix_sharing.verl_ext.cross_forward import check_cross_engine_setup, check_cross_model
+    from prefix_sharing.errors import UnsupportedSetup
+    from prefix_sharing.megatron_ext.cross_micro_batch import check_group_model
+    from prefix_sharing.verl_ext.cross_forward import check_cross_engine_setup
     from prefix_sharing.verl_ext.mcore import PrefixSharingSetupError
 
     def model(**settings):
         return SimpleNamespace(config=SimpleNamespace(**{
             **dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=None,
-                   context_parallel_size=1, recompute_granularity="full", num_moe_experts=None,
+                   context_parallel_size=2, recompute_granularity="full", num_moe_experts=4,
                    window_size=(6, 0)), **settings}))
 
     check_cross_engine_setup(SimpleNamespace(pipeline_model_parallel_size=2,
                                              tensor_model_parallel_size=2))
-    check_cross_model(model())
+    check_group_model(model())
     with pytest.raises(PrefixSharingSetupError,
-                       match=r"pipeline_model_parallel_size=2 with num_moe_experts=4.*"
-                             r"verl\.cross_micro_batch\.layout"):
-        check_cross_model(model(num_moe_experts=4))
-    check_cross_model(model(num_moe_experts=4, pipeline_model_parallel_size=1))
+                       match=r"virtual_pipeline_model_parallel_size=2.*"
+                             r"megatron\.cross_micro_batch\.virtual_pipeline"):
+        check_cross_engine_setup(SimpleNamespace(pipeline_model_parallel_size=2,
+                                                 virtual_pipeline_model_parallel_size=2))
+    with pytest.raises(UnsupportedSetup, match=r"megatron\.cross_micro_batch\.virtual_pipeline"):
+        check_group_model(model(virtual_pipeline_model_parallel_size=2))

@@ -66,9 +66,9 @@ def _with_routes(batch, routes):
     return data
 
 
-def steps(rank: int) -> dict:
+def steps(rank: int, cases=CASES, layout: dict | None = None) -> dict:
     """Per case: the cross step (its splits recorded), then verl's stock step with the same
-    replay mode forced onto those splits."""
+    replay mode forced onto those splits; ``layout``: the engine's parallel settings."""
     from tests.verl_ext._batch import plain_output, use_cpu_platform
 
     use_cpu_platform()  # before verl's router replay module takes its device name
@@ -83,12 +83,12 @@ def steps(rank: int) -> dict:
     routes, where = _routes(batch, preset)
     planned = engine_utils.rearrange_micro_batches
     results = {"diverged_at": where}
-    for mode, routes_name in CASES:
+    for mode, routes_name in cases:
         recorded, replayed = same_split(planned)
         for name, split in (("cross", recorded), ("off", replayed)):
             config = actor_config(None if name == "off" else CROSS, megatron=dict(
                 router_replay=dict(_target_="verl.workers.config.EngineRouterReplayConfig",
-                                   mode=mode)))
+                                   mode=mode), **(layout or {})))
             engine = build_engine(config, preset=preset,
                                   spec=dict(num_experts=preset.num_experts,
                                             normalization="RMSNorm"), **MOE)
@@ -113,6 +113,28 @@ def steps(rank: int) -> dict:
 @pytest.fixture(scope="module")
 def results():
     return run_distributed(steps, 1, timeout=900)[0]
+
+
+def test_replay_under_pipeline_parallelism_equals_verls_stock_replay_on_the_same_split():
+    """At PP=2, R3 with agreeing and diverging routes: every stage's routers replay the routes
+    of the rows they run (the prefix rows' in the group's first and last micro-batch, each
+    micro-batch's tails' after them); equal to verl's stock replay on every stage, and cut on
+    tokens alone fails. (R2's recording at PP=2 returns the routes on the last stage only, so
+    this test's stock reference cannot replay them on the first.)"""
+    cases = (("R3", "agree"), ("R3", "diverge"), ("R3", "tokens_only"))
+    stages = run_distributed(steps, 2, cases, {"pipeline_model_parallel_size": 2}, pp=2,
+                             timeout=900)
+    for rank, results in enumerate(stages):
+        for case in cases[:2]:
+            same_outputs(results[case + ("cross",)], results[case + ("off",)],
+                         f"pp2 stage {rank} {case}")
+        with pytest.raises(AssertionError, match="relative error"):
+            same_outputs(results["R3", "tokens_only", "cross"],
+                         results["R3", "tokens_only", "off"], f"pp2 stage {rank} tokens only")
+    metrics = stages[-1]["R3", "agree", "cross"]["train"]["metrics"]
+    assert metrics["prefix_sharing/prefix_recomputes_avoided"] == [4.0]
+    # both groups cross micro-batches, each prefix (34 and 36 rows) computed twice
+    assert metrics["prefix_sharing/cross_recomputed_tokens"] == [34.0 + 36.0]
 
 
 @pytest.mark.parametrize("mode, routes", CASES[:3])
