@@ -41,11 +41,13 @@ class PrefixSharingConfig:
             as consecutive micro-batches that read the prefix's K/V
             (:mod:`prefix_sharing.cross_micro_batch`), instead of cutting the group and
             recomputing the prefix in every piece. Off by default; megatron-core only (the
-            project's group run and verl's Megatron engine; verl's FSDP engine and the critic
-            split such a group instead). Which parallel layouts and model features run with it
-            is docs/cross-micro-batch.md's; a combination not served raises a
-            ``megatron.cross_micro_batch.*`` or ``verl.cross_micro_batch.*`` refusal naming it;
-            ``prefix-sharing preflight`` reports those of the parallel layout before a run.
+            project's group run and verl's Megatron engines, the actor's and the critic's;
+            verl's FSDP engine refuses it, ``verl.cross_micro_batch.engine``). Which parallel
+            layouts and model features run with it is docs/cross-micro-batch.md's (TP with
+            sequence parallelism, CP, PP with interleaved stages, MoE router statistics,
+            routing replay, activation recompute, windows); a nested group under pipeline
+            parallelism raises ``megatron.cross_micro_batch.pipeline_nested``, and
+            ``prefix-sharing preflight`` reports the engine's refusals before a run.
         self_check: the first micro-batch that shares anything also runs verl's stock path
             on the same weights (without gradient) and the log-probs and entropy are compared:
             the figures are logged and reported, and beyond the dtype's bound the run stops

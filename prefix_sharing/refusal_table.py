@@ -197,14 +197,6 @@ TABLE: tuple[Refusal, ...] = (
             "stages; a stack of blocks, each backwarded after its readers, is not built there: "
             "plan the group with one_level=True (the prefix within the token budget)",
             ("megatron-core",)),
-    Refusal("megatron.cross_micro_batch.virtual_pipeline", "groups across micro-batches under "
-            "interleaved (virtual) pipeline stages", "the pipelined group run carries the "
-            "prefix rows in the first and last suffix micro-batch of one model chunk per stage, "
-            "relying on 1F1B to backward the last suffix after the others on every stage; a "
-            "prefix kept per model chunk through megatron's interleaved schedule is not built: "
-            "use virtual_pipeline_model_parallel_size=None for such groups, or one micro-batch "
-            "per group (cross_micro_batch off; interleaved stages serve that)",
-            ("megatron-core", "verl-megatron")),
     # --- the command's megatron engine ----------------------------------------------------
     Refusal("cli.mamba_preset", "a Mamba-2 preset on the megatron engine",
             "megatron-core's MambaMixer trains through mamba_ssm's fused "

@@ -112,14 +112,14 @@ MATRIX: dict[str, dict[str, Cell]] = {
     },
     "interleaved (virtual) PP": {
         "megatron-core": works(_MX + "test_virtual_pipeline.py",
-                               refusals=("megatron.virtual_pipeline.two_stage_p2p",
-                                         "megatron.cross_micro_batch.virtual_pipeline"),
+                               _MX + "test_cross_micro_batch_pipeline.py",
+                               refusals=("megatron.virtual_pipeline.two_stage_p2p",),
                                releases="megatron-core 0.16.1, 0.19.2",
-                               note="PP=2 x VPP=2, uneven stages; one micro-batch per group"),
-        "verl-megatron": works(_VX + "test_verl091_engine.py", releases="verl 0.9.1",
-                               refusals=("megatron.virtual_pipeline.two_stage_p2p",
-                                         "megatron.cross_micro_batch.virtual_pipeline"),
-                               note="PP=2 x VPP=2; one micro-batch per group"),
+                               note="PP=2 x VPP=2, uneven stages; across micro-batches too"),
+        "verl-megatron": works(_VX + "test_verl091_engine.py", _VX + "test_cross_pipeline.py",
+                               releases="verl 0.9.1",
+                               refusals=("megatron.virtual_pipeline.two_stage_p2p",),
+                               note="PP=2 x VPP=2; across micro-batches too"),
         "verl-fsdp": NOT_OFFERED,
         "hf-fsdp": NOT_OFFERED,
         "megatron-lm": refused("megatron_lm.virtual_pipeline"),
@@ -197,14 +197,14 @@ MATRIX: dict[str, dict[str, Cell]] = {
                                _MX + "test_cross_micro_batch_pipeline.py",
                                _MX + "test_cross_micro_batch_replay.py",
                                _MX + "test_cross_micro_batch_context_parallel.py",
-                               note="PP=2: one level; CP=2 (x TP=2, x PP=2); MoE statistics "
-                                    "at CP=2 and PP=2",
+                               note="PP=2 (x VPP=2): one level; CP=2 (x TP=2, x PP=2); MoE "
+                                    "statistics at CP=2 and PP=2",
                                refusals=("megatron.cross_micro_batch.pipeline_nested",)),
         "verl-megatron": works(_VX + "test_cross_forward.py", _VX + "test_cross_nested.py",
                                _VX + "test_cross_replay.py",
                                _VX + "test_cross_moe_sequence_parallel.py",
                                _VX + "test_cross_pipeline.py",
-                               note="PP=2 (x TP=2, x CP=2), one level; CP=2 (x TP=2); "
+                               note="PP=2 (x TP=2, x CP=2, x VPP=2), one level; CP=2 (x TP=2); "
                                     "MoE and routing replay at PP=2, MoE at CP=2; "
                                     "nested: dense, CP=1, PP=1, no recompute"),
         "verl-fsdp": refused("verl.cross_micro_batch.engine"),

@@ -77,7 +77,7 @@ class CrossMicroBatchRun:
 
 
 def forward_backward_cross(
-    model: torch.nn.Module,
+    model: torch.nn.Module | Sequence[torch.nn.Module],
     sequences: Sequence[torch.Tensor],
     token_budget: int,
     config: PrefixSharingConfig = PrefixSharingConfig(),
@@ -92,6 +92,7 @@ def forward_backward_cross(
     :mod:`prefix_sharing.megatron_ext.cross_micro_batch`).
 
     Args:
+        model: this rank's stage, or under interleaved pipeline stages its model chunks.
         groups: the members of each group (every sequence in exactly one); the whole batch
             as one group when omitted.
         recompute_prefix: see :func:`~prefix_sharing.megatron_ext.cross_micro_batch.
@@ -107,11 +108,12 @@ def forward_backward_cross(
 
     from ..megatron_ext.cross_micro_batch import forward_backward_group
 
-    device = next(model.parameters()).device
+    chunks = list(model) if isinstance(model, Sequence) else [model]
+    device = next(chunks[0].parameters()).device
     # under sequence parallelism each micro-batch's rows split over the tensor-parallel ranks,
     # under context parallelism over the CP ranks
     multiple = (parallel_state.get_tensor_model_parallel_world_size()
-                if model.config.sequence_parallel else 1)
+                if chunks[0].config.sequence_parallel else 1)
     multiple *= parallel_state.get_context_parallel_world_size()
     # under pipeline parallelism the first and last suffix carry the prefix (one level)
     pipelined = parallel_state.get_pipeline_model_parallel_world_size() > 1
@@ -125,12 +127,13 @@ def forward_backward_cross(
     logits: torch.Tensor | None = None
     held, computed, recomputed = 0, 0, 0
     outputs_here = parallel_state.is_pipeline_last_stage()
-    model.zero_grad(set_to_none=True)
+    for chunk in chunks:
+        chunk.zero_grad(set_to_none=True)
     for members, schedule in zip(groups, schedules):
         # group-packed position -> batch-packed position
         where = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in members]).to(device)
         group = forward_backward_group(
-            model, schedule, lambda lp, ent, positions, where=where: terms(lp, ent, where[positions]),
+            chunks, schedule, lambda lp, ent, positions, where=where: terms(lp, ent, where[positions]),
             recompute_prefix=recompute_prefix, backend=config.backend, keep_logits=collect,
             aux_loss_scale=1 / len(split))
         held, computed = max(held, group.held_bytes), computed + group.tokens_computed
@@ -151,9 +154,12 @@ def forward_backward_cross(
             rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in batch])
             outputs.append(RunOutputs(logits[rows], log_probs[rows], entropy[rows],
                                       terms.loss(j).cpu(), {}))
-        finalize_sequence_parallel_grads(model)  # as forward_backward does
-        finalize_context_parallel_grads(model)
-        run = MicroBatchRun(outputs, full_grads(model), [])
+        grads = {}
+        for chunk in chunks:  # as forward_backward does
+            finalize_sequence_parallel_grads(chunk)
+            finalize_context_parallel_grads(chunk)
+            grads.update(full_grads(chunk))
+        run = MicroBatchRun(outputs, grads, [])
     largest = max(_largest_micro_batch(s, pipelined) for s in schedules)
     return CrossMicroBatchRun(run, schedules, split, held, computed, unique, recomputed, largest)
 

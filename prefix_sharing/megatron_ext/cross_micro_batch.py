@@ -53,28 +53,29 @@ activation recompute and TP: each micro-batch split over the CP ranks, a block's
 router logits recorded gathered (:mod:`.cross_context_parallel`); a suffix's router statistics
 split over the CP ranks as megatron splits its plain micro-batch's (:mod:`.moe`). Under
 pipeline parallelism a one-level schedule runs through megatron's 1F1B instead
-(:mod:`.cross_pipeline`); virtual pipeline stages are refused by name.
+(:mod:`.cross_pipeline`), under interleaved stages too (each model chunk carrying the prefix
+rows of its own layers).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from megatron.core.utils import get_attr_wrapped_model
 
 from ..cross_micro_batch import GroupSchedule, SuffixMicroBatch
-from ..refusals import refuse
-from .checks import UnsupportedSetupError
 from .cross_context_parallel import context_parallel_size, model_inputs, slice_micro_batch
 from .cross_run import (Collector, GroupRun, PrefixPass, TokenLoss, block_store, score_suffix,
                         sequence_parallel_size, suffix_routes)
 from .packed_seq import PlanPackedSeqParams
 from .prefix_kv import PrefixKV, PrefixKVStack
 
-__all__ = ["GroupRun", "PrefixPass", "TokenLoss", "check_group_model", "forward_backward_group"]
+__all__ = ["GroupRun", "PrefixPass", "TokenLoss", "forward_backward_group"]
 
 
 def forward_backward_group(
-    model: torch.nn.Module,
+    model: torch.nn.Module | Sequence[torch.nn.Module],
     schedule: GroupSchedule,
     token_loss: TokenLoss,
     *,
@@ -90,7 +91,8 @@ def forward_backward_group(
     it: average over the data x context group (megatron's DDP) before the step.
 
     Args:
-        model: a whole (single-stage) ``GPTModel`` built with the prefix-sharing layer spec.
+        model: a ``GPTModel`` built with the prefix-sharing layer spec: the whole model, this
+            rank's pipeline stage, or under interleaved pipeline stages its model chunks.
         schedule: the group, from :func:`prefix_sharing.cross_micro_batch.plan_group`.
         token_loss: ``(log_probs, entropy, positions) -> scalar`` for a micro-batch's tokens.
         recompute_prefix: run each block's forward without grad first and again with grad
@@ -104,7 +106,8 @@ def forward_backward_group(
             the group's backwards, times the CP size under context parallelism, as megatron's
             schedule scales them and each micro-batch's loss there.
     """
-    check_group_model(model)
+    chunks = list(model) if isinstance(model, Sequence) else [model]
+    model = chunks[0]
     device = next(model.parameters()).device
     multiple = sequence_parallel_size(model)
     plans = [("block", b.plan) for b in schedule.blocks] + [
@@ -118,9 +121,11 @@ def forward_backward_group(
         from .cross_pipeline import forward_backward_pipelined_group
 
         # the prefix is recomputed there in any case (the last suffix carries it with grad)
-        return forward_backward_pipelined_group(model, schedule, token_loss, backend=backend,
+        return forward_backward_pipelined_group(chunks, schedule, token_loss, backend=backend,
                                                 temperature=temperature, keep_logits=keep_logits,
                                                 aux_loss_scale=aux_loss_scale)
+    if len(chunks) > 1:
+        raise ValueError(f"{len(chunks)} model chunks without pipeline parallelism")
     if get_attr_wrapped_model(model, "config").num_moe_experts:
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
@@ -177,13 +182,3 @@ def _suffix(model: torch.nn.Module, suffix: SuffixMicroBatch, kvs: dict[int, Pre
     logits = model(*model_inputs(plan, cp), None, packed_seq_params=params)[0]  # [T, V]
     loss = score_suffix(logits, suffix, token_loss, out, temperature, cp)
     (loss * context_parallel_size()).backward()  # as megatron's schedule scales it under CP
-
-
-def check_group_model(model: torch.nn.Module) -> None:
-    """Raises :class:`UnsupportedSetupError` for a setting a group run cannot honour: virtual
-    pipeline stages (the pipelined run, :mod:`.cross_pipeline`, drives one model chunk per
-    stage)."""
-    vpp = get_attr_wrapped_model(model, "config").virtual_pipeline_model_parallel_size
-    if vpp is not None:
-        raise refuse("megatron.cross_micro_batch.virtual_pipeline",
-                     f"virtual_pipeline_model_parallel_size={vpp}", error=UnsupportedSetupError)

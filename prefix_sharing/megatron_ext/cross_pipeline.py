@@ -40,9 +40,10 @@ step's micro-batch count (:func:`_router_loss_weight`). Activation recompute as 
 prefix layer recomputed in ``S_k`` replays inside its backward, after ``S_k``'s own rows'
 (created later, so run first by autograd), and injects the leaves' gradients then
 (:class:`~.prefix_kv.PrefixKVPass`). Routing replay as at PP=1: the prefix rows replay their
-routes in both carrying micro-batches, each suffix its tails'. Built for one-level schedules
-(:func:`check_pipelined_group`); virtual stages are refused
-(:func:`~.cross_micro_batch.check_group_model`).
+routes in both carrying micro-batches, each suffix its tails'. Interleaved (virtual) stages:
+every model chunk of a rank runs the same weave on its own layers (megatron's interleaved
+schedule keeps each chunk's forwards and backwards in micro-batch order). Built for one-level
+schedules (:func:`check_pipelined_group`).
 """
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ def stage_forward(model: torch.nn.Module, kv: PrefixKV, schedule: GroupSchedule,
 
 
 def forward_backward_pipelined_group(
-    model: torch.nn.Module,
+    model: list[torch.nn.Module],
     schedule: GroupSchedule,
     token_loss: TokenLoss,
     *,
@@ -146,6 +147,11 @@ def forward_backward_pipelined_group(
     gradients accumulate into ``.grad``. Every stage of the pipeline calls it with the same
     schedule (each plans it from its own data: the planner is deterministic).
 
+    ``model``: this rank's model chunks, one without interleaved stages; under them megatron's
+    interleaved schedule runs every chunk through the same weave, each carrying the prefix
+    rows of its own layers and recording their K/V in a store of its own (its forwards and
+    backwards of the group's micro-batches stay in micro-batch order, as under 1F1B).
+
     The :class:`~.cross_run.GroupRun`'s log-probs, entropy, logits and loss are the
     last stage's (zeros and None elsewhere); ``tokens_computed`` counts the prefix twice
     (once when the group has one suffix micro-batch).
@@ -156,19 +162,19 @@ def forward_backward_pipelined_group(
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    check_pipelined_group(schedule)
-    device = next(model.parameters()).device
+    check_pipelined_group(schedule, model)
+    device = next(model[0].parameters()).device
     block = schedule.blocks[0]
-    kv = block_store(block, device)
+    kvs = [block_store(block, device) for _ in model]  # one per model chunk
     count = len(schedule.suffixes)
     out = Collector(schedule.num_tokens_total, device, keep_logits)
-    last_stage = get_attr_wrapped_model(model, "post_process")
 
-    def forward_step(data_iterator, model):
-        index = next(data_iterator)
+    def forward_step(data_iterator, chunk):
+        c, index = next(data_iterator)
         suffix = schedule.suffixes[index]
-        stage = stage_forward(model, kv, schedule, index, routes=suffix_routes(suffix, device),
-                              backend=backend, temperature=temperature, device=device)
+        stage = stage_forward(chunk, kvs[c], schedule, index,
+                              routes=suffix_routes(suffix, device), backend=backend,
+                              temperature=temperature, device=device)
 
         def loss_func(output: torch.Tensor):
             logits = output[0]  # [rows, V] (this CP rank's): the prefix's, then own
@@ -182,16 +188,20 @@ def forward_backward_pipelined_group(
             # (_router_loss_weight)
             return loss * count / factor, {}
 
-        return stage.sent(last_stage), loss_func
+        return stage.sent(get_attr_wrapped_model(chunk, "post_process")), loss_func
 
-    with _router_loss_weight(model, count * aux_loss_scale) as factor:
+    # every chunk reads its own iterator (megatron's interleaved schedule runs each chunk's
+    # forward of a micro-batch at its own time)
+    iterators = [iter([(c, j) for j in range(count)]) for c in range(len(model))]
+    with _router_loss_weight(model[0], count * aux_loss_scale) as factor:
         get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(range(count)), model=[model],
+            forward_step_func=forward_step,
+            data_iterator=iterators if len(model) > 1 else iterators[0], model=model,
             num_microbatches=count, seq_length=block.length + max(
                 s.plan.input_ids.numel() for s in schedule.suffixes),
             micro_batch_size=1,
         )
-    held = kv.held_bytes()
+    held = sum(kv.held_bytes() for kv in kvs)
     again = block.length if count > 1 else 0
     metrics = schedule.metrics(recompute_prefix=count > 1)
     metrics["prefix_sharing/cross_held_bytes"] = float(held)
@@ -215,10 +225,25 @@ def _router_loss_weight(model: torch.nn.Module, factor: float) -> Iterator[float
         config.grad_scale_func = scale
 
 
-def check_pipelined_group(schedule: GroupSchedule) -> None:
-    """Raises :class:`UnsupportedSetupError` for a schedule the pipelined run does not build
-    (the model's settings: :func:`~.cross_micro_batch.check_group_model`)."""
+def check_pipelined_group(schedule: GroupSchedule, model: list[torch.nn.Module]) -> None:
+    """Raises for a schedule the pipelined run does not build on ``model`` (this rank's
+    chunks): a nested one (:class:`UnsupportedSetupError`), or under interleaved stages one
+    whose suffix count megatron's interleaved schedule does not take in one call (ValueError:
+    it runs the micro-batches in groups of ``microbatch_group_size_per_vp_stage``, which must
+    not exceed their count, and a last, partial group of fewer than the pipeline size)."""
     if not schedule.one_level:
         raise refuse("megatron.cross_micro_batch.pipeline_nested",
                      f"a schedule of {len(schedule.blocks)} shared blocks",
                      error=UnsupportedSetupError)
+    if len(model) == 1:
+        return
+    from megatron.core import parallel_state
+
+    pp, count = parallel_state.get_pipeline_model_parallel_world_size(), len(schedule.suffixes)
+    group = get_attr_wrapped_model(model[0], "config").microbatch_group_size_per_vp_stage or pp
+    if group > count or 0 < count % group < pp:
+        raise ValueError(
+            f"a group of {count} suffix micro-batches under interleaved pipeline stages: "
+            f"megatron's interleaved schedule runs them in groups of {group} (at PP={pp}), "
+            f"at least one, and a last partial group of at least {pp}; plan the group with "
+            "another token budget")

@@ -41,9 +41,10 @@ equal where no sample is padded). Routing
 replay (verl's ``router_replay``): the group was cut on tokens and routes at the split
 (:mod:`.cross_groups`), the prefix replays its rows' routes and every micro-batch its tails'
 (:func:`replayed_routes`, checked against the micro-batch's own); ``R2``'s recording forward
-takes the ordinary split. Under pipeline parallelism the prefix rides in the group's first and
-last micro-batch on every stage instead (:mod:`.cross_pipeline`; one level: a group that would
-nest takes the ordinary split). Each refusal raises one error naming the setting.
+takes the ordinary split. Under pipeline parallelism, interleaved stages included, the prefix
+rides in the group's first and last micro-batch on every stage instead (:mod:`.cross_pipeline`;
+one level: a group that would nest takes the ordinary split). Each refusal raises one error
+naming the setting.
 """
 
 from __future__ import annotations
@@ -53,13 +54,11 @@ from typing import Any
 import torch
 
 from ..config import PrefixSharingConfig
-from ..refusals import Refused, refuse_all
 from .cross_groups import CrossPart
 from .cross_state import GroupState, Readout, check_temperature, leaves_of
-from .mcore import (PrefixSharingSetupError, SharingMetrics, check_text_only,
-                    micro_batch_temperature)
+from .mcore import SharingMetrics, check_text_only, micro_batch_temperature
 
-__all__ = ["check_cross_engine_setup", "cross_forward", "pipelined"]
+__all__ = ["cross_forward", "pipelined"]
 
 
 def cross_forward(
@@ -82,13 +81,11 @@ def cross_forward(
     (see the module doc); arguments as :func:`.mcore.shared_forward` takes them: the actor's
     log-probs (and entropy), or with ``value_model`` the critic's values."""
     from ..megatron_ext import check_sharing_model
-    from ..megatron_ext.cross_micro_batch import check_group_model
     from ..megatron_ext.cross_context_parallel import model_inputs, slice_micro_batch
     from ..megatron_ext.packed_seq import PlanPackedSeqParams
 
     check_text_only(vision_model, multi_modal_inputs)
     check_sharing_model(model)
-    check_group_model(model)
     suffix = part.group.schedule.suffixes[part.index]
     if input_ids.size(0) != len(suffix.members):
         raise ValueError(f"micro-batch {part.index} of a cross-micro-batch group holds "
@@ -161,18 +158,6 @@ def replayed_routes(model, part: CrossPart, replay_routes: list | None,
                          "other than those its group was planned with")
     check_padded_statistics(unwrap_model(model))
     return suffix_routes(suffix, device)
-
-
-def check_cross_engine_setup(engine_config: Any) -> None:
-    """At engine construction: the parallel settings of verl's Megatron engine config under
-    which a group cannot run across micro-batches (the group driver's
-    :func:`~prefix_sharing.megatron_ext.cross_micro_batch.check_group_model` checks the model
-    itself at its first cross micro-batch)."""
-    vpp = getattr(engine_config, "virtual_pipeline_model_parallel_size", None)
-    if vpp is not None and vpp > 1:
-        raise refuse_all([Refused("megatron.cross_micro_batch.virtual_pipeline",
-                                  f"virtual_pipeline_model_parallel_size={vpp}")],
-                         error=PrefixSharingSetupError)
 
 
 def _run_prefix(model, part: CrossPart, sharing: PrefixSharingConfig, readout: Readout,

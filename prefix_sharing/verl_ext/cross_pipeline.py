@@ -46,11 +46,18 @@ def pipelined_cross_forward(model, part: CrossPart, sharing: PrefixSharingConfig
     from ..megatron_ext.cross_pipeline import stage_forward
     from ..megatron_ext.cross_run import block_store
 
+    from megatron.core.utils import unwrap_model
+
+    from .mcore import _last_chunk_of_rank
+
     group, schedule = part.group, part.group.schedule
+    # under interleaved stages each of a rank's model chunks runs every micro-batch, its own
+    # layers' K/V in a store of its own
+    chunk = getattr(unwrap_model(model), "vp_stage", None)
     if part.first:
-        group.state = GroupState(block_store(schedule.blocks[0], device), None, None,
-                                 readout.temperature)
-    state = group.state
+        group.state = {**(group.state or {}), chunk: GroupState(
+            block_store(schedule.blocks[0], device), None, None, readout.temperature)}
+    state = group.state[chunk]
     check_temperature(state, readout.temperature)
     last_stage = get_attr_wrapped_model(model, "post_process")
     training = torch.is_grad_enabled()
@@ -62,13 +69,15 @@ def pipelined_cross_forward(model, part: CrossPart, sharing: PrefixSharingConfig
         if part.first:  # recorded without grad: what the later micro-batches read
             state.leaves = tuple(None if t is None else t.detach().requires_grad_(training)
                                  for t in recorded)
-    if metrics is not None:  # the last micro-batch computes the prefix again
+    if metrics is not None and _last_chunk_of_rank(unwrap_model(model)):
+        # the last micro-batch computes the prefix again
         metrics.add_tokens(part.tokens_total, part.tokens_computed + (
             schedule.prefix_len if part.last and not part.first else 0))
-    if part.last:
-        group.held_bytes = state.prefix_kv.held_bytes()
+    if part.last:  # the last micro-batch's graph holds what its backward needs
+        group.held_bytes += state.prefix_kv.held_bytes()  # every chunk's layers
         group.recomputed_tokens = 0 if part.first else schedule.prefix_len
-        group.state = None  # the last micro-batch's graph holds what its backward needs
+        del group.state[chunk]
+        group.state = group.state or None
     if not last_stage:  # hidden states [rows, 1, h]: both parts, for the next stage
         return stage.sent(last_stage=False)
     suffix = schedule.suffixes[part.index]

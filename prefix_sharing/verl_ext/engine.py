@@ -19,7 +19,6 @@ from typing import Any
 
 from ..refusals import Refused, refuse_all
 from .config import sharing_config
-from .cross_forward import check_cross_engine_setup
 from .mcore import PrefixSharingSetupError, SharingMetrics, check_engine_setup
 from .microbatch import (add_split_metrics, dynamic_split_problem, fixed_order,
                          restore_sample_order, select_samples, sharing_split)
@@ -80,7 +79,7 @@ class SharingEngineMixin:
 
         With sharing on, :func:`.mcore.check_engine_setup` and, with ``self_check``,
         :func:`.self_check.self_check_problems`; with ``cross_micro_batch``, the engine's
-        support and :func:`.cross_forward.check_cross_engine_setup`.
+        support.
         """
         sharing = sharing_config(engine_config)
         found = []
@@ -89,12 +88,9 @@ class SharingEngineMixin:
                                vision_families=cls.vision_families,
                                serves_fused_kernels=cls.serves_fused_kernels,
                                serves_mtp=cls.serves_mtp)
-        if sharing.cross_micro_batch:
-            if not cls.supports_cross_micro_batch:
-                found.append(Refused("verl.cross_micro_batch.engine",
-                                     f"prefix_grouper.cross_micro_batch=true on {cls.__name__}"))
-            else:
-                found += _problems(check_cross_engine_setup, engine_config)
+        if sharing.cross_micro_batch and not cls.supports_cross_micro_batch:
+            found.append(Refused("verl.cross_micro_batch.engine",
+                                 f"prefix_grouper.cross_micro_batch=true on {cls.__name__}"))
         if sharing.enabled and sharing.self_check:
             found += self_check_problems(engine_config)
         return found

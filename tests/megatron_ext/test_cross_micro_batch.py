@@ -18,7 +18,6 @@ micro-batches; two wrong constructions fail.
 from __future__ import annotations
 
 import contextlib
-import types
 from unittest import mock
 
 import pytest
@@ -381,28 +380,3 @@ def tp2_report() -> list[dict]:
     return run_distributed(_tp2_job, 2, tp=2, timeout=600)
 
 
-def test_refuses_what_it_does_not_support_by_name():
-    from prefix_sharing.megatron_ext import UnsupportedSetupError
-    from prefix_sharing.megatron_ext.cross_micro_batch import check_group_model
-
-    base = dict(sequence_parallel=False, pipeline_model_parallel_size=1,
-                num_moe_experts=None, window_size=None, tensor_model_parallel_size=1,
-                virtual_pipeline_model_parallel_size=None, recompute_granularity=None,
-                context_parallel_size=1)
-
-    def model_with(**config):
-        return types.SimpleNamespace(config=types.SimpleNamespace(**{**base, **config}))
-
-    # PP=2 runs (test_cross_micro_batch_pipeline.py), TP=2 with sequence parallelism, MoE and
-    # activation recompute included
-    check_group_model(model_with(pipeline_model_parallel_size=2, tensor_model_parallel_size=2,
-                                 sequence_parallel=True, num_moe_experts=4,
-                                 recompute_granularity="full"))
-    with pytest.raises(UnsupportedSetupError, match="virtual_pipeline_model_parallel_size=2"):
-        check_group_model(model_with(pipeline_model_parallel_size=2,
-                                     virtual_pipeline_model_parallel_size=2))
-    check_group_model(model_with(window_size=(7, 0)))  # test_cross_micro_batch_settings.py
-    check_group_model(model_with(num_moe_experts=4))  # MoE runs, router statistics included
-    check_group_model(model_with(sequence_parallel=True))
-    # under sequence parallelism too (test_cross_micro_batch_settings.py)
-    check_group_model(model_with(sequence_parallel=True, num_moe_experts=4))

@@ -323,24 +323,3 @@ def test_moe_control_with_megatrons_per_rank_z_loss_fails(moe_cp2):
     for result in ranks:
         run = _compared(result["per_rank_z_loss"]["run"], case)
         assert not within_tolerance(run["vs_reference"], run["plain"], torch.float32)["grads"]
-
-
-def test_only_virtual_stages_are_refused_by_name():
-    """CP runs with MoE (above), TP, recompute and PP (``test_cross_micro_batch_pipeline.py``);
-    virtual pipeline stages are refused before anything runs."""
-    import types
-
-    from prefix_sharing.megatron_ext import UnsupportedSetupError
-    from prefix_sharing.megatron_ext.cross_micro_batch import check_group_model
-
-    def model_with(**config):
-        base = dict(pipeline_model_parallel_size=1, context_parallel_size=2,
-                    tensor_model_parallel_size=1, recompute_granularity=None,
-                    num_moe_experts=4, virtual_pipeline_model_parallel_size=None)
-        return types.SimpleNamespace(config=types.SimpleNamespace(**{**base, **config}))
-
-    check_group_model(model_with())
-    check_group_model(model_with(pipeline_model_parallel_size=2, tensor_model_parallel_size=2))
-    with pytest.raises(UnsupportedSetupError, match="cross_micro_batch.virtual_pipeline"):
-        check_group_model(model_with(pipeline_model_parallel_size=2,
-                                     virtual_pipeline_model_parallel_size=2))

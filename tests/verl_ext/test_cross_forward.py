@@ -350,27 +350,6 @@ def test_context_x_tensor_parallel_equals_verls_stock_step_at_tp2(
             same_outputs(result["control"], stock, "control", per_micro_batch=False)
 
 
-@pytest.mark.parametrize("settings, named", [
-    (dict(virtual_pipeline_model_parallel_size=2), "virtual_pipeline_model_parallel_size=2")])
-def test_engine_settings_are_refused_by_name_at_construction(settings, named):
-    from types import SimpleNamespace
-
-    from prefix_sharing.verl_ext.cross_forward import check_cross_engine_setup
-    from prefix_sharing.verl_ext.mcore import PrefixSharingSetupError
-
-    base = dict(pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None,
-                tensor_model_parallel_size=2, sequence_parallel=False)
-    check_cross_engine_setup(SimpleNamespace(**base))  # TP runs, sequence parallel or not
-    check_cross_engine_setup(SimpleNamespace(**{**base, "sequence_parallel": True}))
-    check_cross_engine_setup(SimpleNamespace(**{**base, "context_parallel_size": 2}))  # CP x TP
-    check_cross_engine_setup(SimpleNamespace(**{**base, "pipeline_model_parallel_size": 2}))
-    # PP x CP runs too (test_cross_pipeline.py)
-    check_cross_engine_setup(SimpleNamespace(**{**base, "pipeline_model_parallel_size": 2,
-                                                "context_parallel_size": 2}))
-    with pytest.raises(PrefixSharingSetupError, match=named):
-        check_cross_engine_setup(SimpleNamespace(**{**base, **settings}))
-
-
 def test_a_group_left_to_the_ordinary_split_is_cut_beside_a_cross_group(results):
     metrics = results[70, "cross"]["train"]["metrics"]
     assert metrics["prefix_sharing/groups_split"] == [1.0]

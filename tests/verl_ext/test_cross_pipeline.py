@@ -166,39 +166,48 @@ def test_recompute_and_windows_under_pipeline_parallelism_equal_verls_stock_step
     assert metrics["prefix_sharing/prefix_recomputes_avoided"] == [4.0]
 
 
-def tensor_parallel_steps(rank: int) -> dict:
-    """At PP=2 x TP=2 with sequence parallelism (four gloo ranks): verl's stock step and the
-    cross-micro-batch one at a budget of 80 and the control (its last micro-batch drops what
-    the earlier ones accumulated), the gradients of the sequence-parallel parameters summed
-    over TP as megatron's finalize does; this rank's stage and shard."""
+def layout_steps(rank: int, layout: dict, model: dict, finalize=None) -> dict:
+    """verl's stock step, the cross-micro-batch step at a budget of 80 and the control (its
+    last micro-batch drops what the earlier ones accumulated), the engine laid out by
+    ``layout`` over a model built with ``model`` (``build_engine``'s keywords), ``finalize``
+    applied to every chunk's gradients; this rank's stage (and shard, and chunks)."""
     from unittest import mock
 
-    from prefix_sharing.engines.megatron import finalize_sequence_parallel_grads
     from prefix_sharing.megatron_ext import prefix_kv
 
     use_cpu_platform()
     dropped = mock.patch.object(prefix_kv, "read_through", lambda recorded, leaf: recorded)
-    layout = {**PIPELINE, "tensor_model_parallel_size": 2, "sequence_parallel": True}
     results = {}
     for name, prefix_grouper in (("off", None), ("cross", CROSS), ("control", CROSS)):
         config = actor_config(prefix_grouper, megatron=layout)
-        engine = build_engine(config, sequence_parallel=True)
+        engine = build_engine(config, **model)
         results[name] = step(engine, config, partial(batch, 80),
-                             during=dropped if name == "control" else None,
-                             finalize=finalize_sequence_parallel_grads)
+                             during=dropped if name == "control" else None, finalize=finalize)
     return results
 
 
-def test_pipeline_x_tensor_parallel_equals_verls_stock_step():
-    """Every rank's gradients (its stage, its shard) and the last stage's outputs; each
-    rank's received activation splits at its slice of the prefix rows. The control fails."""
-    ranks = run_distributed(tensor_parallel_steps, 4, tp=2, pp=2, timeout=900)
+def _assert_equal_and_control_fails(ranks: list[dict], where: str) -> None:
+    """Every rank's gradients and the last stage's outputs equal the stock step's; the
+    control fails on the gradients."""
     for rank, results in enumerate(ranks):
-        same_outputs(results["cross"], results["off"], f"pp2 x tp2 rank {rank}",
+        same_outputs(results["cross"], results["off"], f"{where} rank {rank}",
                      per_micro_batch=False)
         with pytest.raises(AssertionError, match="grad"):
-            same_outputs(results["control"], results["off"], f"pp2 x tp2 rank {rank} control",
+            same_outputs(results["control"], results["off"], f"{where} rank {rank} control",
                          per_micro_batch=False)
+
+
+def test_pipeline_x_tensor_parallel_equals_verls_stock_step():
+    """At PP=2 x TP=2 with sequence parallelism (four gloo ranks), the gradients of the
+    sequence-parallel parameters summed over TP as megatron's finalize does: every rank's
+    gradients (its stage, its shard) and the last stage's outputs; each rank's received
+    activation splits at its slice of the prefix rows. The control fails."""
+    from prefix_sharing.engines.megatron import finalize_sequence_parallel_grads
+
+    layout = {**PIPELINE, "tensor_model_parallel_size": 2, "sequence_parallel": True}
+    ranks = run_distributed(layout_steps, 4, layout, {"sequence_parallel": True},
+                            finalize_sequence_parallel_grads, tp=2, pp=2, timeout=900)
+    _assert_equal_and_control_fails(ranks, "pp2 x tp2")
     metrics = ranks[-1]["cross"]["train"]["metrics"]  # rank 3: the last stage
     assert metrics["prefix_sharing/prefix_recomputes_avoided"] == [4.0]
     assert metrics["prefix_sharing/groups_split"] == [0.0]
@@ -226,30 +235,23 @@ def test_moe_router_statistics_under_pipeline_parallelism_equal_verls_stock_step
     assert metrics["prefix_sharing/cross_recomputed_tokens"] == [70.0]
 
 
-def test_only_virtual_stages_are_refused_by_name():
-    """The engine's layout at PP=2 passes, and so do recompute, windows, MoE (run above) and
-    MoE under context parallelism (``test_cross_forward.py``); virtual pipeline stages are
-    refused at engine construction and at the model's first cross micro-batch."""
-    from types import SimpleNamespace
+def test_interleaved_stages_equal_verls_stock_step_on_every_chunk():
+    """At PP=2 x VPP=2 (a layer per model chunk, verl's interleaved schedule) each model chunk
+    carries the prefix rows of its own layers in the first and last micro-batch of a group,
+    its K/V in a store of its own (the schedule keeps each chunk's forwards and backwards in
+    micro-batch order): every chunk's gradients and the last stage's outputs equal verl's
+    stock step there; each sample's tokens are counted once, not once per chunk; the control
+    fails on the gradients."""
+    import dataclasses
 
-    from prefix_sharing.errors import UnsupportedSetup
-    from prefix_sharing.megatron_ext.cross_micro_batch import check_group_model
-    from prefix_sharing.verl_ext.cross_forward import check_cross_engine_setup
-    from prefix_sharing.verl_ext.mcore import PrefixSharingSetupError
+    from tests.verl_ext._engine import PRESET
 
-    def model(**settings):
-        return SimpleNamespace(config=SimpleNamespace(**{
-            **dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=None,
-                   context_parallel_size=2, recompute_granularity="full", num_moe_experts=4,
-                   window_size=(6, 0)), **settings}))
-
-    check_cross_engine_setup(SimpleNamespace(pipeline_model_parallel_size=2,
-                                             tensor_model_parallel_size=2))
-    check_group_model(model())
-    with pytest.raises(PrefixSharingSetupError,
-                       match=r"virtual_pipeline_model_parallel_size=2.*"
-                             r"megatron\.cross_micro_batch\.virtual_pipeline"):
-        check_cross_engine_setup(SimpleNamespace(pipeline_model_parallel_size=2,
-                                                 virtual_pipeline_model_parallel_size=2))
-    with pytest.raises(UnsupportedSetup, match=r"megatron\.cross_micro_batch\.virtual_pipeline"):
-        check_group_model(model(virtual_pipeline_model_parallel_size=2))
+    layout = {**PIPELINE, "virtual_pipeline_model_parallel_size": 2}
+    ranks = run_distributed(layout_steps, 2, layout,
+                            {"preset": dataclasses.replace(PRESET, num_layers=4)},
+                            pp=2, vpp=2, timeout=900)
+    _assert_equal_and_control_fails(ranks, "pp2 x vpp2")
+    metrics = ranks[-1]["cross"]["train"]["metrics"]
+    assert metrics["prefix_sharing/prefix_recomputes_avoided"] == [4.0]
+    # each group's unique tokens (119 and 114: test_cross_forward.py) and its prefix again
+    assert metrics["prefix_sharing/tokens_computed"] == [float(119 + 114 + 34 + 36)]

@@ -71,7 +71,7 @@ def test_an_engine_without_a_cross_micro_batch_forward_refuses_the_option():
 
     config = SimpleNamespace(prefix_sharing=PrefixSharingConfig(cross_micro_batch=True))
     with pytest.raises(PrefixSharingSetupError,
-                       match=r"cross_micro_batch=true on Engine\): only verl's Megatron language-model engine"):
+                       match=r"cross_micro_batch=true on Engine\): only verl's Megatron engines"):
 
         Engine(None, config)
     Engine.supports_cross_micro_batch = True
