@@ -7,7 +7,9 @@ that works may still name refusals: what stays refused around it (another releas
 layout). ``tests/test_refusals.py`` checks that every named test file exists and every key is
 registered and applies to the cell's engine; ``docs/support.md`` and the README's glance table
 are generated from this module and :data:`~.refusals.REFUSALS` by
-``scripts/docs/support_matrix.py`` (``--check`` says whether they are current).
+``scripts/docs/support_matrix.py`` (``--check`` says whether they are current), as is the
+table of what runs across micro-batches in ``docs/cross-micro-batch.md``
+(:data:`CROSS_MATRIX`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from .refusals import REFUSALS
 from .verl_ext.recipes import render_section as render_recipe_section
 
 
-__all__ = ["COLUMNS", "MATRIX", "STATUSES", "Cell", "readme_with_table", "render_page",
+__all__ = ["COLUMNS", "CROSS_COLUMNS", "CROSS_MATRIX", "MATRIX", "STATUSES", "Cell",
+           "cross_page_with_table", "readme_with_table", "render_cross_table", "render_page",
            "render_readme_table"]
 
 # The engines a user picks (columns), as the refusal table names them, and their headers.
@@ -276,8 +279,85 @@ MATRIX: dict[str, dict[str, Cell]] = {
     },
 }
 
+# What runs across micro-batches (prefix_grouper.cross_micro_batch), setting x driver: the
+# library's group driver and verl's Megatron engines (verl's FSDP engine refuses the option:
+# MATRIX's "across micro-batches" row).
+CROSS_COLUMNS = {"megatron-core": "the group driver (megatron-core)",
+                 "verl-megatron": "verl's Megatron engine"}
+CROSS_MATRIX: dict[str, dict[str, Cell]] = {
+    "one level (the prefix kept, or recomputed)": {
+        "megatron-core": works(_MX + "test_cross_micro_batch.py"),
+        "verl-megatron": works(_VX + "test_cross_forward.py", note="the prefix kept"),
+    },
+    "nested (a chunked prefix, sub-tree blocks)": {
+        "megatron-core": works(_MX + "test_cross_micro_batch_nested.py", note="PP=1",
+                               refusals=("megatron.cross_micro_batch.pipeline_nested",)),
+        "verl-megatron": works(_VX + "test_cross_nested.py",
+                               note="dense, CP=1, PP=1, no recompute; other groups take the "
+                                    "ordinary split (metric cross_groups_unnested)"),
+    },
+    "TP, sequence parallelism": {
+        "megatron-core": works(_MX + "test_cross_micro_batch.py",
+                               _MX + "test_cross_micro_batch_settings.py", note="TP=2"),
+        "verl-megatron": works(_VX + "test_cross_forward.py", _VX + "test_cross_nested.py",
+                               note="TP=2"),
+    },
+    "context parallelism": {
+        "megatron-core": works(_MX + "test_cross_micro_batch_context_parallel.py",
+                               note="CP=2, x TP=2"),
+        "verl-megatron": works(_VX + "test_cross_forward.py", note="CP=2, x TP=2"),
+    },
+    "pipeline parallelism (1F1B)": {
+        "megatron-core": works(_MX + "test_cross_micro_batch_pipeline.py",
+                               note="PP=2, x TP=2, x CP=2; one level",
+                               refusals=("megatron.cross_micro_batch.pipeline_nested",)),
+        "verl-megatron": works(_VX + "test_cross_pipeline.py",
+                               note="PP=2, x TP=2, x CP=2; one level (a group that would nest "
+                                    "takes the ordinary split)"),
+    },
+    "interleaved (virtual) pipeline stages": {
+        "megatron-core": works(_MX + "test_cross_micro_batch_pipeline.py", note="PP=2 x VPP=2"),
+        "verl-megatron": works(_VX + "test_cross_pipeline.py", note="PP=2 x VPP=2"),
+    },
+    "activation recompute (full, selective)": {
+        "megatron-core": works(_MX + "test_cross_micro_batch_settings.py",
+                               _MX + "test_cross_micro_batch_context_parallel.py",
+                               _MX + "test_cross_micro_batch_pipeline.py"),
+        "verl-megatron": works(_VX + "test_cross_forward.py", _VX + "test_cross_pipeline.py",
+                               note="not nested"),
+    },
+    "sliding windows, sinks": {
+        "megatron-core": works(_MX + "test_cross_micro_batch_settings.py",
+                               _MX + "test_cross_micro_batch_context_parallel.py"),
+        "verl-megatron": works(_VX + "test_cross_forward.py", _VX + "test_cross_pipeline.py",
+                               _VX + "test_cross_nested.py"),
+    },
+    "MoE router statistics": {
+        "megatron-core": works(_MX + "test_cross_micro_batch.py",
+                               _MX + "test_cross_micro_batch_context_parallel.py",
+                               _MX + "test_cross_micro_batch_pipeline.py",
+                               note="TP x SP, CP, PP, CP x PP"),
+        "verl-megatron": works(_VX + "test_cross_forward.py", _VX + "test_cross_pipeline.py",
+                               _VX + "test_cross_moe_sequence_parallel.py",
+                               note="TP x SP, CP, PP; verl's own step counts its pad rows"),
+    },
+    "routing replay": {
+        "megatron-core": works(_MX + "test_cross_micro_batch_replay.py", note="PP=1, PP=2"),
+        "verl-megatron": works(_VX + "test_cross_replay.py", releases="verl 0.9.1",
+                               note="R3 and R2; R3 at PP=2",
+                               refusals=("verl.routing_replay.padded_statistics",)),
+    },
+    "the critic (values)": {
+        "megatron-core": NOT_OFFERED,
+        "verl-megatron": works(_VX + "test_critic.py", releases="verl 0.9.1",
+                               note="0.8.0's value_loss keeps verl's split"),
+    },
+}
+
 BEGIN = "<!-- support matrix: generated by scripts/docs/support_matrix.py -->"
 END = "<!-- /support-matrix -->"
+CROSS_BEGIN = "<!-- cross-micro-batch table: generated by scripts/docs/support_matrix.py -->"
+CROSS_END = "<!-- /cross-micro-batch-table -->"
 _GLANCE = {"works": "yes", "refused": "refused", "untested": "untested", "not offered": "-"}
 
 
@@ -285,10 +365,11 @@ def _glance(cell: Cell) -> str:
     return cell.note or _GLANCE[cell.status]
 
 
-def _table(cells: dict[str, dict[str, Cell]], show: Callable[[Cell], str]) -> list[str]:
-    lines = ["| | " + " | ".join(COLUMNS.values()) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
+def _table(cells: dict[str, dict[str, Cell]], show: Callable[[Cell], str],
+           columns: dict[str, str] = COLUMNS) -> list[str]:
+    lines = ["| | " + " | ".join(columns.values()) + " |", "|---" * (len(columns) + 1) + "|"]
     for feature, row in cells.items():
-        lines.append(f"| {feature} | " + " | ".join(show(row[c]) for c in COLUMNS) + " |")
+        lines.append(f"| {feature} | " + " | ".join(show(row[c]) for c in columns) + " |")
     return lines
 
 
@@ -349,10 +430,31 @@ def render_page() -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_cross_table() -> str:
+    """docs/cross-micro-batch.md's table (between :data:`CROSS_BEGIN` and :data:`CROSS_END`):
+    each setting on each driver, its status, limits, note and tests."""
+    def show(cell: Cell) -> str:
+        tests = ", ".join(f"`{t.rpartition('/')[2]}`" for t in cell.tests)
+        return "; ".join(part for part in (_detail(cell), cell.note, tests) if part)
+
+    return "\n".join(_table(CROSS_MATRIX, show, CROSS_COLUMNS))
+
+
 def readme_with_table(readme: str) -> str:
     """``readme`` with its generated block replaced by :func:`render_readme_table`."""
-    head, begin, rest = readme.partition(BEGIN)
-    _, end, tail = rest.partition(END)
-    if not begin or not end:
-        raise ValueError(f"README.md has no {BEGIN} ... {END} block")
-    return f"{head}{BEGIN}\n{render_readme_table()}\n{END}{tail}"
+    return _with_block(readme, BEGIN, END, render_readme_table(), "README.md")
+
+
+def cross_page_with_table(page: str) -> str:
+    """docs/cross-micro-batch.md (``page``) with its generated block replaced by
+    :func:`render_cross_table`."""
+    return _with_block(page, CROSS_BEGIN, CROSS_END, render_cross_table(),
+                       "docs/cross-micro-batch.md")
+
+
+def _with_block(text: str, begin: str, end: str, body: str, name: str) -> str:
+    head, found_begin, rest = text.partition(begin)
+    _, found_end, tail = rest.partition(end)
+    if not found_begin or not found_end:
+        raise ValueError(f"{name} has no {begin} ... {end} block")
+    return f"{head}{begin}\n{body}\n{end}{tail}"

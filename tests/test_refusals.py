@@ -21,8 +21,9 @@ import pytest
 import prefix_sharing
 from prefix_sharing.errors import InputError, PrefixSharingSetupError, UnsupportedSetup
 from prefix_sharing.refusals import ENGINES, REFUSALS, Refused, refuse, refuse_all
-from prefix_sharing.support import (COLUMNS, MATRIX, STATUSES, readme_with_table, render_page,
-                                    render_readme_table)
+from prefix_sharing.support import (COLUMNS, CROSS_COLUMNS, CROSS_MATRIX, MATRIX, STATUSES,
+                                    cross_page_with_table, readme_with_table, render_cross_table,
+                                    render_page, render_readme_table)
 
 PACKAGE = pathlib.Path(prefix_sharing.__file__).parent
 # the UnsupportedSetup family by class name (the integrations' subclasses are not imported here)
@@ -149,10 +150,12 @@ def test_an_unregistered_key_is_a_bug_not_a_refusal():
 
 
 # ------------------------------------------------------------------ the support matrix
-def test_every_cell_of_the_matrix_is_shown_by_a_test_or_a_refusal():
+@pytest.mark.parametrize("matrix, columns", [(MATRIX, COLUMNS), (CROSS_MATRIX, CROSS_COLUMNS)],
+                         ids=["support", "cross_micro_batch"])
+def test_every_cell_of_the_matrix_is_shown_by_a_test_or_a_refusal(matrix, columns):
     root = PACKAGE.parent
-    for feature, row in MATRIX.items():
-        assert list(row) == list(COLUMNS), feature
+    for feature, row in matrix.items():
+        assert list(row) == list(columns), feature
         for column, cell in row.items():
             where = f"{feature} / {column}"
             assert cell.status in STATUSES, where
@@ -171,6 +174,8 @@ def test_the_support_page_and_the_readme_table_are_generated_from_the_tables():
     readme = (root / "README.md").read_text()
     assert readme_with_table(readme) == readme
     assert render_readme_table() in readme
+    cross = (root / "docs" / "cross-micro-batch.md").read_text()
+    assert cross_page_with_table(cross) == cross and render_cross_table() in cross
 
 
 def test_a_stale_page_is_caught(tmp_path):

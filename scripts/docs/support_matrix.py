@@ -1,5 +1,6 @@
-"""Writes docs/support.md and the README's support table from prefix_sharing.support (and the
-refusal table); ``--check`` only says which of them is stale (exit 1), as CI's docs step does.
+"""Writes docs/support.md, the README's support table and the cross-micro-batch table
+(docs/cross-micro-batch.md) from prefix_sharing.support and the refusal table; ``--check``
+only says which of them is stale (exit 1), as CI's docs step does.
 
     python scripts/docs/support_matrix.py          # rewrite what is stale
     python scripts/docs/support_matrix.py --check  # fail on a stale file
@@ -14,14 +15,16 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from prefix_sharing.support import readme_with_table, render_page  # noqa: E402
+from prefix_sharing.support import (cross_page_with_table, readme_with_table,  # noqa: E402
+                                    render_page)
 
 
 def generated() -> dict[pathlib.Path, str]:
     """Each generated file and the text it should hold."""
-    readme = ROOT / "README.md"
+    readme, cross = ROOT / "README.md", ROOT / "docs" / "cross-micro-batch.md"
     return {ROOT / "docs" / "support.md": render_page(),
-            readme: readme_with_table(readme.read_text())}
+            readme: readme_with_table(readme.read_text()),
+            cross: cross_page_with_table(cross.read_text())}
 
 
 def main(argv: list[str] | None = None) -> int:
