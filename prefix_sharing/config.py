@@ -45,9 +45,8 @@ class PrefixSharingConfig:
             verl's FSDP engine refuses it, ``verl.cross_micro_batch.engine``). Which parallel
             layouts and model features run with it is docs/cross-micro-batch.md's (TP with
             sequence parallelism, CP, PP with interleaved stages, MoE router statistics,
-            routing replay, activation recompute, windows); a nested group under pipeline
-            parallelism raises ``megatron.cross_micro_batch.pipeline_nested``, and
-            ``prefix-sharing preflight`` reports the engine's refusals before a run.
+            routing replay, activation recompute, windows); ``prefix-sharing preflight``
+            reports the engine's refusals before a run.
         self_check: the first micro-batch that shares anything also runs verl's stock path
             on the same weights (without gradient) and the log-probs and entropy are compared:
             the figures are logged and reported, and beyond the dtype's bound the run stops

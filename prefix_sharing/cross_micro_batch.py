@@ -154,14 +154,13 @@ def plan_pipelined_group(
     pad_to_multiple_of: int = 1,
     routes: Sequence[TokenSequence] | None = None,
 ) -> GroupSchedule:
-    """The one-level schedule the pipelined group run takes
-    (:mod:`prefix_sharing.megatron_ext.cross_pipeline`): its first and last suffix
-    micro-batches carry the common prefix's rows too, so every suffix's tails are packed under
-    ``token_budget - prefix_len`` and no micro-batch exceeds the budget. ``routes``: as
-    :func:`plan_group` takes them (the common prefix ends where they diverge).
-
-    Raises:
-        ValueError: the prefix takes more than half the budget (or :func:`plan_group`'s).
+    """The schedule the pipelined group run takes
+    (:mod:`prefix_sharing.megatron_ext.cross_pipeline`): when the common prefix takes at most
+    half the budget, one level whose first and last suffix micro-batches carry the prefix's
+    rows too (``carries_prefix``), so every suffix's tails are packed under
+    ``token_budget - prefix_len`` and no micro-batch exceeds the budget; else
+    :func:`plan_group`'s at the whole budget, whose blocks run as micro-batches of their own.
+    ``routes``: as :func:`plan_group` takes them (the common prefix ends where they diverge).
     """
     seqs = [torch.as_tensor(s, dtype=torch.int64).reshape(-1).cpu() for s in sequences]
     if routes is not None:
@@ -169,12 +168,12 @@ def plan_pipelined_group(
     keys = seqs if routes is None else token_identity(seqs, routes)
     prefix_len = common_prefix_len(keys) if len(seqs) > 1 else 0
     if 2 * prefix_len > token_budget:
-        raise ValueError(
-            f"the group's common prefix ({prefix_len} tokens) is over half of token_budget="
-            f"{token_budget}; under pipeline parallelism the first and the last suffix "
-            "micro-batch carry it besides their tails")
-    return plan_group(seqs, token_budget - prefix_len, config,
-                      pad_to_multiple_of=pad_to_multiple_of, one_level=True, routes=routes)
+        return plan_group(seqs, token_budget, config, pad_to_multiple_of=pad_to_multiple_of,
+                          routes=routes)
+    return dataclasses.replace(
+        plan_group(seqs, token_budget - prefix_len, config,
+                   pad_to_multiple_of=pad_to_multiple_of, one_level=True, routes=routes),
+        carries_prefix=True)
 
 
 def common_prefix_len(seqs: list[torch.Tensor]) -> int:

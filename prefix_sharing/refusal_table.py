@@ -190,13 +190,6 @@ TABLE: tuple[Refusal, ...] = (
             "megatron's Mamba mixer runs mamba_ssm's CUDA kernels, which no CPU test runs: its "
             "sharing version (the SSD state at each branch point) is not built; patterns of "
             "'*', 'G' (Gated DeltaNet, megatron-core 0.19.2), '-' and 'E' run", _MEGATRON),
-    # --- megatron-core: groups across micro-batches ---------------------------------------
-    Refusal("megatron.cross_micro_batch.pipeline_nested", "a nested group schedule (a chunked "
-            "prefix or sub-tree blocks) under pipeline parallelism",
-            "under 1F1B the last suffix recomputes the one prefix block and carries it between "
-            "stages; a stack of blocks, each backwarded after its readers, is not built there: "
-            "plan the group with one_level=True (the prefix within the token budget)",
-            ("megatron-core",)),
     # --- the command's megatron engine ----------------------------------------------------
     Refusal("cli.mamba_preset", "a Mamba-2 preset on the megatron engine",
             "megatron-core's MambaMixer trains through mamba_ssm's fused "

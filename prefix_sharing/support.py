@@ -200,9 +200,8 @@ MATRIX: dict[str, dict[str, Cell]] = {
                                _MX + "test_cross_micro_batch_pipeline.py",
                                _MX + "test_cross_micro_batch_replay.py",
                                _MX + "test_cross_micro_batch_context_parallel.py",
-                               note="PP=2 (x VPP=2): one level; CP=2 (x TP=2, x PP=2); MoE "
-                                    "statistics at CP=2 and PP=2",
-                               refusals=("megatron.cross_micro_batch.pipeline_nested",)),
+                               note="PP=2 (x VPP=2); CP=2 (x TP=2, x PP=2); MoE "
+                                    "statistics at CP=2 and PP=2"),
         "verl-megatron": works(_VX + "test_cross_forward.py", _VX + "test_cross_nested.py",
                                _VX + "test_cross_replay.py",
                                _VX + "test_cross_moe_sequence_parallel.py",
@@ -290,8 +289,9 @@ CROSS_MATRIX: dict[str, dict[str, Cell]] = {
         "verl-megatron": works(_VX + "test_cross_forward.py", note="the prefix kept"),
     },
     "nested (a chunked prefix, sub-tree blocks)": {
-        "megatron-core": works(_MX + "test_cross_micro_batch_nested.py", note="PP=1",
-                               refusals=("megatron.cross_micro_batch.pipeline_nested",)),
+        "megatron-core": works(_MX + "test_cross_micro_batch_nested.py",
+                               _MX + "test_cross_micro_batch_pipeline.py",
+                               note="PP=1; PP=2 (each step a micro-batch)"),
         "verl-megatron": works(_VX + "test_cross_nested.py",
                                note="dense, CP=1, PP=1, no recompute; other groups take the "
                                     "ordinary split (metric cross_groups_unnested)"),
@@ -309,8 +309,7 @@ CROSS_MATRIX: dict[str, dict[str, Cell]] = {
     },
     "pipeline parallelism (1F1B)": {
         "megatron-core": works(_MX + "test_cross_micro_batch_pipeline.py",
-                               note="PP=2, x TP=2, x CP=2; one level",
-                               refusals=("megatron.cross_micro_batch.pipeline_nested",)),
+                               note="PP=2, x TP=2, x CP=2; nested at PP=2"),
         "verl-megatron": works(_VX + "test_cross_pipeline.py",
                                note="PP=2, x TP=2, x CP=2; one level (a group that would nest "
                                     "takes the ordinary split)"),

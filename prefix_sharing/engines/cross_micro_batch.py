@@ -160,14 +160,15 @@ def forward_backward_cross(
             finalize_context_parallel_grads(chunk)
             grads.update(full_grads(chunk))
         run = MicroBatchRun(outputs, grads, [])
-    largest = max(_largest_micro_batch(s, pipelined) for s in schedules)
+    largest = max(_largest_micro_batch(s) for s in schedules)
     return CrossMicroBatchRun(run, schedules, split, held, computed, unique, recomputed, largest)
 
 
-def _largest_micro_batch(schedule: GroupSchedule, pipelined: bool) -> int:
-    """The most tokens one of the group's micro-batches computes; ``pipelined``: the first and
-    last suffix carry the prefix rows (:mod:`~prefix_sharing.megatron_ext.cross_pipeline`)."""
-    if not pipelined:
+def _largest_micro_batch(schedule: GroupSchedule) -> int:
+    """The most tokens one of the group's micro-batches computes (a schedule that carries its
+    prefix: its first and last suffix run the prefix rows too,
+    :mod:`~prefix_sharing.megatron_ext.cross_pipeline`)."""
+    if not schedule.carries_prefix:
         return schedule.max_tokens_computed
     rows = [s.plan.num_tokens_unique for s in schedule.suffixes]
     for j in {0, len(rows) - 1}:

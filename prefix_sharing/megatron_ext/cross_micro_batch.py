@@ -52,9 +52,9 @@ prefix rows trimmed to the window, as any plan's). Context parallelism, with or 
 activation recompute and TP: each micro-batch split over the CP ranks, a block's K/V and
 router logits recorded gathered (:mod:`.cross_context_parallel`); a suffix's router statistics
 split over the CP ranks as megatron splits its plain micro-batch's (:mod:`.moe`). Under
-pipeline parallelism a one-level schedule runs through megatron's 1F1B instead
-(:mod:`.cross_pipeline`), under interleaved stages too (each model chunk carrying the prefix
-rows of its own layers).
+pipeline parallelism the group runs through megatron's 1F1B instead (:mod:`.cross_pipeline`:
+a one-level schedule planned to carry its prefix in its first and last suffix, any other with
+each step a micro-batch), under interleaved stages too (each model chunk on its own layers).
 """
 
 from __future__ import annotations

@@ -3,11 +3,13 @@
 Megatron's 1F1B schedule (``get_forward_backward_func()``) runs the micro-batches' forwards
 and their backwards in micro-batch order on every stage, a few forwards ahead of the backwards,
 and moves one ``[s, b, h]`` activation (and its gradient) per micro-batch between stages. A
-separate prefix micro-batch would be backwarded first, before any reader has accumulated its
-dK/dV; so for a one-level :class:`~prefix_sharing.group_schedule.GroupSchedule` (the common
-prefix ``P``, ``Lp`` rows, read by suffix micro-batches ``S_1 .. S_k``) the prefix rides in the
-first and the last suffix instead (``docs/cross-micro-batch.md``, "under pipeline
-parallelism"):
+prefix micro-batch before its readers would be backwarded first, before any reader has
+accumulated its dK/dV. So its pass with grad runs after them: for a one-level
+:class:`~prefix_sharing.group_schedule.GroupSchedule` planned to carry it (the common prefix
+``P``, ``Lp`` rows, within half the budget, read by suffix micro-batches ``S_1 .. S_k``) the
+prefix rides in the first and the last suffix (``docs/cross-micro-batch.md``, "under
+pipeline parallelism"); any other schedule runs its blocks as micro-batches of their own
+(below):
 
 - ``S_1`` carries the prefix without grad: its activation is ``cat(prefix rows, own rows)``;
   on every stage the prefix rows run under ``torch.no_grad()`` recording each layer's K/V as
@@ -42,30 +44,36 @@ prefix layer recomputed in ``S_k`` replays inside its backward, after ``S_k``'s 
 (:class:`~.prefix_kv.PrefixKVPass`). Routing replay as at PP=1: the prefix rows replay their
 routes in both carrying micro-batches, each suffix its tails'. Interleaved (virtual) stages:
 every model chunk of a rank runs the same weave on its own layers (megatron's interleaved
-schedule keeps each chunk's forwards and backwards in micro-batch order). Built for one-level
-schedules (:func:`check_pipelined_group`).
+schedule keeps each chunk's forwards and backwards in micro-batch order).
+
+A prefix over half the budget cannot ride beside the tails (nor a nested schedule's chunks
+and sub-tree blocks): such a schedule (:func:`~prefix_sharing.cross_micro_batch.plan_group`'s,
+at the whole budget) runs its steps as micro-batches of their own (:func:`_step_table`): a
+block's forward without grad, the suffixes reading the leaves, and the block's backward step,
+its forward again with grad after its last reader, its own rows reading their recorded K/V
+with the readers' gradients injected (``record_last``). 1F1B runs the backwards in
+micro-batch order on every stage, so the same rule holds as in the one-stage driver: each
+block's backward once, after its last reader's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from megatron.core.utils import get_attr_wrapped_model
 
 from ..cross_micro_batch import GroupSchedule
-from ..refusals import refuse
-from .checks import UnsupportedSetupError
 from .cross_context_parallel import (CrossSlice, context_parallel_size, model_inputs,
                                      slice_micro_batch)
 from .cross_run import (Collector, GroupRun, PrefixPass, TokenLoss, block_store, score_suffix,
                         sequence_parallel_size, suffix_routes)
 from .packed_seq import PlanPackedSeqParams
-from .prefix_kv import PrefixKV
+from .prefix_kv import PrefixKV, PrefixKVStack
 
-__all__ = ["StageRun", "check_pipelined_group", "forward_backward_pipelined_group",
+__all__ = ["StageRun", "check_interleaved_count", "forward_backward_pipelined_group",
            "stage_forward"]
 
 
@@ -147,14 +155,16 @@ def forward_backward_pipelined_group(
     gradients accumulate into ``.grad``. Every stage of the pipeline calls it with the same
     schedule (each plans it from its own data: the planner is deterministic).
 
-    ``model``: this rank's model chunks, one without interleaved stages; under them megatron's
-    interleaved schedule runs every chunk through the same weave, each carrying the prefix
-    rows of its own layers and recording their K/V in a store of its own (its forwards and
-    backwards of the group's micro-batches stay in micro-batch order, as under 1F1B).
+    A one-level schedule carries its prefix rows in its first and last suffix micro-batch
+    (:func:`stage_forward`); a nested one runs its steps as micro-batches of their own
+    (:func:`_step_table`). ``model``: this rank's model chunks, one without interleaved
+    stages; under them megatron's interleaved schedule runs every chunk through the same
+    micro-batches, each chunk's K/V in stores of its own (its forwards and backwards of the
+    group's micro-batches stay in micro-batch order, as under 1F1B).
 
     The :class:`~.cross_run.GroupRun`'s log-probs, entropy, logits and loss are the
-    last stage's (zeros and None elsewhere); ``tokens_computed`` counts the prefix twice
-    (once when the group has one suffix micro-batch).
+    last stage's (zeros and None elsewhere); ``tokens_computed`` counts every block twice
+    (a one-level group's prefix once when it has one suffix micro-batch).
 
     ``aux_loss_scale``: the gradient weight of each suffix micro-batch's MoE router losses, as
     :func:`~.cross_micro_batch.forward_backward_group` takes it (megatron's schedule would give
@@ -162,12 +172,52 @@ def forward_backward_pipelined_group(
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    check_pipelined_group(schedule, model)
     device = next(model[0].parameters()).device
-    block = schedule.blocks[0]
-    kvs = [block_store(block, device) for _ in model]  # one per model chunk
-    count = len(schedule.suffixes)
     out = Collector(schedule.num_tokens_total, device, keep_logits)
+
+    def scaled(loss: torch.Tensor) -> torch.Tensor:
+        # megatron's schedule divides each micro-batch's loss by their count (and multiplies
+        # it by the CP size), then scales it by the factor (_router_loss_weight)
+        return loss * len(items) / factor
+
+    weave = _carried_prefix if schedule.carries_prefix else _step_table
+    items, forward_step, run = weave(schedule, len(model), token_loss, out, scaled, backend,
+                                     temperature, device)
+    check_interleaved_count(len(items), model)
+    # every chunk reads its own iterator (megatron's interleaved schedule runs each chunk's
+    # forward of a micro-batch at its own time)
+    iterators = [iter([(c, item) for item in items]) for c in range(len(model))]
+    with _router_loss_weight(model[0], len(items) * aux_loss_scale) as factor:
+        get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iterators if len(model) > 1 else iterators[0], model=model,
+            num_microbatches=len(items), seq_length=run.seq_length, micro_batch_size=1)
+    held = run.held()
+    metrics = schedule.metrics(recompute_prefix=run.again > 0)
+    metrics["prefix_sharing/cross_held_bytes"] = float(held)
+    return out.result(held, schedule.tokens_computed + run.again, metrics)
+
+
+@dataclasses.dataclass
+class _Run:
+    """What a weave reports: the most rows one micro-batch of it runs (megatron's
+    ``seq_length``), block rows it computes a second time, and (after the run) the most K/V
+    leaf bytes it held at once."""
+
+    seq_length: int
+    again: int
+    held: Callable[[], int]
+
+
+def _carried_prefix(schedule: GroupSchedule, chunks: int, token_loss: TokenLoss,
+                    out: Collector, scaled, backend: str, temperature: float,
+                    device: torch.device):
+    """A one-level group's micro-batches: its suffixes, the first and the last carrying the
+    prefix rows (:func:`stage_forward`); the prefix computed twice (once with one suffix)."""
+    block, count = schedule.blocks[0], len(schedule.suffixes)
+    kvs = [block_store(block, device) for _ in range(chunks)]  # one per model chunk
+    run = _Run(block.length + max(s.plan.input_ids.numel() for s in schedule.suffixes),
+               block.length if count > 1 else 0, lambda: sum(kv.held_bytes() for kv in kvs))
 
     def forward_step(data_iterator, chunk):
         c, index = next(data_iterator)
@@ -183,29 +233,82 @@ def forward_backward_pipelined_group(
                                 stage.cp)
             if index == count - 1:  # every member's prefix positions, scored with grad
                 loss = loss + stage.prefix.score(logits[:prefix_rows], token_loss, out)
-            # megatron's schedule divides each micro-batch's loss by their count (and
-            # multiplies it by the CP size), then scales it by the factor
-            # (_router_loss_weight)
-            return loss * count / factor, {}
+            return scaled(loss), {}
 
         return stage.sent(get_attr_wrapped_model(chunk, "post_process")), loss_func
 
-    # every chunk reads its own iterator (megatron's interleaved schedule runs each chunk's
-    # forward of a micro-batch at its own time)
-    iterators = [iter([(c, j) for j in range(count)]) for c in range(len(model))]
-    with _router_loss_weight(model[0], count * aux_loss_scale) as factor:
-        get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iterators if len(model) > 1 else iterators[0], model=model,
-            num_microbatches=count, seq_length=block.length + max(
-                s.plan.input_ids.numel() for s in schedule.suffixes),
-            micro_batch_size=1,
-        )
-    held = sum(kv.held_bytes() for kv in kvs)
-    again = block.length if count > 1 else 0
-    metrics = schedule.metrics(recompute_prefix=count > 1)
-    metrics["prefix_sharing/cross_held_bytes"] = float(held)
-    return out.result(held, schedule.tokens_computed + again, metrics)
+    return list(range(count)), forward_step, run
+
+
+def _step_table(schedule: GroupSchedule, chunks: int, token_loss: TokenLoss, out: Collector,
+                scaled, backend: str, temperature: float, device: torch.device):
+    """A nested group's steps, each a micro-batch of its own (module doc): a block's forward
+    without grad, recording its K/V leaves; a suffix reading its stack's leaves; the block's
+    ``"backward"`` step its forward again with grad (``record_last``: its own rows read their
+    recorded K/V with every reader's accumulated gradients injected) and its positions'
+    loss. Megatron's schedule runs the backwards in micro-batch order on every stage, and a
+    block's backward step comes after its last reader's: so every reader's gradient is in its
+    leaves when its backward reads them, and its own backward accumulates into the leaves of
+    the blocks it reads, whose backward steps come later."""
+    stores: list[dict[int, PrefixKV]] = [{} for _ in range(chunks)]  # per chunk: live blocks
+    peak = [0]
+    run = _Run(max(p.input_ids.numel() for p in [*(b.plan for b in schedule.blocks),
+                                                   *(s.plan for s in schedule.suffixes)]),
+               sum(b.length for b in schedule.blocks), lambda: peak[0])
+
+    def forward_step(data_iterator, chunk):
+        c, (kind, i) = next(data_iterator)
+        live = stores[c]
+        if kind == "suffix":
+            suffix = schedule.suffixes[i]
+            for r in suffix.reads:
+                live[r].mode = "read"
+            cp = slice_micro_batch(suffix.plan, suffix.tail_plan, suffix.plan.num_tokens_flat,
+                                   device)
+            params = PlanPackedSeqParams.from_plan(
+                suffix.plan.to(device), backend, cp=cp and cp.attention,
+                prefix_kv=PrefixKVStack([live[r] for r in suffix.reads]),
+                routes=suffix_routes(suffix, device))
+            return _forward(chunk, params, cp), lambda output: (scaled(score_suffix(
+                output[0], suffix, token_loss, out, temperature, cp)), {})
+        block = schedule.blocks[i]
+        if kind == "forward":
+            live[i] = block_store(block, device)
+        for r in block.reads:
+            live[r].mode = "read"
+        live[i].mode = "record" if kind == "forward" else "record_last"
+        prefix = PrefixPass(schedule, PrefixKVStack([live[r] for r in block.reads], live[i]),
+                            backend, temperature, device, block=block)
+        if kind == "forward":
+            with torch.no_grad():
+                output = _forward(chunk, prefix.params, prefix.cp)
+            received = get_attr_wrapped_model(chunk, "decoder").input_tensor
+            return _without_gradient(output, received), lambda output: (output.sum() * 0, {})
+        peak[0] = max(peak[0], sum(kv.held_bytes() for chunk_stores in stores
+                                   for kv in chunk_stores.values()))
+        output = _forward(chunk, prefix.params, prefix.cp)
+        del live[i]  # its pass holds what its backward reads
+        return output, lambda output: (scaled(prefix.score(output[0], token_loss, out)), {})
+
+    return list(schedule.steps), forward_step, run
+
+
+def _forward(chunk: torch.nn.Module, params: PlanPackedSeqParams,
+             cp: CrossSlice | None) -> torch.Tensor:
+    """One model call on this stage (the activation received is the schedule's to set)."""
+    input_ids, position_ids = model_inputs(params.plan, cp)
+    return chunk(input_ids=input_ids, attention_mask=None, position_ids=position_ids,
+                 packed_seq_params=params)
+
+
+def _without_gradient(output: torch.Tensor, received: torch.Tensor | None) -> torch.Tensor:
+    """A micro-batch run without grad, as megatron's schedule needs its output: a tensor its
+    backward step can run on, handing the previous stage a zero gradient (its backward
+    receives one, as for every micro-batch)."""
+    output = output.detach()
+    if received is None:  # the first stage: nothing to hand back
+        return output.requires_grad_()
+    return output + received.sum() * 0
 
 
 @contextlib.contextmanager
@@ -225,25 +328,20 @@ def _router_loss_weight(model: torch.nn.Module, factor: float) -> Iterator[float
         config.grad_scale_func = scale
 
 
-def check_pipelined_group(schedule: GroupSchedule, model: list[torch.nn.Module]) -> None:
-    """Raises for a schedule the pipelined run does not build on ``model`` (this rank's
-    chunks): a nested one (:class:`UnsupportedSetupError`), or under interleaved stages one
-    whose suffix count megatron's interleaved schedule does not take in one call (ValueError:
-    it runs the micro-batches in groups of ``microbatch_group_size_per_vp_stage``, which must
-    not exceed their count, and a last, partial group of fewer than the pipeline size)."""
-    if not schedule.one_level:
-        raise refuse("megatron.cross_micro_batch.pipeline_nested",
-                     f"a schedule of {len(schedule.blocks)} shared blocks",
-                     error=UnsupportedSetupError)
+def check_interleaved_count(count: int, model: list[torch.nn.Module]) -> None:
+    """Raises ValueError when megatron's interleaved schedule (``model``: more than one chunk)
+    does not take ``count`` micro-batches in one call: it runs them in groups of
+    ``microbatch_group_size_per_vp_stage``, which must not exceed their count, and a last,
+    partial group of fewer than the pipeline size."""
     if len(model) == 1:
         return
     from megatron.core import parallel_state
 
-    pp, count = parallel_state.get_pipeline_model_parallel_world_size(), len(schedule.suffixes)
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
     group = get_attr_wrapped_model(model[0], "config").microbatch_group_size_per_vp_stage or pp
     if group > count or 0 < count % group < pp:
         raise ValueError(
-            f"a group of {count} suffix micro-batches under interleaved pipeline stages: "
-            f"megatron's interleaved schedule runs them in groups of {group} (at PP={pp}), "
-            f"at least one, and a last partial group of at least {pp}; plan the group with "
+            f"a group run in {count} micro-batch(es) under interleaved pipeline stages: "
+            f"megatron's interleaved schedule runs them in groups of {group} (at PP={pp}), at "
+            f"least one, and a last partial group of at least {pp}; plan the group with "
             "another token budget")

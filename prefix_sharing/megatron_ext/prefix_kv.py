@@ -50,7 +50,7 @@ import torch
 
 __all__ = ["PrefixKV", "PrefixKVPass", "PrefixKVStack", "in_front", "read_through"]
 
-Mode = Literal["record", "read", "read_last", "read_recorded"]
+Mode = Literal["record", "record_last", "read", "read_last", "read_recorded"]
 KV = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -64,7 +64,10 @@ class PrefixKV:
             suffix runs in a loop that cannot call :meth:`backward` (see the module doc),
             ``"read_recorded"`` while a block whose backward runs in the same pass as this
             one's reads it (the recorded K/V themselves, no gradient added: verl's nested
-            groups, :mod:`prefix_sharing.verl_ext.cross_nested`).
+            groups, :mod:`prefix_sharing.verl_ext.cross_nested`), ``"record_last"`` while the
+            prefix runs again with grad after every reader's backward (its own rows read their
+            recorded K/V with the leaves' gradients injected: the pipelined nested run,
+            :mod:`.cross_pipeline`).
         leaves: ``layer_number -> (k, v)``, each ``[Lp, ng, hn]``, detached, requiring grad.
         outputs: ``layer_number -> (k, v)`` of the last recorded pass that kept its graph
             there (not recomputed): the tensors :meth:`backward` differentiates.
@@ -175,7 +178,7 @@ class PrefixKVPass:
         (:func:`read_through`) while reading last. The attention reads the stored ones in
         place (module doc)."""
         store = self.store
-        if self.mode == "record":
+        if self.mode in ("record", "record_last"):
             return [], *self._record((layer_number, "kv"), (key, value), store.leaves,
                                      store.outputs)
         prefix = self._read((layer_number, "kv"), store.leaves[layer_number], store.outputs)
@@ -195,7 +198,7 @@ class PrefixKVPass:
         last."""
         store = self.store
         key = (layer_number, "router")
-        if self.mode == "record":
+        if self.mode in ("record", "record_last"):
             return self._record(key, (logits,), store.router_leaves, store.router_outputs,
                                 single=True)[0]
         (prefix,) = self._read(key, (store.router_leaves[layer_number],), store.router_outputs,
@@ -219,12 +222,14 @@ class PrefixKVPass:
                 outputs[layer] = recorded[0] if single else recorded
             else:
                 outputs.pop(layer, None)
+            if not (graph and self.mode == "record_last"):
+                return tensors
+        elif not graph or self.replaying:  # a replay records nothing
             return tensors
-        if not graph or self.replaying:  # a replay records nothing
-            return tensors
-        if self._runs[key] == "graph":
+        elif self._runs[key] == "graph":
             raise RuntimeError(f"layer {layer}'s prefix ({key[1]}) ran twice with grad in one "
                                "pass: its readers' gradients would enter it twice")
+        # the last pass with graph of a store its readers have all read (``record_last``), or
         # the replay of a first run without graph: the readers' gradients enter here
         got = (leaves[layer],) if single else leaves[layer]
         return tuple(torch.cat([_injected(r, leaf, key, store), t[rows:]])

@@ -229,11 +229,24 @@ def test_token_budget_under_pipeline_parallelism(capsys):
     assert report["max_tokens_computed"] <= 44
 
 
+def test_token_budget_under_pipeline_parallelism_with_prompts_in_chunks(capsys):
+    """PP=2, prompts of 15 and 21 tokens under 12: too long to be carried, each group runs
+    plan_group's schedule, its steps (each chunk without grad, the suffixes, each chunk again
+    with grad) micro-batches of their own; every chunk computed twice."""
+    code, out, _ = verify(capsys, "--workload", "grpo", "--token-budget", 12, "--pp", 2,
+                          "--json")
+    report = json.loads(out)
+    assert code == 0 and report["passed"] and all(report["within_tolerance"].values())
+    assert report["num_shared_blocks"] > len(report["prefix_lens"])  # chunked prompts
+    # every block (the prompts' chunks, and sub-trees' blocks) computed twice
+    assert report["recomputed_tokens"] > sum(report["prefix_lens"])
+    assert report["tokens_computed"] == report["tokens_unique"] + report["recomputed_tokens"]
+    assert report["max_tokens_computed"] <= 12
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--token-budget", "30", "--cp", "2", "--pp", "2"],
      "--token-budget (cross-micro-batch sharing) runs"),
-    # a 21-token prompt is carried by the first and last suffix: over half of 30
-    (["--token-budget", "30", "--pp", "2"], "over half of token_budget=30"),
 ])
 def test_token_budget_refusals_are_one_line(capsys, argv, message):
     code, out, err = verify(capsys, "--workload", "grpo", *argv)

@@ -43,6 +43,7 @@ from .test_cross_micro_batch_settings import _replay_records_again
 CONFIG = PrefixSharingConfig(min_prefix_len=1, backend="torch")
 BUDGET = 84
 ONE_SUFFIX = 170  # the group's 162 unique tokens fit
+NESTED = 36  # under the 41-token prompt: the prompt in two chunks
 
 
 def _group() -> list[torch.Tensor]:
@@ -83,8 +84,18 @@ def _never_reads_through():
         yield
 
 
+@contextlib.contextmanager
+def _never_injected():
+    """Wrong: a block's backward step records its K/V again without the leaves' accumulated
+    gradients, so its backward misses every reader's dK/dV."""
+    from prefix_sharing.megatron_ext import prefix_kv
+
+    with mock.patch.object(prefix_kv, "_injected", lambda recorded, leaf, key, store: recorded):
+        yield
+
+
 CONTROLS = {"never_reads_through": _never_reads_through,
-            "replay_records_again": _replay_records_again}
+            "replay_records_again": _replay_records_again, "never_injected": _never_injected}
 
 
 def _job(rank: int, runs: dict) -> dict:
@@ -114,6 +125,14 @@ RUNS = {
     **{name: (BUDGET, settings, None) for name, settings in RECOMPUTE.items()},
     # wrong: a replayed prompt layer records as if run for the first time
     "replay_records_again": (BUDGET, RECOMPUTE["full"], "replay_records_again"),
+    # the prompt over half the budget: plan_group's schedule, each step a micro-batch of its
+    # own (the prompt's block without grad, the suffixes, the block again with grad); at 60
+    # one level, at 36 the prompt in two chunks
+    **{name: (budget, overrides, None) for name, budget, overrides in (
+        ("block_steps", 60, {}), ("nested", NESTED, {}),
+        ("nested_recompute", NESTED, RECOMPUTE["full"]))},
+    # wrong: the blocks' backward steps take in none of their readers' gradients
+    "never_injected": (NESTED, {}, "never_injected"),
 }
 
 
@@ -128,6 +147,29 @@ def test_equals_the_stock_step_on_every_stage(stages, name):
     assert first[name]["outputs"] == 0 and last[name]["outputs"] >= 1
     for stage in stages:
         assert_exact(stage[name])
+
+
+@pytest.mark.parametrize("name", ["block_steps", "nested", "nested_recompute"])
+def test_a_prompt_over_half_the_budget_runs_its_steps_as_micro_batches(stages, name):
+    """plan_pipelined_group falls back to plan_group's schedule at the whole budget; each of
+    its steps is a micro-batch of megatron's 1F1B: a block without grad, the suffixes reading
+    the leaves, then the block again with grad after its last reader, the readers' gradients
+    injected into its own K/V (``record_last``). Exact on both stages, also under full
+    recompute (a recomputed block layer injects in its replay); every block computed
+    twice."""
+    for stage in stages:
+        run = stage[name]
+        assert_exact(run)
+        figures = run["figures"]
+        blocks = 2 if name.startswith("nested") else 1
+        assert figures["num_shared_blocks"] == blocks
+        assert figures["recomputed_tokens"] == sum(figures["prefix_lens"]) == 41
+        assert figures["max_tokens_computed"] <= NESTED if blocks == 2 else 60
+
+
+def test_a_control_whose_block_steps_inject_nothing_fails(stages):
+    for stage in stages:
+        _assert_gradients_fail(stage["never_injected"])
 
 
 def test_a_group_in_one_suffix_computes_its_prompt_once(stages):
@@ -379,5 +421,5 @@ def test_interleaved_stages_equal_the_stock_step_on_every_chunk():
         figures = stage["cross"]["figures"]
         (prefix_len,) = figures["prefix_lens"]
         assert figures["recomputed_tokens"] == prefix_len and figures["num_micro_batches"] == 5
-        assert "a group of 1 suffix micro-batches under interleaved pipeline stages" in stage[
+        assert "a group run in 1 micro-batch(es) under interleaved pipeline stages" in stage[
             "one_suffix_error"]
