@@ -121,9 +121,7 @@ def stage_forward(model: torch.nn.Module, kv: PrefixKV, schedule: GroupSchedule,
     def run(params: PlanPackedSeqParams, cp: CrossSlice | None, rows: slice) -> torch.Tensor:
         if received is not None:  # a later stage: its rows of the activation received
             set_input_tensor(received[rows])
-        input_ids, position_ids = model_inputs(params.plan, cp)
-        return model(input_ids=input_ids, attention_mask=None, position_ids=position_ids,
-                     packed_seq_params=params)
+        return _forward(model, params, cp)
 
     prefix = prefix_output = None
     prefix_rows = 0
@@ -180,7 +178,7 @@ def forward_backward_pipelined_group(
         # it by the CP size), then scales it by the factor (_router_loss_weight)
         return loss * len(items) / factor
 
-    weave = _carried_prefix if schedule.carries_prefix else _step_table
+    weave: Weave = _carried_prefix if schedule.carries_prefix else _step_table
     items, forward_step, run = weave(schedule, len(model), token_loss, out, scaled, backend,
                                      temperature, device)
     check_interleaved_count(len(items), model)
@@ -209,9 +207,14 @@ class _Run:
     held: Callable[[], int]
 
 
+# A weave: (schedule, model chunks, token loss, collector, loss scaling, backend, temperature,
+# device) -> the micro-batches megatron's schedule runs, its forward step, and what it reports.
+Weave = Callable[..., tuple[list, Callable, "_Run"]]
+
+
 def _carried_prefix(schedule: GroupSchedule, chunks: int, token_loss: TokenLoss,
-                    out: Collector, scaled, backend: str, temperature: float,
-                    device: torch.device):
+                    out: Collector, scaled: Callable[[torch.Tensor], torch.Tensor],
+                    backend: str, temperature: float, device: torch.device):
     """A one-level group's micro-batches: its suffixes, the first and the last carrying the
     prefix rows (:func:`stage_forward`); the prefix computed twice (once with one suffix)."""
     block, count = schedule.blocks[0], len(schedule.suffixes)
@@ -241,7 +244,8 @@ def _carried_prefix(schedule: GroupSchedule, chunks: int, token_loss: TokenLoss,
 
 
 def _step_table(schedule: GroupSchedule, chunks: int, token_loss: TokenLoss, out: Collector,
-                scaled, backend: str, temperature: float, device: torch.device):
+                scaled: Callable[[torch.Tensor], torch.Tensor], backend: str,
+                temperature: float, device: torch.device):
     """A nested group's steps, each a micro-batch of its own (module doc): a block's forward
     without grad, recording its K/V leaves; a suffix reading its stack's leaves; the block's
     ``"backward"`` step its forward again with grad (``record_last``: its own rows read their

@@ -29,7 +29,7 @@ import torch
 from ..config import PrefixSharingConfig
 from .cross_state import GroupState, Readout, check_temperature
 from .cross_groups import CrossPart
-from .mcore import SharingMetrics
+from .mcore import SharingMetrics, last_chunk_of_rank
 
 __all__ = ["pipelined_cross_forward"]
 
@@ -41,14 +41,10 @@ def pipelined_cross_forward(model, part: CrossPart, sharing: PrefixSharingConfig
     """This stage's forward of the micro-batch ``part`` (see the module doc): verl's output on
     the last stage (``readout``'s), the activation for the next stage before it. ``routes``:
     the routes its flat rows replay (verl's ``router_replay``), or None."""
-    from megatron.core.utils import get_attr_wrapped_model
+    from megatron.core.utils import get_attr_wrapped_model, unwrap_model
 
     from ..megatron_ext.cross_pipeline import stage_forward
     from ..megatron_ext.cross_run import block_store
-
-    from megatron.core.utils import unwrap_model
-
-    from .mcore import _last_chunk_of_rank
 
     group, schedule = part.group, part.group.schedule
     # under interleaved stages each of a rank's model chunks runs every micro-batch, its own
@@ -69,7 +65,7 @@ def pipelined_cross_forward(model, part: CrossPart, sharing: PrefixSharingConfig
         if part.first:  # recorded without grad: what the later micro-batches read
             state.leaves = tuple(None if t is None else t.detach().requires_grad_(training)
                                  for t in recorded)
-    if metrics is not None and _last_chunk_of_rank(unwrap_model(model)):
+    if metrics is not None and last_chunk_of_rank(unwrap_model(model)):
         # the last micro-batch computes the prefix again
         metrics.add_tokens(part.tokens_total, part.tokens_computed + (
             schedule.prefix_len if part.last and not part.first else 0))

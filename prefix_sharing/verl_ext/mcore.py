@@ -40,6 +40,7 @@ __all__ = [
     "PrefixSharingSetupError",
     "SharingMetrics",
     "check_engine_setup",
+    "last_chunk_of_rank",
     "micro_batch_groups",
     "micro_batch_temperature",
     "prompt_lengths",
@@ -99,7 +100,7 @@ def check_engine_setup(engine_config: Any, model_config: Any | None = None, *,
 
 
 
-def _last_chunk_of_rank(model: torch.nn.Module) -> bool:
+def last_chunk_of_rank(model: torch.nn.Module) -> bool:
     """Whether ``model`` is this rank's last model chunk: under interleaved pipeline stages
     each of a rank's chunks runs every micro-batch, and a micro-batch is counted once."""
     from megatron.core import parallel_state
@@ -325,7 +326,7 @@ def shared_forward(
         **mtp_plan_arguments(model, mtp_enable_train, logits_processor_args,
                              [len(s) for s in sequences]),
     )
-    if metrics is not None and _last_chunk_of_rank(unwrap_model(model)):
+    if metrics is not None and last_chunk_of_rank(unwrap_model(model)):
         metrics.add(mb.plan, replayed=replay_routes is not None)
     last_stage = unwrap_model(model).post_process
     capture = lm_head_inputs(model) if last_stage and lm_head == "hidden" else nullcontext()
