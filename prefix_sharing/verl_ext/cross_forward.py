@@ -21,7 +21,8 @@ nests instead - its prefix in chunks, its branches in sub-tree blocks - where th
 allows it: :mod:`.cross_nested` runs those blocks around the same suffix forward.
 
 Each sample's log-probs and entropy come back as verl expects them (the value at ``t`` scores
-token ``t + 1``, the last position 0), so verl's loss runs unchanged on each micro-batch.
+token ``t + 1``, the last position 0), so verl's loss runs unchanged on each micro-batch; the
+critic's values likewise (:class:`.cross_state.Readout`).
 Held across the group: the prefix's activations (its graph) and its K/V leaves with their
 gradients. Under activation recompute (full or selective) the prefix's recomputed layers keep
 only their inputs, and their replay - inside the last micro-batch's backward, in the prefix's
