@@ -18,7 +18,7 @@ ancestors in the group's prefix tree - as external rows in front of its own:
 ``one_level=True`` keeps the one-level schedule (``P`` in one micro-batch, a branch larger
 than the budget cut between suffix micro-batches and computed in each): what verl's engine
 runs when it fits, the prefix kept beside its tails (a group that does not fit nests there
-too: :mod:`prefix_sharing.verl_ext.cross_nested`).
+too: :mod:`prefix_sharing.verl_ext.cross_forward`).
 
 A micro-batch's :class:`~prefix_sharing.plan.SharingPlan` addresses *external rows plus its own
 rows*: its K/V rows ``0 .. d-1`` are its stack of blocks' (read from the layers' kept K/V, in

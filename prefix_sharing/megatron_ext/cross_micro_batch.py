@@ -2,7 +2,9 @@
 
 For a :class:`~prefix_sharing.group_schedule.GroupSchedule` (shared blocks - the chunks of
 the group's common prefix and of its sub-trees' shared parts - and suffix micro-batches, each
-of at most the token budget), the schedule's steps run in order:
+of at most the token budget), the schedule's steps run in order, each a micro-batch of
+megatron's own schedule (``get_forward_backward_func()``: no pipelining at PP=1, 1F1B under
+pipeline parallelism; the step table of :mod:`.cross_pipeline`):
 
 1. a block's forward (with grad, its graph kept; or without grad under ``recompute_prefix``):
    each layer's core attention reads ``cat(K/V of the blocks it reads, own K/V)`` and records
@@ -11,10 +13,12 @@ of at most the token budget), the schedule's steps run in order:
 2. a suffix micro-batch's forward and backward; its core attention reads ``cat(its stack's
    leaves, own K/V)`` through its plan, so its backward accumulates dK/dV into every leaf it
    read (and parameter gradients into ``.grad`` as usual);
-3. a block's backward, after its last reader: the accumulated dK/dV as the incoming gradients
-   of its recorded K/V, plus the loss of its positions (under ``recompute_prefix`` its forward
-   is first run again with grad); since it read the blocks below it as leaves, its backward
-   accumulates into their leaves in turn, and theirs run after it.
+3. a block's backward step, after its last reader: megatron's backward of the loss of its
+   positions plus :meth:`~.prefix_kv.PrefixKV.gradient_term` (the accumulated dK/dV as the
+   incoming gradients of its recorded K/V); under ``recompute_prefix`` its forward runs again
+   with grad in that step, its rows reading their recorded K/V with the gradients injected.
+   Since it read the blocks below it as leaves, its backward accumulates into their leaves in
+   turn, and theirs run after it.
 
 All before the optimizer step and any data-parallel gradient reduction, which see the
 parameter gradients of the whole group. Held across the group: the live blocks' K/V leaves and
@@ -52,9 +56,10 @@ prefix rows trimmed to the window, as any plan's). Context parallelism, with or 
 activation recompute and TP: each micro-batch split over the CP ranks, a block's K/V and
 router logits recorded gathered (:mod:`.cross_context_parallel`); a suffix's router statistics
 split over the CP ranks as megatron splits its plain micro-batch's (:mod:`.moe`). Under
-pipeline parallelism the group runs through megatron's 1F1B instead (:mod:`.cross_pipeline`:
-a one-level schedule planned to carry its prefix in its first and last suffix, any other with
-each step a micro-batch), under interleaved stages too (each model chunk on its own layers).
+pipeline parallelism every block is recomputed (a graph is not kept across a stage's
+micro-batches) and a one-level schedule planned to carry its prefix in its first and last
+suffix runs that way (:mod:`.cross_pipeline`), under interleaved stages too (each model chunk
+on its own layers).
 """
 
 from __future__ import annotations
@@ -64,12 +69,9 @@ from collections.abc import Sequence
 import torch
 from megatron.core.utils import get_attr_wrapped_model
 
-from ..cross_micro_batch import GroupSchedule, SuffixMicroBatch
-from .cross_context_parallel import context_parallel_size, model_inputs, slice_micro_batch
-from .cross_run import (Collector, GroupRun, PrefixPass, TokenLoss, block_store, score_suffix,
-                        sequence_parallel_size, suffix_routes)
-from .packed_seq import PlanPackedSeqParams
-from .prefix_kv import PrefixKV, PrefixKVStack
+from ..cross_micro_batch import GroupSchedule
+from .cross_pipeline import forward_backward_pipelined_group
+from .cross_run import GroupRun, PrefixPass, TokenLoss, sequence_parallel_size
 
 __all__ = ["GroupRun", "PrefixPass", "TokenLoss", "forward_backward_group"]
 
@@ -107,9 +109,7 @@ def forward_backward_group(
             schedule scales them and each micro-batch's loss there.
     """
     chunks = list(model) if isinstance(model, Sequence) else [model]
-    model = chunks[0]
-    device = next(model.parameters()).device
-    multiple = sequence_parallel_size(model)
+    multiple = sequence_parallel_size(chunks[0])
     plans = [("block", b.plan) for b in schedule.blocks] + [
         ("suffix micro-batch", s.plan) for s in schedule.suffixes]
     unpadded = [kind for kind, plan in plans if plan.input_ids.numel() % multiple]
@@ -117,68 +117,12 @@ def forward_backward_group(
         raise ValueError(
             f"a {unpadded[0]}'s rows do not split over the {multiple} "
             f"sequence-parallel ranks: plan the group with pad_to_multiple_of={multiple}")
-    if get_attr_wrapped_model(model, "config").pipeline_model_parallel_size > 1:
-        from .cross_pipeline import forward_backward_pipelined_group
-
-        # the prefix is recomputed there in any case (the last suffix carries it with grad)
-        return forward_backward_pipelined_group(chunks, schedule, token_loss, backend=backend,
-                                                temperature=temperature, keep_logits=keep_logits,
-                                                aux_loss_scale=aux_loss_scale)
-    if len(chunks) > 1:
+    pipelined = get_attr_wrapped_model(chunks[0], "config").pipeline_model_parallel_size > 1
+    if len(chunks) > 1 and not pipelined:
         raise ValueError(f"{len(chunks)} model chunks without pipeline parallelism")
-    if get_attr_wrapped_model(model, "config").num_moe_experts:
-        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-
-        # set_loss_scale copies into the scale it holds: [1] when megatron's schedule made it,
-        # [] when the autoscaler's own backward did
-        held = MoEAuxLossAutoScaler.main_loss_backward_scale
-        MoEAuxLossAutoScaler.set_loss_scale(torch.full(
-            (1,) if held is None else held.shape,
-            float(aux_loss_scale * context_parallel_size()), device=device))
-    out = Collector(schedule.num_tokens_total, device, keep_logits)
-    kvs: dict[int, PrefixKV] = {}  # the live blocks'
-    passes: dict[int, PrefixPass] = {}
-    losses: dict[int, torch.Tensor] = {}
-    held = 0
-    for kind, i in schedule.steps:
-        if kind == "suffix":
-            _suffix(model, schedule.suffixes[i], kvs, token_loss, out, backend, temperature,
-                    device)
-            continue
-        if kind == "forward":
-            kvs[i] = block_store(schedule.blocks[i], device)
-            stack = PrefixKVStack([kvs[r] for r in schedule.blocks[i].reads], kvs[i])
-            passes[i] = PrefixPass(schedule, stack, backend, temperature, device,
-                                   block=schedule.blocks[i])
-            if recompute_prefix:
-                with torch.no_grad():
-                    passes[i].forward(model)
-            else:
-                losses[i] = passes[i].scored(model, token_loss, out)
-            kvs[i].mode = "read"
-            continue
-        kvs[i].mode = "record"  # a recompute keeps the leaves and their gradients
-        if recompute_prefix:
-            losses[i] = passes[i].scored(model, token_loss, out)
-        held = max(held, sum(kv.held_bytes() for kv in kvs.values()))
-        kvs.pop(i).backward([losses.pop(i) * context_parallel_size()])  # as a suffix's
-        del passes[i]
-    computed = schedule.tokens_computed + (
-        sum(b.length for b in schedule.blocks) if recompute_prefix else 0)
-    metrics = schedule.metrics(recompute_prefix=recompute_prefix)
-    metrics["prefix_sharing/cross_held_bytes"] = float(held)
-    return out.result(held, computed, metrics)
-
-
-def _suffix(model: torch.nn.Module, suffix: SuffixMicroBatch, kvs: dict[int, PrefixKV],
-            token_loss: TokenLoss, out: Collector, backend: str, temperature: float,
-            device: torch.device) -> None:
-    """One suffix micro-batch's forward and backward, reading its stack of blocks."""
-    cp = slice_micro_batch(suffix.plan, suffix.tail_plan, suffix.plan.num_tokens_flat, device)
-    plan = suffix.plan.to(device)
-    params = PlanPackedSeqParams.from_plan(plan, backend, routes=suffix_routes(suffix, device),
-                                           cp=cp and cp.attention,
-                                           prefix_kv=PrefixKVStack([kvs[r] for r in suffix.reads]))
-    logits = model(*model_inputs(plan, cp), None, packed_seq_params=params)[0]  # [T, V]
-    loss = score_suffix(logits, suffix, token_loss, out, temperature, cp)
-    (loss * context_parallel_size()).backward()  # as megatron's schedule scales it under CP
+    # under pipeline parallelism a block's forward is always run again (nothing is sent
+    # between stages for a graph kept across micro-batches)
+    return forward_backward_pipelined_group(
+        chunks, schedule, token_loss, backend=backend, temperature=temperature,
+        keep_logits=keep_logits, aux_loss_scale=aux_loss_scale,
+        keep_graph=not (recompute_prefix or pipelined))

@@ -1,11 +1,19 @@
-"""One group's forward+backward under pipeline parallelism, through megatron's own 1F1B.
+"""One group's forward+backward through megatron's own schedule, at any pipeline size.
 
-Megatron's 1F1B schedule (``get_forward_backward_func()``) runs the micro-batches' forwards
-and their backwards in micro-batch order on every stage, a few forwards ahead of the backwards,
-and moves one ``[s, b, h]`` activation (and its gradient) per micro-batch between stages. A
-prefix micro-batch before its readers would be backwarded first, before any reader has
-accumulated its dK/dV. So its pass with grad runs after them: for a one-level
-:class:`~prefix_sharing.group_schedule.GroupSchedule` planned to carry it (the common prefix
+The group driver (:func:`~.cross_micro_batch.forward_backward_group`) runs a
+:class:`~prefix_sharing.group_schedule.GroupSchedule`'s steps as micro-batches of
+``get_forward_backward_func()``: no pipelining at PP=1, 1F1B under pipeline parallelism, the
+interleaved schedule under virtual stages. Each step is a micro-batch of its own
+(:func:`_step_table`): a block's forward, a suffix, a block's backward step after its last
+reader. At PP=1 a block's graph is kept from its forward to its backward step (unless
+``recompute_prefix``); under PP it is not kept across a stage's micro-batches, so every block
+is computed again in its backward step (below).
+
+Megatron's 1F1B schedule runs the micro-batches' forwards and their backwards in micro-batch
+order on every stage, a few forwards ahead of the backwards, and moves one ``[s, b, h]``
+activation (and its gradient) per micro-batch between stages. A prefix micro-batch before its
+readers would be backwarded first, before any reader has accumulated its dK/dV. So its pass
+with grad runs after them: for a one-level schedule planned to carry it (the common prefix
 ``P``, ``Lp`` rows, within half the budget, read by suffix micro-batches ``S_1 .. S_k``) the
 prefix rides in the first and the last suffix (``docs/cross-micro-batch.md``, "under
 pipeline parallelism"); any other schedule runs its blocks as micro-batches of their own
@@ -38,7 +46,7 @@ activation and the last stage's logits holding this rank's slice of each; megatr
 scales each micro-batch's loss by the CP size.
 MoE router statistics as at PP=1 (the prefix rows route without statistics, each suffix's
 statistics read ``cat(prefix logits, own)``), each group's router losses weighted by the whole
-step's micro-batch count (:func:`_router_loss_weight`). Activation recompute as at PP=1: a
+step's micro-batch count (:func:`_within_the_step`). Activation recompute as at PP=1: a
 prefix layer recomputed in ``S_k`` replays inside its backward, after ``S_k``'s own rows'
 (created later, so run first by autograd), and injects the leaves' gradients then
 (:class:`~.prefix_kv.PrefixKVPass`). Routing replay as at PP=1: the prefix rows replay their
@@ -52,14 +60,15 @@ at the whole budget) runs its steps as micro-batches of their own (:func:`_step_
 block's forward without grad, the suffixes reading the leaves, and the block's backward step,
 its forward again with grad after its last reader, its own rows reading their recorded K/V
 with the readers' gradients injected (``record_last``). 1F1B runs the backwards in
-micro-batch order on every stage, so the same rule holds as in the one-stage driver: each
-block's backward once, after its last reader's.
+micro-batch order on every stage, so the same rule holds as at PP=1: each block's backward
+once, after its last reader's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator
 
 import torch
@@ -148,6 +157,7 @@ def forward_backward_pipelined_group(
     temperature: float = 1.0,
     keep_logits: bool = False,
     aux_loss_scale: float = 1.0,
+    keep_graph: bool = False,
 ) -> GroupRun:
     """This stage's part of one group's forward+backward (see the module doc); parameter
     gradients accumulate into ``.grad``. Every stage of the pipeline calls it with the same
@@ -166,7 +176,9 @@ def forward_backward_pipelined_group(
 
     ``aux_loss_scale``: the gradient weight of each suffix micro-batch's MoE router losses, as
     :func:`~.cross_micro_batch.forward_backward_group` takes it (megatron's schedule would give
-    them ``1 / num_microbatches`` of this group's alone).
+    them ``1 / num_microbatches`` of this group's alone). ``keep_graph`` (without pipeline
+    parallelism only): every schedule runs its steps, each block's graph kept from its forward
+    to its backward step (computed once).
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -175,17 +187,18 @@ def forward_backward_pipelined_group(
 
     def scaled(loss: torch.Tensor) -> torch.Tensor:
         # megatron's schedule divides each micro-batch's loss by their count (and multiplies
-        # it by the CP size), then scales it by the factor (_router_loss_weight)
+        # it by the CP size), then scales it by the factor (_within_the_step)
         return loss * len(items) / factor
 
-    weave: Weave = _carried_prefix if schedule.carries_prefix else _step_table
+    weave: Weave = (functools.partial(_step_table, keep_graph=True) if keep_graph
+                    else _carried_prefix if schedule.carries_prefix else _step_table)
     items, forward_step, run = weave(schedule, len(model), token_loss, out, scaled, backend,
                                      temperature, device)
     check_interleaved_count(len(items), model)
     # every chunk reads its own iterator (megatron's interleaved schedule runs each chunk's
     # forward of a micro-batch at its own time)
     iterators = [iter([(c, item) for item in items]) for c in range(len(model))]
-    with _router_loss_weight(model[0], len(items) * aux_loss_scale) as factor:
+    with _within_the_step(model[0], len(items) * aux_loss_scale) as factor:
         get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=iterators if len(model) > 1 else iterators[0], model=model,
@@ -245,20 +258,27 @@ def _carried_prefix(schedule: GroupSchedule, chunks: int, token_loss: TokenLoss,
 
 def _step_table(schedule: GroupSchedule, chunks: int, token_loss: TokenLoss, out: Collector,
                 scaled: Callable[[torch.Tensor], torch.Tensor], backend: str,
-                temperature: float, device: torch.device):
-    """A nested group's steps, each a micro-batch of its own (module doc): a block's forward
+                temperature: float, device: torch.device, *, keep_graph: bool = False):
+    """A group's steps, each a micro-batch of its own (module doc): a block's forward
     without grad, recording its K/V leaves; a suffix reading its stack's leaves; the block's
     ``"backward"`` step its forward again with grad (``record_last``: its own rows read their
     recorded K/V with every reader's accumulated gradients injected) and its positions'
     loss. Megatron's schedule runs the backwards in micro-batch order on every stage, and a
     block's backward step comes after its last reader's: so every reader's gradient is in its
     leaves when its backward reads them, and its own backward accumulates into the leaves of
-    the blocks it reads, whose backward steps come later."""
+    the blocks it reads, whose backward steps come later.
+
+    ``keep_graph`` (one stage only: nothing is sent between stages): a block's forward runs
+    with grad and keeps its graph, its positions scored then; its backward step computes
+    nothing, its loss the block's loss plus :meth:`~.prefix_kv.PrefixKV.gradient_term`, so
+    megatron's backward of that step is the block's backward, with every reader's dK/dV."""
     stores: list[dict[int, PrefixKV]] = [{} for _ in range(chunks)]  # per chunk: live blocks
+    kept: dict[tuple[int, int], torch.Tensor] = {}  # keep_graph: (chunk, block) -> its loss
     peak = [0]
     run = _Run(max(p.input_ids.numel() for p in [*(b.plan for b in schedule.blocks),
                                                    *(s.plan for s in schedule.suffixes)]),
-               sum(b.length for b in schedule.blocks), lambda: peak[0])
+               0 if keep_graph else sum(b.length for b in schedule.blocks), lambda: peak[0])
+    cp = context_parallel_size()
 
     def forward_step(data_iterator, chunk):
         c, (kind, i) = next(data_iterator)
@@ -267,29 +287,37 @@ def _step_table(schedule: GroupSchedule, chunks: int, token_loss: TokenLoss, out
             suffix = schedule.suffixes[i]
             for r in suffix.reads:
                 live[r].mode = "read"
-            cp = slice_micro_batch(suffix.plan, suffix.tail_plan, suffix.plan.num_tokens_flat,
-                                   device)
+            cp_slice = slice_micro_batch(suffix.plan, suffix.tail_plan,
+                                         suffix.plan.num_tokens_flat, device)
             params = PlanPackedSeqParams.from_plan(
-                suffix.plan.to(device), backend, cp=cp and cp.attention,
+                suffix.plan.to(device), backend, cp=cp_slice and cp_slice.attention,
                 prefix_kv=PrefixKVStack([live[r] for r in suffix.reads]),
                 routes=suffix_routes(suffix, device))
-            return _forward(chunk, params, cp), lambda output: (scaled(score_suffix(
-                output[0], suffix, token_loss, out, temperature, cp)), {})
+            return _forward(chunk, params, cp_slice), lambda output: (scaled(score_suffix(
+                output[0], suffix, token_loss, out, temperature, cp_slice)), {})
         block = schedule.blocks[i]
         if kind == "forward":
             live[i] = block_store(block, device)
+        else:
+            peak[0] = max(peak[0], sum(kv.held_bytes() for chunk_stores in stores
+                                       for kv in chunk_stores.values()))
+        if kind == "backward" and keep_graph:
+            # megatron's schedule scales a micro-batch's loss by the CP size; the readers'
+            # dK/dV already are
+            loss = kept.pop((c, i)) + live.pop(i).gradient_term() / cp
+            return loss, lambda output: (scaled(output), {})
         for r in block.reads:
             live[r].mode = "read"
         live[i].mode = "record" if kind == "forward" else "record_last"
         prefix = PrefixPass(schedule, PrefixKVStack([live[r] for r in block.reads], live[i]),
                             backend, temperature, device, block=block)
         if kind == "forward":
-            with torch.no_grad():
+            with torch.set_grad_enabled(keep_graph):
                 output = _forward(chunk, prefix.params, prefix.cp)
+            if keep_graph:
+                kept[c, i] = prefix.score(output[0], token_loss, out)
             received = get_attr_wrapped_model(chunk, "decoder").input_tensor
             return _without_gradient(output, received), lambda output: (output.sum() * 0, {})
-        peak[0] = max(peak[0], sum(kv.held_bytes() for chunk_stores in stores
-                                   for kv in chunk_stores.values()))
         output = _forward(chunk, prefix.params, prefix.cp)
         del live[i]  # its pass holds what its backward reads
         return output, lambda output: (scaled(prefix.score(output[0], token_loss, out)), {})
@@ -316,20 +344,44 @@ def _without_gradient(output: torch.Tensor, received: torch.Tensor | None) -> to
 
 
 @contextlib.contextmanager
-def _router_loss_weight(model: torch.nn.Module, factor: float) -> Iterator[float]:
-    """Megatron's schedule weighs each micro-batch's MoE router losses by ``grad_scale_func(1)
-    / num_microbatches`` and scales the last stage's loss by ``grad_scale_func`` before its
-    backward: while the group runs, that function is multiplied by ``factor`` (the loss
-    function divides its loss by it), so a group's router losses get the weight of the whole
-    step's micro-batch count, as the stock step over all of them gives."""
+def _within_the_step(model: torch.nn.Module, factor: float) -> Iterator[float]:
+    """Megatron's schedule set up for one group of a step, while the group runs:
+
+    - it weighs each micro-batch's MoE router losses by ``grad_scale_func(1) /
+      num_microbatches`` and scales the last stage's loss by ``grad_scale_func`` before its
+      backward: that function is multiplied by ``factor`` (the loss function divides its
+      loss by it), so a group's router losses get the weight of the whole step's micro-batch
+      count, as the stock step over all of them gives;
+    - it would reduce the gradients over data parallelism after the group's last micro-batch
+      (``finalize_model_grads_func``, and the bucket reductions outside ``no_sync_func``):
+      the whole group runs inside ``no_sync_func`` instead and nothing is finalized, so the
+      step's later groups still accumulate; the caller finalizes after its last group, as
+      megatron's schedule does after the step's last micro-batch;
+    - it sets the MoE router losses' scale by copying into the one megatron holds, which may
+      have another shape (``[]`` when the autoscaler's own backward made it): the group sets
+      one of its own, and the one held before is held again after it."""
     config = get_attr_wrapped_model(model, "config")
-    scale = config.grad_scale_func
+    saved = config.grad_scale_func, config.no_sync_func, config.finalize_model_grads_func
+    scale = saved[0]
+    # one per model chunk under interleaved stages
+    no_sync = saved[1] if isinstance(saved[1], list) else [saved[1]] if saved[1] else []
     config.grad_scale_func = ((lambda t: t * factor) if scale is None
                               else (lambda t: scale(t) * factor))
+    config.no_sync_func = config.finalize_model_grads_func = None
+    autoscaler = None
+    if config.num_moe_experts:
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler as autoscaler
+
+        held, autoscaler.main_loss_backward_scale = autoscaler.main_loss_backward_scale, None
     try:
-        yield factor
+        with contextlib.ExitStack() as within:
+            for func in no_sync:
+                within.enter_context(func())
+            yield factor
     finally:
-        config.grad_scale_func = scale
+        config.grad_scale_func, config.no_sync_func, config.finalize_model_grads_func = saved
+        if autoscaler is not None:
+            autoscaler.main_loss_backward_scale = held
 
 
 def check_interleaved_count(count: int, model: list[torch.nn.Module]) -> None:

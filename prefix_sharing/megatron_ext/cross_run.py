@@ -1,11 +1,10 @@
 """What one group's run across micro-batches produces, and how its micro-batches are scored.
 
-Shared by the one-stage group driver (:mod:`.cross_micro_batch`) and the pipelined one
-(:mod:`.cross_pipeline`): a block's pass (:class:`PrefixPass`, also verl's cross forward's), a
-suffix micro-batch's loss from its logits (:func:`score_suffix`), the per-token outputs
-gathered over the group (:class:`Collector`, :class:`GroupRun`). Each scores a micro-batch's
-rows through its plan; under context parallelism from this rank's rows
-(:mod:`.cross_context_parallel`).
+Shared by the group driver's steps (:mod:`.cross_pipeline`) and verl's cross forward: a
+block's pass (:class:`PrefixPass`), a suffix micro-batch's loss from its logits
+(:func:`score_suffix`), the per-token outputs gathered over the group (:class:`Collector`,
+:class:`GroupRun`). Each scores a micro-batch's rows through its plan; under context
+parallelism from this rank's rows (:mod:`.cross_context_parallel`).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ every tail micro-batch runs, so the tails are packed under ``budget - prefix_len
 that cannot be planned so (a tail too long, a prefix over half the budget) *nests* where the
 engine allows it (``nested``): its common prefix in chunks, its branches that do not fit in
 sub-tree blocks, its tails under the whole budget, the blocks recomputed by their last
-reader's backward instead of kept (:mod:`.cross_nested`). A group is left to the ordinary split
+reader's backward instead of kept (:mod:`.cross_forward`). A group is left to the ordinary split
 when its common prefix is shorter than ``min_prefix_len``, or when it cannot be planned either
 way.
 
@@ -44,14 +44,15 @@ class CrossGroup:
         members: the group's batch indices, ascending (``schedule``'s sequence order).
         schedule: its prefix and tail micro-batches.
         token_budget: the budget its micro-batches were planned under (prefix included).
-        state: while the group runs, what its first micro-batch left for the others (the
-            prefix's K/V and statistics: :class:`.cross_state.GroupState`); ``None`` before
-            its first and after its last micro-batch.
+        state: while the group runs, what its micro-batches leave for the later ones (its
+            live blocks' K/V and statistics; per model chunk under pipeline parallelism,
+            :class:`.cross_state.GroupState`); ``None`` before its first and after its last
+            micro-batch.
         held_bytes: after its last micro-batch, the bytes of prefix K/V leaves and their
             gradients it held across its micro-batches (this rank's K/V heads).
-        nested: whether it runs as a nested schedule (:mod:`.cross_nested`; even with one
-            block, its tails were packed under the whole budget), or one level (the prefix
-            kept, :mod:`.cross_forward`).
+        nested: whether it runs as a nested schedule (its blocks recomputed by their last
+            reader; even with one block, its tails were packed under the whole budget), or
+            one level (the prefix kept): :mod:`.cross_forward`.
         recomputed_tokens: block rows its backwards computed again (a nested schedule's
             blocks, recomputed by their last reader).
     """

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from ..config import PrefixSharingConfig
-from .cross_state import GroupState, Readout, check_temperature
+from .cross_state import GroupState, Readout, check_temperature, leaves_of
 from .cross_groups import CrossPart
 from .mcore import SharingMetrics, last_chunk_of_rank
 
@@ -56,15 +56,13 @@ def pipelined_cross_forward(model, part: CrossPart, sharing: PrefixSharingConfig
     state = group.state[chunk]
     check_temperature(state, readout.temperature)
     last_stage = get_attr_wrapped_model(model, "post_process")
-    training = torch.is_grad_enabled()
     stage = stage_forward(model, state.prefix_kv, schedule, part.index, routes=routes,
                           backend=sharing.backend, temperature=readout.temperature,
                           device=device)
     if stage.prefix is not None and last_stage:  # every sample's prefix-position outputs
         state.recorded = recorded = readout.block(stage.prefix, stage.prefix_output[0])
         if part.first:  # recorded without grad: what the later micro-batches read
-            state.leaves = tuple(None if t is None else t.detach().requires_grad_(training)
-                                 for t in recorded)
+            state.leaves = leaves_of(recorded, requires_grad=torch.is_grad_enabled())
     if metrics is not None and last_chunk_of_rank(unwrap_model(model)):
         # the last micro-batch computes the prefix again
         metrics.add_tokens(part.tokens_total, part.tokens_computed + (

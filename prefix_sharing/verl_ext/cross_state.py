@@ -1,9 +1,10 @@
-"""What the micro-batches of one cross group share in verl's Megatron engine: the state its
-first micro-batch leaves for the others (:class:`GroupState`), and what each micro-batch reads
-out per token for verl (:class:`Readout`: the actor's log-probs and entropy, or the critic's
-values) - at a block's positions, kept with the block, and at its own tails. Used by the
-forward at PP=1 (:mod:`.cross_forward`), under pipeline parallelism (:mod:`.cross_pipeline`)
-and in nested groups (:mod:`.cross_nested`)."""
+"""What the micro-batches of one cross group share in verl's Megatron engine: what each
+micro-batch reads out per token for verl (:class:`Readout`: the actor's log-probs and entropy,
+or the critic's values) - at a block's positions, kept with the block as leaves
+(:func:`leaves_of`, :func:`select_statistics`), and at its own tails - and under pipeline
+parallelism the state its first micro-batch leaves for the others (:class:`GroupState`). Used
+by the forward at PP=1 (:mod:`.cross_forward`) and under pipeline parallelism
+(:mod:`.cross_pipeline`)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ __all__ = ["GroupState", "Readout", "Statistics", "check_temperature", "leaves_o
 
 @dataclasses.dataclass
 class GroupState:
-    """What a group's first micro-batch leaves for the others.
+    """What a group's first micro-batch leaves for the others under pipeline parallelism (per
+    model chunk).
 
     Attributes:
         prefix_kv: the prefix's K/V per layer, recorded and as leaves.
@@ -48,11 +50,12 @@ class GroupState:
 Statistics = tuple[torch.Tensor, torch.Tensor | None]
 
 
-def leaves_of(recorded: Statistics) -> Statistics:
-    """Detached copies of a block's recorded statistics, requiring grad where they do: what its
-    readers but the last read, so their backwards accumulate there."""
-    return tuple(None if t is None else t.detach().requires_grad_(t.requires_grad)
-                 for t in recorded)
+def leaves_of(recorded: Statistics, requires_grad: bool | None = None) -> Statistics:
+    """Detached copies of a block's recorded statistics, requiring grad where they do (or as
+    ``requires_grad`` says: statistics recorded without grad that a later pass records again
+    with it): what its readers but the last read, so their backwards accumulate there."""
+    return tuple(None if t is None else t.detach().requires_grad_(
+        t.requires_grad if requires_grad is None else requires_grad) for t in recorded)
 
 
 def select_statistics(recorded: Statistics, leaves: Statistics, rows: torch.Tensor,

@@ -131,7 +131,7 @@ class SharingEngineMixin:
 
     def cross_nested_problem(self) -> str | None:
         """Why a group too large for one level may not nest on this engine's model
-        (:mod:`.cross_nested`), or ``None`` when it may; the Megatron engine answers."""
+        (:func:`.cross_forward.nested_problem`), or ``None`` when it may; the Megatron engine answers."""
         return f"{type(self).__name__} runs no nested schedule"
 
     @classmethod

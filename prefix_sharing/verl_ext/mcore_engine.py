@@ -250,7 +250,7 @@ def patch_engine(module: ModuleType) -> None:
                 return None
 
             def cross_nested_problem(self) -> str | None:
-                from .cross_nested import nested_problem
+                from .cross_forward import nested_problem
 
                 return nested_problem(self.tf_config)
 

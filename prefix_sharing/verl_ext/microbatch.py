@@ -83,7 +83,7 @@ class SplitRecord:
     split: MicroBatchSplit | None = None
     parts: list[CrossPart] = dataclasses.field(default_factory=list)
     replay_mode: str = "disabled"  # verl's router_replay.mode: cross groups plan with routes
-    # why a cross group may not nest on the engine's model (:mod:`.cross_nested`), None: it may
+    # why a cross group may not nest on the engine's model (:func:`.cross_forward.nested_problem`), None: it may
     not_nested: str | None = None
     # the groups that would cross micro-batches only nested, left to the ordinary split
     unnested: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
@@ -129,7 +129,7 @@ def sharing_split(config: PrefixSharingConfig, replay_mode: str = "disabled",
     afterwards (for :func:`add_split_metrics`). With ``mode="off"`` verl's split runs as is.
     ``replay_mode``: verl's ``router_replay.mode`` (groups across micro-batches are cut on
     tokens and routes: :func:`.routing_replay.split_routes`). ``not_nested``: why a group too
-    large for one level may not nest on the engine's model (:mod:`.cross_nested`), ``None``
+    large for one level may not nest on the engine's model (:func:`.cross_forward.nested_problem`), ``None``
     when it may.
     """
     record = SplitRecord(config, replay_mode=replay_mode, not_nested=not_nested)

@@ -57,9 +57,9 @@ def _readers_on_other_ranks_dropped():
 
     from prefix_sharing.megatron_ext.prefix_kv import PrefixKV
 
-    backward = PrefixKV.backward
+    term = PrefixKV.gradient_term
 
-    def own_rows_only(self, extra=None):
+    def own_rows_only(self):
         rank = parallel_state.get_context_parallel_rank()
         per_rank = -(-self.rows // 2)  # the block's rows, padded to a multiple of CP = 2
         for leaves in self.leaves.values():
@@ -68,9 +68,9 @@ def _readers_on_other_ranks_dropped():
                     keep = torch.zeros_like(leaf.grad)
                     keep[rank * per_rank:(rank + 1) * per_rank] = 1
                     leaf.grad.mul_(keep)
-        return backward(self, extra)
+        return term(self)
 
-    with mock.patch.object(PrefixKV, "backward", own_rows_only):
+    with mock.patch.object(PrefixKV, "gradient_term", own_rows_only):
         yield
 
 

@@ -300,7 +300,7 @@ def _moe_job(rank: int) -> dict:
 
         ours = build("shared")
         reset_router_statistics(ours)
-        control = (mock.patch.object(cross_pipeline, "_router_loss_weight",
+        control = (mock.patch.object(cross_pipeline, "_within_the_step",
                                      lambda model, factor: contextlib.nullcontext(1.0))
                    if name == "group_weight" else contextlib.nullcontext())
         with control:

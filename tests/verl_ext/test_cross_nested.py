@@ -1,7 +1,7 @@
 """Groups that nest inside verl's real Megatron engine (whichever supported verl is installed):
 a common prefix longer than half the budget - longer than the budget itself - computed in
 chunks, and a two-level tree whose branches do not fit beside their shared part, each shared
-part computed once (:mod:`prefix_sharing.verl_ext.cross_nested`). ``infer_batch`` (log-probs,
+part computed once (:mod:`prefix_sharing.verl_ext.cross_forward`). ``infer_batch`` (log-probs,
 entropy) and ``forward_backward_batch`` (verl's ``ppo_loss``, every gradient) equal verl's
 stock step with the feature off on the same weights (fp32, one process; with a sliding window
 too, and at TP=2 with sequence parallelism on two processes).
@@ -211,7 +211,7 @@ def test_groups_nest_only_on_the_settings_tested_here(setting):
 
     from megatron.core import parallel_state
 
-    from prefix_sharing.verl_ext.cross_nested import nested_problem
+    from prefix_sharing.verl_ext.cross_forward import nested_problem
 
     setting = dict(setting)
     tp = setting.pop("tensor_model_parallel_size", 1)
