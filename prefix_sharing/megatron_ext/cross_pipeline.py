@@ -317,7 +317,9 @@ def _step_table(schedule: GroupSchedule, chunks: int, token_loss: TokenLoss, out
             if keep_graph:
                 kept[c, i] = prefix.score(output[0], token_loss, out)
             received = get_attr_wrapped_model(chunk, "decoder").input_tensor
-            return _without_gradient(output, received), lambda output: (output.sum() * 0, {})
+            return (_without_gradient(output, received,
+                                      get_attr_wrapped_model(chunk, "post_process")),
+                    lambda output: (output.sum() * 0, {}))
         output = _forward(chunk, prefix.params, prefix.cp)
         del live[i]  # its pass holds what its backward reads
         return output, lambda output: (scaled(prefix.score(output[0], token_loss, out)), {})
@@ -333,11 +335,13 @@ def _forward(chunk: torch.nn.Module, params: PlanPackedSeqParams,
                  packed_seq_params=params)
 
 
-def _without_gradient(output: torch.Tensor, received: torch.Tensor | None) -> torch.Tensor:
-    """A micro-batch run without grad, as megatron's schedule needs its output: a tensor its
-    backward step can run on, handing the previous stage a zero gradient (its backward
-    receives one, as for every micro-batch)."""
-    output = output.detach()
+def _without_gradient(output: torch.Tensor, received: torch.Tensor | None,
+                      last_stage: bool) -> torch.Tensor:
+    """A micro-batch whose backward does nothing, as megatron's schedule needs its output: a
+    tensor its backward step can run on, handing the previous stage a zero gradient (its
+    backward receives one, as for every micro-batch). On the last stage a scalar: the loss
+    function reads no logits, so none is backpropagated through."""
+    output = (output.new_zeros(()) if last_stage else output).detach()
     if received is None:  # the first stage: nothing to hand back
         return output.requires_grad_()
     return output + received.sum() * 0

@@ -17,7 +17,9 @@ micro-batch count (megatron's schedule left alone) fails on the gradients. CP=2 
 ranks (each micro-batch split over the CP ranks, the carried prompt's rows too) against the
 stock step at PP=2 on the same split. Megatron's
 activation recompute, full and selective; a control whose replayed prefix layers record again
-fails on the gradients.
+fails on the gradients. A prompt over half the budget runs plan_group's schedule, each step a
+micro-batch of 1F1B: exact at PP=2 alone and under full recompute, with TP=2 and sequence
+parallelism, at CP=2, and with MoE router statistics.
 """
 
 from __future__ import annotations
@@ -215,13 +217,14 @@ def _cp_job(rank: int) -> dict:
     from prefix_sharing.engines.cross_micro_batch import forward_backward_cross
 
     report = {"stage": parallel_state.get_pipeline_model_parallel_rank()}
-    for name in ("cross", "never_reads_through"):
+    for name, budget in (("cross", BUDGET), ("never_reads_through", BUDGET),
+                         ("nested", NESTED)):
         model, rows = tiny_gpt("shared"), []  # each forward's rows on this rank
         model.register_forward_pre_hook(
             lambda module, args, kwargs: rows.append(kwargs["input_ids"].size(1)),
             with_kwargs=True)
         with CONTROLS[name]() if name in CONTROLS else contextlib.nullcontext():
-            cross = forward_backward_cross(model, _group(), BUDGET, CONFIG)
+            cross = forward_backward_cross(model, _group(), budget, CONFIG)
         report[name] = {"run": cross.run, "figures": cross.report(), "rows": rows}
     return report
 
@@ -251,10 +254,18 @@ def test_context_parallel_2_by_pipeline_parallel_2(stages):
         whole = sum(at_cp1) + at_cp1[0]
         assert len(rows) == figures["num_micro_batches"] + 1
         assert whole <= 2 * sum(rows) <= whole + len(rows)
+        # the prompt in two chunks, each step a micro-batch split over the CP ranks
+        plain, reference = stages[rank["stage"]]["nested"]["runs"]
+        assert_exact({"vs_reference": compare(rank["nested"]["run"], reference),
+                      "plain": compare(plain, reference),
+                      "vs_plain": compare(rank["nested"]["run"], plain)})
+        assert rank["nested"]["figures"] == stages[rank["stage"]]["nested"]["figures"]
 
 
 TP_RUNS = {sequence_parallel: (BUDGET, dict(sequence_parallel=sequence_parallel), None)
            for sequence_parallel in (False, True)}
+# the prompt in two chunks, each step a micro-batch, every part padded to 2 and split
+TP_RUNS["nested"] = (NESTED, dict(sequence_parallel=True), None)
 
 
 @pytest.fixture(scope="module")
@@ -277,6 +288,16 @@ def test_tensor_parallel_2_by_pipeline_parallel_2(tp_stages, sequence_parallel):
                                                                             True, True]
 
 
+def test_a_nested_schedule_under_tensor_parallel_2_by_pipeline_parallel_2(tp_stages):
+    """The prompt in two chunks under sequence parallelism: each step a micro-batch of 1F1B,
+    its rows split over the tensor-parallel ranks; every rank equals the stock step."""
+    for rank in tp_stages:
+        run = rank["nested"]
+        assert_exact(run)
+        assert run["figures"]["num_shared_blocks"] == 2
+        assert all(n % 2 == 0 for n in run["padded_rows"])
+
+
 def _moe_job(rank: int) -> dict:
     """The tiny MoE preset (8 experts, top-2) at PP=2: two GRPO groups with the router's aux +
     seq-aux + global-aux losses and z-loss (each group its own pipelined schedule, its router
@@ -290,11 +311,15 @@ def _moe_job(rank: int) -> dict:
 
     two = make_workload("grpo", num_prompts=2, group_size=6, prompt_len=(40, 41),
                         response_len=(12, 24), vocab_size=MOE.vocab_size, seed=5)
-    runs = {"losses": (two.sequences, [g.members for g in two.groups], "losses"),
-            "expert_bias": (_group(), None, "expert_bias"),
-            "group_weight": (two.sequences, [g.members for g in two.groups], "losses")}
+    members = [g.members for g in two.groups]
+    runs = {"losses": (two.sequences, members, "losses", BUDGET),
+            "expert_bias": (_group(), None, "expert_bias", BUDGET),
+            "group_weight": (two.sequences, members, "losses", BUDGET),
+            # each prompt in two chunks: the chunks route without statistics, every suffix's
+            # statistics read them
+            "nested": (two.sequences, members, "losses", NESTED)}
     report = {}
-    for name, (seqs, groups, variant) in runs.items():
+    for name, (seqs, groups, variant, budget) in runs.items():
         def build(layout: str, settings=MOE_VARIANTS[variant], **overrides) -> torch.nn.Module:
             return gpt_model(MOE, layout=layout, **settings, **overrides)
 
@@ -304,7 +329,7 @@ def _moe_job(rank: int) -> dict:
                                      lambda model, factor: contextlib.nullcontext(1.0))
                    if name == "group_weight" else contextlib.nullcontext())
         with control:
-            cross = forward_backward_cross(ours, seqs, BUDGET, CONFIG, groups=groups)
+            cross = forward_backward_cross(ours, seqs, budget, CONFIG, groups=groups)
         stats = router_statistics(ours)
         (_, plain_stats), _ = _split_runs(build, seqs, cross)
         report[name] = {**_judged(cross, seqs, build), "statistic_names": sorted(plain_stats),
@@ -319,14 +344,16 @@ def moe_stages() -> list[dict]:
     return run_distributed(_moe_job, 2, pp=2, timeout=900)
 
 
-@pytest.mark.parametrize("variant", ["losses", "expert_bias"])
+@pytest.mark.parametrize("variant", ["losses", "expert_bias", "nested"])
 def test_moe_with_router_statistics(moe_stages, variant):
     for stage in moe_stages:
         run = stage[variant]
         assert_exact(run)
         assert_router_statistics_equal(run)
         assert {k for k in _LOSSES if k.startswith("tracker.")} <= set(run["statistic_names"])
-    assert moe_stages[0][variant]["groups"] == (2 if variant == "losses" else 1)
+    assert moe_stages[0][variant]["groups"] == (1 if variant == "expert_bias" else 2)
+    if variant == "nested":  # each group's prompt in two chunks
+        assert moe_stages[0][variant]["figures"]["num_shared_blocks"] == 4
 
 
 def test_moe_control_weighing_router_losses_per_group_fails(moe_stages):
