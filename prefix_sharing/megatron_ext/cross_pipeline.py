@@ -278,7 +278,7 @@ def _step_table(schedule: GroupSchedule, chunks: int, token_loss: TokenLoss, out
     run = _Run(max(p.input_ids.numel() for p in [*(b.plan for b in schedule.blocks),
                                                    *(s.plan for s in schedule.suffixes)]),
                0 if keep_graph else sum(b.length for b in schedule.blocks), lambda: peak[0])
-    cp = context_parallel_size()
+    cp_size = context_parallel_size()
 
     def forward_step(data_iterator, chunk):
         c, (kind, i) = next(data_iterator)
@@ -287,14 +287,14 @@ def _step_table(schedule: GroupSchedule, chunks: int, token_loss: TokenLoss, out
             suffix = schedule.suffixes[i]
             for r in suffix.reads:
                 live[r].mode = "read"
-            cp_slice = slice_micro_batch(suffix.plan, suffix.tail_plan,
-                                         suffix.plan.num_tokens_flat, device)
+            cp = slice_micro_batch(suffix.plan, suffix.tail_plan, suffix.plan.num_tokens_flat,
+                                   device)
             params = PlanPackedSeqParams.from_plan(
-                suffix.plan.to(device), backend, cp=cp_slice and cp_slice.attention,
+                suffix.plan.to(device), backend, cp=cp and cp.attention,
                 prefix_kv=PrefixKVStack([live[r] for r in suffix.reads]),
                 routes=suffix_routes(suffix, device))
-            return _forward(chunk, params, cp_slice), lambda output: (scaled(score_suffix(
-                output[0], suffix, token_loss, out, temperature, cp_slice)), {})
+            return _forward(chunk, params, cp), lambda output: (scaled(score_suffix(
+                output[0], suffix, token_loss, out, temperature, cp)), {})
         block = schedule.blocks[i]
         if kind == "forward":
             live[i] = block_store(block, device)
@@ -304,7 +304,7 @@ def _step_table(schedule: GroupSchedule, chunks: int, token_loss: TokenLoss, out
         if kind == "backward" and keep_graph:
             # megatron's schedule scales a micro-batch's loss by the CP size; the readers'
             # dK/dV already are
-            loss = kept.pop((c, i)) + live.pop(i).gradient_term() / cp
+            loss = kept.pop((c, i)) + live.pop(i).gradient_term() / cp_size
             return loss, lambda output: (scaled(output), {})
         for r in block.reads:
             live[r].mode = "read"
