@@ -309,7 +309,8 @@ CROSS_MATRIX: dict[str, dict[str, Cell]] = {
     },
     "pipeline parallelism (1F1B)": {
         "megatron-core": works(_MX + "test_cross_micro_batch_pipeline.py",
-                               note="PP=2, x TP=2, x CP=2; nested at PP=2"),
+                               note="PP=2, x TP=2, x CP=2; nested at PP=2, x TP=2, x CP=2, "
+                                    "with MoE"),
         "verl-megatron": works(_VX + "test_cross_pipeline.py",
                                note="PP=2, x TP=2, x CP=2; one level (a group that would nest "
                                     "takes the ordinary split)"),
@@ -335,7 +336,7 @@ CROSS_MATRIX: dict[str, dict[str, Cell]] = {
         "megatron-core": works(_MX + "test_cross_micro_batch.py",
                                _MX + "test_cross_micro_batch_context_parallel.py",
                                _MX + "test_cross_micro_batch_pipeline.py",
-                               note="TP x SP, CP, PP, CP x PP"),
+                               note="TP x SP, CP, PP, CP x PP, nested at PP=2"),
         "verl-megatron": works(_VX + "test_cross_forward.py", _VX + "test_cross_pipeline.py",
                                _VX + "test_cross_moe_sequence_parallel.py",
                                note="TP x SP, CP, PP; verl's own step counts its pad rows"),
@@ -349,7 +350,7 @@ CROSS_MATRIX: dict[str, dict[str, Cell]] = {
     "the critic (values)": {
         "megatron-core": NOT_OFFERED,
         "verl-megatron": works(_VX + "test_critic.py", releases="verl 0.9.1",
-                               note="0.8.0's value_loss keeps verl's split"),
+                               note="PP=1, PP=2; 0.8.0's value_loss keeps verl's split"),
     },
 }
 

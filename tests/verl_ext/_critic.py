@@ -178,8 +178,9 @@ def run_megatron(rank: int, modes: dict[str, dict | None], *, control: bool = Fa
                  workloads: tuple[str, ...] = WORKLOADS, budget: int | None = None) -> dict:
     """:func:`run_fsdp` on verl's Megatron value-model engine: the actor tests' tiny GPTModel
     (``_engine.build_engine``) with a seeded :class:`ValueHead` as its output layer. The
-    engine's ``tensor_model_parallel_size`` is megatron's (``run_distributed(..., tp=)``), with
-    sequence parallelism above 1; the sequence-parallel gradients are then summed over the
+    engine's ``tensor_model_parallel_size`` and ``pipeline_model_parallel_size`` are megatron's
+    (``run_distributed(..., tp=, pp=)``; the head on the last stage), with sequence
+    parallelism above TP=1; the sequence-parallel gradients are then summed over the
     tensor-parallel group, as megatron's ``finalize_model_grads`` does. Every rank draws the
     same batch (one data-parallel rank), split under ``budget`` tokens when given."""
     from megatron.core import parallel_state
@@ -192,7 +193,10 @@ def run_megatron(rank: int, modes: dict[str, dict | None], *, control: bool = Fa
 
     use_cpu_platform()
     tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
     parallel = dict(tensor_model_parallel_size=tp, sequence_parallel=True) if tp > 1 else {}
+    if pp > 1:
+        parallel["pipeline_model_parallel_size"] = pp
     results = {}
     with values_shifted(sharing_mcore, control):
         for workload in workloads:
@@ -201,7 +205,8 @@ def run_megatron(rank: int, modes: dict[str, dict | None], *, control: bool = Fa
                 engine = build_engine(config, model_type="value_model", sequence_parallel=tp > 1)
                 model = engine.module[0]
                 torch.manual_seed(1)
-                model.output_layer = ValueHead(model.config.hidden_size, tp > 1)
+                if model.post_process:  # the last pipeline stage's
+                    model.output_layer = ValueHead(model.config.hidden_size, tp > 1)
                 model.share_embeddings_and_output_weights = False
                 infer = engine.infer_batch(critic_batch(workload, 0, budget))
                 train = engine.forward_backward_batch(critic_batch(workload, 0, budget),
@@ -214,14 +219,18 @@ def run_megatron(rank: int, modes: dict[str, dict | None], *, control: bool = Fa
     return results
 
 
-def compare(shared: dict, plain: dict, rtol: float = 1e-5) -> list[str]:
+def compare(shared: dict, plain: dict, rtol: float = 1e-5, *, last_stage: bool = True
+            ) -> list[str]:
     """Where ``shared`` differs from ``plain`` beyond ``rtol`` (relative to the plain run's
-    largest magnitude): each sample's values, the step's summed loss, every gradient."""
+    largest magnitude): each sample's values, the step's summed loss, every gradient (on a
+    pipeline stage before the last, ``last_stage=False``: its gradients only)."""
     def far(a: torch.Tensor, b: torch.Tensor) -> bool:
         return bool((a - b).abs().max() > rtol * b.abs().max().clamp(min=1e-6))
 
     found = [f"grad {name}" for name, grad in plain["grads"].items()
              if far(shared["grads"][name], grad)]
+    if not last_stage:
+        return found
     values_s = shared["infer"]["model_output"]["values"]
     values_p = plain["infer"]["model_output"]["values"]
     assert len(values_s) == len(values_p) and values_p, "different or no samples"

@@ -9,6 +9,9 @@ step's micro-batches and every gradient (``forward_backward_batch``), on GRPO an
 TP=2 with sequence parallelism, two gloo ranks (the value head scores each rank's slice of the
 rows and gathers them, as verl's ``make_value_model`` head does). The control reads each value
 one flat row too early and must fail the same comparison (FSDP2, Megatron TP=1 and TP=2).
+Across micro-batches (verl 0.9.1's ``value_loss``; 0.8.0 keeps verl's split): the Megatron
+critic at PP=1 and at PP=2 (each stage's gradients, the last stage's values and loss), a
+control that drops what the earlier micro-batches accumulated failing on the gradients.
 """
 
 import importlib.util
@@ -165,3 +168,38 @@ def test_the_megatron_critic_across_micro_batches_gives_verls_values_loss_and_gr
     assert metrics["prefix_sharing/num_micro_batches"] == [6.0]
     control = compare(found["control"]["agent", "cross"], plain)
     assert any(f.startswith("grad") for f in control), control
+
+
+def megatron_cross_stage(rank: int) -> dict:
+    """:func:`megatron_cross_rank` at PP=2: this rank's stage and its runs."""
+    from megatron.core import parallel_state
+
+    return {**megatron_cross_rank(rank),
+            "last_stage": parallel_state.is_pipeline_last_stage()}
+
+
+def test_the_megatron_critic_across_micro_batches_under_pipeline_parallelism():
+    """PP=2 (two gloo ranks): every stage carries the prefix rows in each group's first and
+    last micro-batch, the last stage reads every sample's prefix values out of them (kept as
+    leaves, read through by the last micro-batch); each stage's gradients, and on the last
+    stage each sample's values and the step's value loss, equal verl's stock critic there; the
+    control (the last micro-batch reads the leaves) fails on the gradients of every stage."""
+    import inspect
+
+    from verl.trainer.ppo.core_algos import compute_value_loss
+
+    from prefix_sharing.engines.launch import run_distributed
+
+    stages = run_distributed(megatron_cross_stage, 2, pp=2, timeout=600)
+    assert [stage["last_stage"] for stage in stages] == [False, True]
+    crossed = "batch_num_tokens" in inspect.signature(compute_value_loss).parameters
+    for stage in stages:
+        shared, plain = stage["runs"]["agent", "cross"], stage["runs"]["agent", "off"]
+        assert compare(shared, plain, last_stage=stage["last_stage"]) == []
+        if crossed:
+            control = compare(stage["control"]["agent", "cross"], plain,
+                              last_stage=stage["last_stage"])
+            assert any(f.startswith("grad") for f in control), control
+    if crossed:
+        metrics = stages[-1]["runs"]["agent", "cross"]["train"]["metrics"]
+        assert metrics["prefix_sharing/prefix_recomputes_avoided"] == [4.0]
