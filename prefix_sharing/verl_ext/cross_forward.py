@@ -5,37 +5,16 @@ suffix micro-batches), each holding the samples whose tails it computes: verl's 
 every sample's full row. verl's loop (megatron's ``forward_backward_no_pipelining``) runs each
 micro-batch's forward then its backward, in turn, so the schedule's shared blocks - a
 one-level group's common prefix; a nested group's prefix chunks and sub-tree blocks - are
-woven into them, by one rule:
-
-- **where a block runs**: its forward (recording its K/V per layer,
-  :class:`~prefix_sharing.megatron_ext.prefix_kv.PrefixKV`, and its members' log-probs /
-  entropy, or values, at its positions) runs at the start of the first suffix micro-batch
-  after it in the schedule (``GroupSchedule.opening_blocks``: a one-level group's prefix at
-  the start of its first), reading the blocks below it;
-- **its last reader**: the last suffix whose samples it holds (:func:`closing_suffixes`).
-  Every earlier reader, suffix or block, reads the block's leaves (detached copies that
-  require grad), so its backward accumulates there; the last suffix reads the recorded
-  tensors themselves with the leaves' gradients added on the way back (mode ``"read_last"``:
-  :func:`~prefix_sharing.megatron_ext.prefix_kv.read_through`), and a block that reads it
-  and closes in the same micro-batch reads them directly (mode ``"read_recorded"``). So that
-  micro-batch's backward (megatron's, like every other) runs the blocks' backwards, each once,
-  after all of its readers', **ordered by autograd's own dependencies**: the leaves'
-  gradients it adds were complete before that backward began (every other reader's backward
-  ran in an earlier micro-batch), and a block that reads it in the same backward is upstream
-  of it in the graph. Everything happens before verl's optimizer step and megatron's
-  gradient reduction, inside the step's usual backwards.
-
-**What is held.** A one-level group keeps its prefix's graph from its first micro-batch to
-its last (its activations, plus its K/V leaves and their gradients): the prefix is computed
-once, and its tails were packed under the budget less the prefix. A nested group's prefix is
-too long for that (over half the budget: agent histories longer than
-``max_token_len_per_gpu`` included), or its branches do not fit beside their shared part: its
-blocks run under a non-reentrant checkpoint (``torch.utils.checkpoint``), keeping only their
-K/V and statistics (the leaves share their storage) and their gradients between micro-batches;
-the last reader's backward recomputes a block when it reaches it, after that micro-batch's own
-nodes (``prefix_sharing/cross_recomputed_tokens`` counts those rows). So no micro-batch holds
-more live activation rows than the budget, and its tails are packed under the whole budget. A
-forward-only step (old log-probs) computes each block once, without grad.
+woven into them as megatron's group driver weaves them at PP=1
+(:class:`~prefix_sharing.megatron_ext.cross_weave.BlockWeave`): each block's forward at the
+start of the first micro-batch after it, its backward inside its last reader's, which reads
+its K/V and its members' outputs at its positions through; every earlier reader reads them as
+leaves. A one-level group keeps its prefix's graph (computed once; its tails were packed under
+the budget less the prefix). A nested group's prefix is too long for that (over half the
+budget: agent histories longer than ``max_token_len_per_gpu`` included), or its branches do
+not fit beside their shared part: its blocks are checkpointed and recomputed by their last
+reader's backward (``prefix_sharing/cross_recomputed_tokens``), so no micro-batch holds more
+live activation rows than the budget and its tails are packed under the whole budget.
 
 Each sample's log-probs and entropy come back as verl expects them (the value at ``t`` scores
 token ``t + 1``, the last position 0), so verl's loss runs unchanged on each micro-batch; the
@@ -71,18 +50,16 @@ Each refusal raises one error naming the setting.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
 
 from ..config import PrefixSharingConfig
-from ..group_schedule import GroupSchedule
 from .cross_groups import CrossPart
-from .cross_state import Readout, Statistics, check_temperature, leaves_of, select_statistics
+from .cross_state import Readout, check_temperature
 from .mcore import SharingMetrics, check_text_only, micro_batch_temperature
 
-__all__ = ["closing_suffixes", "cross_forward", "nested_problem", "pipelined"]
+__all__ = ["cross_forward", "nested_problem", "pipelined"]
 
 
 def cross_forward(
@@ -106,6 +83,7 @@ def cross_forward(
     log-probs (and entropy), or with ``value_model`` the critic's values."""
     from ..megatron_ext import check_sharing_model
     from ..megatron_ext.cross_context_parallel import model_inputs, slice_micro_batch
+    from ..megatron_ext.cross_weave import BlockWeave
     from ..megatron_ext.packed_seq import PlanPackedSeqParams
 
     check_text_only(vision_model, multi_modal_inputs)
@@ -122,7 +100,13 @@ def cross_forward(
         from .cross_pipeline import pipelined_cross_forward
 
         return pipelined_cross_forward(model, part, sharing, readout, metrics, routes, device)
-    prefix_kv = _open_micro_batch(model, part, sharing.backend, readout, device)
+    group = part.group
+    if part.first:
+        group.state = BlockWeave(group.schedule, readout.block, checkpointed=group.nested,
+                                 backend=sharing.backend, temperature=temperature, device=device)
+    weave: BlockWeave = group.state
+    check_temperature(weave, temperature)
+    prefix_kv = weave.open(model, part.index)
     cp = slice_micro_batch(suffix.plan, suffix.tail_plan, suffix.plan.num_tokens_flat, device)
     plan, tail_plan = suffix.plan.to(device), suffix.tail_plan.to(device)
     params = PlanPackedSeqParams.from_plan(plan, sharing.backend, cp=cp and cp.attention,
@@ -131,7 +115,11 @@ def cross_forward(
     output = model(input_ids=input_ids, attention_mask=None, position_ids=position_ids,
                    packed_seq_params=params)[0]  # [rows, V] logits, or [rows, 1] values
     tails = readout.tails(output, tail_plan, cp)
-    heads = _close_micro_batch(part)
+    heads = weave.heads(part.index, list(suffix.members))
+    weave.done(part.index)
+    group.held_bytes, group.recomputed_tokens = weave.held_bytes, weave.recomputed_tokens
+    if part.last:  # its graph holds what its backward needs
+        group.state = None
     if metrics is not None:
         metrics.add_tokens(part.tokens_total, part.tokens_computed)
     return readout.verl_output(heads, tails, tail_plan)
@@ -168,15 +156,6 @@ def replayed_routes(model, part: CrossPart, replay_routes: list | None,
     return suffix_routes(suffix, device)
 
 
-def closing_suffixes(schedule: GroupSchedule) -> dict[int, int]:
-    """``block -> the last suffix that reads it`` (every block is read by a suffix: its
-    node's tails)."""
-    close: dict[int, int] = {}
-    for j, suffix in enumerate(schedule.suffixes):
-        close.update(dict.fromkeys(suffix.reads, j))
-    return close
-
-
 def nested_problem(tf_config: Any) -> str | None:
     """Why groups may not nest on a model with this megatron ``TransformerConfig``, or ``None``
     when they may: dense, at CP=1 and PP=1, without activation recompute (the settings the
@@ -195,116 +174,3 @@ def nested_problem(tf_config: Any) -> str | None:
         return None
     return ("nested schedules run on dense models at CP=PP=1 without activation recompute; "
             "this model has " + ", ".join(untested))
-
-
-@dataclasses.dataclass
-class _Block:
-    """A live block: its K/V store and its members' statistics at its positions,
-    ``(members, length)`` each, as recorded (in its graph) and as leaves."""
-
-    kv: Any
-    members: tuple[int, ...]
-    recorded: Statistics
-    leaves: Statistics
-
-
-@dataclasses.dataclass
-class _GroupState:
-    """A group while it runs (:attr:`CrossGroup.state <.cross_groups.CrossGroup>`): its live
-    blocks and what its micro-batches read out."""
-
-    schedule: GroupSchedule
-    readout: Readout
-    checkpointed: bool  # nested: each block recomputed by its last reader's backward
-    blocks: dict[int, _Block] = dataclasses.field(default_factory=dict)
-    close: dict[int, int] = dataclasses.field(init=False)
-    opens: list[tuple[int, ...]] = dataclasses.field(init=False)
-
-    def __post_init__(self) -> None:
-        self.close = closing_suffixes(self.schedule)
-        self.opens = self.schedule.opening_blocks()
-
-    @property
-    def temperature(self) -> float:
-        """The group's sampling temperature (its first micro-batch's)."""
-        return self.readout.temperature
-
-
-def _open_micro_batch(model: torch.nn.Module, part: CrossPart, backend: str, readout: Readout,
-                      device: torch.device):
-    """Runs the blocks opening at the start of micro-batch ``part`` and returns what its
-    suffix reads: the stack of its blocks' stores, each in its mode (the leaves, or read
-    through by their last reader)."""
-    from ..megatron_ext.prefix_kv import PrefixKVStack
-
-    group = part.group
-    if part.first:
-        group.state = _GroupState(group.schedule, readout,
-                                  checkpointed=group.nested and torch.is_grad_enabled())
-    state: _GroupState = group.state
-    check_temperature(state, readout.temperature)
-    for b in state.opens[part.index]:
-        state.blocks[b] = _run_block(model, state, b, backend, device)
-        if state.checkpointed:  # its last reader's backward recomputes it
-            group.recomputed_tokens += state.schedule.blocks[b].length
-    reads = state.schedule.suffixes[part.index].reads
-    for r in reads:
-        state.blocks[r].kv.mode = "read_last" if state.close[r] == part.index else "read"
-    return PrefixKVStack([state.blocks[r].kv for r in reads])
-
-
-def _close_micro_batch(part: CrossPart) -> Statistics:
-    """``(n, depth)`` outputs (:meth:`.cross_state.Readout.block`) of micro-batch ``part``'s
-    samples at the positions its blocks computed (the leaves, or the recorded tensors read
-    through where it is their last reader); then drops the blocks it closes."""
-    state: _GroupState = part.group.state
-    suffix = state.schedule.suffixes[part.index]
-    heads = []  # per block read, its outputs of these samples
-    for r in suffix.reads:
-        block = state.blocks[r]
-        rows = torch.tensor([block.members.index(m) for m in suffix.members],
-                            device=block.recorded[0].device)
-        heads.append(select_statistics(block.recorded, block.leaves, rows,
-                                       through=state.close[r] == part.index))
-    part.group.held_bytes = max(part.group.held_bytes,
-                                sum(block.kv.held_bytes() for block in state.blocks.values()))
-    for r in suffix.reads:
-        if state.close[r] == part.index:
-            del state.blocks[r]
-    if part.last:  # the last micro-batch's graph holds what its backward needs
-        part.group.state = None
-    return tuple(None if parts[0] is None else torch.cat(parts, dim=1)
-                 for parts in zip(*heads))
-
-
-def _run_block(model: torch.nn.Module, state: _GroupState, b: int, backend: str,
-               device: torch.device) -> _Block:
-    """Block ``b``'s forward, recording its K/V, its graph kept or (nested) under a
-    non-reentrant checkpoint (see the module doc): a block closing in the same micro-batch as
-    one it reads reads that one's recorded tensors, else its leaves."""
-    from torch.utils.checkpoint import checkpoint
-
-    from ..megatron_ext.cross_run import PrefixPass, block_store
-    from ..megatron_ext.prefix_kv import PrefixKVStack
-
-    block = state.schedule.blocks[b]
-    own = block_store(block, device)
-    for r in block.reads:
-        state.blocks[r].kv.mode = "read_recorded" if state.close[r] == state.close[b] else "read"
-    stack = PrefixKVStack([state.blocks[r].kv for r in block.reads], own)
-    prefix = PrefixPass(state.schedule, stack, backend, state.temperature, device, block=block)
-    passes = [*prefix.params.prefix_kv.reads, prefix.params.prefix_kv.own]
-    calls = 0
-
-    def forward() -> Statistics:
-        nonlocal calls
-        calls += 1
-        for view in passes:  # the checkpoint's recompute: the same computation, no new state
-            view.replaying = calls > 1
-        return state.readout.block(prefix, prefix.forward(model))
-
-    if state.checkpointed:  # no dropout runs (refused): no RNG state to replay
-        recorded = checkpoint(forward, use_reentrant=False, preserve_rng_state=False)
-    else:
-        recorded = forward()
-    return _Block(own, block.members, recorded, leaves_of(recorded))

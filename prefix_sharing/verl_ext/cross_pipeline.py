@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from ..config import PrefixSharingConfig
-from .cross_state import GroupState, Readout, check_temperature, leaves_of
+from .cross_state import GroupState, Readout, check_temperature
 from .cross_groups import CrossPart
 from .mcore import SharingMetrics, last_chunk_of_rank
 
@@ -45,6 +45,7 @@ def pipelined_cross_forward(model, part: CrossPart, sharing: PrefixSharingConfig
 
     from ..megatron_ext.cross_pipeline import stage_forward
     from ..megatron_ext.cross_run import block_store
+    from ..megatron_ext.cross_weave import leaves_of
 
     group, schedule = part.group, part.group.schedule
     # under interleaved stages each of a rank's model chunks runs every micro-batch, its own

@@ -1,7 +1,7 @@
 """What the micro-batches of one cross group share in verl's Megatron engine: what each
 micro-batch reads out per token for verl (:class:`Readout`: the actor's log-probs and entropy,
 or the critic's values) - at a block's positions, kept with the block as leaves
-(:func:`leaves_of`, :func:`select_statistics`), and at its own tails - and under pipeline
+(:mod:`prefix_sharing.megatron_ext.cross_weave`), and at its own tails - and under pipeline
 parallelism the state its first micro-batch leaves for the others (:class:`GroupState`). Used
 by the forward at PP=1 (:mod:`.cross_forward`) and under pipeline parallelism
 (:mod:`.cross_pipeline`)."""
@@ -16,8 +16,7 @@ import torch
 from ..refusals import refuse
 from .mcore import PrefixSharingSetupError
 
-__all__ = ["GroupState", "Readout", "Statistics", "check_temperature", "leaves_of",
-           "select_statistics"]
+__all__ = ["GroupState", "Readout", "Statistics", "check_temperature"]
 
 
 @dataclasses.dataclass
@@ -42,31 +41,15 @@ class GroupState:
     def prefix_stats(self, members: list[int], last: bool) -> Statistics:
         """``(len(members), Lp)`` outputs of these samples' prefix positions: the leaves, or
         the recorded tensors read through for the last micro-batch."""
+        from ..megatron_ext.cross_weave import select_statistics
+
         rows = torch.tensor(members, device=self.recorded[0].device)
         return select_statistics(self.recorded, self.leaves, rows, last)
 
 
-# per-token outputs: log-probs and entropy (or None), or values and None
+# per-token outputs: log-probs and entropy (or None), or values and None (as
+# prefix_sharing.megatron_ext.cross_weave names them, without importing megatron)
 Statistics = tuple[torch.Tensor, torch.Tensor | None]
-
-
-def leaves_of(recorded: Statistics, requires_grad: bool | None = None) -> Statistics:
-    """Detached copies of a block's recorded statistics, requiring grad where they do (or as
-    ``requires_grad`` says: statistics recorded without grad that a later pass records again
-    with it): what its readers but the last read, so their backwards accumulate there."""
-    return tuple(None if t is None else t.detach().requires_grad_(
-        t.requires_grad if requires_grad is None else requires_grad) for t in recorded)
-
-
-def select_statistics(recorded: Statistics, leaves: Statistics, rows: torch.Tensor,
-                      through: bool) -> Statistics:
-    """The ``rows`` (samples) of a block's statistics: its leaves, or for its last reader
-    (``through``) the recorded tensors read through (the leaves' gradients added on the way
-    back: :func:`~prefix_sharing.megatron_ext.prefix_kv.read_through`)."""
-    from ..megatron_ext.prefix_kv import read_through
-
-    return tuple(None if r is None else (read_through(r, leaf) if through else leaf)
-                 .index_select(0, rows) for r, leaf in zip(recorded, leaves))
 
 
 def check_temperature(state: Any, temperature: float) -> None:
