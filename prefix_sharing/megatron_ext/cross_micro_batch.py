@@ -2,23 +2,23 @@
 
 For a :class:`~prefix_sharing.group_schedule.GroupSchedule` (shared blocks - the chunks of
 the group's common prefix and of its sub-trees' shared parts - and suffix micro-batches, each
-of at most the token budget), the suffix micro-batches run as micro-batches of megatron's own
-schedule (``get_forward_backward_func()``: no pipelining at PP=1, 1F1B under pipeline
-parallelism), by :mod:`.cross_pipeline`:
+of at most the token budget), the schedule's steps run in order, each a micro-batch of
+megatron's own schedule (``get_forward_backward_func()``: no pipelining at PP=1, 1F1B under
+pipeline parallelism; the step table of :mod:`.cross_pipeline`):
 
-- at PP=1 the blocks are woven into them (:class:`~.cross_weave.BlockWeave`, as verl's engine
-  weaves them): a block's forward, with grad, its graph kept, at the start of the first suffix
-  micro-batch after it; each layer's core attention records its K/V, kept as leaves
-  (:class:`~.prefix_kv.PrefixKV`, one per block, stacked by :class:`~.prefix_kv.PrefixKVStack`)
-  and read by every later micro-batch in place, so each reader's backward accumulates dK/dV
-  into the leaves; its last reader reads the recorded K/V *through* and adds the loss of the
-  block's positions, so its backward is the block's backward too, once, with every reader's
-  dK/dV (a block below read as leaves, its backward accumulates into them in turn);
-- under ``recompute_prefix``, and under pipeline parallelism, each step of the schedule is a
-  micro-batch of its own (the step table): a block's forward without grad, the suffixes, and
-  the block's backward step after its last reader, its forward again with grad, its rows
-  reading their recorded K/V with the readers' gradients injected; a one-level schedule
-  planned for PP to carry its prefix carries it in its first and last suffix instead.
+1. a block's forward (with grad, its graph kept; or without grad under ``recompute_prefix``):
+   each layer's core attention reads ``cat(K/V of the blocks it reads, own K/V)`` and records
+   its own K/V, kept as leaves (:class:`~.prefix_kv.PrefixKV`, one per block, stacked by
+   :class:`~.prefix_kv.PrefixKVStack`);
+2. a suffix micro-batch's forward and backward; its core attention reads ``cat(its stack's
+   leaves, own K/V)`` through its plan, so its backward accumulates dK/dV into every leaf it
+   read (and parameter gradients into ``.grad`` as usual);
+3. a block's backward step, after its last reader: megatron's backward of the loss of its
+   positions plus :meth:`~.prefix_kv.PrefixKV.gradient_term` (the accumulated dK/dV as the
+   incoming gradients of its recorded K/V); under ``recompute_prefix`` its forward runs again
+   with grad in that step, its rows reading their recorded K/V with the gradients injected.
+   Since it read the blocks below it as leaves, its backward accumulates into their leaves in
+   turn, and theirs run after it.
 
 All before the optimizer step and any data-parallel gradient reduction, which see the
 parameter gradients of the whole group. Held across the group: the live blocks' K/V leaves and

@@ -1,14 +1,13 @@
 """One group's forward+backward through megatron's own schedule, at any pipeline size.
 
 The group driver (:func:`~.cross_micro_batch.forward_backward_group`) runs a
-:class:`~prefix_sharing.group_schedule.GroupSchedule` as micro-batches of
+:class:`~prefix_sharing.group_schedule.GroupSchedule`'s steps as micro-batches of
 ``get_forward_backward_func()``: no pipelining at PP=1, 1F1B under pipeline parallelism, the
-interleaved schedule under virtual stages. At PP=1 its suffix micro-batches carry its blocks,
-each block's graph kept to its last reader, which reads it through (:func:`_woven`, the weave
-verl's engine runs too). Under ``recompute_prefix``, and under PP, where a graph is not kept
-across a stage's micro-batches, each step is a micro-batch of its own (:func:`_step_table`): a
-block's forward, a suffix, a block's backward step after its last reader, the block computed
-again there (below).
+interleaved schedule under virtual stages. Each step is a micro-batch of its own
+(:func:`_step_table`): a block's forward, a suffix, a block's backward step after its last
+reader. At PP=1 a block's graph is kept from its forward to its backward step (unless
+``recompute_prefix``); under PP it is not kept across a stage's micro-batches, so every block
+is computed again in its backward step (below).
 
 Megatron's 1F1B schedule runs the micro-batches' forwards and their backwards in micro-batch
 order on every stage, a few forwards ahead of the backwards, and moves one ``[s, b, h]``
@@ -69,6 +68,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator
 
 import torch
@@ -79,7 +79,6 @@ from .cross_context_parallel import (CrossSlice, context_parallel_size, model_in
                                      slice_micro_batch)
 from .cross_run import (Collector, GroupRun, PrefixPass, TokenLoss, block_store, score_suffix,
                         sequence_parallel_size, suffix_routes)
-from .cross_weave import BlockWeave
 from .packed_seq import PlanPackedSeqParams
 from .prefix_kv import PrefixKV, PrefixKVStack
 
@@ -178,8 +177,8 @@ def forward_backward_pipelined_group(
     ``aux_loss_scale``: the gradient weight of each suffix micro-batch's MoE router losses, as
     :func:`~.cross_micro_batch.forward_backward_group` takes it (megatron's schedule would give
     them ``1 / num_microbatches`` of this group's alone). ``keep_graph`` (without pipeline
-    parallelism only): the suffix micro-batches only, every block woven into them, its graph
-    kept (computed once: :func:`_woven`).
+    parallelism only): every schedule runs its steps, each block's graph kept from its forward
+    to its backward step (computed once).
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -191,7 +190,7 @@ def forward_backward_pipelined_group(
         # it by the CP size), then scales it by the factor (_within_the_step)
         return loss * len(items) / factor
 
-    weave: Weave = (_woven if keep_graph
+    weave: Weave = (functools.partial(_step_table, keep_graph=True) if keep_graph
                     else _carried_prefix if schedule.carries_prefix else _step_table)
     items, forward_step, run = weave(schedule, len(model), token_loss, out, scaled, backend,
                                      temperature, device)
@@ -259,7 +258,7 @@ def _carried_prefix(schedule: GroupSchedule, chunks: int, token_loss: TokenLoss,
 
 def _step_table(schedule: GroupSchedule, chunks: int, token_loss: TokenLoss, out: Collector,
                 scaled: Callable[[torch.Tensor], torch.Tensor], backend: str,
-                temperature: float, device: torch.device):
+                temperature: float, device: torch.device, *, keep_graph: bool = False):
     """A group's steps, each a micro-batch of its own (module doc): a block's forward
     without grad, recording its K/V leaves; a suffix reading its stack's leaves; the block's
     ``"backward"`` step its forward again with grad (``record_last``: its own rows read their
@@ -267,12 +266,19 @@ def _step_table(schedule: GroupSchedule, chunks: int, token_loss: TokenLoss, out
     loss. Megatron's schedule runs the backwards in micro-batch order on every stage, and a
     block's backward step comes after its last reader's: so every reader's gradient is in its
     leaves when its backward reads them, and its own backward accumulates into the leaves of
-    the blocks it reads, whose backward steps come later."""
+    the blocks it reads, whose backward steps come later.
+
+    ``keep_graph`` (one stage only: nothing is sent between stages): a block's forward runs
+    with grad and keeps its graph, its positions scored then; its backward step computes
+    nothing, its loss the block's loss plus :meth:`~.prefix_kv.PrefixKV.gradient_term`, so
+    megatron's backward of that step is the block's backward, with every reader's dK/dV."""
     stores: list[dict[int, PrefixKV]] = [{} for _ in range(chunks)]  # per chunk: live blocks
+    kept: dict[tuple[int, int], torch.Tensor] = {}  # keep_graph: (chunk, block) -> its loss
     peak = [0]
     run = _Run(max(p.input_ids.numel() for p in [*(b.plan for b in schedule.blocks),
                                                    *(s.plan for s in schedule.suffixes)]),
-               sum(b.length for b in schedule.blocks), lambda: peak[0])
+               0 if keep_graph else sum(b.length for b in schedule.blocks), lambda: peak[0])
+    cp_size = context_parallel_size()
 
     def forward_step(data_iterator, chunk):
         c, (kind, i) = next(data_iterator)
@@ -295,14 +301,21 @@ def _step_table(schedule: GroupSchedule, chunks: int, token_loss: TokenLoss, out
         else:
             peak[0] = max(peak[0], sum(kv.held_bytes() for chunk_stores in stores
                                        for kv in chunk_stores.values()))
+        if kind == "backward" and keep_graph:
+            # megatron's schedule scales a micro-batch's loss by the CP size; the readers'
+            # dK/dV already are
+            loss = kept.pop((c, i)) + live.pop(i).gradient_term() / cp_size
+            return loss, lambda output: (scaled(output), {})
         for r in block.reads:
             live[r].mode = "read"
         live[i].mode = "record" if kind == "forward" else "record_last"
         prefix = PrefixPass(schedule, PrefixKVStack([live[r] for r in block.reads], live[i]),
                             backend, temperature, device, block=block)
         if kind == "forward":
-            with torch.no_grad():
+            with torch.set_grad_enabled(keep_graph):
                 output = _forward(chunk, prefix.params, prefix.cp)
+            if keep_graph:
+                kept[c, i] = prefix.score(output[0], token_loss, out)
             received = get_attr_wrapped_model(chunk, "decoder").input_tensor
             return (_without_gradient(output, received,
                                       get_attr_wrapped_model(chunk, "post_process")),
@@ -312,55 +325,6 @@ def _step_table(schedule: GroupSchedule, chunks: int, token_loss: TokenLoss, out
         return output, lambda output: (scaled(prefix.score(output[0], token_loss, out)), {})
 
     return list(schedule.steps), forward_step, run
-
-
-def _woven(schedule: GroupSchedule, chunks: int, token_loss: TokenLoss, out: Collector,
-           scaled: Callable[[torch.Tensor], torch.Tensor], backend: str, temperature: float,
-           device: torch.device):
-    """A group's suffix micro-batches at PP=1, its blocks woven into them
-    (:class:`~.cross_weave.BlockWeave`): each block's graph kept from the first micro-batch
-    after it to its last reader, whose loss adds the block's positions' loss and whose
-    backward (megatron's) is the block's, once, every reader's dK/dV read through."""
-    logits: dict[PrefixPass, Callable[[], torch.Tensor]] = {}  # a kept block's, asked for
-
-    def read_out(prefix: PrefixPass, output: torch.Tensor):
-        log_probs, entropy, rows = prefix.stats_of(output)
-        if out.keep_logits:
-            logits[prefix] = rows
-        shape = (prefix.num_sequences, prefix.prefix_len)
-        return log_probs.view(shape), entropy.view(shape)
-
-    weave = BlockWeave(schedule, read_out, checkpointed=False, backend=backend,
-                       temperature=temperature, device=device)
-    run = _Run(max(s.plan.input_ids.numel() for s in schedule.suffixes), 0,
-               lambda: weave.held_bytes)
-
-    def forward_step(data_iterator, chunk):
-        _, index = next(data_iterator)
-        suffix = schedule.suffixes[index]
-        stack = weave.open(chunk, index)
-        cp = slice_micro_batch(suffix.plan, suffix.tail_plan, suffix.plan.num_tokens_flat,
-                               device)
-        params = PlanPackedSeqParams.from_plan(suffix.plan.to(device), backend,
-                                               cp=cp and cp.attention, prefix_kv=stack,
-                                               routes=suffix_routes(suffix, device))
-        output = _forward(chunk, params, cp)
-        closing = weave.closing(index)
-        weave.done(index)
-
-        def loss_func(output: torch.Tensor):
-            loss = score_suffix(output[0], suffix, token_loss, out, temperature, cp)
-            for prefix, (log_probs, entropy) in closing:  # read through: its backward here
-                log_probs, entropy = log_probs.reshape(-1), entropy.reshape(-1)
-                block_loss = token_loss(log_probs, entropy, prefix.positions)
-                out.add(prefix.positions, log_probs, entropy, block_loss,
-                        logits.pop(prefix, None))
-                loss = loss + block_loss
-            return scaled(loss), {}
-
-        return output, loss_func
-
-    return list(range(len(schedule.suffixes))), forward_step, run
 
 
 def _forward(chunk: torch.nn.Module, params: PlanPackedSeqParams,

@@ -2,9 +2,9 @@
 
 The prefix micro-batch's core attention *records* each layer's keys and values; every suffix
 micro-batch's core attention *reads* them as leaves (detached tensors that require grad),
-before its own rows, so its backward accumulates dK/dV into the leaves' ``.grad``; the last
-suffix reads the recorded K/V *through* (below), so its backward sends those sums into the
-prefix's graph.
+before its own rows, so its backward accumulates dK/dV into the leaves' ``.grad``. After
+the group's last suffix, :meth:`PrefixKV.gradient_term` sends those sums into the prefix's
+graph, with its own positions' loss.
 
 A reader gets the stored K/V as key sources of their own (:meth:`PrefixKVPass.key_sources`):
 its attention reads them in place, all its query rows over the stored rows, merged by the
@@ -21,27 +21,26 @@ micro-batch's statistics count its samples' copies of the prefix tokens, as the 
 micro-batch of those samples does, and their gradients reach the prefix's router through the
 leaves.
 
-Each micro-batch runs its own backward (megatron's schedules, verl's engine), so the prefix
-has no backward of its own: the last suffix *reads through* (mode ``"read_last"``): it attends
-to the recorded K/V themselves, with the leaves' accumulated gradients added on the way back
-(:func:`read_through`), so that suffix's own backward runs the prefix's backward too, once,
-inside the same pass.
+A loop that runs each block's backward inside its last reader's (verl's engine, megatron's
+pipelined schedule) has no backward of its own for the prefix; there the last suffix
+*reads through* (mode ``"read_last"``): it attends to the recorded K/V themselves, with the
+leaves' accumulated gradients added on the way back (:func:`read_through`), so that suffix's own
+backward runs the prefix's backward too, once, inside the same pass.
 
 **Activation recompute.** Megatron's recompute (full: a chunk of layers; selective: core
 attention) runs a layer's first forward without grad and runs it again inside the backward,
 with the same ``packed_seq_params``. So each forward reads the store through its own
 :class:`PrefixKVPass` (built with its micro-batch's params, its mode fixed then), and a
 recomputed layer replays the mode of its first run, whatever micro-batch runs meanwhile. A
-recorded layer whose first run kept no graph cannot hand its K/V to a last reader: it records
-once (the first run's values; the replay records nothing) and its replay, which carries the
-graph, *injects* the leaves' accumulated gradients into its own K/V (:func:`read_through` on
-the replay's K/V); its readers, the last one included, read the leaves. The injection reads the
-leaves when the prefix's backward reaches that layer, so every reader's backward must have
-accumulated into them by then: in a block's backward step after its last reader's (the step
-table, :mod:`.cross_pipeline`), or in one backward with the last reader because autograd runs
-a graph's later nodes (the last reader's) before its earlier ones (the prefix's, recorded
-micro-batches before). A count of the readers still owing their gradient checks this at every
-injection.
+recorded layer whose first run kept no graph cannot hand its K/V to :meth:`PrefixKV.gradient_term`
+or to a last reader: it records once (the first run's values; the replay records nothing) and
+its replay, which carries the graph, *injects* the leaves' accumulated gradients into its own
+K/V (:func:`read_through` on the replay's K/V); its readers, the last one included, read the
+leaves. The injection reads the leaves when the prefix's backward reaches that layer, so every
+reader's backward must have accumulated into them by then: after the last suffix in the group
+driver; in one backward with the last reader (verl) because autograd runs a graph's later nodes
+(the last reader's) before its earlier ones (the prefix's, recorded micro-batches before). A
+count of the readers still owing their gradient checks this at every injection.
 """
 
 from __future__ import annotations
@@ -63,16 +62,16 @@ class PrefixKV:
         mode: the mode of the next forward bound to this store (:meth:`forward_pass`, which
             :class:`~.packed_seq.PlanPackedSeqParams` calls): ``"record"`` while the prefix
             micro-batch runs, ``"read"`` while a suffix runs, ``"read_last"`` while the last
-            suffix runs (it reads the recorded K/V through; see the module doc),
+            suffix runs in a loop with no backward of the prefix's own (see the module doc),
             ``"read_recorded"`` while a block whose backward runs in the same pass as this
             one's reads it (the recorded K/V themselves, no gradient added: verl's nested
-            groups, :mod:`prefix_sharing.verl_ext.cross_forward`), ``"record_last"`` while the
+            groups, :class:`~.cross_weave.BlockWeave`), ``"record_last"`` while the
             prefix runs again with grad after every reader's backward (its own rows read their
             recorded K/V with the leaves' gradients injected: the pipelined nested run,
             :mod:`.cross_pipeline`).
         leaves: ``layer_number -> (k, v)``, each ``[Lp, ng, hn]``, detached, requiring grad.
         outputs: ``layer_number -> (k, v)`` of the last recorded pass that kept its graph
-            there (not recomputed): what a last reader reads through.
+            there (not recomputed): the tensors :meth:`gradient_term` differentiates.
         router_leaves, router_outputs: ``layer_number -> [Lp, experts]`` router logits, as
             leaves and as recorded (MoE routers with batch statistics only).
         rows: the prefix's real rows ``Lp``: a prefix micro-batch padded for sequence
@@ -123,6 +122,19 @@ class PrefixKV:
         tensors += list(self.router_leaves.values())
         grads = [t.grad for t in tensors if t.grad is not None]
         return sum(t.numel() * t.element_size() for t in tensors + grads)
+
+    def gradient_term(self) -> torch.Tensor:
+        """A scalar whose gradient with respect to each recorded K/V (and router logits) of
+        the pass that kept its graph is that leaf's accumulated gradient: added to a loss of
+        that pass, its backward carries every reader's dK/dV into the pass, inside the same
+        backward (its value means nothing; at least fp32). A recomputed layer's gradients enter through
+        its replay instead (see the module doc)."""
+        pairs = [pair for layer, outs in self.outputs.items()
+                 for pair in zip(outs, self.leaves[layer])]
+        pairs += [(out, self.router_leaves[layer]) for layer, out in self.router_outputs.items()]
+        terms = [_term(out, leaf.grad) for out, leaf in pairs
+                 if leaf.grad is not None and out.requires_grad]
+        return sum(terms, torch.zeros((), device=next(iter(self.leaves.values()))[0].device))
 
     def _leaf(self, key: tuple[int, str], recorded: torch.Tensor) -> torch.Tensor:
         leaf = recorded.detach().requires_grad_(True)
@@ -305,6 +317,13 @@ def in_front(sources: list[KV], key: torch.Tensor,
         return key, value
     return (torch.cat([*(k for k, _ in sources), key]),
             torch.cat([*(v for _, v in sources), value]))
+
+
+def _term(recorded: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``sum(recorded * grad)`` in at least fp32: its gradient with respect to ``recorded`` is
+    ``grad``, exactly."""
+    dtype = torch.promote_types(recorded.dtype, torch.float32)
+    return (recorded.to(dtype) * grad.to(dtype)).sum()
 
 
 def read_through(recorded: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:

@@ -85,14 +85,17 @@ def _job(rank: int) -> dict:
 
 
 def _dropped_dkv(model, seqs, reference) -> object:
-    """The control: the earlier suffixes' dK/dV never reach the prefix (the last suffix reads
-    the recorded K/V without adding what the leaves accumulated; its own loss still does)."""
+    """The control: the suffixes' dK/dV never reach the prefix (its own loss still does)."""
     from prefix_sharing.engines.cross_micro_batch import forward_backward_cross
     from prefix_sharing.engines.megatron import compare
-    from prefix_sharing.megatron_ext import prefix_kv
+    from prefix_sharing.megatron_ext.prefix_kv import PrefixKV
 
-    with mock.patch.object(prefix_kv, "read_through", lambda recorded, leaf: recorded):
+    term = PrefixKV.gradient_term
+    PrefixKV.gradient_term = lambda self: term(self) * 0
+    try:
         return compare(forward_backward_cross(model, seqs, BUDGET, CONFIG).run, reference)
+    finally:
+        PrefixKV.gradient_term = term
 
 
 def _two_groups(model) -> dict:

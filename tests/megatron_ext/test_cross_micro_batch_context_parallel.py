@@ -55,20 +55,22 @@ def _readers_on_other_ranks_dropped():
     readers' gradients of those rows are dropped before the reduce-scatter)."""
     from megatron.core import parallel_state
 
-    from prefix_sharing.megatron_ext import prefix_kv
+    from prefix_sharing.megatron_ext.prefix_kv import PrefixKV
 
-    def own_rows_only(recorded, leaf):  # read through, this rank's rows of the leaves' only
-        if not recorded.requires_grad:
-            return recorded
+    term = PrefixKV.gradient_term
+
+    def own_rows_only(self):
         rank = parallel_state.get_context_parallel_rank()
-        per_rank = -(-leaf.size(0) // 2)  # the block's rows, padded to a multiple of CP = 2
-        keep = torch.zeros(leaf.size(0), *[1] * (leaf.dim() - 1))
-        keep[rank * per_rank:(rank + 1) * per_rank] = 1
-        used = recorded.view_as(recorded)
-        used.register_hook(lambda grad: grad if leaf.grad is None else grad + leaf.grad * keep)
-        return used
+        per_rank = -(-self.rows // 2)  # the block's rows, padded to a multiple of CP = 2
+        for leaves in self.leaves.values():
+            for leaf in leaves:
+                if leaf.grad is not None:
+                    keep = torch.zeros_like(leaf.grad)
+                    keep[rank * per_rank:(rank + 1) * per_rank] = 1
+                    leaf.grad.mul_(keep)
+        return term(self)
 
-    with mock.patch.object(prefix_kv, "read_through", own_rows_only):
+    with mock.patch.object(PrefixKV, "gradient_term", own_rows_only):
         yield
 
 

@@ -14,8 +14,6 @@ on the chunked prefix.
 
 from __future__ import annotations
 
-from unittest import mock
-
 import pytest
 import torch
 
@@ -72,22 +70,22 @@ def _job(rank: int) -> dict:
 def _dropped_first_chunk(model, seqs) -> dict:
     """The control: the first chunk's backward runs without the dK/dV its readers (the later
     chunks and every suffix) accumulated in its leaves (its own loss still reaches it)."""
+    from prefix_sharing.cross_micro_batch import plan_group
     from prefix_sharing.engines.cross_micro_batch import forward_backward_cross
-    from prefix_sharing.megatron_ext import cross_weave, prefix_kv
+    from prefix_sharing.megatron_ext.prefix_kv import PrefixKV
 
-    stores, block_store, read_through = [], cross_weave.block_store, prefix_kv.read_through
+    term, calls = PrefixKV.gradient_term, []
+    blocks = len(plan_group(seqs, CHUNKED, CONFIG).blocks)
 
-    def recorded_store(*args):
-        stores.append(block_store(*args))
-        return stores[-1]
+    def skipping_the_last(self):  # blocks close in reverse: chunk 0 last
+        calls.append(self)
+        return term(self) * (len(calls) < blocks)
 
-    def dropped_for_chunk_0(recorded, leaf):
-        first = [t for kv in stores[0].leaves.values() for t in kv]
-        return recorded if any(leaf is t for t in first) else read_through(recorded, leaf)
-
-    with (mock.patch.object(cross_weave, "block_store", recorded_store),
-          mock.patch.object(prefix_kv, "read_through", dropped_for_chunk_0)):
+    PrefixKV.gradient_term = skipping_the_last
+    try:
         cross = forward_backward_cross(model, seqs, CHUNKED, CONFIG)
+    finally:
+        PrefixKV.gradient_term = term
     return _judged(cross, tiny_gpt, seqs)
 
 
@@ -114,12 +112,7 @@ def test_a_prefix_of_four_budgets_in_chunks_equals_the_plain_batch(report, mode)
     assert figures["recomputed_tokens"] == recomputed
     # the deepest stack's leaves and gradients (every chunk's, and a sub-tree's)
     (rows,) = run["held_rows"]
-    bound = _kv_bytes(PRESET, rows)
-    assert rows > 113
-    if mode == "recomputed":  # counted at a block's backward step: every leaf has its gradient
-        assert figures["held_bytes"] == bound
-    else:  # woven: a block read only by its last reader (read through) keeps no gradient
-        assert bound // 2 + _kv_bytes(PRESET, 113) // 2 <= figures["held_bytes"] <= bound
+    assert rows > 113 and figures["held_bytes"] == _kv_bytes(PRESET, rows)
 
 
 def test_a_two_level_tree_computes_every_prefix_once(report):
@@ -209,6 +202,4 @@ def test_tensor_parallel_2_with_sequence_parallelism_on_a_chunked_prefix():
         assert all(rows % 2 == 0 for rows in run["rows"]), run["rows"]
         assert [reads for _, reads, _ in run["blocks"][0][:4]] == [(), (0,), (0, 1), (0, 1, 2)]
         assert run["figures"]["tokens_computed"] == run["figures"]["tokens_unique"]
-        # the deepest stack's leaves, and the gradients of those read before their last reader
-        bound = _kv_bytes(PRESET, run["held_rows"][0], tp=2)
-        assert bound // 2 < run["figures"]["held_bytes"] <= bound
+        assert run["figures"]["held_bytes"] == _kv_bytes(PRESET, run["held_rows"][0], tp=2)

@@ -29,17 +29,8 @@ def test_readers_gradients_reach_the_recorded_pass_as_one_graph_would():
         assert key.shape == (6, 3)
         ((key ** 2).sum() + value.sin().sum()).backward()
     assert store.held_bytes() == 4 * k.numel() * k.element_size()  # K, V and their grads
-    _backward_of_the_recorded_pass(store, k.sum())
+    (store.gradient_term() + k.sum()).backward()
     torch.testing.assert_close(w.grad, expected, rtol=1e-12, atol=1e-12)
-
-
-def _backward_of_the_recorded_pass(store: PrefixKV, *losses: torch.Tensor) -> None:
-    """The recorded pass's backward with the leaves' accumulated gradients as the incoming
-    gradients of its recorded K/V (what a block's backward step gives it), plus ``losses``."""
-    pairs = [(out, leaf.grad) for layer, outs in store.outputs.items()
-             for out, leaf in zip(outs, store.leaves[layer]) if leaf.grad is not None]
-    torch.autograd.backward([*losses, *(out for out, _ in pairs)],
-                            [*(None for _ in losses), *(grad for _, grad in pairs)])
 
 
 def test_a_recompute_keeps_the_leaves_and_their_gradients():
@@ -53,19 +44,20 @@ def test_a_recompute_keeps_the_leaves_and_their_gradients():
     w = torch.ones(1, requires_grad=True)
     store.exchange(1, torch.ones(2, 1) * w, torch.ones(2, 1) * w)
     assert store.leaves[1] is leaves and torch.equal(leaves[0].grad, torch.ones(2, 1))
-    _backward_of_the_recorded_pass(store)
+    store.gradient_term().backward()
     assert w.grad.item() == 2.0  # dK only (V was not read by the loss): one per prefix row
 
 
-def test_a_pass_without_a_graph_keeps_no_outputs():
-    """A recorded pass that kept no graph (recomputed layers) hands its readers' gradients over
-    in its replay: it keeps no outputs to read through."""
+def test_a_pass_without_a_graph_has_no_gradient_term():
+    """A recorded pass that kept no graph (recomputed layers) hands its gradients over in its
+    replay, not through the term."""
     store = PrefixKV()
     with torch.no_grad():
         store.exchange(1, torch.ones(2, 1), torch.ones(2, 1))
     store.mode = "read"
     store.exchange(1, torch.zeros(1, 1), torch.zeros(1, 1))[0].sum().backward()
-    assert store.outputs == {} and store.leaves[1][0].grad is not None
+    term = store.gradient_term()
+    assert term.item() == 0.0 and not term.requires_grad
 
 
 def test_the_last_reader_reads_through_and_one_backward_per_reader_equals_one_graph():
