@@ -94,10 +94,9 @@ def select_statistics(recorded: Statistics, leaves: Statistics, rows: torch.Tens
 
 @dataclasses.dataclass
 class _Block:
-    """A live block: its pass, its K/V store and its members' read-outs at its positions, as
-    recorded (in its graph) and as leaves."""
+    """A live block: its K/V store and its members' read-outs at its positions, as recorded
+    (in its graph) and as leaves."""
 
-    prefix: PrefixPass
     kv: PrefixKV
     members: tuple[int, ...]
     recorded: Statistics
@@ -153,12 +152,6 @@ class BlockWeave:
         return tuple(None if parts[0] is None else torch.cat(parts, dim=1)
                      for parts in zip(*heads))
 
-    def closing(self, index: int) -> list[tuple[PrefixPass, Statistics]]:
-        """The passes and recorded read-outs of the blocks whose last reader is suffix
-        micro-batch ``index``."""
-        return [(self.blocks[r].prefix, self.blocks[r].recorded)
-                for r in self.schedule.suffixes[index].reads if self.close[r] == index]
-
     def done(self, index: int) -> None:
         """After suffix micro-batch ``index``'s forward: counts the K/V held, and drops the
         blocks it closes (its graph holds what its backward needs)."""
@@ -196,4 +189,4 @@ class BlockWeave:
             recorded = checkpoint(forward, use_reentrant=False, preserve_rng_state=False)
         else:
             recorded = forward()
-        return _Block(prefix, own, block.members, recorded, leaves_of(recorded))
+        return _Block(own, block.members, recorded, leaves_of(recorded))
