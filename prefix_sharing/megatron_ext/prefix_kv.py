@@ -127,14 +127,14 @@ class PrefixKV:
         """A scalar whose gradient with respect to each recorded K/V (and router logits) of
         the pass that kept its graph is that leaf's accumulated gradient: added to a loss of
         that pass, its backward carries every reader's dK/dV into the pass, inside the same
-        backward (its value means nothing; at least fp32). A recomputed layer's gradients enter through
-        its replay instead (see the module doc)."""
+        backward (its value means nothing; at least fp32). A recomputed layer's gradients
+        enter through its replay instead (see the module doc)."""
         pairs = [pair for layer, outs in self.outputs.items()
                  for pair in zip(outs, self.leaves[layer])]
         pairs += [(out, self.router_leaves[layer]) for layer, out in self.router_outputs.items()]
         terms = [_term(out, leaf.grad) for out, leaf in pairs
                  if leaf.grad is not None and out.requires_grad]
-        return sum(terms, torch.zeros((), device=next(iter(self.leaves.values()))[0].device))
+        return sum(terms, torch.zeros(()))  # a 0-dim CPU start adds to a term on any device
 
     def _leaf(self, key: tuple[int, str], recorded: torch.Tensor) -> torch.Tensor:
         leaf = recorded.detach().requires_grad_(True)
