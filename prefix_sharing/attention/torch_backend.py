@@ -136,10 +136,12 @@ def _attend_with_sinks(
 # aten's CPU flash kernel returns the log-sum-exp and its backward takes the output and the
 # log-sum-exp it is given: the contract the merge over key sources needs (each part's backward
 # is run with the *merged* output and log-sum-exp, as ring attention does). Its mask is
-# additive in q's dtype, and it takes one head count and one head dim for q, k and v: GQA is
-# expanded here, and a smaller value head dim (multi-latent attention) zero-padded to the
-# query's, the output trimmed back (the padded channels are sums of zeros; in the backward
-# their output gradient is zero, so they change nothing).
+# additive in q's dtype, and it takes one head count and one head dim for q, k and v. GQA runs
+# as a batch: the ``group`` query heads of each key head are the kernel's batch dimension over
+# the same key heads, expanded along it with stride 0 (no copy of K/V; the kernel reads
+# strides), and their key gradients summed in float32. A smaller value head dim (multi-latent
+# attention) is zero-padded to the query's, the output trimmed back (the padded channels are
+# sums of zeros; in the backward their output gradient is zero, so they change nothing).
 
 
 def attention_lse_torch(
@@ -180,11 +182,12 @@ def attention_lse_torch(
     lse = torch.empty(q.size(1), q.size(0), dtype=lse_dtype, device=q.device)
     for qs, qe, ks, ke in _segments(bounds_q, bounds_k):
         qi, ki, vi, mask, is_causal = _segment_inputs(q, k, v, qs, qe, ks, ke, causal, window)
-        # [1, h, s, d] each; the kernel's lse is [1, h, s]
+        # [group, hk, s, d] each; the kernel's lse is [group, hk, s]
         oi, li = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             qi, ki, vi, 0.0, is_causal, attn_mask=mask, scale=softmax_scale)
-        out[qs:qe] = oi[0, ..., : v.size(-1)].transpose(0, 1)
-        lse[:, qs:qe] = li[0]
+        heads_k = k.size(1)
+        _to_kernel(out[qs:qe], heads_k).copy_(oi[..., : v.size(-1)])
+        lse[:, qs:qe].view(heads_k, -1, qe - qs).transpose(0, 1).copy_(li)
     return out, lse
 
 
@@ -215,21 +218,21 @@ def attention_lse_backward_torch(
     del max_seqlen_q, max_seqlen_k
     bounds_q = host_boundaries(cu_seqlens_q, cu_seqlens_q_host)
     bounds_k = host_boundaries(cu_seqlens_k, cu_seqlens_k_host)
-    group = q.size(1) // k.size(1)
+    heads_k = k.size(1)
     dq = torch.zeros_like(q)
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     kernel_lse = torch.float64 if q.dtype == torch.float64 else torch.float32
     for qs, qe, ks, ke in _segments(bounds_q, bounds_k):
         qi, ki, vi, mask, is_causal = _segment_inputs(q, k, v, qs, qe, ks, ke, causal, window)
+        lse_i = lse[:, qs:qe].to(kernel_lse).view(heads_k, -1, qe - qs).transpose(0, 1)
         gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            _pad_value(dout[qs:qe], q.size(-1)).transpose(0, 1).unsqueeze(0), qi, ki, vi,
-            _pad_value(out[qs:qe], q.size(-1)).transpose(0, 1).unsqueeze(0),
-            lse[:, qs:qe].to(kernel_lse).unsqueeze(0), 0.0, is_causal, attn_mask=mask,
-            scale=softmax_scale)
-        dq[qs:qe] = gq[0].transpose(0, 1)
-        # [1, h, L, d] -> [L, hk, group, d]: the query heads of one key head summed in fp32
-        dk[ks:ke] = _sum_groups(gk[0], group).to(k.dtype)
-        dv[ks:ke] = _sum_groups(gv[0, ..., : v.size(-1)], group).to(v.dtype)
+            _to_kernel(_pad_value(dout[qs:qe], q.size(-1)), heads_k), qi, ki, vi,
+            _to_kernel(_pad_value(out[qs:qe], q.size(-1)), heads_k), lse_i, 0.0, is_causal,
+            attn_mask=mask, scale=softmax_scale)
+        _to_kernel(dq[qs:qe], heads_k).copy_(gq)
+        # [group, hk, L, d] -> [L, hk, d]: the query heads of one key head summed in fp32
+        dk[ks:ke] = _sum_groups(gk).to(k.dtype)
+        dv[ks:ke] = _sum_groups(gv[..., : v.size(-1)]).to(v.dtype)
     return dq, dk, dv
 
 
@@ -242,14 +245,14 @@ def _segments(bounds_q: Sequence[int], bounds_k: Sequence[int]):
 
 
 def _segment_inputs(q, k, v, qs, qe, ks, ke, causal, window):
-    """One segment as the CPU kernel takes it: ``[1, h, s, d]`` views, keys expanded to the
-    query heads, and the mask (None where ``is_causal`` or no mask says it all)."""
+    """One segment as the CPU kernel takes it: q as ``[group, hk, s, d]`` (a view), K/V as
+    ``[group, hk, L, d]`` expanded along the batch dimension (stride 0, no copy), and the mask
+    (None where ``is_causal`` or no mask says it all)."""
     s, L = qe - qs, ke - ks
-    group = q.size(1) // k.size(1)
-    qi = q[qs:qe].transpose(0, 1).unsqueeze(0)  # [s, h, d] -> [1, h, s, d]
-    ki = k[ks:ke].repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
-    vi = _pad_value(v[ks:ke], q.size(-1)).repeat_interleave(group, dim=1).transpose(0, 1)
-    vi = vi.unsqueeze(0)
+    heads_k, group = k.size(1), q.size(1) // k.size(1)
+    qi = _to_kernel(q[qs:qe], heads_k)
+    ki = k[ks:ke].transpose(0, 1).unsqueeze(0).expand(group, -1, -1, -1)
+    vi = _pad_value(v[ks:ke], q.size(-1)).transpose(0, 1).unsqueeze(0).expand(group, -1, -1, -1)
     if not causal:
         return qi, ki, vi, None, False
     if s == L and window is None:
@@ -259,13 +262,20 @@ def _segment_inputs(q, k, v, qs, qe, ks, ke, causal, window):
     return qi, ki, vi, mask, False
 
 
+def _to_kernel(x: torch.Tensor, heads_k: int) -> torch.Tensor:
+    """``[s, h, d] -> [group, hk, s, d]``, a view (written through where the kernel's results
+    are copied in): query head ``h = j * group + g`` reads key head ``j``, as grouped-query
+    attention pairs them."""
+    s, h, d = x.shape
+    return x.view(s, heads_k, h // heads_k, d).permute(2, 1, 0, 3)
+
+
 def _pad_value(x: torch.Tensor, head_dim: int) -> torch.Tensor:
     """``[n, h, dv] -> [n, h, head_dim]`` with zeros (``dv <= head_dim``)."""
     return x if x.size(-1) == head_dim else F.pad(x, (0, head_dim - x.size(-1)))
 
 
-def _sum_groups(grad: torch.Tensor, group: int) -> torch.Tensor:
-    """``[h, L, d]`` per query head -> ``[L, hk, d]`` per key head (fp32 sum over a group)."""
-    h, L, d = grad.shape
+def _sum_groups(grad: torch.Tensor) -> torch.Tensor:
+    """``[group, hk, L, d]`` per query head -> ``[L, hk, d]`` per key head (summed in fp32)."""
     summed = grad.float() if grad.dtype != torch.float64 else grad
-    return summed.reshape(h // group, group, L, d).sum(1).transpose(0, 1)
+    return summed.sum(0).transpose(0, 1)
