@@ -408,18 +408,25 @@ FOUR_LAYERS = dataclasses.replace(PRESET, num_layers=4)
 P2P = dict(overlap_p2p_comm=True, batch_p2p_comm=False)  # megatron's setting under VPP
 
 
+# name -> (budget, the name of a control or None)
+INTERLEAVED_RUNS = {
+    "cross": (BUDGET, None), "never_reads_through": (BUDGET, "never_reads_through"),
+    # the prompt in two chunks: each step a micro-batch of its own
+    "nested": (NESTED, None), "never_injected": (NESTED, "never_injected")}
+
+
 def _interleaved_job(rank: int) -> dict:
-    """At PP=2 x VPP=2 (a layer per model chunk): the group under the 84-token budget and the
-    control that never reads through, each against megatron's stock step through its
-    interleaved schedule on the same split (fp32 and float64)."""
+    """At PP=2 x VPP=2 (a layer per model chunk): each of :data:`INTERLEAVED_RUNS` against
+    megatron's stock step through its interleaved schedule on the same split (fp32 and
+    float64)."""
     from prefix_sharing.engines.cross_micro_batch import forward_backward_cross
     from prefix_sharing.engines.megatron import compare, forward_backward, model_chunks
 
     seqs = _group()
     report = {}
-    for name in ("cross", "never_reads_through"):
-        with CONTROLS[name]() if name in CONTROLS else contextlib.nullcontext():
-            cross = forward_backward_cross(model_chunks(FOUR_LAYERS, **P2P), seqs, BUDGET,
+    for name, (budget, control) in INTERLEAVED_RUNS.items():
+        with CONTROLS[control]() if control else contextlib.nullcontext():
+            cross = forward_backward_cross(model_chunks(FOUR_LAYERS, **P2P), seqs, budget,
                                            CONFIG)
         batches = [[seqs[i] for i in members] for members in cross.plain_split]
         plain, reference = (forward_backward(model_chunks(FOUR_LAYERS, dtype=dtype, **P2P),
@@ -435,12 +442,17 @@ def _interleaved_job(rank: int) -> dict:
     return report
 
 
-def test_interleaved_stages_equal_the_stock_step_on_every_chunk():
+@pytest.fixture(scope="module")
+def interleaved_stages() -> list[dict]:
+    return run_distributed(_interleaved_job, 2, pp=2, vpp=2, timeout=900)
+
+
+def test_interleaved_stages_equal_the_stock_step_on_every_chunk(interleaved_stages):
     """Every chunk of both ranks carries the prompt rows of its own layers in the first and
     last suffix (megatron's interleaved schedule keeps each chunk's forwards and backwards in
     micro-batch order): the last stage's outputs and every chunk's gradients pass the float64
     verdict and are within 1e-5 of the plain fp32 run; the control fails on the gradients."""
-    first, last = run_distributed(_interleaved_job, 2, pp=2, vpp=2, timeout=900)
+    first, last = interleaved_stages
     assert first["cross"]["outputs"] == 0 and last["cross"]["outputs"] >= 1
     for stage in (first, last):
         assert_exact(stage["cross"])
@@ -450,3 +462,18 @@ def test_interleaved_stages_equal_the_stock_step_on_every_chunk():
         assert figures["recomputed_tokens"] == prefix_len and figures["num_micro_batches"] == 5
         assert "a group run in 1 micro-batch(es) under interleaved pipeline stages" in stage[
             "one_suffix_error"]
+
+
+def test_a_nested_schedule_under_interleaved_stages(interleaved_stages):
+    """The prompt in two chunks at PP=2 x VPP=2: every step a micro-batch of megatron's
+    interleaved schedule, each chunk's blocks computed again in their backward steps with
+    their readers' gradients injected: exact on every chunk of both ranks; the control whose
+    backward steps inject nothing fails on the gradients."""
+    first, last = interleaved_stages
+    assert first["nested"]["outputs"] == 0 and last["nested"]["outputs"] >= 1
+    for stage in (first, last):
+        assert_exact(stage["nested"])
+        figures = stage["nested"]["figures"]
+        assert figures["num_shared_blocks"] == 2
+        assert figures["recomputed_tokens"] == sum(figures["prefix_lens"]) == 41
+        _assert_gradients_fail(stage["never_injected"])
