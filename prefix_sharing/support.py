@@ -316,8 +316,9 @@ CROSS_MATRIX: dict[str, dict[str, Cell]] = {
                                     "takes the ordinary split)"),
     },
     "interleaved (virtual) pipeline stages": {
-        "megatron-core": works(_MX + "test_cross_micro_batch_pipeline.py", note="PP=2 x VPP=2"),
-        "verl-megatron": works(_VX + "test_cross_pipeline.py", note="PP=2 x VPP=2"),
+        "megatron-core": works(_MX + "test_cross_micro_batch_pipeline.py",
+                               note="PP=2 x VPP=2, one level and nested"),
+        "verl-megatron": works(_VX + "test_cross_pipeline.py", note="PP=2 x VPP=2, one level"),
     },
     "activation recompute (full, selective)": {
         "megatron-core": works(_MX + "test_cross_micro_batch_settings.py",
