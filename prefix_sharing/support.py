@@ -208,7 +208,7 @@ MATRIX: dict[str, dict[str, Cell]] = {
                                _VX + "test_cross_pipeline.py",
                                note="PP=2 (x TP=2, x CP=2, x VPP=2), one level; CP=2 (x TP=2); "
                                     "MoE and routing replay at PP=2, MoE at CP=2; "
-                                    "nested: dense, CP=1, PP=1, no recompute"),
+                                    "nested: PP=1 (x TP=2, x CP=2, MoE, replay), no recompute"),
         "verl-fsdp": refused("verl.cross_micro_batch.engine"),
         "hf-fsdp": NOT_OFFERED,
         "megatron-lm": Cell("not offered", note="not wired"),
@@ -292,9 +292,10 @@ CROSS_MATRIX: dict[str, dict[str, Cell]] = {
         "megatron-core": works(_MX + "test_cross_micro_batch_nested.py",
                                _MX + "test_cross_micro_batch_pipeline.py",
                                note="PP=1; PP=2 (each step a micro-batch)"),
-        "verl-megatron": works(_VX + "test_cross_nested.py",
-                               note="dense, CP=1, PP=1, no recompute; other groups take the "
-                                    "ordinary split (metric cross_groups_unnested)"),
+        "verl-megatron": works(_VX + "test_cross_nested.py", _VX + "test_cross_replay.py",
+                               note="PP=1; TP=2, CP=2, windows, MoE, routing replay; not under "
+                                    "activation recompute: there, and under PP, such groups "
+                                    "take the ordinary split (metric cross_groups_unnested)"),
     },
     "TP, sequence parallelism": {
         "megatron-core": works(_MX + "test_cross_micro_batch.py",

@@ -4,7 +4,8 @@ chunks, and a two-level tree whose branches do not fit beside their shared part,
 part computed once (:mod:`prefix_sharing.verl_ext.cross_forward`). ``infer_batch`` (log-probs,
 entropy) and ``forward_backward_batch`` (verl's ``ppo_loss``, every gradient) equal verl's
 stock step with the feature off on the same weights (fp32, one process; with a sliding window
-too, and at TP=2 with sequence parallelism on two processes).
+too, at TP=2 with sequence parallelism and at CP=2 on two processes); with the MoE router's
+statistics, verl's stock step forced onto the same split.
 
 Batches: ``chunks``, 2 agent tasks of 3 episodes (59-65 tokens, common prefixes of 34 and 36)
 under a budget of 30: each prefix in 2 chunks, the first task's longest episode a one-member
@@ -205,25 +206,119 @@ def test_groups_nest_under_windows_and_tensor_parallelism(setting_results, setti
     {"recompute_granularity": "full"}, {"num_moe_experts": 4}, {"context_parallel_size": 2},
     {"pipeline_model_parallel_size": 2}])  # one level under PP: test_cross_pipeline.py
 def test_groups_nest_only_on_the_settings_tested_here(setting):
-    """Elsewhere a group that does not fit one level is cut by the ordinary split, as before."""
+    """Under activation recompute and pipeline parallelism a group that does not fit one level
+    is cut by the ordinary split, as before; with windows, TP, CP and MoE it nests."""
     from types import SimpleNamespace
-    from unittest import mock
-
-    from megatron.core import parallel_state
 
     from prefix_sharing.verl_ext.cross_forward import nested_problem
 
-    setting = dict(setting)
-    tp = setting.pop("tensor_model_parallel_size", 1)
-    cp = setting.pop("context_parallel_size", 1)
     config = SimpleNamespace(**{"recompute_granularity": None, "num_moe_experts": None,
                                 "window_size": None, **setting})
-    with mock.patch.object(parallel_state, "get_tensor_model_parallel_world_size",
-                           return_value=tp), \
-            mock.patch.object(parallel_state, "get_context_parallel_world_size", return_value=cp):
-        problem = nested_problem(config)
-    if set(setting) <= {"window_size"} and cp == 1:  # windows and TP nest
+    problem = nested_problem(config)
+    cut = {"recompute_granularity", "pipeline_model_parallel_size"} & set(setting)
+    if not cut:
         assert problem is None
     else:  # the reason names the setting (the engine's warning says it)
-        name = next(iter(setting), "context_parallel_size")
-        assert name in problem, problem
+        assert next(iter(cut)) in problem, problem
+
+
+def moe_steps(rank: int) -> dict:
+    """The tiny MoE preset (its aux, seq-aux, global-aux losses and z-loss) on ``chunks`` and
+    ``tree``: the nested cross step, then verl's stock step forced onto the split the cross
+    step used (the router statistics are each micro-batch's own), then the control whose
+    micro-batches keep statistics over the rows they compute (each block counted once, where
+    it opens) instead of over their plain micro-batches'."""
+    from unittest import mock
+
+    import verl.workers.engine.utils as engine_utils
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from prefix_sharing.megatron_ext.moe import PrefixSharingRouter
+    from prefix_sharing.presets import PRESETS, sharp
+    from tests.verl_ext.test_cross_forward import same_split
+
+    use_cpu_platform()
+    preset = sharp(PRESETS["tiny-moe"])
+    planned = engine_utils.rearrange_micro_batches
+
+    def computed_rows(self, logits, padding_mask):
+        return TopKRouter.routing(self, logits, padding_mask=padding_mask)
+
+    results = {}
+    for name in BATCHES:
+        recorded, replayed = same_split(planned)
+        for mode in ("cross", "off", "control"):
+            split = {"cross": recorded, "off": replayed, "control": planned}[mode]
+            config = actor_config(None if mode == "off" else CROSS)
+            engine = build_engine(config, preset=preset,
+                                  spec=dict(num_experts=preset.num_experts,
+                                            normalization="RMSNorm"))
+            wrong = (mock.patch.object(PrefixSharingRouter, "_routing_across_micro_batches",
+                                       computed_rows)
+                     if mode == "control" else contextlib.nullcontext())
+            results[name, mode] = step(
+                engine, config, partial(batch, name, STOCK_BUDGET if mode == "off" else None),
+                _together(mock.patch.object(engine_utils, "rearrange_micro_batches", split),
+                          wrong))
+    return results
+
+
+@pytest.fixture(scope="module")
+def moe_results():
+    return run_distributed(moe_steps, 1, timeout=900)[0]
+
+
+@pytest.mark.parametrize("name", BATCHES)
+def test_moe_router_statistics_nest_as_verls_stock_step_on_the_same_split(moe_results, name):
+    same_outputs(moe_results[name, "cross"], moe_results[name, "off"], f"moe {name}")
+    metrics = moe_results[name, "cross"]["train"]["metrics"]
+    assert metrics["prefix_sharing/groups_split"] == [0.0]
+    assert metrics["prefix_sharing/cross_recomputed_tokens"] == [
+        float(sum(b.length for s in schedules(name) for b in s.blocks))]
+    with pytest.raises(AssertionError, match="grad"):
+        same_outputs(moe_results[name, "control"], moe_results[name, "off"], f"moe {name} control")
+
+
+def context_parallel_steps(rank: int) -> dict:
+    """At ``context_parallel_size=2`` (verl's budget is ``max_token_len_per_gpu`` x CP: half
+    of each nested budget per GPU, the same schedules as at CP=1): the nested cross step,
+    every block and micro-batch split over the CP ranks, and on ``chunks`` the control whose
+    last readers drop the gradients the earlier ones accumulated (as :func:`steps`'); the
+    gradients averaged over CP as megatron's DDP does."""
+    from unittest import mock
+
+    from prefix_sharing.engines.megatron import finalize_context_parallel_grads
+    from prefix_sharing.megatron_ext import prefix_kv
+
+    use_cpu_platform()
+    drop = mock.patch.object(prefix_kv, "read_through", lambda recorded, leaf: recorded)
+    results = {}
+    for name, mode in [(name, "cross") for name in BATCHES] + [("chunks", "control")]:
+        config = actor_config(CROSS, megatron={"context_parallel_size": 2})
+        engine = build_engine(config)
+        results[name, mode] = step(engine, config, partial(batch, name, BATCHES[name][1] // 2),
+                                   drop if mode == "control" else None,
+                                   finalize=finalize_context_parallel_grads)
+    return results
+
+
+@pytest.fixture(scope="module")
+def context_parallel_results():
+    return run_distributed(context_parallel_steps, 2, cp=2, timeout=900)
+
+
+@pytest.mark.parametrize("name", BATCHES)
+def test_groups_nest_under_context_parallelism(context_parallel_results, results, name):
+    """Both CP ranks return every sample whole and, with the gradients averaged over CP,
+    equal verl's stock step at CP=1; the groups nested; the control fails."""
+    for rank, result in enumerate(context_parallel_results):
+        same_outputs(result[name, "cross"], results[name, "off"], f"cp2 {name} rank {rank}",
+                     per_micro_batch=False)
+        metrics = result[name, "cross"]["train"]["metrics"]
+        assert metrics["prefix_sharing/groups_split"] == [0.0]
+        assert metrics["prefix_sharing/cross_recomputed_tokens"] == [
+            float(sum(b.length for s in schedules(name) for b in s.blocks))]
+        if name == "chunks":
+            with pytest.raises(AssertionError, match="grad"):
+                same_outputs(result[name, "control"], results[name, "off"],
+                             f"cp2 control rank {rank}", per_micro_batch=False)

@@ -47,7 +47,7 @@ def _routes(batch, preset):
     from prefix_sharing import PrefixSharingConfig
     from prefix_sharing.routes import diverge_inside_shared_prefix, recorded_routes
 
-    sequences = list(batch(BUDGET)["input_ids"].unbind())
+    sequences = list(batch()["input_ids"].unbind())
     agree = recorded_routes(sequences, preset.num_layers, preset.moe_router_topk,
                             preset.num_experts)
     diverged, where = diverge_inside_shared_prefix(sequences, agree, preset.num_experts,
@@ -59,16 +59,18 @@ def _with_routes(batch, routes):
     import torch
     from verl.utils import tensordict_utils as tu
 
-    data = batch(BUDGET)
+    data = batch()
     if routes is not None:
         data["routed_experts"] = torch.nested.as_nested_tensor(routes, layout=torch.jagged)
     tu.assign_non_tensor(data, enable_routing_replay=True)
     return data
 
 
-def steps(rank: int, cases=CASES, layout: dict | None = None) -> dict:
+def steps(rank: int, cases=CASES, layout: dict | None = None, nested: str | None = None) -> dict:
     """Per case: the cross step (its splits recorded), then verl's stock step with the same
-    replay mode forced onto those splits; ``layout``: the engine's parallel settings."""
+    replay mode forced onto those splits; ``layout``: the engine's parallel settings;
+    ``nested``: instead of the agent batch under 80, a batch of ``test_cross_nested`` under
+    its budget (its groups nest)."""
     from tests.verl_ext._batch import plain_output, use_cpu_platform
 
     use_cpu_platform()  # before verl's router replay module takes its device name
@@ -78,8 +80,11 @@ def steps(rank: int, cases=CASES, layout: dict | None = None) -> dict:
 
     from prefix_sharing.presets import PRESETS
     from tests.verl_ext._engine import actor_config, build_engine
+    from tests.verl_ext import test_cross_nested
 
     preset = PRESETS["tiny-moe"]  # its own weights (module doc)
+    batch = (partial(batch, BUDGET) if nested is None
+             else partial(test_cross_nested.batch, nested))
     routes, where = _routes(batch, preset)
     planned = engine_utils.rearrange_micro_batches
     results = {"diverged_at": where}
@@ -161,3 +166,20 @@ def test_a_diverging_route_ends_the_group_prefix_and_tokens_alone_fail(results):
     with pytest.raises(AssertionError, match="relative error"):
         same_outputs(results["R3", "tokens_only", "cross"], results["R3", "tokens_only", "off"],
                      "tokens only")
+
+
+def test_replay_in_nested_groups_equals_verls_stock_replay_on_the_same_split():
+    """R3 on ``test_cross_nested``'s ``chunks`` batch under its budget of 30 (each group's
+    prefix in two chunks, a sub-tree block): every block replays its rows' routes, each
+    micro-batch its tails'; with agreeing and diverging routes equal to verl's stock replay on
+    the same split, and cut on tokens alone fails."""
+    cases = (("R3", "agree"), ("R3", "diverge"), ("R3", "tokens_only"))
+    (results,) = run_distributed(steps, 1, cases, None, "chunks", timeout=900)
+    for case in cases[:2]:
+        metrics = results[case + ("cross",)]["train"]["metrics"]
+        assert metrics["prefix_sharing/groups_split"] == [0.0]
+        assert metrics["prefix_sharing/cross_recomputed_tokens"][0] > 0  # nested: recomputed
+        same_outputs(results[case + ("cross",)], results[case + ("off",)], f"nested {case}")
+    with pytest.raises(AssertionError, match="relative error"):
+        same_outputs(results["R3", "tokens_only", "cross"], results["R3", "tokens_only", "off"],
+                     "nested tokens only")
