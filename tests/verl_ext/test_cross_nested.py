@@ -133,6 +133,15 @@ def schedules(name: str) -> list:
     return [plan_group([wl.sequences[m] for m in g.members], budget, config) for g in wl.groups]
 
 
+def assert_nested(result: dict, name: str) -> None:
+    """The step's metrics say the batch ``name``'s groups nested: none cut, each block
+    computed again in its last reader's backward."""
+    metrics = result["train"]["metrics"]
+    assert metrics["prefix_sharing/groups_split"] == [0.0]
+    assert metrics["prefix_sharing/cross_recomputed_tokens"] == [
+        float(sum(b.length for s in schedules(name) for b in s.blocks))]
+
+
 @pytest.mark.parametrize("name", BATCHES)
 def test_every_shared_part_is_computed_once_and_verls_metrics_say_so(results, name):
     groups = schedules(name)
@@ -195,10 +204,7 @@ def test_groups_nest_under_windows_and_tensor_parallelism(setting_results, setti
     for rank, results in enumerate(setting_results[setting]):
         same_outputs(results[name, "cross"], results[name, "off"], f"{setting} rank {rank}",
                      per_micro_batch=False)
-        metrics = results[name, "cross"]["train"]["metrics"]
-        assert metrics["prefix_sharing/groups_split"] == [0.0]
-        assert metrics["prefix_sharing/cross_recomputed_tokens"] == [
-            float(sum(b.length for s in schedules(name) for b in s.blocks))]
+        assert_nested(results[name, "cross"], name)
 
 
 @pytest.mark.parametrize("setting", [
@@ -271,10 +277,7 @@ def moe_results():
 @pytest.mark.parametrize("name", BATCHES)
 def test_moe_router_statistics_nest_as_verls_stock_step_on_the_same_split(moe_results, name):
     same_outputs(moe_results[name, "cross"], moe_results[name, "off"], f"moe {name}")
-    metrics = moe_results[name, "cross"]["train"]["metrics"]
-    assert metrics["prefix_sharing/groups_split"] == [0.0]
-    assert metrics["prefix_sharing/cross_recomputed_tokens"] == [
-        float(sum(b.length for s in schedules(name) for b in s.blocks))]
+    assert_nested(moe_results[name, "cross"], name)
     with pytest.raises(AssertionError, match="grad"):
         same_outputs(moe_results[name, "control"], moe_results[name, "off"], f"moe {name} control")
 
@@ -314,10 +317,7 @@ def test_groups_nest_under_context_parallelism(context_parallel_results, results
     for rank, result in enumerate(context_parallel_results):
         same_outputs(result[name, "cross"], results[name, "off"], f"cp2 {name} rank {rank}",
                      per_micro_batch=False)
-        metrics = result[name, "cross"]["train"]["metrics"]
-        assert metrics["prefix_sharing/groups_split"] == [0.0]
-        assert metrics["prefix_sharing/cross_recomputed_tokens"] == [
-            float(sum(b.length for s in schedules(name) for b in s.blocks))]
+        assert_nested(result[name, "cross"], name)
         if name == "chunks":
             with pytest.raises(AssertionError, match="grad"):
                 same_outputs(result[name, "control"], results[name, "off"],
