@@ -180,12 +180,12 @@ def attention_lse_torch(
     lse_dtype = torch.promote_types(q.dtype, torch.float32)
     out = q.new_empty(q.size(0), q.size(1), v.size(-1))
     lse = torch.empty(q.size(1), q.size(0), dtype=lse_dtype, device=q.device)
+    heads_k = k.size(1)
     for qs, qe, ks, ke in _segments(bounds_q, bounds_k):
         qi, ki, vi, mask, is_causal = _segment_inputs(q, k, v, qs, qe, ks, ke, causal, window)
         # [group, hk, s, d] each; the kernel's lse is [group, hk, s]
         oi, li = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             qi, ki, vi, 0.0, is_causal, attn_mask=mask, scale=softmax_scale)
-        heads_k = k.size(1)
         _to_kernel(out[qs:qe], heads_k).copy_(oi[..., : v.size(-1)])
         lse[:, qs:qe].view(heads_k, -1, qe - qs).transpose(0, 1).copy_(li)
     return out, lse
