@@ -148,9 +148,9 @@ def replayed_routes(model, part: CrossPart, replay_routes: list | None,
     tails = suffix.routes
     if replay_routes is None and tails is None:
         return None
-    shared = sum(schedule.blocks[b].length for b in suffix.reads)  # where its tails start
+    start = suffix.plan.external_rows  # where its tails start: after the blocks it reads
     if replay_routes is None or tails is None or not all(
-            torch.equal(r[shared:].cpu(), t) for r, t in zip(replay_routes, tails, strict=True)):
+            torch.equal(r[start:].cpu(), t) for r, t in zip(replay_routes, tails, strict=True)):
         raise ValueError(f"micro-batch {part.index} of a cross-micro-batch group replays routes "
                          "other than those its group was planned with")
     check_padded_statistics(unwrap_model(model))
