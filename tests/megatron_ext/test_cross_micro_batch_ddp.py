@@ -19,12 +19,10 @@ import pytest
 import torch
 
 from prefix_sharing.equivalence import max_rel_diff
-from prefix_sharing.workloads import make_workload
 
-from ._distributed import PRESET, run_distributed, tiny_gpt
-from .test_cross_micro_batch import CONFIG
+from ._distributed import run_distributed, tiny_gpt
+from .test_cross_micro_batch_pipeline import BUDGET, CONFIG, _group
 
-BUDGET = 84
 STEPS = 3
 
 
@@ -39,10 +37,7 @@ def _job(rank: int) -> dict:
     from prefix_sharing.cross_micro_batch import plan_group
     from prefix_sharing.megatron_ext.cross_micro_batch import forward_backward_group
 
-    seqs = make_workload("grpo", num_prompts=1, group_size=6, prompt_len=(40, 41),
-                         response_len=(12, 24), vocab_size=PRESET.vocab_size,
-                         seed=5 + rank).sequences
-    schedule = plan_group(seqs, BUDGET, CONFIG)
+    schedule = plan_group(_group(seed=5 + rank), BUDGET, CONFIG)
     model = tiny_gpt("shared")
     forward_backward_group(model, schedule, _loss, backend="torch")
     average = {}

@@ -48,9 +48,9 @@ ONE_SUFFIX = 170  # the group's 162 unique tokens fit
 NESTED = 36  # under the 41-token prompt: the prompt in two chunks
 
 
-def _group() -> list[torch.Tensor]:
+def _group(seed: int = 5) -> list[torch.Tensor]:
     return make_workload("grpo", num_prompts=1, group_size=6, prompt_len=(40, 41),
-                         response_len=(12, 24), vocab_size=PRESET.vocab_size, seed=5).sequences
+                         response_len=(12, 24), vocab_size=PRESET.vocab_size, seed=seed).sequences
 
 
 def _judged(cross, seqs, build=tiny_gpt) -> dict:

@@ -379,6 +379,38 @@ def same_split(planned, splits: list | None = None):
     return recorded, replayed
 
 
+def moe_engine(config, **settings):
+    """verl's Megatron engine on the tiny MoE preset with its router losses (aux, seq-aux,
+    global-aux, z-loss), every router keeping its statistics across micro-batches."""
+    from prefix_sharing.megatron_ext.moe import PrefixSharingRouter
+    from prefix_sharing.presets import PRESETS, sharp
+
+    preset = sharp(PRESETS["tiny-moe"])
+    engine = build_engine(config, preset=preset,
+                          spec=dict(num_experts=preset.num_experts, normalization="RMSNorm"),
+                          **settings)
+    routers = [m for m in engine.module[0].modules() if isinstance(m, PrefixSharingRouter)]
+    assert routers and all(r.keeps_statistics() for r in routers)
+    return engine
+
+
+@contextlib.contextmanager
+def statistics_over_computed_rows():
+    """The control: each cross micro-batch's routers keep statistics over the rows it computes
+    (a shared block counted once, where it runs), not over its plain micro-batch's."""
+    from unittest import mock
+
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from prefix_sharing.megatron_ext.moe import PrefixSharingRouter
+
+    def computed_rows(self, logits, padding_mask):
+        return TopKRouter.routing(self, logits, padding_mask=padding_mask)
+
+    with mock.patch.object(PrefixSharingRouter, "_routing_across_micro_batches", computed_rows):
+        yield
+
+
 def moe_steps(rank: int, settings: dict, megatron: dict | None = None,
               runs: tuple[str, ...] = ("cross", "off", "control"), splits: list | None = None,
               budget: int = 80) -> dict:
@@ -392,36 +424,23 @@ def moe_steps(rank: int, settings: dict, megatron: dict | None = None,
     from unittest import mock
 
     import verl.workers.engine.utils as engine_utils
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    from prefix_sharing.megatron_ext.moe import PrefixSharingRouter
     from verl.workers.utils.losses import ppo_loss
 
     from prefix_sharing.engines.megatron import (finalize_context_parallel_grads,
                                                  finalize_sequence_parallel_grads)
-    from prefix_sharing.presets import PRESETS, sharp
 
     use_cpu_platform()
-    preset = sharp(PRESETS["tiny-moe"])
     planned = engine_utils.rearrange_micro_batches
     splits = [] if splits is None else splits
     recorded, replayed = same_split(planned, splits)
-
-    def computed_rows(self, logits, padding_mask):
-        return TopKRouter.routing(self, logits, padding_mask=padding_mask)
 
     results = {}
     for name in runs:
         split = {"cross": recorded, "off": replayed, "control": planned}[name]
         config = actor_config(None if name == "off" else CROSS, megatron=megatron)
-        engine = build_engine(config, preset=preset,
-                              spec=dict(num_experts=preset.num_experts, normalization="RMSNorm"),
-                              **settings)
-        routers = [m for m in engine.module[0].modules() if isinstance(m, PrefixSharingRouter)]
-        assert routers and all(r.keeps_statistics() for r in routers)
-        wrong = (mock.patch.object(PrefixSharingRouter, "_routing_across_micro_batches",
-                                   computed_rows)
-                 if name == "control" else contextlib.nullcontext())
+        engine = moe_engine(config, **settings)
+        wrong = (statistics_over_computed_rows() if name == "control"
+                 else contextlib.nullcontext())
         with mock.patch.object(engine_utils, "rearrange_micro_batches", split), wrong:
             infer = engine.infer_batch(batch(budget))
             train = engine.forward_backward_batch(batch(budget),

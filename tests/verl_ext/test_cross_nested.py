@@ -48,6 +48,16 @@ def batch(name: str, budget: int | None = None):
     return data
 
 
+def _drop_earlier_readers_gradients():
+    """The control on ``chunks``: the last readers read the blocks' recorded tensors without
+    the gradients the earlier readers accumulated in their leaves."""
+    from unittest import mock
+
+    from prefix_sharing.megatron_ext import prefix_kv
+
+    return mock.patch.object(prefix_kv, "read_through", lambda recorded, leaf: recorded)
+
+
 def steps(rank: int) -> dict:
     """Per batch: verl's stock step (feature off; under a budget its longest sample fits, as
     verl requires: its result does not depend on the split) and the cross-micro-batch one.
@@ -66,7 +76,7 @@ def steps(rank: int) -> dict:
     use_cpu_platform()
     start_pass = prefix_kv.PrefixKVPass.__init__
     controls = {
-        "chunks": mock.patch.object(prefix_kv, "read_through", lambda recorded, leaf: recorded),
+        "chunks": _drop_earlier_readers_gradients(),
         "tree": mock.patch.object(prefix_kv.PrefixKVPass, "__init__", lambda self, store, mode:
                                   start_pass(self, store, mode.replace("read_recorded", "read"))),
     }
@@ -237,31 +247,21 @@ def moe_steps(rank: int) -> dict:
     from unittest import mock
 
     import verl.workers.engine.utils as engine_utils
-    from megatron.core.transformer.moe.router import TopKRouter
 
-    from prefix_sharing.megatron_ext.moe import PrefixSharingRouter
-    from prefix_sharing.presets import PRESETS, sharp
-    from tests.verl_ext.test_cross_forward import same_split
+    from tests.verl_ext.test_cross_forward import (moe_engine, same_split,
+                                                   statistics_over_computed_rows)
 
     use_cpu_platform()
-    preset = sharp(PRESETS["tiny-moe"])
     planned = engine_utils.rearrange_micro_batches
-
-    def computed_rows(self, logits, padding_mask):
-        return TopKRouter.routing(self, logits, padding_mask=padding_mask)
-
     results = {}
     for name in BATCHES:
         recorded, replayed = same_split(planned)
         for mode in ("cross", "off", "control"):
             split = {"cross": recorded, "off": replayed, "control": planned}[mode]
             config = actor_config(None if mode == "off" else CROSS)
-            engine = build_engine(config, preset=preset,
-                                  spec=dict(num_experts=preset.num_experts,
-                                            normalization="RMSNorm"))
-            wrong = (mock.patch.object(PrefixSharingRouter, "_routing_across_micro_batches",
-                                       computed_rows)
-                     if mode == "control" else contextlib.nullcontext())
+            engine = moe_engine(config)
+            wrong = (statistics_over_computed_rows() if mode == "control"
+                     else contextlib.nullcontext())
             results[name, mode] = step(
                 engine, config, partial(batch, name, STOCK_BUDGET if mode == "off" else None),
                 _together(mock.patch.object(engine_utils, "rearrange_micro_batches", split),
@@ -288,19 +288,16 @@ def context_parallel_steps(rank: int) -> dict:
     every block and micro-batch split over the CP ranks, and on ``chunks`` the control whose
     last readers drop the gradients the earlier ones accumulated (as :func:`steps`'); the
     gradients averaged over CP as megatron's DDP does."""
-    from unittest import mock
-
     from prefix_sharing.engines.megatron import finalize_context_parallel_grads
-    from prefix_sharing.megatron_ext import prefix_kv
 
     use_cpu_platform()
-    drop = mock.patch.object(prefix_kv, "read_through", lambda recorded, leaf: recorded)
     results = {}
     for name, mode in [(name, "cross") for name in BATCHES] + [("chunks", "control")]:
         config = actor_config(CROSS, megatron={"context_parallel_size": 2})
         engine = build_engine(config)
         results[name, mode] = step(engine, config, partial(batch, name, BATCHES[name][1] // 2),
-                                   drop if mode == "control" else None,
+                                   _drop_earlier_readers_gradients() if mode == "control"
+                                   else None,
                                    finalize=finalize_context_parallel_grads)
     return results
 
