@@ -18,7 +18,7 @@ ancestors in the group's prefix tree - as external rows in front of its own:
 ``one_level=True`` keeps the one-level schedule (``P`` in one micro-batch, a branch larger
 than the budget cut between suffix micro-batches and computed in each): what verl's engine
 runs when it fits, the prefix kept beside its tails (a group that does not fit nests there
-too: :mod:`prefix_sharing.verl_ext.cross_forward`).
+too: :mod:`prefix_sharing.verl_ext.cross_groups`).
 
 A micro-batch's :class:`~prefix_sharing.plan.SharingPlan` addresses *external rows plus its own
 rows*: its K/V rows ``0 .. d-1`` are its stack of blocks' (read from the layers' kept K/V, in
@@ -64,8 +64,7 @@ from .group_schedule import GroupSchedule, SharedBlock, SuffixMicroBatch
 from .plan import SharingPlan
 from .planner import TokenSequence, build_plan, token_identity
 
-__all__ = ["SharedBlock", "SuffixMicroBatch", "GroupSchedule", "common_prefix_len", "plan_group",
-           "plan_pipelined_group"]
+__all__ = ["SharedBlock", "SuffixMicroBatch", "GroupSchedule", "common_prefix_len", "plan_group"]
 
 
 def plan_group(
@@ -144,36 +143,6 @@ def plan_group(
         steps=tuple(builder.steps),
         tokens_distinct=build_plan(seqs, distinct, routes=routes).num_tokens_unique,
     )
-
-
-def plan_pipelined_group(
-    sequences: Sequence[TokenSequence],
-    token_budget: int,
-    config: PrefixSharingConfig | None = None,
-    *,
-    pad_to_multiple_of: int = 1,
-    routes: Sequence[TokenSequence] | None = None,
-) -> GroupSchedule:
-    """The schedule the pipelined group run takes
-    (:mod:`prefix_sharing.megatron_ext.cross_pipeline`): when the common prefix takes at most
-    half the budget, one level whose first and last suffix micro-batches carry the prefix's
-    rows too (``carries_prefix``), so every suffix's tails are packed under
-    ``token_budget - prefix_len`` and no micro-batch exceeds the budget; else
-    :func:`plan_group`'s at the whole budget, whose blocks run as micro-batches of their own.
-    ``routes``: as :func:`plan_group` takes them (the common prefix ends where they diverge).
-    """
-    seqs = [torch.as_tensor(s, dtype=torch.int64).reshape(-1).cpu() for s in sequences]
-    if routes is not None:
-        routes = [torch.as_tensor(r).to("cpu", torch.int64) for r in routes]
-    keys = seqs if routes is None else token_identity(seqs, routes)
-    prefix_len = common_prefix_len(keys) if len(seqs) > 1 else 0
-    if 2 * prefix_len > token_budget:
-        return plan_group(seqs, token_budget, config, pad_to_multiple_of=pad_to_multiple_of,
-                          routes=routes)
-    return dataclasses.replace(
-        plan_group(seqs, token_budget - prefix_len, config,
-                   pad_to_multiple_of=pad_to_multiple_of, one_level=True, routes=routes),
-        carries_prefix=True)
 
 
 def common_prefix_len(seqs: list[torch.Tensor]) -> int:

@@ -91,9 +91,6 @@ class GroupSchedule:
             its last reader: blocks close in reverse, a sub-tree before the node above it).
         tokens_distinct: the group's distinct tokens (its prefix tree's size: every shared
             prefix once, whatever its length), what a schedule without recomputation computes.
-        carries_prefix: planned for a run under pipeline parallelism whose first and last
-            suffix micro-batch carry the prefix rows (its tails packed under the budget less
-            the prefix: :func:`~prefix_sharing.cross_micro_batch.plan_pipelined_group`).
     """
 
     prefix_ids: torch.Tensor
@@ -103,7 +100,6 @@ class GroupSchedule:
     blocks: tuple[SharedBlock, ...]
     steps: tuple[tuple[str, int], ...]
     tokens_distinct: int
-    carries_prefix: bool = False
 
     @property
     def prefix_len(self) -> int:

@@ -206,9 +206,9 @@ MATRIX: dict[str, dict[str, Cell]] = {
                                _VX + "test_cross_replay.py",
                                _VX + "test_cross_moe_sequence_parallel.py",
                                _VX + "test_cross_pipeline.py",
-                               note="PP=2 (x TP=2, x CP=2, x VPP=2), one level; CP=2 (x TP=2); "
+                               note="PP=2 (x TP=2, x CP=2, x VPP=2); CP=2 (x TP=2); "
                                     "MoE and routing replay at PP=2, MoE at CP=2; "
-                                    "nested: PP=1 (x TP=2, x CP=2, MoE, replay), no recompute"),
+                                    "nested: x TP=2, x CP=2, x PP=2, MoE, replay, recompute"),
         "verl-fsdp": refused("verl.cross_micro_batch.engine"),
         "hf-fsdp": NOT_OFFERED,
         "megatron-lm": Cell("not offered", note="not wired"),
@@ -293,9 +293,9 @@ CROSS_MATRIX: dict[str, dict[str, Cell]] = {
                                _MX + "test_cross_micro_batch_pipeline.py",
                                note="PP=1; PP=2 (each step a micro-batch)"),
         "verl-megatron": works(_VX + "test_cross_nested.py", _VX + "test_cross_replay.py",
-                               note="PP=1; TP=2, CP=2, windows, MoE, routing replay; not under "
-                                    "activation recompute: there, and under PP, such groups "
-                                    "take the ordinary split (metric cross_groups_unnested)"),
+                               _VX + "test_cross_pipeline.py",
+                               note="TP=2, CP=2, PP=2, windows, recompute, MoE, "
+                                    "routing replay"),
     },
     "TP, sequence parallelism": {
         "megatron-core": works(_MX + "test_cross_micro_batch.py",
@@ -313,8 +313,7 @@ CROSS_MATRIX: dict[str, dict[str, Cell]] = {
                                note="PP=2, x TP=2, x CP=2; nested at PP=2, x TP=2, x CP=2, "
                                     "with MoE"),
         "verl-megatron": works(_VX + "test_cross_pipeline.py",
-                               note="PP=2, x TP=2, x CP=2; one level (a group that would nest "
-                                    "takes the ordinary split)"),
+                               note="PP=2, x TP=2, x CP=2; one level and nested"),
     },
     "interleaved (virtual) pipeline stages": {
         "megatron-core": works(_MX + "test_cross_micro_batch_pipeline.py",
@@ -326,7 +325,7 @@ CROSS_MATRIX: dict[str, dict[str, Cell]] = {
                                _MX + "test_cross_micro_batch_context_parallel.py",
                                _MX + "test_cross_micro_batch_pipeline.py"),
         "verl-megatron": works(_VX + "test_cross_forward.py", _VX + "test_cross_pipeline.py",
-                               note="not nested"),
+                               _VX + "test_cross_nested.py"),
     },
     "sliding windows, sinks": {
         "megatron-core": works(_MX + "test_cross_micro_batch_settings.py",

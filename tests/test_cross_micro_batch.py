@@ -5,7 +5,7 @@ import torch
 
 from prefix_sharing import PrefixSharingConfig, build_plan
 from prefix_sharing.batching import CostModel
-from prefix_sharing.cross_micro_batch import plan_group, plan_pipelined_group
+from prefix_sharing.cross_micro_batch import plan_group
 from prefix_sharing.workloads import make_workload
 
 EVERY_PREFIX = PrefixSharingConfig(min_prefix_len=1)
@@ -281,19 +281,14 @@ def test_a_grpo_group_keeps_the_one_level_schedule():
     assert schedule.steps == one_level.steps
 
 
-def test_a_pipelined_schedule_carries_the_prefix_in_its_budget_cut_where_routes_diverge():
-    """plan_pipelined_group packs the tails under the budget minus the prefix (the first and last
-    suffix carry it); with routes, the prefix ends where they diverge and every block and
-    suffix carries its rows' routes."""
+def test_a_schedule_with_routes_cuts_its_prefix_where_they_diverge():
+    """With routes the common prefix ends where the members' routes diverge, and every block
+    and suffix carries its rows' routes."""
     w = make_workload("grpo", num_prompts=1, group_size=6, prompt_len=(40, 41),
                       response_len=(12, 24), seed=5)
-    schedule = plan_pipelined_group(w.sequences, 84, EVERY_PREFIX)
-    prefix = schedule.blocks[0].length
-    assert schedule.one_level and len(schedule.suffixes) >= 2
-    assert max(s.plan.input_ids.numel() for s in schedule.suffixes) <= 84 - prefix
     routes = [torch.zeros(len(s), 1, 2, dtype=torch.int64) for s in w.sequences]
     routes[3][10, 0, 0] = 1  # one member's route diverges at token 10 of the prompt
-    replayed = plan_pipelined_group(w.sequences, 84, EVERY_PREFIX, routes=routes)
+    replayed = plan_group(w.sequences, 84, EVERY_PREFIX, one_level=True, routes=routes)
     assert replayed.one_level and replayed.blocks[0].length == 10
     assert torch.equal(replayed.blocks[0].routes, routes[0][:10])
     assert all(s.routes is not None for s in replayed.suffixes)

@@ -9,9 +9,8 @@ With ``--token-budget N`` the shared run computes each group (a prompt group of 
 the whole micro-batch) in micro-batches of at most N computed tokens, each of its shared
 prefixes once across them - a prefix longer than N in chunks, a sub-tree over N with its own
 shared blocks (cross-micro-batch sharing; CP=1; tensor parallel, MoE presets with
-sequence parallelism, windows and ``--recompute`` too; at ``--pp 2`` and more one level: the
-first and last suffix micro-batch carry the prefix, their tails packed under N minus its
-length) - and is judged against
+sequence parallelism, windows and ``--recompute`` too; at ``--pp 2`` and more every block
+computed again in its backward step) - and is judged against
 the plain run of the same samples in the same micro-batches (one per suffix micro-batch, its samples
 whole: the stock step's split, over which MoE router statistics are taken).
 
@@ -34,7 +33,7 @@ from ..engines.recompute import recompute_settings
 from ..engines.memory import available_bytes, check_fits, verify_peak_bytes
 from ..engines.verify import VerifyRequest, reference_dtype
 from ..config import PrefixSharingConfig
-from ..cross_micro_batch import plan_group, plan_pipelined_group
+from ..cross_micro_batch import plan_group
 from ..planner import PromptGroup, build_plan
 from ..presets import ModelPreset, get_preset
 from ..equivalence import FP32_RTOL, QUANTITIES
@@ -120,10 +119,9 @@ def _check_cross(args: argparse.Namespace, engine: str, model: ModelPreset,
                          "engine, under --pp or --cp but not both; got --engine "
                          f"{engine} --pp {args.pp} --cp {args.cp}")
     members = [list(range(len(sequences)))] if groups is None else [g.members for g in groups]
-    plan = plan_pipelined_group if args.pp > 1 else plan_group
     for m in members:
         with user_input(ValueError):
-            plan([sequences[i] for i in m], args.token_budget, config,
+            plan_group([sequences[i] for i in m], args.token_budget, config,
                  pad_to_multiple_of=args.tp,
                  routes=None if routes is None else [routes[i] for i in m])
 

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from ..config import PrefixSharingConfig
-from ..cross_micro_batch import GroupSchedule, plan_group, plan_pipelined_group
+from ..cross_micro_batch import GroupSchedule, plan_group
 from ..equivalence import RunOutputs, advantages, at_least_fp32
 from ..planner import build_plan
 from .megatron import (MicroBatchRun, finalize_context_parallel_grads,
@@ -47,8 +47,7 @@ class CrossMicroBatchRun:
         tokens_computed: tokens the model ran over all micro-batches.
         tokens_unique: tokens the whole batch's single plan computes.
         recomputed_tokens: tokens computed more than once (``cross_recomputed_tokens``).
-        max_tokens_computed: the largest micro-batch's computed tokens (under pipeline
-            parallelism the first and last suffix's include the prefix rows they carry).
+        max_tokens_computed: the largest micro-batch's computed tokens.
     """
 
     run: MicroBatchRun | None
@@ -115,10 +114,8 @@ def forward_backward_cross(
     multiple = (parallel_state.get_tensor_model_parallel_world_size()
                 if chunks[0].config.sequence_parallel else 1)
     multiple *= parallel_state.get_context_parallel_world_size()
-    # under pipeline parallelism the first and last suffix carry the prefix (one level)
-    pipelined = parallel_state.get_pipeline_model_parallel_world_size() > 1
     groups, schedules, split = plan_cross(sequences, token_budget, config, groups, multiple,
-                                          pipelined=pipelined, routes=routes)
+                                          routes=routes)
     starts = torch.tensor([0] + [len(s) for s in sequences]).cumsum(0)
     total = int(starts[-1])
     terms = _SplitLoss(split, starts, device)
@@ -160,20 +157,8 @@ def forward_backward_cross(
             finalize_context_parallel_grads(chunk)
             grads.update(full_grads(chunk))
         run = MicroBatchRun(outputs, grads, [])
-    largest = max(_largest_micro_batch(s) for s in schedules)
+    largest = max(s.max_tokens_computed for s in schedules)
     return CrossMicroBatchRun(run, schedules, split, held, computed, unique, recomputed, largest)
-
-
-def _largest_micro_batch(schedule: GroupSchedule) -> int:
-    """The most tokens one of the group's micro-batches computes (a schedule that carries its
-    prefix: its first and last suffix run the prefix rows too,
-    :mod:`~prefix_sharing.megatron_ext.cross_pipeline`)."""
-    if not schedule.carries_prefix:
-        return schedule.max_tokens_computed
-    rows = [s.plan.num_tokens_unique for s in schedule.suffixes]
-    for j in {0, len(rows) - 1}:
-        rows[j] += schedule.prefix_len
-    return max(rows)
 
 
 def plan_cross(
@@ -183,20 +168,17 @@ def plan_cross(
     groups: Sequence[Sequence[int]] | None = None,
     pad_to_multiple_of: int = 1,
     *,
-    pipelined: bool = False,
     routes: Sequence[torch.Tensor] | None = None,
 ) -> tuple[list[list[int]], list[GroupSchedule], list[list[int]]]:
     """The groups (the whole batch when omitted), each group's schedule, and the plain split
     (:attr:`CrossMicroBatchRun.plain_split`) of :func:`forward_backward_cross`; host work.
-    ``pipelined``: the schedules of the pipelined run (:func:`plan_pipelined_group`);
     ``routes``: per sequence, the routes to replay."""
     groups = [list(range(len(sequences)))] if groups is None else [list(g) for g in groups]
     if sorted(i for g in groups for i in g) != list(range(len(sequences))):
         raise ValueError("groups must hold every sequence exactly once")
-    plan = plan_pipelined_group if pipelined else plan_group
-    schedules = [plan([sequences[i] for i in members], token_budget, config,
-                      pad_to_multiple_of=pad_to_multiple_of,
-                      routes=None if routes is None else [routes[i] for i in members])
+    schedules = [plan_group([sequences[i] for i in members], token_budget, config,
+                            pad_to_multiple_of=pad_to_multiple_of,
+                            routes=None if routes is None else [routes[i] for i in members])
                  for members in groups]
     split = [[members[m] for m in suffix.members]
              for members, schedule in zip(groups, schedules) for suffix in schedule.suffixes]

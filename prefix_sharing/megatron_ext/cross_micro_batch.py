@@ -4,31 +4,34 @@ For a :class:`~prefix_sharing.group_schedule.GroupSchedule` (shared blocks - the
 the group's common prefix and of its sub-trees' shared parts - and suffix micro-batches, each
 of at most the token budget), the schedule's steps run in order, each a micro-batch of
 megatron's own schedule (``get_forward_backward_func()``: no pipelining at PP=1, 1F1B under
-pipeline parallelism; the step table of :mod:`.cross_pipeline`):
+pipeline parallelism, the interleaved schedule under virtual stages), through the one executor
+of :mod:`.cross_steps` (which verl's engine uses too):
 
-1. a block's forward (with grad, its graph kept; or without grad under ``recompute_prefix``):
-   each layer's core attention reads ``cat(K/V of the blocks it reads, own K/V)`` and records
-   its own K/V, kept as leaves (:class:`~.prefix_kv.PrefixKV`, one per block, stacked by
-   :class:`~.prefix_kv.PrefixKVStack`);
-2. a suffix micro-batch's forward and backward; its core attention reads ``cat(its stack's
-   leaves, own K/V)`` through its plan, so its backward accumulates dK/dV into every leaf it
-   read (and parameter gradients into ``.grad`` as usual);
-3. a block's backward step, after its last reader: megatron's backward of the loss of its
-   positions plus :meth:`~.prefix_kv.PrefixKV.gradient_term` (the accumulated dK/dV as the
-   incoming gradients of its recorded K/V); under ``recompute_prefix`` its forward runs again
-   with grad in that step, its rows reading their recorded K/V with the gradients injected.
-   Since it read the blocks below it as leaves, its backward accumulates into their leaves in
-   turn, and theirs run after it.
+1. a block's forward: each layer's core attention reads the K/V of the blocks it reads in
+   place and records its own, kept as leaves (:class:`~.prefix_kv.PrefixKV`, one per block,
+   stacked by :class:`~.prefix_kv.PrefixKVStack`), and its members' log-probs and entropy at
+   its positions, kept as leaves too; at PP=1 its graph is kept to its backward step (unless
+   ``recompute_prefix``), under pipeline parallelism it runs without grad;
+2. a suffix micro-batch's forward and backward: its core attention reads its stack's leaves,
+   and its loss scores its samples' tails and, from the blocks' leaves, their positions in
+   the blocks; so its backward accumulates into every leaf it read (and parameter gradients
+   into ``.grad`` as usual);
+3. a block's backward step, after its last reader: every leaf's accumulated gradient enters
+   the tensor it was detached from (through the kept graph, or the block's forward again with
+   grad, its rows reading their recorded K/V with the gradients injected). Since it read the
+   blocks below it as leaves, its backward accumulates into their leaves in turn, and theirs
+   run after it.
 
 All before the optimizer step and any data-parallel gradient reduction, which see the
 parameter gradients of the whole group. Held across the group: the live blocks' K/V leaves and
 their gradients (``2 x 2 x layers x held rows x K/V heads x head dim`` values, ``held rows`` the
-deepest stack: ``GroupSchedule.held_rows``), plus, without ``recompute_prefix``, the live
-blocks' saved activations.
+deepest stack: ``GroupSchedule.held_rows``), plus, with a kept graph, the live blocks' saved
+activations.
 
 The loss must be a sum of per-token terms (as token-mean losses over a global batch are):
 ``token_loss(log_probs, entropy, positions)`` scores the tokens at ``positions`` of the group's
-packed order and is called once per micro-batch; the group's loss is the sum of its calls.
+packed order and is called twice per suffix micro-batch (its blocks' positions, its tails');
+the group's loss is the sum of its calls.
 
 MoE routers with batch statistics (aux / seq-aux / global-aux losses, z-loss, expert-bias
 counts, the logged losses) count each suffix micro-batch as the plain micro-batch of its samples,
@@ -40,7 +43,7 @@ blocks' backwards (see :mod:`.moe`); a block routes per token and keeps no stati
 ``aux_loss_scale`` is the weight megatron's schedule gives each micro-batch's router losses
 (``1 / num_microbatches``).
 
-PP=1; tensor parallelism (each rank keeps its own K/V heads' prefix; log-probs through the
+Tensor parallelism (each rank keeps its own K/V heads' prefix; log-probs through the
 vocab-parallel reductions), with or without sequence parallelism: the all-gather before the
 QKV projection hands core attention every row of the micro-batch, so the K/V leaves are the
 same as without it; each micro-batch's rows are padded to a multiple of the tensor-parallel
@@ -55,11 +58,8 @@ suffix's plain view for the router statistics replays its stack's routes
 prefix rows trimmed to the window, as any plan's). Context parallelism, with or without
 activation recompute and TP: each micro-batch split over the CP ranks, a block's K/V and
 router logits recorded gathered (:mod:`.cross_context_parallel`); a suffix's router statistics
-split over the CP ranks as megatron splits its plain micro-batch's (:mod:`.moe`). Under
-pipeline parallelism every block is recomputed (a graph is not kept across a stage's
-micro-batches) and a one-level schedule planned to carry its prefix in its first and last
-suffix runs that way (:mod:`.cross_pipeline`), under interleaved stages too (each model chunk
-on its own layers).
+split over the CP ranks as megatron splits its plain micro-batch's (:mod:`.moe`). Pipeline
+parallelism, interleaved stages included (each model chunk on its own layers).
 """
 
 from __future__ import annotations
@@ -70,8 +70,12 @@ import torch
 from megatron.core.utils import get_attr_wrapped_model
 
 from ..cross_micro_batch import GroupSchedule
-from .cross_pipeline import forward_backward_pipelined_group
-from .cross_run import GroupRun, PrefixPass, TokenLoss, sequence_parallel_size
+from .cross_context_parallel import slice_micro_batch
+from .cross_run import (Collector, GroupRun, PrefixPass, TokenLoss, score_suffix,
+                        sequence_parallel_size, suffix_routes)
+from .cross_steps import (GroupSteps, Statistics, check_interleaved_count, forward,
+                          within_the_step)
+from .packed_seq import PlanPackedSeqParams
 
 __all__ = ["GroupRun", "PrefixPass", "TokenLoss", "forward_backward_group"]
 
@@ -108,6 +112,8 @@ def forward_backward_group(
             the group's backwards, times the CP size under context parallelism, as megatron's
             schedule scales them and each micro-batch's loss there.
     """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
     chunks = list(model) if isinstance(model, Sequence) else [model]
     multiple = sequence_parallel_size(chunks[0])
     plans = [("block", b.plan) for b in schedule.blocks] + [
@@ -120,9 +126,72 @@ def forward_backward_group(
     pipelined = get_attr_wrapped_model(chunks[0], "config").pipeline_model_parallel_size > 1
     if len(chunks) > 1 and not pipelined:
         raise ValueError(f"{len(chunks)} model chunks without pipeline parallelism")
+    device = next(chunks[0].parameters()).device
+    out = Collector(schedule.num_tokens_total, device, keep_logits)
+
+    def read_out(prefix: PrefixPass, logits: torch.Tensor) -> Statistics:
+        log_probs, entropy, block_logits = prefix.stats_of(logits)
+        out.add_logits(prefix.positions, block_logits)
+        shape = (prefix.num_sequences, prefix.prefix_len)
+        return log_probs.view(shape), entropy.view(shape)
+
     # under pipeline parallelism a block's forward is always run again (nothing is sent
     # between stages for a graph kept across micro-batches)
-    return forward_backward_pipelined_group(
-        chunks, schedule, token_loss, backend=backend, temperature=temperature,
-        keep_logits=keep_logits, aux_loss_scale=aux_loss_scale,
-        keep_graph=not (recompute_prefix or pipelined))
+    steps = GroupSteps(schedule, chunks, read_out,
+                       keep_graph=not (recompute_prefix or pipelined), training=True,
+                       backend=backend, temperature=temperature, device=device)
+    items = steps.steps
+    check_interleaved_count(len(items), chunks)
+
+    def scaled(loss: torch.Tensor) -> torch.Tensor:
+        # megatron's schedule divides each micro-batch's loss by their count (and multiplies
+        # it by the CP size), then scales it by the factor (within_the_step)
+        return loss * len(items) / factor
+
+    def forward_step(data_iterator, chunk):
+        c, (kind, i) = next(data_iterator)
+        if kind != "suffix":
+            return steps.block_step(c, chunk, kind, i, len(items))
+        suffix = schedule.suffixes[i]
+        cp = slice_micro_batch(suffix.plan, suffix.tail_plan, suffix.plan.num_tokens_flat,
+                               device)
+        params = PlanPackedSeqParams.from_plan(
+            suffix.plan.to(device), backend, cp=cp and cp.attention,
+            prefix_kv=steps.suffix_reads(c, i), routes=suffix_routes(suffix, device))
+
+        def loss_func(output: torch.Tensor):
+            loss = score_suffix(output[0], suffix, token_loss, out, temperature, cp)
+            if suffix.reads:  # every sample's outputs at its blocks' positions
+                log_probs, entropy = steps.heads(c, i, list(suffix.members))
+                positions = head_positions(schedule, i).to(device)
+                head_loss = token_loss(log_probs.flatten(), entropy.flatten(), positions)
+                out.add(positions, log_probs.flatten(), entropy.flatten(), head_loss)
+                loss = loss + head_loss
+            return scaled(loss), {}
+
+        return forward(chunk, params, cp), loss_func
+
+    # every chunk reads its own iterator (megatron's interleaved schedule runs each chunk's
+    # forward of a micro-batch at its own time)
+    iterators = [iter([(c, item) for item in items]) for c in range(len(chunks))]
+    with within_the_step(chunks[0], len(items) * aux_loss_scale, accumulate=True) as factor:
+        get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iterators if len(chunks) > 1 else iterators[0], model=chunks,
+            num_microbatches=len(items), seq_length=steps.seq_length, micro_batch_size=1)
+    metrics = schedule.metrics(recompute_prefix=steps.recomputed_tokens > 0)
+    metrics["prefix_sharing/cross_held_bytes"] = float(steps.held_bytes)
+    return out.result(steps.held_bytes, schedule.tokens_computed + steps.recomputed_tokens,
+                      metrics)
+
+
+def head_positions(schedule: GroupSchedule, index: int) -> torch.Tensor:
+    """The group's packed positions of suffix ``index``'s samples at their blocks' positions,
+    in :meth:`~.cross_steps.GroupSteps.heads`' order (sample-major, flattened)."""
+    suffix = schedule.suffixes[index]
+    parts = []
+    for r in suffix.reads:
+        block = schedule.blocks[r]
+        rows = [block.members.index(m) for m in suffix.members]
+        parts.append(block.positions.view(len(block.members), block.length)[rows])
+    return torch.cat(parts, dim=1).flatten()

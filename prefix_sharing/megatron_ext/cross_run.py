@@ -1,6 +1,7 @@
 """What one group's run across micro-batches produces, and how its micro-batches are scored.
 
-Shared by the group driver's steps (:mod:`.cross_pipeline`) and verl's cross forward: a
+Shared by the group driver (:mod:`.cross_micro_batch`), the executor (:mod:`.cross_steps`) and
+verl's cross forward: a
 block's pass (:class:`PrefixPass`), a suffix micro-batch's loss from its logits
 (:func:`score_suffix`), the per-token outputs gathered over the group (:class:`Collector`,
 :class:`GroupRun`). Each scores a micro-batch's rows through its plan; under context
@@ -16,7 +17,7 @@ import torch
 from megatron.core.utils import get_attr_wrapped_model
 
 from ..cross_micro_batch import GroupSchedule, SharedBlock, SuffixMicroBatch
-from .cross_context_parallel import (CrossSlice, micro_batch_stats, model_inputs,
+from .cross_context_parallel import (CrossSlice, micro_batch_stats,
                                      slice_micro_batch, whole_rows)
 from .logprobs import vocab_shard
 from .packed_seq import PlanPackedSeqParams
@@ -65,8 +66,8 @@ def score_suffix(logits: torch.Tensor, suffix: SuffixMicroBatch, token_loss: Tok
     stats = micro_batch_stats(logits, tail_plan, cp, temperature=temperature)
     positions = suffix.token_positions.to(logits.device)
     loss = token_loss(stats.log_probs, stats.entropy, positions)
-    out.add(positions, stats.log_probs, stats.entropy, loss,
-            lambda: tail_plan.restore(whole_rows(logits, cp)))
+    out.add(positions, stats.log_probs, stats.entropy, loss)
+    out.add_logits(positions, lambda: tail_plan.restore(whole_rows(logits, cp)))
     return loss
 
 
@@ -92,10 +93,6 @@ class PrefixPass:
         self.num_sequences = len(block.members)
         self.temperature = temperature
 
-    def forward(self, model: torch.nn.Module) -> torch.Tensor:
-        return model(*model_inputs(self.params.plan, self.cp), None,
-                     packed_seq_params=self.params)[0]  # [length (+ pad rows) (/ CP), V]
-
     def stats_of(self, logits: torch.Tensor,
                  with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None,
                                                      Callable[[], torch.Tensor]]:
@@ -118,19 +115,6 @@ class PrefixPass:
         logits = logits[: self.prefix_len]
         return torch.cat([logits, logits.new_zeros(self.num_sequences, logits.size(1))])
 
-    def scored(self, model: torch.nn.Module, token_loss: TokenLoss,
-               out: Collector) -> torch.Tensor:
-        """Forward with grad, and the loss of every member's positions in the block."""
-        return self.score(self.forward(model), token_loss, out)
-
-    def score(self, logits: torch.Tensor, token_loss: TokenLoss,
-              out: Collector) -> torch.Tensor:
-        """:meth:`scored` of this pass's output ``logits`` (``[rows, V]``)."""
-        log_probs, entropy, logits = self.stats_of(logits)
-        loss = token_loss(log_probs, entropy, self.positions)
-        out.add(self.positions, log_probs, entropy, loss, logits)
-        return loss
-
 
 class Collector:
     """Assembles the group's per-token outputs from its micro-batches."""
@@ -144,12 +128,15 @@ class Collector:
         self.total = total
 
     def add(self, positions: torch.Tensor, log_probs: torch.Tensor, entropy: torch.Tensor,
-            loss: torch.Tensor, logits: Callable[[], torch.Tensor]) -> None:
+            loss: torch.Tensor) -> None:
         self.log_probs = self.log_probs.to(log_probs.dtype)
         self.entropy = self.entropy.to(entropy.dtype)
         self.log_probs[positions] = log_probs.detach()
         self.entropy[positions] = entropy.detach()
         self.loss = self.loss + loss.detach()
+
+    def add_logits(self, positions: torch.Tensor, logits: Callable[[], torch.Tensor]) -> None:
+        """The logits at ``positions`` (called only when kept)."""
         if self.keep_logits:
             rows = _whole_vocab(logits().detach())
             if self.logits is None:

@@ -3,8 +3,10 @@
 The prefix micro-batch's core attention *records* each layer's keys and values; every suffix
 micro-batch's core attention *reads* them as leaves (detached tensors that require grad),
 before its own rows, so its backward accumulates dK/dV into the leaves' ``.grad``. After
-the group's last suffix, :meth:`PrefixKV.gradient_term` sends those sums into the prefix's
-graph, with its own positions' loss.
+the group's last suffix, the block's backward step sends those sums into the prefix's graph:
+:meth:`PrefixKV.gradient_term` where its graph was kept, or its forward run again with grad in
+mode ``"record_last"``, its own rows reading their recorded K/V with the leaves' gradients
+injected (:mod:`.cross_steps`).
 
 A reader gets the stored K/V as key sources of their own (:meth:`PrefixKVPass.key_sources`):
 its attention reads them in place, all its query rows over the stored rows, merged by the
@@ -13,19 +15,13 @@ log-sum-exp with its own rows' part (:func:`~prefix_sharing.attention.prefix_att
 (a backend without a with-lse pair: TE; a sliding window) it concatenates them in
 front of its own rows itself, as does the context-parallel path (:meth:`PrefixKVPass.exchange`,
 its gathered K/V then cut per local query piece). The gradient protocol is the same either
-way: the leaves (or the recorded K/V read through) are the attention's inputs.
+way: the leaves are the attention's inputs.
 
 An MoE router that keeps batch statistics (aux / z-losses, expert-bias counts) does the same
 with the prefix's router logits (:meth:`PrefixKV.exchange_router_logits`): every suffix
 micro-batch's statistics count its samples' copies of the prefix tokens, as the plain
 micro-batch of those samples does, and their gradients reach the prefix's router through the
 leaves.
-
-A loop that runs each block's backward inside its last reader's (verl's engine, megatron's
-pipelined schedule) has no backward of its own for the prefix; there the last suffix
-*reads through* (mode ``"read_last"``): it attends to the recorded K/V themselves, with the
-leaves' accumulated gradients added on the way back (:func:`read_through`), so that suffix's own
-backward runs the prefix's backward too, once, inside the same pass.
 
 **Activation recompute.** Megatron's recompute (full: a chunk of layers; selective: core
 attention) runs a layer's first forward without grad and runs it again inside the backward,
@@ -35,23 +31,23 @@ recomputed layer replays the mode of its first run, whatever micro-batch runs me
 recorded layer whose first run kept no graph cannot hand its K/V to :meth:`PrefixKV.gradient_term`
 or to a last reader: it records once (the first run's values; the replay records nothing) and
 its replay, which carries the graph, *injects* the leaves' accumulated gradients into its own
-K/V (:func:`read_through` on the replay's K/V); its readers, the last one included, read the
-leaves. The injection reads the leaves when the prefix's backward reaches that layer, so every
-reader's backward must have accumulated into them by then: after the last suffix in the group
-driver; in one backward with the last reader (verl) because autograd runs a graph's later nodes
-(the last reader's) before its earlier ones (the prefix's, recorded micro-batches before). A
-count of the readers still owing their gradient checks this at every injection.
+K/V (:func:`read_through` on the replay's K/V). The injection reads the leaves when the
+prefix's backward reaches that layer, so every reader's backward must have accumulated into
+them by then (the block's backward step comes after its last reader's); a count of the readers
+still owing their gradient checks this at every injection.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
 
-__all__ = ["PrefixKV", "PrefixKVPass", "PrefixKVStack", "in_front", "read_through"]
+__all__ = ["PrefixKV", "PrefixKVPass", "PrefixKVStack", "gradient_of", "in_front",
+           "leaves_term", "read_through"]
 
-Mode = Literal["record", "record_last", "read", "read_last", "read_recorded"]
+Mode = Literal["record", "record_last", "read"]
 KV = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -61,14 +57,10 @@ class PrefixKV:
     Attributes:
         mode: the mode of the next forward bound to this store (:meth:`forward_pass`, which
             :class:`~.packed_seq.PlanPackedSeqParams` calls): ``"record"`` while the prefix
-            micro-batch runs, ``"read"`` while a suffix runs, ``"read_last"`` while the last
-            suffix runs in a loop with no backward of the prefix's own (see the module doc),
-            ``"read_recorded"`` while a block whose backward runs in the same pass as this
-            one's reads it (the recorded K/V themselves, no gradient added: verl's nested
-            groups, :class:`~.cross_weave.BlockWeave`), ``"record_last"`` while the
-            prefix runs again with grad after every reader's backward (its own rows read their
-            recorded K/V with the leaves' gradients injected: the pipelined nested run,
-            :mod:`.cross_pipeline`).
+            micro-batch runs, ``"read"`` while a suffix (or a block above it) runs,
+            ``"record_last"`` while the prefix runs again with grad after every reader's
+            backward (its own rows read their recorded K/V with the leaves' gradients
+            injected: its backward step, :mod:`.cross_steps`).
         leaves: ``layer_number -> (k, v)``, each ``[Lp, ng, hn]``, detached, requiring grad.
         outputs: ``layer_number -> (k, v)`` of the last recorded pass that kept its graph
             there (not recomputed): the tensors :meth:`gradient_term` differentiates.
@@ -132,9 +124,7 @@ class PrefixKV:
         pairs = [pair for layer, outs in self.outputs.items()
                  for pair in zip(outs, self.leaves[layer])]
         pairs += [(out, self.router_leaves[layer]) for layer, out in self.router_outputs.items()]
-        terms = [_term(out, leaf.grad) for out, leaf in pairs
-                 if leaf.grad is not None and out.requires_grad]
-        return sum(terms, torch.zeros(()))  # a 0-dim CPU start adds to a term on any device
+        return leaves_term(*zip(*pairs)) if pairs else torch.zeros(())
 
     def _leaf(self, key: tuple[int, str], recorded: torch.Tensor) -> torch.Tensor:
         leaf = recorded.detach().requires_grad_(True)
@@ -156,10 +146,7 @@ class PrefixKVPass:
     def __init__(self, store: PrefixKV, mode: Mode) -> None:
         self.store = store
         self.mode: Mode = mode
-        # set while a checkpoint recomputes this forward inside the backward (verl's nested
-        # groups): every call then computes what its first call did and changes no state
-        self.replaying = False
-        # -> "graph" | "no_graph" (recording), "read_through" | "recorded" | "leaves" (reading)
+        # recording: -> "graph" | "no_graph"
         self._runs: dict[tuple[int, str], str] = {}
 
     @property
@@ -171,14 +158,13 @@ class PrefixKVPass:
                     value: torch.Tensor) -> tuple[list[KV], torch.Tensor, torch.Tensor]:
         """The stored K/V this layer's attention reads before its own rows, one ``(k, v)``
         (``[Lp, ng, hn]`` each) per store, and its own keys and values: none and its own
-        (kept) while recording; the prefix leaves while reading, the recorded prefix
-        (:func:`read_through`) while reading last. The attention reads the stored ones in
-        place (module doc)."""
+        (kept) while recording; the prefix leaves while reading. The attention reads the
+        stored ones in place (module doc)."""
         store = self.store
         if self.mode in ("record", "record_last"):
             return [], *self._record((layer_number, "kv"), (key, value), store.leaves,
                                      store.outputs)
-        prefix = self._read((layer_number, "kv"), store.leaves[layer_number], store.outputs)
+        prefix = self._read((layer_number, "kv"), store.leaves[layer_number])
         return [prefix], key, value
 
     def exchange(self, layer_number: int, key: torch.Tensor,
@@ -191,15 +177,13 @@ class PrefixKVPass:
     def exchange_router_logits(self, layer_number: int, logits: torch.Tensor) -> torch.Tensor:
         """The router logits this layer's batch statistics read, ``[rows, experts]``: its own
         while recording (kept: the router routes what this returns), ``cat(prefix leaf, own)``
-        (``[Lp + T, experts]``) while reading, ``cat(recorded prefix, own)`` while reading
-        last."""
+        (``[Lp + T, experts]``) while reading."""
         store = self.store
         key = (layer_number, "router")
         if self.mode in ("record", "record_last"):
             return self._record(key, (logits,), store.router_leaves, store.router_outputs,
                                 single=True)[0]
-        (prefix,) = self._read(key, (store.router_leaves[layer_number],), store.router_outputs,
-                               single=True)
+        (prefix,) = self._read(key, (store.router_leaves[layer_number],))
         return torch.cat([prefix, logits])
 
     def _record(self, key: tuple[int, str], tensors: tuple[torch.Tensor, ...], leaves: dict,
@@ -221,7 +205,7 @@ class PrefixKVPass:
                 outputs.pop(layer, None)
             if not (graph and self.mode == "record_last"):
                 return tensors
-        elif not graph or self.replaying:  # a replay records nothing
+        elif not graph:  # a replay records nothing
             return tensors
         elif self._runs[key] == "graph":
             raise RuntimeError(f"layer {layer}'s prefix ({key[1]}) ran twice with grad in one "
@@ -232,24 +216,10 @@ class PrefixKVPass:
         return tuple(torch.cat([_injected(r, leaf, key, store), t[rows:]])
                      for r, leaf, t in zip(recorded, got, tensors))
 
-    def _read(self, key: tuple[int, str], leaves: tuple[torch.Tensor, ...], outputs: dict,
-              single: bool = False) -> tuple[torch.Tensor, ...]:
-        layer = key[0]
-        run = self._runs.get(key)
-        if run is None:
-            through = self.mode in ("read_last", "read_recorded") and layer in outputs
-            run = self._runs[key] = (("recorded" if self.mode == "read_recorded"
-                                      else "read_through") if through else "leaves")
-            if through and not torch.is_grad_enabled():
-                raise RuntimeError(
-                    f"layer {layer}'s last reader of the prefix is recomputed but the prefix's "
-                    "layer was not (one activation recompute setting for all micro-batches)")
-        if run in ("read_through", "recorded"):
-            recorded = (outputs[layer],) if single else outputs[layer]
-            if run == "recorded":
-                return recorded
-            return tuple(read_through(r, leaf) for r, leaf in zip(recorded, leaves))
-        if torch.is_grad_enabled() and not self.replaying:  # its backward accumulates into them
+    def _read(self, key: tuple[int, str], leaves: tuple[torch.Tensor, ...]
+              ) -> tuple[torch.Tensor, ...]:
+        # (counted on the call with grad: a recomputed layer's replay)
+        if torch.is_grad_enabled():  # its backward accumulates into them
             self.store.owing[key] = self.store.owing.get(key, 0) + len(leaves)
         return leaves
 
@@ -319,11 +289,37 @@ def in_front(sources: list[KV], key: torch.Tensor,
             torch.cat([*(v for _, v in sources), value]))
 
 
-def _term(recorded: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """``sum(recorded * grad)`` in at least fp32: its gradient with respect to ``recorded`` is
-    ``grad``, exactly."""
-    dtype = torch.promote_types(recorded.dtype, torch.float32)
-    return (recorded.to(dtype) * grad.to(dtype)).sum()
+def leaves_term(recorded: Sequence[torch.Tensor | None],
+                leaves: Sequence[torch.Tensor | None]) -> torch.Tensor:
+    """A scalar whose backward carries each leaf's accumulated gradient into the tensor it was
+    detached from (``recorded``, pairwise; a None pair or a recorded tensor without grad is
+    skipped): :func:`gradient_of` summed."""
+    terms = [gradient_of(r, leaf) for r, leaf in zip(recorded, leaves)
+             if r is not None and r.requires_grad]
+    return sum(terms, torch.zeros(()))  # a 0-dim CPU start adds to a term on any device
+
+
+def gradient_of(recorded: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:
+    """A scalar (zero) whose gradient with respect to ``recorded`` (the tensor ``leaf`` was
+    detached from) is the leaf's accumulated gradient, read when the backward reaches it (a
+    pipeline schedule runs a step's forward, its loss included, before earlier steps'
+    backwards have accumulated into the leaf); none while the leaf has none."""
+    return _LeafGradient.apply(recorded, leaf)
+
+
+class _LeafGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, recorded: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:
+        ctx.leaf = leaf  # not an input of the graph: no gradient flows into it
+        return torch.zeros((), dtype=torch.promote_types(recorded.dtype, torch.float32),
+                           device=recorded.device)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, None]:
+        accumulated = ctx.leaf.grad
+        if accumulated is None:
+            return None, None
+        return (grad * accumulated).to(accumulated.dtype), None
 
 
 def read_through(recorded: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:

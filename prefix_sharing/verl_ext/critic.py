@@ -11,11 +11,11 @@ verl's value-head engine (:mod:`.fsdp`, :mod:`.mcore_engine`), the same config k
 scores tokens.
 
 A group across micro-batches (Megatron engine) reads values out where the actor reads
-log-probs (:class:`.cross_state.Readout`): a block's values kept as leaves, read through by its
-last reader. What the critic refuses on top of the actor's refusals (:func:`value_head_problems`): a
-sequence split over ranks (FSDP's Ulysses, Megatron's context parallelism), where each rank
-holds only some of the flat rows a sample's values come from, and the first-step self-check,
-which compares log-probs.
+log-probs (:class:`.cross_state.Readout`): a block's values kept as leaves, their readers'
+gradients carried into the block by its backward step. What the critic refuses on top of the
+actor's refusals (:func:`value_head_problems`): a sequence split over ranks (FSDP's Ulysses,
+Megatron's context parallelism), where each rank holds only some of the flat rows a sample's
+values come from, and the first-step self-check, which compares log-probs.
 """
 
 from __future__ import annotations

@@ -97,14 +97,11 @@ class CrossPart:
 
     @property
     def tokens_computed(self) -> int:
-        """Tokens the model runs in it: its tails' plan, and the prefix in the first (the
-        blocks opening before it, when the group nests)."""
+        """Tokens the model runs for it: its tails' plan, and the blocks whose forward steps
+        run before it (the prefix before the first)."""
         schedule = self.group.schedule
-        own = schedule.suffixes[self.index].plan.num_tokens_unique
-        if self.group.nested:
-            return own + sum(schedule.blocks[b].length
-                             for b in schedule.opening_blocks()[self.index])
-        return own + (schedule.prefix_len if self.first else 0)
+        return schedule.suffixes[self.index].plan.num_tokens_unique + sum(
+            schedule.blocks[b].length for b in schedule.opening_blocks()[self.index])
 
 
 def plan_cross_groups(
@@ -141,31 +138,6 @@ def plan_cross_groups(
             cross.append(CrossGroup(tuple(members), planned[0], token_budget,
                                     nested=planned[1]))
     return cross, sorted(rest)
-
-
-def groups_left_unnested(
-    sequences: Sequence[TokenSequence],
-    token_budget: int,
-    config: PrefixSharingConfig,
-    uids: Sequence[Hashable] | None = None,
-    pad_to_multiple_of: int = 1,
-    routes: Sequence[TokenSequence] | None = None,
-) -> list[tuple[int, ...]]:
-    """The groups that would run across micro-batches only as a nested schedule (arguments as
-    :func:`plan_cross_groups`). On an engine whose model may not nest, :func:`plan_cross_groups`
-    leaves them to the ordinary split, which computes their prefix once per micro-batch; the
-    engine reports them (a metric and a warning) instead of falling back silently."""
-    if not config.cross_micro_batch:
-        return []
-    found = []
-    for members in sharing_groups(sequences, config, uids):
-        group = [sequences[i] for i in members]
-        group_routes = None if routes is None else [routes[i] for i in members]
-        if (_schedule(group, token_budget, config, pad_to_multiple_of, group_routes) is None
-                and _schedule(group, token_budget, config, pad_to_multiple_of, group_routes,
-                              nested=True) is not None):
-            found.append(tuple(members))
-    return found
 
 
 def _schedule(sequences: list[TokenSequence], token_budget: int,

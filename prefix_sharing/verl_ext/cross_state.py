@@ -1,10 +1,8 @@
-"""What the micro-batches of one cross group share in verl's Megatron engine: what each
-micro-batch reads out per token for verl (:class:`Readout`: the actor's log-probs and entropy,
-or the critic's values) - at a block's positions, kept with the block as leaves
-(:mod:`prefix_sharing.megatron_ext.cross_weave`), and at its own tails - and under pipeline
-parallelism the state its first micro-batch leaves for the others (:class:`GroupState`). Used
-by the forward at PP=1 (:mod:`.cross_forward`) and under pipeline parallelism
-(:mod:`.cross_pipeline`)."""
+"""What the micro-batches of one cross group read out per token for verl in its Megatron
+engine (:class:`Readout`: the actor's log-probs and entropy, or the critic's values): at a
+block's positions, kept with the block as leaves
+(:class:`~prefix_sharing.megatron_ext.cross_steps.GroupSteps`, built by
+:mod:`.cross_schedule`), and at its own tails (:mod:`.cross_forward`)."""
 
 from __future__ import annotations
 
@@ -16,39 +14,11 @@ import torch
 from ..refusals import refuse
 from .mcore import PrefixSharingSetupError
 
-__all__ = ["GroupState", "Readout", "Statistics", "check_temperature"]
-
-
-@dataclasses.dataclass
-class GroupState:
-    """What a group's first micro-batch leaves for the others under pipeline parallelism (per
-    model chunk).
-
-    Attributes:
-        prefix_kv: the prefix's K/V per layer, recorded and as leaves.
-        recorded: every sample's per-token outputs at the prefix positions, ``(N, Lp)`` each
-            (:meth:`Readout.block`), in the prefix's graph (``None`` on an inner pipeline
-            stage).
-        leaves: the same, detached, requiring grad (what all but the last micro-batch read).
-        temperature: the group's sampling temperature (all its micro-batches must agree).
-    """
-
-    prefix_kv: Any
-    recorded: Statistics | None
-    leaves: Statistics | None
-    temperature: float
-
-    def prefix_stats(self, members: list[int], last: bool) -> Statistics:
-        """``(len(members), Lp)`` outputs of these samples' prefix positions: the leaves, or
-        the recorded tensors read through for the last micro-batch."""
-        from ..megatron_ext.cross_weave import select_statistics
-
-        rows = torch.tensor(members, device=self.recorded[0].device)
-        return select_statistics(self.recorded, self.leaves, rows, last)
+__all__ = ["Readout", "Statistics", "check_temperature"]
 
 
 # per-token outputs: log-probs and entropy (or None), or values and None (as
-# prefix_sharing.megatron_ext.cross_weave names them, without importing megatron)
+# prefix_sharing.megatron_ext.cross_steps names them, without importing megatron)
 Statistics = tuple[torch.Tensor, torch.Tensor | None]
 
 

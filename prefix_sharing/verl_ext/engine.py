@@ -106,8 +106,7 @@ class SharingEngineMixin:
         # samples
         cross = self.prefix_sharing.cross_micro_batch
         with sharing_split(self.prefix_sharing,
-                           replay_mode(getattr(self, "engine_config", None)),
-                           not_nested=self.cross_nested_problem() if cross else None) as split:
+                           replay_mode(getattr(self, "engine_config", None))) as split:
             dynamic_split_problem(data, split, loss_function, forward_only,
                                   None if cross else self.order_sensitive_statistics())
             order = fixed_order(data, split, loss_function, forward_only,
@@ -128,11 +127,6 @@ class SharingEngineMixin:
         micro-batch (statistics taken per micro-batch, such as a router's auxiliary loss),
         or ``None``; the Megatron engine answers (:func:`.microbatch.fixed_order`)."""
         return None
-
-    def cross_nested_problem(self) -> str | None:
-        """Why a group too large for one level may not nest on this engine's model
-        (:func:`.cross_forward.nested_problem`), or ``None`` when it may; the Megatron engine answers."""
-        return f"{type(self).__name__} runs no nested schedule"
 
     @classmethod
     def refuse_unsupported_switches(cls, micro_batch: Any, *extra: Refused) -> None:

@@ -163,6 +163,7 @@ def patch_engine(module: ModuleType) -> None:
 
     from .config import sharing_config
     from .critic import value_head_problems
+    from .cross_schedule import cross_schedule
     from .hybrid import hybrid_release_problem
     from .mcore import fused_kernel_problems, micro_batch_groups, virtual_pipeline_problems
     from .mcore_mtp import mtp_problems, share_verl_mtp, trains_mtp
@@ -249,10 +250,15 @@ def patch_engine(module: ModuleType) -> None:
                     return "the MTP loss is averaged per micro-batch"
                 return None
 
-            def cross_nested_problem(self) -> str | None:
-                from .cross_forward import nested_problem
-
-                return nested_problem(self.tf_config)
+            def forward_backward_batch(self, data: Any, loss_function: Any,
+                                       forward_only: bool = False) -> Any:
+                """The sharing engine's step; with ``cross_micro_batch`` megatron's schedule
+                runs the cross groups' block steps among verl's micro-batches
+                (:mod:`.cross_schedule`)."""
+                if not (self.prefix_sharing.enabled and self.prefix_sharing.cross_micro_batch):
+                    return super().forward_backward_batch(data, loss_function, forward_only)
+                with cross_schedule(module, value_model=value_head):
+                    return super().forward_backward_batch(data, loss_function, forward_only)
 
             def forward_step(self, batch_iter, model, logits_processor_func,
                              postprocess_micro_batch_func):

@@ -52,7 +52,7 @@ import torch
 from ..batching import MicroBatchSplit, split_fixed_micro_batches, split_micro_batches
 from ..config import PrefixSharingConfig
 from ..refusals import refuse
-from .cross_groups import CrossPart, groups_left_unnested, plan_cross_groups
+from .cross_groups import CrossPart, plan_cross_groups
 from .mcore import PrefixSharingSetupError, prompt_lengths
 from .routing_replay import split_routes
 
@@ -83,10 +83,6 @@ class SplitRecord:
     split: MicroBatchSplit | None = None
     parts: list[CrossPart] = dataclasses.field(default_factory=list)
     replay_mode: str = "disabled"  # verl's router_replay.mode: cross groups plan with routes
-    # why a cross group may not nest on the engine's model (:func:`.cross_forward.nested_problem`), None: it may
-    not_nested: str | None = None
-    # the groups that would cross micro-batches only nested, left to the ordinary split
-    unnested: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
     # why verl's own dynamic-bsz split runs (the step's loss depends on its micro-batches:
     # :func:`dynamic_split_problem`), None to keep the groups together
     verl_split_reason: str | None = None
@@ -105,7 +101,6 @@ class SplitRecord:
                 f"{METRIC_PREFIX}prefix_kv_held_bytes"]
             metrics[f"{METRIC_PREFIX}cross_recomputed_tokens"] = float(
                 sum(g.schedule.recomputed_tokens() + g.recomputed_tokens for g in groups))
-            metrics[f"{METRIC_PREFIX}cross_groups_unnested"] = float(len(self.unnested))
         return metrics
 
     def part(self, micro_batch: Any) -> CrossPart | None:
@@ -121,18 +116,16 @@ _ACTIVE: contextvars.ContextVar[SplitRecord | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def sharing_split(config: PrefixSharingConfig, replay_mode: str = "disabled",
-                  not_nested: str | None = None) -> Iterator[SplitRecord]:
+def sharing_split(config: PrefixSharingConfig,
+                  replay_mode: str = "disabled") -> Iterator[SplitRecord]:
     """Within this block, verl's dynamic-bsz split keeps ``config``'s sharing groups together.
 
     An engine wraps its ``forward_backward_batch`` in it; the yielded record holds the split
     afterwards (for :func:`add_split_metrics`). With ``mode="off"`` verl's split runs as is.
     ``replay_mode``: verl's ``router_replay.mode`` (groups across micro-batches are cut on
-    tokens and routes: :func:`.routing_replay.split_routes`). ``not_nested``: why a group too
-    large for one level may not nest on the engine's model (:func:`.cross_forward.nested_problem`), ``None``
-    when it may.
+    tokens and routes: :func:`.routing_replay.split_routes`).
     """
-    record = SplitRecord(config, replay_mode=replay_mode, not_nested=not_nested)
+    record = SplitRecord(config, replay_mode=replay_mode)
     token = _ACTIVE.set(record if config.enabled else None)
     try:
         yield record
@@ -188,16 +181,8 @@ def rearrange_micro_batches(
     routes, may_cross = split_routes(batch, record.replay_mode)
     cross, rest = plan_cross_groups(sequences, max_token_len, record.config, uids,
                                     _row_multiple(), routes=routes,
-                                    nested=record.not_nested is None) if may_cross else (
+                                    nested=True) if may_cross else (
                                         [], list(range(len(sequences))))
-    if may_cross and record.not_nested is not None:
-        record.unnested = groups_left_unnested(sequences, max_token_len, record.config, uids,
-                                               _row_multiple(), routes=routes)
-        if record.unnested:
-            _warn_once(f"prefix-sharing: groups that fit across micro-batches only as a nested "
-                       f"schedule run in the ordinary split, their prefix computed in each "
-                       f"micro-batch ({record.not_nested}); the step's metric "
-                       f"{METRIC_PREFIX}cross_groups_unnested counts them")
     parts = [part for group in cross for part in group.parts()]
     result = _split_ordinary(sequences, rest, max_token_len, record.config, uids, prompt_lens,
                              max(1, (min_num_micro_batch or 1) - len(parts)))

@@ -217,22 +217,22 @@ def test_token_budget_on_moe_with_chunked_prompts(capsys):
 
 
 def test_token_budget_under_pipeline_parallelism(capsys):
-    """PP=2: each group's first and last suffix micro-batch carry its prompt between stages
-    (the tails packed under 44 minus the prompt), the prompt computed twice."""
+    """PP=2: each group's prompt a block of its own, computed without grad before its suffix
+    micro-batches and again with grad after them (its backward step): computed twice."""
     code, out, _ = verify(capsys, "--workload", "grpo", "--token-budget", 44, "--pp", 2, "--json")
     report = json.loads(out)
     assert code == 0 and report["passed"] and all(report["within_tolerance"].values())
     assert report["pp"] == 2 and report["vs_plain_within_fp32_rtol"]
-    assert report["num_micro_batches"] > 2 * len(report["prefix_lens"])  # 2+ suffixes each
+    assert report["num_micro_batches"] >= 2 * len(report["prefix_lens"])  # a block, suffixes
     assert report["recomputed_tokens"] == sum(report["prefix_lens"])
     assert report["tokens_computed"] == report["tokens_unique"] + sum(report["prefix_lens"])
     assert report["max_tokens_computed"] <= 44
 
 
 def test_token_budget_under_pipeline_parallelism_with_prompts_in_chunks(capsys):
-    """PP=2, prompts of 15 and 21 tokens under 12: too long to be carried, each group runs
-    plan_group's schedule, its steps (each chunk without grad, the suffixes, each chunk again
-    with grad) micro-batches of their own; every chunk computed twice."""
+    """PP=2, prompts of 15 and 21 tokens under 12: each group's prompt in chunks, its steps
+    (each chunk without grad, the suffixes, each chunk again with grad) micro-batches of their
+    own; every chunk computed twice."""
     code, out, _ = verify(capsys, "--workload", "grpo", "--token-budget", 12, "--pp", 2,
                           "--json")
     report = json.loads(out)

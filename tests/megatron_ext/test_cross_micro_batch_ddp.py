@@ -2,7 +2,7 @@
 overlapped gradient reduction.
 
 A group runs inside the model's ``no_sync_func`` with no ``finalize_model_grads_func``
-(:func:`~prefix_sharing.megatron_ext.cross_pipeline.forward_backward_pipelined_group`): its
+(:func:`~prefix_sharing.megatron_ext.cross_micro_batch.forward_backward_group`): its
 gradients accumulate into DDP's buffers and the caller reduces them once, after its last group,
 as megatron's schedule does after a step's last micro-batch. With ``overlap_grad_reduce`` the
 bucket hooks never mark a parameter ready inside ``no_sync``, so the reduction runs in

@@ -1,25 +1,24 @@
 """A group across micro-batches under pipeline parallelism (PP=2, 1F1B): exact.
 
 One GRPO group (a 41-token prompt, 6 responses) under an 84-token budget at PP=2 on two gloo
-ranks: the first and the last suffix micro-batch carry the prompt's rows (so the tails are
-packed under 84 - 41: 4 suffix micro-batches), the prompt recorded without grad in the first
-and recomputed with grad in the last, whose backward - megatron's own, on each stage - is the prompt's. Judged on both
-stages as ``verify`` judges (the float64 verdict against megatron's stock step on the same
-samples in the same micro-batches; within 1e-5 of its fp32 run): the last stage's logits,
-log-probs, entropy and loss, and every gradient of each stage. A control whose last suffix
-reads the leaves instead of reading through (the prompt's backward then misses the other
-suffixes' dK/dV) fails on the gradients. The same group within one suffix micro-batch (the
-first and the last) computes its prompt once, with grad. TP=2 x PP=2 on four ranks, without
-and with sequence parallelism: the same verdict on every rank. The tiny MoE preset with router
-statistics (two groups; the expert bias on one): outputs, gradients and every router
-statistic equal the stock step's; a control weighing each group's router losses by its own
-micro-batch count (megatron's schedule left alone) fails on the gradients. CP=2 x PP=2 on four
-ranks (each micro-batch split over the CP ranks, the carried prompt's rows too) against the
-stock step at PP=2 on the same split. Megatron's
-activation recompute, full and selective; a control whose replayed prefix layers record again
-fails on the gradients. A prompt over half the budget runs plan_group's schedule, each step a
-micro-batch of 1F1B: exact at PP=2 alone and under full recompute, with TP=2 and sequence
-parallelism, at CP=2, and with MoE router statistics.
+ranks, each step of its schedule a micro-batch of megatron's 1F1B: the prompt's block without
+grad, the suffixes reading its K/V leaves, and the block's backward step after its last
+reader, its forward again with grad, its own rows reading their recorded K/V with the readers'
+gradients injected (``record_last``) - megatron's own backward of that step, on each stage, is
+the prompt's. Judged on both stages as ``verify`` judges (the float64 verdict against
+megatron's stock step on the same samples in the same micro-batches; within 1e-5 of its fp32
+run): the last stage's logits, log-probs, entropy and loss, and every gradient of each stage.
+A control whose backward steps inject nothing fails on the gradients. The same group within
+one suffix micro-batch; TP=2 x PP=2 on four ranks, without and with sequence parallelism: the
+same verdict on every rank. The tiny MoE preset with router statistics (two groups; the
+expert bias on one): outputs, gradients and every router statistic equal the stock step's; a
+control weighing each group's router losses by its own micro-batch count (megatron's schedule
+left alone) fails on the gradients. CP=2 x PP=2 on four ranks (each micro-batch split over
+the CP ranks) against the stock step at PP=2 on the same split. Megatron's activation
+recompute, full and selective (the prompt's layers replayed inside its backward step inject
+the readers' gradients there); a control that injects nothing fails on the gradients. The
+prompt in two chunks (budget 36): exact at PP=2 alone and under full recompute, with TP=2 and
+sequence parallelism, at CP=2, with MoE router statistics, and under interleaved stages.
 """
 
 from __future__ import annotations
@@ -40,7 +39,6 @@ from ._distributed import PRESET, run_distributed, tiny_gpt
 from ._router_statistics import reset_router_statistics, router_statistics
 from .test_cross_micro_batch import (_LOSSES, MOE, MOE_VARIANTS, _split_runs,
                                      assert_exact, assert_router_statistics_equal)
-from .test_cross_micro_batch_settings import _replay_records_again
 
 CONFIG = PrefixSharingConfig(min_prefix_len=1, backend="torch")
 BUDGET = 84
@@ -72,21 +70,6 @@ def _assert_gradients_fail(run: dict) -> None:
 
 
 @contextlib.contextmanager
-def _never_reads_through():
-    """Wrong: the last suffix reads the leaves, as the others do, so the prompt's backward
-    (in its backward) misses the other suffixes' dK/dV."""
-    from prefix_sharing.megatron_ext.prefix_kv import PrefixKV
-
-    forward_pass = PrefixKV.forward_pass
-
-    def never_last(self, mode=None):
-        return forward_pass(self, "read" if (mode or self.mode) == "read_last" else mode)
-
-    with mock.patch.object(PrefixKV, "forward_pass", never_last):
-        yield
-
-
-@contextlib.contextmanager
 def _never_injected():
     """Wrong: a block's backward step records its K/V again without the leaves' accumulated
     gradients, so its backward misses every reader's dK/dV."""
@@ -96,8 +79,7 @@ def _never_injected():
         yield
 
 
-CONTROLS = {"never_reads_through": _never_reads_through,
-            "replay_records_again": _replay_records_again, "never_injected": _never_injected}
+CONTROLS = {"never_injected": _never_injected}
 
 
 def _job(rank: int, runs: dict) -> dict:
@@ -119,22 +101,21 @@ def _job(rank: int, runs: dict) -> dict:
 
 RUNS = {
     "cross": (BUDGET, {}, None),
-    "never_reads_through": (BUDGET, {}, "never_reads_through"),
-    # the whole group within the budget: one suffix, the first and the last, carries the prompt
+    # wrong: the prompt's backward step takes in none of its readers' gradients
+    "never_injected": (BUDGET, {}, "never_injected"),
+    # the whole group within the budget: one suffix between the prompt's two steps
     "one_suffix": (ONE_SUFFIX, {}, None),
-    # megatron's activation recompute on every model of the run: the carried prompt's layers
-    # replay inside the last suffix's backward, after its own rows'
+    # megatron's activation recompute on every model of the run: the prompt's layers replay
+    # inside its backward step, injecting the readers' gradients there
     **{name: (BUDGET, settings, None) for name, settings in RECOMPUTE.items()},
-    # wrong: a replayed prompt layer records as if run for the first time
-    "replay_records_again": (BUDGET, RECOMPUTE["full"], "replay_records_again"),
-    # the prompt over half the budget: plan_group's schedule, each step a micro-batch of its
-    # own (the prompt's block without grad, the suffixes, the block again with grad); at 60
-    # one level, at 36 the prompt in two chunks
+    # wrong: the recomputed prompt layers inject none of their readers' gradients
+    "recompute_never_injected": (BUDGET, RECOMPUTE["full"], "never_injected"),
+    # at 60 one level, at 36 the prompt in two chunks
     **{name: (budget, overrides, None) for name, budget, overrides in (
         ("block_steps", 60, {}), ("nested", NESTED, {}),
         ("nested_recompute", NESTED, RECOMPUTE["full"]))},
     # wrong: the blocks' backward steps take in none of their readers' gradients
-    "never_injected": (NESTED, {}, "never_injected"),
+    "nested_never_injected": (NESTED, {}, "never_injected"),
 }
 
 
@@ -152,9 +133,8 @@ def test_equals_the_stock_step_on_every_stage(stages, name):
 
 
 @pytest.mark.parametrize("name", ["block_steps", "nested", "nested_recompute"])
-def test_a_prompt_over_half_the_budget_runs_its_steps_as_micro_batches(stages, name):
-    """plan_pipelined_group falls back to plan_group's schedule at the whole budget; each of
-    its steps is a micro-batch of megatron's 1F1B: a block without grad, the suffixes reading
+def test_blocks_in_chunks_run_their_steps_as_micro_batches(stages, name):
+    """Each step a micro-batch of megatron's 1F1B: a block without grad, the suffixes reading
     the leaves, then the block again with grad after its last reader, the readers' gradients
     injected into its own K/V (``record_last``). Exact on both stages, also under full
     recompute (a recomputed block layer injects in its replay); every block computed
@@ -171,14 +151,14 @@ def test_a_prompt_over_half_the_budget_runs_its_steps_as_micro_batches(stages, n
 
 def test_a_control_whose_block_steps_inject_nothing_fails(stages):
     for stage in stages:
-        _assert_gradients_fail(stage["never_injected"])
+        _assert_gradients_fail(stage["nested_never_injected"])
 
 
-def test_a_group_in_one_suffix_computes_its_prompt_once(stages):
+def test_a_group_in_one_suffix_runs_between_its_prompts_steps(stages):
     for stage in stages:
         figures = stage["one_suffix"]["figures"]
-        assert len(stage["one_suffix"]["suffix_rows"]) == 1 and figures["recomputed_tokens"] == 0
-        assert figures["tokens_computed"] == figures["tokens_unique"]
+        assert len(stage["one_suffix"]["suffix_rows"]) == 1
+        assert figures["recomputed_tokens"] == sum(figures["prefix_lens"])
 
 
 def test_the_prompt_is_computed_twice_and_the_budget_kept(stages):
@@ -187,11 +167,8 @@ def test_the_prompt_is_computed_twice_and_the_budget_kept(stages):
         figures = run["figures"]
         (prefix_len,) = figures["prefix_lens"]
         assert figures["num_micro_batches"] == 1 + len(run["suffix_rows"])
-        assert len(run["suffix_rows"]) >= 3
-        # the first and the last suffix carry the prompt's rows besides their tails
-        assert max(run["suffix_rows"]) + prefix_len <= BUDGET
-        carried = run["suffix_rows"][0] + prefix_len, run["suffix_rows"][-1] + prefix_len
-        assert figures["max_tokens_computed"] == max(*carried, *run["suffix_rows"])
+        assert len(run["suffix_rows"]) >= 2
+        assert figures["max_tokens_computed"] == max(prefix_len, *run["suffix_rows"]) <= BUDGET
         assert figures["recomputed_tokens"] == prefix_len
         assert figures["tokens_computed"] == figures["tokens_unique"] + prefix_len
         # this stage's layer: K and V, leaves and gradients, fp32
@@ -200,7 +177,7 @@ def test_the_prompt_is_computed_twice_and_the_budget_kept(stages):
                                          * PRESET.num_query_groups * head_dim * 4)
 
 
-@pytest.mark.parametrize("control", list(CONTROLS))
+@pytest.mark.parametrize("control", ["never_injected", "recompute_never_injected"])
 def test_controls_fail_on_the_gradients(stages, control):
     for stage in stages:
         _assert_gradients_fail(stage[control])
@@ -210,14 +187,14 @@ def test_controls_fail_on_the_gradients(stages, control):
 
 
 def _cp_job(rank: int) -> dict:
-    """At CP=2 x PP=2: the group and the control that never reads through, this rank's run and
+    """At CP=2 x PP=2: the group and the control that injects nothing, this rank's run and
     its stage."""
     from megatron.core import parallel_state
 
     from prefix_sharing.engines.cross_micro_batch import forward_backward_cross
 
     report = {"stage": parallel_state.get_pipeline_model_parallel_rank()}
-    for name, budget in (("cross", BUDGET), ("never_reads_through", BUDGET),
+    for name, budget in (("cross", BUDGET), ("never_injected", BUDGET),
                          ("nested", NESTED)):
         model, rows = tiny_gpt("shared"), []  # each forward's rows on this rank
         model.register_forward_pre_hook(
@@ -230,7 +207,7 @@ def _cp_job(rank: int) -> dict:
 
 
 def test_context_parallel_2_by_pipeline_parallel_2(stages):
-    """Four ranks, each stage's micro-batches split over two CP ranks (the carried prompt's
+    """Four ranks, each stage's micro-batches split over two CP ranks (the prompt's block's
     rows too): the same schedule as at CP=1, and every rank's stage equals megatron's stock
     step at PP=2, CP=1 (its attention cannot split a sequence) on the same split; the control
     fails on the gradients."""
@@ -243,13 +220,13 @@ def test_context_parallel_2_by_pipeline_parallel_2(stages):
         judged = {name: {"vs_reference": compare(rank[name]["run"], reference),
                          "plain": compare(plain, reference),
                          "vs_plain": compare(rank[name]["run"], plain)}
-                  for name in ("cross", "never_reads_through")}
+                  for name in ("cross", "never_injected")}
         assert_exact(judged["cross"])
-        _assert_gradients_fail(judged["never_reads_through"])
+        _assert_gradients_fail(judged["never_injected"])
         figures = rank["cross"]["figures"]
         assert figures == stages[rank["stage"]]["cross"]["figures"]
-        # each forward (the carried prompt's twice, each suffix's) ran this rank's half of its
-        # rows, each part padded to a multiple of 2
+        # each forward (the prompt's twice, each suffix's) ran this rank's half of its rows,
+        # each padded to a multiple of 2
         rows, at_cp1 = rank["cross"]["rows"], stages[rank["stage"]]["cross"]["padded_rows"]
         whole = sum(at_cp1) + at_cp1[0]
         assert len(rows) == figures["num_micro_batches"] + 1
@@ -270,9 +247,8 @@ TP_RUNS["nested"] = (NESTED, dict(sequence_parallel=True), None)
 
 @pytest.fixture(scope="module")
 def tp_stages() -> list[dict]:
-    """TP=2 x PP=2, without and with sequence parallelism (each part's rows padded to 2 and
-    split over the tensor-parallel ranks: a rank sends its slice of the prompt's rows, then of
-    its own)."""
+    """TP=2 x PP=2, without and with sequence parallelism (each micro-batch's rows padded to 2
+    and split over the tensor-parallel ranks)."""
     return run_distributed(_job, 4, TP_RUNS, tp=2, pp=2, timeout=900)
 
 
@@ -281,7 +257,7 @@ def test_tensor_parallel_2_by_pipeline_parallel_2(tp_stages, sequence_parallel):
     for rank in tp_stages:
         run = rank[sequence_parallel]
         assert_exact(run)
-        assert len(run["suffix_rows"]) >= 3
+        assert len(run["suffix_rows"]) >= 2
         if sequence_parallel:  # the prompt's 41 rows and every suffix's padded to 2
             assert run["padded_rows"][0] == 42 and all(n % 2 == 0 for n in run["padded_rows"])
     assert [rank[sequence_parallel]["outputs"] > 0 for rank in tp_stages] == [False, False,
@@ -300,21 +276,23 @@ def test_a_nested_schedule_under_tensor_parallel_2_by_pipeline_parallel_2(tp_sta
 
 def _moe_job(rank: int) -> dict:
     """The tiny MoE preset (8 experts, top-2) at PP=2: two GRPO groups with the router's aux +
-    seq-aux + global-aux losses and z-loss (each group its own pipelined schedule, its router
+    seq-aux + global-aux losses and z-loss (each group its own schedule, its router
     losses weighted by the step's micro-batch count), one with sigmoid scores and the expert
     bias; every output, gradient and router statistic of each stage against the stock step on
     the same split. The control weighs each group's router losses as megatron's schedule does
     by itself (by the group's own micro-batch count)."""
     from prefix_sharing.engines.cross_micro_batch import forward_backward_cross
     from prefix_sharing.engines.megatron import gpt_model
-    from prefix_sharing.megatron_ext import cross_pipeline
+    from prefix_sharing.megatron_ext import cross_micro_batch
 
     two = make_workload("grpo", num_prompts=2, group_size=6, prompt_len=(40, 41),
                         response_len=(12, 24), vocab_size=MOE.vocab_size, seed=5)
     members = [g.members for g in two.groups]
     runs = {"losses": (two.sequences, members, "losses", BUDGET),
             "expert_bias": (_group(), None, "expert_bias", BUDGET),
-            "group_weight": (two.sequences, members, "losses", BUDGET),
+            # one group: its 4 micro-batches (the prompt's two steps among them) against the
+            # step's 2, so weighing by the group's own count is wrong
+            "group_weight": (_group(), None, "losses", BUDGET),
             # each prompt in two chunks: the chunks route without statistics, every suffix's
             # statistics read them
             "nested": (two.sequences, members, "losses", NESTED)}
@@ -325,8 +303,8 @@ def _moe_job(rank: int) -> dict:
 
         ours = build("shared")
         reset_router_statistics(ours)
-        control = (mock.patch.object(cross_pipeline, "_within_the_step",
-                                     lambda model, factor: contextlib.nullcontext(1.0))
+        control = (mock.patch.object(cross_micro_batch, "within_the_step",
+                                     lambda model, factor, accumulate: contextlib.nullcontext(1.0))
                    if name == "group_weight" else contextlib.nullcontext())
         with control:
             cross = forward_backward_cross(ours, seqs, budget, CONFIG, groups=groups)
@@ -410,7 +388,7 @@ P2P = dict(overlap_p2p_comm=True, batch_p2p_comm=False)  # megatron's setting un
 
 # name -> (budget, the name of a control or None)
 INTERLEAVED_RUNS = {
-    "cross": (BUDGET, None), "never_reads_through": (BUDGET, "never_reads_through"),
+    "cross": (BUDGET, None), "never_injected_one_level": (BUDGET, "never_injected"),
     # the prompt in two chunks: each step a micro-batch of its own
     "nested": (NESTED, None), "never_injected": (NESTED, "never_injected")}
 
@@ -448,19 +426,19 @@ def interleaved_stages() -> list[dict]:
 
 
 def test_interleaved_stages_equal_the_stock_step_on_every_chunk(interleaved_stages):
-    """Every chunk of both ranks carries the prompt rows of its own layers in the first and
-    last suffix (megatron's interleaved schedule keeps each chunk's forwards and backwards in
-    micro-batch order): the last stage's outputs and every chunk's gradients pass the float64
-    verdict and are within 1e-5 of the plain fp32 run; the control fails on the gradients."""
+    """Every chunk of both ranks runs the prompt's steps on its own layers (megatron's
+    interleaved schedule keeps each chunk's forwards and backwards in micro-batch order): the
+    last stage's outputs and every chunk's gradients pass the float64 verdict and are within
+    1e-5 of the plain fp32 run; the control fails on the gradients."""
     first, last = interleaved_stages
     assert first["cross"]["outputs"] == 0 and last["cross"]["outputs"] >= 1
     for stage in (first, last):
         assert_exact(stage["cross"])
-        _assert_gradients_fail(stage["never_reads_through"])
+        _assert_gradients_fail(stage["never_injected_one_level"])
         figures = stage["cross"]["figures"]
         (prefix_len,) = figures["prefix_lens"]
-        assert figures["recomputed_tokens"] == prefix_len and figures["num_micro_batches"] == 5
-        assert "a group run in 1 micro-batch(es) under interleaved pipeline stages" in stage[
+        assert figures["recomputed_tokens"] == prefix_len
+        assert "a group run in 3 micro-batch(es) under interleaved pipeline stages" in stage[
             "one_suffix_error"]
 
 

@@ -60,9 +60,10 @@ def test_a_pass_without_a_graph_has_no_gradient_term():
     assert term.item() == 0.0 and not term.requires_grad
 
 
-def test_the_last_reader_reads_through_and_one_backward_per_reader_equals_one_graph():
-    """A loop that runs one backward per micro-batch: earlier readers read the leaves, the last
-    one the recorded K/V, whose backward then carries every reader's gradient once."""
+def test_one_backward_per_reader_then_the_gradient_term_equals_one_graph():
+    """A loop that runs one backward per micro-batch: every reader reads the leaves, then the
+    prefix's own backward step carries their accumulated gradients in (the gradient term, its
+    leaves' gradients read when that backward runs), once."""
     torch.manual_seed(0)
     w = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
     x = torch.randn(4, 3, dtype=torch.float64)
@@ -78,13 +79,11 @@ def test_the_last_reader_reads_through_and_one_backward_per_reader_equals_one_gr
     store = PrefixKV()
     k = x @ w
     store.exchange(1, k, k)
-    prefix_loss = k.sum()
-    for i, o in enumerate(own):
-        store.mode = "read_last" if i == len(own) - 1 else "read"
-        loss = reader_loss(*store.exchange(1, o, o))
-        if store.mode == "read_last":
-            loss = loss + prefix_loss
-        loss.backward()
+    term = store.gradient_term() + k.sum()  # built before the readers run: read lazily
+    store.mode = "read"
+    for o in own:
+        reader_loss(*store.exchange(1, o, o)).backward()
+    term.backward()
     torch.testing.assert_close(w.grad, expected, rtol=1e-12, atol=1e-12)
 
 
@@ -107,7 +106,7 @@ def _recomputed_prefix_run(read_last_backward_first: bool = True):
     with torch.no_grad():
         prefix.exchange(1, x @ w, x @ w)  # the first run: values recorded, no graph
     leaves = store.leaves[1]
-    readers = [store.forward_pass("read"), store.forward_pass("read_last")]
+    readers = [store.forward_pass("read"), store.forward_pass("read")]
     losses = [((torch.cat(r.exchange(1, o, o)) ** 2).sum()) for r, o in zip(readers, own)]
     return store, prefix, w, x, own, leaves, losses
 

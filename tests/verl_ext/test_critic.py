@@ -128,17 +128,14 @@ def test_the_megatron_critic_at_tp2_with_sequence_parallelism_gives_verls_values
 
 def megatron_cross_rank(rank: int) -> dict:
     """The Megatron critic on the agent batch under an 80-token budget: sharing off, across
-    micro-batches, and across micro-batches with a last micro-batch that reads the prefix's
-    leaves instead of reading its recorded K/V and values through (the control: what the
-    earlier micro-batches accumulated there never reaches the prefix)."""
-    from unittest import mock
-
-    from prefix_sharing.megatron_ext import prefix_kv
+    micro-batches, and across micro-batches with a prefix whose backward step takes in none of
+    its readers' gradients (the control)."""
+    from tests.megatron_ext._controls import blocks_take_no_gradients
     from tests.verl_ext._critic import run_megatron
     from tests.verl_ext.test_cross_forward import CROSS
 
     runs = run_megatron(rank, {"off": None, "cross": CROSS}, workloads=("agent",), budget=80)
-    with mock.patch.object(prefix_kv, "read_through", lambda recorded, leaf: recorded):
+    with blocks_take_no_gradients():
         control = run_megatron(rank, {"cross": CROSS}, workloads=("agent",), budget=80)
     return {"runs": runs, "control": control}
 

@@ -3,7 +3,7 @@
 import pytest
 
 from prefix_sharing import PrefixSharingConfig, build_plan
-from prefix_sharing.verl_ext.cross_groups import groups_left_unnested, plan_cross_groups
+from prefix_sharing.verl_ext.cross_groups import plan_cross_groups
 from prefix_sharing.workloads import make_workload
 
 CROSS = PrefixSharingConfig(min_prefix_len=1, cross_micro_batch=True)
@@ -51,16 +51,6 @@ def test_a_prefix_over_half_the_budget_or_under_min_prefix_len_is_left_to_the_sp
     long_min = PrefixSharingConfig(min_prefix_len=35, cross_micro_batch=True)
     cross, rest = plan_cross_groups(AGENT.sequences, 80, long_min, UIDS)
     assert [g.schedule.prefix_len for g in cross] == [36] and rest == [0, 1, 2]
-
-
-def test_the_groups_that_only_a_nested_schedule_would_cross_are_named_for_the_engine():
-    """Where the engine's model may not nest, those groups fall to the ordinary split: the
-    engine reports them (``prefix_sharing/cross_groups_unnested`` and a warning)."""
-    assert groups_left_unnested(AGENT.sequences, 40, CROSS, UIDS) == [(0, 1, 2), (3, 4, 5)]
-    assert groups_left_unnested(AGENT.sequences, 70, CROSS, UIDS) == [(3, 4, 5)]  # 36 > 35
-    assert groups_left_unnested(AGENT.sequences, 80, CROSS, UIDS) == []  # one level each
-    off = PrefixSharingConfig(min_prefix_len=1)
-    assert groups_left_unnested(AGENT.sequences, 40, off, UIDS) == []
 
 
 def test_a_group_that_does_not_fit_one_level_nests_where_the_engine_allows_it():

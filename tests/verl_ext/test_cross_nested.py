@@ -1,11 +1,12 @@
 """Groups that nest inside verl's real Megatron engine (whichever supported verl is installed):
 a common prefix longer than half the budget - longer than the budget itself - computed in
 chunks, and a two-level tree whose branches do not fit beside their shared part, each shared
-part computed once (:mod:`prefix_sharing.verl_ext.cross_forward`). ``infer_batch`` (log-probs,
-entropy) and ``forward_backward_batch`` (verl's ``ppo_loss``, every gradient) equal verl's
-stock step with the feature off on the same weights (fp32, one process; with a sliding window
-too, at TP=2 with sequence parallelism and at CP=2 on two processes); with the MoE router's
-statistics, verl's stock step forced onto the same split.
+part computed once (:mod:`prefix_sharing.verl_ext.cross_schedule`). ``infer_batch``
+(log-probs, entropy) and ``forward_backward_batch`` (verl's ``ppo_loss``, every gradient)
+equal verl's stock step with the feature off on the same weights (fp32, one process; with a
+sliding window and under megatron's full recompute too, at TP=2 with sequence parallelism and
+at CP=2 on two processes); with the MoE router's statistics, verl's stock step forced onto the
+same split. Under pipeline parallelism: ``test_cross_pipeline.py``.
 
 Batches: ``chunks``, 2 agent tasks of 3 episodes (59-65 tokens, common prefixes of 34 and 36)
 under a budget of 30: each prefix in 2 chunks, the first task's longest episode a one-member
@@ -49,39 +50,30 @@ def batch(name: str, budget: int | None = None):
 
 
 def _drop_earlier_readers_gradients():
-    """The control on ``chunks``: the last readers read the blocks' recorded tensors without
-    the gradients the earlier readers accumulated in their leaves."""
-    from unittest import mock
+    """The control: the blocks' backward steps take in none of their readers' gradients."""
+    from tests.megatron_ext._controls import blocks_take_no_gradients
 
-    from prefix_sharing.megatron_ext import prefix_kv
-
-    return mock.patch.object(prefix_kv, "read_through", lambda recorded, leaf: recorded)
+    return blocks_take_no_gradients()
 
 
 def steps(rank: int) -> dict:
     """Per batch: verl's stock step (feature off; under a budget its longest sample fits, as
     verl requires: its result does not depend on the split) and the cross-micro-batch one.
-    Two controls: on ``chunks``, the last readers drop the gradients the earlier readers
-    accumulated in the blocks' leaves; on ``tree``, a branch block closing in the same
-    backward as the prefix reads the prefix's leaves, not its recorded K/V (its gradient then
-    reaches the leaves after - or before - the prefix's backward has read them, as autograd
-    happens to order two unrelated nodes). Each on a fresh copy of the same seeded model."""
+    The control: the blocks' backward steps take in none of their readers' gradients. Each on
+    a fresh copy of the same seeded model."""
     from unittest import mock
 
-    import torch.utils.checkpoint
-
-    from prefix_sharing.megatron_ext import prefix_kv
+    from prefix_sharing.megatron_ext.cross_steps import GroupSteps
     from tests.megatron_ext._memory import SavedActivations
 
     use_cpu_platform()
-    start_pass = prefix_kv.PrefixKVPass.__init__
-    controls = {
-        "chunks": _drop_earlier_readers_gradients(),
-        "tree": mock.patch.object(prefix_kv.PrefixKVPass, "__init__", lambda self, store, mode:
-                                  start_pass(self, store, mode.replace("read_recorded", "read"))),
-    }
-    # the blocks' graphs kept across micro-batches instead of recomputed
-    kept = mock.patch.object(torch.utils.checkpoint, "checkpoint", lambda forward, **_: forward())
+    init = GroupSteps.__init__
+
+    def keeping(self, *args, keep_graph, **kwargs):
+        init(self, *args, keep_graph=True, **kwargs)
+
+    # the blocks' graphs kept from their forward step to their backward step instead
+    kept = mock.patch.object(GroupSteps, "__init__", keeping)
     results = {}
     for name, mode in [(name, mode) for name in BATCHES for mode in ("off", "cross", "control")
                        ] + [("chunks", "kept")]:
@@ -89,7 +81,8 @@ def steps(rank: int) -> dict:
         engine = build_engine(config)
         budget = STOCK_BUDGET if mode == "off" else None
         meter = SavedActivations(engine.module[0])
-        patch = {"control": controls[name], "kept": kept}.get(mode, contextlib.nullcontext())
+        patch = {"control": _drop_earlier_readers_gradients(), "kept": kept}.get(
+            mode, contextlib.nullcontext())
         results[name, mode] = step(engine, config, partial(batch, name, budget),
                                    _together(meter, patch))
         results[name, mode]["saved_peak"] = meter.peak
@@ -123,9 +116,9 @@ def test_the_controls_fail_on_the_gradients(results, name):
 
 def test_the_blocks_keep_no_activations_across_micro_batches(results):
     """Autograd's saved activations (tests/megatron_ext/_memory.py) at their peak over the
-    training step: the blocks, checkpointed, keep none between micro-batches (recomputed in
-    their last reader's backward, which the meter does not see); kept, their graphs add more
-    than the rest of the step holds at once."""
+    training step: the blocks, run without grad, keep none between micro-batches (recomputed
+    in their backward steps); kept, their graphs add more than the rest of the step holds at
+    once."""
     cross, kept = (results["chunks", mode]["saved_peak"] for mode in ("cross", "kept"))
     assert 0 < cross < kept / 2
     same_outputs(results["chunks", "kept"], results["chunks", "off"], "kept",
@@ -160,7 +153,9 @@ def test_every_shared_part_is_computed_once_and_verls_metrics_say_so(results, na
     metrics = results[name, "cross"]["train"]["metrics"]
     unique = sum(s.tokens_distinct for s in groups)
     assert unique == {"chunks": 119 + 114, "tree": 176}[name]
-    assert metrics["prefix_sharing/tokens_computed"] == [float(unique)]
+    # every block once more, in its backward step
+    again = sum(b.length for s in groups for b in s.blocks)
+    assert metrics["prefix_sharing/tokens_computed"] == [float(unique + again)]
     assert metrics["prefix_sharing/groups_split"] == [0.0]
     # a micro-batch's forward computes the blocks opening in it besides its tails (they keep
     # no activations): the first, 17 + 17 + 30 + a 1-token tail; 34 + 13 + a 29-token tail
@@ -170,9 +165,10 @@ def test_every_shared_part_is_computed_once_and_verls_metrics_say_so(results, na
     # each block once more, in its last reader's backward
     assert metrics["prefix_sharing/cross_recomputed_tokens"] == [
         float(sum(b.length for s in groups for b in s.blocks))]
-    # the most K/V leaves and gradients held at once: a 36-row stack (chunks) read by every
-    # suffix; the tree's 34-row prefix with one branch's 18 rows
-    rows = {"chunks": 36, "tree": 34 + 18}[name]
+    # the most K/V leaves and gradients held at once: the first task's 17 + 17-row prefix and
+    # its 30-row sub-tree block while that block's backward step runs (chunks); the tree's
+    # 34-row prefix with one branch's 18 rows
+    rows = {"chunks": 17 + 17 + 30, "tree": 34 + 18}[name]
     assert metrics["prefix_sharing/cross_held_bytes"] == [
         float(2 * 2 * PRESET.num_layers * rows * PRESET.num_query_groups * PRESET.head_dim * 4)]
 
@@ -181,61 +177,58 @@ def test_every_shared_part_is_computed_once_and_verls_metrics_say_so(results, na
 WINDOW = dict(window_size=(6, 0), window_attn_skip_freq=2)
 
 
-def setting_steps(rank: int, tp: int) -> dict:
-    """Per batch, verl's stock step and the nested one on the same setting: the window at
-    TP=1, or TP=2 with sequence parallelism (two ranks; the sequence-parallel parameters'
-    gradients summed over TP as megatron's finalize does)."""
+# megatron's full activation recompute (test_cross_forward.py's)
+RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform",
+                 recompute_num_layers=1)
+SETTINGS = {"window": WINDOW, "recompute": RECOMPUTE, "tp2": {"sequence_parallel": True}}
+
+
+def setting_steps(rank: int, setting: str) -> dict:
+    """Per batch, verl's stock step and the nested one on the same setting: the window or
+    full recompute at TP=1, or TP=2 with sequence parallelism (two ranks; the
+    sequence-parallel parameters' gradients summed over TP as megatron's finalize does).
+    Under recompute also the control whose blocks take in none of their readers' gradients
+    (their layers replayed inside their backward steps inject them)."""
     from prefix_sharing.engines.megatron import finalize_sequence_parallel_grads
 
     use_cpu_platform()
+    tp = 2 if setting == "tp2" else 1
     layout = dict(tensor_model_parallel_size=tp, sequence_parallel=True) if tp > 1 else None
-    settings = {"sequence_parallel": True} if tp > 1 else WINDOW
+    modes = ("off", "cross", "control") if setting == "recompute" else ("off", "cross")
     results = {}
-    for name, mode in [(name, mode) for name in BATCHES for mode in ("off", "cross")]:
+    for name, mode in [(name, mode) for name in BATCHES for mode in modes]:
         config = actor_config(None if mode == "off" else CROSS, megatron=layout)
-        engine = build_engine(config, **settings)
+        engine = build_engine(config, **SETTINGS[setting])
         budget = STOCK_BUDGET if mode == "off" else None
         results[name, mode] = step(engine, config, partial(batch, name, budget),
+                                   _drop_earlier_readers_gradients() if mode == "control"
+                                   else None,
                                    finalize=finalize_sequence_parallel_grads if tp > 1 else None)
     return results
 
 
 @pytest.fixture(scope="module")
 def setting_results():
-    return {"window": [run_distributed(setting_steps, 1, 1, timeout=600)[0]],
-            "tp2": run_distributed(setting_steps, 2, 2, tp=2, timeout=900)}
+    return {"window": [run_distributed(setting_steps, 1, "window", timeout=600)[0]],
+            "recompute": [run_distributed(setting_steps, 1, "recompute", timeout=600)[0]],
+            "tp2": run_distributed(setting_steps, 2, "tp2", tp=2, timeout=900)}
 
 
-@pytest.mark.parametrize("setting", ["window", "tp2"])
+@pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize("name", BATCHES)
-def test_groups_nest_under_windows_and_tensor_parallelism(setting_results, setting, name):
+def test_groups_nest_under_windows_recompute_and_tensor_parallelism(setting_results, setting,
+                                                                    name):
     """Every rank equals verl's stock step with the same setting, and the groups nested (none
-    cut, each block computed again in its last reader's backward)."""
+    cut, each block computed again in its backward step; under megatron's recompute its
+    layers replayed there inject the readers' gradients); the recompute control fails."""
     for rank, results in enumerate(setting_results[setting]):
         same_outputs(results[name, "cross"], results[name, "off"], f"{setting} rank {rank}",
                      per_micro_batch=False)
         assert_nested(results[name, "cross"], name)
-
-
-@pytest.mark.parametrize("setting", [
-    {}, {"window_size": (6, 0)}, {"tensor_model_parallel_size": 2},
-    {"recompute_granularity": "full"}, {"num_moe_experts": 4}, {"context_parallel_size": 2},
-    {"pipeline_model_parallel_size": 2}])  # one level under PP: test_cross_pipeline.py
-def test_groups_nest_only_on_the_settings_tested_here(setting):
-    """Under activation recompute and pipeline parallelism a group that does not fit one level
-    is cut by the ordinary split, as before; with windows, TP, CP and MoE it nests."""
-    from types import SimpleNamespace
-
-    from prefix_sharing.verl_ext.cross_forward import nested_problem
-
-    config = SimpleNamespace(**{"recompute_granularity": None, "num_moe_experts": None,
-                                "window_size": None, **setting})
-    problem = nested_problem(config)
-    cut = {"recompute_granularity", "pipeline_model_parallel_size"} & set(setting)
-    if not cut:
-        assert problem is None
-    else:  # the reason names the setting (the engine's warning says it)
-        assert next(iter(cut)) in problem, problem
+        if setting == "recompute":
+            with pytest.raises(AssertionError, match="grad"):
+                same_outputs(results[name, "control"], results[name, "off"],
+                             f"{setting} control", per_micro_batch=False)
 
 
 def moe_steps(rank: int) -> dict:

@@ -1,22 +1,23 @@
 """Groups across micro-batches in verl's real Megatron engine under pipeline parallelism
 (``pipeline_model_parallel_size=2``, two gloo ranks, TP=1, the dense tiny model in fp32).
 
-verl runs its micro-batches through megatron's 1F1B schedule; each cross group's prefix rows
-ride in its first micro-batch (without grad, recording the K/V leaves on both stages) and in
-its last (with grad, read through), so megatron's backward of the last one is the prefix's
-backward on every stage (``prefix_sharing/verl_ext/cross_pipeline.py``). ``infer_batch``
+verl runs its micro-batches through megatron's 1F1B schedule; each cross group's prefix runs
+as micro-batches of its own among them (``prefix_sharing/verl_ext/cross_schedule.py``):
+before the group's first, without grad, recording the K/V leaves on both stages, and after
+its last, again with grad, the readers' gradients injected, so megatron's backward of that
+step is the prefix's backward on every stage. ``infer_batch``
 (log-probs, entropy) and ``forward_backward_batch`` (verl's ``ppo_loss``) equal verl's stock
 step with the feature off on the same weights at PP=2: every gradient on each stage, and the
 last stage's outputs and loss (verl's global token mean, summed over micro-batches: the two
-runs split the batch differently). A control whose last micro-batch does not read the
-accumulated gradients through fails on the gradients. At PP=2 x CP=2 (four ranks) every part
+runs split the batch differently). A control whose prefix takes in none of its readers'
+gradients fails on the gradients. At PP=2 x CP=2 (four ranks) every micro-batch
 is split over the CP ranks, and each rank's stage equals the stock step at PP=2, CP=1. On the
 tiny MoE preset, every stage's router statistics equal verl's stock step's on the same split.
 
 Batch: as ``test_cross_forward.py`` (2 agent tasks of 3 episodes, 34- and 36-token common
-prefixes). At a budget of 80 both groups cross micro-batches (3 each, the carrying ones within
-the budget); at 70 the second group's prefix is over half the budget and, since groups do not
-nest under pipeline parallelism, it takes the ordinary split.
+prefixes). At a budget of 80 both groups cross micro-batches (3 each); at 70 the second
+group's prefix is over half the budget and it nests, its blocks' steps micro-batches of
+megatron's 1F1B like the first group's.
 """
 
 import importlib.util
@@ -41,13 +42,9 @@ PIPELINE = {"pipeline_model_parallel_size": 2}
 def pipeline_steps(rank: int) -> dict:
     """verl's stock step (feature off), the cross-micro-batch step at budgets 80 and 70, and
     the control, each on a fresh copy of the same seeded model; this rank's stage."""
-    from unittest import mock
-
-    from prefix_sharing.megatron_ext import prefix_kv
+    from tests.megatron_ext._controls import blocks_take_no_gradients
 
     use_cpu_platform()
-    # the control's last micro-batch drops what the earlier ones accumulated
-    dropped = mock.patch.object(prefix_kv, "read_through", lambda recorded, leaf: recorded)
     results = {}
     runs = [(80, "off", None), (80, "cross", CROSS), (70, "cross", CROSS),
             (80, "control", CROSS)]
@@ -58,8 +55,9 @@ def pipeline_steps(rank: int) -> dict:
         engine.module[0].register_forward_pre_hook(
             lambda module, args, kwargs, rows=rows: rows.append(kwargs["input_ids"].size(1)),
             with_kwargs=True)
-        results[budget, name] = step(engine, config, partial(batch, budget),
-                                     during=dropped if name == "control" else None)
+        results[budget, name] = step(
+            engine, config, partial(batch, budget),
+            during=blocks_take_no_gradients() if name == "control" else None)
         results[budget, name]["rows"] = rows
     return results
 
@@ -107,19 +105,21 @@ def test_pipeline_parallel_2_equals_verls_stock_step_on_each_stage(stages, budge
         same_outputs(cross, results[80, "off"], f"pp2 stage {rank} budget {budget}",
                      per_micro_batch=False)
     metrics = stages[-1][budget, "cross"]["train"]["metrics"]
-    assert metrics["prefix_sharing/groups_split"] == [0.0 if budget == 80 else 1.0]
-    assert metrics["prefix_sharing/prefix_recomputes_avoided"] == [4.0 if budget == 80 else 2.0]
-    assert metrics["prefix_sharing/max_tokens_computed"][0] <= budget
+    assert metrics["prefix_sharing/groups_split"] == [0.0]
+    if budget == 80:
+        assert metrics["prefix_sharing/prefix_recomputes_avoided"] == [4.0]
+        assert metrics["prefix_sharing/max_tokens_computed"][0] <= budget
 
 
-def test_the_first_and_last_micro_batch_of_each_group_carry_the_prefix_on_every_stage(stages):
-    """Both stages run 2 groups x 3 micro-batches, the first and the last of each as two
-    forwards (the 34- or 36-row prefix, then own rows, within the budget together), the
-    middle one as one: 10 forwards per step (infer_batch's, then forward_backward_batch's);
-    the prefix computed twice per group, which the metrics report."""
-    group_forwards = [34, 31, 26, 34, 28, 36, 26, 23, 36, 29]
+def test_each_groups_prefix_runs_as_micro_batches_of_its_own_on_every_stage(stages):
+    """Both stages run, per group, the 34- or 36-row prefix, its 3 micro-batches, and (in
+    training) the prefix again after them: 8 forwards for infer_batch, 10 for
+    forward_backward_batch; the prefix computed twice per training step, which the metrics
+    report."""
+    infer = [34, 31, 26, 28, 36, 26, 23, 29]
+    train = [34, 31, 26, 28, 34, 36, 26, 23, 29, 36]
     for results in stages:
-        assert results[80, "cross"]["rows"] == group_forwards * 2
+        assert results[80, "cross"]["rows"] == infer + train
     metrics = stages[-1][80, "cross"]["train"]["metrics"]
     assert metrics["prefix_sharing/cross_recomputed_tokens"] == [70.0]
     # each group's unique tokens (119 and 114: test_cross_forward.py) and its prefix again
@@ -127,7 +127,7 @@ def test_the_first_and_last_micro_batch_of_each_group_carry_the_prefix_on_every_
     assert metrics["prefix_sharing/num_micro_batches"] == [6.0]
 
 
-def test_a_control_whose_last_micro_batch_does_not_read_through_fails(stages):
+def test_a_control_whose_prefix_takes_in_no_reader_gradients_fails(stages):
     for rank, results in enumerate(stages):
         with pytest.raises(AssertionError, match="grad"):
             same_outputs(results[80, "control"], results[80, "off"], f"pp2 stage {rank} control",

@@ -1,0 +1,288 @@
+"""The one executor of a group run across micro-batches: its shared blocks as micro-batches
+of megatron's own schedule.
+
+A :class:`~prefix_sharing.group_schedule.GroupSchedule`'s steps run in order, each a
+micro-batch of ``get_forward_backward_func()`` (no pipelining at PP=1, 1F1B under pipeline
+parallelism, the interleaved schedule under virtual stages), whoever owns the loop: megatron's
+group driver (:func:`~.cross_micro_batch.forward_backward_group`) or verl's engine
+(:mod:`prefix_sharing.verl_ext.cross_schedule`), which differ only in what a suffix
+micro-batch reads out per token and scores (:class:`GroupSteps` takes a :data:`ReadOut`):
+
+- ``("forward", b)``: block ``b``'s forward, reading the blocks below it and recording its
+  K/V per layer (:class:`~.prefix_kv.PrefixKV`; with MoE router statistics its router
+  logits) and, on the last stage, its members' per-token outputs at its positions (log-probs
+  and entropy, or a critic's values), each kept as leaves (detached, requiring grad); its
+  graph kept from this step to its backward step (``keep_graph``) or not (run without grad);
+- ``("suffix", j)``: the caller's micro-batch, reading its blocks' leaves in place
+  (:meth:`GroupSteps.suffix_reads`, :meth:`GroupSteps.heads`): its backward accumulates
+  every reader's gradients there;
+- ``("backward", b)``: after its last reader, block ``b``'s backward, once, with **one
+  gradient rule**: every leaf's accumulated gradient enters the tensor it was detached from.
+  With its graph kept the step's loss is :meth:`~.prefix_kv.PrefixKV.gradient_term` plus the
+  per-token outputs' term (:func:`~.prefix_kv.leaves_term`); otherwise the block's forward runs
+  again with grad (on every stage: nothing is sent between stages for a graph kept across
+  micro-batches), its own rows reading their recorded K/V with the leaves' gradients injected
+  (mode ``"record_last"``), its recomputed per-token outputs times their leaves' gradients
+  on the last stage. Either way megatron's backward of that step is the block's backward;
+  the step's loss is handed over so that megatron's scaling leaves it as is
+  (:meth:`GroupSteps.block_step`: the leaves' gradients were scaled by their readers' steps).
+
+Megatron's schedules run the backwards in micro-batch order on every stage, and a block's
+backward step comes after its last reader's, so every reader's gradient is in the leaves when
+the block's backward reads them; its own backward accumulates into the leaves of the blocks it
+reads, whose backward steps come later. Each block's backward is an ``autograd.backward`` of
+its own: no weight holds a gradient-sized buffer across several forwards' graphs (running a
+block's backward inside its last reader's cost 199.5 vs 163.3 MiB on the ``small`` preset's
+history workload). The last step of a group is its root block's backward, a whole-model
+backward as any micro-batch's, so megatron's overlapped gradient reduction in a step's last
+micro-batch sees every parameter's gradient arrive once.
+
+Megatron's activation recompute runs inside a block (a recomputed layer replays its first
+run's mode, :class:`~.prefix_kv.PrefixKVPass`); context parallelism splits every micro-batch,
+a block's included, over the CP ranks (:mod:`.cross_context_parallel`: a block's K/V recorded
+gathered); MoE router statistics and routing replay as in :mod:`.cross_run`. Under interleaved
+stages every model chunk runs the same steps on its own layers, its K/V in stores of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+from megatron.core.utils import get_attr_wrapped_model
+
+from ..group_schedule import GroupSchedule
+from .cross_context_parallel import CrossSlice, context_parallel_size, model_inputs
+from .cross_run import PrefixPass, block_store
+from .packed_seq import PlanPackedSeqParams
+from .prefix_kv import PrefixKV, PrefixKVStack, leaves_term
+
+__all__ = ["GroupSteps", "ReadOut", "Statistics", "check_interleaved_count", "forward",
+           "within_the_step"]
+
+# per-token outputs at a block's positions, ``(members, length)`` each: log-probs and entropy
+# (or None), or values and None
+Statistics = tuple[torch.Tensor, torch.Tensor | None]
+# a block's per-token outputs from its pass and the pass's output rows (the last stage's)
+ReadOut = Callable[[PrefixPass, torch.Tensor], Statistics]
+# a micro-batch of megatron's schedule: its output and its loss function
+Step = tuple[torch.Tensor, Callable]
+
+
+class GroupSteps:
+    """One group's shared blocks while megatron's schedule runs its steps (module doc).
+
+    Args:
+        schedule: the group.
+        chunks: this rank's model chunks (one without interleaved pipeline stages); megatron's
+            schedule reads its settings (``grad_scale_func``) from the first one's config.
+        read_out: what a block's members read out at its positions, from its pass's output.
+        keep_graph: keep each block's graph from its forward step to its backward step
+            (one pipeline stage only); else compute it again there.
+        training: whether backward steps follow (else the blocks run once, without grad).
+        backend, temperature, device: as :class:`~.cross_run.PrefixPass` takes them.
+    """
+
+    def __init__(self, schedule: GroupSchedule, chunks: list[torch.nn.Module],
+                 read_out: ReadOut, *,
+                 keep_graph: bool, training: bool, backend: str, temperature: float,
+                 device: torch.device) -> None:
+        self.schedule = schedule
+        self.read_out = read_out
+        self.keep_graph = keep_graph and training
+        self.training = training
+        self.backend, self.temperature, self.device = backend, temperature, device
+        self._config = get_attr_wrapped_model(chunks[0], "config")
+        self._kv: list[dict[int, PrefixKV]] = [{} for _ in chunks]
+        # per chunk, on the last stage: block -> its per-token outputs, recorded and as leaves
+        self._outputs: list[dict[int, tuple[Statistics, Statistics]]] = [{} for _ in chunks]
+        self.held_bytes = 0  # the most K/V leaf bytes (and gradients) live at once
+
+    @property
+    def steps(self) -> list[tuple[str, int]]:
+        """The micro-batches megatron's schedule runs: the schedule's steps (without backward
+        steps when not training)."""
+        return [s for s in self.schedule.steps if self.training or s[0] != "backward"]
+
+    @property
+    def recomputed_tokens(self) -> int:
+        """Block rows its backward steps compute again (every block's, unless kept)."""
+        if self.keep_graph or not self.training:
+            return 0
+        return sum(b.length for b in self.schedule.blocks)
+
+    @property
+    def seq_length(self) -> int:
+        """The most rows one of its micro-batches runs."""
+        return max(p.input_ids.numel() for p in [*(b.plan for b in self.schedule.blocks),
+                                                 *(s.plan for s in self.schedule.suffixes)])
+
+    def suffix_reads(self, chunk: int, index: int) -> PrefixKVStack:
+        """What suffix micro-batch ``index`` reads on model chunk ``chunk``: its blocks' K/V
+        leaves, in row order."""
+        live = self._kv[chunk]
+        reads = self.schedule.suffixes[index].reads
+        for r in reads:
+            live[r].mode = "read"
+        self._count_held()
+        return PrefixKVStack([live[r] for r in reads])
+
+    def heads(self, chunk: int, index: int, members: list[int]) -> Statistics:
+        """``(len(members), depth)`` per-token outputs of suffix ``index``'s samples
+        ``members`` at the positions its blocks computed: their leaves (the last stage's)."""
+        parts = []
+        for r in self.schedule.suffixes[index].reads:
+            block = self.schedule.blocks[r]
+            leaves = self._outputs[chunk][r][1]
+            rows = torch.tensor([block.members.index(m) for m in members],
+                                device=leaves[0].device)
+            parts.append(tuple(None if t is None else t.index_select(0, rows) for t in leaves))
+        return tuple(None if p[0] is None else torch.cat(p, dim=1) for p in zip(*parts))
+
+    def block_step(self, chunk_index: int, chunk: torch.nn.Module, kind: str, b: int,
+                   num_microbatches: int) -> Step:
+        """Megatron's forward step of block ``b``'s ``"forward"`` or ``"backward"`` step on
+        ``chunk`` (the ``chunk_index``-th of this rank), in a call of megatron's schedule over
+        ``num_microbatches`` micro-batches."""
+        block = self.schedule.blocks[b]
+        live, outputs = self._kv[chunk_index], self._outputs[chunk_index]
+        last_stage = get_attr_wrapped_model(chunk, "post_process")
+        as_is = self._as_is(num_microbatches)
+        if kind == "backward" and self.keep_graph:  # the kept graph's backward
+            self._count_held()
+            term = live.pop(b).gradient_term() + leaves_term(*outputs.pop(b))
+            return term, as_is
+        for r in block.reads:
+            live[r].mode = "read"
+        if kind == "forward":
+            live[b] = block_store(block, self.device)
+        live[b].mode = "record" if kind == "forward" else "record_last"
+        prefix = PrefixPass(self.schedule, PrefixKVStack([live[r] for r in block.reads],
+                                                         live[b]),
+                            self.backend, self.temperature, self.device, block=block)
+        if kind == "forward":
+            with torch.set_grad_enabled(self.keep_graph):
+                output = forward(chunk, prefix.params, prefix.cp)
+                if last_stage:
+                    recorded = self.read_out(prefix, output[0])
+                    outputs[b] = recorded, _leaves(recorded, self.training)
+            received = get_attr_wrapped_model(chunk, "decoder").input_tensor
+            return (_without_gradient(output, received, last_stage),
+                    lambda output: (output.sum() * 0, {}))
+        self._count_held()
+        output = forward(chunk, prefix.params, prefix.cp)
+        del live[b]  # its pass holds what its backward reads
+        leaves = outputs.pop(b, None)
+
+        def loss_func(output: torch.Tensor):
+            recorded = self.read_out(prefix, output[0])
+            return as_is(leaves_term(recorded, leaves[1]))
+
+        return output, loss_func
+
+    def _as_is(self, num_microbatches: int) -> Callable:
+        """A loss function handing megatron's schedule a term whose backward, after the
+        schedule's scaling (``x CP size / num_microbatches`` and ``grad_scale_func``), is the
+        term's own: the gradients it carries were scaled by the steps that accumulated them."""
+        config = self._config
+
+        def as_is(term: torch.Tensor):
+            scale = (config.grad_scale_func(torch.ones((), device=term.device))
+                     if config.grad_scale_func is not None else 1.0)
+            return term * num_microbatches / (context_parallel_size() * scale), {}
+
+        return as_is
+
+    def _count_held(self) -> None:
+        self.held_bytes = max(self.held_bytes, sum(kv.held_bytes() for live in self._kv
+                                                   for kv in live.values()))
+
+
+def _leaves(recorded: Statistics, training: bool) -> Statistics:
+    """Detached copies of a block's recorded outputs, requiring grad when training: what its
+    readers read, so their backwards accumulate there."""
+    return tuple(None if t is None else t.detach().requires_grad_(training) for t in recorded)
+
+
+def forward(chunk: torch.nn.Module, params: PlanPackedSeqParams,
+            cp: CrossSlice | None) -> torch.Tensor:
+    """One model call on this stage (the activation received is the schedule's to set)."""
+    input_ids, position_ids = model_inputs(params.plan, cp)
+    return chunk(input_ids=input_ids, attention_mask=None, position_ids=position_ids,
+                 packed_seq_params=params)
+
+
+def _without_gradient(output: torch.Tensor, received: torch.Tensor | None,
+                      last_stage: bool) -> torch.Tensor:
+    """A micro-batch whose backward does nothing, as megatron's schedule needs its output: a
+    tensor its backward step can run on, handing the previous stage a zero gradient (its
+    backward receives one, as for every micro-batch). On the last stage a scalar: the loss
+    function reads no logits, so none is backpropagated through."""
+    output = (output.new_zeros(()) if last_stage else output).detach()
+    if received is None:  # the first stage: nothing to hand back
+        return output.requires_grad_()
+    return output + received.sum() * 0
+
+
+@contextlib.contextmanager
+def within_the_step(model: torch.nn.Module, factor: float, *,
+                    accumulate: bool) -> Iterator[float]:
+    """Megatron's schedule set up for a call that runs more micro-batches than the step
+    counts (a group's block steps among them), while the call runs:
+
+    - it weighs each micro-batch's MoE router losses by ``grad_scale_func(1) /
+      num_microbatches`` and scales the last stage's loss by ``grad_scale_func`` before its
+      backward: that function is multiplied by ``factor`` (a loss function divides its
+      loss by it), so the router losses get the weight of the step's own micro-batch count;
+    - with ``accumulate`` (a group of a step that runs several calls: megatron's group
+      driver) it would reduce the gradients over data parallelism after the call's last
+      micro-batch (``finalize_model_grads_func``, and the bucket reductions outside
+      ``no_sync_func``): the whole call runs inside ``no_sync_func`` instead and nothing is
+      finalized, so the step's later groups still accumulate; the caller finalizes after
+      its last group, as megatron's schedule does after the step's last micro-batch;
+    - it sets the MoE router losses' scale by copying into the one megatron holds, which may
+      have another shape (``[]`` when the autoscaler's own backward made it): the call sets
+      one of its own, and the one held before is held again after it."""
+    config = get_attr_wrapped_model(model, "config")
+    saved = config.grad_scale_func, config.no_sync_func, config.finalize_model_grads_func
+    scale = saved[0]
+    # one per model chunk under interleaved stages
+    no_sync = saved[1] if isinstance(saved[1], list) else [saved[1]] if saved[1] else []
+    config.grad_scale_func = ((lambda t: t * factor) if scale is None
+                              else (lambda t: scale(t) * factor))
+    if accumulate:
+        config.no_sync_func = config.finalize_model_grads_func = None
+    autoscaler = None
+    if config.num_moe_experts:
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler as autoscaler
+
+        held, autoscaler.main_loss_backward_scale = autoscaler.main_loss_backward_scale, None
+    try:
+        with contextlib.ExitStack() as within:
+            for func in (no_sync if accumulate else []):
+                within.enter_context(func())
+            yield factor
+    finally:
+        config.grad_scale_func, config.no_sync_func, config.finalize_model_grads_func = saved
+        if autoscaler is not None:
+            autoscaler.main_loss_backward_scale = held
+
+
+def check_interleaved_count(count: int, model: list[torch.nn.Module]) -> None:
+    """Raises ValueError when megatron's interleaved schedule (``model``: more than one chunk)
+    does not take ``count`` micro-batches in one call: it runs them in groups of
+    ``microbatch_group_size_per_vp_stage``, which must not exceed their count, and a last,
+    partial group of fewer than the pipeline size."""
+    if len(model) == 1:
+        return
+    from megatron.core import parallel_state
+
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    group = get_attr_wrapped_model(model[0], "config").microbatch_group_size_per_vp_stage or pp
+    if group > count or 0 < count % group < pp:
+        raise ValueError(
+            f"a group run in {count} micro-batch(es) under interleaved pipeline stages: "
+            f"megatron's interleaved schedule runs them in groups of {group} (at PP={pp}), at "
+            f"least one, and a last partial group of at least {pp}; plan the group with "
+            "another token budget")
