@@ -5,15 +5,15 @@ budget (verl's ``max_token_len_per_gpu``) is not cut into pieces that each recom
 (:func:`prefix_sharing.batching.split_micro_batches`). It becomes a :class:`CrossGroup`: its
 common prefix computed once and its tails in consecutive micro-batches
 (:func:`prefix_sharing.cross_micro_batch.plan_group`), which the engine runs in order
-(:mod:`.cross_forward`). Each of those micro-batches holds whole samples (verl's loss reads every
-sample's full row), the samples whose tails it computes.
+(:mod:`.cross_schedule`). Each of those micro-batches holds whole samples (verl's loss reads
+every sample's full row), the samples whose tails it computes.
 
 The budget counts the prefix too: the prefix's rows stay alive (its activations and K/V) while
 every tail micro-batch runs, so the tails are packed under ``budget - prefix_len``. A group
-that cannot be planned so (a tail too long, a prefix over half the budget) *nests* where the
-engine allows it (``nested``): its common prefix in chunks, its branches that do not fit in
-sub-tree blocks, its tails under the whole budget, the blocks recomputed by their last
-reader's backward instead of kept (:mod:`.cross_forward`). A group is left to the ordinary split
+that cannot be planned so (a tail too long, a prefix over half the budget) *nests*
+(``nested``): its common prefix in chunks, its branches that do not fit in sub-tree blocks,
+its tails under the whole budget, the blocks computed again in their backward steps instead of
+kept (:mod:`.cross_schedule`). A group is left to the ordinary split
 when its common prefix is shorter than ``min_prefix_len``, or when it cannot be planned either
 way.
 
@@ -44,17 +44,16 @@ class CrossGroup:
         members: the group's batch indices, ascending (``schedule``'s sequence order).
         schedule: its prefix and tail micro-batches.
         token_budget: the budget its micro-batches were planned under (prefix included).
-        state: while the group runs, what its micro-batches leave for the later ones (its
-            live blocks' K/V and statistics; per model chunk under pipeline parallelism,
-            :class:`.cross_state.GroupState`); ``None`` before its first and after its last
-            micro-batch.
+        state: while the group runs, its executor
+            (:class:`~prefix_sharing.megatron_ext.cross_steps.GroupSteps`: its live blocks'
+            K/V and per-token outputs); ``None`` before and after.
         held_bytes: after its last micro-batch, the bytes of prefix K/V leaves and their
             gradients it held across its micro-batches (this rank's K/V heads).
-        nested: whether it runs as a nested schedule (its blocks recomputed by their last
-            reader; even with one block, its tails were packed under the whole budget), or
-            one level (the prefix kept): :mod:`.cross_forward`.
-        recomputed_tokens: block rows its backwards computed again (a nested schedule's
-            blocks, recomputed by their last reader).
+        nested: whether it runs as a nested schedule (its blocks computed again in their
+            backward steps; even with one block, its tails were packed under the whole
+            budget), or one level (the prefix kept at PP=1): :mod:`.cross_schedule`.
+        recomputed_tokens: block rows its backward steps computed again (a nested
+            schedule's blocks, and every block under pipeline parallelism).
     """
 
     members: tuple[int, ...]

@@ -2,7 +2,7 @@
 engine (:class:`Readout`: the actor's log-probs and entropy, or the critic's values): at a
 block's positions, kept with the block as leaves
 (:class:`~prefix_sharing.megatron_ext.cross_steps.GroupSteps`, built by
-:mod:`.cross_schedule`), and at its own tails (:mod:`.cross_forward`)."""
+:mod:`.cross_schedule`), and at its own tails (:func:`.cross_schedule.cross_forward`)."""
 
 from __future__ import annotations
 

@@ -50,7 +50,7 @@ class SharingEngineMixin:
     """
 
     # Whether the engine's forward runs groups across micro-batches (prefix_grouper's
-    # cross_micro_batch): the Megatron engine's does (verl_ext.cross_forward).
+    # cross_micro_batch): the Megatron engine's does (verl_ext.cross_schedule).
     supports_cross_micro_batch = False
     # The vision-language model types the engine's forward serves (the FSDP engine's: .vlm).
     vision_families: tuple[str, ...] = ()

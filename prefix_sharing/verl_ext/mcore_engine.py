@@ -7,7 +7,7 @@ imports its module):
   validated config to its engine config (:mod:`.config`);
 - ``verl.models.mcore`` (:func:`patch_forward_fn_lookup`): ``get_mcore_engine_forward_fn``
   returns :func:`.mcore.shared_forward` while a sharing engine runs a micro-batch
-  (:func:`current_micro_batch`), or :func:`.cross_forward.cross_forward` for a micro-batch of a
+  (:func:`current_micro_batch`), or :func:`.cross_schedule.cross_forward` for a micro-batch of a
   group run across micro-batches (``prefix_grouper.cross_micro_batch``), verl's own forward
   otherwise. verl looks the function up at
   call time, inside ``forward_step``, which is what makes a per-micro-batch swap possible;
@@ -130,9 +130,9 @@ def _share_lookup(module: ModuleType, name: str, shared: Callable[..., Any],
                   passed_by_verl: tuple[str, ...] = ()) -> None:
     """``module.name(hf_config)`` returns ``shared`` bound to the current micro-batch's
     keywords (less those verl's call passes itself: ``passed_by_verl``) while one runs, or
-    :func:`.cross_forward.cross_forward` for a micro-batch of a group run across micro-batches;
+    :func:`.cross_schedule.cross_forward` for a micro-batch of a group run across micro-batches;
     verl's own function otherwise, which is also the self-check's reference."""
-    from .cross_forward import cross_forward
+    from .cross_schedule import cross_forward
 
     stock = getattr(module, name)
     if getattr(stock, "_prefix_sharing", False):

@@ -103,7 +103,7 @@ def verl_mtp_loss_masks(response_mask: torch.Tensor, lengths: list[int],
 
 def mtp_problems(model_config: Any, engine_config: Any, sharing: Any) -> list:
     """Where the Megatron engine does not train MTP layers with sharing on: a group run across
-    micro-batches (:mod:`.cross_forward` plans the decoder's rows only), and megatron's
+    micro-batches (:mod:`.cross_schedule` plans the decoder's rows only), and megatron's
     per-token loss, which verl normalises its own way (its legacy branch rescales by the rolled
     token count on every release, its ``process_mtp_loss`` branch by the routed tokens)."""
     from ..refusals import Refused
