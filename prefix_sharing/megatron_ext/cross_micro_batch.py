@@ -73,7 +73,7 @@ from ..cross_micro_batch import GroupSchedule
 from .cross_context_parallel import slice_micro_batch
 from .cross_run import (Collector, GroupRun, PrefixPass, TokenLoss, score_suffix,
                         sequence_parallel_size, suffix_routes)
-from .cross_steps import (GroupSteps, Statistics, check_interleaved_count, forward,
+from .cross_steps import (GroupSteps, Statistics, fit_interleaved, forward,
                           within_the_step)
 from .packed_seq import PlanPackedSeqParams
 
@@ -140,8 +140,7 @@ def forward_backward_group(
     steps = GroupSteps(schedule, chunks, read_out,
                        keep_graph=not (recompute_prefix or pipelined), training=True,
                        backend=backend, temperature=temperature, device=device)
-    items = steps.steps
-    check_interleaved_count(len(items), chunks)
+    items = fit_interleaved(steps.steps, chunks, lambda item: item[0] == "forward")
 
     def scaled(loss: torch.Tensor) -> torch.Tensor:
         # megatron's schedule divides each micro-batch's loss by their count (and multiplies
@@ -179,7 +178,9 @@ def forward_backward_group(
             forward_step_func=forward_step,
             data_iterator=iterators if len(chunks) > 1 else iterators[0], model=chunks,
             num_microbatches=len(items), seq_length=steps.seq_length, micro_batch_size=1)
-    metrics = schedule.metrics(recompute_prefix=steps.recomputed_tokens > 0)
+    metrics = schedule.metrics()
+    metrics["prefix_sharing/cross_recomputed_tokens"] = float(schedule.recomputed_tokens()
+                                                              + steps.recomputed_tokens)
     metrics["prefix_sharing/cross_held_bytes"] = float(steps.held_bytes)
     return out.result(steps.held_bytes, schedule.tokens_computed + steps.recomputed_tokens,
                       metrics)

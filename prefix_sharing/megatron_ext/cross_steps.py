@@ -58,7 +58,7 @@ from .cross_run import PrefixPass, block_store
 from .packed_seq import PlanPackedSeqParams
 from .prefix_kv import PrefixKV, PrefixKVStack, leaves_term
 
-__all__ = ["GroupSteps", "ReadOut", "Statistics", "check_interleaved_count", "forward",
+__all__ = ["GroupSteps", "ReadOut", "Statistics", "fit_interleaved", "forward",
            "within_the_step"]
 
 # per-token outputs at a block's positions, ``(members, length)`` each: log-probs and entropy
@@ -98,6 +98,7 @@ class GroupSteps:
         # per chunk, on the last stage: block -> its per-token outputs, recorded and as leaves
         self._outputs: list[dict[int, tuple[Statistics, Statistics]]] = [{} for _ in chunks]
         self.held_bytes = 0  # the most K/V leaf bytes (and gradients) live at once
+        self._repeated = 0  # block rows a repeated forward step ran again (fit_interleaved)
 
     @property
     def steps(self) -> list[tuple[str, int]]:
@@ -107,10 +108,11 @@ class GroupSteps:
 
     @property
     def recomputed_tokens(self) -> int:
-        """Block rows its backward steps compute again (every block's, unless kept)."""
+        """Block rows computed more than once: by the backward steps (every block's, unless
+        kept) and by repeated forward steps (:func:`fit_interleaved`)."""
         if self.keep_graph or not self.training:
-            return 0
-        return sum(b.length for b in self.schedule.blocks)
+            return self._repeated
+        return self._repeated + sum(b.length for b in self.schedule.blocks)
 
     @property
     def seq_length(self) -> int:
@@ -156,6 +158,8 @@ class GroupSteps:
         for r in block.reads:
             live[r].mode = "read"
         if kind == "forward":
+            if b in live and chunk_index == 0:  # a repeat: the same K/V recorded again
+                self._repeated += block.length
             live[b] = block_store(block, self.device)
         live[b].mode = "record" if kind == "forward" else "record_last"
         prefix = PrefixPass(self.schedule, PrefixKVStack([live[r] for r in block.reads],
@@ -269,20 +273,30 @@ def within_the_step(model: torch.nn.Module, factor: float, *,
             autoscaler.main_loss_backward_scale = held
 
 
-def check_interleaved_count(count: int, model: list[torch.nn.Module]) -> None:
-    """Raises ValueError when megatron's interleaved schedule (``model``: more than one chunk)
-    does not take ``count`` micro-batches in one call: it runs them in groups of
-    ``microbatch_group_size_per_vp_stage``, which must not exceed their count, and a last,
-    partial group of fewer than the pipeline size."""
+def fit_interleaved(items: list, model: list[torch.nn.Module],
+                    is_block_forward: Callable[[object], bool]) -> list:
+    """``items`` (a call's micro-batches) as megatron's interleaved schedule (``model``: more
+    than one chunk) takes them in one call: it runs them in groups of
+    ``microbatch_group_size_per_vp_stage``, at least one, and a last partial group of no fewer
+    than the pipeline size. A call that does not fit gets its first block's forward step
+    repeated right after it (``is_block_forward`` finds it) until it does: the repeat records
+    the same K/V and outputs again before any reader (a block's forward step keeps no graph
+    under pipeline parallelism), so the result is the same; it costs a block's forward each.
+    Without interleaved stages ``items`` as they are."""
     if len(model) == 1:
-        return
+        return items
     from megatron.core import parallel_state
 
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     group = get_attr_wrapped_model(model[0], "config").microbatch_group_size_per_vp_stage or pp
-    if group > count or 0 < count % group < pp:
-        raise ValueError(
-            f"a group run in {count} micro-batch(es) under interleaved pipeline stages: "
-            f"megatron's interleaved schedule runs them in groups of {group} (at PP={pp}), at "
-            f"least one, and a last partial group of at least {pp}; plan the group with "
-            "another token budget")
+    extra = 0
+    while len(items) + extra < group or 0 < (len(items) + extra) % group < pp:
+        extra += 1
+    if not extra:
+        return items
+    first = next((j for j, item in enumerate(items) if is_block_forward(item)), None)
+    if first is None:
+        raise ValueError(f"{len(items)} micro-batch(es) under interleaved pipeline stages: "
+                         f"megatron's interleaved schedule runs them in groups of {group} (at "
+                         f"PP={pp}), at least one, and a last partial group of at least {pp}")
+    return items[:first + 1] + [items[first]] * extra + items[first + 1:]

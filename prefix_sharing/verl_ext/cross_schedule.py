@@ -91,7 +91,7 @@ def run_with_blocks(schedule: Callable, *, forward_step_func: Callable, data_ite
     schedule takes them, ``value_model`` as :func:`cross_schedule`'s."""
     from megatron.core.utils import get_attr_wrapped_model
 
-    from ..megatron_ext.cross_steps import GroupSteps, check_interleaved_count, within_the_step
+    from ..megatron_ext.cross_steps import GroupSteps, fit_interleaved, within_the_step
 
     chunks = model if isinstance(model, list) else [model]
     iterators = data_iterator if isinstance(data_iterator, list) else [data_iterator]
@@ -119,7 +119,7 @@ def run_with_blocks(schedule: Callable, *, forward_step_func: Callable, data_ite
                 device=device)
             items += [("batch", at[id(group), i], None) if kind == "suffix" else (kind, i, steps)
                       for kind, i in steps.steps]
-    check_interleaved_count(len(items), chunks)
+    items = fit_interleaved(items, chunks, lambda item: item[0] == "forward")
 
     def forward_step(data_iterator, chunk):
         c, (kind, i, steps) = next(data_iterator)
