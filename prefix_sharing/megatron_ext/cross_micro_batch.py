@@ -70,12 +70,9 @@ import torch
 from megatron.core.utils import get_attr_wrapped_model
 
 from ..cross_micro_batch import GroupSchedule
-from .cross_context_parallel import slice_micro_batch
 from .cross_run import (Collector, GroupRun, PrefixPass, TokenLoss, score_suffix,
                         sequence_parallel_size, suffix_routes)
-from .cross_steps import (GroupSteps, Statistics, fit_interleaved, forward,
-                          within_the_step)
-from .packed_seq import PlanPackedSeqParams
+from .cross_steps import GroupSteps, Statistics, fit_interleaved, within_the_step
 
 __all__ = ["GroupRun", "PrefixPass", "TokenLoss", "forward_backward_group"]
 
@@ -152,11 +149,7 @@ def forward_backward_group(
         if kind != "suffix":
             return steps.block_step(c, chunk, kind, i, len(items))
         suffix = schedule.suffixes[i]
-        cp = slice_micro_batch(suffix.plan, suffix.tail_plan, suffix.plan.num_tokens_flat,
-                               device)
-        params = PlanPackedSeqParams.from_plan(
-            suffix.plan.to(device), backend, cp=cp and cp.attention,
-            prefix_kv=steps.suffix_reads(c, i), routes=suffix_routes(suffix, device))
+        output, cp = steps.suffix_forward(c, chunk, i, suffix_routes(suffix, device))
 
         def loss_func(output: torch.Tensor):
             loss = score_suffix(output[0], suffix, token_loss, out, temperature, cp)
@@ -168,7 +161,7 @@ def forward_backward_group(
                 loss = loss + head_loss
             return scaled(loss), {}
 
-        return forward(chunk, params, cp), loss_func
+        return output, loss_func
 
     # every chunk reads its own iterator (megatron's interleaved schedule runs each chunk's
     # forward of a micro-batch at its own time)

@@ -14,7 +14,7 @@ micro-batch reads out per token and scores (:class:`GroupSteps` takes a :data:`R
   and entropy, or a critic's values), each kept as leaves (detached, requiring grad); its
   graph kept from this step to its backward step (``keep_graph``) or not (run without grad);
 - ``("suffix", j)``: the caller's micro-batch, reading its blocks' leaves in place
-  (:meth:`GroupSteps.suffix_reads`, :meth:`GroupSteps.heads`): its backward accumulates
+  (:meth:`GroupSteps.suffix_forward`, :meth:`GroupSteps.heads`): its backward accumulates
   every reader's gradients there;
 - ``("backward", b)``: after its last reader, block ``b``'s backward, once, with **one
   gradient rule**: every leaf's accumulated gradient enters the tensor it was detached from.
@@ -53,7 +53,8 @@ import torch
 from megatron.core.utils import get_attr_wrapped_model
 
 from ..group_schedule import GroupSchedule
-from .cross_context_parallel import CrossSlice, context_parallel_size, model_inputs
+from .cross_context_parallel import (CrossSlice, context_parallel_size, model_inputs,
+                                     slice_micro_batch)
 from .cross_run import PrefixPass, block_store
 from .packed_seq import PlanPackedSeqParams
 from .prefix_kv import PrefixKV, PrefixKVStack, leaves_term
@@ -120,15 +121,22 @@ class GroupSteps:
         return max(p.input_ids.numel() for p in [*(b.plan for b in self.schedule.blocks),
                                                  *(s.plan for s in self.schedule.suffixes)])
 
-    def suffix_reads(self, chunk: int, index: int) -> PrefixKVStack:
-        """What suffix micro-batch ``index`` reads on model chunk ``chunk``: its blocks' K/V
-        leaves, in row order."""
-        live = self._kv[chunk]
-        reads = self.schedule.suffixes[index].reads
-        for r in reads:
+    def suffix_forward(self, chunk_index: int, chunk: torch.nn.Module, index: int,
+                       routes: torch.Tensor | None) -> tuple[torch.Tensor, CrossSlice | None]:
+        """Suffix micro-batch ``index``'s model call on ``chunk`` (the ``chunk_index``-th of
+        this rank): its rows (under CP this rank's) reading its blocks' K/V leaves in place,
+        in row order, replaying ``routes`` (its flat rows', or None); and its CP slice."""
+        suffix = self.schedule.suffixes[index]
+        live = self._kv[chunk_index]
+        for r in suffix.reads:
             live[r].mode = "read"
         self._count_held()
-        return PrefixKVStack([live[r] for r in reads])
+        cp = slice_micro_batch(suffix.plan, suffix.tail_plan, suffix.plan.num_tokens_flat,
+                               self.device)
+        params = PlanPackedSeqParams.from_plan(
+            suffix.plan.to(self.device), self.backend, cp=cp and cp.attention,
+            prefix_kv=PrefixKVStack([live[r] for r in suffix.reads]), routes=routes)
+        return forward(chunk, params, cp), cp
 
     def heads(self, chunk: int, index: int, members: list[int]) -> Statistics:
         """``(len(members), depth)`` per-token outputs of suffix ``index``'s samples

@@ -174,8 +174,6 @@ def cross_forward(
     from megatron.core.utils import get_attr_wrapped_model, unwrap_model
 
     from ..megatron_ext import check_sharing_model
-    from ..megatron_ext.cross_context_parallel import model_inputs, slice_micro_batch
-    from ..megatron_ext.packed_seq import PlanPackedSeqParams
 
     check_text_only(vision_model, multi_modal_inputs)
     check_sharing_model(model)
@@ -190,14 +188,8 @@ def cross_forward(
     steps = part.group.state  # the group's GroupSteps (.cross_schedule)
     check_temperature(steps, temperature)
     chunk = getattr(unwrap_model(model), "vp_stage", None) or 0
-    cp = slice_micro_batch(suffix.plan, suffix.tail_plan, suffix.plan.num_tokens_flat, device)
-    plan, tail_plan = suffix.plan.to(device), suffix.tail_plan.to(device)
-    params = PlanPackedSeqParams.from_plan(plan, sharing.backend, cp=cp and cp.attention,
-                                           prefix_kv=steps.suffix_reads(chunk, part.index),
-                                           routes=routes)
-    input_ids, position_ids = model_inputs(plan, cp)  # under CP this rank's rows
-    output = model(input_ids=input_ids, attention_mask=None, position_ids=position_ids,
-                   packed_seq_params=params)
+    output, cp = steps.suffix_forward(chunk, model, part.index, routes)
+    tail_plan = suffix.tail_plan.to(device)
     if metrics is not None and last_chunk_of_rank(unwrap_model(model)):
         # the blocks computed again in their backward steps, with the group's last
         metrics.add_tokens(part.tokens_total, part.tokens_computed + (
