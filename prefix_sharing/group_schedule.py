@@ -52,6 +52,18 @@ class SharedBlock:
     length = property(lambda self: self.ids.numel())
     end = property(lambda self: self.start + self.ids.numel())
 
+    def scored_rows(self, output: torch.Tensor) -> torch.Tensor:
+        """The rows ``stats_plan`` scores, from its pass's output rows (``[rows, ...]``, its
+        own rows then its pad rows): its own rows, then one placeholder (zero) row per member,
+        the position scoring whatever follows it, discarded (:meth:`scored_positions`)."""
+        rows = output[: self.length]
+        return torch.cat([rows, rows.new_zeros(len(self.members), *rows.shape[1:])])
+
+    def scored_positions(self) -> torch.Tensor:
+        """``(N * length,)`` the positions of ``stats_plan`` that are the block's rows of
+        every member (member-major, as :attr:`positions`): all but the placeholders."""
+        return (~self.stats_plan.is_last_token).nonzero()[:, 0]
+
 
 @dataclasses.dataclass(frozen=True)
 class SuffixMicroBatch:

@@ -11,6 +11,7 @@ Usage::
 Modules: :mod:`.attention` (the attention function transformers calls), :mod:`.forward` (the
 model call and the log-probs), :mod:`.response_rows` (the LM head on response rows only),
 :mod:`.head` (log-probs and entropy from the hidden states in chunks of rows, no logits),
+:mod:`.cross_steps` (a group run across micro-batches, its steps in a plain loop),
 :mod:`.moe` (the exact router loss), :mod:`.gated_deltanet` (Qwen3.5 / Qwen3-Next's recurrent
 layers on the plan), :mod:`.mamba2` (Nemotron-H's Mamba-2 mixers on the plan), :mod:`.vlm`, :mod:`.vision` and
 :mod:`.mrope` (vision-language checkpoints: the switch, the images, the mrope positions),

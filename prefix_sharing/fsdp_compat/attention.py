@@ -25,12 +25,14 @@ from ..refusals import refuse
 from .ulysses import SPLIT_KWARG as ULYSSES_KWARG
 from .ulysses import ulysses_attention
 
-__all__ = ["ATTENTION_NAME", "PLAN_KWARG", "BACKEND_KWARG", "register_attention",
-           "prefix_sharing_attention"]
+__all__ = ["ATTENTION_NAME", "PLAN_KWARG", "BACKEND_KWARG", "PREFIX_KV_KWARG",
+           "register_attention", "prefix_sharing_attention"]
 
 ATTENTION_NAME = "prefix_sharing"
 PLAN_KWARG = "sharing_plan"  # the forward keyword carrying the SharingPlan
 BACKEND_KWARG = "sharing_backend"  # the forward keyword naming the kernel ("auto" when absent)
+# the forward keyword carrying a group's stored K/V across micro-batches (a PrefixKVStack pass)
+PREFIX_KV_KWARG = "sharing_prefix_kv"
 
 
 def register_attention() -> None:
@@ -62,7 +64,10 @@ def prefix_sharing_attention(
         scaling: the softmax scale (``headdim ** -0.5`` when ``None``).
         kwargs: the forward's keywords; ``sharing_plan`` is required, ``sharing_backend``
             optional, ``sharing_ulysses`` on a Ulysses rank (:mod:`.ulysses`: ``query``,
-            ``key``, ``value`` and the output then hold the rank's rows); the layer's own
+            ``key``, ``value`` and the output then hold the rank's rows),
+            ``sharing_prefix_kv`` in a micro-batch of a group run across micro-batches (the
+            stored K/V its plan's external rows are, read in place; a block records its own:
+            :mod:`.cross_steps`); the layer's own
             ``sliding_window`` (a band of that many keys on logical positions) and ``s_aux``
             (gpt-oss's per-head sink logits) are honoured, a ``softcap`` refused.
 
@@ -93,6 +98,12 @@ def prefix_sharing_attention(
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
     split = kwargs.get(ULYSSES_KWARG)  # a Ulysses rank's rows: the all-to-all goes around it
     attend = prefix_attention if split is None else partial(ulysses_attention, split=split)
+    prefix_kv = kwargs.get(PREFIX_KV_KWARG)
+    if prefix_kv is not None:  # a group's blocks across micro-batches: their K/V in place
+        if split is not None:
+            raise ValueError("a group across micro-batches does not run under Ulysses")
+        stored, k, v = prefix_kv.key_sources(module.layer_idx, k, v)
+        attend = partial(prefix_attention, stored=stored)
     out = attend(q, k, v, plan, softmax_scale=scaling, window=_window(module, kwargs),
                  sinks=kwargs.get("s_aux"), backend=kwargs.get(BACKEND_KWARG) or "auto",
                  kernel_cache=_kernel_cache(module))

@@ -19,7 +19,9 @@ from ..logprobs import TokenStats, token_log_probs
 from ..plan import SharingPlan
 from ..planner import PromptGroup, build_plan
 from ..refusals import refuse
-from .attention import ATTENTION_NAME, BACKEND_KWARG, PLAN_KWARG, register_attention
+from ..prefix_kv import PrefixKVStack
+from .attention import (ATTENTION_NAME, BACKEND_KWARG, PLAN_KWARG, PREFIX_KV_KWARG,
+                        register_attention)
 from .gated_deltanet import check_sharing_gdn, install_sharing_gdn
 from .mamba2 import check_sharing_mamba, install_sharing_mamba
 from .models import check_supported
@@ -87,14 +89,21 @@ class SharedForward:
         return out
 
 
-def model_kwargs(plan: SharingPlan, backend: str = "auto") -> dict:
+def model_kwargs(plan: SharingPlan, backend: str = "auto",
+                 prefix_kv: PrefixKVStack | None = None) -> dict:
     """The keywords a model switched by :func:`enable_prefix_sharing` needs for ``plan``.
 
     Besides the plan, the segment boundaries go in explicitly (``cu_seq_lens_q/k``,
     ``max_length_q/k``): transformers otherwise infers packed segments from position resets,
-    and a reuser's tail starts at its prefix length, not at 0.
+    and a reuser's tail starts at its prefix length, not at 0. ``prefix_kv``: what a
+    micro-batch of a group run across micro-batches reads and records (its plan's external
+    rows; :mod:`.cross_steps`), bound to this forward now (its stores' modes fixed).
     """
-    return {
+    if plan.external_rows and prefix_kv is None:
+        raise ValueError(f"a plan with {plan.external_rows} external K/V rows needs the "
+                         "prefix_kv it reads them from")
+    extra = {} if prefix_kv is None else {PREFIX_KV_KWARG: prefix_kv.forward_pass()}
+    return {**extra, 
         "input_ids": plan.input_ids[None],
         "position_ids": plan.position_ids[None],
         "cu_seq_lens_q": plan.cu_seqlens_q,

@@ -21,10 +21,10 @@ from .cross_context_parallel import (CrossSlice, micro_batch_stats,
                                      slice_micro_batch, whole_rows)
 from .logprobs import vocab_shard
 from .packed_seq import PlanPackedSeqParams
-from .prefix_kv import PrefixKV, PrefixKVStack
+from ..prefix_kv import PrefixKV, PrefixKVStack
 from .routing_replay import flat_routes
 
-__all__ = ["Collector", "GroupRun", "PrefixPass", "TokenLoss", "block_store", "score_suffix",
+__all__ = ["Collector", "GroupRun", "PrefixPass", "TokenLoss", "score_suffix",
            "sequence_parallel_size", "suffix_routes"]
 
 TokenLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -86,9 +86,9 @@ class PrefixPass:
                                                     cp=self.cp and self.cp.attention,
                                                     prefix_kv=prefix_kv,
                                                     routes=_block_routes(block, device))
+        self.block = block
         self.stats_plan = block.stats_plan.to(device)
-        # the block's rows of every member, without the placeholder position
-        self.keep = (~block.stats_plan.is_last_token).nonzero()[:, 0].to(device)
+        self.keep = block.scored_positions().to(device)
         self.positions = block.positions.to(device)
         self.num_sequences = len(block.members)
         self.temperature = temperature
@@ -101,19 +101,13 @@ class PrefixPass:
         member-major: the block's ``positions``' order), and a callable giving those
         positions' logits."""
         # under CP this rank's rows, its positions those that read its block rows
-        rows = logits if self.cp is not None else self._with_placeholders(logits)
+        rows = logits if self.cp is not None else self.block.scored_rows(logits)
         stats = micro_batch_stats(rows, self.stats_plan, self.cp, temperature=self.temperature,
                                   with_entropy=with_entropy)
         log_probs = stats.log_probs.index_select(0, self.keep)
         entropy = stats.entropy.index_select(0, self.keep) if with_entropy else None
         return log_probs, entropy, lambda: self.stats_plan.restore(
-            self._with_placeholders(whole_rows(logits, self.cp))).index_select(0, self.keep)
-
-    def _with_placeholders(self, logits: torch.Tensor) -> torch.Tensor:
-        """The block's rows (its pad rows' logits are not read), then one placeholder row per
-        member: the stats plan's last position, discarded."""
-        logits = logits[: self.prefix_len]
-        return torch.cat([logits, logits.new_zeros(self.num_sequences, logits.size(1))])
+            self.block.scored_rows(whole_rows(logits, self.cp))).index_select(0, self.keep)
 
 
 class Collector:
@@ -147,13 +141,6 @@ class Collector:
                metrics: dict[str, float]) -> GroupRun:
         return GroupRun(self.log_probs, self.entropy, self.logits, self.loss, held_bytes,
                         tokens_computed, metrics)
-
-
-def block_store(block: SharedBlock, device: torch.device) -> PrefixKV:
-    """An empty K/V store for ``block``: its real rows kept (its pad rows are not), and the
-    routes its rows replay (routing replay), which its readers' plain views replay too."""
-    return PrefixKV(rows=block.length,
-                    routes=None if block.routes is None else block.routes.to(device))
 
 
 def _block_routes(block: SharedBlock, device: torch.device) -> torch.Tensor | None:

@@ -1,47 +1,39 @@
-"""The one executor of a group run across micro-batches: its shared blocks as micro-batches
-of megatron's own schedule.
+"""The one executor of a group run across micro-batches in megatron: its shared blocks as
+micro-batches of megatron's own schedule.
 
 A :class:`~prefix_sharing.group_schedule.GroupSchedule`'s steps run in order, each a
 micro-batch of ``get_forward_backward_func()`` (no pipelining at PP=1, 1F1B under pipeline
 parallelism, the interleaved schedule under virtual stages), whoever owns the loop: megatron's
 group driver (:func:`~.cross_micro_batch.forward_backward_group`) or verl's engine
 (:mod:`prefix_sharing.verl_ext.cross_schedule`), which differ only in what a suffix
-micro-batch reads out per token and scores (:class:`GroupSteps` takes a :data:`ReadOut`):
+micro-batch reads out per token and scores (:class:`GroupSteps` takes a :data:`ReadOut`). What
+each step does to the group's blocks, and the one gradient rule, are
+:class:`~prefix_sharing.cross_blocks.GroupBlocks`'; here each step is a micro-batch of
+megatron's schedule:
 
-- ``("forward", b)``: block ``b``'s forward, reading the blocks below it and recording its
-  K/V per layer (:class:`~.prefix_kv.PrefixKV`; with MoE router statistics its router
-  logits) and, on the last stage, its members' per-token outputs at its positions (log-probs
-  and entropy, or a critic's values), each kept as leaves (detached, requiring grad); its
-  graph kept from this step to its backward step (``keep_graph``) or not (run without grad);
-- ``("suffix", j)``: the caller's micro-batch, reading its blocks' leaves in place
-  (:meth:`GroupSteps.suffix_forward`, :meth:`GroupSteps.heads`): its backward accumulates
-  every reader's gradients there;
-- ``("backward", b)``: after its last reader, block ``b``'s backward, once, with **one
-  gradient rule**: every leaf's accumulated gradient enters the tensor it was detached from.
-  With its graph kept the step's loss is :meth:`~.prefix_kv.PrefixKV.gradient_term` plus the
-  per-token outputs' term (:func:`~.prefix_kv.leaves_term`); otherwise the block's forward runs
-  again with grad (on every stage: nothing is sent between stages for a graph kept across
-  micro-batches), its own rows reading their recorded K/V with the leaves' gradients injected
-  (mode ``"record_last"``), its recomputed per-token outputs times their leaves' gradients
-  on the last stage. Either way megatron's backward of that step is the block's backward;
-  the step's loss is handed over so that megatron's scaling leaves it as is
+- ``("forward", b)``: block ``b``'s forward (on the last stage its members' per-token outputs
+  read out), handing the schedule an output whose backward does nothing;
+- ``("suffix", j)``: the caller's micro-batch, reading its blocks' K/V leaves in place
+  (:meth:`GroupSteps.suffix_forward`, :meth:`~prefix_sharing.cross_blocks.GroupBlocks.heads`);
+- ``("backward", b)``: the block's backward, as the step's loss: the kept graph's term at
+  PP=1, or the block's forward again with grad (on every stage: nothing is sent between
+  stages for a graph kept across micro-batches) and its recomputed outputs' term. The step's
+  loss is handed over so that megatron's scaling leaves it as is
   (:meth:`GroupSteps.block_step`: the leaves' gradients were scaled by their readers' steps).
 
-Megatron's schedules run the backwards in micro-batch order on every stage, and a block's
-backward step comes after its last reader's, so every reader's gradient is in the leaves when
-the block's backward reads them; its own backward accumulates into the leaves of the blocks it
-reads, whose backward steps come later. Each block's backward is an ``autograd.backward`` of
-its own: no weight holds a gradient-sized buffer across several forwards' graphs (running a
-block's backward inside its last reader's cost 199.5 vs 163.3 MiB on the ``small`` preset's
-history workload). The last step of a group is its root block's backward, a whole-model
-backward as any micro-batch's, so megatron's overlapped gradient reduction in a step's last
-micro-batch sees every parameter's gradient arrive once.
+Megatron's schedules run the backwards in micro-batch order on every stage, so a block's
+backward step runs after its last reader's. The last step of a group is its root block's
+backward, a whole-model backward as any micro-batch's, so megatron's overlapped gradient
+reduction in a step's last micro-batch sees every parameter's gradient arrive once (running a
+block's backward inside its last reader's instead cost 199.5 vs 163.3 MiB on the ``small``
+preset's history workload).
 
 Megatron's activation recompute runs inside a block (a recomputed layer replays its first
-run's mode, :class:`~.prefix_kv.PrefixKVPass`); context parallelism splits every micro-batch,
-a block's included, over the CP ranks (:mod:`.cross_context_parallel`: a block's K/V recorded
-gathered); MoE router statistics and routing replay as in :mod:`.cross_run`. Under interleaved
-stages every model chunk runs the same steps on its own layers, its K/V in stores of its own.
+run's mode, :class:`~prefix_sharing.prefix_kv.PrefixKVPass`); context parallelism splits every
+micro-batch, a block's included, over the CP ranks (:mod:`.cross_context_parallel`: a block's
+K/V recorded gathered); MoE router statistics and routing replay as in :mod:`.cross_run`.
+Under interleaved stages every model chunk runs the same steps on its own layers, its K/V in
+stores of its own.
 """
 
 from __future__ import annotations
@@ -52,26 +44,23 @@ from collections.abc import Callable, Iterator
 import torch
 from megatron.core.utils import get_attr_wrapped_model
 
+from ..cross_blocks import GroupBlocks, Statistics
 from ..group_schedule import GroupSchedule
 from .cross_context_parallel import (CrossSlice, context_parallel_size, model_inputs,
                                      slice_micro_batch)
-from .cross_run import PrefixPass, block_store
+from .cross_run import PrefixPass
 from .packed_seq import PlanPackedSeqParams
-from .prefix_kv import PrefixKV, PrefixKVStack, leaves_term
 
 __all__ = ["GroupSteps", "ReadOut", "Statistics", "fit_interleaved", "forward",
            "within_the_step"]
 
-# per-token outputs at a block's positions, ``(members, length)`` each: log-probs and entropy
-# (or None), or values and None
-Statistics = tuple[torch.Tensor, torch.Tensor | None]
 # a block's per-token outputs from its pass and the pass's output rows (the last stage's)
 ReadOut = Callable[[PrefixPass, torch.Tensor], Statistics]
 # a micro-batch of megatron's schedule: its output and its loss function
 Step = tuple[torch.Tensor, Callable]
 
 
-class GroupSteps:
+class GroupSteps(GroupBlocks):
     """One group's shared blocks while megatron's schedule runs its steps (module doc).
 
     Args:
@@ -89,31 +78,11 @@ class GroupSteps:
                  read_out: ReadOut, *,
                  keep_graph: bool, training: bool, backend: str, temperature: float,
                  device: torch.device) -> None:
-        self.schedule = schedule
+        super().__init__(schedule, keep_graph=keep_graph, training=training, device=device,
+                         stages=len(chunks))
         self.read_out = read_out
-        self.keep_graph = keep_graph and training
-        self.training = training
-        self.backend, self.temperature, self.device = backend, temperature, device
+        self.backend, self.temperature = backend, temperature
         self._config = get_attr_wrapped_model(chunks[0], "config")
-        self._kv: list[dict[int, PrefixKV]] = [{} for _ in chunks]
-        # per chunk, on the last stage: block -> its per-token outputs, recorded and as leaves
-        self._outputs: list[dict[int, tuple[Statistics, Statistics]]] = [{} for _ in chunks]
-        self.held_bytes = 0  # the most K/V leaf bytes (and gradients) live at once
-        self._repeated = 0  # block rows a repeated forward step ran again (fit_interleaved)
-
-    @property
-    def steps(self) -> list[tuple[str, int]]:
-        """The micro-batches megatron's schedule runs: the schedule's steps (without backward
-        steps when not training)."""
-        return [s for s in self.schedule.steps if self.training or s[0] != "backward"]
-
-    @property
-    def recomputed_tokens(self) -> int:
-        """Block rows computed more than once: by the backward steps (every block's, unless
-        kept) and by repeated forward steps (:func:`fit_interleaved`)."""
-        if self.keep_graph or not self.training:
-            return self._repeated
-        return self._repeated + sum(b.length for b in self.schedule.blocks)
 
     @property
     def seq_length(self) -> int:
@@ -127,28 +96,13 @@ class GroupSteps:
         this rank): its rows (under CP this rank's) reading its blocks' K/V leaves in place,
         in row order, replaying ``routes`` (its flat rows', or None); and its CP slice."""
         suffix = self.schedule.suffixes[index]
-        live = self._kv[chunk_index]
-        for r in suffix.reads:
-            live[r].mode = "read"
-        self._count_held()
+        stack = self.suffix_stack(chunk_index, index)
         cp = slice_micro_batch(suffix.plan, suffix.tail_plan, suffix.plan.num_tokens_flat,
                                self.device)
         params = PlanPackedSeqParams.from_plan(
             suffix.plan.to(self.device), self.backend, cp=cp and cp.attention,
-            prefix_kv=PrefixKVStack([live[r] for r in suffix.reads]), routes=routes)
+            prefix_kv=stack, routes=routes)
         return forward(chunk, params, cp), cp
-
-    def heads(self, chunk: int, index: int, members: list[int]) -> Statistics:
-        """``(len(members), depth)`` per-token outputs of suffix ``index``'s samples
-        ``members`` at the positions its blocks computed: their leaves (the last stage's)."""
-        parts = []
-        for r in self.schedule.suffixes[index].reads:
-            block = self.schedule.blocks[r]
-            leaves = self._outputs[chunk][r][1]
-            rows = torch.tensor([block.members.index(m) for m in members],
-                                device=leaves[0].device)
-            parts.append(tuple(None if t is None else t.index_select(0, rows) for t in leaves))
-        return tuple(None if p[0] is None else torch.cat(p, dim=1) for p in zip(*parts))
 
     def block_step(self, chunk_index: int, chunk: torch.nn.Module, kind: str, b: int,
                    num_microbatches: int) -> Step:
@@ -156,40 +110,25 @@ class GroupSteps:
         ``chunk`` (the ``chunk_index``-th of this rank), in a call of megatron's schedule over
         ``num_microbatches`` micro-batches."""
         block = self.schedule.blocks[b]
-        live, outputs = self._kv[chunk_index], self._outputs[chunk_index]
         last_stage = get_attr_wrapped_model(chunk, "post_process")
         as_is = self._as_is(num_microbatches)
         if kind == "backward" and self.keep_graph:  # the kept graph's backward
-            self._count_held()
-            term = live.pop(b).gradient_term() + leaves_term(*outputs.pop(b))
-            return term, as_is
-        for r in block.reads:
-            live[r].mode = "read"
-        if kind == "forward":
-            if b in live and chunk_index == 0:  # a repeat: the same K/V recorded again
-                self._repeated += block.length
-            live[b] = block_store(block, self.device)
-        live[b].mode = "record" if kind == "forward" else "record_last"
-        prefix = PrefixPass(self.schedule, PrefixKVStack([live[r] for r in block.reads],
-                                                         live[b]),
+            return self.kept_term(chunk_index, b), as_is
+        prefix = PrefixPass(self.schedule, self.block_stack(chunk_index, b, kind),
                             self.backend, self.temperature, self.device, block=block)
         if kind == "forward":
             with torch.set_grad_enabled(self.keep_graph):
                 output = forward(chunk, prefix.params, prefix.cp)
                 if last_stage:
-                    recorded = self.read_out(prefix, output[0])
-                    outputs[b] = recorded, _leaves(recorded, self.training)
+                    self.recorded(chunk_index, b, self.read_out(prefix, output[0]))
             received = get_attr_wrapped_model(chunk, "decoder").input_tensor
             return (_without_gradient(output, received, last_stage),
                     lambda output: (output.sum() * 0, {}))
-        self._count_held()
         output = forward(chunk, prefix.params, prefix.cp)
-        del live[b]  # its pass holds what its backward reads
-        leaves = outputs.pop(b, None)
+        leaves = self.release(chunk_index, b)  # its pass holds what its backward reads
 
         def loss_func(output: torch.Tensor):
-            recorded = self.read_out(prefix, output[0])
-            return as_is(leaves_term(recorded, leaves[1]))
+            return as_is(self.recomputed_term(self.read_out(prefix, output[0]), leaves))
 
         return output, loss_func
 
@@ -205,16 +144,6 @@ class GroupSteps:
             return term * num_microbatches / (context_parallel_size() * scale), {}
 
         return as_is
-
-    def _count_held(self) -> None:
-        self.held_bytes = max(self.held_bytes, sum(kv.held_bytes() for live in self._kv
-                                                   for kv in live.values()))
-
-
-def _leaves(recorded: Statistics, training: bool) -> Statistics:
-    """Detached copies of a block's recorded outputs, requiring grad when training: what its
-    readers read, so their backwards accumulate there."""
-    return tuple(None if t is None else t.detach().requires_grad_(training) for t in recorded)
 
 
 def forward(chunk: torch.nn.Module, params: PlanPackedSeqParams,

@@ -49,7 +49,7 @@ micro-batch, its tails in suffix micro-batches) the plain micro-batch a suffix m
 stands for holds its samples whole, prefix included, as the stock step running the same samples
 in the same micro-batches does. So the prefix micro-batch routes its rows per token and keeps
 no statistic, its router logits are kept per layer beside its K/V
-(:meth:`.prefix_kv.PrefixKV.exchange_router_logits`), and each suffix micro-batch routes the
+(:meth:`prefix_sharing.prefix_kv.PrefixKV.exchange_router_logits`), and each suffix micro-batch routes the
 plain view of ``cat(prefix logits, own logits)`` - its plan's ``kv_index`` already addresses
 the prefix's rows first. Every statistic is then megatron's own on that plain micro-batch (the
 global aux loss accumulates once per suffix, as once per plain micro-batch), and the gradients
@@ -80,7 +80,7 @@ A recording forward (the plan's ``record_routes``) records the flat rows; it run
 statistics (verl records in a forward without grad), else the top-k would see the plain view.
 Across micro-batches a block replays its own rows' routes, and a suffix's plain view of
 ``cat(prefix logits, own logits)`` replays ``cat(prefix routes, own routes)`` (the prefix's
-kept with its K/V: :attr:`.prefix_kv.PrefixKV.routes`).
+kept with its K/V: :attr:`prefix_sharing.prefix_kv.PrefixKV.routes`).
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ from ..refusals import refuse
 from .checks import UnsupportedSetupError
 from .packed_seq import PlanPackedSeqParams
 from .plain_batch_view import PlainBatchView, plain_batch_view
-from .prefix_kv import PrefixKV
+from ..prefix_kv import PrefixKV
 from .routing_replay import (FlatRowsRouter, check_replay_state, moe_layer_index, replaying,
                              route_column)
 
@@ -120,7 +120,7 @@ class PrefixSharingRouter(TopKRouter, FlatRowsRouter):
     megatron's own on the plain batch - under sequence parallelism, each rank's are the stock
     router's on that rank's slice of it; under context parallelism, each rank's shares add up
     over the group to the CP=1 router's (the z-loss weighted per token to that end); across
-    micro-batches (given the group's :class:`~.prefix_kv.PrefixKV`), each suffix micro-batch's
+    micro-batches (given the group's :class:`~prefix_sharing.prefix_kv.PrefixKV`), each suffix micro-batch's
     are the stock router's on its samples whole, the prefix micro-batch keeping none.
     """
 

@@ -29,7 +29,7 @@ from ..refusals import refuse
 from .checks import UnsupportedSetupError, assert_same_plan
 from .context_parallel import ContextParallelSlice, slice_plan
 from .mtp import plan_mtp_depths
-from .prefix_kv import PrefixKV, PrefixKVPass, PrefixKVStack
+from ..prefix_kv import PrefixKV, PrefixKVPass, PrefixKVStack
 from .routing_replay import flat_routes
 
 __all__ = [
@@ -55,7 +55,7 @@ class PlanPackedSeqParams(PackedSeqParams):
             (:mod:`prefix_sharing.megatron_ext.cross_micro_batch`): recorded by the prefix
             micro-batch, read by a suffix micro-batch whose plan addresses those rows first;
             this forward's view of them, its mode fixed when the params were built (a
-            recomputed layer replays it: :class:`~.prefix_kv.PrefixKVPass`).
+            recomputed layer replays it: :class:`~prefix_sharing.prefix_kv.PrefixKVPass`).
         routes: ``[T_flat, moe_layers, topk]`` int64, the recorded route of every flat row, for
             MoE routing replay (:mod:`.routing_replay`), or ``None``.
         record_routes: the routers record the flat rows' routes in this forward (read them
@@ -82,7 +82,7 @@ class PlanPackedSeqParams(PackedSeqParams):
                   routes: torch.Tensor | None = None,
                   record_routes: bool = False,
                   mtp: tuple | None = ()) -> PlanPackedSeqParams:
-        """The params of one forward of ``plan``; a :class:`~.prefix_kv.PrefixKV` (or a
+        """The params of one forward of ``plan``; a :class:`~prefix_sharing.prefix_kv.PrefixKV` (or a
         stack of them) is bound here, in its current mode, for this forward and its
         recomputed layers."""
         if isinstance(prefix_kv, (PrefixKV, PrefixKVStack)):

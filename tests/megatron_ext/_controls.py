@@ -12,7 +12,7 @@ def blocks_take_no_gradients() -> Iterator[None]:
     """Wrong: every block's backward step takes in none of its readers' accumulated gradients
     (neither through a kept graph's gradient term nor injected into a recomputed block's K/V),
     so the shared prefix's gradients miss every reader's share."""
-    from prefix_sharing.megatron_ext import prefix_kv
+    from prefix_sharing import prefix_kv
 
     with mock.patch.object(prefix_kv, "gradient_of",
                            lambda recorded, leaf: (recorded * 0).sum()), \

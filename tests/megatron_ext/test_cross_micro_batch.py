@@ -88,7 +88,7 @@ def _dropped_dkv(model, seqs, reference) -> object:
     """The control: the suffixes' dK/dV never reach the prefix (its own loss still does)."""
     from prefix_sharing.engines.cross_micro_batch import forward_backward_cross
     from prefix_sharing.engines.megatron import compare
-    from prefix_sharing.megatron_ext.prefix_kv import PrefixKV
+    from prefix_sharing.prefix_kv import PrefixKV
 
     term = PrefixKV.gradient_term
     PrefixKV.gradient_term = lambda self: term(self) * 0
@@ -169,7 +169,7 @@ def _moe_job(rank: int) -> dict:
 def _detached_prefix_logits():
     """Wrong: the suffixes' statistics read the prefix's router logits cut from the graph, so
     the prefix copies' aux / z-loss gradients never reach the prefix's router."""
-    from prefix_sharing.megatron_ext.prefix_kv import PrefixKVPass
+    from prefix_sharing.prefix_kv import PrefixKVPass
 
     exchange = PrefixKVPass.exchange_router_logits
 

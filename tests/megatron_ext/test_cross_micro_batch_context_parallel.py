@@ -55,7 +55,7 @@ def _readers_on_other_ranks_dropped():
     readers' gradients of those rows are dropped before the reduce-scatter)."""
     from megatron.core import parallel_state
 
-    from prefix_sharing.megatron_ext.prefix_kv import PrefixKV
+    from prefix_sharing.prefix_kv import PrefixKV
 
     term = PrefixKV.gradient_term
 

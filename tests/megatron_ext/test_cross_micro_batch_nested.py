@@ -72,7 +72,7 @@ def _dropped_first_chunk(model, seqs) -> dict:
     chunks and every suffix) accumulated in its leaves (its own loss still reaches it)."""
     from prefix_sharing.cross_micro_batch import plan_group
     from prefix_sharing.engines.cross_micro_batch import forward_backward_cross
-    from prefix_sharing.megatron_ext.prefix_kv import PrefixKV
+    from prefix_sharing.prefix_kv import PrefixKV
 
     term, calls = PrefixKV.gradient_term, []
     blocks = len(plan_group(seqs, CHUNKED, CONFIG).blocks)

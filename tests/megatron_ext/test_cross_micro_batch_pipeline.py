@@ -73,7 +73,7 @@ def _assert_gradients_fail(run: dict) -> None:
 def _never_injected():
     """Wrong: a block's backward step records its K/V again without the leaves' accumulated
     gradients, so its backward misses every reader's dK/dV."""
-    from prefix_sharing.megatron_ext import prefix_kv
+    from prefix_sharing import prefix_kv
 
     with mock.patch.object(prefix_kv, "_injected", lambda recorded, leaf, key, store: recorded):
         yield

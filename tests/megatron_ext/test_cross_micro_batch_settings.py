@@ -42,7 +42,7 @@ RECOMPUTE = {  # megatron-core's TransformerConfig fields
 def _replay_records_again():
     """Wrong: a replayed prefix layer records as if it ran for the first time (the global
     store's view, not its pass's), so it takes in none of the readers' dK/dV."""
-    from prefix_sharing.megatron_ext.prefix_kv import PrefixKVPass
+    from prefix_sharing.prefix_kv import PrefixKVPass
 
     record = PrefixKVPass._record
 

@@ -183,7 +183,7 @@ def setting_steps(rank: int) -> dict:
 
     from verl.workers.utils.losses import ppo_loss
 
-    from prefix_sharing.megatron_ext.prefix_kv import PrefixKVPass
+    from prefix_sharing.prefix_kv import PrefixKVPass
 
     use_cpu_platform()
     wrong_mode = property(lambda self: self.store.mode, lambda self, mode: None)

@@ -173,7 +173,7 @@ def layout_steps(rank: int, layout: dict, model: dict, finalize=None) -> dict:
     applied to every chunk's gradients; this rank's stage (and shard, and chunks)."""
     from unittest import mock
 
-    from prefix_sharing.megatron_ext import prefix_kv
+    from prefix_sharing import prefix_kv
 
     use_cpu_platform()
     dropped = mock.patch.object(prefix_kv, "read_through", lambda recorded, leaf: recorded)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from prefix_sharing.megatron_ext.prefix_kv import PrefixKV
+from prefix_sharing.prefix_kv import PrefixKV
 
 
 def test_readers_gradients_reach_the_recorded_pass_as_one_graph_would():
@@ -88,7 +88,7 @@ def test_one_backward_per_reader_then_the_gradient_term_equals_one_graph():
 
 
 def test_reading_through_without_grad_is_the_recorded_tensor():
-    from prefix_sharing.megatron_ext.prefix_kv import read_through
+    from prefix_sharing.prefix_kv import read_through
 
     recorded = torch.ones(2, 1)
     assert read_through(recorded, recorded.clone().requires_grad_(True)) is recorded
@@ -148,7 +148,7 @@ def test_a_reader_gets_the_stored_kv_as_sources_and_exchange_concatenates_them()
     """key_sources hands a reader the stack's leaves themselves, in row order, beside its own
     K/V (the attention reads them in place: tests/attention/test_sources.py); exchange, the
     gathering paths' view, is their concatenation in front."""
-    from prefix_sharing.megatron_ext.prefix_kv import PrefixKVStack
+    from prefix_sharing.prefix_kv import PrefixKVStack
 
     blocks = [PrefixKV(), PrefixKV()]
     for rows, store in zip((2, 3), blocks):

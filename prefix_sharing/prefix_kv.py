@@ -1,12 +1,15 @@
 """A group's prefix K/V, kept per layer across its suffix micro-batches.
 
-The prefix micro-batch's core attention *records* each layer's keys and values; every suffix
-micro-batch's core attention *reads* them as leaves (detached tensors that require grad),
-before its own rows, so its backward accumulates dK/dV into the leaves' ``.grad``. After
-the group's last suffix, the block's backward step sends those sums into the prefix's graph:
+The prefix micro-batch's attention *records* each layer's keys and values; every suffix
+micro-batch's attention *reads* them as leaves (detached tensors that require grad), before its
+own rows, so its backward accumulates dK/dV into the leaves' ``.grad``. After the group's last
+suffix, the block's backward step sends those sums into the prefix's graph:
 :meth:`PrefixKV.gradient_term` where its graph was kept, or its forward run again with grad in
 mode ``"record_last"``, its own rows reading their recorded K/V with the leaves' gradients
-injected (:mod:`.cross_steps`).
+injected (the executor, :class:`~prefix_sharing.cross_blocks.GroupBlocks`). Model-agnostic: a
+layer is its number (megatron's ``layer_number``, transformers' ``layer_idx``); megatron's core
+attention finds the store in its ``packed_seq_params``, transformers' attention function in the
+forward's keywords (:mod:`prefix_sharing.fsdp_compat.attention`).
 
 A reader gets the stored K/V as key sources of their own (:meth:`PrefixKVPass.key_sources`):
 its attention reads them in place, all its query rows over the stored rows, merged by the
@@ -23,18 +26,24 @@ micro-batch's statistics count its samples' copies of the prefix tokens, as the 
 micro-batch of those samples does, and their gradients reach the prefix's router through the
 leaves.
 
-**Activation recompute.** Megatron's recompute (full: a chunk of layers; selective: core
-attention) runs a layer's first forward without grad and runs it again inside the backward,
-with the same ``packed_seq_params``. So each forward reads the store through its own
-:class:`PrefixKVPass` (built with its micro-batch's params, its mode fixed then), and a
-recomputed layer replays the mode of its first run, whatever micro-batch runs meanwhile. A
-recorded layer whose first run kept no graph cannot hand its K/V to :meth:`PrefixKV.gradient_term`
-or to a last reader: it records once (the first run's values; the replay records nothing) and
-its replay, which carries the graph, *injects* the leaves' accumulated gradients into its own
-K/V (:func:`read_through` on the replay's K/V). The injection reads the leaves when the
-prefix's backward reaches that layer, so every reader's backward must have accumulated into
-them by then (the block's backward step comes after its last reader's); a count of the readers
-still owing their gradient checks this at every injection.
+**Activation recompute.** A recomputed layer's attention is called twice in one forward, with
+the same store: so each forward reads the store through its own :class:`PrefixKVPass` (its
+mode fixed when the forward starts), and the second call of a layer replays the first's mode,
+whatever micro-batch runs meanwhile. Two kinds of recompute:
+
+- *reentrant* (megatron's full and selective recompute): the first run keeps no graph, the
+  replay inside the backward does. A recorded layer whose first run kept no graph cannot hand
+  its K/V to :meth:`PrefixKV.gradient_term` or to a last reader: it records once (the first
+  run's values; the replay records nothing) and its replay, which carries the graph,
+  *injects* the leaves' accumulated gradients into its own K/V (:func:`read_through` on the
+  replay's K/V). The injection reads the leaves when the prefix's backward reaches that layer,
+  so every reader's backward must have accumulated into them by then (the block's backward
+  step comes after its last reader's); a count of the readers still owing their gradient
+  checks this at every injection;
+- *non-reentrant* (transformers' gradient checkpointing, as verl turns it on): both runs have
+  grad, but the backward runs the first run's graph, the recompute only refilling its saved
+  tensors. So the first run does what its mode asks and the recompute computes the same
+  values, recording, injecting and counting nothing.
 """
 
 from __future__ import annotations
@@ -52,15 +61,16 @@ KV = tuple[torch.Tensor, torch.Tensor]
 
 
 class PrefixKV:
-    """Per-layer prefix K/V (this rank's K/V heads), keyed by megatron's ``layer_number``.
+    """Per-layer prefix K/V (this rank's K/V heads), keyed by the layer's number.
 
     Attributes:
         mode: the mode of the next forward bound to this store (:meth:`forward_pass`, which
-            :class:`~.packed_seq.PlanPackedSeqParams` calls): ``"record"`` while the prefix
-            micro-batch runs, ``"read"`` while a suffix (or a block above it) runs,
+            :class:`~prefix_sharing.megatron_ext.packed_seq.PlanPackedSeqParams` and the HF
+            shim's :func:`~prefix_sharing.fsdp_compat.model_kwargs` call): ``"record"``
+            while the prefix micro-batch runs, ``"read"`` while a suffix (or a block above it) runs,
             ``"record_last"`` while the prefix runs again with grad after every reader's
             backward (its own rows read their recorded K/V with the leaves' gradients
-            injected: its backward step, :mod:`.cross_steps`).
+            injected: its backward step, :class:`~prefix_sharing.cross_blocks.GroupBlocks`).
         leaves: ``layer_number -> (k, v)``, each ``[Lp, ng, hn]``, detached, requiring grad.
         outputs: ``layer_number -> (k, v)`` of the last recorded pass that kept its graph
             there (not recomputed): the tensors :meth:`gradient_term` differentiates.
@@ -138,9 +148,10 @@ class PrefixKV:
 class PrefixKVPass:
     """One forward of one micro-batch over a group's :class:`PrefixKV`, in a fixed mode.
 
-    Megatron's activation recompute calls a layer's core attention (and router) again inside
-    the backward with the same ``packed_seq_params``, so the same pass: the replay is the
-    second call of that layer here, and does what its first run's mode asks (module doc).
+    An activation recompute calls a layer's attention (and router) again inside the backward
+    with the same arguments (megatron's ``packed_seq_params``, transformers' keywords), so the
+    same pass: the replay is the second call of that layer here, and does what its first run's
+    mode asks (module doc).
     """
 
     def __init__(self, store: PrefixKV, mode: Mode) -> None:
@@ -148,6 +159,7 @@ class PrefixKVPass:
         self.mode: Mode = mode
         # recording: -> "graph" | "no_graph"
         self._runs: dict[tuple[int, str], str] = {}
+        self._counted: set[tuple[int, str]] = set()  # reads owed by this pass's backward
 
     @property
     def routes(self) -> torch.Tensor | None:
@@ -205,11 +217,10 @@ class PrefixKVPass:
                 outputs.pop(layer, None)
             if not (graph and self.mode == "record_last"):
                 return tensors
-        elif not graph:  # a replay records nothing
+        elif not graph or self._runs[key] == "graph":
+            # a reentrant replay without graph, or a non-reentrant recompute (the first run's
+            # graph is the one its backward runs): the same values, nothing recorded
             return tensors
-        elif self._runs[key] == "graph":
-            raise RuntimeError(f"layer {layer}'s prefix ({key[1]}) ran twice with grad in one "
-                               "pass: its readers' gradients would enter it twice")
         # the last pass with graph of a store its readers have all read (``record_last``), or
         # the replay of a first run without graph: the readers' gradients enter here
         got = (leaves[layer],) if single else leaves[layer]
@@ -218,8 +229,11 @@ class PrefixKVPass:
 
     def _read(self, key: tuple[int, str], leaves: tuple[torch.Tensor, ...]
               ) -> tuple[torch.Tensor, ...]:
-        # (counted on the call with grad: a recomputed layer's replay)
-        if torch.is_grad_enabled():  # its backward accumulates into them
+        # counted on the pass's first call with grad, the one whose graph its backward runs:
+        # a reentrant replay's (its first run had none) or the forward's own (a non-reentrant
+        # recompute has grad again, but its graph is never backpropagated)
+        if torch.is_grad_enabled() and key not in self._counted:
+            self._counted.add(key)
             self.store.owing[key] = self.store.owing.get(key, 0) + len(leaves)
         return leaves
 
