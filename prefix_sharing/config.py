@@ -40,9 +40,9 @@ class PrefixSharingConfig:
             (verl's ``max_token_len_per_gpu``), compute its common prefix once and run its tails
             as consecutive micro-batches that read the prefix's K/V
             (:mod:`prefix_sharing.cross_micro_batch`), instead of cutting the group and
-            recomputing the prefix in every piece. Off by default; megatron-core only (the
-            project's group run and verl's Megatron engines, the actor's and the critic's;
-            verl's FSDP engine refuses it, ``verl.cross_micro_batch.engine``). Which parallel
+            recomputing the prefix in every piece. Off by default; the project's megatron
+            group run and verl's engines (Megatron: the actor's and the critic's; FSDP:
+            the actor's and the critic's, without Ulysses or recurrent layers). Which parallel
             layouts and model features run with it is docs/cross-micro-batch.md's (TP with
             sequence parallelism, CP, PP with interleaved stages, MoE router statistics,
             routing replay, activation recompute, windows); ``prefix-sharing preflight``

@@ -380,10 +380,16 @@ TABLE: tuple[Refusal, ...] = (
     Refusal("verl.routing_replay.r3_without_routes", "R3 routing replay without the rollout's "
             "routes", "the micro-batch has no routed_experts; record them in the rollout",
             ("verl-megatron",)),
-    Refusal("verl.cross_micro_batch.engine", "groups across micro-batches on the FSDP engine",
-            "only verl's Megatron engines (the actor's and the critic's) run a group across "
-            "micro-batches; the FSDP engine splits a group too large for a micro-batch instead "
-            "(set cross_micro_batch: false)", _VERL),
+    Refusal("verl.cross_micro_batch.ulysses",
+            "groups across micro-batches under Ulysses sequence parallelism",
+            "a group's micro-batches read its stored prefix K/V on every attention head, which "
+            "Ulysses' all-to-all splits over the ranks; the FSDP engine runs groups across "
+            "micro-batches at ulysses_sequence_parallel_size=1 (set cross_micro_batch: false "
+            "to split such a group instead)", ("verl-fsdp",)),
+    Refusal("verl.cross_micro_batch.recurrent", "a recurrent model's groups across micro-batches",
+            "a Gated DeltaNet or Mamba-2 layer carries its state along the tokens, and a shared "
+            "block hands its readers only its keys and values; set cross_micro_batch: false "
+            "(the group is split, each piece computing its prefix)", ("verl-fsdp",)),
     Refusal("verl.cpu_shim_release", "a verl release the CPU test shim does not know",
             "prefix_sharing.testing.verl_cpu patches the releases that have patch sets "
             "(prefix_sharing.releases.VERL_RELEASES) only", _VERL),

@@ -209,7 +209,10 @@ MATRIX: dict[str, dict[str, Cell]] = {
                                note="PP=2 (x TP=2, x CP=2, x VPP=2); CP=2 (x TP=2); "
                                     "MoE and routing replay at PP=2, MoE at CP=2; "
                                     "nested: x TP=2, x CP=2, x PP=2, MoE, replay, recompute"),
-        "verl-fsdp": refused("verl.cross_micro_batch.engine"),
+        "verl-fsdp": works(_VX + "test_fsdp_cross.py",
+                           note="FSDP2 and FSDP1; one level and nested; gradient checkpointing",
+                           refusals=("verl.cross_micro_batch.ulysses",
+                                     "verl.cross_micro_batch.recurrent")),
         "hf-fsdp": NOT_OFFERED,
         "megatron-lm": Cell("not offered", note="not wired"),
     },

@@ -49,9 +49,6 @@ class SharingEngineMixin:
             engine's forward runs on its first sharing micro-batch.
     """
 
-    # Whether the engine's forward runs groups across micro-batches (prefix_grouper's
-    # cross_micro_batch): the Megatron engine's does (verl_ext.cross_schedule).
-    supports_cross_micro_batch = False
     # The vision-language model types the engine's forward serves (the FSDP engine's: .vlm).
     vision_families: tuple[str, ...] = ()
     # Whether the engine serves use_fused_kernels (the FSDP engine's chunked sharing head).
@@ -78,8 +75,7 @@ class SharingEngineMixin:
         anything: what ``__init__`` raises, and what ``prefix-sharing preflight`` reports.
 
         With sharing on, :func:`.mcore.check_engine_setup` and, with ``self_check``,
-        :func:`.self_check.self_check_problems`; with ``cross_micro_batch``, the engine's
-        support.
+        :func:`.self_check.self_check_problems`.
         """
         sharing = sharing_config(engine_config)
         found = []
@@ -88,9 +84,6 @@ class SharingEngineMixin:
                                vision_families=cls.vision_families,
                                serves_fused_kernels=cls.serves_fused_kernels,
                                serves_mtp=cls.serves_mtp)
-        if sharing.cross_micro_batch and not cls.supports_cross_micro_batch:
-            found.append(Refused("verl.cross_micro_batch.engine",
-                                 f"prefix_grouper.cross_micro_batch=true on {cls.__name__}"))
         if sharing.enabled and sharing.self_check:
             found += self_check_problems(engine_config)
         return found

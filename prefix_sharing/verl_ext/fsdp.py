@@ -118,6 +118,7 @@ from . import unhooked
 from .config import config_hooks, sharing_config
 from .critic import restore_values, value_head_problems
 from .engine import SharingEngineMixin, install_engines
+from .fsdp_cross import CrossLoop
 from .microbatch import patch_prepare_micro_batches
 from .patchsets import register_releases
 from .switched_off import off_hooks
@@ -171,7 +172,7 @@ def patch_engine(module: ModuleType) -> None:
         """The sharing subclass of ``stock`` (verl's language-model engine, or its value-model
         engine with ``value_head``: the critic)."""
 
-        class PrefixSharingFSDPEngine(SharingEngineMixin, stock):
+        class PrefixSharingFSDPEngine(SharingEngineMixin, CrossLoop, stock):
             """verl's ``FSDPEngineWithLMHead`` (or ``FSDPEngineWithValueHead``), computing each
             micro-batch's shared prefixes once."""
 
@@ -188,9 +189,11 @@ def patch_engine(module: ModuleType) -> None:
                 if sharing_config(engine_config).enabled:
                     if cls.value_head:
                         found += value_head_problems(engine_config)
-                    found += ulysses_problems(
-                        getattr(model_config, "hf_config", None),
-                        getattr(engine_config, "ulysses_sequence_parallel_size", 1))
+                    ulysses = getattr(engine_config, "ulysses_sequence_parallel_size", 1) or 1
+                    found += ulysses_problems(getattr(model_config, "hf_config", None), ulysses)
+                    if sharing_config(engine_config).cross_micro_batch and ulysses > 1:
+                        found.append(Refused("verl.cross_micro_batch.ulysses",
+                                             f"ulysses_sequence_parallel_size={ulysses}"))
                 return found
 
             def _build_module(self):
@@ -214,6 +217,10 @@ def patch_engine(module: ModuleType) -> None:
                     if self.prefix_sharing.self_check and has_recurrent_layers(hf_module):
                         raise refuse("verl.self_check.recurrent", "prefix_grouper.self_check=true",
                                      error=PrefixSharingSetupError)
+                    if self.prefix_sharing.cross_micro_batch and has_recurrent_layers(hf_module):
+                        raise refuse("verl.cross_micro_batch.recurrent",
+                                     "prefix_grouper.cross_micro_batch=true",
+                                     error=PrefixSharingSetupError)
                 return hf_module
 
             def _stock_outputs(self, micro_batch, logits_processor_func):
@@ -227,6 +234,19 @@ def patch_engine(module: ModuleType) -> None:
             def prepare_model_inputs(self, micro_batch):
                 if not self.prefix_sharing.enabled:
                     return super().prepare_model_inputs(micro_batch)
+                part = (self.cross_part(micro_batch) if self.prefix_sharing.cross_micro_batch
+                        else None)
+                if part is not None:  # a cross group's micro-batch (.fsdp_cross)
+                    self.refuse_unsupported_switches(micro_batch)
+                    model_inputs, output_args = self.cross_inputs(
+                        micro_batch, part, micro_batch["input_ids"].device)
+                    if self._hidden_head:  # its tails' log-probs from the hidden states
+                        readout = output_args["readout"]
+                        model_inputs[HEAD_KWARG] = HeadRequest(
+                            part.group.schedule.suffixes[part.index].tail_plan.to(
+                                micro_batch["input_ids"].device),
+                            readout.temperature, with_entropy=readout.with_entropy)
+                    return model_inputs, output_args
                 unsupported = []
                 vlm = is_vlm(self.module)
                 if not vlm and module.extract_multi_modal_inputs(
@@ -273,6 +293,9 @@ def patch_engine(module: ModuleType) -> None:
                 if not self.prefix_sharing.enabled:
                     return super().prepare_model_outputs(output, output_args, micro_batch,
                                                           logits_processor_func)
+                if "cross" in output_args:  # its tails' outputs after its blocks'
+                    return self.cross_outputs(output, output_args, None if self.value_head else
+                                              cross_tail_stats(output, output_args))
                 if self.value_head:  # a value per token: the flat row that computed it
                     # as verl reads them: trl's value head, or a num_labels=1 token classifier
                     flat = (output[2][0] if hasattr(self.module, "v_head")
@@ -305,6 +328,18 @@ def patch_engine(module: ModuleType) -> None:
         PrefixSharingFSDPEngine.value_head = value_head
         return PrefixSharingFSDPEngine
 
+
+    def cross_tail_stats(output, output_args) -> tuple:
+        """A cross micro-batch's log-probs and entropy at its tails (its tail plan's packed
+        order): the head's, or from its logits."""
+        if isinstance(output, HeadOutput):
+            stats = output.stats
+        else:
+            part, readout = output_args["cross"], output_args["readout"]
+            plan = part.group.schedule.suffixes[part.index].tail_plan.to(output.logits.device)
+            stats = token_log_probs(output.logits[0], plan, temperature=readout.temperature,
+                                    with_entropy=readout.with_entropy)
+        return stats.log_probs, stats.entropy
 
     def read_from(micro_batch) -> list[int] | None:
         """Per sample, the first position verl reads: its prompt's last one (``[len - response

@@ -180,7 +180,6 @@ def patch_engine(module: ModuleType) -> None:
             """verl's ``MegatronEngineWithLMHead``, computing each micro-batch's shared prefixes
             once."""
 
-            supports_cross_micro_batch = True
             # use_fused_kernels: the head in chunks from hidden states (shared_fused_forward)
             serves_fused_kernels = True
             serves_mtp = True  # model.mtp.enable_train: each depth planned (.mcore_mtp)

@@ -54,25 +54,3 @@ def test_a_refused_engine_setting_is_bad_input():
     """One line in the command, and still a ValueError for callers that catch it."""
     assert issubclass(PrefixSharingSetupError, UnsupportedSetup)
     assert issubclass(PrefixSharingSetupError, ValueError)
-
-
-def test_an_engine_without_a_cross_micro_batch_forward_refuses_the_option():
-    """The FSDP engine keeps its split; asking it for cross_micro_batch fails at construction."""
-    from types import SimpleNamespace
-
-    from prefix_sharing import PrefixSharingConfig
-
-    class StockEngine:
-        def __init__(self, model_config, engine_config):
-            pass
-
-    class Engine(SharingEngineMixin, StockEngine):
-        pass
-
-    config = SimpleNamespace(prefix_sharing=PrefixSharingConfig(cross_micro_batch=True))
-    with pytest.raises(PrefixSharingSetupError,
-                       match=r"cross_micro_batch=true on Engine\): only verl's Megatron engines"):
-
-        Engine(None, config)
-    Engine.supports_cross_micro_batch = True
-    Engine(None, config)
