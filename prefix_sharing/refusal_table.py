@@ -389,7 +389,7 @@ TABLE: tuple[Refusal, ...] = (
     Refusal("verl.cross_micro_batch.recurrent", "a recurrent model's groups across micro-batches",
             "a Gated DeltaNet or Mamba-2 layer carries its state along the tokens, and a shared "
             "block hands its readers only its keys and values; set cross_micro_batch: false "
-            "(the group is split, each piece computing its prefix)", ("verl-fsdp",)),
+            "(the group is split, each piece computing its prefix)", _VERL),
     Refusal("verl.cpu_shim_release", "a verl release the CPU test shim does not know",
             "prefix_sharing.testing.verl_cpu patches the releases that have patch sets "
             "(prefix_sharing.releases.VERL_RELEASES) only", _VERL),

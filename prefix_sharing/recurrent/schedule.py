@@ -141,9 +141,16 @@ def build_schedule(plan: SharingPlan) -> RecurrenceSchedule:
     """Cuts ``plan``'s computed rows at every branch point and buckets the pieces by depth.
 
     Raises:
-        ValueError: the plan's key paths are inconsistent (a reuser's prefix is not the path
+        ValueError: the plan has external rows (its recurrence would start from a state no
+            block kept), or its key paths are inconsistent (a reuser's prefix is not the path
             of the row it branches from), which no plan from the planner has.
     """
+    if plan.external_rows:
+        raise ValueError(
+            f"a plan with {plan.external_rows} external K/V rows (a micro-batch of a group "
+            "across micro-batches) has no recurrence: a recurrent layer's state at a shared "
+            "block's end is not among what the block hands its readers; run the group in one "
+            "micro-batch (cross_micro_batch off)")
     device = plan.kv_index.device
     cu_q = np.asarray(plan.cu_seqlens_q_host, dtype=np.int64)
     cu_kv = np.asarray(plan.cu_seqlens_kv_host, dtype=np.int64)

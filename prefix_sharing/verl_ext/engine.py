@@ -24,6 +24,7 @@ from .microbatch import (add_split_metrics, dynamic_split_problem, fixed_order,
                          restore_sample_order, select_samples, sharing_split)
 from .routing_replay import replay_mode
 from .self_check import FirstStepSelfCheck, self_check_problems
+from .ulysses import recurrent_layer_types
 
 __all__ = ["SharingEngineMixin", "install_engine", "install_engines", "register_engine",
            "registered_engine",
@@ -74,8 +75,9 @@ class SharingEngineMixin:
         ``HFModelConfig`` and the engine config the actor config built), without building
         anything: what ``__init__`` raises, and what ``prefix-sharing preflight`` reports.
 
-        With sharing on, :func:`.mcore.check_engine_setup` and, with ``self_check``,
-        :func:`.self_check.self_check_problems`.
+        With sharing on, :func:`.mcore.check_engine_setup`; with ``self_check``,
+        :func:`.self_check.self_check_problems`; with ``cross_micro_batch``, a model with
+        recurrent layers (their state is not among what a shared block hands its readers).
         """
         sharing = sharing_config(engine_config)
         found = []
@@ -84,6 +86,11 @@ class SharingEngineMixin:
                                vision_families=cls.vision_families,
                                serves_fused_kernels=cls.serves_fused_kernels,
                                serves_mtp=cls.serves_mtp)
+        recurrent = recurrent_layer_types(getattr(model_config, "hf_config", None))
+        if sharing.enabled and sharing.cross_micro_batch and recurrent:
+            found.append(Refused("verl.cross_micro_batch.recurrent",
+                                 f"prefix_grouper.cross_micro_batch=true with the model's "
+                                 f"{', '.join(sorted(recurrent))} layers"))
         if sharing.enabled and sharing.self_check:
             found += self_check_problems(engine_config)
         return found

@@ -217,10 +217,6 @@ def patch_engine(module: ModuleType) -> None:
                     if self.prefix_sharing.self_check and has_recurrent_layers(hf_module):
                         raise refuse("verl.self_check.recurrent", "prefix_grouper.self_check=true",
                                      error=PrefixSharingSetupError)
-                    if self.prefix_sharing.cross_micro_batch and has_recurrent_layers(hf_module):
-                        raise refuse("verl.cross_micro_batch.recurrent",
-                                     "prefix_grouper.cross_micro_batch=true",
-                                     error=PrefixSharingSetupError)
                 return hf_module
 
             def _stock_outputs(self, micro_batch, logits_processor_func):

@@ -85,3 +85,15 @@ def test_the_schedule_is_built_once_per_plan():
     assert recurrence_schedule(plan) is recurrence_schedule(plan)
     assert recurrence_schedule(plan).conv_predecessors(4) is recurrence_schedule(
         plan).conv_predecessors(4)
+
+
+def test_a_micro_batch_reading_stored_blocks_has_no_recurrence():
+    """A suffix micro-batch of a group across micro-batches starts from its blocks' K/V only:
+    a recurrent layer would need their state, so its schedule is refused by name."""
+    from prefix_sharing.cross_micro_batch import plan_group
+
+    sequences = [[5, 6, 7, 8, 9], [5, 6, 7, 8, 4], [5, 6, 7, 2]]
+    suffix = plan_group(sequences, 2, EVERY_PREFIX).suffixes[0]
+    assert suffix.plan.external_rows > 0
+    with pytest.raises(ValueError, match="external K/V rows .* no recurrence"):
+        build_schedule(suffix.plan)

@@ -54,3 +54,28 @@ def test_a_refused_engine_setting_is_bad_input():
     """One line in the command, and still a ValueError for callers that catch it."""
     assert issubclass(PrefixSharingSetupError, UnsupportedSetup)
     assert issubclass(PrefixSharingSetupError, ValueError)
+
+
+def test_groups_across_micro_batches_refuse_a_model_with_recurrent_layers():
+    """A shared block hands its readers its K/V, not a recurrent layer's state: both engines
+    refuse the option for such a model at construction (what preflight reports)."""
+    from types import SimpleNamespace
+
+    from prefix_sharing import PrefixSharingConfig
+
+    class StockEngine:
+        def __init__(self, model_config, engine_config):
+            pass
+
+    class Engine(SharingEngineMixin, StockEngine):
+        pass
+
+    hybrid = SimpleNamespace(hf_config=SimpleNamespace(
+        layer_types=["linear_attention", "full_attention"]))
+    dense = SimpleNamespace(hf_config=SimpleNamespace(layer_types=["full_attention"]))
+    cross = SimpleNamespace(prefix_sharing=PrefixSharingConfig(cross_micro_batch=True))
+    with pytest.raises(PrefixSharingSetupError,
+                       match=r"linear_attention layers.*\[verl.cross_micro_batch.recurrent\]"):
+        Engine(hybrid, cross)
+    Engine(dense, cross)
+    Engine(hybrid, SimpleNamespace(prefix_sharing=PrefixSharingConfig()))
