@@ -104,11 +104,13 @@ def critic_batch(workload: str, seed: int, budget: int | None = None):
 
 
 def run_fsdp(rank: int, path: str, modes: dict[str, dict | None], *,
-             strategy: str = "fsdp2", control: bool = False) -> dict:
+             strategy: str = "fsdp2", control: bool = False,
+             workloads: tuple[str, ...] = WORKLOADS, budget: int | None = None) -> dict:
     """Per workload and mode (name -> ``prefix_grouper`` block, ``None`` for sharing off), on a
     fresh critic engine from the same checkpoint: ``infer_batch`` values, the step's value loss
     and every gradient. ``control``: the sharing runs read each value one flat row too early
-    (an injected bug the comparison must catch)."""
+    (an injected bug the comparison must catch). ``budget``: the batch split under that many
+    tokens (verl's dynamic batch size)."""
     from verl.workers.utils.losses import value_loss
 
     from prefix_sharing.fsdp_compat.fsdp import full_gradients
@@ -118,7 +120,7 @@ def run_fsdp(rank: int, path: str, modes: dict[str, dict | None], *,
     use_cpu_platform()
     results = {}
     with values_shifted(sharing_fsdp, control):
-        for workload in WORKLOADS:
+        for workload in workloads:
             for name, prefix_grouper in modes.items():
                 config = critic_config(prefix_grouper, strategy)
                 model = model_config(path, use_remove_padding=True, model_type="value_model")
@@ -127,9 +129,9 @@ def run_fsdp(rank: int, path: str, modes: dict[str, dict | None], *,
                 with cpu_fsdp1(), cpu_value_head():
                     engine.initialize()
                 with engine.eval_mode():
-                    infer = engine.infer_batch(critic_batch(workload, rank))
+                    infer = engine.infer_batch(critic_batch(workload, rank, budget))
                 with engine.train_mode():
-                    train = engine.forward_backward_batch(critic_batch(workload, rank),
+                    train = engine.forward_backward_batch(critic_batch(workload, rank, budget),
                                                           partial(value_loss, config=config))
                     grads = full_gradients(engine.module)
                 results[workload, name] = {"infer": plain_output(infer),

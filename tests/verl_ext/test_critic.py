@@ -9,9 +9,10 @@ step's micro-batches and every gradient (``forward_backward_batch``), on GRPO an
 TP=2 with sequence parallelism, two gloo ranks (the value head scores each rank's slice of the
 rows and gathers them, as verl's ``make_value_model`` head does). The control reads each value
 one flat row too early and must fail the same comparison (FSDP2, Megatron TP=1 and TP=2).
-Across micro-batches (verl 0.9.1's ``value_loss``; 0.8.0 keeps verl's split): the Megatron
-critic at PP=1 and at PP=2 (each stage's gradients, the last stage's values and loss), a
-control that drops what the earlier micro-batches accumulated failing on the gradients.
+Across micro-batches (verl 0.9.1's ``value_loss``; 0.8.0 keeps verl's split): the FSDP2 critic
+and the Megatron critic at PP=1 and at PP=2 (each stage's gradients, the last stage's values
+and loss), a control whose block backward steps drop their readers' gradients failing on the
+gradients.
 """
 
 import importlib.util
@@ -141,9 +142,9 @@ def megatron_cross_rank(rank: int) -> dict:
 
 
 def test_the_megatron_critic_across_micro_batches_gives_verls_values_loss_and_gradients():
-    """Each group's prefix once across its micro-batches (its values kept as leaves, read
-    through by the last micro-batch, as the actor's log-probs are): each sample's values, the
-    step's value loss (summed over its micro-batches: the two runs split the batch
+    """Each group's prefix once across its micro-batches (its values kept as leaves, which its
+    backward step takes the readers' gradients from, as the actor's log-probs): each sample's
+    values, the step's value loss (summed over its micro-batches: the two runs split the batch
     differently) and every gradient equal verl's stock critic; the control fails on the
     gradients. verl 0.8.0's ``value_loss`` averages over each micro-batch, so there the engine
     keeps verl's split (no group crosses micro-batches) and the values, loss and gradients
@@ -167,6 +168,45 @@ def test_the_megatron_critic_across_micro_batches_gives_verls_values_loss_and_gr
     assert any(f.startswith("grad") for f in control), control
 
 
+def fsdp_cross_rank(rank: int, path: str) -> dict:
+    """The FSDP2 critic on the agent batch under an 80-token budget (one level) and a 70-token
+    one (its second group nested): sharing off, across micro-batches, and the control."""
+    from tests.megatron_ext._controls import blocks_take_no_gradients
+    from tests.verl_ext._critic import run_fsdp
+    from tests.verl_ext.test_cross_forward import CROSS
+
+    found = {budget: run_fsdp(rank, path, {"off": None, "cross": CROSS}, workloads=("agent",),
+                              budget=budget) for budget in (80, 70)}
+    with blocks_take_no_gradients():
+        found["control"] = run_fsdp(rank, path, {"cross": CROSS}, workloads=("agent",),
+                                    budget=70)
+    return found
+
+
+def test_the_fsdp_critic_across_micro_batches_gives_verls_values_loss_and_gradients(
+        tmp_path_factory):
+    """verl's FSDP loop with each group's blocks around its micro-batches (every block's
+    values kept as leaves and computed again in its backward step): each sample's values, the
+    step's value loss (summed over its micro-batches) and every gradient equal verl's stock
+    critic at both budgets; the control fails on the gradients. (verl 0.8.0 keeps verl's
+    split, as for the Megatron critic.)"""
+    import inspect
+
+    from verl.trainer.ppo.core_algos import compute_value_loss
+
+    path = save_value_model(str(tmp_path_factory.mktemp("qwen2_critic_cross")))
+    found = run_gloo(fsdp_cross_rank, 1, path, timeout=500)[0]
+    crossed = "batch_num_tokens" in inspect.signature(compute_value_loss).parameters
+    for budget in (80, 70):
+        shared, plain = found[budget]["agent", "cross"], found[budget]["agent", "off"]
+        assert compare(shared, plain) == [], budget
+        recomputed = shared["train"]["metrics"].get("prefix_sharing/cross_recomputed_tokens")
+        assert (recomputed is not None and recomputed[0] > 0) == crossed, budget
+    if crossed:
+        control = compare(found["control"]["agent", "cross"], found[70]["agent", "off"])
+        assert any(f.startswith("grad") for f in control), control
+
+
 def megatron_cross_stage(rank: int) -> dict:
     """:func:`megatron_cross_rank` at PP=2: this rank's stage and its runs."""
     from megatron.core import parallel_state
@@ -176,11 +216,11 @@ def megatron_cross_stage(rank: int) -> dict:
 
 
 def test_the_megatron_critic_across_micro_batches_under_pipeline_parallelism():
-    """PP=2 (two gloo ranks): every stage carries the prefix rows in each group's first and
-    last micro-batch, the last stage reads every sample's prefix values out of them (kept as
-    leaves, read through by the last micro-batch); each stage's gradients, and on the last
-    stage each sample's values and the step's value loss, equal verl's stock critic there; the
-    control (the last micro-batch reads the leaves) fails on the gradients of every stage."""
+    """PP=2 (two gloo ranks): each group's blocks run as micro-batches of megatron's 1F1B, the
+    last stage reads every sample's prefix values out of them (kept as leaves); each stage's
+    gradients, and on the last stage each sample's values and the step's value loss, equal
+    verl's stock critic there; the control (blocks take in no gradients) fails on the
+    gradients of every stage."""
     import inspect
 
     from verl.trainer.ppo.core_algos import compute_value_loss
