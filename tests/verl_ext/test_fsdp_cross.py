@@ -28,22 +28,9 @@ if importlib.util.find_spec("verl") is None:
 from tests.fsdp_compat._launch import run_gloo  # noqa: E402
 from tests.verl_ext._compare import same_outputs  # noqa: E402
 from tests.verl_ext._fsdp_engine import actor_config, build_engine, save_model  # noqa: E402
+from tests.verl_ext.test_cross_forward import BUDGETS, CROSS, batch  # noqa: E402
 
-CROSS = {"mode": "arbitrary_prefix", "min_prefix_len": 1, "cross_micro_batch": True}
-AGENT = dict(num_tasks=2, num_turns=2, branching=3)
-BUDGETS = (80, 70)
 STRATEGIES = ("fsdp2", "fsdp")
-
-
-def batch(budget: int):
-    from verl.utils import tensordict_utils as tu
-
-    from tests.verl_ext._batch import make_batch
-
-    data = make_batch("agent", **AGENT)
-    tu.assign_non_tensor(data, use_remove_padding=True, use_dynamic_bsz=True,
-                         max_token_len_per_gpu=budget)
-    return data
 
 
 def steps(rank: int, path: str, strategy: str) -> dict:
