@@ -380,12 +380,6 @@ TABLE: tuple[Refusal, ...] = (
     Refusal("verl.routing_replay.r3_without_routes", "R3 routing replay without the rollout's "
             "routes", "the micro-batch has no routed_experts; record them in the rollout",
             ("verl-megatron",)),
-    Refusal("verl.cross_micro_batch.ulysses",
-            "groups across micro-batches under Ulysses sequence parallelism",
-            "a group's micro-batches read its stored prefix K/V on every attention head, which "
-            "Ulysses' all-to-all splits over the ranks; the FSDP engine runs groups across "
-            "micro-batches at ulysses_sequence_parallel_size=1 (set cross_micro_batch: false "
-            "to split such a group instead)", ("verl-fsdp",)),
     Refusal("verl.cross_micro_batch.recurrent", "a recurrent model's groups across micro-batches",
             "a Gated DeltaNet or Mamba-2 layer carries its state along the tokens, and a shared "
             "block hands its readers only its keys and values; set cross_micro_batch: false "

@@ -210,9 +210,9 @@ MATRIX: dict[str, dict[str, Cell]] = {
                                     "MoE and routing replay at PP=2, MoE at CP=2; "
                                     "nested: x TP=2, x CP=2, x PP=2, MoE, replay, recompute"),
         "verl-fsdp": works(_VX + "test_fsdp_cross.py",
-                           note="FSDP2 and FSDP1; one level and nested; gradient checkpointing",
-                           refusals=("verl.cross_micro_batch.ulysses",
-                                     "verl.cross_micro_batch.recurrent")),
+                           note="FSDP2 and FSDP1; Ulysses 2; one level and nested; gradient "
+                                "checkpointing",
+                           refusals=("verl.cross_micro_batch.recurrent",)),
         "hf-fsdp": NOT_OFFERED,
         "megatron-lm": Cell("not offered", note="not wired"),
     },

@@ -96,14 +96,16 @@ def prefix_sharing_attention(
 
     # [1, h, T, d] -> [T, h, d]: the varlen kernels' token-major layout
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
+    prefix_kv = kwargs.get(PREFIX_KV_KWARG)  # a group's blocks across micro-batches
+    key_sources = None if prefix_kv is None else partial(prefix_kv.key_sources, module.layer_idx)
     split = kwargs.get(ULYSSES_KWARG)  # a Ulysses rank's rows: the all-to-all goes around it
-    attend = prefix_attention if split is None else partial(ulysses_attention, split=split)
-    prefix_kv = kwargs.get(PREFIX_KV_KWARG)
-    if prefix_kv is not None:  # a group's blocks across micro-batches: their K/V in place
-        if split is not None:
-            raise ValueError("a group across micro-batches does not run under Ulysses")
-        stored, k, v = prefix_kv.key_sources(module.layer_idx, k, v)
+    if split is not None:
+        attend = partial(ulysses_attention, split=split, key_sources=key_sources)
+    elif key_sources is not None:  # the blocks' K/V read in place; a block records its own
+        stored, k, v = key_sources(k, v)
         attend = partial(prefix_attention, stored=stored)
+    else:
+        attend = prefix_attention
     out = attend(q, k, v, plan, softmax_scale=scaling, window=_window(module, kwargs),
                  sinks=kwargs.get("s_aux"), backend=kwargs.get(BACKEND_KWARG) or "auto",
                  kernel_cache=_kernel_cache(module))

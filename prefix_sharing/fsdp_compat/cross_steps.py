@@ -32,7 +32,11 @@ import torch
 from ..cross_blocks import GroupBlocks, Statistics
 from ..group_schedule import GroupSchedule, SharedBlock
 from ..logprobs import token_log_probs
+from ..plan import SharingPlan
+from ..prefix_kv import PrefixKVStack
+from ..row_split import RowSplit
 from .forward import model_kwargs
+from .ulysses import UlyssesSplit, ulysses_model_kwargs, ulysses_split, ulysses_token_stats
 
 __all__ = ["HFGroupSteps", "block_log_probs", "block_values"]
 
@@ -50,13 +54,19 @@ class HFGroupSteps(GroupBlocks):
         training: whether backward steps follow (else the blocks run once, without grad).
         backend: the attention kernel (``PrefixSharingConfig.backend``).
         device: where the plans and the blocks' stores live.
+        ulysses: a Ulysses group: each model call runs this rank's rows of its plan (the
+            schedule's plans padded to a multiple of the group's size), the attention the whole
+            rows of this rank's heads, where the blocks' K/V are recorded and read
+            (:mod:`.ulysses`); ``call`` then returns this rank's output rows.
     """
 
     def __init__(self, schedule: GroupSchedule, call: Callable[[dict], torch.Tensor],
                  read_out: Callable[[SharedBlock, torch.Tensor], Statistics], *,
-                 keep_graph: bool, training: bool, backend: str, device: torch.device) -> None:
+                 keep_graph: bool, training: bool, backend: str, device: torch.device,
+                 ulysses: torch.distributed.ProcessGroup | None = None) -> None:
         super().__init__(schedule, keep_graph=keep_graph, training=training, device=device)
         self.call, self.read_out, self.backend = call, read_out, backend
+        self.ulysses = ulysses
         self._next = 0  # the next step to run
 
     def suffix_kwargs(self, index: int) -> dict[str, Any]:
@@ -68,9 +78,15 @@ class HFGroupSteps(GroupBlocks):
                                "again: the group's micro-batches run once each, in order")
         self._run_steps(until)
         self._next = until + 1
-        suffix = self.schedule.suffixes[index]
-        return model_kwargs(suffix.plan.to(self.device), self.backend,
-                            prefix_kv=self.suffix_stack(0, index))
+        return self._inputs(self.schedule.suffixes[index].plan, self.suffix_stack(0, index))
+
+    def _inputs(self, plan: SharingPlan, stack: PrefixKVStack) -> dict[str, Any]:
+        """A micro-batch's model keywords (this rank's rows under Ulysses)."""
+        plan = plan.to(self.device)
+        inputs = model_kwargs(plan, self.backend, prefix_kv=stack)
+        if self.ulysses is not None:
+            inputs.update(ulysses_model_kwargs(plan, ulysses_split(plan, self.ulysses)))
+        return inputs
 
     def finish(self) -> None:
         """The steps after the group's last suffix micro-batch (its blocks' backward steps),
@@ -91,8 +107,7 @@ class HFGroupSteps(GroupBlocks):
             self.kept_term(0, b).backward()
             return
         block = self.schedule.blocks[b]
-        stack = self.block_stack(0, b, kind)
-        inputs = model_kwargs(block.plan.to(self.device), self.backend, prefix_kv=stack)
+        inputs = self._inputs(block.plan, self.block_stack(0, b, kind))
         if kind == "forward":
             with torch.set_grad_enabled(self.keep_graph):
                 self.recorded(0, b, self.read_out(block, self.call(inputs)))
@@ -103,13 +118,21 @@ class HFGroupSteps(GroupBlocks):
 
 
 def block_log_probs(block: SharedBlock, logits: torch.Tensor, *, temperature: float,
-                    with_entropy: bool) -> Statistics:
+                    with_entropy: bool,
+                    ulysses: torch.distributed.ProcessGroup | None = None) -> Statistics:
     """``(members, length)`` log-probs (and entropy, or None) of ``block``'s members at its
     positions from its pass's ``[rows, vocab]`` logits: the log-prob at ``t`` scores token
     ``t + 1``, so the block's last position scores each member's own next token (its
-    ``stats_plan``)."""
-    stats = token_log_probs(block.scored_rows(logits), block.stats_plan.to(logits.device),
-                            temperature=temperature, with_entropy=with_entropy)
+    ``stats_plan``). Under a ``ulysses`` group ``logits`` are this rank's rows of the block's
+    plan: the rank scores the positions its rows compute and every rank gets them all
+    (:func:`~.ulysses.ulysses_token_stats`)."""
+    plan = block.stats_plan.to(logits.device)
+    if ulysses is None:
+        stats = token_log_probs(block.scored_rows(logits), plan, temperature=temperature,
+                                with_entropy=with_entropy)
+    else:
+        stats = ulysses_token_stats(logits, plan, _block_rows(block, plan, ulysses),
+                                    temperature=temperature, with_entropy=with_entropy)
     keep = block.scored_positions().to(logits.device)
     shape = (len(block.members), block.length)
     return (stats.log_probs.index_select(0, keep).view(shape),
@@ -120,3 +143,16 @@ def block_values(block: SharedBlock, values: torch.Tensor) -> Statistics:
     """``(members, length)`` values of ``block``'s members at its positions from its pass's
     ``[rows]`` values: the row that computed a token gives every member its value."""
     return values[: block.length].expand(len(block.members), block.length), None
+
+
+def _block_rows(block: SharedBlock, stats_plan: SharingPlan,
+                group: torch.distributed.ProcessGroup) -> UlyssesSplit:
+    """This rank's rows of the block's plan, and the positions of its stats plan they
+    compute: the stats plan's flat rows are the block's (then its placeholders, which no rank
+    scores)."""
+    own = ulysses_split(block.plan, group).rows
+    rows = stats_plan.kv_index
+    stop = min(own.row_stop, block.length)
+    positions = ((rows >= own.row_start) & (rows < stop)).nonzero()[:, 0]
+    return UlyssesSplit(group, RowSplit(own.size, own.rank, own.row_start, own.row_stop,
+                                        positions))

@@ -29,6 +29,7 @@ replays the layer with the same keywords.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -88,6 +89,7 @@ def ulysses_attention(
     split: UlyssesSplit,
     *,
     sinks: torch.Tensor | None = None,
+    key_sources: Callable | None = None,
     **attention_kwargs: Any,
 ) -> torch.Tensor:
     """:func:`~prefix_sharing.attention.prefix_attention` of this rank's rows (module doc).
@@ -98,6 +100,10 @@ def ulysses_attention(
         plan: the whole micro-batch's plan.
         split: the plan's split over the Ulysses group.
         sinks: ``(nheads,)`` per-head sink logits, or ``None``.
+        key_sources: in a micro-batch of a group across micro-batches, ``(k, v) -> (stored,
+            k, v)`` (its store's :meth:`~prefix_sharing.prefix_kv.PrefixKVStack.key_sources`
+            for the layer), called on the whole rows of this rank's heads: a block records
+            them, a reader reads its blocks' (recorded the same way) in place.
         attention_kwargs: ``prefix_attention``'s other keywords.
 
     Returns:
@@ -113,7 +119,10 @@ def ulysses_attention(
     if sinks is not None:  # this rank's heads
         per_rank = heads // n
         sinks = sinks[split.rows.rank * per_rank:(split.rows.rank + 1) * per_rank]
-    out = prefix_attention(q, k, v, plan, sinks=sinks, **attention_kwargs)
+    stored = ()
+    if key_sources is not None:
+        stored, k, v = key_sources(k, v)
+    out = prefix_attention(q, k, v, plan, sinks=sinks, stored=stored, **attention_kwargs)
     return _AllToAll.apply(out, split.group, False)  # (T_flat / n, h, d)
 
 

@@ -105,8 +105,8 @@ class SharingEngineMixin:
         # docs/cross-micro-batch.md); fixed micro-batches keep them whole by the order of the
         # samples
         cross = self.prefix_sharing.cross_micro_batch
-        with sharing_split(self.prefix_sharing,
-                           replay_mode(getattr(self, "engine_config", None))) as split:
+        with sharing_split(self.prefix_sharing, replay_mode(getattr(self, "engine_config", None)),
+                           self.cross_row_multiple()) as split:
             dynamic_split_problem(data, split, loss_function, forward_only,
                                   None if cross else self.order_sensitive_statistics())
             order = fixed_order(data, split, loss_function, forward_only,
@@ -121,6 +121,11 @@ class SharingEngineMixin:
             output["metrics"].update(self._self_check.pop_metrics())
             add_split_metrics(output, split)
         return output
+
+    def cross_row_multiple(self) -> int | None:
+        """What a cross group's plans are padded to, or None for megatron's parallel sizes
+        (:func:`.microbatch.sharing_split`); the FSDP engine answers its Ulysses size."""
+        return None
 
     def order_sensitive_statistics(self) -> str | None:
         """Why this engine's model makes a training step depend on which samples share a

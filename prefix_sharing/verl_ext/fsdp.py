@@ -189,12 +189,15 @@ def patch_engine(module: ModuleType) -> None:
                 if sharing_config(engine_config).enabled:
                     if cls.value_head:
                         found += value_head_problems(engine_config)
-                    ulysses = getattr(engine_config, "ulysses_sequence_parallel_size", 1) or 1
-                    found += ulysses_problems(getattr(model_config, "hf_config", None), ulysses)
-                    if sharing_config(engine_config).cross_micro_batch and ulysses > 1:
-                        found.append(Refused("verl.cross_micro_batch.ulysses",
-                                             f"ulysses_sequence_parallel_size={ulysses}"))
+                    found += ulysses_problems(
+                        getattr(model_config, "hf_config", None),
+                        getattr(engine_config, "ulysses_sequence_parallel_size", 1))
                 return found
+
+            def cross_row_multiple(self) -> int:
+                """A cross group's plans are padded to the Ulysses group's size, as every
+                plan of this engine is (:func:`.ulysses.plan_padding`)."""
+                return plan_padding(self)
 
             def _build_module(self):
                 hf_module = super()._build_module()
@@ -236,7 +239,7 @@ def patch_engine(module: ModuleType) -> None:
                     self.refuse_unsupported_switches(micro_batch)
                     model_inputs, output_args = self.cross_inputs(
                         micro_batch, part, micro_batch["input_ids"].device)
-                    if self._hidden_head:  # its tails' log-probs from the hidden states
+                    if self._hidden_head and "ulysses" not in output_args:  # from the hidden states
                         readout = output_args["readout"]
                         model_inputs[HEAD_KWARG] = HeadRequest(
                             part.group.schedule.suffixes[part.index].tail_plan.to(
@@ -330,11 +333,14 @@ def patch_engine(module: ModuleType) -> None:
         order): the head's, or from its logits."""
         if isinstance(output, HeadOutput):
             stats = output.stats
-        else:
+        else:  # [T_flat (/ Ulysses), vocab] logits
             part, readout = output_args["cross"], output_args["readout"]
             plan = part.group.schedule.suffixes[part.index].tail_plan.to(output.logits.device)
-            stats = token_log_probs(output.logits[0], plan, temperature=readout.temperature,
-                                    with_entropy=readout.with_entropy)
+            split = output_args.get("ulysses")
+            score = token_log_probs if split is None else partial(ulysses_token_stats,
+                                                                   split=split)
+            stats = score(output.logits[0], plan, temperature=readout.temperature,
+                          with_entropy=readout.with_entropy)
         return stats.log_probs, stats.entropy
 
     def read_from(micro_batch) -> list[int] | None:

@@ -10,6 +10,10 @@ tails it computes; its block steps run through
 - before a cross micro-batch's model call (``prepare_model_inputs``), the steps before it
   (its blocks' forwards; the backwards of blocks whose last reader was the micro-batch before,
   whose backward verl has run by then); its model keywords read its blocks' K/V in place;
+- under Ulysses every model call runs this rank's rows of its plan (padded to the group's
+  size), the attention the whole rows of this rank's heads, where the blocks' K/V are recorded
+  and read; a block's and a micro-batch's tails' log-probs are scored by the rank holding
+  their rows and gathered (:mod:`prefix_sharing.fsdp_compat.ulysses`);
 - its outputs (``prepare_model_outputs``) are verl's per sample: at its blocks' positions the
   blocks' per-token outputs, as leaves, so verl's backward of its loss accumulates their
   gradients; at its tails' its own (:class:`.cross_state.Readout`);
@@ -36,12 +40,14 @@ from typing import Any
 import torch
 
 from ..fsdp_compat.cross_steps import HFGroupSteps, block_log_probs, block_values
+from ..fsdp_compat.ulysses import ulysses_split
 from ..fsdp_compat.vlm import is_vlm
 from ..refusals import refuse
 from .cross_groups import CrossGroup, CrossPart
 from .cross_state import Readout, check_temperature
 from .mcore import PrefixSharingSetupError, micro_batch_temperature
 from .microbatch import active_split
+from .ulysses import sequence_parallel_group
 
 __all__ = ["CrossLoop"]
 
@@ -96,14 +102,15 @@ class CrossLoop:
             micro_batch["temperature"])
         readout = Readout(self.value_head, temperature, bool(tu.get_non_tensor_data(
             micro_batch, key="calculate_entropy", default=False)))
+        ulysses = sequence_parallel_group(self)
         if part.first:
             block = (block_values if self.value_head else
                      partial(block_log_probs, temperature=temperature,
-                             with_entropy=readout.with_entropy))
+                             with_entropy=readout.with_entropy, ulysses=ulysses))
             part.group.state = HFGroupSteps(
                 part.group.schedule, lambda inputs: self.model_rows(self.model_call(inputs)), block,
                 keep_graph=False, training=torch.is_grad_enabled(),  # (module doc)
-                backend=self.prefix_sharing.backend, device=device)
+                backend=self.prefix_sharing.backend, device=device, ulysses=ulysses)
             self._open = _Open(part.group, temperature)
         check_temperature(self._open, temperature)
         steps = part.group.state
@@ -111,7 +118,11 @@ class CrossLoop:
         del model_inputs["use_cache"]  # verl's forward_step passes use_cache=False itself
         self._sharing_metrics.add_tokens(part.tokens_total, part.tokens_computed + (
             steps.recomputed_tokens if part.last else 0))
-        return model_inputs, {"cross": part, "readout": readout}
+        output_args = {"cross": part, "readout": readout}
+        if ulysses is not None:  # the tails' positions this rank's rows score
+            output_args["ulysses"] = ulysses_split(suffix.tail_plan.to(device), ulysses)
+        return model_inputs, output_args
+
 
     def cross_outputs(self, output: Any, output_args: dict, tails: tuple) -> Any:
         """verl's outputs of a cross micro-batch: its blocks' per-token outputs (leaves) then

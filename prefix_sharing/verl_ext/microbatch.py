@@ -83,6 +83,8 @@ class SplitRecord:
     split: MicroBatchSplit | None = None
     parts: list[CrossPart] = dataclasses.field(default_factory=list)
     replay_mode: str = "disabled"  # verl's router_replay.mode: cross groups plan with routes
+    # what a cross group's plans are padded to (the engine's; None: megatron's, _row_multiple)
+    row_multiple: int | None = None
     # why verl's own dynamic-bsz split runs (the step's loss depends on its micro-batches:
     # :func:`dynamic_split_problem`), None to keep the groups together
     verl_split_reason: str | None = None
@@ -116,16 +118,18 @@ _ACTIVE: contextvars.ContextVar[SplitRecord | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def sharing_split(config: PrefixSharingConfig,
-                  replay_mode: str = "disabled") -> Iterator[SplitRecord]:
+def sharing_split(config: PrefixSharingConfig, replay_mode: str = "disabled",
+                  row_multiple: int | None = None) -> Iterator[SplitRecord]:
     """Within this block, verl's dynamic-bsz split keeps ``config``'s sharing groups together.
 
     An engine wraps its ``forward_backward_batch`` in it; the yielded record holds the split
     afterwards (for :func:`add_split_metrics`). With ``mode="off"`` verl's split runs as is.
     ``replay_mode``: verl's ``router_replay.mode`` (groups across micro-batches are cut on
-    tokens and routes: :func:`.routing_replay.split_routes`).
+    tokens and routes: :func:`.routing_replay.split_routes`). ``row_multiple``: what a cross
+    group's plans are padded to (the FSDP engine's Ulysses size; by default megatron's
+    tensor- times context-parallel size).
     """
-    record = SplitRecord(config, replay_mode=replay_mode)
+    record = SplitRecord(config, replay_mode=replay_mode, row_multiple=row_multiple)
     token = _ACTIVE.set(record if config.enabled else None)
     try:
         yield record
@@ -180,7 +184,7 @@ def rearrange_micro_batches(
     sequences, uids, prompt_lens = _samples(batch, record.config, tu)
     routes, may_cross = split_routes(batch, record.replay_mode)
     cross, rest = plan_cross_groups(sequences, max_token_len, record.config, uids,
-                                    _row_multiple(), routes=routes,
+                                    record.row_multiple or _row_multiple(), routes=routes,
                                     nested=True) if may_cross else (
                                         [], list(range(len(sequences))))
     parts = [part for group in cross for part in group.parts()]
@@ -217,8 +221,7 @@ def rearrange_micro_batches(
 def _row_multiple() -> int:
     """What a cross group's micro-batches are padded to, as the shared forward pads its plans:
     megatron's tensor- times context-parallel size (context parallelism splits the rows over
-    its ranks, sequence parallelism each slice over TP; 1 without megatron, whose engine alone
-    runs cross groups)."""
+    its ranks, sequence parallelism each slice over TP; 1 without megatron's parallel state)."""
     try:
         from megatron.core import parallel_state
     except ImportError:

@@ -3,7 +3,9 @@
 run as consecutive micro-batches of verl's own loop; ``infer_batch`` (log-probs, entropy) and
 ``forward_backward_batch`` (verl's ``ppo_loss``, every gradient) equal verl's stock step with
 the feature off on the same weights - FSDP2 and FSDP1, with verl's gradient checkpointing
-(non-reentrant) on, on two ranks (the parameters sharded over both; the same batch on each:
+(non-reentrant) on, and FSDP2 under Ulysses sequence parallelism of 2 (each rank runs half of
+every micro-batch's rows, a block's included, and records its blocks' K/V for its half of the
+heads), on two ranks (the parameters sharded over both; the same batch on each:
 with cross groups a rank's micro-batch count follows its groups, and verl wants the same count
 on every rank, which a trainer's balancing gives and two random batches do not).
 
@@ -33,9 +35,11 @@ from tests.verl_ext.test_cross_forward import BUDGETS, CROSS, batch  # noqa: E40
 STRATEGIES = ("fsdp2", "fsdp")
 
 
-def steps(rank: int, path: str, strategy: str) -> dict:
+def steps(rank: int, path: str, strategy: str, ulysses: int = 1) -> dict:
     """verl's stock step (feature off), the cross-micro-batch one per budget, and a control,
-    each on a fresh engine from the same checkpoint."""
+    each on a fresh engine from the same checkpoint; with ``ulysses`` the cross steps (not the
+    stock one) under Ulysses over that many ranks, at the same tokens per micro-batch (verl's
+    budget is ``max_token_len_per_gpu`` x the Ulysses size)."""
     from verl.workers.utils.losses import ppo_loss
 
     from prefix_sharing.fsdp_compat.fsdp import full_gradients
@@ -46,24 +50,32 @@ def steps(rank: int, path: str, strategy: str) -> dict:
     results = {}
     runs = [(80, "off", None)] + [(budget, "cross", CROSS) for budget in BUDGETS]
     for budget, name, prefix_grouper in runs + [(70, "control", CROSS)]:
-        config = actor_config(prefix_grouper, strategy=strategy)
+        sp = 1 if prefix_grouper is None else ulysses
+        config = actor_config(prefix_grouper, strategy=strategy,
+                              ulysses_sequence_parallel_size=sp)
         engine = build_engine(config, path)
         with engine.eval_mode():
-            infer = engine.infer_batch(batch(budget))
+            infer = engine.infer_batch(batch(budget // sp))
+        rows = []  # each training forward's rows on this rank
+        engine.module.register_forward_pre_hook(
+            lambda module, args, kwargs: rows.append(kwargs["input_ids"].size(1)),
+            with_kwargs=True)
         with engine.train_mode():  # zeroes the gradients on exit: gather them before
             with blocks_take_no_gradients() if name == "control" else contextlib.nullcontext():
-                train = engine.forward_backward_batch(batch(budget),
+                train = engine.forward_backward_batch(batch(budget // sp),
                                                       partial(ppo_loss, config=config))
             grads = full_gradients(engine.module)
         results[budget, name] = {"infer": plain_output(infer), "train": plain_output(train),
-                                 "grads": grads, "engine": type(engine).__name__}
+                                 "grads": grads, "engine": type(engine).__name__,
+                                 "rows": rows}
     return results
 
 
-@pytest.fixture(scope="module", params=STRATEGIES)
+@pytest.fixture(scope="module", params=[*STRATEGIES, "ulysses"])
 def results(request, tmp_path_factory):
     path = save_model(str(tmp_path_factory.mktemp("qwen2")))
-    return request.param, run_gloo(steps, 2, path, request.param, timeout=900)
+    strategy, ulysses = ("fsdp2", 2) if request.param == "ulysses" else (request.param, 1)
+    return request.param, run_gloo(steps, 2, path, strategy, ulysses, timeout=900)
 
 
 @pytest.mark.parametrize("budget", BUDGETS)
@@ -76,6 +88,10 @@ def test_log_probs_entropy_loss_and_every_gradient_equal_verls_stock_step(result
         assert metrics["prefix_sharing/groups_split"] == [0.0]
         assert metrics["prefix_sharing/prefix_recomputes_avoided"][0] > 0
         assert metrics["prefix_sharing/cross_recomputed_tokens"][0] > 0  # the blocks, again
+        # every block forward, block recompute and micro-batch: this rank's share of its rows
+        sp = 2 if strategy == "ulysses" else 1
+        assert sp * sum(cross["rows"]) >= metrics["prefix_sharing/tokens_computed"][0]
+        assert max(cross["rows"]) <= -(-budget // sp) + 1
         # back in batch order; the loss is verl's global token mean, summed over micro-batches
         same_outputs(cross, result[80, "off"], f"{strategy} budget {budget} rank {rank}",
                      per_micro_batch=False)
