@@ -19,7 +19,7 @@ A plan with ``external_rows`` (a suffix micro-batch across micro-batches, its st
 blocks in front of its own rows) adds one more key source per stored block under
 ``"sources"``: the dense rectangle of *all* its query rows over the block's stored K/V, no mask
 (every stored row precedes every query), read in place from the store
-(:class:`~prefix_sharing.megatron_ext.prefix_kv.PrefixKV`) and merged with the rest by the
+(:class:`~prefix_sharing.prefix_kv.PrefixKV`) and merged with the rest by the
 log-sum-exp: no ``cat(stored, own)``, no gather. Under ``"gather"`` the caller's stored K/V
 are concatenated in front of the flat rows, as ``kv_gather_index`` addresses them.
 

@@ -482,7 +482,7 @@ def test_a_backend_without_a_with_lse_pair_is_served_by_the_gather(te):
 
 # ------------------------------------------------- a cross-micro-batch store's K/V
 # A suffix micro-batch's plan addresses its stack of stored blocks in front of its own rows
-# (external_rows); the store hands their K/V over as they are (megatron_ext.prefix_kv) and
+# (external_rows); the store hands their K/V over as they are (prefix_sharing.prefix_kv) and
 # prefix_attention reads each block as a key source of its own.
 
 HISTORY = [[1, 2, 3, 4, 5, 1, 2], [1, 2, 3, 4, 5, 1, 3, 4], [1, 2, 3, 4, 5, 2, 2],
