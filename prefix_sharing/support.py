@@ -208,7 +208,8 @@ MATRIX: dict[str, dict[str, Cell]] = {
                                _VX + "test_cross_pipeline.py",
                                note="PP=2 (x TP=2, x CP=2, x VPP=2); CP=2 (x TP=2); "
                                     "MoE and routing replay at PP=2, MoE at CP=2; "
-                                    "nested: x TP=2, x CP=2, x PP=2, MoE, replay, recompute"),
+                                    "nested: x TP=2, x CP=2, x PP=2 (x VPP=2), MoE, replay, "
+                                    "recompute"),
         "verl-fsdp": works(_VX + "test_fsdp_cross.py",
                            note="FSDP2 and FSDP1; Ulysses 2; one level and nested; gradient "
                                 "checkpointing",

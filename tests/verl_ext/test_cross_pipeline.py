@@ -1,11 +1,11 @@
 """Groups across micro-batches in verl's real Megatron engine under pipeline parallelism
 (``pipeline_model_parallel_size=2``, two gloo ranks, TP=1, the dense tiny model in fp32).
 
-verl runs its micro-batches through megatron's 1F1B schedule; each cross group's prefix runs
-as micro-batches of its own among them (``prefix_sharing/verl_ext/cross_schedule.py``):
-before the group's first, without grad, recording the K/V leaves on both stages, and after
-its last, again with grad, the readers' gradients injected, so megatron's backward of that
-step is the prefix's backward on every stage. ``infer_batch``
+verl runs its micro-batches through megatron's 1F1B schedule; each cross group's blocks run
+as micro-batches of their own among them (``prefix_sharing/verl_ext/cross_schedule.py``):
+before their first reader, without grad, recording the K/V leaves on both stages, and after
+their last, again with grad, the readers' gradients injected, so megatron's backward of that
+step is the block's backward on every stage. ``infer_batch``
 (log-probs, entropy) and ``forward_backward_batch`` (verl's ``ppo_loss``) equal verl's stock
 step with the feature off on the same weights at PP=2: every gradient on each stage, and the
 last stage's outputs and loss (verl's global token mean, summed over micro-batches: the two
@@ -166,23 +166,24 @@ def test_recompute_and_windows_under_pipeline_parallelism_equal_verls_stock_step
     assert metrics["prefix_sharing/prefix_recomputes_avoided"] == [4.0]
 
 
-def layout_steps(rank: int, layout: dict, model: dict, finalize=None) -> dict:
-    """verl's stock step, the cross-micro-batch step at a budget of 80 and the control (its
-    last micro-batch drops what the earlier ones accumulated), the engine laid out by
-    ``layout`` over a model built with ``model`` (``build_engine``'s keywords), ``finalize``
-    applied to every chunk's gradients; this rank's stage (and shard, and chunks)."""
-    from unittest import mock
-
-    from prefix_sharing import prefix_kv
+def layout_steps(rank: int, layout: dict, model: dict, finalize=None,
+                 nested: bool = False) -> dict:
+    """verl's stock step, the cross-micro-batch step at a budget of 80 (with ``nested`` also
+    at 64, both groups nested) and the control (its blocks take in none of their
+    readers' gradients), the engine laid out by ``layout`` over a model built with ``model``
+    (``build_engine``'s keywords), ``finalize`` applied to every chunk's gradients; this rank's
+    stage (and shard, and chunks)."""
+    from tests.megatron_ext._controls import blocks_take_no_gradients
 
     use_cpu_platform()
-    dropped = mock.patch.object(prefix_kv, "read_through", lambda recorded, leaf: recorded)
     results = {}
-    for name, prefix_grouper in (("off", None), ("cross", CROSS), ("control", CROSS)):
+    runs = [("off", None, 80), ("cross", CROSS, 80), ("control", CROSS, 80)]
+    for name, prefix_grouper, budget in runs + ([("nested", CROSS, 64)] if nested else []):
         config = actor_config(prefix_grouper, megatron=layout)
         engine = build_engine(config, **model)
-        results[name] = step(engine, config, partial(batch, 80),
-                             during=dropped if name == "control" else None, finalize=finalize)
+        results[name] = step(engine, config, partial(batch, budget),
+                             during=blocks_take_no_gradients() if name == "control" else None,
+                             finalize=finalize)
     return results
 
 
@@ -236,21 +237,27 @@ def test_moe_router_statistics_under_pipeline_parallelism_equal_verls_stock_step
 
 
 def test_interleaved_stages_equal_verls_stock_step_on_every_chunk():
-    """At PP=2 x VPP=2 (a layer per model chunk, verl's interleaved schedule) each model chunk
-    carries the prefix rows of its own layers in the first and last micro-batch of a group,
-    its K/V in a store of its own (the schedule keeps each chunk's forwards and backwards in
-    micro-batch order): every chunk's gradients and the last stage's outputs equal verl's
-    stock step there; each sample's tokens are counted once, not once per chunk; the control
-    fails on the gradients."""
+    """At PP=2 x VPP=2 (a layer per model chunk, verl's interleaved schedule) each group's
+    block steps are micro-batches of the interleaved schedule, every model chunk recording the
+    K/V of its own layers in a store of its own (the schedule keeps each chunk's forwards and
+    backwards in micro-batch order): every chunk's gradients and the last stage's outputs equal
+    verl's stock step there, one level (a budget of 80) and nested (64: both groups, 2
+    micro-batches each, their tails packed under the whole budget; at 70 the two groups take 5
+    micro-batches, which verl's interleaved split cannot fill to a multiple of PP: an error
+    says so); each sample's tokens are counted once, not once per chunk; the control fails on
+    the gradients."""
     import dataclasses
 
     from tests.verl_ext._engine import PRESET
 
     layout = {**PIPELINE, "virtual_pipeline_model_parallel_size": 2}
     ranks = run_distributed(layout_steps, 2, layout,
-                            {"preset": dataclasses.replace(PRESET, num_layers=4)},
+                            {"preset": dataclasses.replace(PRESET, num_layers=4)}, None, True,
                             pp=2, vpp=2, timeout=900)
     _assert_equal_and_control_fails(ranks, "pp2 x vpp2")
+    for rank, results in enumerate(ranks):
+        same_outputs(results["nested"], results["off"], f"pp2 x vpp2 nested rank {rank}",
+                     per_micro_batch=False)
     metrics = ranks[-1]["cross"]["train"]["metrics"]
     assert metrics["prefix_sharing/prefix_recomputes_avoided"] == [4.0]
     # each group's unique tokens (119 and 114: test_cross_forward.py) and its prefix again
