@@ -201,7 +201,7 @@ MATRIX: dict[str, dict[str, Cell]] = {
                                _MX + "test_cross_micro_batch_replay.py",
                                _MX + "test_cross_micro_batch_context_parallel.py",
                                note="PP=2 (x VPP=2); CP=2 (x TP=2, x PP=2); MoE "
-                                    "statistics at CP=2 and PP=2"),
+                                    "statistics at CP=2 and PP=2; windows at PP=2"),
         "verl-megatron": works(_VX + "test_cross_forward.py", _VX + "test_cross_nested.py",
                                _VX + "test_cross_replay.py",
                                _VX + "test_cross_moe_sequence_parallel.py",

@@ -19,6 +19,8 @@ recompute, full and selective (the prompt's layers replayed inside its backward 
 the readers' gradients there); a control that injects nothing fails on the gradients. The
 prompt in two chunks (budget 36): exact at PP=2 alone and under full recompute, with TP=2 and
 sequence parallelism, at CP=2, with MoE router statistics, and under interleaved stages.
+The tiny-window preset (16-key windows on layers 1 and 3, one per stage, learned sinks), one
+level and in two chunks: exact on both stages.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch
 
 from prefix_sharing import PrefixSharingConfig
 from prefix_sharing.engines.recompute import RECOMPUTE
+from prefix_sharing.presets import get_preset
 from prefix_sharing.equivalence import FP32_RTOL, max_rel_diff, within_tolerance
 from prefix_sharing.workloads import make_workload
 
@@ -44,6 +47,7 @@ CONFIG = PrefixSharingConfig(min_prefix_len=1, backend="torch")
 BUDGET = 84
 ONE_SUFFIX = 170  # the group's 162 unique tokens fit
 NESTED = 36  # under the 41-token prompt: the prompt in two chunks
+WINDOWED = get_preset("tiny-window")
 
 
 def _group(seed: int = 5) -> list[torch.Tensor]:
@@ -83,15 +87,17 @@ CONTROLS = {"never_injected": _never_injected}
 
 
 def _job(rank: int, runs: dict) -> dict:
-    """``runs``: name -> (budget, TransformerConfig overrides of every model of the run, the
-    name of a control or None)."""
+    """``runs``: name -> (budget, TransformerConfig overrides of every model of the run (and
+    ``preset``: another preset than the tiny one), the name of a control or None)."""
     from prefix_sharing.engines.cross_micro_batch import forward_backward_cross
+    from prefix_sharing.engines.megatron import gpt_model
 
     seqs = _group()
     report = {}
     for name, (budget, overrides, control) in runs.items():
         def build(layout: str, overrides=overrides, **more) -> torch.nn.Module:
-            return tiny_gpt(layout, **overrides, **more)
+            settings = dict(overrides)
+            return gpt_model(settings.pop("preset", PRESET), layout=layout, **settings, **more)
 
         with CONTROLS[control]() if control else contextlib.nullcontext():
             cross = forward_backward_cross(build("shared"), seqs, budget, CONFIG)
@@ -116,6 +122,9 @@ RUNS = {
         ("nested_recompute", NESTED, RECOMPUTE["full"]))},
     # wrong: the blocks' backward steps take in none of their readers' gradients
     "nested_never_injected": (NESTED, {}, "never_injected"),
+    # 16-key windows on layers 1 and 3 (one per stage), learned sinks: one level and nested
+    **{name: (budget, {"preset": WINDOWED}, None) for name, budget in (
+        ("window", BUDGET), ("nested_window", NESTED))},
 }
 
 
@@ -124,7 +133,8 @@ def stages() -> list[dict]:
     return run_distributed(_job, 2, RUNS, pp=2, timeout=600)
 
 
-@pytest.mark.parametrize("name", ["cross", "one_suffix", *RECOMPUTE])
+@pytest.mark.parametrize("name", ["cross", "one_suffix", *RECOMPUTE, "window",
+                                  "nested_window"])
 def test_equals_the_stock_step_on_every_stage(stages, name):
     first, last = stages
     assert first[name]["outputs"] == 0 and last[name]["outputs"] >= 1
