@@ -13,6 +13,8 @@ runs split the batch differently). A control whose prefix takes in none of its r
 gradients fails on the gradients. At PP=2 x CP=2 (four ranks) every micro-batch
 is split over the CP ranks, and each rank's stage equals the stock step at PP=2, CP=1. On the
 tiny MoE preset, every stage's router statistics equal verl's stock step's on the same split.
+Under interleaved stages (PP=2 x VPP=2), one level and nested; and a call whose micro-batch
+count does not fit the interleaved schedule's groups, a block's forward step repeated.
 
 Batch: as ``test_cross_forward.py`` (2 agent tasks of 3 episodes, 34- and 36-token common
 prefixes). At a budget of 80 both groups cross micro-batches (3 each); at 70 the second
@@ -262,3 +264,66 @@ def test_interleaved_stages_equal_verls_stock_step_on_every_chunk():
     assert metrics["prefix_sharing/prefix_recomputes_avoided"] == [4.0]
     # each group's unique tokens (119 and 114: test_cross_forward.py) and its prefix again
     assert metrics["prefix_sharing/tokens_computed"] == [float(119 + 114 + 34 + 36)]
+
+
+ONE_TASK = dict(num_tasks=1, num_turns=3, branching=2)  # one group, 72-85 tokens per sample
+
+
+def repeat_steps(rank: int, layout: dict, model: dict) -> dict:
+    """verl's stock step (at a budget of 96: its samples are up to 85 tokens) and the
+    cross-micro-batch one on one agent task at a budget of 64: the group nests, its prefix and
+    sub-tree in 3 blocks read by 2 micro-batches, so ``infer_batch``'s call (2 micro-batches
+    and 3 forward steps) does not fit the interleaved schedule's groups of 2 and repeats its
+    first block's forward step once."""
+    from verl.utils import tensordict_utils as tu
+
+    from tests.verl_ext._batch import make_batch
+
+    def one_task(budget: int):
+        data = make_batch("agent", **ONE_TASK)
+        tu.assign_non_tensor(data, use_dynamic_bsz=True, max_token_len_per_gpu=budget)
+        return data
+
+    from unittest import mock
+
+    from prefix_sharing.megatron_ext import cross_steps
+
+    calls = []  # (micro-batches asked for, micro-batches run) per call of megatron's schedule
+    stock = cross_steps.fit_interleaved
+
+    def fit(items, *args):
+        fitted = stock(items, *args)
+        calls.append((len(items), len(fitted)))
+        return fitted
+
+    use_cpu_platform()
+    results = {}
+    for name, prefix_grouper, budget in (("off", None, 96), ("cross", CROSS, 64)):
+        config = actor_config(prefix_grouper, megatron=layout)
+        with mock.patch.object(cross_steps, "fit_interleaved", fit):
+            results[name] = step(build_engine(config, **model), config,
+                                 partial(one_task, budget))
+    results["calls"] = calls
+    return results
+
+
+def test_a_call_that_does_not_fit_the_interleaved_groups_repeats_a_block_forward_exactly():
+    """The repeated forward step records the same K/V again before any reader: each sample's
+    log-probs and entropy equal verl's stock step (which runs its own count), and so do the
+    training step's gradients and loss (whose call fits)."""
+    import dataclasses
+
+    from tests.verl_ext._engine import PRESET
+
+    layout = {**PIPELINE, "virtual_pipeline_model_parallel_size": 2}
+    ranks = run_distributed(repeat_steps, 2, layout,
+                            {"preset": dataclasses.replace(PRESET, num_layers=4)},
+                            pp=2, vpp=2, timeout=900)
+    for rank, results in enumerate(ranks):
+        same_outputs(results["cross"], results["off"], f"repeat rank {rank}",
+                     per_micro_batch=False)
+        # infer_batch: 2 micro-batches + 3 block forwards, one repeated; the training step's
+        # 2 + 3 forward and 3 backward steps fit
+        assert results["calls"] == [(5, 6), (8, 8)]
+    train = ranks[-1]["cross"]["train"]["metrics"]
+    assert train["prefix_sharing/num_micro_batches"] == [2.0]
