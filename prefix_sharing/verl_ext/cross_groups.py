@@ -13,7 +13,9 @@ every tail micro-batch runs, so the tails are packed under ``budget - prefix_len
 that cannot be planned so (a tail too long, a prefix over half the budget) *nests*
 (``nested``): its common prefix in chunks, its branches that do not fit in sub-tree blocks,
 its tails under the whole budget, the blocks computed again in their backward steps instead of
-kept (:mod:`.cross_schedule`). A group is left to the ordinary split
+kept (:mod:`.cross_schedule`). An engine that computes every block again in its backward
+step gains nothing from keeping the prefix beside its tails: there every group nests
+(``keep_prefix=False``: verl's FSDP engine). A group is left to the ordinary split
 when its common prefix is shorter than ``min_prefix_len``, or when it cannot be planned either
 way.
 
@@ -111,6 +113,7 @@ def plan_cross_groups(
     pad_to_multiple_of: int = 1,
     routes: Sequence[TokenSequence] | None = None,
     nested: bool = False,
+    keep_prefix: bool = True,
 ) -> tuple[list[CrossGroup], list[int]]:
     """The groups of the batch that run across micro-batches, and the other samples' indices.
 
@@ -122,7 +125,10 @@ def plan_cross_groups(
     runs). ``routes``: the samples' recorded MoE routes to replay (verl's ``router_replay``),
     part of a token's identity: a group's prefix ends where its samples' routes diverge, and
     each of its micro-batches replays its rows'. ``nested``: a group that does not fit one
-    level may nest (see the module doc).
+    level may nest (see the module doc). ``keep_prefix=False``: the engine computes every
+    block again in its backward step instead of keeping its graph (verl's FSDP engine), so
+    nothing is gained by keeping the prefix beside its tails: every group nests (needs
+    ``nested``), its tails packed under the whole budget.
     """
     if not config.cross_micro_batch:
         return [], list(range(len(sequences)))
@@ -130,7 +136,8 @@ def plan_cross_groups(
     for members in sharing_groups(sequences, config, uids):
         planned = _schedule([sequences[i] for i in members], token_budget, config,
                             pad_to_multiple_of,
-                            None if routes is None else [routes[i] for i in members], nested)
+                            None if routes is None else [routes[i] for i in members], nested,
+                            keep_prefix)
         if planned is None:
             rest += members
         else:
@@ -142,7 +149,7 @@ def plan_cross_groups(
 def _schedule(sequences: list[TokenSequence], token_budget: int,
               config: PrefixSharingConfig, pad_to_multiple_of: int = 1,
               routes: list[TokenSequence] | None = None,
-              nested: bool = False) -> tuple[GroupSchedule, bool] | None:
+              nested: bool = False, keep_prefix: bool = True) -> tuple[GroupSchedule, bool] | None:
     """The group's schedule under ``token_budget`` (prefix included) and whether it nests, or
     ``None`` when it fits one micro-batch or is left to the ordinary split (see the module
     doc)."""
@@ -153,7 +160,7 @@ def _schedule(sequences: list[TokenSequence], token_budget: int,
     prefix_len = common_prefix_len(seqs if routes is None else token_identity(seqs, routes))
     if prefix_len < config.min_prefix_len:
         return None
-    if 2 * prefix_len <= token_budget:
+    if keep_prefix and 2 * prefix_len <= token_budget:
         try:
             return plan_group(seqs, token_budget - prefix_len, config, one_level=True,
                               pad_to_multiple_of=pad_to_multiple_of, routes=routes), False

@@ -106,7 +106,7 @@ class SharingEngineMixin:
         # samples
         cross = self.prefix_sharing.cross_micro_batch
         with sharing_split(self.prefix_sharing, replay_mode(getattr(self, "engine_config", None)),
-                           self.cross_row_multiple()) as split:
+                           self.cross_row_multiple(), self.keeps_cross_prefix) as split:
             dynamic_split_problem(data, split, loss_function, forward_only,
                                   None if cross else self.order_sensitive_statistics())
             order = fixed_order(data, split, loss_function, forward_only,
@@ -121,6 +121,10 @@ class SharingEngineMixin:
             output["metrics"].update(self._self_check.pop_metrics())
             add_split_metrics(output, split)
         return output
+
+    # Whether the engine keeps a one-level cross group's prefix graph from its forward step to
+    # its backward step (the Megatron engine at PP=1); else every cross group nests.
+    keeps_cross_prefix = True
 
     def cross_row_multiple(self) -> int | None:
         """What a cross group's plans are padded to, or None for megatron's parallel sizes

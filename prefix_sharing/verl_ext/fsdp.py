@@ -194,6 +194,8 @@ def patch_engine(module: ModuleType) -> None:
                         getattr(engine_config, "ulysses_sequence_parallel_size", 1))
                 return found
 
+            keeps_cross_prefix = False  # every block is computed again: .fsdp_cross
+
             def cross_row_multiple(self) -> int:
                 """A cross group's plans are padded to the Ulysses group's size, as every
                 plan of this engine is (:func:`.ulysses.plan_padding`)."""

@@ -20,11 +20,13 @@ tails it computes; its block steps run through
 - the group's remaining steps (its blocks' backwards) run when the next micro-batch starts,
   or after verl's loop (:meth:`CrossLoop.forward_backward_batch`).
 
-Every block is computed again in its backward step (``cross_recomputed_tokens``), a one-level
-group's prefix too: FSDP frees a module's gathered parameters after its forward and gathers them
-again when the backward reaches the module's output, and a kept block graph's backward enters at
-its recorded K/V, inside the layers, where no such hook runs (checked: the kept graph's backward
-meets the freed parameters). Each block step is a model call of its own
+Every block is computed again in its backward step (``cross_recomputed_tokens``): FSDP frees a
+module's gathered parameters after its forward and gathers them again when the backward reaches
+the module's output, and a kept block graph's backward enters at its recorded K/V, inside the
+layers, where no such hook runs (checked: the kept graph's backward meets the freed
+parameters). So nothing is gained by keeping a group's prefix beside its tails: every group
+nests, its tails packed under the whole budget (the engine's ``keeps_cross_prefix``,
+:func:`.cross_groups.plan_cross_groups`). Each block step is a model call of its own
 under verl's autocast, and each backward step an ``autograd.backward`` of its own; FSDP
 reduces its gradients as a micro-batch's (after verl's loop, with gradient synchronisation on:
 the last group's closing steps reduce once more each, which changes no sum).

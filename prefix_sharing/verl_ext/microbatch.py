@@ -85,6 +85,8 @@ class SplitRecord:
     replay_mode: str = "disabled"  # verl's router_replay.mode: cross groups plan with routes
     # what a cross group's plans are padded to (the engine's; None: megatron's, _row_multiple)
     row_multiple: int | None = None
+    # whether the engine keeps a one-level group's prefix graph (else every group nests)
+    keep_prefix: bool = True
     # why verl's own dynamic-bsz split runs (the step's loss depends on its micro-batches:
     # :func:`dynamic_split_problem`), None to keep the groups together
     verl_split_reason: str | None = None
@@ -119,7 +121,8 @@ _ACTIVE: contextvars.ContextVar[SplitRecord | None] = contextvars.ContextVar(
 
 @contextlib.contextmanager
 def sharing_split(config: PrefixSharingConfig, replay_mode: str = "disabled",
-                  row_multiple: int | None = None) -> Iterator[SplitRecord]:
+                  row_multiple: int | None = None,
+                  keep_prefix: bool = True) -> Iterator[SplitRecord]:
     """Within this block, verl's dynamic-bsz split keeps ``config``'s sharing groups together.
 
     An engine wraps its ``forward_backward_batch`` in it; the yielded record holds the split
@@ -127,9 +130,12 @@ def sharing_split(config: PrefixSharingConfig, replay_mode: str = "disabled",
     ``replay_mode``: verl's ``router_replay.mode`` (groups across micro-batches are cut on
     tokens and routes: :func:`.routing_replay.split_routes`). ``row_multiple``: what a cross
     group's plans are padded to (the FSDP engine's Ulysses size; by default megatron's
-    tensor- times context-parallel size).
+    tensor- times context-parallel size). ``keep_prefix``: whether the engine keeps a one-level
+    group's prefix graph between its forward and backward steps (else every cross group
+    nests: :func:`.cross_groups.plan_cross_groups`).
     """
-    record = SplitRecord(config, replay_mode=replay_mode, row_multiple=row_multiple)
+    record = SplitRecord(config, replay_mode=replay_mode, row_multiple=row_multiple,
+                         keep_prefix=keep_prefix)
     token = _ACTIVE.set(record if config.enabled else None)
     try:
         yield record
@@ -185,7 +191,8 @@ def rearrange_micro_batches(
     routes, may_cross = split_routes(batch, record.replay_mode)
     cross, rest = plan_cross_groups(sequences, max_token_len, record.config, uids,
                                     record.row_multiple or _row_multiple(), routes=routes,
-                                    nested=True) if may_cross else (
+                                    nested=True, keep_prefix=record.keep_prefix
+                                    ) if may_cross else (
                                         [], list(range(len(sequences))))
     parts = [part for group in cross for part in group.parts()]
     result = _split_ordinary(sequences, rest, max_token_len, record.config, uids, prompt_lens,

@@ -10,11 +10,11 @@ with cross groups a rank's micro-batch count follows its groups, and verl wants 
 on every rank, which a trainer's balancing gives and two random batches do not).
 
 Batch: 2 agent tasks of 3 episodes (59-65 tokens; 34- and 36-token common prefixes, a branch
-at every turn), as ``test_cross_forward.py`` runs it on the Megatron engine. At a budget of 80
-both groups cross micro-batches one level; at 70 the second one's prefix is over half the
-budget, so it nests. Under FSDP every block is computed again in its backward step (the
-prefix's graph is not kept: ``prefix_sharing.verl_ext.fsdp_cross``). A control whose block
-backward steps drop their readers' gradients fails.
+at every turn), as ``test_cross_forward.py`` runs it on the Megatron engine, at budgets of 80
+and 70: both groups cross micro-batches. Under FSDP every block is computed again in its
+backward step (the prefix's graph is not kept: ``prefix_sharing.verl_ext.fsdp_cross``), so
+every group nests, its tails packed under the whole budget. A control whose block backward
+steps drop their readers' gradients fails.
 """
 
 import contextlib
