@@ -122,8 +122,9 @@ class SharingEngineMixin:
             add_split_metrics(output, split)
         return output
 
-    # Whether the engine keeps a one-level cross group's prefix graph from its forward step to
-    # its backward step (the Megatron engine at PP=1); else every cross group nests.
+    # Whether a one-level cross group's prefix is planned beside its tails (the Megatron engine,
+    # which keeps its graph from its forward step to its backward step at PP=1); the FSDP
+    # engine computes every block again, so every cross group nests there.
     keeps_cross_prefix = True
 
     def cross_row_multiple(self) -> int | None:
