@@ -1,8 +1,9 @@
-"""What the micro-batches of one cross group read out per token for verl in its Megatron
-engine (:class:`Readout`: the actor's log-probs and entropy, or the critic's values): at a
-block's positions, kept with the block as leaves
-(:class:`~prefix_sharing.megatron_ext.cross_steps.GroupSteps`, built by
-:mod:`.cross_schedule`), and at its own tails (:func:`.cross_schedule.cross_forward`)."""
+"""What the micro-batches of one cross group read out per token for verl (:class:`Readout`: the
+actor's log-probs and entropy, or the critic's values): at a block's positions, kept with the
+block as leaves (:class:`~prefix_sharing.cross_blocks.GroupBlocks`), and at its own tails. The
+Megatron engine reads both from megatron's output rows (:mod:`.cross_schedule`); the FSDP
+engine reads its blocks' through :mod:`prefix_sharing.fsdp_compat.cross_steps` and hands verl
+the same :meth:`Readout.verl_output` (:mod:`.fsdp_cross`)."""
 
 from __future__ import annotations
 
@@ -11,15 +12,11 @@ from typing import Any
 
 import torch
 
+from ..cross_blocks import Statistics
 from ..refusals import refuse
 from .mcore import PrefixSharingSetupError
 
-__all__ = ["Readout", "Statistics", "check_temperature"]
-
-
-# per-token outputs: log-probs and entropy (or None), or values and None (as
-# prefix_sharing.megatron_ext.cross_steps names them, without importing megatron)
-Statistics = tuple[torch.Tensor, torch.Tensor | None]
+__all__ = ["Readout", "check_temperature"]
 
 
 def check_temperature(state: Any, temperature: float) -> None:
