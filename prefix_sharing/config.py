@@ -42,7 +42,8 @@ class PrefixSharingConfig:
             (:mod:`prefix_sharing.cross_micro_batch`), instead of cutting the group and
             recomputing the prefix in every piece. Off by default; the project's megatron
             group run and verl's engines (Megatron: the actor's and the critic's; FSDP:
-            the actor's and the critic's, without Ulysses or recurrent layers). Which parallel
+            the actor's and the critic's, Ulysses included; not for recurrent layers,
+            ``verl.cross_micro_batch.recurrent``). Which parallel
             layouts and model features run with it is docs/cross-micro-batch.md's (TP with
             sequence parallelism, CP, PP with interleaved stages, MoE router statistics,
             routing replay, activation recompute, windows); ``prefix-sharing preflight``

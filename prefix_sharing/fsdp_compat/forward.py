@@ -102,8 +102,7 @@ def model_kwargs(plan: SharingPlan, backend: str = "auto",
     if plan.external_rows and prefix_kv is None:
         raise ValueError(f"a plan with {plan.external_rows} external K/V rows needs the "
                          "prefix_kv it reads them from")
-    extra = {} if prefix_kv is None else {PREFIX_KV_KWARG: prefix_kv.forward_pass()}
-    return {**extra, 
+    kwargs = {
         "input_ids": plan.input_ids[None],
         "position_ids": plan.position_ids[None],
         "cu_seq_lens_q": plan.cu_seqlens_q,
@@ -114,6 +113,9 @@ def model_kwargs(plan: SharingPlan, backend: str = "auto",
         PLAN_KWARG: plan,
         BACKEND_KWARG: backend,
     }
+    if prefix_kv is not None:
+        kwargs[PREFIX_KV_KWARG] = prefix_kv.forward_pass()
+    return kwargs
 
 
 def shared_forward(

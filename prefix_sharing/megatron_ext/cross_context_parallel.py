@@ -8,11 +8,11 @@ from the plan's segments. Its plan addresses *external rows plus its own* (the s
 blocks first), so the slice's ``kv_gather_index`` reads ``cat(stack's K/V, own gathered K/V)``.
 
 The core attention all-gathers a micro-batch's own K/V over the CP group, then exchanges them
-with the group's prefix store (:class:`~prefix_sharing.prefix_kv.PrefixKV`): a block records its *gathered*
-K/V, so every rank keeps the whole block as leaves and every rank's suffix rows read the whole
-prefix with no further communication; a suffix's backward accumulates its rank's dK/dV into
-its rank's leaves. At the block's backward, those sums enter the recorded (gathered) K/V and
-the gather's backward reduce-scatters them, so each rank's block rows get every rank's
+with the group's prefix store (:class:`~prefix_sharing.prefix_kv.PrefixKV`): a block records its
+*gathered* K/V, so every rank keeps the whole block as leaves and every rank's suffix rows read
+the whole prefix with no further communication; a suffix's backward accumulates its rank's dK/dV
+into its rank's leaves. At the block's backward, those sums enter the recorded (gathered) K/V
+and the gather's backward reduce-scatters them, so each rank's block rows get every rank's
 readers' dK/dV: one all-gather per layer per block in the forward, one reduce-scatter in the
 backward, as the block's own attention needs anyway. Held per rank: the whole prefix's leaves
 and gradients (what CP=1 holds), not ``1 / CP`` of them.

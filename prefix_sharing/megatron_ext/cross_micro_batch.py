@@ -8,10 +8,11 @@ pipeline parallelism, the interleaved schedule under virtual stages), through th
 of :mod:`.cross_steps` (which verl's engine uses too):
 
 1. a block's forward: each layer's core attention reads the K/V of the blocks it reads in
-   place and records its own, kept as leaves (:class:`~prefix_sharing.prefix_kv.PrefixKV`, one per block,
-   stacked by :class:`~prefix_sharing.prefix_kv.PrefixKVStack`), and its members' log-probs and entropy at
-   its positions, kept as leaves too; at PP=1 its graph is kept to its backward step (unless
-   ``recompute_prefix``), under pipeline parallelism it runs without grad;
+   place and records its own, kept as leaves (:class:`~prefix_sharing.prefix_kv.PrefixKV`, one
+   per block, stacked by :class:`~prefix_sharing.prefix_kv.PrefixKVStack`), and its members'
+   log-probs and entropy at its positions, kept as leaves too; at PP=1 its graph is kept to
+   its backward step (unless ``recompute_prefix``), under pipeline parallelism it runs without
+   grad;
 2. a suffix micro-batch's forward and backward: its core attention reads its stack's leaves,
    and its loss scores its samples' tails and, from the blocks' leaves, their positions in
    the blocks; so its backward accumulates into every leaf it read (and parameter gradients
@@ -44,19 +45,19 @@ blocks' backwards (see :mod:`.moe`); a block routes per token and keeps no stati
 (``1 / num_microbatches``).
 
 Tensor parallelism (each rank keeps its own K/V heads' prefix; log-probs through the
-vocab-parallel reductions), with or without sequence parallelism: the all-gather before the
-QKV projection hands core attention every row of the micro-batch, so the K/V leaves are the
-same as without it; each micro-batch's rows are padded to a multiple of the tensor-parallel
-size (the schedule planned with ``pad_to_multiple_of``) and a block's pad rows are not kept.
-Dense and MoE models (router statistics under sequence parallelism too: each rank routes its
-slice of every suffix's plain view, the prefix's logits kept whole). Activation recompute
-(full or selective): a recomputed layer replays its first run's mode
-(:class:`~prefix_sharing.prefix_kv.PrefixKVPass`). Routing replay: a schedule planned with routes (cut on
-tokens and routes) has each block replay its rows' routes and each suffix its flat rows'; a
-suffix's plain view for the router statistics replays its stack's routes
-(:attr:`~prefix_sharing.prefix_kv.PrefixKV.routes`) before its own. Sliding windows (a suffix's gather of the
-prefix rows trimmed to the window, as any plan's). Context parallelism, with or without
-activation recompute and TP: each micro-batch split over the CP ranks, a block's K/V and
+vocab-parallel reductions), with or without sequence parallelism: the all-gather before the QKV
+projection hands core attention every row of the micro-batch, so the K/V leaves are the same as
+without it; each micro-batch's rows are padded to a multiple of the tensor-parallel size (the
+schedule planned with ``pad_to_multiple_of``) and a block's pad rows are not kept. Dense and MoE
+models (router statistics under sequence parallelism too: each rank routes its slice of every
+suffix's plain view, the prefix's logits kept whole). Activation recompute (full or selective):
+a recomputed layer replays its first run's mode
+(:class:`~prefix_sharing.prefix_kv.PrefixKVPass`). Routing replay: a schedule planned with
+routes (cut on tokens and routes) has each block replay its rows' routes and each suffix its
+flat rows'; a suffix's plain view for the router statistics replays its stack's routes
+(:attr:`~prefix_sharing.prefix_kv.PrefixKV.routes`) before its own. Sliding windows (a suffix's
+gather of the prefix rows trimmed to the window, as any plan's). Context parallelism, with or
+without activation recompute and TP: each micro-batch split over the CP ranks, a block's K/V and
 router logits recorded gathered (:mod:`.cross_context_parallel`); a suffix's router statistics
 split over the CP ranks as megatron splits its plain micro-batch's (:mod:`.moe`). Pipeline
 parallelism, interleaved stages included (each model chunk on its own layers).

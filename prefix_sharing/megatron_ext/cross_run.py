@@ -17,11 +17,11 @@ import torch
 from megatron.core.utils import get_attr_wrapped_model
 
 from ..cross_micro_batch import GroupSchedule, SharedBlock, SuffixMicroBatch
+from ..prefix_kv import PrefixKV, PrefixKVStack
 from .cross_context_parallel import (CrossSlice, micro_batch_stats,
                                      slice_micro_batch, whole_rows)
 from .logprobs import vocab_shard
 from .packed_seq import PlanPackedSeqParams
-from ..prefix_kv import PrefixKV, PrefixKVStack
 from .routing_replay import flat_routes
 
 __all__ = ["Collector", "GroupRun", "PrefixPass", "TokenLoss", "score_suffix",

@@ -47,14 +47,14 @@ logged with ``tp_cp`` as its reduce group (their sum is the CP=1 value).
 Across micro-batches (:mod:`.cross_micro_batch`: a group's prefix computed once in its own
 micro-batch, its tails in suffix micro-batches) the plain micro-batch a suffix micro-batch
 stands for holds its samples whole, prefix included, as the stock step running the same samples
-in the same micro-batches does. So the prefix micro-batch routes its rows per token and keeps
-no statistic, its router logits are kept per layer beside its K/V
-(:meth:`prefix_sharing.prefix_kv.PrefixKV.exchange_router_logits`), and each suffix micro-batch routes the
-plain view of ``cat(prefix logits, own logits)`` - its plan's ``kv_index`` already addresses
-the prefix's rows first. Every statistic is then megatron's own on that plain micro-batch (the
-global aux loss accumulates once per suffix, as once per plain micro-batch), and the gradients
-of the prefix copies' aux / z-loss terms gather in the kept logits' leaf and reach the
-prefix's router with the prefix's backward. Under sequence and context parallelism the
+in the same micro-batches does. So the prefix micro-batch routes its rows per token and keeps no
+statistic, its router logits are kept per layer beside its K/V
+(:meth:`prefix_sharing.prefix_kv.PrefixKV.exchange_router_logits`), and each suffix micro-batch
+routes the plain view of ``cat(prefix logits, own logits)`` - its plan's ``kv_index`` already
+addresses the prefix's rows first. Every statistic is then megatron's own on that plain
+micro-batch (the global aux loss accumulates once per suffix, as once per plain micro-batch),
+and the gradients of the prefix copies' aux / z-loss terms gather in the kept logits' leaf and
+reach the prefix's router with the prefix's backward. Under sequence and context parallelism the
 prefix's logits are recorded whole (gathered over ``tp_cp``) and a suffix routes this rank's
 slice of its plain view, with the z-loss weights of the CP=1 router, as in one micro-batch.
 
@@ -99,11 +99,11 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from ..plan import SharingPlan
+from ..prefix_kv import PrefixKV
 from ..refusals import refuse
 from .checks import UnsupportedSetupError
 from .packed_seq import PlanPackedSeqParams
 from .plain_batch_view import PlainBatchView, plain_batch_view
-from ..prefix_kv import PrefixKV
 from .routing_replay import (FlatRowsRouter, check_replay_state, moe_layer_index, replaying,
                              route_column)
 
@@ -120,8 +120,9 @@ class PrefixSharingRouter(TopKRouter, FlatRowsRouter):
     megatron's own on the plain batch - under sequence parallelism, each rank's are the stock
     router's on that rank's slice of it; under context parallelism, each rank's shares add up
     over the group to the CP=1 router's (the z-loss weighted per token to that end); across
-    micro-batches (given the group's :class:`~prefix_sharing.prefix_kv.PrefixKV`), each suffix micro-batch's
-    are the stock router's on its samples whole, the prefix micro-batch keeping none.
+    micro-batches (given the group's :class:`~prefix_sharing.prefix_kv.PrefixKV`), each
+    suffix micro-batch's are the stock router's on its samples whole, the prefix micro-batch
+    keeping none.
     """
 
     # True while the prefix micro-batch of a group routes (its statistics are the suffixes')

@@ -25,11 +25,11 @@ import numpy as np
 from ..config import PrefixSharingConfig
 from ..plan import SharingPlan
 from ..planner import PromptGroup, TokenSequence, build_plan
+from ..prefix_kv import PrefixKV, PrefixKVPass, PrefixKVStack
 from ..refusals import refuse
 from .checks import UnsupportedSetupError, assert_same_plan
 from .context_parallel import ContextParallelSlice, slice_plan
 from .mtp import plan_mtp_depths
-from ..prefix_kv import PrefixKV, PrefixKVPass, PrefixKVStack
 from .routing_replay import flat_routes
 
 __all__ = [
@@ -82,8 +82,8 @@ class PlanPackedSeqParams(PackedSeqParams):
                   routes: torch.Tensor | None = None,
                   record_routes: bool = False,
                   mtp: tuple | None = ()) -> PlanPackedSeqParams:
-        """The params of one forward of ``plan``; a :class:`~prefix_sharing.prefix_kv.PrefixKV` (or a
-        stack of them) is bound here, in its current mode, for this forward and its
+        """The params of one forward of ``plan``; a :class:`~prefix_sharing.prefix_kv.PrefixKV`
+        (or a stack of them) is bound here, in its current mode, for this forward and its
         recomputed layers."""
         if isinstance(prefix_kv, (PrefixKV, PrefixKVStack)):
             prefix_kv = prefix_kv.forward_pass()

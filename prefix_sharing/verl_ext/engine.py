@@ -50,6 +50,10 @@ class SharingEngineMixin:
             engine's forward runs on its first sharing micro-batch.
     """
 
+    # Whether a one-level cross group's prefix is planned beside its tails (the Megatron engine,
+    # which keeps its graph from its forward step to its backward step at PP=1); the FSDP
+    # engine computes every block again, so every cross group nests there.
+    keeps_cross_prefix = True
     # The vision-language model types the engine's forward serves (the FSDP engine's: .vlm).
     vision_families: tuple[str, ...] = ()
     # Whether the engine serves use_fused_kernels (the FSDP engine's chunked sharing head).
@@ -121,11 +125,6 @@ class SharingEngineMixin:
             output["metrics"].update(self._self_check.pop_metrics())
             add_split_metrics(output, split)
         return output
-
-    # Whether a one-level cross group's prefix is planned beside its tails (the Megatron engine,
-    # which keeps its graph from its forward step to its backward step at PP=1); the FSDP
-    # engine computes every block again, so every cross group nests there.
-    keeps_cross_prefix = True
 
     def cross_row_multiple(self) -> int | None:
         """What a cross group's plans are padded to, or None for megatron's parallel sizes

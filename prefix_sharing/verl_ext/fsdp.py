@@ -241,12 +241,11 @@ def patch_engine(module: ModuleType) -> None:
                     self.refuse_unsupported_switches(micro_batch)
                     model_inputs, output_args = self.cross_inputs(
                         micro_batch, part, micro_batch["input_ids"].device)
-                    if self._hidden_head and "ulysses" not in output_args:  # from the hidden states
-                        readout = output_args["readout"]
+                    readout = output_args["readout"]
+                    if self._hidden_head and "ulysses" not in output_args:  # tails' log-probs
                         model_inputs[HEAD_KWARG] = HeadRequest(
-                            part.group.schedule.suffixes[part.index].tail_plan.to(
-                                micro_batch["input_ids"].device),
-                            readout.temperature, with_entropy=readout.with_entropy)
+                            output_args["tail_plan"], readout.temperature,
+                            with_entropy=readout.with_entropy)
                     return model_inputs, output_args
                 unsupported = []
                 vlm = is_vlm(self.module)
@@ -298,21 +297,12 @@ def patch_engine(module: ModuleType) -> None:
                     return self.cross_outputs(output, output_args, None if self.value_head else
                                               cross_tail_stats(output, output_args))
                 if self.value_head:  # a value per token: the flat row that computed it
-                    # as verl reads them: trl's value head, or a num_labels=1 token classifier
-                    flat = (output[2][0] if hasattr(self.module, "v_head")
-                            else output.logits[0, :, 0])
-                    return {"values": restore_values(flat, output_args["plan"])}
+                    return {"values": restore_values(self.model_rows(output),
+                                                     output_args["plan"])}
                 calculate_entropy = tu.get_non_tensor_data(micro_batch, key="calculate_entropy",
                                                            default=False)
-                split = output_args.get("ulysses")
-                if isinstance(output, HeadOutput):
-                    stats = output.stats
-                else:  # [T_flat (/ Ulysses), vocab] logits
-                    score = token_log_probs if split is None else partial(ulysses_token_stats,
-                                                                           split=split)
-                    stats = score(output.logits[0], output_args["plan"],
-                                  temperature=output_args["temperature"],
-                                  with_entropy=calculate_entropy)
+                stats = output_stats(output, output_args["plan"], output_args.get("ulysses"),
+                                     output_args["temperature"], calculate_entropy)
                 offsets = micro_batch["input_ids"].offsets()  # the plan packs samples in this order
                 model_output = {"log_probs": torch.nested.nested_tensor_from_jagged(stats.log_probs,
                                                                                      offsets)}
@@ -330,19 +320,21 @@ def patch_engine(module: ModuleType) -> None:
         return PrefixSharingFSDPEngine
 
 
+    def output_stats(output, plan, split, temperature: float, with_entropy: bool):
+        """Log-probs and entropy over ``plan`` of a forward's ``output``: the sharing head's,
+        or from its ``[T_flat (/ Ulysses), vocab]`` logits (each rank scoring its rows under
+        the Ulysses ``split``)."""
+        if isinstance(output, HeadOutput):
+            return output.stats
+        score = token_log_probs if split is None else partial(ulysses_token_stats, split=split)
+        return score(output.logits[0], plan, temperature=temperature, with_entropy=with_entropy)
+
     def cross_tail_stats(output, output_args) -> tuple:
         """A cross micro-batch's log-probs and entropy at its tails (its tail plan's packed
-        order): the head's, or from its logits."""
-        if isinstance(output, HeadOutput):
-            stats = output.stats
-        else:  # [T_flat (/ Ulysses), vocab] logits
-            part, readout = output_args["cross"], output_args["readout"]
-            plan = part.group.schedule.suffixes[part.index].tail_plan.to(output.logits.device)
-            split = output_args.get("ulysses")
-            score = token_log_probs if split is None else partial(ulysses_token_stats,
-                                                                   split=split)
-            stats = score(output.logits[0], plan, temperature=readout.temperature,
-                          with_entropy=readout.with_entropy)
+        order)."""
+        readout = output_args["readout"]
+        stats = output_stats(output, output_args["tail_plan"], output_args.get("ulysses"),
+                             readout.temperature, readout.with_entropy)
         return stats.log_probs, stats.entropy
 
     def read_from(micro_batch) -> list[int] | None:

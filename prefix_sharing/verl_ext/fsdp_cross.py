@@ -120,21 +120,21 @@ class CrossLoop:
         del model_inputs["use_cache"]  # verl's forward_step passes use_cache=False itself
         self._sharing_metrics.add_tokens(part.tokens_total, part.tokens_computed + (
             steps.recomputed_tokens if part.last else 0))
-        output_args = {"cross": part, "readout": readout}
+        # its tails' plan on the device: what its outputs are scored and laid out by
+        output_args = {"cross": part, "readout": readout, "tail_plan": suffix.tail_plan.to(device)}
         if ulysses is not None:  # the tails' positions this rank's rows score
-            output_args["ulysses"] = ulysses_split(suffix.tail_plan.to(device), ulysses)
+            output_args["ulysses"] = ulysses_split(output_args["tail_plan"], ulysses)
         return model_inputs, output_args
-
 
     def cross_outputs(self, output: Any, output_args: dict, tails: tuple) -> Any:
         """verl's outputs of a cross micro-batch: its blocks' per-token outputs (leaves) then
         its tails' (``tails``: in its tail plan's packed order; the critic's from ``output``)."""
-        part, readout = output_args["cross"], output_args["readout"]
-        suffix = part.group.schedule.suffixes[part.index]
+        part, readout, tail_plan = (output_args[k] for k in ("cross", "readout", "tail_plan"))
         if self.value_head:
-            tails = suffix.tail_plan.restore(self.model_rows(output)), None
-        heads = part.group.state.heads(0, part.index, list(suffix.members))
-        result = readout.verl_output(heads, tails, suffix.tail_plan)
+            tails = tail_plan.restore(self.model_rows(output)), None
+        members = list(part.group.schedule.suffixes[part.index].members)
+        result = readout.verl_output(part.group.state.heads(0, part.index, members), tails,
+                                     tail_plan)
         return {"values": result} if self.value_head else result
 
     def model_call(self, inputs: dict) -> Any:

@@ -189,11 +189,11 @@ def rearrange_micro_batches(
 
     sequences, uids, prompt_lens = _samples(batch, record.config, tu)
     routes, may_cross = split_routes(batch, record.replay_mode)
-    cross, rest = plan_cross_groups(sequences, max_token_len, record.config, uids,
-                                    record.row_multiple or _row_multiple(), routes=routes,
-                                    nested=True, keep_prefix=record.keep_prefix
-                                    ) if may_cross else (
-                                        [], list(range(len(sequences))))
+    cross, rest = [], list(range(len(sequences)))
+    if may_cross:
+        cross, rest = plan_cross_groups(sequences, max_token_len, record.config, uids,
+                                        record.row_multiple or _row_multiple(), routes=routes,
+                                        nested=True, keep_prefix=record.keep_prefix)
     parts = [part for group in cross for part in group.parts()]
     result = _split_ordinary(sequences, rest, max_token_len, record.config, uids, prompt_lens,
                              max(1, (min_num_micro_batch or 1) - len(parts)))
