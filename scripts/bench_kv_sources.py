@@ -11,7 +11,11 @@ the K/V rows one layer holds (``attention.sources.key_rows``), the peak bytes ab
 (the bench's :func:`~prefix_sharing.engines.bench.peak_memory_bytes`: allocator events replayed
 on CPU) and the median wall time of ``--repeats`` steps, interleaved.
 
-    python scripts/bench_kv_sources.py [--length-scale 2] [--repeats 5] [--json]
+    python scripts/bench_kv_sources.py [--length-scale 2] [--repeats 5] [--window W] [--json]
+
+``--window W``: a sliding window of ``W`` keys on the layer (gpt-oss's 128, say): the gather is
+then trimmed to each segment's window (:mod:`prefix_sharing.attention.window`), and over
+sources each reader row reads a node from its first key in the window on.
 
 ``--context-parallel 2 4`` instead counts, for each CP size, the K/V rows the most loaded CP
 rank holds per layer (host plans only, nothing timed): the all-gathered flat rows plus, under
@@ -38,7 +42,7 @@ HEADS, KV_HEADS, HEAD_DIM = 8, 2, 64  # the "small" preset's attention
 WORKLOADS = ("grpo", "agent", "tree", "none")
 
 
-def measure(name: str, scale: int, repeats: int) -> dict:
+def measure(name: str, scale: int, repeats: int, window: int | None = None) -> dict:
     workload = make_workload(name, **scale_lengths(BENCH_SIZES[name], scale))
     plan = build_plan(workload.sequences, PrefixSharingConfig())
     g = torch.Generator().manual_seed(0)
@@ -47,11 +51,11 @@ def measure(name: str, scale: int, repeats: int) -> dict:
     k, v = (torch.randn(rows, KV_HEADS, HEAD_DIM, generator=g, requires_grad=True)
             for _ in range(2))
     grad = torch.randn(rows, HEADS, HEAD_DIM, generator=g)
-    chosen = key_rows(plan).execution
+    chosen = key_rows(plan, window=window).execution
     executions = {"gather": "gather", "after": chosen}
 
     def step(execution: str) -> None:
-        out = prefix_attention(q, k, v, plan, execution=execution)
+        out = prefix_attention(q, k, v, plan, window=window, execution=execution)
         torch.autograd.grad(out, (q, k, v), grad)
 
     for execution in executions.values():
@@ -61,9 +65,9 @@ def measure(name: str, scale: int, repeats: int) -> dict:
         for label, execution in executions.items():
             times[label].append(timed(lambda e=execution: step(e)))
     result = {"workload": name, "tokens": plan.num_tokens_total, "computed": rows,
-              "execution": chosen,
-              "kv_rows_gather": rows + plan.cu_seqlens_kv_host[-1],
-              "kv_rows_after": key_rows(plan).kv_rows}
+              "execution": chosen, "window": window,
+              "kv_rows_gather": key_rows(plan, window=window, execution="gather").kv_rows,
+              "kv_rows_after": key_rows(plan, window=window).kv_rows}
     for label, execution in executions.items():
         result[f"peak_mb_{label}"] = peak_memory_bytes(lambda e=execution: step(e)) / 2**20
         result[f"ms_{label}"] = statistics.median(times[label]) * 1e3
@@ -94,6 +98,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--context-parallel", type=int, nargs="+", metavar="CP")
+    parser.add_argument("--window", type=int, metavar="W",
+                        help="a sliding window of W keys on the layer")
     args = parser.parse_args()
     if args.context_parallel:
         rows = [context_parallel_rows(name, args.length_scale, cp)
@@ -110,7 +116,8 @@ def main() -> None:
         return
     torch.set_num_threads(1)
     keep_freed_memory_in_heap()
-    results = [measure(name, args.length_scale, args.repeats) for name in WORKLOADS]
+    results = [measure(name, args.length_scale, args.repeats, args.window)
+               for name in WORKLOADS]
     if args.json:
         print(json.dumps(results))
         return

@@ -18,9 +18,10 @@ import torch
 
 from ..plan import SharingPlan
 from ..refusals import refuse
-from .backends import get_backend, get_lse_kernel, host_boundaries, resolve_backend
+from .backends import (ROW_KEY_BOUNDS, get_backend, get_lse_kernel, host_boundaries,
+                       resolve_backend)
 from .merge import KeyPart, SourceLayout, attention_over_sources
-from .sources import EXECUTIONS, choose_execution, source_layout
+from .sources import EXECUTIONS, choose_execution, runnable_layout, source_layout
 from .torch_backend import varlen_attention_torch
 from .window import windowed_keys
 
@@ -78,9 +79,9 @@ def varlen_attention(
         host_q = tuple(host_boundaries(cu_seqlens_q, cu_seqlens_q_host))
         host_k = tuple(host_boundaries(cu_seqlens_k, cu_seqlens_k_host))
         part = KeyPart(None, cu_seqlens_q, cu_seqlens_k, host_q, host_k,
-                       max_seqlen_q, max_seqlen_k, causal=True)
+                       max_seqlen_q, max_seqlen_k, causal=True, window=window)
         return attention_over_sources(q, k, v, SourceLayout((part,)), kernel, softmax_scale,
-                                      window=window, sinks=sinks)
+                                      sinks=sinks)
     fn = get_backend(name)
     return fn(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
@@ -113,7 +114,8 @@ def prefix_attention(
         softmax_scale: defaults to ``headdim ** -0.5``.
         window: a sliding window of this many keys, on logical positions (``None``: full
             causal). A reuser's gather is trimmed to the prefix keys its window reaches
-            (:func:`~.window.windowed_keys`).
+            (:func:`~.window.windowed_keys`); over sources each reader's rows read a node
+            from their first key in the window on.
         sinks: ``(nheads,)`` per-head sink logits (``None``: vanilla softmax).
         backend: the kernel, as in :func:`varlen_attention`.
         kernel_cache: as in :func:`varlen_attention` (one dict per layer).
@@ -124,7 +126,8 @@ def prefix_attention(
             ``(k_i, v_i)`` in row order, adding up to ``external_rows``): key sources read in
             place under ``"sources"``; concatenated in front of ``k``, ``v`` under
             ``"gather"``, the execution chosen on purpose where the sources cannot run (a
-            backend without a with-lse pair: TE; a sliding window; stored rows
+            backend without a with-lse pair: TE; a sliding window that cuts a node on
+            flash-attn or torch_npu; stored rows
             the plan does not lay out, read through ``kv_gather_index`` as before). Gradients
             reach them either way.
 
@@ -148,9 +151,9 @@ def prefix_attention(
         # Own segments causally, shared nodes and stored blocks as dense rectangles, K/V in
         # place, merged by the log-sum-exp: no per-reader copy of K/V, no scatter in the
         # backward, no concatenation of a stored prefix.
-        out, _ = attention_over_sources(q, k, v, source_layout(plan, stored_rows),
-                                        get_lse_kernel(name), softmax_scale, sinks=sinks,
-                                        stored=stored)
+        layout = source_layout(plan, stored_rows, window=window)
+        out, _ = attention_over_sources(q, k, v, layout, get_lse_kernel(name), softmax_scale,
+                                        sinks=sinks, stored=stored)
         return out
     if stored:  # the gather addresses cat(stored rows, flat rows)
         k = torch.cat([*(key for key, _ in stored), k])
@@ -180,9 +183,9 @@ def _check_forced(execution: str, plan: SharingPlan, k: torch.Tensor, window: in
     if execution == "sources" and get_lse_kernel(backend) is None:
         raise refuse("kernels.lse", f"backend {backend!r}, execution='sources'")
     if execution == "sources" and (
-        k.size(0) != plan.num_tokens_flat or window is not None
-        or source_layout(plan, stored_rows) is None
+        k.size(0) != plan.num_tokens_flat
+        or runnable_layout(plan, backend, stored_rows, window=window) is None
     ):
         raise ValueError(
-            "execution='sources' needs K/V of the plan's flat rows, no window and a "
-            "planner-built plan")
+            "execution='sources' needs K/V of the plan's flat rows, a planner-built plan and, "
+            f"where a window cuts a shared node, a kernel in {sorted(ROW_KEY_BOUNDS)}")

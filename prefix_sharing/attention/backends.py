@@ -24,6 +24,8 @@ __all__ = [
     "CAUSAL_KEYS_ONLY_SEGMENTS",
     "KERNEL_DTYPES",
     "READS_HOST_BOUNDARIES",
+    "ROW_KEY_BOUNDS",
+    "check_no_row_bounds",
     "host_boundaries",
     "LSE_KERNELS",
     "get_backend",
@@ -55,6 +57,11 @@ LSE_KERNELS: dict[str, tuple[str, str, str]] = {
 # flash-attn documents no such segment for causal calls: a layout that needs them (a
 # context-parallel slice's own pieces, :func:`.sources.source_layout`) gathers there instead.
 CAUSAL_KEYS_ONLY_SEGMENTS = frozenset({"torch", "npu"})
+# With-lse kernels that take a per-row first key in non-causal calls (``first_key``): a sliding
+# window over a shared node, whose readers stack in one segment at different distances from it.
+# flash-attn's and torch_npu's bands are one ``(left, right)`` per call: where a window cuts a
+# node, they are served by the trimmed gather (:mod:`.sources`).
+ROW_KEY_BOUNDS = frozenset({"torch"})
 # Kernels that take the segment boundaries as host ints (``cu_seqlens_*_host``): without them
 # they copy ``cu_seqlens`` to the host themselves, a device sync in every call.
 READS_HOST_BOUNDARIES = frozenset({"torch", "npu"})
@@ -65,6 +72,15 @@ def host_boundaries(cu_seqlens: torch.Tensor, host: Sequence[int] | None) -> Seq
     (every layer of a planned micro-batch: the plan's), else read from ``cu_seqlens`` (a
     standalone call; a device sync)."""
     return cu_seqlens.tolist() if host is None else host
+
+
+def check_no_row_bounds(name: str, first_key: torch.Tensor | None) -> None:
+    """Raises for a with-lse kernel outside :data:`ROW_KEY_BOUNDS` handed ``first_key``."""
+    if first_key is not None:
+        raise ValueError(f"the {name!r} kernel takes one band per call, not a first key per "
+                         "row: a layout with windows over shared nodes runs on "
+                         f"{sorted(ROW_KEY_BOUNDS)}")
+
 
 _HALF = (torch.float16, torch.bfloat16)
 # The q/k/v dtypes each kernel computes in (None: any floating dtype). flash-attn has no float32

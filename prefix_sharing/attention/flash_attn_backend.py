@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from ..refusals import refuse
+from .backends import check_no_row_bounds
 from .kernel_limits import check_flash_attn
 
 __all__ = ["attention_lse_backward_flash", "attention_lse_flash", "varlen_attention_flash"]
@@ -97,12 +98,15 @@ def attention_lse_flash(
     *,
     causal: bool = True,
     window: int | None = None,
+    first_key: torch.Tensor | None = None,
     cu_seqlens_q_host: Sequence[int] | None = None,
     cu_seqlens_k_host: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` on flash-attn, as :func:`~.torch_backend.attention_lse_torch` (no
-    autograd; a segment may hold no query)."""
+    autograd; a segment may hold no query). ``first_key`` must be ``None``: flash-attn's band
+    is one ``window_size`` per call (:data:`~.backends.ROW_KEY_BOUNDS`)."""
     del cu_seqlens_q_host, cu_seqlens_k_host
+    check_no_row_bounds("flash_attn", first_key)
     check_flash_attn(q)
     from flash_attn import flash_attn_varlen_func
 
@@ -129,11 +133,13 @@ def attention_lse_backward_flash(
     *,
     causal: bool = True,
     window: int | None = None,
+    first_key: torch.Tensor | None = None,
     cu_seqlens_q_host: Sequence[int] | None = None,
     cu_seqlens_k_host: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of :func:`attention_lse_flash` at the given ``out`` and ``lse``."""
     del cu_seqlens_q_host, cu_seqlens_k_host
+    check_no_row_bounds("flash_attn", first_key)
     from flash_attn.flash_attn_interface import _flash_attn_varlen_backward
 
     head_dim_v = _check_value_head_dim(q, v)

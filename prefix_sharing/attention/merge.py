@@ -42,6 +42,11 @@ class KeyPart:
             keys, all of them earlier than every reader's queries).
         source: the K/V this call reads: 0 the in-place K/V (the flat rows), ``i > 0`` the
             ``i``-th stored source (:func:`attention_over_sources`' ``stored``).
+        window: a causal call's sliding window, keys each query sees, itself included
+            (``None``: all earlier keys).
+        first_key: ``(rows,)`` int64, a non-causal call's first key of its segment each query
+            row reads (keys before it are masked): a sliding window over a shared node, whose
+            readers stack in one segment at different distances from it; ``None``: every key.
     """
 
     q_index: torch.Tensor | None
@@ -53,6 +58,8 @@ class KeyPart:
     max_seqlen_k: int
     causal: bool
     source: int = 0
+    window: int | None = None
+    first_key: torch.Tensor | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,7 +142,7 @@ class _AttentionOverSources(torch.autograd.Function):
     kernel backward at the merged output and log-sum-exp (module docstring)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, layout, kernel, softmax_scale, window, *stored):
+    def forward(ctx, q, k, v, sinks, layout, kernel, softmax_scale, *stored):
         forward_kernel, _ = kernel
         keys, values = (k, *stored[0::2]), (v, *stored[1::2])
         outs, lses = [], []
@@ -144,14 +151,14 @@ class _AttentionOverSources(torch.autograd.Function):
             out, lse = forward_kernel(
                 rows, keys[part.source], values[part.source], part.cu_seqlens_q,
                 part.cu_seqlens_k, part.max_seqlen_q,
-                part.max_seqlen_k, softmax_scale, causal=part.causal, window=window,
-                cu_seqlens_q_host=part.cu_seqlens_q_host,
+                part.max_seqlen_k, softmax_scale, causal=part.causal, window=part.window,
+                first_key=part.first_key, cu_seqlens_q_host=part.cu_seqlens_q_host,
                 cu_seqlens_k_host=part.cu_seqlens_k_host)
             outs.append(out)
             lses.append(lse)
         out, lse = merge_states(outs, lses, layout.slots, sinks, layout.whole)
         ctx.save_for_backward(q, out, lse, sinks, k, v, *stored)
-        ctx.layout, ctx.kernel, ctx.scale, ctx.window = layout, kernel, softmax_scale, window
+        ctx.layout, ctx.kernel, ctx.scale = layout, kernel, softmax_scale
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -173,7 +180,7 @@ class _AttentionOverSources(torch.autograd.Function):
             gq, gk, gv = backward_kernel(
                 rows[0], rows[1], keys[part.source], values[part.source], rows[2], rows[3],
                 part.cu_seqlens_q, part.cu_seqlens_k, part.max_seqlen_q, part.max_seqlen_k,
-                ctx.scale, causal=part.causal, window=ctx.window,
+                ctx.scale, causal=part.causal, window=part.window, first_key=part.first_key,
                 cu_seqlens_q_host=part.cu_seqlens_q_host,
                 cu_seqlens_k_host=part.cu_seqlens_k_host)
             dq_parts.append(gq.to(accumulate))
@@ -197,7 +204,7 @@ class _AttentionOverSources(torch.autograd.Function):
         for gk, gv, k, v in zip(dk[1:], dv[1:], keys[1:], values[1:]):
             stored += [gk.to(k.dtype), gv.to(v.dtype)]
         return (dq.to(q.dtype), dk[0].to(keys[0].dtype), dv[0].to(values[0].dtype), dsinks,
-                None, None, None, None, *stored)
+                None, None, None, *stored)
 
 
 def attention_over_sources(
@@ -208,7 +215,6 @@ def attention_over_sources(
     kernel: LseKernel,
     softmax_scale: float | None = None,
     *,
-    window: int | None = None,
     sinks: torch.Tensor | None = None,
     stored: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,7 +227,6 @@ def attention_over_sources(
         kernel: the backend's ``(forward, backward)`` with-lse pair
             (:func:`~.backends.get_lse_kernel`).
         softmax_scale: defaults to ``headdim ** -0.5``.
-        window: passed to the causal parts (a band aligned bottom-right).
         sinks: ``(nheads,)`` sink logits, merged as one more source; differentiable.
         stored: ``(k_i, v_i)`` of the stored sources ``i = 1, 2, ...`` (a cross-micro-batch
             store's K/V), read in place by the parts of source ``i``; differentiable.
@@ -235,5 +240,5 @@ def attention_over_sources(
     if sinks is not None and sinks.shape != (q.size(1),):
         raise ValueError(f"sinks must hold one logit per query head, shape ({q.size(1)},); "
                          f"got {tuple(sinks.shape)}")
-    return _AttentionOverSources.apply(q, k, v, sinks, layout, kernel, softmax_scale, window,
+    return _AttentionOverSources.apply(q, k, v, sinks, layout, kernel, softmax_scale,
                                        *(t for pair in stored for t in pair))

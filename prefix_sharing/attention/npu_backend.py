@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from ..refusals import refuse
-from .backends import host_boundaries
+from .backends import check_no_row_bounds, host_boundaries
 from .kernel_limits import check_npu, segment_chunks
 
 __all__ = ["attention_lse_backward_npu", "attention_lse_npu", "varlen_attention_npu"]
@@ -112,6 +112,7 @@ def attention_lse_npu(
     *,
     causal: bool = True,
     window: int | None = None,
+    first_key: torch.Tensor | None = None,
     cu_seqlens_q_host: Sequence[int] | None = None,
     cu_seqlens_k_host: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,6 +133,8 @@ def attention_lse_npu(
             (the dense rectangle of a shared node's readers).
         window: keys each query sees, itself included (``sparse_mode=4``, as
             :func:`varlen_attention_npu`); causal calls only.
+        first_key: must be ``None``: the kernel's band is one ``pre_tockens`` per call
+            (:data:`~.backends.ROW_KEY_BOUNDS`).
         cu_seqlens_q_host, cu_seqlens_k_host: the same boundaries as host ints (read from the
             device when omitted).
 
@@ -141,6 +144,7 @@ def attention_lse_npu(
             flash-attn's ``softmax_lse`` layout and meaning.
     """
     del max_seqlen_q, max_seqlen_k
+    check_no_row_bounds("npu", first_key)
     check_npu(q, k)
     bounds_q = host_boundaries(cu_seqlens_q, cu_seqlens_q_host)
     bounds_k = host_boundaries(cu_seqlens_k, cu_seqlens_k_host)
@@ -174,6 +178,7 @@ def attention_lse_backward_npu(
     *,
     causal: bool = True,
     window: int | None = None,
+    first_key: torch.Tensor | None = None,
     cu_seqlens_q_host: Sequence[int] | None = None,
     cu_seqlens_k_host: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -183,6 +188,7 @@ def attention_lse_backward_npu(
     ``(total_q, nheads, headdim)`` and ``out`` in q's dtype and ``lse`` ``(nheads, total_q)``
     float32. Keys of segments without queries get zero gradients."""
     del max_seqlen_q, max_seqlen_k
+    check_no_row_bounds("npu", first_key)
     import torch_npu
 
     bounds_q = host_boundaries(cu_seqlens_q, cu_seqlens_q_host)

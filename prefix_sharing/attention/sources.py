@@ -20,8 +20,10 @@ blocks in front of its own rows) adds one more key source per stored block under
 ``"sources"``: the dense rectangle of *all* its query rows over the block's stored K/V, no mask
 (every stored row precedes every query), read in place from the store
 (:class:`~prefix_sharing.prefix_kv.PrefixKV`) and merged with the rest by the
-log-sum-exp: no ``cat(stored, own)``, no gather. Under ``"gather"`` the caller's stored K/V
-are concatenated in front of the flat rows, as ``kv_gather_index`` addresses them.
+log-sum-exp: no ``cat(stored, own)``, no gather (under a sliding window only the rows whose
+window reaches a block read it, each from its first key, as for a node). Under ``"gather"``
+the caller's stored K/V are concatenated in front of the flat rows, as ``kv_gather_index``
+addresses them.
 
 A context-parallel rank holds the query rows of a slice of the flat layout and, all-gathered,
 K/V of every row: ``source_layout(plan, rows=(lo, hi))`` lays out the same two parts for the
@@ -34,20 +36,21 @@ The rule (:func:`choose_execution`), in order:
    concatenated a stored prefix itself), or stored sources that do not add up to the plan's
    ``external_rows``: ``"gather"``.
 2. No segment reads a prefix (nor a stored one): ``"in_place"``.
-3. A sliding window of ``w`` keys: ``"gather"`` (trimmed to the window, :mod:`.window`).
-   Over sources, a reader's query at position ``p`` reads a node's key at position ``j``
-   only if ``j >= p - w + 1``: in the node part that is a band whose offset depends on the
-   gap between the node's end and each reader's tail, and a node's readers (tails at
-   different gaps) are stacked in one segment. flash-attn's and torch_npu's bands are one
-   ``(left, right)`` per call, aligned bottom-right per segment, so each distinct gap would
-   need its own call; aten's CPU flash kernel takes any additive mask, but the layout
-   carries no per-row key bound for it yet (:class:`~.merge.KeyPart`), and a query past
-   ``node end + w - 1`` reads none of the node's keys, so it must leave the node part
-   (for a row with every key masked, aten's kernel returns out 0 and lse 0, not -inf,
-   which the merge would count as a softmax term of weight 1; torch 2.13). Not built: the
-   trimmed gather serves windows exactly.
-4. The backend has no with-lse kernel (:data:`~.backends.LSE_KERNELS`), or the plan no
+3. The backend has no with-lse kernel (:data:`~.backends.LSE_KERNELS`), or the plan no
    ``prefix_runs_host``: ``"gather"``.
+4. A sliding window of ``w`` keys that cuts a node, on a kernel without a first key per row
+   (:data:`~.backends.ROW_KEY_BOUNDS`: flash-attn, torch_npu): ``"gather"``, trimmed to
+   the window (:mod:`.window`). Over sources, a reader's query at position ``p`` reads a
+   node's key at position ``j`` only if ``j >= p - w + 1``: a bound that depends on each
+   reader's distance from the node, and a node's readers are stacked in one segment, so the
+   layout gives every row of the node part its own first key
+   (:attr:`~.merge.KeyPart.first_key`), and leaves out the rows past ``node end + w - 1``,
+   which read none of the node's keys (for a row with every key masked, aten's kernel
+   returns out 0 and lse 0, not -inf, which the merge would count as a softmax term of
+   weight 1; torch 2.13). The own part takes the window as its band. flash-attn's and
+   torch_npu's bands are one ``(left, right)`` per call, aligned bottom-right per segment:
+   each distinct distance would need a call of its own. A window that reaches every kept
+   row's node whole bounds nothing there, and runs over sources on every with-lse kernel.
 5. Otherwise ``"sources"`` (GRPO groups, agent branches, trees, chains with reads), even
    for short reads: it then holds no K/V beyond the computed rows for one more call and the
    merge. (Whether a gather of a few rows beats that on an accelerator is a timing question
@@ -72,7 +75,7 @@ import torch
 
 from ..memo import derived
 from ..plan import SharingPlan
-from .backends import LSE_KERNELS
+from .backends import LSE_KERNELS, ROW_KEY_BOUNDS
 from .merge import KeyPart, SourceLayout
 from .window import windowed_keys
 
@@ -81,6 +84,7 @@ __all__ = [
     "KeyRows",
     "choose_execution",
     "key_rows",
+    "runnable_layout",
     "source_layout",
 ]
 
@@ -96,10 +100,24 @@ def choose_execution(plan: SharingPlan, key_rows_given: int, window: int | None,
         return "gather"
     if not plan.has_kv_gather:
         return "in_place"
-    if (window is not None or backend not in LSE_KERNELS
-            or source_layout(plan, stored_rows) is None):
+    if runnable_layout(plan, backend, stored_rows, window=window) is None:
         return "gather"
     return "sources"
+
+
+def runnable_layout(plan: SharingPlan, backend: str, stored_rows: tuple[int, ...] = (),
+                    rows: tuple[int, int] | None = None,
+                    window: int | None = None) -> SourceLayout | None:
+    """:func:`source_layout` where ``backend`` can run it - a with-lse kernel
+    (:data:`~.backends.LSE_KERNELS`), and one that takes a first key per row
+    (:data:`~.backends.ROW_KEY_BOUNDS`) where a window cuts a node - else ``None``."""
+    if backend not in LSE_KERNELS:
+        return None
+    layout = source_layout(plan, stored_rows, rows, window)
+    if layout is None or (backend not in ROW_KEY_BOUNDS
+                          and any(part.first_key is not None for part in layout.parts)):
+        return None
+    return layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,16 +160,18 @@ def key_rows(plan: SharingPlan, *, window: int | None = None, backend: str = "to
                        computed, 0, stored)
     copied = 0
     if execution == "sources":
-        copied = sum(part.cu_seqlens_q_host[-1]
-                     for part in source_layout(plan, stored_rows).parts if part.q_index is not None)
+        copied = sum(part.cu_seqlens_q_host[-1] for part
+                     in source_layout(plan, stored_rows, window=window).parts
+                     if part.q_index is not None)
     return KeyRows(execution, computed, computed, copied, stored)
 
 
 def source_layout(plan: SharingPlan, stored_rows: tuple[int, ...] = (),
-                  rows: tuple[int, int] | None = None) -> SourceLayout | None:
+                  rows: tuple[int, int] | None = None,
+                  window: int | None = None) -> SourceLayout | None:
     """The plan's kernel calls and their merge (module docstring), with one dense part per
     stored source of ``stored_rows`` rows (they add up to ``plan.external_rows``), built on
-    the host once per plan, stored rows and query rows and kept with it
+    the host once per plan, stored rows, query rows and window and kept with it
     (:func:`~prefix_sharing.memo.derived`); ``None`` where the plan does not say where its
     prefix keys live (``prefix_runs_host``), or when it disagrees with the key segments (a
     plan rewritten around rows it does not lay out).
@@ -160,58 +180,111 @@ def source_layout(plan: SharingPlan, stored_rows: tuple[int, ...] = (),
     slice, :mod:`prefix_sharing.megatron_ext.context_parallel`), over K/V of all the flat rows:
     each segment's local queries over its own rows up to its last local query (bottom-right
     causal), and the local rows of each node's readers over the node; the layout's q is the
-    slice's rows. Not with stored sources (``None``)."""
-    return derived(plan, _build_layout, tuple(stored_rows), rows)
+    slice's rows. Not with stored sources (``None``).
+
+    ``window``: a sliding window of this many keys. The own part takes it as its band; a
+    node's (and a stored block's) readers keep the rows whose window reaches it, each with its
+    first key there (:attr:`~.merge.KeyPart.first_key`; none where every kept row reads the
+    whole node)."""
+    return derived(plan, _build_layout, tuple(stored_rows), rows, window)
 
 
 def _build_layout(plan: SharingPlan, stored_rows: tuple[int, ...],
-                  rows: tuple[int, int] | None) -> SourceLayout | None:
+                  rows: tuple[int, int] | None, window: int | None) -> SourceLayout | None:
     runs, bounds_q, bounds_kv = plan.prefix_runs_host, plan.cu_seqlens_q_host, plan.cu_seqlens_kv_host
     if runs is None or len(runs) != len(bounds_q) - 1 or sum(stored_rows) != plan.external_rows:
         return None
     if rows is not None and stored_rows:
         return None
+    if window is not None and window < 1:
+        raise ValueError(f"a sliding window holds at least one key (itself); got {window}")
+    # the logical position of each segment's first query: its key range ends at its last query
+    tails = [ke - ks - (qe - qs) for qs, qe, ks, ke
+             in zip(bounds_q[:-1], bounds_q[1:], bounds_kv[:-1], bounds_kv[1:])]
     for i, segment in enumerate(runs):
-        prefix = plan.external_rows + sum(stop - start for start, stop in segment)
-        if prefix + bounds_q[i + 1] - bounds_q[i] != bounds_kv[i + 1] - bounds_kv[i]:
+        if plan.external_rows + sum(stop - start for start, stop in segment) != tails[i]:
             return None
     rows_total = plan.num_tokens_flat
     lo, hi = (0, rows_total) if rows is None else rows
-    readers = _node_readers(runs)
     device = plan.cu_seqlens_q.device
-    own = _own_part(plan, lo, hi) if rows is not None else KeyPart(
+    own = _own_part(plan, lo, hi, window) if rows is not None else KeyPart(
         None, plan.cu_seqlens_q, plan.cu_seqlens_q, bounds_q, bounds_q, plan.max_seqlen_q,
-        plan.max_seqlen_q, causal=True)
-    # every query row (pad rows too: their outputs are read by nobody) over each stored block
-    cu_all = (0, rows_total)
-    stored = tuple(
-        KeyPart(None, torch.tensor(cu_all, dtype=torch.int32, device=device),
+        plan.max_seqlen_q, causal=True, window=window)
+    whole: list[KeyPart] = []
+    reads: list[_Reads] = []
+    offset = 0
+    for i, n in enumerate(stored_rows):
+        if window is None:  # every query row (pad rows too: their outputs are read by nobody)
+            cu_all = (0, rows_total)
+            whole.append(KeyPart(
+                None, torch.tensor(cu_all, dtype=torch.int32, device=device),
                 torch.tensor((0, n), dtype=torch.int32, device=device), cu_all, (0, n),
-                rows_total, n, causal=False, source=i + 1)
-        for i, n in enumerate(stored_rows))
+                rows_total, n, causal=False, source=i + 1))
+        else:  # every segment reads block i at its rows' positions
+            readers = [(segment, offset) for segment in range(len(runs))]
+            reads.append(_Reads(i + 1, n, (((0, n), readers),)))
+        offset += n
+    # the node part: per node, its readers' (local) tail rows, segment order, over its rows
+    reads.append(_Reads(0, rows_total, tuple(sorted(_node_readers(runs, offset).items()))))
+    parts, read = [], []
+    for part in reads:
+        built = _read_part(part, bounds_q, tails, lo, hi, window, device)
+        if built is not None:
+            parts.append(built[0])
+            read.append(built[1])
+    if not parts:  # no (local) row reads a flat prefix: own segments and the stored blocks
+        return SourceLayout((own, *whole))
+    return SourceLayout((own, *whole, *parts), _slots(np.concatenate(read), hi - lo).to(device))
 
-    # the node part: per node, its readers' (local) tail rows, segment order, over its rows;
-    # the rows between nodes are segments without queries, so K/V stay in place
-    q_rows, cu_q, cu_k = [], [0], [0]
-    for (start, stop), segments in sorted(readers.items()):
-        local = [np.arange(max(bounds_q[i], lo), min(bounds_q[i + 1], hi)) - lo
-                 for i in segments]
-        count = sum(piece.size for piece in local)
+
+@dataclasses.dataclass(frozen=True)
+class _Reads:
+    """One source's key runs and their readers: ``nodes`` holds ``((start, stop), [(segment,
+    position)])``, ``position`` the node's first key's logical position in that segment's
+    sequence; the runs lie in order over the source's ``rows``."""
+
+    source: int
+    rows: int
+    nodes: tuple[tuple[tuple[int, int], list[tuple[int, int]]], ...]
+
+
+def _read_part(reads: _Reads, bounds_q: tuple[int, ...], tails: list[int], lo: int, hi: int,
+               window: int | None, device: torch.device) -> tuple[KeyPart, np.ndarray] | None:
+    """The dense part of ``reads`` (each node its readers' local rows over its keys, K/V in
+    place: the rows between nodes are segments without queries) and its query rows; ``None``
+    where no local row reads it. With a window a row at position ``p`` reads a node's keys
+    from position ``p - window + 1`` on: rows reaching none of them are left out, the others
+    carry their first key."""
+    q_rows, first, cu_q, cu_k = [], [], [0], [0]
+    for (start, stop), readers in reads.nodes:
+        count = 0
+        for segment, position in readers:
+            a, b = max(bounds_q[segment], lo), min(bounds_q[segment + 1], hi)
+            if b <= a:
+                continue
+            local = np.arange(a, b)
+            bound = np.zeros(b - a, dtype=np.int64)
+            if window is not None:
+                positions = tails[segment] + local - bounds_q[segment]
+                bound = np.maximum(positions - window + 1 - position, 0)
+                local, bound = local[bound < stop - start], bound[bound < stop - start]
+            q_rows.append(local - lo)
+            first.append(bound)
+            count += local.size
         if not count:
             continue
         if start > cu_k[-1]:
             cu_q.append(cu_q[-1])
             cu_k.append(start)
-        q_rows.extend(local)
         cu_q.append(cu_q[-1] + count)
         cu_k.append(stop)
-    if not q_rows:  # no (local) row reads a flat prefix: own segments and the stored blocks
-        return SourceLayout((own, *stored))
-    if cu_k[-1] < rows_total:
+    if cu_q[-1] == 0:
+        return None
+    if cu_k[-1] < reads.rows:
         cu_q.append(cu_q[-1])
-        cu_k.append(rows_total)
-    read = np.concatenate(q_rows)
-    nodes = KeyPart(
+        cu_k.append(reads.rows)
+    read, bounds = np.concatenate(q_rows), np.concatenate(first)
+    part = KeyPart(
         q_index=torch.from_numpy(read).to(device),
         cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device=device),
         cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32, device=device),
@@ -220,11 +293,13 @@ def _build_layout(plan: SharingPlan, stored_rows: tuple[int, ...],
         max_seqlen_q=int(np.diff(cu_q).max()),
         max_seqlen_k=int(np.diff(cu_k).max()),
         causal=False,
+        source=reads.source,
+        first_key=torch.from_numpy(bounds).to(device) if bounds.any() else None,
     )
-    return SourceLayout((own, *stored, nodes), _slots(read, hi - lo).to(device))
+    return part, read
 
 
-def _own_part(plan: SharingPlan, lo: int, hi: int) -> KeyPart:
+def _own_part(plan: SharingPlan, lo: int, hi: int, window: int | None) -> KeyPart:
     """The query rows ``[lo, hi)``, each segment's piece of them over the segment's rows up to
     its last local query (bottom-right causal), K/V in place: the flat rows outside those key
     ranges are segments without queries."""
@@ -246,19 +321,24 @@ def _own_part(plan: SharingPlan, lo: int, hi: int) -> KeyPart:
     return KeyPart(None, torch.tensor(cu_q, dtype=torch.int32, device=device),
                    torch.tensor(cu_k, dtype=torch.int32, device=device), tuple(cu_q),
                    tuple(cu_k), int(np.diff(cu_q).max()), int(np.diff(cu_k).max()),
-                   causal=True)
+                   causal=True, window=window)
 
 
-def _node_readers(runs: tuple[tuple[tuple[int, int], ...], ...]) -> dict[tuple[int, int], list[int]]:
-    """Shared nodes -> the segments reading them. Every run is cut at every run boundary,
-    so a node is read whole or not at all by each segment (a tree's edges)."""
+def _node_readers(runs: tuple[tuple[tuple[int, int], ...], ...],
+                  external_rows: int) -> dict[tuple[int, int], list[tuple[int, int]]]:
+    """Shared nodes -> ``(segment, position)`` of the segments reading them, ``position`` the
+    node's first key's logical position in the segment's sequence (after ``external_rows``
+    stored rows). Every run is cut at every run boundary, so a node is read whole or not at
+    all by each segment (a tree's edges)."""
     cuts = sorted({edge for segment in runs for run in segment for edge in run})
-    readers: dict[tuple[int, int], list[int]] = {}
+    readers: dict[tuple[int, int], list[tuple[int, int]]] = {}
     for i, segment in enumerate(runs):
+        position = external_rows
         for start, stop in segment:
             lo, hi = bisect.bisect_left(cuts, start), bisect.bisect_left(cuts, stop)
             for node in zip(cuts[lo:hi], cuts[lo + 1 : hi + 1]):
-                readers.setdefault(node, []).append(i)
+                readers.setdefault(node, []).append((i, position + node[0] - start))
+            position += stop - start
     return readers
 
 

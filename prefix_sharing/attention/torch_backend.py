@@ -156,17 +156,21 @@ def attention_lse_torch(
     *,
     causal: bool = True,
     window: int | None = None,
+    first_key: torch.Tensor | None = None,
     cu_seqlens_q_host: Sequence[int] | None = None,
     cu_seqlens_k_host: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Varlen attention returning ``(out, lse)``, without autograd (the caller's Function
     runs :func:`attention_lse_backward_torch`).
 
-    Segments as in :func:`varlen_attention_torch`, with two differences: ``causal=False``
+    Segments as in :func:`varlen_attention_torch`, with three differences: ``causal=False``
     lets every query of a segment read every key of it (the dense rectangle of a shared
-    node's readers over its keys), and a segment may hold no query (its keys are read by
-    nobody: the rows between shared nodes, which the kernel is told about so that K/V stay
-    in place).
+    node's readers over its keys); with it, ``first_key`` ``(total_q,)`` int64 names for each
+    query row the first key of its segment it reads (a sliding window over a shared node:
+    its readers stack in one segment at different distances from it, so each row has its own
+    bound; every row reads at least its segment's last key); and a segment may hold no query
+    (its keys are read by nobody: the rows between shared nodes, which the kernel is told
+    about so that K/V stay in place). ``window``: causal calls only, as there.
 
     Returns:
         out: ``(total_q, nheads, headdim_v)`` in q's dtype.
@@ -182,7 +186,8 @@ def attention_lse_torch(
     lse = torch.empty(q.size(1), q.size(0), dtype=lse_dtype, device=q.device)
     heads_k = k.size(1)
     for qs, qe, ks, ke in _segments(bounds_q, bounds_k):
-        qi, ki, vi, mask, is_causal = _segment_inputs(q, k, v, qs, qe, ks, ke, causal, window)
+        qi, ki, vi, mask, is_causal = _segment_inputs(q, k, v, qs, qe, ks, ke, causal, window,
+                                                      first_key)
         # [group, hk, s, d] each; the kernel's lse is [group, hk, s]
         oi, li = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             qi, ki, vi, 0.0, is_causal, attn_mask=mask, scale=softmax_scale)
@@ -206,6 +211,7 @@ def attention_lse_backward_torch(
     *,
     causal: bool = True,
     window: int | None = None,
+    first_key: torch.Tensor | None = None,
     cu_seqlens_q_host: Sequence[int] | None = None,
     cu_seqlens_k_host: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -223,7 +229,8 @@ def attention_lse_backward_torch(
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     kernel_lse = torch.float64 if q.dtype == torch.float64 else torch.float32
     for qs, qe, ks, ke in _segments(bounds_q, bounds_k):
-        qi, ki, vi, mask, is_causal = _segment_inputs(q, k, v, qs, qe, ks, ke, causal, window)
+        qi, ki, vi, mask, is_causal = _segment_inputs(q, k, v, qs, qe, ks, ke, causal, window,
+                                                      first_key)
         lse_i = lse[:, qs:qe].to(kernel_lse).view(heads_k, -1, qe - qs).transpose(0, 1)
         gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             _to_kernel(_pad_value(dout[qs:qe], q.size(-1)), heads_k), qi, ki, vi,
@@ -244,7 +251,7 @@ def _segments(bounds_q: Sequence[int], bounds_k: Sequence[int]):
             yield qs, qe, ks, ke
 
 
-def _segment_inputs(q, k, v, qs, qe, ks, ke, causal, window):
+def _segment_inputs(q, k, v, qs, qe, ks, ke, causal, window, first_key=None):
     """One segment as the CPU kernel takes it: q as ``[group, hk, s, d]`` (a view), K/V as
     ``[group, hk, L, d]`` expanded along the batch dimension (stride 0, no copy), and the mask
     (None where ``is_causal`` or no mask says it all)."""
@@ -253,11 +260,17 @@ def _segment_inputs(q, k, v, qs, qe, ks, ke, causal, window):
     qi = _to_kernel(q[qs:qe], heads_k)
     ki = k[ks:ke].transpose(0, 1).unsqueeze(0).expand(group, -1, -1, -1)
     vi = _pad_value(v[ks:ke], q.size(-1)).transpose(0, 1).unsqueeze(0).expand(group, -1, -1, -1)
-    if not causal:
+    if (first_key if causal else window) is not None:
+        raise ValueError("a causal call's keys are bounded by a window, a non-causal call's by "
+                         f"first_key; got causal={causal} with the other")
+    if not causal and first_key is None:
         return qi, ki, vi, None, False
-    if s == L and window is None:
+    if causal and s == L and window is None:
         return qi, ki, vi, None, True
-    allowed = _band(s, L, window, q.device)
+    if causal:
+        allowed = _band(s, L, window, q.device)
+    else:  # each row's own first key (a window over a shared node)
+        allowed = torch.arange(L, device=q.device) >= first_key[qs:qe, None]
     mask = torch.zeros(s, L, dtype=q.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
     return qi, ki, vi, mask, False
 

@@ -12,9 +12,10 @@ of the whole flat layout over the CP group (megatron's sequence-parallel gather:
 the forward, reduce-scatter of dK / dV in the backward), then runs its local query rows over
 them. A local piece ``[a, b)`` of a query tail of length ``s`` over ``L`` keys sees the first
 ``L - s + b`` keys, bottom-right aligned, which is exactly what the plain segment gives those
-queries. Over key sources (``source_layout(plan, rows=(row_start, row_stop))``, K/V in place)
-on the torch and NPU kernels without a window; otherwise (flash-attn, TE, a window) through
-this slice's ``kv_gather_index`` (each piece's keys copied together). Works for any head count.
+queries. Over key sources (``runnable_layout(plan, backend, rows=(row_start, row_stop))``, K/V
+in place) on the torch kernel, and on the NPU kernel unless a window cuts a shared node;
+otherwise (flash-attn, TE) through this slice's ``kv_gather_index`` (each piece's keys copied
+together). Works for any head count.
 
 Bytes per layer and rank (:func:`kv_bytes_per_layer`): the forward receives
 ``2 * (CP - 1) / CP * T_flat * kv_heads * head_dim * dtype_bytes`` (K and V) and the backward

@@ -19,7 +19,7 @@ from ..attention import prefix_attention, varlen_attention
 from ..attention.backends import (CAUSAL_KEYS_ONLY_SEGMENTS, READS_HOST_BOUNDARIES,
                                   get_lse_kernel, resolve_backend)
 from ..attention.merge import attention_over_sources
-from ..attention.sources import source_layout
+from ..attention.sources import runnable_layout
 from ..refusals import refuse
 from .checks import UnsupportedSetupError, check_layer_config, check_sharing_allowed
 from .context_parallel import gather_rows
@@ -186,11 +186,12 @@ class PrefixSharingCoreAttention(DotProductAttention):
 
         The all-gathered K/V hold the plan's flat rows, once each. Where the backend's with-lse
         kernel takes causal segments without queries (:data:`~prefix_sharing.attention.
-        backends.CAUSAL_KEYS_ONLY_SEGMENTS`: the rows before and after this rank's pieces) and
-        no window bands the keys, the local rows attend over them in place, every peer's rows a
-        key source (:func:`~prefix_sharing.attention.sources.source_layout` with ``rows``): no
-        per-reader copy. Otherwise (flash-attn, TE; a window; a group's stored prefix in front)
-        each local query piece's keys are gathered."""
+        backends.CAUSAL_KEYS_ONLY_SEGMENTS`: the rows before and after this rank's pieces), the
+        local rows attend over them in place, every peer's rows a key source
+        (:func:`~prefix_sharing.attention.sources.runnable_layout` with ``rows``; a window
+        bounds each reader row's keys of a node where the kernel takes a first key per row):
+        no per-reader copy. Otherwise (flash-attn, TE; a window cutting a node on torch_npu; a
+        group's stored prefix in front) each local query piece's keys are gathered."""
         cp = params.cp
         if query.size(0) != cp.num_rows:
             raise ValueError(
@@ -201,9 +202,9 @@ class PrefixSharingCoreAttention(DotProductAttention):
         key, value = gather_rows(key, cp), gather_rows(value, cp)
         if params.prefix_kv is not None:  # a block records them whole; a suffix reads its stack
             key, value = params.prefix_kv.exchange(self.layer_number, key, value)
-        if (params.prefix_kv is None and self.window is None
-                and backend in CAUSAL_KEYS_ONLY_SEGMENTS):
-            layout = source_layout(params.plan, rows=(cp.row_start, cp.row_stop))
+        if params.prefix_kv is None and backend in CAUSAL_KEYS_ONLY_SEGMENTS:
+            layout = runnable_layout(params.plan, backend, rows=(cp.row_start, cp.row_stop),
+                                     window=self.window)
             if layout is not None:
                 out, _ = attention_over_sources(query, key, value, layout,
                                                 get_lse_kernel(backend), self.net_softmax_scale,

@@ -110,9 +110,9 @@ def test_attention_over_sources_equals_the_plain_forward_with_its_lse(backend, s
     assert _worst(got, torch.autograd.grad(want_grad_out, ref_leaves, grad)) < tol
 
 
-def plain_with(token, position, w, seqs, sinks):
+def plain_with(token, position, w, seqs, sinks, window=None):
     outs, lses = zip(*(einsum_reference(*qkv(token, position, w, torch.tensor(s),
-                                              torch.arange(len(s))), None, sinks)
+                                              torch.arange(len(s))), window, sinks)
                        for s in seqs))
     return torch.cat(outs), torch.cat(lses)
 
@@ -177,6 +177,57 @@ def test_a_slice_layout_of_the_documented_example():
     own, nodes = source_layout(plan, rows=(4, 6)).parts
     assert own.cu_seqlens_q_host == (0, 0, 2) and own.cu_seqlens_k_host == (0, 4, 6)
     assert nodes.q_index.tolist() == [0, 1] and nodes.cu_seqlens_k_host == (0, 3, 6)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seqs=forests(max_new_tokens=6), window=st.sampled_from([1, 2, 3, 5, 40]),
+       ranks=st.sampled_from([1, 2, 3]), with_sinks=st.booleans())
+def test_a_window_over_sources_is_the_plain_windowed_attention(seqs, window, ranks, with_sinks):
+    """A sliding window over sources, whole (``ranks`` 1) and in context-parallel slices: the
+    own part takes the window as its band, each node's readers keep the rows whose window
+    reaches it, from their first key on. Output, log-sum-exp and gradients (through the
+    projections, and the sinks) are the plain windowed attention's; K/V stay in place."""
+    sinks = (torch.randn(HEADS, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+             .requires_grad_() if with_sinks else None)
+    plan = build_plan(seqs, EVERY_PREFIX, pad_to_multiple_of=4 * ranks)
+    token, position, w = projections()
+    q, k, v = qkv(token, position, w, plan.input_ids, plan.position_ids)
+    per_rank = plan.num_tokens_flat // ranks
+    outs, lses = [], []
+    for rank in range(ranks):
+        rows = None if ranks == 1 else (rank * per_rank, (rank + 1) * per_rank)
+        layout = source_layout(plan, rows=rows, window=window)
+        assert layout.parts[0].cu_seqlens_k_host[-1] == plan.num_tokens_flat  # K/V in place
+        lo, hi = rows or (0, plan.num_tokens_flat)
+        out, lse = merge.attention_over_sources(q[lo:hi], k, v, layout,
+                                                get_lse_kernel("torch"), sinks=sinks)
+        outs.append(out)
+        lses.append(lse)
+    out, lse = plan.restore(torch.cat(outs)), plan.restore(torch.cat(lses, 1).t())
+    ref_token, ref_position, _ = projections()
+    want, want_lse = plain_with(ref_token, ref_position, w, seqs, sinks, window)
+    grad = torch.randn(want.shape, dtype=want.dtype, generator=torch.Generator().manual_seed(1))
+    leaves = (token, position) + ((sinks,) if with_sinks else ())
+    ref_leaves = (ref_token, ref_position) + ((sinks,) if with_sinks else ())
+    got = torch.autograd.grad(out, leaves, grad)
+    assert _worst([out, lse], [want, want_lse]) < 1e-10
+    assert _worst(got, torch.autograd.grad(want, ref_leaves, grad)) < 1e-10
+
+
+def test_a_window_bounds_each_reader_row_from_its_first_key():
+    """The documented plan with a window of 2: ``b``'s first tail row (position 3) reads the
+    node's last key (position 2) only; its second (position 4) reaches none of the node and
+    leaves the node part. flash-attn's band is one per call: the gather serves it there,
+    and a window reaching the node whole runs over sources on it too."""
+    plan = build_plan([[5, 6, 7, 8], [5, 6, 7, 9, 9], [5, 6]], EVERY_PREFIX)
+    own, nodes = source_layout(plan, window=2).parts
+    assert own.causal and own.window == 2 and own.cu_seqlens_k_host == (0, 4, 6)
+    assert nodes.q_index.tolist() == [4] and nodes.first_key.tolist() == [2]
+    assert nodes.cu_seqlens_q_host == (0, 1, 1) and nodes.cu_seqlens_k_host == (0, 3, 6)
+    assert source_layout(plan, window=5).parts[1].first_key is None  # reaches position 0
+    assert key_rows(plan, window=2, backend="flash_attn").execution == "gather"
+    assert key_rows(plan, window=5, backend="flash_attn").execution == "sources"
+    assert key_rows(plan, window=2, backend="torch").execution == "sources"
 
 
 def _backward_at_own_states(kernel):
@@ -273,18 +324,21 @@ def test_kv_held_per_layer_is_the_computed_rows(name):
     plan = build_plan(workload.sequences, EVERY_PREFIX)
     rows = key_rows(plan)
     assert rows.execution == "sources" and rows.kv_rows == plan.num_tokens_flat
-    gathered = key_rows(plan, window=4)  # a window is served by the (trimmed) gather
+    windowed = key_rows(plan, window=4)  # each reader row from its first key in the window
+    assert windowed.execution == "sources" and windowed.kv_rows == plan.num_tokens_flat
+    gathered = key_rows(plan, window=4, backend="flash_attn")  # one band per call: gathered
     assert gathered.execution == "gather" and gathered.kv_rows > plan.num_tokens_flat
 
     token, position, w = projections()
     ids = plan.input_ids % 6  # the tiny projection's vocabulary
     held = {}
-    for execution in ("sources", "gather"):
+    for execution, window in (("sources", None), ("sources", 4), ("gather", None)):
         q, k, v = qkv(token, position, w, ids, plan.position_ids)
-        held[execution] = _kv_rows_held(k, v, lambda: prefix_attention(q, k, v, plan,
-                                                                         execution=execution))
-    assert held["sources"] == 2 * plan.num_tokens_flat  # K and V, each once, in place
-    assert held["gather"] == 2 * (plan.num_tokens_flat + plan.cu_seqlens_kv_host[-1])
+        held[execution, window] = _kv_rows_held(k, v, lambda: prefix_attention(
+            q, k, v, plan, window=window, execution=execution))
+    # K and V, each once, in place, with and without a window
+    assert held["sources", None] == held["sources", 4] == 2 * plan.num_tokens_flat
+    assert held["gather", None] == 2 * (plan.num_tokens_flat + plan.cu_seqlens_kv_host[-1])
 
 
 class _KeyCopies(TorchDispatchMode):
@@ -516,7 +570,7 @@ class _RowCopies(_KeyCopies):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
-def _store_step(plan, stored, execution):
+def _store_step(plan, stored, execution, window=None):
     """prefix_attention of a suffix over its stored blocks: its output, the gradients of
     its q, K/V and every stored K/V, and the K/V rows the forward holds."""
     token, position, w = projections()
@@ -525,7 +579,8 @@ def _store_step(plan, stored, execution):
     q, k, v = [x.clone().requires_grad_() for x in own]
     leaves = [(a.clone().requires_grad_(), b.clone().requires_grad_()) for a, b in stored]
     with _RowCopies() as copies:
-        out = prefix_attention(q, k, v, plan, execution=execution, stored=leaves)
+        out = prefix_attention(q, k, v, plan, execution=execution, stored=leaves,
+                               window=window)
     held = 2 * (k.size(0) + sum(a.size(0) for a, _ in leaves)) + copies.rows
     inputs = [q, k, v, *(t for pair in leaves for t in pair)]
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
@@ -536,18 +591,20 @@ def test_a_stored_prefix_is_a_key_source_read_in_place():
     """Every suffix micro-batch (one and two stored blocks) reads its blocks' K/V in place:
     the forward holds its own and the stored K/V rows and copies none (no ``cat(stored,
     own)``, no gather), with the output and every gradient of the concatenate+gather path
-    (the control, which copies both)."""
+    (the control, which copies both). The same under sliding windows (2: some rows reach
+    no stored key, or only a block's last ones; 40: every block whole)."""
     cases = _suffixes_and_stored()
     assert {len(stored) for _, stored in cases} >= {2}  # a stack of blocks, not one
     for plan, stored in cases:
         ext, own = plan.external_rows, plan.num_tokens_flat
-        rows = key_rows(plan)
-        assert (rows.execution, rows.kv_rows, rows.stored_rows) == ("sources", own, ext)
-        got, held = _store_step(plan, stored, "auto")
-        want, held_gather = _store_step(plan, stored, "gather")
-        assert held == 2 * (own + ext)  # K and V: the inputs, nothing copied
-        assert held_gather == 2 * (own + ext + ext + own + plan.cu_seqlens_kv_host[-1])
-        assert key_rows(plan, window=40).kv_rows == own + ext + own + plan.cu_seqlens_kv_host[-1]
-        for a, b in zip(got, want):
-            a, b = a.detach(), b.detach()
-            assert float((a - b).abs().max()) <= 1e-10 * float(b.abs().max())
+        for window in (None, 2, 40):
+            rows = key_rows(plan, window=window)
+            assert (rows.execution, rows.kv_rows, rows.stored_rows) == ("sources", own, ext)
+            got, held = _store_step(plan, stored, "auto", window)
+            want, held_gather = _store_step(plan, stored, "gather", window)
+            assert held == 2 * (own + ext)  # K and V: the inputs, nothing copied
+            if window is None:
+                assert held_gather == 2 * (own + ext + ext + own + plan.cu_seqlens_kv_host[-1])
+            for a, b in zip(got, want):
+                a, b = a.detach(), b.detach()
+                assert float((a - b).abs().max()) <= 1e-10 * float(b.abs().max())
