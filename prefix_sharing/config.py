@@ -14,10 +14,10 @@ from typing import Any, Literal
 __all__ = ["PrefixSharingConfig", "MODES", "BACKENDS"]
 
 Mode = Literal["arbitrary_prefix", "prompt_only", "off"]
-Backend = Literal["auto", "torch", "flash_attn", "te", "npu"]
+Backend = Literal["auto", "torch", "flash_attn", "te", "npu", "flex"]
 
 MODES: tuple[str, ...] = ("arbitrary_prefix", "prompt_only", "off")
-BACKENDS: tuple[str, ...] = ("auto", "torch", "flash_attn", "te", "npu")
+BACKENDS: tuple[str, ...] = ("auto", "torch", "flash_attn", "te", "npu", "flex")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +35,9 @@ class PrefixSharingConfig:
         min_group_size: a prefix is shared only when at least this many sequences hold it
             (the provider included). 2 shares every repeat.
         backend: attention kernel. ``"auto"`` picks flash-attn or TE on CUDA, the fused NPU
-            kernel on Ascend, and the torch reference elsewhere.
+            kernel on Ascend, and the torch reference elsewhere. ``"flex"``: FlexAttention,
+            the plan's tree as one masked call (never picked by ``"auto"``; not run on a GPU
+            by this project yet).
         cross_micro_batch: when a group's computed tokens exceed the micro-batch token budget
             (verl's ``max_token_len_per_gpu``), compute its common prefix once and run its tails
             as consecutive micro-batches that read the prefix's K/V

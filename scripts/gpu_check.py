@@ -6,7 +6,7 @@ H100 with the default ``small`` preset)::
 
     python scripts/gpu_check.py --markdown docs/gpu_check.md --json docs/gpu_check.json
 
-0. Probe, per backend (``flash_attn``, ``te``, ``torch``): the kernel's module imports
+0. Probe, per backend (``flash_attn``, ``te``, ``flex``, ``torch``): the kernel's module imports
    (``transformer_engine.pytorch``, not just ``transformer_engine``, which imports without its
    PyTorch extension) and one small prefix-shaped call runs forward and backward and matches
    the torch kernel (THD, GQA, bottom-right causal, fewer queries than keys: TE needs cuDNN
@@ -58,10 +58,11 @@ from prefix_sharing.presets import PRESETS, ModelPreset, get_preset
 from prefix_sharing.equivalence import QUANTITIES, Comparison, within_tolerance
 from prefix_sharing.workloads import make_workload
 
-BACKENDS = ("flash_attn", "te", "torch")
-# flash-attn and TE compute in half precision only; the torch reference kernel runs both.
+BACKENDS = ("flash_attn", "te", "flex", "torch")
+# flash-attn and TE compute in half precision only; FlexAttention and the torch reference
+# kernel run both.
 CHECK_DTYPES = {"flash_attn": (torch.bfloat16,), "te": (torch.bfloat16,),
-                "torch": (torch.float32, torch.bfloat16)}
+                "flex": (torch.float32, torch.bfloat16), "torch": (torch.float32, torch.bfloat16)}
 # Equivalence shares every common prefix, however short, to exercise the most segments.
 CHECK_CONFIG = PrefixSharingConfig(min_prefix_len=1)
 WARMUP_STEPS = 2
@@ -224,26 +225,28 @@ def probe_backends(device: torch.device,
     smoke = kernel_smoke_test if smoke is None else smoke
     found = {}
     for name in BACKENDS:
-        package = BACKEND_FUNCTIONS[name][2]  # the kernel package; None for torch
-        if package is None:
+        package = BACKEND_FUNCTIONS[name][2]  # the kernel package; None: torch itself
+        if name == "torch":
             found[name] = {"status": "available", "version": torch.__version__}
             continue
-        try:
-            top = import_module(package)
-        except ModuleNotFoundError as error:
-            status = "not installed" if error.name == package else f"import failed: {error}"
-            found[name] = {"status": status, "version": None}
-            continue
-        except Exception as error:  # a wheel built against another torch fails in many ways
-            found[name] = {"status": f"import failed: {_reason(error)}", "version": None}
-            continue
-        version = getattr(top, "__version__", "?")
-        try:
-            import_module(KERNEL_MODULES.get(name, package))
-        except Exception as error:
-            found[name] = {"status": f"import failed: {KERNEL_MODULES[name]}: {_reason(error)}",
-                           "version": version}
-            continue
+        version = torch.__version__  # FlexAttention: in torch, with a backward on CUDA only
+        if package is not None:
+            try:
+                top = import_module(package)
+            except ModuleNotFoundError as error:
+                status = "not installed" if error.name == package else f"import failed: {error}"
+                found[name] = {"status": status, "version": None}
+                continue
+            except Exception as error:  # a wheel built against another torch fails many ways
+                found[name] = {"status": f"import failed: {_reason(error)}", "version": None}
+                continue
+            version = getattr(top, "__version__", "?")
+            try:
+                import_module(KERNEL_MODULES.get(name, package))
+            except Exception as error:
+                found[name] = {"status": f"import failed: {KERNEL_MODULES[name]}: "
+                               f"{_reason(error)}", "version": version}
+                continue
         if device.type != "cuda":
             found[name] = {"status": "needs CUDA", "version": version}
             continue

@@ -53,6 +53,9 @@ def test_cuda_backends_are_reported_as_skipped_rows_never_as_passed(run):
         assert [(r["result"], r["status"]) for r in rows] == [("skipped", "not installed")]
     assert "flash_attn: not installed" in run[0].stdout
     assert "skipped: flash_attn (not installed)" in report["summary"]
+    # FlexAttention is in torch, but has no CPU backward
+    flex = [r for r in report["equivalence"] + report["timing"] if r["backend"] == "flex"]
+    assert [(r["result"], r["status"]) for r in flex] == [("skipped", "needs CUDA")]
 
 
 def test_torch_checks_pass_in_both_dtypes_on_every_workload(run):

@@ -20,6 +20,7 @@ from ..plan import SharingPlan
 from ..refusals import refuse
 from .backends import (ROW_KEY_BOUNDS, get_backend, get_lse_kernel, host_boundaries,
                        resolve_backend)
+from .flex_backend import tree_attention_flex
 from .merge import KeyPart, SourceLayout, attention_over_sources
 from .sources import EXECUTIONS, choose_execution, runnable_layout, source_layout
 from .torch_backend import varlen_attention_torch
@@ -54,8 +55,8 @@ def varlen_attention(
         window: keys each query sees, itself included (``None``: all earlier keys).
         sinks: ``(nheads,)`` sink logits (``None``: vanilla softmax); the torch kernel only
             (the others refuse them).
-        backend: ``"auto"``, ``"torch"``, ``"flash_attn"``, ``"te"``, ``"npu"``; ``"auto"``
-            chooses by q's device and dtype (see :func:`~.backends.resolve_backend`).
+        backend: ``"auto"``, ``"torch"``, ``"flash_attn"``, ``"te"``, ``"npu"``, ``"flex"``;
+            ``"auto"`` chooses by q's device and dtype (see :func:`~.backends.resolve_backend`).
         cu_seqlens_q_host, cu_seqlens_k_host: the same boundaries as host ints, for the kernels
             that need them on the host (torch, npu); computed from the tensors when omitted,
             which reads the device.
@@ -120,8 +121,8 @@ def prefix_attention(
         backend: the kernel, as in :func:`varlen_attention`.
         kernel_cache: as in :func:`varlen_attention` (one dict per layer).
         execution: ``"auto"`` (the rule of :mod:`.sources`, chosen once per plan on the
-            host), or ``"sources"`` / ``"gather"`` / ``"in_place"`` to force one (a forced
-            one the plan or backend cannot run raises).
+            host), or ``"sources"`` / ``"tree_mask"`` / ``"gather"`` / ``"in_place"`` to force
+            one (a forced one the plan or backend cannot run raises).
         stored: the K/V of the plan's ``external_rows`` (a cross-micro-batch store's blocks,
             ``(k_i, v_i)`` in row order, adding up to ``external_rows``): key sources read in
             place under ``"sources"``; concatenated in front of ``k``, ``v`` under
@@ -155,6 +156,8 @@ def prefix_attention(
         out, _ = attention_over_sources(q, k, v, layout, get_lse_kernel(name), softmax_scale,
                                         sinks=sinks, stored=stored)
         return out
+    if chosen == "tree_mask":  # one FlexAttention call over the flat rows, K/V in place
+        return tree_attention_flex(q, k, v, plan, softmax_scale, window=window, sinks=sinks)
     if stored:  # the gather addresses cat(stored rows, flat rows)
         k = torch.cat([*(key for key, _ in stored), k])
         v = torch.cat([*(value for _, value in stored), v])
@@ -180,6 +183,10 @@ def _check_forced(execution: str, plan: SharingPlan, k: torch.Tensor, window: in
         raise ValueError(f"execution must be 'auto' or one of {EXECUTIONS}; got {execution!r}")
     if execution == "in_place" and (plan.has_kv_gather or k.size(0) != plan.num_tokens_flat):
         raise ValueError("execution='in_place': some segment reads keys beyond its own rows")
+    if execution == "tree_mask" and (backend != "flex" or source_layout(plan) is None
+                                     or k.size(0) != plan.num_tokens_flat):
+        raise ValueError("execution='tree_mask' runs on backend='flex' over K/V of a "
+                         "planner-built plan's flat rows (no stored rows)")
     if execution == "sources" and get_lse_kernel(backend) is None:
         raise refuse("kernels.lse", f"backend {backend!r}, execution='sources'")
     if execution == "sources" and (

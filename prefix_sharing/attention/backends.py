@@ -41,6 +41,7 @@ BACKEND_FUNCTIONS: dict[str, tuple[str, str, str | None, str | None]] = {
     "flash_attn": ("flash_attn_backend", "varlen_attention_flash", "flash_attn", "cuda"),
     "te": ("te_backend", "varlen_attention_te", "transformer_engine", "cuda"),
     "npu": ("npu_backend", "varlen_attention_npu", "torch_npu", "npu"),
+    "flex": ("flex_backend", "varlen_attention_flex", None, None),
 }
 # backend name -> (module, forward, backward) of its with-lse pair: the forward returns
 # ``(out, lse)`` (lse ``(nheads, total_q)`` float32, natural log, flash-attn's ``softmax_lse``),
@@ -91,6 +92,7 @@ KERNEL_DTYPES: dict[str, tuple[torch.dtype, ...] | None] = {
     "flash_attn": _HALF,
     "te": _HALF,
     "npu": (*_HALF, torch.float32),
+    "flex": None,
 }
 
 

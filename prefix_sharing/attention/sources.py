@@ -1,6 +1,6 @@
 """How a plan's attention runs, chosen once per plan on the host, and its key-source layout.
 
-Three executions compute the same attention (every computed token over all earlier tokens of
+Four executions compute the same attention (every computed token over all earlier tokens of
 its own sequence):
 
 - ``"in_place"``: no segment reads a prefix (the identity plan; chains of strict prefixes):
@@ -11,6 +11,8 @@ its own sequence):
   the dense rectangle of each node's readers over its keys). Both calls read K/V in place (the
   rows between nodes are segments without queries), and the partial results merge exactly by
   their log-sum-exp (:mod:`.merge`). K/V held per layer: the computed rows, ``T_flat``.
+- ``"tree_mask"``: one FlexAttention call over the flat rows, the plan's tree as its mask
+  (:mod:`.flex_backend`): K/V in place, no merge. K/V held per layer: ``T_flat``.
 - ``"gather"``: each segment's keys copied together (``index_select`` through
   ``kv_gather_index``): K/V held per layer is every sequence's full key range that owns a
   tail, the total token count when every sequence owns one.
@@ -36,6 +38,8 @@ The rule (:func:`choose_execution`), in order:
    concatenated a stored prefix itself), or stored sources that do not add up to the plan's
    ``external_rows``: ``"gather"``.
 2. No segment reads a prefix (nor a stored one): ``"in_place"``.
+   FlexAttention (backend ``"flex"``) without stored rows: ``"tree_mask"`` (it has no
+   backward at a given output and log-sum-exp, so it merges nothing, and needs not to).
 3. The backend has no with-lse kernel (:data:`~.backends.LSE_KERNELS`), or the plan no
    ``prefix_runs_host``: ``"gather"``.
 4. A sliding window of ``w`` keys that cuts a node, on a kernel without a first key per row
@@ -88,7 +92,7 @@ __all__ = [
     "source_layout",
 ]
 
-EXECUTIONS = ("in_place", "sources", "gather")
+EXECUTIONS = ("in_place", "sources", "tree_mask", "gather")
 
 
 def choose_execution(plan: SharingPlan, key_rows_given: int, window: int | None,
@@ -100,6 +104,8 @@ def choose_execution(plan: SharingPlan, key_rows_given: int, window: int | None,
         return "gather"
     if not plan.has_kv_gather:
         return "in_place"
+    if backend == "flex":
+        return "tree_mask" if source_layout(plan) is not None else "gather"
     if runnable_layout(plan, backend, stored_rows, window=window) is None:
         return "gather"
     return "sources"

@@ -24,6 +24,11 @@ Sources:
   ``softmax_sum``, ``attention_in``, ``scale_value``). Windows: flash-attn ``window_size=(left, right)`` and TE's
   forward ``window_size`` bound the keys to ``[i + L - s - left, i + L - s + right]``
   (bottom-right, as their causal masks).
+- FlexAttention: ``torch.nn.attention.flex_attention.flex_attention`` docstring (torch 2.13:
+  q ``(B, Hq, L, E)``, k ``(B, Hkv, S, E)``, v ``(B, Hkv, S, Ev)``, ``enable_gqa`` broadcasting
+  key head ``h // (Hq // Hkv)``, ``scale`` defaulting to ``E ** -0.5``, the ``block_mask``'s
+  ``mask_mod`` deciding which (query, key) pairs are scored, ``return_aux=AuxRequest(lse=True)``
+  the natural-log logsumexp ``(B, Hq, L)``); differentiable, which the CPU op is not.
 
 Limits (see ``prefix_sharing/attention/kernel_limits.py`` for the sources): flash-attn 2 head
 dims up to 256; TE's THD kernels head dims up to 256 and, before TE 2.2, bottom-right segments
@@ -471,3 +476,28 @@ def install_torch_npu(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
     module.calls, module.backward_calls = kernel.calls, kernel.backward_calls
     monkeypatch.setitem(sys.modules, "torch_npu", module)
     return module
+
+
+def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None,
+                   enable_gqa=False, return_lse=False, kernel_options=None, *, return_aux=None):
+    """FlexAttention's documented attention, dense and differentiable (autograd through
+    einsum): the pairs the block mask's ``mask_mod`` admits, evaluated on every (query, key)
+    pair of the full grid, nothing else."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    assert score_mod is None and kernel_options is None and not return_lse
+    assert query.dim() == key.dim() == value.dim() == 4 and query.size(0) == 1
+    heads, heads_k = query.size(1), key.size(1)
+    assert enable_gqa or heads == heads_k
+    assert heads % heads_k == 0 and key.size(-1) == query.size(-1)
+    group = heads // heads_k
+    k, v = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
+    scale = query.size(-1) ** -0.5 if scale is None else scale
+    allowed = create_mask(block_mask.mask_mod, 1, 1, query.size(2), key.size(2),
+                          device=query.device)[0, 0]
+    scores = torch.einsum("bhqd,bhkd->bhqk", query, k) * scale
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    lse = scores.logsumexp(-1)
+    out = torch.einsum("bhqk,bhkd->bhqd", (scores - lse[..., None]).exp(), v)
+    assert return_aux is not None and return_aux.lse
+    return out, types.SimpleNamespace(lse=lse.detach())

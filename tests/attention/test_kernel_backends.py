@@ -269,7 +269,7 @@ def test_auto_on_cpu_picks_torch(monkeypatch, dtype):
 
 
 def test_a_named_backend_is_kept_for_a_dtype_it_computes_in():
-    for name in ("torch", "flash_attn", "te", "npu"):
+    for name in ("torch", "flash_attn", "te", "npu", "flex"):
         assert resolve_backend(name, torch.device("cpu"), torch.bfloat16) == name
     assert resolve_backend("npu", torch.device("cpu"), torch.float32) == "npu"
     assert resolve_backend("torch", torch.device("cpu"), torch.float64) == "torch"
