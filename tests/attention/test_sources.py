@@ -280,14 +280,14 @@ class _CountScatters(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _step(seqs, execution, seed=0):
+def _step(seqs, execution, seed=0, window=None):
     """One forward + backward of prefix_attention; the leaves' gradients."""
     plan = build_plan(seqs, EVERY_PREFIX)
     token, position, w = projections(seed)
     with torch.no_grad():
         q, k, v = qkv(token, position, w, plan.input_ids, plan.position_ids)
     leaves = [x.float().requires_grad_() for x in (q, k, v)]
-    out = prefix_attention(*leaves, plan, execution=execution)
+    out = prefix_attention(*leaves, plan, execution=execution, window=window)
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed))
     with _CountScatters() as counter:
         grads = torch.autograd.grad(out, leaves, grad)
@@ -304,9 +304,11 @@ def test_the_backward_adds_into_no_rows_by_index(execution, scatters):
     assert _step(TREE, execution)[1] == scatters
 
 
-def test_gradients_of_two_identical_runs_are_bitwise_equal():
-    first, second = _step(TREE, "sources")[0], _step(TREE, "sources")[0]
-    assert all(torch.equal(a, b) for a, b in zip(first, second))
+@pytest.mark.parametrize("window", [None, 2])
+def test_gradients_of_two_identical_runs_are_bitwise_equal(window):
+    first, second = (_step(TREE, "sources", window=window) for _ in range(2))
+    assert first[1] == second[1] == 0  # no scatter, with or without a window
+    assert all(torch.equal(a, b) for a, b in zip(first[0], second[0]))
 
 
 # small enough for the projections' 64 positions
