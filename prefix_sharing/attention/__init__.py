@@ -127,8 +127,8 @@ def prefix_attention(
             ``(k_i, v_i)`` in row order, adding up to ``external_rows``): key sources read in
             place under ``"sources"``; concatenated in front of ``k``, ``v`` under
             ``"gather"``, the execution chosen on purpose where the sources cannot run (a
-            backend without a with-lse pair: TE; a sliding window that cuts a node on
-            flash-attn or torch_npu; stored rows
+            backend without a with-lse pair: FlexAttention; a sliding window that cuts a node
+            on flash-attn, TE or torch_npu; stored rows
             the plan does not lay out, read through ``kv_gather_index`` as before). Gradients
             reach them either way.
 

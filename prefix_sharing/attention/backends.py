@@ -52,6 +52,7 @@ LSE_KERNELS: dict[str, tuple[str, str, str]] = {
     "torch": ("torch_backend", "attention_lse_torch", "attention_lse_backward_torch"),
     "flash_attn": ("flash_attn_backend", "attention_lse_flash", "attention_lse_backward_flash"),
     "npu": ("npu_backend", "attention_lse_npu", "attention_lse_backward_npu"),
+    "te": ("te_backend", "attention_lse_te", "attention_lse_backward_te"),
 }
 # With-lse kernels whose causal calls take segments with keys but no queries (rows read by
 # nobody, K/V left in place): torch's (it skips them), torch_npu's (its calls leave them out).
@@ -60,8 +61,8 @@ LSE_KERNELS: dict[str, tuple[str, str, str]] = {
 CAUSAL_KEYS_ONLY_SEGMENTS = frozenset({"torch", "npu"})
 # With-lse kernels that take a per-row first key in non-causal calls (``first_key``): a sliding
 # window over a shared node, whose readers stack in one segment at different distances from it.
-# flash-attn's and torch_npu's bands are one ``(left, right)`` per call: where a window cuts a
-# node, they are served by the trimmed gather (:mod:`.sources`).
+# flash-attn's, TE's and torch_npu's bands are one ``(left, right)`` per call: where a window
+# cuts a node, they are served by the trimmed gather (:mod:`.sources`).
 ROW_KEY_BOUNDS = frozenset({"torch"})
 # Kernels that take the segment boundaries as host ints (``cu_seqlens_*_host``): without them
 # they copy ``cu_seqlens`` to the host themselves, a device sync in every call.

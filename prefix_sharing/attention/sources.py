@@ -43,7 +43,7 @@ The rule (:func:`choose_execution`), in order:
 3. The backend has no with-lse kernel (:data:`~.backends.LSE_KERNELS`), or the plan no
    ``prefix_runs_host``: ``"gather"``.
 4. A sliding window of ``w`` keys that cuts a node, on a kernel without a first key per row
-   (:data:`~.backends.ROW_KEY_BOUNDS`: flash-attn, torch_npu): ``"gather"``, trimmed to
+   (:data:`~.backends.ROW_KEY_BOUNDS`: flash-attn, TE, torch_npu): ``"gather"``, trimmed to
    the window (:mod:`.window`). Over sources, a reader's query at position ``p`` reads a
    node's key at position ``j`` only if ``j >= p - w + 1``: a bound that depends on each
    reader's distance from the node, and a node's readers are stacked in one segment, so the
@@ -51,7 +51,7 @@ The rule (:func:`choose_execution`), in order:
    (:attr:`~.merge.KeyPart.first_key`), and leaves out the rows past ``node end + w - 1``,
    which read none of the node's keys (for a row with every key masked, aten's kernel
    returns out 0 and lse 0, not -inf, which the merge would count as a softmax term of
-   weight 1; torch 2.13). The own part takes the window as its band. flash-attn's and
+   weight 1; torch 2.13). The own part takes the window as its band. flash-attn's, TE's and
    torch_npu's bands are one ``(left, right)`` per call, aligned bottom-right per segment:
    each distinct distance would need a call of its own. A window that reaches every kept
    row's node whole bounds nothing there, and runs over sources on every with-lse kernel.
@@ -260,10 +260,10 @@ def _read_part(reads: _Reads, bounds_q: tuple[int, ...], tails: list[int], lo: i
     place: the rows between nodes are segments without queries) and its query rows; ``None``
     where no local row reads it. With a window a row at position ``p`` reads a node's keys
     from position ``p - window + 1`` on: rows reaching none of them are left out, the others
-    carry their first key."""
+    carry their first key, and the node's keys start at the first one any of them reads."""
     q_rows, first, cu_q, cu_k = [], [], [0], [0]
     for (start, stop), readers in reads.nodes:
-        count = 0
+        rows, bounds = [], []
         for segment, position in readers:
             a, b = max(bounds_q[segment], lo), min(bounds_q[segment + 1], hi)
             if b <= a:
@@ -274,14 +274,19 @@ def _read_part(reads: _Reads, bounds_q: tuple[int, ...], tails: list[int], lo: i
                 positions = tails[segment] + local - bounds_q[segment]
                 bound = np.maximum(positions - window + 1 - position, 0)
                 local, bound = local[bound < stop - start], bound[bound < stop - start]
-            q_rows.append(local - lo)
-            first.append(bound)
-            count += local.size
+            rows.append(local - lo)
+            bounds.append(bound)
+        count = sum(piece.size for piece in rows)
         if not count:
             continue
-        if start > cu_k[-1]:
+        # the node's keys from the first one a kept row reads (the rows before it join the
+        # gap before the node, a segment without queries)
+        skip = min(int(bound.min()) for bound in bounds if bound.size)
+        q_rows += rows
+        first += [bound - skip for bound in bounds]
+        if start + skip > cu_k[-1]:
             cu_q.append(cu_q[-1])
-            cu_k.append(start)
+            cu_k.append(start + skip)
         cu_q.append(cu_q[-1] + count)
         cu_k.append(stop)
     if cu_q[-1] == 0:

@@ -45,6 +45,7 @@ import importlib.machinery
 import sys
 import types
 
+import numpy as np
 import pytest
 import torch
 
@@ -314,22 +315,130 @@ class _DotProductAttention(torch.nn.Module):
         return out.view(*out.shape[:-2], -1)  # thd output: [t, h*dv]
 
 
-def install_transformer_engine(monkeypatch: pytest.MonkeyPatch,
-                               version: str = "2.2.0") -> type[_DotProductAttention]:
-    """Fake ``transformer_engine`` (``__version__`` = ``version``) and
-    ``transformer_engine.pytorch``; returns the ``DotProductAttention`` class, whose
-    ``instances`` lists the modules built in this test. Before 2.2 the fake, like TE's
-    FusedAttention, takes bottom-right THD segments only when the longest are multiples of 64."""
+def install_transformer_engine(monkeypatch: pytest.MonkeyPatch, version: str = "2.2.0",
+                               cudnn: tuple[int, int, int] = (9, 10, 0),
+                               ) -> type[_DotProductAttention]:
+    """Fake ``transformer_engine`` (``__version__`` = ``version``, cuDNN ``cudnn``) and
+    ``transformer_engine.pytorch`` with its fused-attention functions
+    (:class:`_FusedAttn`, as ``DotProductAttention.fused``); returns the
+    ``DotProductAttention`` class, whose ``instances`` lists the modules built in this test.
+    Before 2.2 the fake, like TE's FusedAttention, takes bottom-right THD segments only when
+    the longest are multiples of 64."""
     release = tuple(int(n) for n in version.split(".")[:2])
+    fused = _FusedAttn(release, cudnn)
     cls = type("DotProductAttention", (_DotProductAttention,), {"instances": [],
-                                                                 "release": release})
+                                                                 "release": release,
+                                                                 "fused": fused})
     package = _module("transformer_engine", package=True)
     package.__version__ = version
     package.pytorch = _module("transformer_engine.pytorch", package=True)
     package.pytorch.DotProductAttention = cls
-    monkeypatch.setitem(sys.modules, "transformer_engine", package)
-    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", package.pytorch)
+    extensions = _module("transformer_engine.pytorch.cpp_extensions", package=True)
+    extensions.fused_attn = _module("transformer_engine.pytorch.cpp_extensions.fused_attn")
+    extensions.fused_attn.FusedAttnBackend = {name: name for name in (
+        "F16_max512_seqlen", "F16_arbitrary_seqlen", "FP8", "No_Backend")}
+    extensions.fused_attn.fused_attn_fwd = fused.fused_attn_fwd
+    extensions.fused_attn.fused_attn_bwd = (
+        fused.fused_attn_bwd if release <= (2, 12) else fused.fused_attn_bwd_without_dqkv_dtype)
+    constants = _module("transformer_engine.pytorch.constants")
+    constants.TE_DType = {torch.float16: "kFloat16", torch.bfloat16: "kBFloat16"}
+    utils = _module("transformer_engine.pytorch.utils")
+    utils.get_cudnn_version = lambda: cudnn
+    for module in (package, package.pytorch, extensions, extensions.fused_attn, constants,
+                   utils):
+        monkeypatch.setitem(sys.modules, module.__name__, module)
     return cls
+
+
+class _FusedAttn:
+    """``transformer_engine.pytorch.cpp_extensions.fused_attn``'s ``fused_attn_fwd`` and
+    ``fused_attn_bwd`` as their docstrings (2.2 to 2.12, and main without ``dqkv_dtype``) and
+    TE's context-parallel attention (their caller) state them, on the THD path this project
+    calls: ``qkv_layout="thd_thd_thd"``, ``attn_mask_type`` ``"padding"`` (every key of a
+    segment, which may hold no query) or ``"padding_causal_bottom_right"`` with ``window_size
+    (left, 0)``, the cuDNN backend; ``aux_ctx_tensors = [softmax_stats, rng_state]``, the stats
+    the rows' natural-log softmax denominators, float32, ``[t, h, 1]`` from cuDNN 9.6 and
+    ``[b, h, max_seqlen_q, 1]`` before. Keywords are checked against the documented names."""
+
+    def __init__(self, release, cudnn):
+        self.release, self.cudnn = release, cudnn
+        self.calls: list[dict] = []
+        self.backward_calls: list[dict] = []
+
+    def _common(self, q, k, v, call):
+        assert call["fused_attention_backend"] == "F16_arbitrary_seqlen"
+        assert call["qkv_layout"] == "thd_thd_thd" and call["dropout"] == 0.0
+        assert call["fake_dtype"] == q.dtype
+        assert q.dtype in (torch.float16, torch.bfloat16), f"no {q.dtype} fused THD kernel"
+        assert q.dim() == k.dim() == v.dim() == 3 and k.shape[:-1] == v.shape[:-1]
+        assert q.size(-1) == k.size(-1) and q.size(1) % k.size(1) == 0
+        mask = call["attn_mask_type"]
+        assert mask in ("padding", "padding_causal_bottom_right"), mask
+        left, right = call["window_size"]
+        causal = mask != "padding"
+        assert (left, right) == (-1, -1) or (causal and left >= 0 and right == 0)
+        for name in ("cu_seqlens_q", "cu_seqlens_kv"):
+            assert torch.equal(call[name], call[f"{name}_padded"])
+        _check_cu_seqlens(call["cu_seqlens_q"], call["cu_seqlens_kv"], q, k)
+        bounds_q, bounds_k = call["cu_seqlens_q"].tolist(), call["cu_seqlens_kv"].tolist()
+        assert call["max_seqlen_q"] >= max(np.diff(bounds_q), default=0)
+        return bounds_q, bounds_k, (None if left < 0 else left), causal
+
+    def fused_attn_fwd(self, *, is_training, max_seqlen_q, max_seqlen_kv, cu_seqlens_q,
+                       cu_seqlens_kv, q, k, v, fake_dtype, fused_attention_backend,
+                       cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None, attn_scale=None,
+                       dropout=0.0, qkv_layout="sbh3d", attn_mask_type="padding",
+                       window_size=(-1, -1)):
+        call = dict(locals())
+        del call["self"]
+        assert is_training
+        bounds_q, bounds_k, left, causal = self._common(q, k, v, call)
+        self.calls.append(call)
+        out, lse = _segment_attention(q, k, v, bounds_q, bounds_k, attn_scale, left, causal,
+                                      with_lse=True)
+        return out, [self._stats(lse, bounds_q, max_seqlen_q),
+                     torch.zeros(2, dtype=torch.int64)]
+
+    def _stats(self, lse, bounds_q, max_seqlen_q):
+        if self.cudnn >= (9, 6, 0):
+            return lse.t().contiguous()[..., None]
+        stats = torch.full((len(bounds_q) - 1, lse.size(0), max_seqlen_q, 1), float("nan"))
+        for i, (qs, qe) in enumerate(zip(bounds_q[:-1], bounds_q[1:])):
+            stats[i, :, : qe - qs, 0] = lse[:, qs:qe]
+        return stats
+
+    def _lse(self, stats, bounds_q):
+        if self.cudnn >= (9, 6, 0):
+            assert stats.shape[1:] == (stats.size(1), 1) and stats.size(0) == bounds_q[-1]
+            return stats[..., 0].t()
+        return torch.cat([stats[i, :, : qe - qs, 0] for i, (qs, qe)
+                          in enumerate(zip(bounds_q[:-1], bounds_q[1:]))], 1)
+
+    def fused_attn_bwd(self, *, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k,
+                       v, o, d_o, fake_dtype, dqkv_dtype, aux_ctx_tensors,
+                       fused_attention_backend, cu_seqlens_q_padded=None,
+                       cu_seqlens_kv_padded=None, attn_scale=None, dropout=0.0,
+                       qkv_layout="sbh3d", attn_mask_type="padding", window_size=(-1, -1),
+                       deterministic=False):
+        assert dqkv_dtype == {torch.float16: "kFloat16", torch.bfloat16: "kBFloat16"}[q.dtype]
+        return self.fused_attn_bwd_without_dqkv_dtype(**{
+            name: value for name, value in locals().items() if name not in ("self",
+                                                                            "dqkv_dtype")})
+
+    def fused_attn_bwd_without_dqkv_dtype(
+            self, *, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, o, d_o,
+            fake_dtype, aux_ctx_tensors, fused_attention_backend, cu_seqlens_q_padded=None,
+            cu_seqlens_kv_padded=None, attn_scale=None, dropout=0.0, qkv_layout="sbh3d",
+            attn_mask_type="padding", window_size=(-1, -1), deterministic=False):
+        call = dict(locals())
+        del call["self"]
+        bounds_q, bounds_k, left, causal = self._common(q, k, v, call)
+        stats, rng_state = aux_ctx_tensors
+        assert o.shape[:-1] == q.shape[:-1] and d_o.shape == o.shape
+        self.backward_calls.append(call)
+        grads = _segment_attention_backward(d_o, q, k, v, o, self._lse(stats, bounds_q),
+                                            bounds_q, bounds_k, attn_scale, left, causal)
+        return (*(g.to(q.dtype) for g in grads), None)
 
 
 # ---------------------------------------------------------------- torch_npu

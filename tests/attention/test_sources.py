@@ -13,7 +13,6 @@ from prefix_sharing.attention.backends import get_lse_kernel
 from prefix_sharing.attention.sources import key_rows, source_layout
 from prefix_sharing.errors import UnsupportedSetup
 from prefix_sharing.workloads import make_workload
-from tests.attention.test_kernel_backends import te  # noqa: F401 (a fixture)
 from tests.attention.test_prefix_attention import DIM, HEADS, KV_HEADS, projections, qkv
 from tests.strategies import forests
 
@@ -215,19 +214,23 @@ def test_a_window_over_sources_is_the_plain_windowed_attention(seqs, window, ran
 
 
 def test_a_window_bounds_each_reader_row_from_its_first_key():
-    """The documented plan with a window of 2: ``b``'s first tail row (position 3) reads the
-    node's last key (position 2) only; its second (position 4) reaches none of the node and
-    leaves the node part. flash-attn's band is one per call: the gather serves it there,
-    and a window reaching the node whole runs over sources on it too."""
+    """The documented plan (``b``'s tail, positions 3 and 4, reads the node of positions 0..2).
+    A window of 3: row 4 reads the node from key 1, row 5 from key 2; the node's keys start at
+    key 1 (row 0 joins the gap before it) and each row carries its first key there, which
+    flash-attn's one band per call cannot take: the gather serves it. A window of 2: row 5
+    reaches none of the node and leaves the call, row 4 reads key 2 alone - no row bound is
+    left, so it runs over sources on flash-attn too."""
     plan = build_plan([[5, 6, 7, 8], [5, 6, 7, 9, 9], [5, 6]], EVERY_PREFIX)
-    own, nodes = source_layout(plan, window=2).parts
-    assert own.causal and own.window == 2 and own.cu_seqlens_k_host == (0, 4, 6)
-    assert nodes.q_index.tolist() == [4] and nodes.first_key.tolist() == [2]
-    assert nodes.cu_seqlens_q_host == (0, 1, 1) and nodes.cu_seqlens_k_host == (0, 3, 6)
-    assert source_layout(plan, window=5).parts[1].first_key is None  # reaches position 0
-    assert key_rows(plan, window=2, backend="flash_attn").execution == "gather"
-    assert key_rows(plan, window=5, backend="flash_attn").execution == "sources"
-    assert key_rows(plan, window=2, backend="torch").execution == "sources"
+    own, nodes = source_layout(plan, window=3).parts
+    assert own.causal and own.window == 3 and own.cu_seqlens_k_host == (0, 4, 6)
+    assert nodes.q_index.tolist() == [4, 5] and nodes.first_key.tolist() == [0, 1]
+    assert nodes.cu_seqlens_q_host == (0, 0, 2, 2) and nodes.cu_seqlens_k_host == (0, 1, 3, 6)
+    assert key_rows(plan, window=3, backend="flash_attn").execution == "gather"
+    assert key_rows(plan, window=3, backend="torch").execution == "sources"
+    _, nodes = source_layout(plan, window=2).parts
+    assert nodes.q_index.tolist() == [4] and nodes.first_key is None
+    assert nodes.cu_seqlens_q_host == (0, 0, 1, 1) and nodes.cu_seqlens_k_host == (0, 2, 3, 6)
+    assert key_rows(plan, window=2, backend="flash_attn").execution == "sources"
 
 
 def _backward_at_own_states(kernel):
@@ -369,23 +372,34 @@ def _kv_rows_held(k, v, run) -> int:
 # ------------------------------------------------ flash-attn and torch_npu (CPU fakes)
 # Their with-lse pairs are checked against the fakes written from the kernels' documentation
 # (tests/attention/fake_kernels.py: flash-attn's softmax_lse; torch_npu's softmax_max /
-# softmax_sum in their TND row layout and npu_fusion_attention_grad), in float16, against the
-# einsum reference on the same rounded values.
+# softmax_sum in their TND row layout and npu_fusion_attention_grad; Transformer Engine's
+# fused_attn_fwd / fused_attn_bwd softmax statistics, per row from cuDNN 9.6 and per padded
+# segment before - "te@cudnn9.5", on a TE release whose backward takes no dqkv_dtype), in
+# float16, against the einsum reference on the same rounded values.
 
 FORESTS = [TREE, [[1, 2, 3, 4], [1, 2, 3, 4], [1, 2]],  # duplicates and a strict prefix
            [[0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5, 1], [0, 1, 5], [3, 3]]]
-ACCELERATORS = ["flash_attn", "npu"]
+ACCELERATORS = ["flash_attn", "npu", "te", "te@cudnn9.5"]
 
 
-def _install(monkeypatch, backend):
-    """A fresh fake of ``backend``'s kernel package for the current test (or example)."""
-    from prefix_sharing.attention import npu_backend
+def _install(monkeypatch, accelerator):
+    """A fresh fake of an accelerator's kernel package for the current test (or example);
+    the object recording its calls (``calls``, ``backward_calls``)."""
+    from prefix_sharing.attention import npu_backend, te_backend
     from tests.attention import fake_kernels
 
-    if backend == "npu":
+    if accelerator == "npu":
         monkeypatch.setattr(npu_backend, "_COMPRESSED_MASKS", {})
         return fake_kernels.install_torch_npu(monkeypatch)
+    if accelerator.startswith("te"):
+        monkeypatch.setattr(te_backend, "_MODULES", {})
+        variant = dict(version="2.13.0", cudnn=(9, 5, 0)) if "@" in accelerator else {}
+        return fake_kernels.install_transformer_engine(monkeypatch, **variant).fused
     return fake_kernels.install_flash_attn(monkeypatch)
+
+
+def _backend(accelerator):
+    return accelerator.split("@")[0]
 
 
 def _half_inputs(plan):
@@ -411,22 +425,27 @@ def _gathered_lse(plan, q, k, v, window, backend):
         backend=backend, return_lse=True)
 
 
-@pytest.mark.parametrize("backend", ACCELERATORS)
+@pytest.mark.parametrize("accelerator", ACCELERATORS)
 @settings(max_examples=20, deadline=None)
 @given(seqs=forests(max_new_tokens=6), window=st.sampled_from([None, 1, 2, 40]))
-def test_out_and_lse_of_the_accelerator_kernels_equal_the_einsum_reference(backend, seqs,
+def test_out_and_lse_of_the_accelerator_kernels_equal_the_einsum_reference(accelerator, seqs,
                                                                           window):
     """Random forests (empty tails, strict prefixes, duplicates), windows drawn; each segment
     over its gathered keys, the log-sum-exp read from the kernel's own outputs."""
+    backend = _backend(accelerator)
     plan = build_plan(seqs, EVERY_PREFIX)
     q, k, v = _half_inputs(plan)
     with pytest.MonkeyPatch.context() as monkeypatch:  # a fresh fake per example
-        kernel = _install(monkeypatch, backend)
+        kernel = _install(monkeypatch, accelerator)
         out, lse = _gathered_lse(plan, q, k, v, window, backend)
     want_out, want_lse = _reference_of_rows(plan, q, k, v, window)
     assert lse.dtype == torch.float32 and lse.shape == (HEADS, plan.num_tokens_flat)
     if backend == "flash_attn":
         assert kernel.calls[0]["return_attn_probs"]
+    elif backend == "te":
+        band = (-1, -1) if window is None else (window - 1, 0)
+        assert {(call["attn_mask_type"], call["window_size"]) for call in kernel.calls} == {
+            ("padding_causal_bottom_right", band)}
     else:
         assert {call["sparse_mode"] for call in kernel.calls} == {3 if window is None else 4}
     torch.testing.assert_close(plan.restore(out).double(), want_out, rtol=2e-3, atol=2e-3)
@@ -452,15 +471,16 @@ def test_the_npu_statistics_are_read_in_the_kernels_row_layout(monkeypatch):
     assert errors["documented"] < 1e-5 and errors["token_major"] > 0.1, errors
 
 
-@pytest.mark.parametrize("backend", ACCELERATORS)
+@pytest.mark.parametrize("accelerator", ACCELERATORS)
 @pytest.mark.parametrize("seqs", FORESTS, ids=["tree", "duplicates", "mixed"])
-def test_sources_on_the_accelerator_kernels_equal_the_einsum_reference(monkeypatch, backend,
+def test_sources_on_the_accelerator_kernels_equal_the_einsum_reference(monkeypatch, accelerator,
                                                                        seqs):
     """prefix_attention over sources (the rule's choice wherever a segment reads a prefix;
     each part's backward at the merged state). flash-attn's rule: output and q/k/v gradients no further from the float64
     reference on the same values than 2x (gradients 3x) the gather on the same kernel, plus
     float16's rounding floor."""
-    kernel = _install(monkeypatch, backend)
+    backend = _backend(accelerator)
+    kernel = _install(monkeypatch, accelerator)
     plan = build_plan(seqs, EVERY_PREFIX)
     assert key_rows(plan, backend=backend).execution == (
         "sources" if plan.has_kv_gather else "in_place")
@@ -484,10 +504,36 @@ def test_sources_on_the_accelerator_kernels_equal_the_einsum_reference(monkeypat
         causal = {call["causal"] for call in kernel.backward_calls}
         assert causal == ({True, False} if plan.has_kv_gather else {True})  # the rectangles
         assert all(call["deterministic"] for call in kernel.backward_calls)
+    elif backend == "te":  # the rectangles: "padding" (every key of a segment)
+        masks = {call["attn_mask_type"] for call in kernel.backward_calls}
+        assert masks == ({"padding_causal_bottom_right", "padding"} if plan.has_kv_gather
+                         else {"padding_causal_bottom_right"})
+        assert all(call["deterministic"] for call in kernel.backward_calls)
     else:  # the rectangles: sparse_mode 0 without a mask, forward and backward
         modes = {call["sparse_mode"] for call in kernel.backward_calls}
         assert modes == ({3, 0} if plan.has_kv_gather else {3})
         assert {call["sparse_mode"] for call in kernel.calls} == modes | {3}  # and the gather
+
+
+@pytest.mark.parametrize("accelerator", ACCELERATORS)
+@pytest.mark.parametrize("window", [1, 2, 3, 40])
+def test_windows_on_the_accelerator_kernels(monkeypatch, accelerator, window):
+    """A window on a kernel with one band per call: over sources where no row bound is left
+    in a node's call (the window reaches each kept row's node keys whole, or a single key),
+    the trimmed gather where one is; either way the windowed attention of every row."""
+    backend = _backend(accelerator)
+    _install(monkeypatch, accelerator)
+    executions = set()
+    for seqs in FORESTS:
+        plan = build_plan(seqs, EVERY_PREFIX)
+        q, k, v = (x.detach() for x in _half_inputs(plan))
+        executions.add(key_rows(plan, window=window, backend=backend).execution)
+        out = prefix_attention(q, k, v, plan, window=window, backend=backend)
+        want, _ = _reference_of_rows(plan, q, k, v, window)
+        torch.testing.assert_close(plan.restore(out).double(), want, rtol=2e-3, atol=2e-3)
+    # the duplicates' plan reads no prefix (in place); a window of 3 leaves row bounds in the
+    # tree's nodes (gathered), not in the mixed forest's
+    assert executions - {"in_place"} == ({"sources", "gather"} if window == 3 else {"sources"})
 
 
 def test_sinks_on_npu_are_merged_over_sources_and_refused_on_its_kernel_alone(monkeypatch):
@@ -513,27 +559,22 @@ def test_sinks_on_npu_are_merged_over_sources_and_refused_on_its_kernel_alone(mo
 
 
 # ------------------------------------------------- a backend without a with-lse pair
-# Transformer Engine's public attention module returns no log-sum-exp: the rule serves it by
-# the gather (still exact), and asking it for the log-sum-exp is refused by name. Its fake is
-# test_kernel_backends' fixture.
+# FlexAttention has no backward at a given output and log-sum-exp: the rule runs it as one
+# masked call (test_flex_backend.py), never over sources, and asking it for the log-sum-exp of
+# a varlen call is refused by name.
 
 
-def test_a_backend_without_a_with_lse_pair_is_served_by_the_gather(te):
+def test_a_backend_without_a_with_lse_pair_is_refused_the_log_sum_exp():
     plan = build_plan(TREE, EVERY_PREFIX)
-    assert key_rows(plan, backend="te").execution == "gather"
-    assert key_rows(plan, backend="torch").execution == "sources"
+    assert key_rows(plan, backend="flex").execution == "tree_mask"
     token, position, w = projections()
     with torch.no_grad():
-        q, k, v = (x.to(torch.bfloat16) for x in qkv(token, position, w, plan.input_ids,
-                                                      plan.position_ids))
-        out = prefix_attention(q, k, v, plan, backend="te")
-        want = prefix_attention(q.double(), k.double(), v.double(), plan, backend="torch")
-    torch.testing.assert_close(out.double(), want, rtol=2e-2, atol=2e-2)
+        q, k, v = qkv(token, position, w, plan.input_ids, plan.position_ids)
     with pytest.raises(UnsupportedSetup, match=r"\[kernels\.lse\]"):
-        prefix_attention(q, k, v, plan, backend="te", execution="sources")
+        prefix_attention(q, k, v, plan, backend="flex", execution="sources")
     with pytest.raises(UnsupportedSetup, match=r"\[kernels\.lse\]"):
         varlen_attention(q, k, v, plan.cu_seqlens_q, plan.cu_seqlens_q, plan.max_seqlen_q,
-                         plan.max_seqlen_q, backend="te", return_lse=True)
+                         plan.max_seqlen_q, backend="flex", return_lse=True)
 
 
 # ------------------------------------------------- a cross-micro-batch store's K/V
