@@ -536,26 +536,30 @@ def test_windows_on_the_accelerator_kernels(monkeypatch, accelerator, window):
     assert executions - {"in_place"} == ({"sources", "gather"} if window == 3 else {"sources"})
 
 
-def test_sinks_on_npu_are_merged_over_sources_and_refused_on_its_kernel_alone(monkeypatch):
-    """npu_fusion_attention has no sink term: over sources the merge adds the sink as one
-    more source (served); a plan whose segments read no prefix runs the kernel alone and is
-    refused by name."""
-    _install(monkeypatch, "npu")
+# TE computes in half precision only: float16 q, k, v against the float64 reference on the
+# unrounded values
+@pytest.mark.parametrize("accelerator, dtype, tol", [("npu", torch.float32, 1e-5),
+                                                      ("te", torch.float16, 1e-2)])
+def test_sinks_are_merged_over_sources_and_refused_on_the_kernel_alone(monkeypatch, accelerator,
+                                                                       dtype, tol):
+    """npu_fusion_attention has no sink term, nor does TE's kernel as called here: over
+    sources the merge adds the sink as one more source (served); a plan whose segments read
+    no prefix runs the kernel alone and is refused by name."""
+    _install(monkeypatch, accelerator)
     sinks = torch.randn(HEADS, dtype=torch.float64)
     for seqs, served in ((TREE, True), ([[1, 2, 3], [4, 5]], False)):
         plan = build_plan(seqs, EVERY_PREFIX)
         token, position, w = projections()
         with torch.no_grad():
-            q, k, v = qkv(token, position, w, plan.input_ids, plan.position_ids)
+            q, k, v = (x.to(dtype) for x in qkv(token, position, w, plan.input_ids,
+                                                  plan.position_ids))
             if not served:
                 with pytest.raises(UnsupportedSetup, match=r"\[kernels\.sinks\]"):
-                    prefix_attention(q.float(), k.float(), v.float(), plan, backend="npu",
-                                     sinks=sinks.float())
+                    prefix_attention(q, k, v, plan, backend=accelerator, sinks=sinks.float())
                 continue
-            out = prefix_attention(q.float(), k.float(), v.float(), plan, backend="npu",
-                                   sinks=sinks.float())
-        want, _ = plain(seqs, None, sinks)
-        assert _worst([plan.restore(out).double()], [want]) < 1e-5
+            out = prefix_attention(q, k, v, plan, backend=accelerator, sinks=sinks.float())
+            want, _ = plain(seqs, None, sinks)
+        assert _worst([plan.restore(out).double()], [want]) < tol
 
 
 # ------------------------------------------------- a backend without a with-lse pair
