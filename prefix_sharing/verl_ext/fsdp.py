@@ -182,16 +182,22 @@ def patch_engine(module: ModuleType) -> None:
 
             @classmethod
             def setup_problems(cls, model_config, engine_config) -> list:
-                """The common refusals; the critic's (:func:`.critic.value_head_problems`); and
+                """The common refusals; the critic's (:func:`.critic.value_head_problems`);
                 under Ulysses the models it cannot split (:func:`.ulysses.ulysses_problems`,
-                from the HF config)."""
+                from the HF config); and a vision-language model's groups across
+                micro-batches (a block's forward takes no images: :mod:`.fsdp_cross`)."""
                 found = super().setup_problems(model_config, engine_config)
-                if sharing_config(engine_config).enabled:
+                sharing = sharing_config(engine_config)
+                hf_config = getattr(model_config, "hf_config", None)
+                if sharing.enabled:
                     if cls.value_head:
                         found += value_head_problems(engine_config)
                     found += ulysses_problems(
-                        getattr(model_config, "hf_config", None),
-                        getattr(engine_config, "ulysses_sequence_parallel_size", 1))
+                        hf_config, getattr(engine_config, "ulysses_sequence_parallel_size", 1))
+                    if sharing.cross_micro_batch and is_vlm(hf_config):
+                        found.append(Refused("verl.multimodal", "prefix_grouper."
+                                             "cross_micro_batch=true with a vision-language "
+                                             "model"))
                 return found
 
             keeps_cross_prefix = False  # every block is computed again: .fsdp_cross

@@ -43,11 +43,9 @@ import torch
 
 from ..fsdp_compat.cross_steps import HFGroupSteps, block_log_probs, block_values
 from ..fsdp_compat.ulysses import ulysses_split
-from ..fsdp_compat.vlm import is_vlm
-from ..refusals import refuse
 from .cross_groups import CrossGroup, CrossPart
 from .cross_state import Readout, check_temperature
-from .mcore import PrefixSharingSetupError, micro_batch_temperature
+from .mcore import micro_batch_temperature
 from .microbatch import active_split
 from .ulysses import sequence_parallel_group
 
@@ -97,9 +95,6 @@ class CrossLoop:
         if samples != len(suffix.members):
             raise ValueError(f"micro-batch {part.index} of a cross-micro-batch group holds "
                              f"{samples} samples; its plan has {len(suffix.members)}")
-        if is_vlm(self.module):
-            raise refuse("verl.multimodal", "a vision-language model's cross-micro-batch group",
-                         error=PrefixSharingSetupError)
         temperature = 1.0 if self.value_head else micro_batch_temperature(
             micro_batch["temperature"])
         readout = Readout(self.value_head, temperature, bool(tu.get_non_tensor_data(

@@ -25,6 +25,8 @@ FSDP = ["actor_rollout_ref.actor.strategy=fsdp2"]
 MEGATRON = "ppo_megatron_trainer"
 MODEL = "actor_rollout_ref.model."
 MTP_TRAIN = [MODEL + "mtp.enable=true", MODEL + "mtp.enable_train=true"]
+CROSS = ["+actor_rollout_ref.actor.prefix_grouper={mode: arbitrary_prefix, "
+         "cross_micro_batch: true}"]
 # name -> (verl's config, overrides beyond BASE and the model path); "vlm" rows name a hub VLM
 ROWS = {
     "fsdp2": ("ppo_trainer", FSDP),
@@ -39,6 +41,10 @@ ROWS = {
     "megatron_lora": (MEGATRON, [MODEL + "lora.rank=8"]),
     "megatron_vlm": (MEGATRON, [MODEL + "path=Qwen/Qwen2.5-VL-7B-Instruct"]),
     "megatron_mtp": (MEGATRON, MTP_TRAIN),
+    "fsdp_cross": ("ppo_trainer", FSDP + CROSS),
+    "fsdp_vlm_cross": ("ppo_trainer", FSDP + CROSS + [
+        MODEL + "path=Qwen/Qwen2.5-VL-7B-Instruct"]),
+    "megatron_cross": (MEGATRON, CROSS),
 }
 OVERRIDE = "+actor_rollout_ref.actor.megatron.override_transformer_config."
 # Megatron rows whose model the sharing layers check when it is built, each verdict said at
@@ -219,6 +225,9 @@ def test_fsdp1_is_checked_by_the_same_engine_class_as_fsdp2(rows):
 def test_the_settings_that_stay_refused_are_named_and_the_plain_ones_served(rows):
     assert rows["fsdp2"]["preflight"] == () and rows["megatron"]["preflight"] == ()
     assert rows["ulysses"]["preflight"] == ()  # served on the FSDP engine
+    # groups across micro-batches on a dense model, both engines (tests/verl_ext/test_fsdp_cross
+    # and test_cross_forward); a recurrent model's refusal: test_engine.py
+    assert rows["fsdp_cross"]["preflight"] == rows["megatron_cross"]["preflight"] == ()
     assert "verl.mtp" in rows["mtp"]["preflight"]  # the FSDP engine trains no MTP layers
     assert rows["megatron_mtp"]["preflight"] == ()  # tests/verl_ext/test_mcore_mtp.py
     assert rows["megatron_lora"]["preflight"] == ("verl.megatron_lora",)
@@ -229,6 +238,8 @@ def test_the_settings_that_stay_refused_are_named_and_the_plain_ones_served(rows
 
     release = () if vlm_release_problem("qwen2_5_vl") is None else ("hf.vlm_release",)
     assert rows["fsdp_vlm"]["preflight"] == release
+    # a block's forward takes no images: groups across micro-batches refused at construction
+    assert "verl.multimodal" in rows["fsdp_vlm_cross"]["preflight"]
 
 
 def test_the_critic_is_served_and_says_whether_it_asked(rows):
