@@ -212,8 +212,8 @@ MATRIX: dict[str, dict[str, Cell]] = {
                                     "recompute"),
         "verl-fsdp": works(_VX + "test_fsdp_cross.py",
                            note="FSDP2 and FSDP1; Ulysses 2; one level and nested; gradient "
-                                "checkpointing",
-                           refusals=("verl.cross_micro_batch.recurrent",)),
+                                "checkpointing; no vision-language model",
+                           refusals=("verl.cross_micro_batch.recurrent", "verl.multimodal")),
         "hf-fsdp": NOT_OFFERED,
         "megatron-lm": Cell("not offered", note="not wired"),
     },
