@@ -18,7 +18,9 @@ call (:func:`varlen_attention_flex`) is the same mask without reads: each query 
 key rows ``key_first[r] .. key_last[r]`` of its segment, aligned bottom-right.
 
 On CUDA the kernel is ``torch.compile``'d (eager FlexAttention materializes every score); on
-CPU it runs eagerly and forward only (torch 2.13 and 2.15 have no CPU backward). Not run on a
+CPU it runs eagerly and forward only (torch 2.13 and 2.15 have no CPU backward). The block mask
+is built once per micro-batch by torch's ``create_block_mask``, which evaluates the mask on
+every (query, key) pair: ``T x T`` booleans for a moment, on the tensors' device. Not run on a
 GPU by this project's CI: its CPU tests check the masks against the plan and the outputs, and
 the gradients against a CPU implementation of FlexAttention's documented semantics.
 """
