@@ -53,8 +53,10 @@ The rule (:func:`choose_execution`), in order:
    returns out 0 and lse 0, not -inf, which the merge would count as a softmax term of
    weight 1; torch 2.13). The own part takes the window as its band. flash-attn's, TE's and
    torch_npu's bands are one ``(left, right)`` per call, aligned bottom-right per segment:
-   each distinct distance would need a call of its own. A window that reaches every kept
-   row's node whole bounds nothing there, and runs over sources on every with-lse kernel.
+   each distinct distance would need a call of its own. A node call's keys start at the
+   first one a kept row reads, so a window that leaves every kept row the same keys (the
+   whole node, or its last key alone) bounds nothing there and runs over sources on every
+   with-lse kernel.
 5. Otherwise ``"sources"`` (GRPO groups, agent branches, trees, chains with reads), even
    for short reads: it then holds no K/V beyond the computed rows for one more call and the
    merge. (Whether a gather of a few rows beats that on an accelerator is a timing question
