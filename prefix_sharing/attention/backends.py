@@ -65,8 +65,9 @@ CAUSAL_KEYS_ONLY_SEGMENTS = frozenset({"torch", "npu"})
 # cuts a node, they are served by the trimmed gather (:mod:`.sources`).
 ROW_KEY_BOUNDS = frozenset({"torch"})
 # Kernels that take the segment boundaries as host ints (``cu_seqlens_*_host``): without them
-# they copy ``cu_seqlens`` to the host themselves, a device sync in every call.
-READS_HOST_BOUNDARIES = frozenset({"torch", "npu"})
+# they copy ``cu_seqlens`` to the host themselves, a device sync in every call. FlexAttention
+# builds its mask from them.
+READS_HOST_BOUNDARIES = frozenset({"torch", "npu", "flex"})
 
 
 def host_boundaries(cu_seqlens: torch.Tensor, host: Sequence[int] | None) -> Sequence[int]:

@@ -37,6 +37,7 @@ import torch
 from ..memo import derived
 from ..plan import SharingPlan
 from ..refusals import refuse
+from .backends import host_boundaries
 
 __all__ = ["FlexMask", "flex_mask", "flex_rows_attention", "plan_flex_mask",
            "tree_attention_flex", "varlen_attention_flex"]
@@ -206,12 +207,13 @@ def varlen_attention_flex(
     signature and meaning (bottom-right causal per segment, ``window`` keys each query sees,
     itself included), the segments as a mask (:func:`flex_mask`). ``sinks``: refused
     (FlexAttention has no sink term in its softmax). ``cu_seqlens_*_host`` are read from the
-    device when omitted."""
+    device when omitted (:data:`~.backends.READS_HOST_BOUNDARIES`: a planned layer passes
+    them)."""
     del max_seqlen_q, max_seqlen_k, kernel_cache
     if sinks is not None:
         raise refuse("kernels.sinks", "FlexAttention")
-    bounds_q = cu_seqlens_q.tolist() if cu_seqlens_q_host is None else cu_seqlens_q_host
-    bounds_k = cu_seqlens_k.tolist() if cu_seqlens_k_host is None else cu_seqlens_k_host
+    bounds_q = host_boundaries(cu_seqlens_q, cu_seqlens_q_host)
+    bounds_k = host_boundaries(cu_seqlens_k, cu_seqlens_k_host)
     return flex_rows_attention(q, k, v, flex_mask(bounds_q, bounds_k, window, q.device),
                                softmax_scale)[0]
 

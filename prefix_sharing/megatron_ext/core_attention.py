@@ -271,7 +271,7 @@ def _host_boundaries(
 
     The same ``params`` object reaches every layer, so the first layer caches the result on it.
     ``max_seqlen_*`` come from the params when set (megatron's contract: the longest segment,
-    padding included); the boundary lists only when the kernel reads them (torch, npu).
+    padding included); the boundary lists only when the kernel reads them (torch, npu, flex).
     """
     cached = getattr(params, _HOST_ATTR, None)
     if cached is not None and (cached.cu_seqlens_q is not None or not need_lists):

@@ -26,9 +26,11 @@ from ._distributed import PRESET, run_distributed, tiny_gpt
 SHARE_PROMPTS = PrefixSharingConfig(min_prefix_len=1, backend="torch")
 
 
-def _step(layout: str, num_layers: int, num_prompts: int) -> dict[str, int]:
+def _step(layout: str, num_layers: int, num_prompts: int,
+          backend: str | None = None) -> dict[str, int]:
     """Host reads of one forward+backward: ``"shared"`` a planned micro-batch, ``"stock"``
-    megatron's plain THD batch of the same sequences (megatron's own RoPE, no plan)."""
+    megatron's plain THD batch of the same sequences (megatron's own RoPE, no plan), its core
+    attention on ``backend`` where one is named."""
     from prefix_sharing.megatron_ext import prepare_micro_batch
     from prefix_sharing.megatron_ext.packed_seq import plain_micro_batch
 
@@ -40,6 +42,8 @@ def _step(layout: str, num_layers: int, num_prompts: int) -> dict[str, int]:
         assert mb.plan.has_sharing and mb.plan.cu_seqlens_q.numel() - 1 == 3 * num_prompts
     else:
         mb = plain_micro_batch(sequences, device="cpu")
+        if backend is not None:
+            mb.packed_seq_params.backend = backend
 
     def step() -> None:
         logits = model(mb.input_ids, mb.position_ids, None, packed_seq_params=mb.packed_seq_params)
@@ -80,6 +84,26 @@ def test_context_parallel_step_reads_do_not_grow_with_layers_or_segments(counts)
     for rank, cp in enumerate(run_distributed(_cp_counts_job, 2, cp=2, timeout=300)):
         print(f"CP=2 rank {rank}:", cp)
         assert cp[(8, 2)] == cp[(4, 2)] == cp[(4, 4)] == counts["shared"][(4, 2)], cp
+
+
+def _flex_counts_job(rank: int) -> dict:
+    from prefix_sharing.attention import flex_backend
+    from tests.attention import fake_kernels
+
+    # FlexAttention's documented semantics in the CPU op's place (no CPU backward in torch)
+    pytest.MonkeyPatch().setattr(flex_backend, "_flex_attention",
+                                 lambda device: fake_kernels.flex_attention)
+    return {size: _step("stock", *size, backend="flex") for size in SIZES}
+
+
+def test_flex_on_the_plain_thd_step_reads_the_boundaries_once(counts):
+    """FlexAttention builds its mask from host boundaries (READS_HOST_BOUNDARIES): on
+    megatron's plain THD batch the core attention reads them once per micro-batch, not in
+    every layer - the same reads as the torch kernel there, at every size (megatron's own
+    RoPE reads in every layer either way)."""
+    flex = run_distributed(_flex_counts_job, 1, timeout=300)[0]
+    print("host reads, plain THD step on flex:", flex)
+    assert flex == counts["stock"], flex
 
 
 def test_stock_thd_step_reads_do_not_grow_with_segments(counts):
