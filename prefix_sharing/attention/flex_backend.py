@@ -49,16 +49,20 @@ BLOCK_SIZE = 128
 class FlexMask:
     """Which key rows each query row reads, as FlexAttention's ``mask_mod`` and its block mask.
 
-    Attributes:
+    Args:
         key_first, key_last: ``(Tq,)`` int64: the contiguous key rows each query row reads (its
             own segment's band).
+        num_keys: ``Tk``.
         reads: ``(G, Tk)`` bool: further key rows each read group reads (a segment's prefix
             rows), or ``None``.
         group: ``(Tq,)`` int64, each query row's read group (with ``reads``).
         key_position: ``(Tk,)`` int64, each key row's logical position (with ``reads``).
         read_from: ``(Tq,)`` int64, the first logical position of a read key each query row
             sees (with ``reads``).
-        mask_mod: FlexAttention's ``mask_mod`` over these tensors.
+        block_size: FlexAttention's block, in rows.
+
+    Attributes:
+        mask_mod: FlexAttention's ``mask_mod`` over those tensors (it holds them).
         block_mask: the ``BlockMask`` over ``Tq x Tk`` rows, built on the tensors' device.
     """
 
@@ -68,9 +72,6 @@ class FlexMask:
                  read_from: torch.Tensor | None = None, block_size: int = BLOCK_SIZE):
         from torch.nn.attention.flex_attention import create_block_mask
 
-        self.key_first, self.key_last = key_first, key_last
-        self.reads, self.group = reads, group
-        self.key_position, self.read_from = key_position, read_from
         self.mask_mod = _mask_mod(key_first, key_last, reads, group, key_position, read_from)
         self.block_mask = create_block_mask(
             self.mask_mod, None, None, key_first.size(0), num_keys, device=key_first.device,
@@ -78,7 +79,7 @@ class FlexMask:
 
 
 def _mask_mod(key_first, key_last, reads, group, key_position, read_from):
-    """FlexAttention's ``mask_mod`` over :class:`FlexMask`'s tensors: True where query row
+    """FlexAttention's ``mask_mod`` over :class:`FlexMask`'s arguments: True where query row
     ``q_idx`` reads key row ``kv_idx`` (lookups only, no data-dependent control flow, so it
     compiles into the kernel)."""
 

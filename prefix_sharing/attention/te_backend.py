@@ -185,7 +185,7 @@ def attention_lse_backward_te(
     stats = _stats_of_lse(lse, bounds_q, max_seqlen_q, _packed_stats())
     rng_state = torch.zeros(2, dtype=torch.int64, device=q.device)  # no dropout: unread
     extra = {}
-    if "dqkv_dtype" in inspect.signature(fused.fused_attn_bwd).parameters:
+    if _takes_dqkv_dtype(fused.fused_attn_bwd):
         from transformer_engine.pytorch.constants import TE_DType
 
         extra["dqkv_dtype"] = TE_DType[q.dtype]
@@ -195,6 +195,13 @@ def attention_lse_backward_te(
         **_fused_arguments(fused, q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            softmax_scale, causal, window))
     return dq, dk, dv
+
+
+@functools.cache
+def _takes_dqkv_dtype(fused_attn_bwd: Any) -> bool:
+    """Whether this release's ``fused_attn_bwd`` takes ``dqkv_dtype`` (2.2 to 2.12): read once,
+    not in every layer's backward."""
+    return "dqkv_dtype" in inspect.signature(fused_attn_bwd).parameters
 
 
 def _fused_attention(q: torch.Tensor) -> Any:
